@@ -1,0 +1,24 @@
+"""gpufeed's client side: enqueue image jobs and read their results (no torch needed)."""
+
+from producer.client import (
+    AsyncProducer,
+    Job,
+    Producer,
+    ResultsTimeout,
+    file_job_ids,
+    jobs_from_files,
+)
+from producer.stats import collect_stats
+from producer.wire import ErrorCode, JobResult
+
+__all__ = [
+    "AsyncProducer",
+    "ErrorCode",
+    "Job",
+    "JobResult",
+    "Producer",
+    "ResultsTimeout",
+    "collect_stats",
+    "file_job_ids",
+    "jobs_from_files",
+]

@@ -1,0 +1,462 @@
+"""`gpufeed` / `python -m producer`: submit images, wait for results, inspect the queue.
+
+Exit codes: 0 all good; 1 a job failed or its result did not arrive in time; 2 usage error
+(bad option, no files); 3 Redis unreachable (or refused the credentials).
+Machine-readable output (`--json`) goes to stdout; progress bars and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+import redis
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from producer import wire
+from producer.client import DEFAULT_REDIS_URL, Job, Producer, file_job_ids
+from producer.stats import collect_stats
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+
+app = typer.Typer(
+    name="gpufeed",
+    help="Submit image jobs to gpufeed workers and read their results.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+# The connection options are accepted both before and after the command name; the env
+# variables are the ones the worker reads, so one environment configures both sides.
+RedisUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--redis-url",
+        envvar="REDIS_URL",
+        show_default=False,
+        help=f"redis://, rediss:// or unix:// URL (default: {DEFAULT_REDIS_URL})",
+    ),
+]
+Stream = Annotated[
+    str | None,
+    typer.Option(
+        "--stream",
+        envvar="GPUFEED_STREAM",
+        show_default=False,
+        help=f"job stream (default: {wire.DEFAULT_STREAM})",
+    ),
+]
+Group = Annotated[
+    str | None,
+    typer.Option(
+        "--group",
+        envvar="GPUFEED_GROUP",
+        show_default=False,
+        help=f"workers' consumer group (default: {wire.DEFAULT_GROUP})",
+    ),
+]
+ResultsStream = Annotated[
+    str | None,
+    typer.Option(
+        "--results-stream",
+        envvar="GPUFEED_RESULTS_STREAM",
+        show_default=False,
+        help=f"default results stream (default: {wire.DEFAULT_RESULTS_STREAM})",
+    ),
+]
+ResultPrefix = Annotated[
+    str | None,
+    typer.Option(
+        "--result-prefix",
+        envvar="GPUFEED_RESULT_PREFIX",
+        show_default=False,
+        help=f"prefix of result hashes (default: {wire.DEFAULT_RESULT_PREFIX})",
+    ),
+]
+DeadStream = Annotated[
+    str | None,
+    typer.Option(
+        "--dead-stream",
+        envvar="GPUFEED_DEAD_STREAM",
+        show_default=False,
+        help=f"dead-letter stream (default: {wire.DEFAULT_DEAD_STREAM})",
+    ),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="one JSON object per line on stdout")]
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = DEFAULT_REDIS_URL
+    stream: str = wire.DEFAULT_STREAM
+    group: str = wire.DEFAULT_GROUP
+    results_stream: str = wire.DEFAULT_RESULTS_STREAM
+    result_prefix: str = wire.DEFAULT_RESULT_PREFIX
+    dead_stream: str = wire.DEFAULT_DEAD_STREAM
+
+    def merged(self, **given: str | None) -> Settings:
+        return Settings(**{**self.__dict__, **{k: v for k, v in given.items() if v is not None}})
+
+    def producer(self) -> Producer:
+        return Producer(
+            self.redis_url,
+            stream=self.stream,
+            results_stream=self.results_stream,
+            result_prefix=self.result_prefix,
+        )
+
+
+class UsageError(Exception):
+    """A mistake in the command line; the message is the one line the user sees."""
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    print(f"error: {message}", file=sys.stderr)
+    return typer.Exit(code)
+
+
+def redact(url: str) -> str:
+    """`url` without its password (in the userinfo or a `password=` query parameter)."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        user = f"{parts.username}:" if parts.username else ""
+        url = url.replace(parts.netloc, f"{user}***@{parts.netloc.rpartition('@')[2]}", 1)
+    if "password=" in parts.query:
+        params = parts.query.split("&")
+        query = "&".join("password=***" if p.startswith("password=") else p for p in params)
+        url = url.replace(parts.query, query, 1)
+    return url
+
+
+@contextmanager
+def _redis_errors(settings: Settings) -> Iterator[None]:
+    """Turn the ways Redis can fail a command into one line on stderr and an exit code."""
+    url = settings.redis_url
+    password = urlsplit(url).password
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        reason = str(exc).replace(password, "***") if password else str(exc)
+        raise _fail(f"cannot reach Redis at {redact(url)}: {reason}", EXIT_UNREACHABLE) from None
+    except redis.RedisError as exc:
+        raise _fail(f"Redis at {redact(url)} refused a command: {exc}", EXIT_FAILED) from None
+    except ValueError as exc:
+        # redis-py rejects a malformed URL (unknown scheme, bad port) with ValueError.
+        if "URL" not in str(exc) and "url" not in str(exc):
+            raise
+        raise _fail(f"invalid --redis-url {redact(url)}: {exc}", EXIT_USAGE) from None
+
+
+@app.callback()
+def _global_options(
+    ctx: typer.Context,
+    *,
+    redis_url: RedisUrl = None,
+    stream: Stream = None,
+    group: Group = None,
+    results_stream: ResultsStream = None,
+    result_prefix: ResultPrefix = None,
+    dead_stream: DeadStream = None,
+) -> None:
+    ctx.obj = Settings().merged(
+        redis_url=redis_url,
+        stream=stream,
+        group=group,
+        results_stream=results_stream,
+        result_prefix=result_prefix,
+        dead_stream=dead_stream,
+    )
+
+
+def _settings(ctx: typer.Context, **given: str | None) -> Settings:
+    base = ctx.obj if isinstance(ctx.obj, Settings) else Settings()
+    return base.merged(**given)
+
+
+def find_images(paths: Sequence[Path]) -> list[Path]:
+    """Files named on the command line, plus image files found under named folders."""
+    found: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found.extend(
+                sorted(
+                    f for f in p.rglob("*") if f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file()
+                )
+            )
+        elif p.is_file():
+            found.append(p)
+        else:
+            raise UsageError(f"no such file or folder: {p}")
+    if not found:
+        raise UsageError(f"no image files found in {', '.join(map(str, paths))}")
+    return found
+
+
+def _progress(description: str, total: int, enabled: bool) -> Progress:
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        # Rich on a pipe would print the final bar as clutter in logs.
+        disable=not (enabled and err.is_terminal),
+    )
+    progress.add_task(description, total=total)
+    return progress
+
+
+def _total_ms(details: dict[str, Any]) -> float | None:
+    timings = details.get("timings_ms")
+    value = timings.get("total") if isinstance(timings, dict) else details.get("total_ms")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _row(job_id: str, result: wire.JobResult | None) -> list[str]:
+    if result is None:
+        return [job_id, "missing", "", "", "", "no result yet", ""]
+    total = _total_ms(result.details)
+    return [
+        job_id,
+        result.status,
+        "" if result.top1 is None else str(result.top1),
+        result.label or "",
+        "" if result.score is None else f"{result.score:.4f}",
+        result.error or "",
+        "" if total is None else f"{total:.1f}",
+    ]
+
+
+def _results_table(rows: list[list[str]]) -> Table:
+    table = Table("id", "status", "top1", "label", "score", "error", "total ms")
+    for row in rows:
+        style = {"ok": "", "error": "red", "missing": "yellow"}.get(row[1], "")
+        table.add_row(*row, style=style)
+    return table
+
+
+def _print_json(obj: Any) -> None:
+    # Plain print: rich would wrap long lines and break the one-object-per-line format.
+    print(json.dumps(obj, ensure_ascii=False, default=str), flush=True)
+
+
+@app.command()
+def submit(
+    ctx: typer.Context,
+    *,
+    paths: Annotated[
+        list[Path],
+        typer.Argument(metavar="FILES_OR_DIRS", help="image files, or folders to search"),
+    ],
+    wait: Annotated[
+        bool, typer.Option("--wait", help="wait for the results and show them")
+    ] = False,
+    json_out: JsonFlag = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=0, help="seconds to wait")] = 60.0,
+    reply_to: Annotated[str | None, typer.Option(help="stream for the results")] = None,
+    meta: Annotated[str | None, typer.Option(help="text echoed back with each result")] = None,
+    id_prefix: Annotated[str, typer.Option(help="prepended to each job id")] = "",
+    batch: Annotated[int, typer.Option(min=1, help="jobs per pipelined round trip")] = 256,
+    redis_url: RedisUrl = None,
+    stream: Stream = None,
+    results_stream: ResultsStream = None,
+    result_prefix: ResultPrefix = None,
+) -> None:
+    """Submit image files (job id: the file name) and optionally wait for their results."""
+    settings = _settings(
+        ctx,
+        redis_url=redis_url,
+        stream=stream,
+        results_stream=results_stream,
+        result_prefix=result_prefix,
+    )
+    try:
+        files = find_images(paths)
+    except UsageError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+    ids = file_job_ids(files, id_prefix=id_prefix)
+    meta_bytes = None if meta is None else meta.encode()
+    with _redis_errors(settings), settings.producer() as producer:
+        with _progress("submitting", len(files), True) as progress:
+            for start in range(0, len(files), batch):
+                chunk = range(start, min(start + batch, len(files)))
+                try:
+                    jobs = [
+                        Job.from_file(files[i], id=ids[i], meta=meta_bytes, reply_to=reply_to)
+                        for i in chunk
+                    ]
+                except OSError as exc:
+                    raise _fail(
+                        f"cannot read {exc.filename}: {exc.strerror} ({start} jobs were submitted)",
+                        EXIT_USAGE,
+                    ) from None
+                producer.submit_many(jobs)
+                progress.advance(progress.task_ids[0], len(chunk))
+        if not wait:
+            if json_out:
+                for job_id, file in zip(ids, files, strict=True):
+                    _print_json({"id": job_id, "file": str(file)})
+            else:
+                out.print(f"submitted {len(ids)} job(s) to {settings.stream}", soft_wrap=True)
+            return
+        with _progress("waiting", len(ids), True) as progress:
+            results = producer.wait(
+                ids, timeout, on_result=lambda _: progress.advance(progress.task_ids[0])
+            )
+    _report(ids, results, timeout, json_out)
+
+
+def _report(
+    ids: list[str], results: dict[str, wire.JobResult], timeout: float, json_out: bool
+) -> None:
+    if json_out:
+        for job_id in ids:
+            if job_id in results:
+                _print_json(results[job_id].to_dict())
+    else:
+        out.print(_results_table([_row(i, results.get(i)) for i in ids]))
+    failed = sum(1 for r in results.values() if not r.ok)
+    missing = len(ids) - len(results)
+    problems = [f"{failed} of {len(ids)} job(s) failed"] if failed else []
+    if missing:
+        problems.append(f"{missing} of {len(ids)} job(s) have no result after {timeout:g}s")
+    if problems:
+        raise _fail("; ".join(problems), EXIT_FAILED)
+
+
+@app.command()
+def stats(
+    ctx: typer.Context,
+    *,
+    json_out: JsonFlag = False,
+    redis_url: RedisUrl = None,
+    stream: Stream = None,
+    group: Group = None,
+    results_stream: ResultsStream = None,
+    dead_stream: DeadStream = None,
+) -> None:
+    """Show the job backlog, the consumer group, its consumers and live workers."""
+    settings = _settings(
+        ctx,
+        redis_url=redis_url,
+        stream=stream,
+        group=group,
+        results_stream=results_stream,
+        dead_stream=dead_stream,
+    )
+    with _redis_errors(settings), redis.Redis.from_url(settings.redis_url) as client:
+        snapshot = collect_stats(
+            client,
+            settings.stream,
+            settings.group,
+            settings.results_stream,
+            dead_stream=settings.dead_stream,
+        )
+    if json_out:
+        _print_json(snapshot)
+    else:
+        _render_stats(snapshot)
+
+
+def _length(info: dict[str, Any]) -> str:
+    if not info["exists"]:
+        return "no such stream"
+    if info["length"] is None:
+        return str(info.get("error", "not a stream"))
+    return f"{info['length']} entries"
+
+
+def _render_stats(snapshot: dict[str, Any]) -> None:
+    jobs, group = snapshot["stream"], snapshot["group"]
+    overview = Table("", "", show_header=False, box=None)
+    overview.add_row("job stream", f"{jobs['name']}: {_length(jobs)}")
+    if group is None:
+        overview.add_row("group", "none yet (no worker has started on this stream)")
+    else:
+        lag = "unknown" if group["lag"] is None else str(group["lag"])
+        overview.add_row("group", group["name"])
+        overview.add_row("  pending", str(group["pending"]))
+        overview.add_row("  lag (not yet delivered)", lag)
+        overview.add_row("  last delivered id", str(group["last_delivered_id"]))
+        overview.add_row("  consumers", str(group["consumers"]))
+    for key, title in (("results_stream", "results stream"), ("dead_stream", "dead letters")):
+        info = snapshot[key]
+        overview.add_row(title, f"{info['name']}: {_length(info)}")
+    out.print(overview)
+    if snapshot["consumers"]:
+        consumers = Table("consumer", "pending", "idle ms", title="consumers")
+        for c in snapshot["consumers"]:
+            consumers.add_row(c["name"], str(c["pending"]), str(c["idle_ms"]))
+        out.print(consumers)
+    workers = Table("worker", "fields", title="live workers")
+    for w in snapshot["workers"]:
+        fields = ", ".join(
+            f"{k}={json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}"
+            for k, v in w["fields"].items()
+        )
+        workers.add_row(w["name"], fields)
+    if not snapshot["workers"]:
+        workers.add_row("none", "")
+    out.print(workers)
+
+
+@app.command()
+def results(
+    ctx: typer.Context,
+    *,
+    count: Annotated[int, typer.Option(min=1, help="how many of the latest results")] = 10,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing new results")
+    ] = False,
+    json_out: JsonFlag = False,
+    redis_url: RedisUrl = None,
+    results_stream: ResultsStream = None,
+) -> None:
+    """Print the latest results from the results stream, and with --follow, new ones."""
+    settings = _settings(ctx, redis_url=redis_url, results_stream=results_stream)
+    with _redis_errors(settings), settings.producer() as producer:
+        recent = producer.recent_results(count)
+        if json_out:
+            for _, result in recent:
+                _print_json(result.to_dict())
+        elif recent:
+            out.print(_results_table([_row(r.id, r) for _, r in recent]))
+        else:
+            print(f"no results on {settings.results_stream}", file=sys.stderr)
+        if not follow:
+            return
+        # Continue right after what was shown, so nothing slips between the two reads.
+        start = recent[-1][0] if recent else "0-0"
+        try:
+            for _, result in producer.iter_results(start):
+                if json_out:
+                    _print_json(result.to_dict())
+                else:
+                    out.print("  ".join(c for c in _row(result.id, result) if c), soft_wrap=True)
+        except KeyboardInterrupt:
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def main() -> None:
+    app(prog_name="gpufeed")

@@ -1,0 +1,1 @@
+"""gpufeed worker: Redis Streams in, batched GPU inference, results out."""

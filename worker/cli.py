@@ -1,0 +1,117 @@
+"""`python -m worker`: run the worker (default), or one of its tools.
+
+Every WorkerConfig setting is a flag (`--batch-size` for GPUFEED_BATCH_SIZE, ...), built from
+the config's own fields so the two never drift; flags win over environment variables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from worker.config import ConfigError, WorkerConfig
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_CONFIG = 2
+EXIT_REDIS = 3
+EXIT_COMPILE = 4
+
+
+def config_options(func: F) -> F:
+    """Decorate a click command with one option per config field."""
+    for f in reversed(fields(WorkerConfig)):
+        flag = "--" + f.name.replace("_", "-")
+        env = f.metadata["env"]
+        type_name = str(f.type)
+        if type_name == "bool":
+            opt = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None,
+                               help=f"[env {env}]")
+        else:
+            click_type: Any = {"int": int, "float": float}.get(type_name, str)
+            opt = click.option(flag, f.name, type=click_type, default=None,
+                               help=f"[env {env}; default {f.default!r}]")
+        func = opt(func)
+    return func
+
+
+def load_config(options: dict[str, Any]) -> WorkerConfig:
+    overrides = {k: v for k, v in options.items() if k in WorkerConfig.__dataclass_fields__}
+    if overrides.get("path_root") is not None:
+        overrides["path_root"] = Path(overrides["path_root"])
+    return WorkerConfig.load(overrides=overrides)
+
+
+def fail(message: str, code: int) -> None:
+    click.echo(f"gpufeed: {message}", err=True)
+    sys.exit(code)
+
+
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)  # type: ignore[no-any-return]
+
+
+class DefaultGroup(click.Group):
+    """`python -m worker [flags]` means `python -m worker run [flags]`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """gpufeed worker: image jobs from Redis Streams through a GPU, results back."""
+
+
+@cli.command()
+@config_options
+@click.option("--wait/--no-wait", "wait_for_redis", default=True,
+              help="Retry until Redis answers (default), or exit at once with --no-wait.")
+def run(wait_for_redis: bool, **options: Any) -> None:
+    """Run the worker until SIGTERM or SIGINT (a second one skips the drain)."""
+    from worker.compiler import CompileRefused
+    from worker.logs import configure_logging
+    from worker.model_loader import WeightsUnavailable
+    from worker.service import RedisUnavailable, Worker
+
+    try:
+        config = load_config(options)
+    except ConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
+        return
+    configure_logging(config.log_format, config.log_level)
+    worker = Worker(config)
+    try:
+        run_async(worker.serve(wait_for_redis=wait_for_redis))
+    except ConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
+    except WeightsUnavailable as exc:
+        fail(f"{exc}. Set GPUFEED_WEIGHTS=none for random weights or to a local file.",
+             EXIT_CONFIG)
+    except RedisUnavailable as exc:
+        fail(str(exc), EXIT_REDIS)
+    except CompileRefused as exc:
+        fail(str(exc), EXIT_COMPILE)
+
+
+def main() -> None:
+    cli(prog_name="python -m worker")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The completion watcher: notices finished batches through their events, off the launch path.
+
+Batches finish in launch order (one compute stream), so the watcher only ever looks at the
+oldest one. It polls `event.query()` from the event loop, which never blocks, and only after
+the event fired does it read the pinned output slot: the few bytes per image that left the
+GPU. Reading host memory here is the one place where results become Python numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+
+from worker.jobs import Outcome
+from worker.runner import Launched
+from worker.staging import OutputRing
+
+PublishFn = Callable[[list[Outcome]], Awaitable[None]]
+BatchDoneFn = Callable[[Launched, float], None]
+
+
+class CompletionWatcher:
+    def __init__(
+        self,
+        out_ring: OutputRing,
+        publish: PublishFn,
+        *,
+        categories: Sequence[str] | None,
+        poll_interval_s: float = 0.0005,
+        on_batch_done: BatchDoneFn | None = None,
+    ) -> None:
+        self.out_ring = out_ring
+        self._publish = publish
+        self._categories = categories
+        self._poll_s = poll_interval_s
+        self._on_batch_done = on_batch_done
+        self._pending: deque[Launched | None] = deque()
+        self._arrived = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for p in self._pending if p is not None)
+
+    def track(self, launched: Launched | None) -> None:
+        """Queue a launched batch; None marks the end (after it, `run` returns)."""
+        self._pending.append(launched)
+        self._arrived.set()
+
+    async def run(self) -> None:
+        while True:
+            if not self._pending:
+                self._arrived.clear()
+                await self._arrived.wait()
+                continue
+            head = self._pending[0]
+            if head is None:
+                self._pending.popleft()
+                return
+            if not head.done.query():
+                await asyncio.sleep(self._poll_s)
+                continue
+            self._pending.popleft()
+            await self._finish(head)
+
+    async def _finish(self, launched: Launched) -> None:
+        batch = launched.batch
+        gpu_ms = launched.start.elapsed_time(launched.done)
+        now = time.monotonic()
+        out = launched.out
+        outcomes: list[Outcome] = []
+        for row, job in enumerate(batch.jobs):
+            result = batch.results[row]
+            job.timings_ms["decode"] = result.decode_ms
+            job.timings_ms["batch_wait"] = (launched.launched_s - batch.sealed_s) * 1000
+            job.timings_ms["compute"] = gpu_ms
+            job.timings_ms["total"] = (now - job.received_s) * 1000
+            if result.error is not None:
+                outcomes.append(
+                    Outcome.failure(job, result.error.code, result.error.message)
+                )
+                continue
+            indices = [int(i) for i in out.indices_np[row]]
+            scores = [float(s) for s in out.scores_np[row]]
+            labels = None
+            if self._categories is not None:
+                labels = [
+                    self._categories[i] if 0 <= i < len(self._categories) else str(i)
+                    for i in indices
+                ]
+            extra = {}
+            if result.info is not None:
+                extra = {
+                    "format": result.info.format,
+                    "width": result.info.width,
+                    "height": result.info.height,
+                    "draft_scale": result.info.draft_scale,
+                }
+            outcomes.append(
+                Outcome(
+                    job=job,
+                    ok=True,
+                    top_indices=indices,
+                    top_scores=scores,
+                    labels=labels,
+                    extra=extra,
+                )
+            )
+        self.out_ring.release(out)
+        if self._on_batch_done is not None:
+            self._on_batch_done(launched, gpu_ms)
+        await self._publish(outcomes)

@@ -1,0 +1,245 @@
+"""The worker's configuration: one typed object, read once at start-up from env and flags.
+
+Every setting has an environment variable (the names in DESIGN.md are part of the contract
+with operators) and may be overridden by a CLI flag of the same name in kebab case. Invalid
+values raise ConfigError with one line that names the variable and what is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from producer import wire
+
+COMPILE_MODES = ("off", "auto", "default", "reduce-overhead", "max-autotune",
+                 "max-autotune-no-cudagraphs")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+DECODE_MODES = ("cpu", "gpu", "auto")
+LOG_FORMATS = ("auto", "console", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message is one line meant for the operator."""
+
+
+def _default_worker_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    # Redis and the wire contract
+    redis_url: str = field(default="redis://localhost:6379/0", metadata={"env": "REDIS_URL"})
+    stream: str = field(default=wire.DEFAULT_STREAM, metadata={"env": "GPUFEED_STREAM"})
+    group: str = field(default=wire.DEFAULT_GROUP, metadata={"env": "GPUFEED_GROUP"})
+    results_stream: str = field(
+        default=wire.DEFAULT_RESULTS_STREAM, metadata={"env": "GPUFEED_RESULTS_STREAM"}
+    )
+    result_prefix: str = field(
+        default=wire.DEFAULT_RESULT_PREFIX, metadata={"env": "GPUFEED_RESULT_PREFIX"}
+    )
+    dead_stream: str = field(
+        default=wire.DEFAULT_DEAD_STREAM, metadata={"env": "GPUFEED_DEAD_STREAM"}
+    )
+    result_ttl_s: int = field(default=86_400, metadata={"env": "GPUFEED_RESULT_TTL_S"})
+    results_maxlen: int = field(default=1_000_000, metadata={"env": "GPUFEED_RESULTS_MAXLEN"})
+    worker_name: str = field(default="", metadata={"env": "GPUFEED_WORKER_NAME"})
+
+    # Model and device
+    model: str = field(default="resnet50", metadata={"env": "GPUFEED_MODEL"})
+    weights: str = field(default="DEFAULT", metadata={"env": "GPUFEED_WEIGHTS"})
+    device: str = field(default="auto", metadata={"env": "GPUFEED_DEVICE"})
+    batch_size: int = field(default=0, metadata={"env": "GPUFEED_BATCH_SIZE"})
+    compile: str = field(default="auto", metadata={"env": "GPUFEED_COMPILE"})
+    precision: str = field(default="auto", metadata={"env": "GPUFEED_PRECISION"})
+    input_size: int = field(default=0, metadata={"env": "GPUFEED_INPUT_SIZE"})
+    top_k: int = field(default=5, metadata={"env": "GPUFEED_TOP_K"})
+    allow_eager_fallback: bool = field(
+        default=False, metadata={"env": "GPUFEED_ALLOW_EAGER_FALLBACK"}
+    )
+
+    # Pipeline sizing
+    max_wait_ms: float = field(default=10.0, metadata={"env": "GPUFEED_MAX_WAIT_MS"})
+    decode_threads: int = field(default=0, metadata={"env": "GPUFEED_DECODE_THREADS"})
+    decode: str = field(default="cpu", metadata={"env": "GPUFEED_DECODE"})
+    dct_scaling: bool = field(default=True, metadata={"env": "GPUFEED_DCT_SCALING"})
+    ring_slots: int = field(default=4, metadata={"env": "GPUFEED_RING_SLOTS"})
+    max_image_bytes: int = field(
+        default=50 * 1024 * 1024, metadata={"env": "GPUFEED_MAX_IMAGE_BYTES"}
+    )
+    max_image_pixels: int = field(
+        default=100_000_000, metadata={"env": "GPUFEED_MAX_IMAGE_PIXELS"}
+    )
+    path_root: Path | None = field(default=None, metadata={"env": "GPUFEED_PATH_ROOT"})
+
+    # Delivery
+    visibility_timeout_s: float = field(
+        default=300.0, metadata={"env": "GPUFEED_VISIBILITY_TIMEOUT_S"}
+    )
+    max_deliveries: int = field(default=5, metadata={"env": "GPUFEED_MAX_DELIVERIES"})
+    claim_interval_s: float = field(default=15.0, metadata={"env": "GPUFEED_CLAIM_INTERVAL_S"})
+    shutdown_grace_s: float = field(default=30.0, metadata={"env": "GPUFEED_SHUTDOWN_GRACE_S"})
+
+    # Observability
+    metrics_port: int = field(default=0, metadata={"env": "GPUFEED_METRICS_PORT"})
+    log_format: str = field(default="auto", metadata={"env": "GPUFEED_LOG_FORMAT"})
+    log_level: str = field(default="info", metadata={"env": "GPUFEED_LOG_LEVEL"})
+
+    @classmethod
+    def load(
+        cls,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> WorkerConfig:
+        """Build the config: defaults, then env vars, then explicit overrides (CLI flags)."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            var = f.metadata["env"]
+            raw = env.get(var)
+            if raw is not None and raw.strip() != "":
+                values[f.name] = _parse(var, raw.strip(), _FIELD_TYPES[f.name])
+        for name, value in (overrides or {}).items():
+            if name not in _FIELD_TYPES:
+                raise ConfigError(f"unknown setting {name!r}")
+            if value is None:
+                continue
+            if isinstance(value, str):
+                value = _parse(f"--{name.replace('_', '-')}", value, _FIELD_TYPES[name])
+            values[name] = value
+        config = cls(**values)
+        config.validate()
+        if not config.worker_name:
+            config = _replace(config, worker_name=_default_worker_name())
+        return config
+
+    def validate(self) -> None:
+        def need(ok: bool, var: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"{var}: {message}")
+
+        scheme = self.redis_url.split("://", 1)[0] if "://" in self.redis_url else ""
+        need(
+            scheme in ("redis", "rediss", "unix"),
+            "REDIS_URL",
+            f"must start with redis://, rediss:// or unix:// (got scheme {scheme or 'none'!r})",
+        )
+        for name in ("stream", "group", "results_stream", "result_prefix", "dead_stream"):
+            need(bool(getattr(self, name)), _env(name), "must not be empty")
+        need(self.stream != self.results_stream, "GPUFEED_RESULTS_STREAM",
+             "must differ from GPUFEED_STREAM")
+        need(self.model.strip() != "", "GPUFEED_MODEL", "must name a torchvision model")
+        need(bool(self.weights), "GPUFEED_WEIGHTS", "must be a weights name, a file or 'none'")
+        dev = self.device
+        need(
+            dev in ("auto", "cpu", "cuda")
+            or (dev.startswith("cuda:") and dev[5:].isdigit()),
+            "GPUFEED_DEVICE",
+            f"must be auto, cpu, cuda or cuda:N (got {dev!r})",
+        )
+        need(0 <= self.batch_size <= 4096, "GPUFEED_BATCH_SIZE",
+             "must be between 1 and 4096 (0 picks 64 on CUDA, 8 on CPU)")
+        need(self.compile in COMPILE_MODES, "GPUFEED_COMPILE",
+             f"must be one of {', '.join(COMPILE_MODES)} (got {self.compile!r})")
+        need(self.precision in PRECISIONS, "GPUFEED_PRECISION",
+             f"must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
+        need(self.input_size == 0 or 16 <= self.input_size <= 2048, "GPUFEED_INPUT_SIZE",
+             "must be 0 (the weights' own size) or between 16 and 2048")
+        need(1 <= self.top_k <= 100, "GPUFEED_TOP_K", "must be between 1 and 100")
+        need(0 <= self.max_wait_ms <= 60_000, "GPUFEED_MAX_WAIT_MS",
+             "must be between 0 and 60000")
+        need(0 <= self.decode_threads <= 256, "GPUFEED_DECODE_THREADS",
+             "must be between 1 and 256 (0 picks one per CPU core, at most 16)")
+        need(self.decode in DECODE_MODES, "GPUFEED_DECODE",
+             f"must be one of {', '.join(DECODE_MODES)} (got {self.decode!r})")
+        need(2 <= self.ring_slots <= 64, "GPUFEED_RING_SLOTS", "must be between 2 and 64")
+        need(self.max_image_bytes >= 1024, "GPUFEED_MAX_IMAGE_BYTES", "must be at least 1024")
+        need(self.max_image_pixels >= 1, "GPUFEED_MAX_IMAGE_PIXELS", "must be at least 1")
+        if self.path_root is not None:
+            need(self.path_root.is_dir(), "GPUFEED_PATH_ROOT",
+                 f"{self.path_root} is not a directory")
+        need(self.visibility_timeout_s >= 1, "GPUFEED_VISIBILITY_TIMEOUT_S",
+             "must be at least 1 second (and longer than the slowest batch)")
+        need(self.max_deliveries >= 1, "GPUFEED_MAX_DELIVERIES", "must be at least 1")
+        need(self.claim_interval_s > 0, "GPUFEED_CLAIM_INTERVAL_S", "must be positive")
+        need(self.shutdown_grace_s >= 0, "GPUFEED_SHUTDOWN_GRACE_S", "must not be negative")
+        need(self.result_ttl_s >= 1, "GPUFEED_RESULT_TTL_S", "must be at least 1 second")
+        need(self.results_maxlen >= 1, "GPUFEED_RESULTS_MAXLEN", "must be at least 1")
+        need(0 <= self.metrics_port <= 65535, "GPUFEED_METRICS_PORT",
+             "must be a TCP port (0 turns metrics off)")
+        need(self.log_format in LOG_FORMATS, "GPUFEED_LOG_FORMAT",
+             f"must be one of {', '.join(LOG_FORMATS)}")
+        need(self.log_level in LOG_LEVELS, "GPUFEED_LOG_LEVEL",
+             f"must be one of {', '.join(LOG_LEVELS)}")
+
+    def redacted_url(self) -> str:
+        """REDIS_URL with any password replaced, safe for logs."""
+        return redact_url(self.redis_url)
+
+    def summary(self) -> dict[str, Any]:
+        """Settings worth logging at start-up (never the password)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["redis_url"] = self.redacted_url()
+        out["path_root"] = str(self.path_root) if self.path_root else None
+        return out
+
+
+def redact_url(url: str) -> str:
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user}:***@{host}" if user else f"{scheme}://***@{host}"
+
+
+def _env(name: str) -> str:
+    return str(WorkerConfig.__dataclass_fields__[name].metadata["env"])
+
+
+def _replace(config: WorkerConfig, **changes: Any) -> WorkerConfig:
+    values = {f.name: getattr(config, f.name) for f in fields(config)}
+    values.update(changes)
+    return WorkerConfig(**values)
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true/false, 1/0, yes/no or on/off")
+
+
+def _parse_path(raw: str) -> Path | None:
+    return Path(raw).expanduser() if raw else None
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "str": str,
+    "int": int,
+    "float": float,
+    "bool": _parse_bool,
+    "Path | None": _parse_path,
+}
+
+# Field annotations are strings under `from __future__ import annotations`.
+_FIELD_TYPES: dict[str, str] = {f.name: str(f.type) for f in fields(WorkerConfig)}
+
+
+def _parse(var: str, raw: str, type_name: str) -> Any:
+    parser = _PARSERS[type_name]
+    try:
+        return parser(raw)
+    except ValueError:
+        kind = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(
+            type_name, "a value"
+        )
+        raise ConfigError(f"{var}: expected {kind}, got {raw!r}") from None

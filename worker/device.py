@@ -1,0 +1,85 @@
+"""Which device runs the model, its streams, and events that work the same on CPU and CUDA.
+
+The pipeline's stage boundaries speak of streams and events on every device: on CUDA they are
+real (a side stream for copies, a compute stream, events recorded after each step); on the
+CPU the work is done by the time the launch call returns, so events are born completed.
+Nothing downstream branches on the device type except through this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from worker.config import ConfigError
+
+
+class Event(Protocol):
+    """The part of torch.cuda.Event the pipeline uses; `query()` never blocks."""
+
+    def query(self) -> bool: ...
+
+    def elapsed_time(self, end_event: Event) -> float: ...
+
+
+class DoneEvent:
+    """A CPU 'event': the work it marks finished before it was created."""
+
+    def __init__(self, wall_s: float = 0.0) -> None:
+        self._wall_s = wall_s
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: Event) -> float:
+        if not isinstance(end_event, DoneEvent):
+            raise TypeError("elapsed_time needs two events of the same device")
+        return (end_event._wall_s - self._wall_s) * 1000.0
+
+
+@dataclass
+class DeviceContext:
+    device: torch.device
+    # Host-to-device copies run here so that they overlap the previous batch's compute.
+    copy_stream: torch.cuda.Stream | None
+    compute_stream: torch.cuda.Stream | None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def name(self) -> str:
+        if self.is_cuda:
+            return f"{self.device} ({torch.cuda.get_device_name(self.device)})"
+        return "cpu"
+
+
+def resolve_device(spec: str) -> torch.device:
+    """Turn GPUFEED_DEVICE into a torch.device, failing with an operator-friendly line."""
+    if spec == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"GPUFEED_DEVICE: {spec} requested but CUDA is not available here")
+    index = int(spec.split(":", 1)[1]) if ":" in spec else 0
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ConfigError(
+            f"GPUFEED_DEVICE: {spec} requested but only {count} CUDA device(s) are visible"
+        )
+    return torch.device("cuda", index)
+
+
+def make_context(device: torch.device) -> DeviceContext:
+    if device.type != "cuda":
+        return DeviceContext(device=device, copy_stream=None, compute_stream=None)
+    torch.cuda.set_device(device)
+    return DeviceContext(
+        device=device,
+        copy_stream=torch.cuda.Stream(device),
+        compute_stream=torch.cuda.Stream(device),
+    )

@@ -1,0 +1,120 @@
+"""A job as the pipeline carries it, parsed from one stream entry, and its outcome."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from producer import wire
+from producer.wire import ErrorCode
+
+
+@dataclass(eq=False)
+class Job:
+    entry_id: str
+    job_id: str
+    reply_to: str
+    meta: bytes | None
+    image: bytes | None
+    path: bytes | None
+    received_s: float = field(default_factory=time.monotonic)
+    # Per-stage durations in milliseconds, filled as the job moves along.
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    # Set when the job was read and rejected before decoding.
+    rejected: tuple[ErrorCode, str] | None = None
+
+    @property
+    def enqueued_ms(self) -> int:
+        """The stream entry's own timestamp (ms since the epoch), when Redis assigned it."""
+        try:
+            return int(self.entry_id.split("-", 1)[0])
+        except ValueError:
+            return 0
+
+
+@dataclass(eq=False)
+class Outcome:
+    """The result of one job, ready to be published."""
+
+    job: Job
+    ok: bool
+    top_indices: list[int] = field(default_factory=list)
+    top_scores: list[float] = field(default_factory=list)
+    labels: list[str] | None = None
+    error_code: ErrorCode | None = None
+    error_message: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def failure(cls, job: Job, code: ErrorCode, message: str) -> Outcome:
+        return cls(job=job, ok=False, error_code=code, error_message=message)
+
+    @property
+    def error_text(self) -> str:
+        code = self.error_code.value if self.error_code else ErrorCode.INTERNAL_ERROR.value
+        return f"{code}: {self.error_message}"
+
+
+def _text(raw: bytes) -> str | None:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) -> Job:
+    """Turn a stream entry into a Job; contract violations become `rejected`, never raise.
+
+    Unknown fields are ignored, as the contract says, so producers can add their own.
+    """
+    raw_id = fields.get(wire.JOB_ID)
+    raw_reply = fields.get(wire.JOB_REPLY_TO)
+    meta = fields.get(wire.JOB_META)
+    image = fields.get(wire.JOB_IMAGE)
+    path = fields.get(wire.JOB_PATH)
+
+    reply_to = default_reply_to
+    rejected: tuple[ErrorCode, str] | None = None
+    if raw_reply:
+        text = _text(raw_reply)
+        if text is None or not text.strip():
+            rejected = (ErrorCode.INVALID_JOB, "reply_to is not a UTF-8 stream name")
+        else:
+            reply_to = text
+
+    # The result must be findable, so a bad id falls back to the entry ID for the answer.
+    job_id = entry_id
+    if raw_id is not None:
+        text = _text(raw_id)
+        if len(raw_id) > wire.MAX_ID_BYTES:
+            rejected = (
+                ErrorCode.ID_TOO_LONG,
+                f"id is {len(raw_id)} bytes, at most {wire.MAX_ID_BYTES} are allowed",
+            )
+        elif text is None:
+            rejected = (ErrorCode.INVALID_JOB, "id is not valid UTF-8")
+        elif text == "":
+            rejected = (ErrorCode.INVALID_JOB, "id is empty")
+        else:
+            job_id = text
+
+    if rejected is None:
+        if image is not None and path is not None:
+            rejected = (ErrorCode.INVALID_JOB, "give either image or path, not both")
+        elif image is None and path is None:
+            rejected = (ErrorCode.INVALID_JOB, "the job has neither an image nor a path field")
+        elif image is not None and len(image) == 0:
+            rejected = (ErrorCode.EMPTY_IMAGE, "the image field is empty")
+        elif path is not None and len(path) == 0:
+            rejected = (ErrorCode.INVALID_JOB, "the path field is empty")
+
+    return Job(
+        entry_id=entry_id,
+        job_id=job_id,
+        reply_to=reply_to,
+        meta=meta,
+        image=image,
+        path=path,
+        rejected=rejected,
+    )

@@ -1,0 +1,157 @@
+"""Build a torchvision classification model by name, with its weights and preprocessing.
+
+GPUFEED_WEIGHTS is one of:
+- a torchvision weights name (`DEFAULT`, `IMAGENET1K_V1`, or fully qualified
+  `ResNet50_Weights.IMAGENET1K_V2`): downloaded to the torch hub cache on first use;
+- a local file: a state dict, or a dict {"state_dict": ..., "categories": [...]} for models
+  fine-tuned on other classes; always loaded with `weights_only=True` (no pickle);
+- `none`: random initialisation (tests, benchmarks, hosts without network).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+from torchvision.models import get_model, get_model_weights, list_models
+
+from worker.config import ConfigError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class WeightsUnavailable(RuntimeError):
+    """Pretrained weights could not be fetched (no network, no cache)."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    module: nn.Module
+    weights_label: str  # what was loaded, for logs and results
+    categories: tuple[str, ...] | None
+    crop_size: int  # the model's input side
+    resize_size: int  # the staging side: shorter side resized to this, then center-cropped
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    num_classes: int
+
+
+def classification_models() -> list[str]:
+    return sorted(list_models(module=torchvision.models))
+
+
+def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
+    available = classification_models()
+    if name not in available:
+        raise ConfigError(
+            f"GPUFEED_MODEL: unknown model {name!r}; torchvision classification models are: "
+            + ", ".join(available)
+        )
+    crop, resize = 224, 256
+    mean, std = IMAGENET_MEAN, IMAGENET_STD
+    categories: tuple[str, ...] | None = None
+    state_dict: dict[str, Any] | None = None
+    label = weights
+
+    if weights.lower() == "none":
+        tv_weights = None
+        label = "none (random init)"
+    elif _looks_like_path(weights):
+        path = Path(weights).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"GPUFEED_WEIGHTS: {path} is not a file")
+        state_dict, categories = _read_weights_file(path)
+        tv_weights = None
+        label = str(path)
+    else:
+        tv_weights = _resolve_weights_name(name, weights)
+        label = f"{type(tv_weights).__name__}.{tv_weights.name}"
+        categories = tuple(tv_weights.meta.get("categories") or ()) or None
+        preset = tv_weights.transforms()
+        crop = int(preset.crop_size[0])
+        resize = int(preset.resize_size[0])
+        mean = tuple(preset.mean)  # type: ignore[assignment]
+        std = tuple(preset.std)  # type: ignore[assignment]
+
+    num_classes = len(categories) if categories and state_dict is not None else 1000
+    try:
+        if tv_weights is not None:
+            module = get_model(name, weights=tv_weights)
+        else:
+            module = get_model(name, weights=None, num_classes=num_classes)
+    except (OSError, RuntimeError) as exc:  # urllib's URLError is an OSError
+        if tv_weights is not None:
+            raise WeightsUnavailable(f"cannot fetch {label}: {exc}") from exc
+        raise
+    if state_dict is not None:
+        try:
+            module.load_state_dict(state_dict)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise ConfigError(
+                f"GPUFEED_WEIGHTS: {label} does not fit {name}: {first}"
+            ) from None
+
+    if input_size:
+        resize = round(input_size * resize / crop)
+        crop = input_size
+    module.eval()
+    module.requires_grad_(False)
+    return LoadedModel(
+        name=name,
+        module=module,
+        weights_label=label,
+        categories=categories,
+        crop_size=crop,
+        resize_size=resize,
+        mean=mean,
+        std=std,
+        num_classes=num_classes,
+    )
+
+
+def save_weights_file(
+    module: nn.Module, path: Path, categories: list[str] | None = None
+) -> None:
+    """Write weights in the format `load_model` reads (used by tests and the demo)."""
+    payload: dict[str, Any] = {"state_dict": module.state_dict()}
+    if categories:
+        payload["categories"] = list(categories)
+    torch.save(payload, path)
+
+
+def _looks_like_path(weights: str) -> bool:
+    return "/" in weights or weights.endswith((".pt", ".pth", ".bin", ".safetensors"))
+
+
+def _resolve_weights_name(model: str, weights: str) -> Any:
+    enum_cls = get_model_weights(model)
+    member = weights.split(".", 1)[1] if "." in weights else weights
+    try:
+        return enum_cls[member]
+    except KeyError:
+        names = ", ".join(["DEFAULT", *(w.name for w in enum_cls)])
+        raise ConfigError(
+            f"GPUFEED_WEIGHTS: {weights!r} is not a weights name of {model}; "
+            f"use one of {names}, a local file path, or none"
+        ) from None
+
+
+def _read_weights_file(path: Path) -> tuple[dict[str, Any], tuple[str, ...] | None]:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many kinds for a bad file
+        raise ConfigError(f"GPUFEED_WEIGHTS: cannot load {path}: {exc}") from None
+    if isinstance(obj, dict) and "state_dict" in obj:
+        cats = obj.get("categories")
+        categories = tuple(str(c) for c in cats) if isinstance(cats, list | tuple) else None
+        return dict(obj["state_dict"]), categories
+    if isinstance(obj, dict):
+        return dict(obj), None
+    raise ConfigError(f"GPUFEED_WEIGHTS: {path} holds no state dict")

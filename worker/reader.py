@@ -1,0 +1,152 @@
+"""The reader: takes jobs from the stream through the consumer group, never more than fit.
+
+The worker holds a fixed number of in-flight tokens; a job holds one from the moment it is
+read until its result is published. XREADGROUP asks only for as many entries as there are
+free tokens, so a backlog of millions stays in Redis, where other workers can take it,
+instead of in this process's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer.wire import ErrorCode
+from worker.jobs import Job, parse_job
+
+log = structlog.get_logger("gpufeed.reader")
+
+
+class InFlight:
+    """Counts jobs between read and published result; `room()` is what may be read now."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self._changed = asyncio.Event()
+
+    def room(self) -> int:
+        return self.limit - self.count
+
+    def take(self, n: int) -> None:
+        self.count += n
+
+    def give_back(self, n: int) -> None:
+        self.count -= n
+        self._changed.set()
+
+    async def wait_for_room(self) -> None:
+        while self.room() <= 0:
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def wait_empty(self) -> None:
+        while self.count > 0:
+            self._changed.clear()
+            await self._changed.wait()
+
+
+async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
+    """Create the group at id 0 (so a backlog enqueued before the first worker is served)."""
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+        log.info("group_created", stream=stream, group=group)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class Reader:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        stream: str,
+        group: str,
+        consumer: str,
+        default_reply_to: str,
+        in_flight: InFlight,
+        deliver: Callable[[Job], Awaitable[None]],
+        max_per_read: int,
+        block_ms: int = 1000,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.group = group
+        self.consumer = consumer
+        self.default_reply_to = default_reply_to
+        self.in_flight = in_flight
+        self._deliver = deliver
+        self.max_per_read = max_per_read
+        self.block_ms = block_ms
+        self._stop = asyncio.Event()
+        self.read_total = 0
+
+    def stop(self) -> None:
+        """Stop reading after the current XREADGROUP returns (at most block_ms)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        # Entries this consumer name already holds (a restart under the same name) first.
+        backlog_id = "0"
+        outage_logged = False
+        backoff_s = 0.1
+        while not self._stop.is_set():
+            await self.in_flight.wait_for_room()
+            if self._stop.is_set():
+                break
+            count = min(self.in_flight.room(), self.max_per_read)
+            try:
+                reply = await self.client.xreadgroup(
+                    self.group,
+                    self.consumer,
+                    {self.stream: backlog_id},
+                    count=count,
+                    block=None if backlog_id != ">" else self.block_ms,
+                )
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    # Stream or group deleted under us: recreate and carry on.
+                    log.warning("group_missing_recreating", stream=self.stream, group=self.group)
+                    await ensure_group(self.client, self.stream, self.group)
+                    continue
+                raise
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if not outage_logged:
+                    log.warning("redis_unavailable_for_reads", error=str(exc))
+                    outage_logged = True
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 5.0)
+                continue
+            if outage_logged:
+                log.info("redis_back_reading")
+                outage_logged = False
+                backoff_s = 0.1
+            entries = reply[0][1] if reply else []
+            if backlog_id != ">":
+                if len(entries) < count:
+                    backlog_id = ">"
+                elif entries:
+                    last = entries[-1][0]
+                    backlog_id = last.decode() if isinstance(last, bytes) else last
+            for entry_id_raw, fields in entries:
+                entry_id = (
+                    entry_id_raw.decode() if isinstance(entry_id_raw, bytes) else entry_id_raw
+                )
+                if fields is None:
+                    # Still pending for us, but its data was deleted (XDEL or a trim): the
+                    # job cannot run, yet it must still end with a result.
+                    job = parse_job(entry_id, {}, self.default_reply_to)
+                    job.rejected = (ErrorCode.ENTRY_DELETED, "the job entry was deleted "
+                                    "from the stream before it was processed")
+                else:
+                    job = parse_job(entry_id, fields, self.default_reply_to)
+                self.in_flight.take(1)
+                self.read_total += 1
+                await self._deliver(job)

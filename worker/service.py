@@ -1,0 +1,357 @@
+"""The worker's lifecycle: startup() -> main_loop() -> shutdown(), and the stage wiring.
+
+    reader -> jobs queue -> batcher (row in a staging slot) -> decode threads
+           -> sealed queue -> dispatcher (launch thread: copy in, step, copy out)
+           -> completion watcher (events) -> result writer (publish + ack)
+
+Every queue is bounded, every task is owned here and awaited or cancelled on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+import torch
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer.wire import ErrorCode
+from worker.batcher import Batch, Batcher
+from worker.compiler import CompileReport, compile_step
+from worker.completion import CompletionWatcher
+from worker.config import ConfigError, WorkerConfig
+from worker.decode_pool import DecodePool
+from worker.decoder import DecodeSpec
+from worker.device import DeviceContext, make_context, resolve_device
+from worker.jobs import Job, Outcome
+from worker.model_loader import LoadedModel, load_model
+from worker.reader import InFlight, Reader, ensure_group
+from worker.runner import Launched, ModelRunner
+from worker.staging import InputRing, OutputRing
+from worker.step import build_step, pick_dtype, resolve_compile_mode
+from worker.transfer import DeviceTransfer
+from worker.writer import ResultWriter, WriterSettings
+
+log = structlog.get_logger("gpufeed.worker")
+
+
+class RedisUnavailable(RuntimeError):
+    pass
+
+
+def default_batch_size(device: torch.device) -> int:
+    return 64 if device.type == "cuda" else 8
+
+
+def default_decode_threads() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+@dataclass
+class Counters:
+    """Plain counters the stats line and the heartbeat read; updated on the loop thread."""
+
+    started_s: float = field(default_factory=time.monotonic)
+    results_ok: int = 0
+    results_error: int = 0
+    duplicates: int = 0
+    batches: int = 0
+    real_rows: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, *, decode_delay_s: float = 0.0) -> None:
+        self.config = config
+        self._decode_delay_s = decode_delay_s
+        self.counters = Counters()
+        self.should_exit = asyncio.Event()
+        self.force_exit = False
+        self.ready = False
+        self.compile_report: CompileReport | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    # ----------------------------------------------------------------------- startup
+    async def startup(self, *, wait_for_redis: bool = True) -> None:
+        cfg = self.config
+        log.info("starting", **cfg.summary())
+        device = resolve_device(cfg.device)
+        self.ctx: DeviceContext = make_context(device)
+        # Fixed shapes make cudnn's per-shape tuning useless; turning it off keeps the
+        # first batches from stalling on benchmark runs.
+        torch.backends.cudnn.benchmark = False
+        self.batch_size = cfg.batch_size or default_batch_size(device)
+        self.loaded: LoadedModel = load_model(cfg.model, cfg.weights, input_size=cfg.input_size)
+        dtype = pick_dtype(cfg.precision, device)
+        step = build_step(self.loaded, device=device, dtype=dtype, top_k=cfg.top_k)
+        size = self.loaded.resize_size
+        pin = self.ctx.is_cuda
+        self.ring = InputRing(cfg.ring_slots, self.batch_size, size, pin=pin)
+        self.out_ring = OutputRing(cfg.ring_slots, self.batch_size, step.top_k, pin=pin)
+        self.transfer = DeviceTransfer(self.ctx, cfg.ring_slots, self.batch_size, size)
+        mode = resolve_compile_mode(cfg.compile, device)
+        self.runner = ModelRunner(self.ctx, step, self.transfer,
+                                  cudagraphs=mode == "reduce-overhead" and self.ctx.is_cuda)
+
+        example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
+
+        def compile_on_launch_thread() -> None:
+            # CUDA-graph trees are per thread: compile and warm up where launches happen.
+            fn, report = compile_step(step, example, mode=mode,
+                                      allow_eager_fallback=cfg.allow_eager_fallback)
+            self.runner.step = fn
+            self.compile_report = report
+
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.runner.run_sync, compile_on_launch_thread
+        )
+        assert self.compile_report is not None
+        log.info(
+            "model_ready",
+            model=cfg.model,
+            weights=self.loaded.weights_label,
+            device=self.ctx.name,
+            dtype=str(dtype).removeprefix("torch."),
+            batch_size=self.batch_size,
+            staging_size=size,
+            input_size=self.loaded.crop_size,
+            **self.compile_report.as_dict(),
+        )
+
+        threads = cfg.decode_threads or default_decode_threads()
+        spec = DecodeSpec(size=size, max_bytes=cfg.max_image_bytes,
+                          max_pixels=cfg.max_image_pixels, dct_scaling=cfg.dct_scaling)
+        delay = self._decode_delay_s
+        self.decoder = DecodePool(spec, threads, cfg.path_root,
+                                  delay_hook=(lambda: time.sleep(delay)) if delay else None)
+
+        self.redis = aioredis.from_url(cfg.redis_url, socket_keepalive=True,
+                                       health_check_interval=30)
+        await self._wait_for_redis(wait_for_redis)
+        # Join the group only now: a worker that is still compiling takes no jobs.
+        await ensure_group(self.redis, cfg.stream, cfg.group)
+
+        self.in_flight = InFlight(self.batch_size * (cfg.ring_slots + 2))
+        self.jobs_q: asyncio.Queue[Job | None] = asyncio.Queue(self.batch_size)
+        self.sealed_q: asyncio.Queue[Batch | None] = asyncio.Queue(cfg.ring_slots)
+        self.writer = ResultWriter(
+            self.redis,
+            WriterSettings(
+                stream=cfg.stream, group=cfg.group, result_prefix=cfg.result_prefix,
+                result_ttl_s=cfg.result_ttl_s, results_maxlen=cfg.results_maxlen,
+                worker_name=cfg.worker_name, model_name=cfg.model,
+            ),
+            max_queued=cfg.ring_slots * 2,
+            on_published=self._on_published,
+        )
+        self.batcher = Batcher(self.ring, self.decoder, batch_size=self.batch_size,
+                               max_wait_s=cfg.max_wait_ms / 1000, jobs=self.jobs_q,
+                               sealed=self.sealed_q)
+        self.watcher = CompletionWatcher(self.out_ring, self.writer.put,
+                                         categories=self.loaded.categories,
+                                         on_batch_done=self._on_batch_done)
+        self.reader = Reader(
+            self.redis, stream=cfg.stream, group=cfg.group, consumer=cfg.worker_name,
+            default_reply_to=cfg.results_stream, in_flight=self.in_flight,
+            deliver=self._deliver, max_per_read=self.batch_size * 2,
+        )
+        self.ready = True
+        log.info("worker_ready", worker=cfg.worker_name, stream=cfg.stream, group=cfg.group,
+                 decode_threads=threads, in_flight_limit=self.in_flight.limit)
+
+    async def _wait_for_redis(self, wait: bool) -> None:
+        backoff_s = 0.2
+        logged = False
+        while True:
+            try:
+                await self.redis.ping()
+                if logged:
+                    log.info("redis_reachable", url=self.config.redacted_url())
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                message = f"cannot reach Redis at {self.config.redacted_url()}: {exc}"
+                if not wait:
+                    raise RedisUnavailable(message) from None
+                if not logged:
+                    log.warning("redis_unreachable_retrying", error=message)
+                    logged = True
+                if self.should_exit.is_set():
+                    raise RedisUnavailable(message) from None
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 5.0)
+
+    # ----------------------------------------------------------------------- main loop
+    async def main_loop(self) -> None:
+        self._tasks = {
+            "writer": asyncio.create_task(self.writer.run(), name="writer"),
+            "watcher": asyncio.create_task(self.watcher.run(), name="watcher"),
+            "dispatcher": asyncio.create_task(self._dispatch(), name="dispatcher"),
+            "batcher": asyncio.create_task(self.batcher.run(), name="batcher"),
+            "reader": asyncio.create_task(self.reader.run(), name="reader"),
+            "stats": asyncio.create_task(self._stats_loop(), name="stats"),
+        }
+        stop = asyncio.create_task(self.should_exit.wait(), name="should_exit")
+        done, _ = await asyncio.wait(
+            [stop, *self._tasks.values()], return_when=asyncio.FIRST_COMPLETED
+        )
+        stop.cancel()
+        for task in done:
+            if task is not stop and not task.cancelled() and task.exception() is not None:
+                exc = task.exception()
+                log.error("stage_failed", stage=task.get_name(), error=repr(exc))
+                raise exc  # type: ignore[misc]
+
+    async def _deliver(self, job: Job) -> None:
+        if job.rejected is not None:
+            code, message = job.rejected
+            await self.writer.put([Outcome.failure(job, code, message)])
+            return
+        await self.jobs_q.put(job)
+
+    async def _dispatch(self) -> None:
+        while True:
+            batch = await self.sealed_q.get()
+            if batch is None:
+                self.watcher.track(None)
+                return
+            results = await batch.decoded()
+            if not batch.valid_rows:
+                self.ring.release_now(batch.slot)
+                await self.writer.put([
+                    Outcome.failure(job, r.error.code, r.error.message)
+                    for job, r in zip(batch.jobs, results, strict=True) if r.error is not None
+                ])
+                continue
+            out = await self.out_ring.acquire()
+            try:
+                launched = await self.runner.launch(batch, out)
+            except Exception as exc:  # noqa: BLE001 - the batch fails, the worker goes on
+                log.error("batch_failed", batch=batch.seq, error=repr(exc),
+                          job_ids=[j.job_id for j in batch.jobs])
+                self.out_ring.release(out)
+                self.ring.release_now(batch.slot)
+                await self.writer.put([
+                    Outcome.failure(job, r.error.code, r.error.message) if r.error is not None
+                    else Outcome.failure(job, ErrorCode.INFERENCE_ERROR, f"{exc}")
+                    for job, r in zip(batch.jobs, results, strict=True)
+                ])
+                continue
+            batch.slot.copy_done = launched.copied
+            self.ring.release_after_copy(batch.slot)
+            self.watcher.track(launched)
+
+    def _on_batch_done(self, launched: Launched, gpu_ms: float) -> None:
+        self.counters.batches += 1
+        self.counters.real_rows += len(launched.batch.valid_rows)
+
+    def _on_published(self, outcomes: list[Outcome], acked: list[bool]) -> None:
+        c = self.counters
+        for outcome, ok in zip(outcomes, acked, strict=True):
+            if not ok:
+                c.duplicates += 1
+            elif outcome.ok:
+                c.results_ok += 1
+            else:
+                c.results_error += 1
+                code = outcome.error_code.value if outcome.error_code else "unknown"
+                c.errors_by_code[code] = c.errors_by_code.get(code, 0) + 1
+        self.in_flight.give_back(len(outcomes))
+
+    async def _stats_loop(self, interval_s: float = 10.0) -> None:
+        last_total, last_s = 0, time.monotonic()
+        while True:
+            await asyncio.sleep(interval_s)
+            c = self.counters
+            total = c.results_ok + c.results_error
+            now = time.monotonic()
+            log.info(
+                "stats",
+                results_per_s=round((total - last_total) / (now - last_s), 2),
+                results_ok=c.results_ok,
+                results_error=c.results_error,
+                in_flight=self.in_flight.count,
+                batch_fill=round(c.real_rows / (c.batches * self.batch_size), 3)
+                if c.batches else None,
+            )
+            last_total, last_s = total, now
+
+    # ----------------------------------------------------------------------- shutdown
+    async def shutdown(self) -> None:
+        grace = self.config.shutdown_grace_s
+        log.info("shutting_down", in_flight=getattr(self, "in_flight", InFlight(0)).count,
+                 grace_s=grace)
+        tasks = self._tasks
+        # 1. Stop reading: nothing new is taken from the stream.
+        if "reader" in tasks:
+            self.reader.stop()
+            # The reader hands over what its last XREADGROUP returned before it exits.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(tasks["reader"]), grace)
+            if not tasks["reader"].done():
+                tasks["reader"].cancel()
+        # 2. Drain: the sentinel flows batcher -> dispatcher -> watcher; then the writer
+        #    publishes what is left.
+        drain = [tasks[n] for n in ("batcher", "dispatcher", "watcher") if n in tasks]
+        if drain and not self.force_exit:
+            await self.jobs_q.put(None)
+            try:
+                await asyncio.wait_for(asyncio.gather(*drain), grace)
+                await self.writer.close()
+                await asyncio.wait_for(tasks["writer"], grace)
+            except (TimeoutError, asyncio.CancelledError):
+                log.warning("grace_period_over", note="unfinished jobs stay pending in "
+                            "Redis and will be reclaimed by other workers")
+            except Exception as exc:  # noqa: BLE001 - shutdown must go on to release resources
+                log.error("drain_failed", error=repr(exc))
+        # 3. Cancel whatever is left, with the reason in the log above.
+        for task in tasks.values():
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        if hasattr(self, "decoder"):
+            self.decoder.shutdown()
+        if hasattr(self, "runner"):
+            self.runner.shutdown()
+        if hasattr(self, "redis"):
+            await self.redis.aclose()
+        log.info("stopped", results_ok=self.counters.results_ok,
+                 results_error=self.counters.results_error)
+
+    # ----------------------------------------------------------------------- serve
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.handle_exit, sig)
+
+    def handle_exit(self, sig: int | None = None) -> None:
+        # A second signal skips the drain: in-flight jobs stay pending for other workers.
+        if self.should_exit.is_set():
+            self.force_exit = True
+            log.warning("forced_exit", signal=sig)
+        self.should_exit.set()
+
+    async def serve(self, *, wait_for_redis: bool = True) -> None:
+        self.install_signal_handlers()
+        try:
+            await self.startup(wait_for_redis=wait_for_redis)
+            if not self.should_exit.is_set():
+                await self.main_loop()
+        finally:
+            await self.shutdown()
+
+    def snapshot(self) -> dict[str, Any]:
+        c = self.counters
+        return {"results_ok": c.results_ok, "results_error": c.results_error,
+                "duplicates": c.duplicates, "batches": c.batches}
+
+
+__all__ = ["ConfigError", "RedisUnavailable", "Worker"]

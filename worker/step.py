@@ -1,0 +1,94 @@
+"""The one fixed-shape step: uint8 staging batch in, top-k indices and scores out.
+
+Preprocessing (crop, uint8 -> float, normalize, channels_last), the model, softmax and top-k
+are one module so that torch.compile sees a single graph of fixed shapes: with
+mode="reduce-overhead" CUDA graphs then cover the whole step, and hundreds of small kernel
+launches become one graph replay.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.model_loader import LoadedModel
+
+
+def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
+    if precision == "fp32" or (precision == "auto" and device.type != "cuda"):
+        return torch.float32
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    # auto on CUDA: bf16 where the hardware has it (same range as fp32, no overflow risk
+    # in unnormalised logits), else fp16.
+    if torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return torch.float16
+
+
+class InferenceStep(nn.Module):
+    """x: [B, S, S, 3] uint8 -> (indices [B, K] int32, scores [B, K] float32)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        staging_size: int,
+        crop_size: int,
+        mean: tuple[float, float, float],
+        std: tuple[float, float, float],
+        top_k: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if crop_size > staging_size:
+            raise ValueError(f"crop {crop_size} is larger than the staging size {staging_size}")
+        self.model = model
+        self.staging_size = staging_size
+        self.crop_size = crop_size
+        self.top_k = top_k
+        self.dtype = dtype
+        # Folding /255 into the normalisation saves one elementwise pass over the batch.
+        scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(1, 3, 1, 1)
+        shift = torch.tensor([-m / s for m, s in zip(mean, std, strict=True)]).view(1, 3, 1, 1)
+        self.register_buffer("scale", scale.to(dtype), persistent=False)
+        self.register_buffer("shift", shift.to(dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        off = (self.staging_size - self.crop_size) // 2
+        x = x[:, off : off + self.crop_size, off : off + self.crop_size, :]
+        # NHWC uint8 viewed as NCHW is already channels_last in memory: no transpose copy.
+        x = x.permute(0, 3, 1, 2).to(self.dtype)
+        x = x * self.scale + self.shift
+        x = x.contiguous(memory_format=torch.channels_last)
+        logits = self.model(x)
+        probs = logits.float().softmax(dim=-1)
+        scores, indices = probs.topk(self.top_k, dim=-1)
+        return indices.to(torch.int32), scores
+
+
+def build_step(
+    loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype, top_k: int
+) -> InferenceStep:
+    model = loaded.module.to(device=device, dtype=dtype, memory_format=torch.channels_last)
+    k = min(top_k, loaded.num_classes)
+    step = InferenceStep(
+        model,
+        staging_size=loaded.resize_size,
+        crop_size=loaded.crop_size,
+        mean=loaded.mean,
+        std=loaded.std,
+        top_k=k,
+        dtype=dtype,
+    )
+    return step.to(device).eval()
+
+
+def resolve_compile_mode(mode: str, device: torch.device) -> str:
+    """GPUFEED_COMPILE=auto: CUDA graphs on CUDA; eager on the CPU, where compiling costs
+    tens of seconds at start-up for a small gain."""
+    if mode != "auto":
+        return mode
+    return "reduce-overhead" if device.type == "cuda" else "off"

@@ -1,0 +1,191 @@
+"""The result writer: publishes outcomes and acknowledges their jobs, atomically per job.
+
+A server-side script does, for one job: XACK the entry, and only if that acknowledged it,
+XADD the result to the reply stream and store it in the result hash with a TTL. If another
+worker already published a result for a reclaimed entry, the XACK returns 0 and nothing is
+written: every job gets exactly one result even when two workers processed it.
+
+All scripts of one flush go out in one pipelined round trip. The writer runs as its own task,
+so Redis latency never stalls the batches behind it, and it keeps outcomes it could not
+publish (Redis down) and retries them: a job is never acknowledged without its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer import wire
+from worker.jobs import Outcome
+
+log = structlog.get_logger("gpufeed.writer")
+
+# KEYS: job stream, reply stream, result hash
+# ARGV: group, entry id, ttl seconds, reply stream MAXLEN (approximate), field, value, ...
+PUBLISH_AND_ACK = """
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if acked == 0 then
+  return 0
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
+redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[3], unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class WriterSettings:
+    stream: str
+    group: str
+    result_prefix: str
+    result_ttl_s: int
+    results_maxlen: int
+    worker_name: str
+    model_name: str
+
+
+def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | str]:
+    """The contract's result fields for one outcome, as a flat field/value list."""
+    job = outcome.job
+    details: dict[str, Any] = {
+        "model": settings.model_name,
+        "worker": settings.worker_name,
+        "timings_ms": {k: round(v, 3) for k, v in job.timings_ms.items()},
+    }
+    out: list[bytes | str] = [
+        wire.RES_ID, job.job_id,
+        wire.RES_ENTRY, job.entry_id,
+        wire.RES_STATUS, wire.STATUS_OK if outcome.ok else wire.STATUS_ERROR,
+    ]  # fmt: skip
+    if outcome.ok:
+        details["top_k"] = outcome.top_indices
+        details["scores"] = [round(s, 6) for s in outcome.top_scores]
+        if outcome.labels is not None:
+            details["labels"] = outcome.labels
+        details.update(outcome.extra)
+        out += [wire.RES_TOP1, str(outcome.top_indices[0])]
+        if outcome.labels:
+            out += [wire.RES_LABEL, outcome.labels[0]]
+        out += [wire.RES_SCORE, f"{outcome.top_scores[0]:.6f}"]
+    else:
+        details["error_code"] = outcome.error_code.value if outcome.error_code else ""
+        out += [wire.RES_ERROR, outcome.error_text]
+    out += [wire.RES_RESULT, msgpack.packb(details, use_bin_type=True)]
+    if job.meta is not None:
+        out += [wire.RES_META, job.meta]
+    return out
+
+
+class ResultWriter:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        settings: WriterSettings,
+        *,
+        max_queued: int,
+        on_published: Callable[[list[Outcome], list[bool]], None] | None = None,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self._queue: asyncio.Queue[list[Outcome] | None] = asyncio.Queue(max_queued)
+        self._script = client.register_script(PUBLISH_AND_ACK)
+        self._on_published = on_published
+        self.published = 0
+        self.duplicates = 0
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    async def put(self, outcomes: list[Outcome]) -> None:
+        if outcomes:
+            await self._queue.put(outcomes)
+
+    async def close(self) -> None:
+        """Ask `run` to finish once everything queued before this call is published."""
+        await self._queue.put(None)
+
+    async def run(self) -> None:
+        closing = False
+        while not closing:
+            first = await self._queue.get()
+            if first is None:
+                return
+            pending = list(first)
+            # Coalesce whatever else is ready into the same round trip.
+            while not self._queue.empty() and len(pending) < 1024:
+                more = self._queue.get_nowait()
+                if more is None:
+                    closing = True
+                    break
+                pending.extend(more)
+            await self._publish_until_done(pending)
+
+    async def _publish_until_done(self, outcomes: list[Outcome]) -> None:
+        backoff_s = 0.05
+        outage_logged = False
+        while True:
+            try:
+                acked = await self.publish(outcomes)
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if not outage_logged:
+                    log.warning("redis_unavailable_for_results", error=str(exc),
+                                held=len(outcomes))
+                    outage_logged = True
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, 2.0)
+                continue
+            if outage_logged:
+                log.info("redis_back_results_published", count=len(outcomes))
+            if self._on_published is not None:
+                self._on_published(outcomes, acked)
+            return
+
+    async def publish(self, outcomes: list[Outcome]) -> list[bool]:
+        """One pipelined round trip; returns, per outcome, whether this call published it
+        (False: the entry was already acknowledged, by us or another worker)."""
+        s = self.settings
+        start = time.perf_counter()
+        pipe = self.client.pipeline(transaction=False)
+        for outcome in outcomes:
+            job = outcome.job
+            await self._script(
+                keys=[s.stream, job.reply_to, wire.result_key(job.job_id, s.result_prefix)],
+                args=[s.group, job.entry_id, s.result_ttl_s, s.results_maxlen,
+                      *result_fields(outcome, s)],
+                client=pipe,
+            )
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        finally:
+            await pipe.reset()
+        acked: list[bool] = []
+        for outcome, reply in zip(outcomes, replies, strict=True):
+            if isinstance(reply, RedisError):
+                if isinstance(reply, RedisConnectionError | RedisTimeoutError):
+                    raise reply
+                # A server-side refusal for one job (e.g. WRONGTYPE on its reply_to key)
+                # must not block the others; it is logged with the job id.
+                log.error("result_publish_failed", job_id=outcome.job.job_id,
+                          entry=outcome.job.entry_id, error=str(reply))
+                acked.append(False)
+                continue
+            acked.append(bool(reply))
+        write_ms = (time.perf_counter() - start) * 1000
+        for outcome in outcomes:
+            outcome.job.timings_ms["write"] = write_ms
+        self.published += sum(acked)
+        self.duplicates += len(acked) - sum(acked)
+        return acked
