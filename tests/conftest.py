@@ -37,3 +37,18 @@ def sample_dir(tmp_path: Path) -> Path:
     d = tmp_path / "samples"
     d.mkdir()
     return d
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Random weights for a small classifier, saved the way operators ship their own."""
+    import torch
+    from torchvision.models import get_model
+
+    from worker.model_loader import save_weights_file
+
+    torch.manual_seed(0)
+    module = get_model("mobilenet_v3_small", weights=None, num_classes=10)
+    path = tmp_path_factory.mktemp("weights") / "tiny.pt"
+    save_weights_file(module, path, [f"class_{i}" for i in range(10)])
+    return path

@@ -29,11 +29,16 @@ class RedisServer:
         workdir.mkdir(parents=True, exist_ok=True)
         self._args = [
             binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--dir", str(workdir),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
             *extra_args,
         ]
         self.proc: subprocess.Popen[bytes] | None = None

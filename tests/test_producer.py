@@ -69,10 +69,22 @@ def publish_result(
         pipe.execute()
 
 
-def later(delay_s: float, action: Callable[[], None]) -> threading.Thread:
-    thread = threading.Thread(target=lambda: (time.sleep(delay_s), action()), daemon=True)
-    thread.start()
-    return thread
+Later = Callable[[float, Callable[[], None]], None]
+
+
+@pytest.fixture
+def later(redis_client: redis.Redis) -> Iterator[Later]:
+    """Runs an action after a delay in a thread, joined before `redis_client` closes."""
+    threads: list[threading.Thread] = []
+
+    def schedule(delay_s: float, action: Callable[[], None]) -> None:
+        thread = threading.Thread(target=lambda: (time.sleep(delay_s), action()), daemon=True)
+        thread.start()
+        threads.append(thread)
+
+    yield schedule
+    for thread in threads:
+        thread.join(timeout=10)
 
 
 # --- submit -------------------------------------------------------------------------------
@@ -210,7 +222,7 @@ def test_a_decoding_client_is_refused(redis_url: str) -> None:
 
 
 def test_wait_returns_results_published_while_waiting(
-    producer: Producer, redis_client: redis.Redis
+    producer: Producer, redis_client: redis.Redis, later: Later
 ) -> None:
     meta = b"\x00\x01binary\xff"
     ids = producer.submit_many([Job(image=b"a", id="one", meta=meta), Job(image=b"b")])
@@ -232,7 +244,13 @@ def test_wait_returns_results_published_while_waiting(
 
     assert list(results) == ids
     ok, bad = results["one"], results[ids[1]]
-    assert (ok.status, ok.top1, ok.label, ok.score, ok.entry) == ("ok", 7, "goldfish", 0.875, entry_ids[0])
+    assert (ok.status, ok.top1, ok.label, ok.score, ok.entry) == (
+        "ok",
+        7,
+        "goldfish",
+        0.875,
+        entry_ids[0],
+    )
     assert ok.meta == meta
     assert ok.details["timings_ms"] == {"total": 12.5}
     assert not bad.ok
@@ -252,7 +270,7 @@ def test_wait_finds_results_stored_before_it_started(
 
 
 def test_wait_reads_the_results_stream_not_only_hashes(
-    producer: Producer, redis_client: redis.Redis
+    producer: Producer, redis_client: redis.Redis, later: Later
 ) -> None:
     later(0.2, lambda: publish_result(redis_client, "streamed", to_hash=False))
     started = time.monotonic()
@@ -261,7 +279,7 @@ def test_wait_reads_the_results_stream_not_only_hashes(
 
 
 def test_wait_watches_the_reply_to_stream_of_submitted_jobs(
-    producer: Producer, redis_client: redis.Redis
+    producer: Producer, redis_client: redis.Redis, later: Later
 ) -> None:
     producer.submit(b"x", id="r1", reply_to="team:results")
     later(0.2, lambda: publish_result(redis_client, "r1", stream="team:results", to_hash=False))
@@ -296,7 +314,9 @@ def test_get_result(producer: Producer, redis_client: redis.Redis) -> None:
     assert result.error_code == wire.ErrorCode.DEAD_LETTER.value
 
 
-def test_iter_and_recent_results(producer: Producer, redis_client: redis.Redis) -> None:
+def test_iter_and_recent_results(
+    producer: Producer, redis_client: redis.Redis, later: Later
+) -> None:
     publish_result(redis_client, "old")
     assert [r.id for _, r in producer.iter_results("$", block_ms=None)] == []
 
@@ -375,7 +395,12 @@ def test_stats_of_a_live_group(producer: Producer, redis_client: redis.Redis) ->
     stats = collect_stats(redis_client)
     assert stats["stream"] == {"name": JOBS, "exists": True, "length": 5}
     group = stats["group"]
-    assert (group["pending"], group["consumers"], group["lag"], group["entries_read"]) == (2, 1, 3, 2)
+    assert (group["pending"], group["consumers"], group["lag"], group["entries_read"]) == (
+        2,
+        1,
+        3,
+        2,
+    )
     assert group["last_delivered_id"] == ids[1]
     [consumer] = stats["consumers"]
     assert (consumer["name"], consumer["pending"]) == ("gpu-0", 2)
@@ -415,6 +440,7 @@ def gpufeed(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     base = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GPUFEED_"))}
     return subprocess.run(
         [sys.executable, "-m", "producer", *args],
+        check=False,
         cwd=REPO,
         env={**base, "COLUMNS": "200", **(env or {})},
         capture_output=True,
@@ -434,7 +460,9 @@ def image_dir(sample_dir: Path) -> Path:
 
 
 def test_cli_submit_json(image_dir: Path, redis_url: str, redis_client: redis.Redis) -> None:
-    proc = gpufeed("submit", str(image_dir), "--json", "--meta", "batch-7", "--redis-url", redis_url)
+    proc = gpufeed(
+        "submit", str(image_dir), "--json", "--meta", "batch-7", "--redis-url", redis_url
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [x["id"] for x in lines] == ["a.jpg", "b.PNG", "c.jpeg"]
@@ -448,18 +476,26 @@ def test_cli_submit_json(image_dir: Path, redis_url: str, redis_client: redis.Re
 def test_cli_options_before_the_command_and_from_env(
     image_dir: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
-    proc = gpufeed("--stream", "other:jobs", "submit", str(image_dir / "a.jpg"),
-                   env={"REDIS_URL": redis_url})
+    proc = gpufeed(
+        "--stream", "other:jobs", "submit", str(image_dir / "a.jpg"), env={"REDIS_URL": redis_url}
+    )
     assert proc.returncode == 0, proc.stderr
     assert "submitted 1 job(s) to other:jobs" in proc.stdout
     assert redis_client.xlen("other:jobs") == 1
 
 
-def fake_worker(url: str, fail: set[str], stop: threading.Event) -> threading.Thread:
-    """Answers every job on the job stream, failing those whose id is in `fail`."""
+FakeWorker = Callable[[set[str]], None]
 
-    def run() -> None:
-        client = redis.Redis.from_url(url)
+
+@pytest.fixture
+def fake_worker(redis_url: str) -> Iterator[FakeWorker]:
+    """Starts a thread that answers every job on the job stream like a worker would,
+    failing the jobs whose id is in the given set."""
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def run(fail: set[str]) -> None:
+        client = redis.Redis.from_url(redis_url)
         cursor = "0-0"
         while not stop.is_set():
             for _, batch in client.xread({JOBS: cursor}, block=100) or []:
@@ -467,26 +503,30 @@ def fake_worker(url: str, fail: set[str], stop: threading.Event) -> threading.Th
                     cursor = entry.decode()
                     job_id = fields.get(b"id", entry).decode()
                     if job_id in fail:
-                        publish_result(client, job_id, entry=cursor, status="error",
-                                       error="decode_error: image file is truncated")
+                        publish_result(
+                            client,
+                            job_id,
+                            entry=cursor,
+                            status="error",
+                            error="decode_error: image file is truncated",
+                        )
                     else:
                         publish_result(client, job_id, entry=cursor)
         client.close()
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    def start(fail: set[str]) -> None:
+        thread = threading.Thread(target=run, args=(fail,), daemon=True)
+        thread.start()
+        threads.append(thread)
 
-
-@pytest.fixture
-def stop_worker() -> Iterator[threading.Event]:
-    stop = threading.Event()
-    yield stop
+    yield start
     stop.set()
+    for thread in threads:
+        thread.join(timeout=10)
 
 
-def test_cli_submit_wait_table(image_dir: Path, redis_url: str, stop_worker: threading.Event) -> None:
-    fake_worker(redis_url, set(), stop_worker)
+def test_cli_submit_wait_table(image_dir: Path, redis_url: str, fake_worker: FakeWorker) -> None:
+    fake_worker(set())
     proc = gpufeed("submit", str(image_dir), "--wait", "--timeout", "20", "--redis-url", redis_url)
     assert proc.returncode == 0, proc.stderr
     for text in ("a.jpg", "b.PNG", "c.jpeg", "goldfish", "0.8750", "12.5"):
@@ -494,9 +534,9 @@ def test_cli_submit_wait_table(image_dir: Path, redis_url: str, stop_worker: thr
 
 
 def test_cli_submit_wait_json_with_a_failed_job(
-    image_dir: Path, redis_url: str, stop_worker: threading.Event
+    image_dir: Path, redis_url: str, fake_worker: FakeWorker
 ) -> None:
-    fake_worker(redis_url, {"b.PNG"}, stop_worker)
+    fake_worker({"b.PNG"})
     proc = gpufeed("submit", str(image_dir), "--wait", "--json", "--redis-url", redis_url)
     assert proc.returncode == 1
     results = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -583,6 +623,8 @@ def test_producer_imports_no_heavy_libraries() -> None:
         "import sys, producer, producer.cli, producer.client, producer.stats; "
         "print(sorted(m for m in ('torch', 'numpy', 'PIL') if m in sys.modules))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, cwd=REPO, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -79,7 +79,7 @@ class Batcher:
             assert isinstance(job, Job)
             await self._add(job)
 
-    async def _next_job(self) -> Job | None | object:
+    async def _next_job(self) -> Job | object | None:
         if self._open is None:
             return await self._jobs.get()
         remaining = self._open.opened_s + self.max_wait_s - time.monotonic()

@@ -31,12 +31,16 @@ def config_options(func: F) -> F:
         env = f.metadata["env"]
         type_name = str(f.type)
         if type_name == "bool":
-            opt = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None,
-                               help=f"[env {env}]")
+            opt = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=f"[env {env}]")
         else:
             click_type: Any = {"int": int, "float": float}.get(type_name, str)
-            opt = click.option(flag, f.name, type=click_type, default=None,
-                               help=f"[env {env}; default {f.default!r}]")
+            opt = click.option(
+                flag,
+                f.name,
+                type=click_type,
+                default=None,
+                help=f"[env {env}; default {f.default!r}]",
+            )
         func = opt(func)
     return func
 
@@ -61,14 +65,14 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
         import uvloop
     except ImportError:
         return asyncio.run(coro)
-    return uvloop.run(coro)  # type: ignore[no-any-return]
+    return uvloop.run(coro)
 
 
 class DefaultGroup(click.Group):
     """`python -m worker [flags]` means `python -m worker run [flags]`."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if not args or args[0] not in self.commands and args[0] not in ("--help", "-h"):
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
             args = ["run", *args]
         return super().parse_args(ctx, args)
 
@@ -80,8 +84,12 @@ def cli() -> None:
 
 @cli.command()
 @config_options
-@click.option("--wait/--no-wait", "wait_for_redis", default=True,
-              help="Retry until Redis answers (default), or exit at once with --no-wait.")
+@click.option(
+    "--wait/--no-wait",
+    "wait_for_redis",
+    default=True,
+    help="Retry until Redis answers (default), or exit at once with --no-wait.",
+)
 def run(wait_for_redis: bool, **options: Any) -> None:
     """Run the worker until SIGTERM or SIGINT (a second one skips the drain)."""
     from worker.compiler import CompileRefused
@@ -101,12 +109,20 @@ def run(wait_for_redis: bool, **options: Any) -> None:
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
     except WeightsUnavailable as exc:
-        fail(f"{exc}. Set GPUFEED_WEIGHTS=none for random weights or to a local file.",
-             EXIT_CONFIG)
+        fail(f"{exc}. Set GPUFEED_WEIGHTS=none for random weights or to a local file.", EXIT_CONFIG)
     except RedisUnavailable as exc:
         fail(str(exc), EXIT_REDIS)
     except CompileRefused as exc:
         fail(str(exc), EXIT_COMPILE)
+
+
+@cli.command()
+@click.option("--count", default=48, show_default=True, help="Sample images to submit.")
+def demo(count: int) -> None:
+    """Local Redis, a worker, sample jobs: prints each result and a throughput line."""
+    from worker.demo import run_demo
+
+    sys.exit(run_demo(count))
 
 
 def main() -> None:

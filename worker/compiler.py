@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 import torch
 
+from worker.device import mark_cudagraph_step
 from worker.step import InferenceStep
 
 log = structlog.get_logger("gpufeed.compiler")
@@ -57,7 +58,7 @@ class CompileReport:
 def _counters() -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
-    return counters  # type: ignore[no-any-return]
+    return counters
 
 
 def _sync(x: torch.Tensor) -> None:
@@ -102,7 +103,7 @@ def compile_step(
     try:
         with torch.inference_mode():
             if cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
+                mark_cudagraph_step()
             out = compiled(example)
         _sync(out[0])
     except Exception as exc:  # noqa: BLE001 - dynamo raises many kinds; all mean "not compiled"
@@ -117,7 +118,7 @@ def compile_step(
     with torch.inference_mode():
         for _ in range(max(1, warmup_iters)):
             if cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
+                mark_cudagraph_step()
             out = compiled(example)
     _sync(out[0])
     report.warmup_s = time.perf_counter() - t1

@@ -77,9 +77,7 @@ class CompletionWatcher:
             job.timings_ms["compute"] = gpu_ms
             job.timings_ms["total"] = (now - job.received_s) * 1000
             if result.error is not None:
-                outcomes.append(
-                    Outcome.failure(job, result.error.code, result.error.message)
-                )
+                outcomes.append(Outcome.failure(job, result.error.code, result.error.message))
                 continue
             indices = [int(i) for i in out.indices_np[row]]
             scores = [float(s) for s in out.scores_np[row]]

@@ -16,8 +16,14 @@ from typing import Any
 
 from producer import wire
 
-COMPILE_MODES = ("off", "auto", "default", "reduce-overhead", "max-autotune",
-                 "max-autotune-no-cudagraphs")
+COMPILE_MODES = (
+    "off",
+    "auto",
+    "default",
+    "reduce-overhead",
+    "max-autotune",
+    "max-autotune-no-cudagraphs",
+)
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DECODE_MODES = ("cpu", "gpu", "auto")
 LOG_FORMATS = ("auto", "console", "json")
@@ -73,9 +79,7 @@ class WorkerConfig:
     max_image_bytes: int = field(
         default=50 * 1024 * 1024, metadata={"env": "GPUFEED_MAX_IMAGE_BYTES"}
     )
-    max_image_pixels: int = field(
-        default=100_000_000, metadata={"env": "GPUFEED_MAX_IMAGE_PIXELS"}
-    )
+    max_image_pixels: int = field(default=100_000_000, metadata={"env": "GPUFEED_MAX_IMAGE_PIXELS"})
     path_root: Path | None = field(default=None, metadata={"env": "GPUFEED_PATH_ROOT"})
 
     # Delivery
@@ -111,8 +115,9 @@ class WorkerConfig:
             if value is None:
                 continue
             if isinstance(value, str):
-                value = _parse(f"--{name.replace('_', '-')}", value, _FIELD_TYPES[name])
-            values[name] = value
+                values[name] = _parse(f"--{name.replace('_', '-')}", value, _FIELD_TYPES[name])
+            else:
+                values[name] = value
         config = cls(**values)
         config.validate()
         if not config.worker_name:
@@ -132,51 +137,83 @@ class WorkerConfig:
         )
         for name in ("stream", "group", "results_stream", "result_prefix", "dead_stream"):
             need(bool(getattr(self, name)), _env(name), "must not be empty")
-        need(self.stream != self.results_stream, "GPUFEED_RESULTS_STREAM",
-             "must differ from GPUFEED_STREAM")
+        need(
+            self.stream != self.results_stream,
+            "GPUFEED_RESULTS_STREAM",
+            "must differ from GPUFEED_STREAM",
+        )
         need(self.model.strip() != "", "GPUFEED_MODEL", "must name a torchvision model")
         need(bool(self.weights), "GPUFEED_WEIGHTS", "must be a weights name, a file or 'none'")
         dev = self.device
         need(
-            dev in ("auto", "cpu", "cuda")
-            or (dev.startswith("cuda:") and dev[5:].isdigit()),
+            dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
             "GPUFEED_DEVICE",
             f"must be auto, cpu, cuda or cuda:N (got {dev!r})",
         )
-        need(0 <= self.batch_size <= 4096, "GPUFEED_BATCH_SIZE",
-             "must be between 1 and 4096 (0 picks 64 on CUDA, 8 on CPU)")
-        need(self.compile in COMPILE_MODES, "GPUFEED_COMPILE",
-             f"must be one of {', '.join(COMPILE_MODES)} (got {self.compile!r})")
-        need(self.precision in PRECISIONS, "GPUFEED_PRECISION",
-             f"must be one of {', '.join(PRECISIONS)} (got {self.precision!r})")
-        need(self.input_size == 0 or 16 <= self.input_size <= 2048, "GPUFEED_INPUT_SIZE",
-             "must be 0 (the weights' own size) or between 16 and 2048")
+        need(
+            0 <= self.batch_size <= 4096,
+            "GPUFEED_BATCH_SIZE",
+            "must be between 1 and 4096 (0 picks 64 on CUDA, 8 on CPU)",
+        )
+        need(
+            self.compile in COMPILE_MODES,
+            "GPUFEED_COMPILE",
+            f"must be one of {', '.join(COMPILE_MODES)} (got {self.compile!r})",
+        )
+        need(
+            self.precision in PRECISIONS,
+            "GPUFEED_PRECISION",
+            f"must be one of {', '.join(PRECISIONS)} (got {self.precision!r})",
+        )
+        need(
+            self.input_size == 0 or 16 <= self.input_size <= 2048,
+            "GPUFEED_INPUT_SIZE",
+            "must be 0 (the weights' own size) or between 16 and 2048",
+        )
         need(1 <= self.top_k <= 100, "GPUFEED_TOP_K", "must be between 1 and 100")
-        need(0 <= self.max_wait_ms <= 60_000, "GPUFEED_MAX_WAIT_MS",
-             "must be between 0 and 60000")
-        need(0 <= self.decode_threads <= 256, "GPUFEED_DECODE_THREADS",
-             "must be between 1 and 256 (0 picks one per CPU core, at most 16)")
-        need(self.decode in DECODE_MODES, "GPUFEED_DECODE",
-             f"must be one of {', '.join(DECODE_MODES)} (got {self.decode!r})")
+        need(0 <= self.max_wait_ms <= 60_000, "GPUFEED_MAX_WAIT_MS", "must be between 0 and 60000")
+        need(
+            0 <= self.decode_threads <= 256,
+            "GPUFEED_DECODE_THREADS",
+            "must be between 1 and 256 (0 picks one per CPU core, at most 16)",
+        )
+        need(
+            self.decode in DECODE_MODES,
+            "GPUFEED_DECODE",
+            f"must be one of {', '.join(DECODE_MODES)} (got {self.decode!r})",
+        )
         need(2 <= self.ring_slots <= 64, "GPUFEED_RING_SLOTS", "must be between 2 and 64")
         need(self.max_image_bytes >= 1024, "GPUFEED_MAX_IMAGE_BYTES", "must be at least 1024")
         need(self.max_image_pixels >= 1, "GPUFEED_MAX_IMAGE_PIXELS", "must be at least 1")
         if self.path_root is not None:
-            need(self.path_root.is_dir(), "GPUFEED_PATH_ROOT",
-                 f"{self.path_root} is not a directory")
-        need(self.visibility_timeout_s >= 1, "GPUFEED_VISIBILITY_TIMEOUT_S",
-             "must be at least 1 second (and longer than the slowest batch)")
+            need(
+                self.path_root.is_dir(), "GPUFEED_PATH_ROOT", f"{self.path_root} is not a directory"
+            )
+        need(
+            self.visibility_timeout_s >= 1,
+            "GPUFEED_VISIBILITY_TIMEOUT_S",
+            "must be at least 1 second (and longer than the slowest batch)",
+        )
         need(self.max_deliveries >= 1, "GPUFEED_MAX_DELIVERIES", "must be at least 1")
         need(self.claim_interval_s > 0, "GPUFEED_CLAIM_INTERVAL_S", "must be positive")
         need(self.shutdown_grace_s >= 0, "GPUFEED_SHUTDOWN_GRACE_S", "must not be negative")
         need(self.result_ttl_s >= 1, "GPUFEED_RESULT_TTL_S", "must be at least 1 second")
         need(self.results_maxlen >= 1, "GPUFEED_RESULTS_MAXLEN", "must be at least 1")
-        need(0 <= self.metrics_port <= 65535, "GPUFEED_METRICS_PORT",
-             "must be a TCP port (0 turns metrics off)")
-        need(self.log_format in LOG_FORMATS, "GPUFEED_LOG_FORMAT",
-             f"must be one of {', '.join(LOG_FORMATS)}")
-        need(self.log_level in LOG_LEVELS, "GPUFEED_LOG_LEVEL",
-             f"must be one of {', '.join(LOG_LEVELS)}")
+        need(
+            0 <= self.metrics_port <= 65535,
+            "GPUFEED_METRICS_PORT",
+            "must be a TCP port (0 turns metrics off)",
+        )
+        need(
+            self.log_format in LOG_FORMATS,
+            "GPUFEED_LOG_FORMAT",
+            f"must be one of {', '.join(LOG_FORMATS)}",
+        )
+        need(
+            self.log_level in LOG_LEVELS,
+            "GPUFEED_LOG_LEVEL",
+            f"must be one of {', '.join(LOG_LEVELS)}",
+        )
 
     def redacted_url(self) -> str:
         """REDIS_URL with any password replaced, safe for logs."""

@@ -18,8 +18,8 @@ import numpy.typing as npt
 
 from producer.wire import ErrorCode
 from worker.decoder import DecodeError, DecodeInfo, DecodeSpec, decode_into
-from worker.jobs import Job
 from worker.job_path import read_job_path
+from worker.jobs import Job
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,8 @@ class DecodeError(Exception):
 
 @dataclass(frozen=True)
 class DecodeInfo:
+    """What was decoded: the sniffed format, the upright size, and the DCT reduction used."""
+
     format: str
     width: int
     height: int

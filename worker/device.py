@@ -9,7 +9,7 @@ Nothing downstream branches on the device type except through this module.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -21,7 +21,7 @@ class Event(Protocol):
 
     def query(self) -> bool: ...
 
-    def elapsed_time(self, end_event: Event) -> float: ...
+    def elapsed_time(self, end_event: Any) -> float: ...
 
 
 class DoneEvent:
@@ -33,7 +33,7 @@ class DoneEvent:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end_event: Event) -> float:
+    def elapsed_time(self, end_event: Any) -> float:
         if not isinstance(end_event, DoneEvent):
             raise TypeError("elapsed_time needs two events of the same device")
         return (end_event._wall_s - self._wall_s) * 1000.0
@@ -80,6 +80,17 @@ def make_context(device: torch.device) -> DeviceContext:
     torch.cuda.set_device(device)
     return DeviceContext(
         device=device,
-        copy_stream=torch.cuda.Stream(device),
-        compute_stream=torch.cuda.Stream(device),
+        copy_stream=torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
+        compute_stream=torch.cuda.Stream(device),  # type: ignore[no-untyped-call]
     )
+
+
+def cuda_event(*, timing: bool = False) -> torch.cuda.Event:
+    """A CUDA event; timing ones cost a little more to record, so only where read."""
+    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+
+
+def mark_cudagraph_step() -> None:
+    """Tell CUDA-graph trees that a new step begins: outputs of the previous replay are no
+    longer referenced (their values were already copied out), so it may overwrite them."""
+    torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]

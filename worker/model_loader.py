@@ -76,8 +76,8 @@ def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
         preset = tv_weights.transforms()
         crop = int(preset.crop_size[0])
         resize = int(preset.resize_size[0])
-        mean = tuple(preset.mean)  # type: ignore[assignment]
-        std = tuple(preset.std)  # type: ignore[assignment]
+        mean = (float(preset.mean[0]), float(preset.mean[1]), float(preset.mean[2]))
+        std = (float(preset.std[0]), float(preset.std[1]), float(preset.std[2]))
 
     num_classes = len(categories) if categories and state_dict is not None else 1000
     try:
@@ -94,9 +94,7 @@ def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
             module.load_state_dict(state_dict)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0]
-            raise ConfigError(
-                f"GPUFEED_WEIGHTS: {label} does not fit {name}: {first}"
-            ) from None
+            raise ConfigError(f"GPUFEED_WEIGHTS: {label} does not fit {name}: {first}") from None
 
     if input_size:
         resize = round(input_size * resize / crop)
@@ -116,9 +114,7 @@ def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
     )
 
 
-def save_weights_file(
-    module: nn.Module, path: Path, categories: list[str] | None = None
-) -> None:
+def save_weights_file(module: nn.Module, path: Path, categories: list[str] | None = None) -> None:
     """Write weights in the format `load_model` reads (used by tests and the demo)."""
     payload: dict[str, Any] = {"state_dict": module.state_dict()}
     if categories:
@@ -155,3 +151,29 @@ def _read_weights_file(path: Path) -> tuple[dict[str, Any], tuple[str, ...] | No
     if isinstance(obj, dict):
         return dict(obj), None
     raise ConfigError(f"GPUFEED_WEIGHTS: {path} holds no state dict")
+
+
+def prefetch_weights(model: str, weights: str, *, timeout_s: float = 15.0) -> str | None:
+    """Bring a torchvision weights file into the hub cache; returns why not, or None.
+
+    Hosts without network would otherwise hang in the download for minutes; the timeout
+    turns that into a prompt, readable answer.
+    """
+    import socket
+
+    try:
+        tv_weights = _resolve_weights_name(model, weights)
+    except ConfigError as exc:
+        return str(exc)
+    cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(tv_weights.url).name
+    if cached.is_file():
+        return None
+    previous = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(timeout_s)
+    try:
+        torch.hub.load_state_dict_from_url(tv_weights.url, progress=False, check_hash=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available here"
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+    finally:
+        socket.setdefaulttimeout(previous)
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -128,25 +129,35 @@ class Reader:
                 log.info("redis_back_reading")
                 outage_logged = False
                 backoff_s = 0.1
-            entries = reply[0][1] if reply else []
+            entries = _entries(reply)
             if backlog_id != ">":
                 if len(entries) < count:
                     backlog_id = ">"
                 elif entries:
-                    last = entries[-1][0]
-                    backlog_id = last.decode() if isinstance(last, bytes) else last
-            for entry_id_raw, fields in entries:
-                entry_id = (
-                    entry_id_raw.decode() if isinstance(entry_id_raw, bytes) else entry_id_raw
-                )
+                    backlog_id = entries[-1][0]
+            for entry_id, fields in entries:
                 if fields is None:
                     # Still pending for us, but its data was deleted (XDEL or a trim): the
                     # job cannot run, yet it must still end with a result.
                     job = parse_job(entry_id, {}, self.default_reply_to)
-                    job.rejected = (ErrorCode.ENTRY_DELETED, "the job entry was deleted "
-                                    "from the stream before it was processed")
+                    job.rejected = (
+                        ErrorCode.ENTRY_DELETED,
+                        "the job entry was deleted from the stream before it was processed",
+                    )
                 else:
                     job = parse_job(entry_id, fields, self.default_reply_to)
                 self.in_flight.take(1)
                 self.read_total += 1
                 await self._deliver(job)
+
+
+def _entries(reply: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
+    """XREADGROUP's reply for one stream as (entry id, fields); fields None for an entry
+    that is pending but was deleted."""
+    if not reply:
+        return []
+    out: list[tuple[str, dict[bytes, bytes] | None]] = []
+    for raw_id, fields in reply[0][1]:
+        entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+        out.append((entry_id, fields or None))
+    return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.batcher import Batch
-from worker.device import DeviceContext, DoneEvent, Event
+from worker.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
 from worker.staging import OutputSlot
 from worker.transfer import DeviceTransfer
 
@@ -67,20 +67,18 @@ class ModelRunner:
         assert stream is not None
         x, copied = self.transfer.to_device(batch.slot)
         with torch.cuda.stream(stream):
-            start = torch.cuda.Event(enable_timing=True)
+            start = cuda_event(timing=True)
             start.record(stream)
             if self._cudagraphs:
-                # Tells CUDA-graph trees that the previous step's outputs are dead (their
-                # values already went to the output ring), so the replay may overwrite them.
-                torch.compiler.cudagraph_mark_step_begin()
+                mark_cudagraph_step()
             indices, scores = self.step(x)
-            consumed = torch.cuda.Event()
+            consumed = cuda_event()
             consumed.record(stream)
             # The replay's outputs live in graph-owned memory that the next replay
             # overwrites: copy them out now, queued behind the step on the same stream.
             out.indices.copy_(indices, non_blocking=True)
             out.scores.copy_(scores, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
+            done = cuda_event(timing=True)
             done.record(stream)
         self.transfer.mark_consumed(batch.slot, consumed)
         return Launched(batch, out, copied, start, done, time.monotonic())

@@ -98,15 +98,17 @@ class Worker:
         self.out_ring = OutputRing(cfg.ring_slots, self.batch_size, step.top_k, pin=pin)
         self.transfer = DeviceTransfer(self.ctx, cfg.ring_slots, self.batch_size, size)
         mode = resolve_compile_mode(cfg.compile, device)
-        self.runner = ModelRunner(self.ctx, step, self.transfer,
-                                  cudagraphs=mode == "reduce-overhead" and self.ctx.is_cuda)
+        self.runner = ModelRunner(
+            self.ctx, step, self.transfer, cudagraphs=mode == "reduce-overhead" and self.ctx.is_cuda
+        )
 
         example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
 
         def compile_on_launch_thread() -> None:
             # CUDA-graph trees are per thread: compile and warm up where launches happen.
-            fn, report = compile_step(step, example, mode=mode,
-                                      allow_eager_fallback=cfg.allow_eager_fallback)
+            fn, report = compile_step(
+                step, example, mode=mode, allow_eager_fallback=cfg.allow_eager_fallback
+            )
             self.runner.step = fn
             self.compile_report = report
 
@@ -127,14 +129,20 @@ class Worker:
         )
 
         threads = cfg.decode_threads or default_decode_threads()
-        spec = DecodeSpec(size=size, max_bytes=cfg.max_image_bytes,
-                          max_pixels=cfg.max_image_pixels, dct_scaling=cfg.dct_scaling)
+        spec = DecodeSpec(
+            size=size,
+            max_bytes=cfg.max_image_bytes,
+            max_pixels=cfg.max_image_pixels,
+            dct_scaling=cfg.dct_scaling,
+        )
         delay = self._decode_delay_s
-        self.decoder = DecodePool(spec, threads, cfg.path_root,
-                                  delay_hook=(lambda: time.sleep(delay)) if delay else None)
+        self.decoder = DecodePool(
+            spec, threads, cfg.path_root, delay_hook=(lambda: time.sleep(delay)) if delay else None
+        )
 
-        self.redis = aioredis.from_url(cfg.redis_url, socket_keepalive=True,
-                                       health_check_interval=30)
+        self.redis = aioredis.from_url(
+            cfg.redis_url, socket_keepalive=True, health_check_interval=30
+        )
         await self._wait_for_redis(wait_for_redis)
         # Join the group only now: a worker that is still compiling takes no jobs.
         await ensure_group(self.redis, cfg.stream, cfg.group)
@@ -145,27 +153,51 @@ class Worker:
         self.writer = ResultWriter(
             self.redis,
             WriterSettings(
-                stream=cfg.stream, group=cfg.group, result_prefix=cfg.result_prefix,
-                result_ttl_s=cfg.result_ttl_s, results_maxlen=cfg.results_maxlen,
-                worker_name=cfg.worker_name, model_name=cfg.model,
+                stream=cfg.stream,
+                group=cfg.group,
+                result_prefix=cfg.result_prefix,
+                result_ttl_s=cfg.result_ttl_s,
+                results_maxlen=cfg.results_maxlen,
+                worker_name=cfg.worker_name,
+                model_name=cfg.model,
+                device=str(device),
             ),
             max_queued=cfg.ring_slots * 2,
             on_published=self._on_published,
         )
-        self.batcher = Batcher(self.ring, self.decoder, batch_size=self.batch_size,
-                               max_wait_s=cfg.max_wait_ms / 1000, jobs=self.jobs_q,
-                               sealed=self.sealed_q)
-        self.watcher = CompletionWatcher(self.out_ring, self.writer.put,
-                                         categories=self.loaded.categories,
-                                         on_batch_done=self._on_batch_done)
+        self.batcher = Batcher(
+            self.ring,
+            self.decoder,
+            batch_size=self.batch_size,
+            max_wait_s=cfg.max_wait_ms / 1000,
+            jobs=self.jobs_q,
+            sealed=self.sealed_q,
+        )
+        self.watcher = CompletionWatcher(
+            self.out_ring,
+            self.writer.put,
+            categories=self.loaded.categories,
+            on_batch_done=self._on_batch_done,
+        )
         self.reader = Reader(
-            self.redis, stream=cfg.stream, group=cfg.group, consumer=cfg.worker_name,
-            default_reply_to=cfg.results_stream, in_flight=self.in_flight,
-            deliver=self._deliver, max_per_read=self.batch_size * 2,
+            self.redis,
+            stream=cfg.stream,
+            group=cfg.group,
+            consumer=cfg.worker_name,
+            default_reply_to=cfg.results_stream,
+            in_flight=self.in_flight,
+            deliver=self._deliver,
+            max_per_read=self.batch_size * 2,
         )
         self.ready = True
-        log.info("worker_ready", worker=cfg.worker_name, stream=cfg.stream, group=cfg.group,
-                 decode_threads=threads, in_flight_limit=self.in_flight.limit)
+        log.info(
+            "worker_ready",
+            worker=cfg.worker_name,
+            stream=cfg.stream,
+            group=cfg.group,
+            decode_threads=threads,
+            in_flight_limit=self.in_flight.limit,
+        )
 
     async def _wait_for_redis(self, wait: bool) -> None:
         backoff_s = 0.2
@@ -225,24 +257,34 @@ class Worker:
             results = await batch.decoded()
             if not batch.valid_rows:
                 self.ring.release_now(batch.slot)
-                await self.writer.put([
-                    Outcome.failure(job, r.error.code, r.error.message)
-                    for job, r in zip(batch.jobs, results, strict=True) if r.error is not None
-                ])
+                await self.writer.put(
+                    [
+                        Outcome.failure(job, r.error.code, r.error.message)
+                        for job, r in zip(batch.jobs, results, strict=True)
+                        if r.error is not None
+                    ]
+                )
                 continue
             out = await self.out_ring.acquire()
             try:
                 launched = await self.runner.launch(batch, out)
             except Exception as exc:  # noqa: BLE001 - the batch fails, the worker goes on
-                log.error("batch_failed", batch=batch.seq, error=repr(exc),
-                          job_ids=[j.job_id for j in batch.jobs])
+                log.error(
+                    "batch_failed",
+                    batch=batch.seq,
+                    error=repr(exc),
+                    job_ids=[j.job_id for j in batch.jobs],
+                )
                 self.out_ring.release(out)
                 self.ring.release_now(batch.slot)
-                await self.writer.put([
-                    Outcome.failure(job, r.error.code, r.error.message) if r.error is not None
-                    else Outcome.failure(job, ErrorCode.INFERENCE_ERROR, f"{exc}")
-                    for job, r in zip(batch.jobs, results, strict=True)
-                ])
+                await self.writer.put(
+                    [
+                        Outcome.failure(job, r.error.code, r.error.message)
+                        if r.error is not None
+                        else Outcome.failure(job, ErrorCode.INFERENCE_ERROR, f"{exc}")
+                        for job, r in zip(batch.jobs, results, strict=True)
+                    ]
+                )
                 continue
             batch.slot.copy_done = launched.copied
             self.ring.release_after_copy(batch.slot)
@@ -279,15 +321,17 @@ class Worker:
                 results_error=c.results_error,
                 in_flight=self.in_flight.count,
                 batch_fill=round(c.real_rows / (c.batches * self.batch_size), 3)
-                if c.batches else None,
+                if c.batches
+                else None,
             )
             last_total, last_s = total, now
 
     # ----------------------------------------------------------------------- shutdown
     async def shutdown(self) -> None:
         grace = self.config.shutdown_grace_s
-        log.info("shutting_down", in_flight=getattr(self, "in_flight", InFlight(0)).count,
-                 grace_s=grace)
+        log.info(
+            "shutting_down", in_flight=getattr(self, "in_flight", InFlight(0)).count, grace_s=grace
+        )
         tasks = self._tasks
         # 1. Stop reading: nothing new is taken from the stream.
         if "reader" in tasks:
@@ -307,8 +351,11 @@ class Worker:
                 await self.writer.close()
                 await asyncio.wait_for(tasks["writer"], grace)
             except (TimeoutError, asyncio.CancelledError):
-                log.warning("grace_period_over", note="unfinished jobs stay pending in "
-                            "Redis and will be reclaimed by other workers")
+                log.warning(
+                    "grace_period_over",
+                    note="unfinished jobs stay pending in "
+                    "Redis and will be reclaimed by other workers",
+                )
             except Exception as exc:  # noqa: BLE001 - shutdown must go on to release resources
                 log.error("drain_failed", error=repr(exc))
         # 3. Cancel whatever is left, with the reason in the log above.
@@ -322,8 +369,11 @@ class Worker:
             self.runner.shutdown()
         if hasattr(self, "redis"):
             await self.redis.aclose()
-        log.info("stopped", results_ok=self.counters.results_ok,
-                 results_error=self.counters.results_error)
+        log.info(
+            "stopped",
+            results_ok=self.counters.results_ok,
+            results_error=self.counters.results_error,
+        )
 
     # ----------------------------------------------------------------------- serve
     def install_signal_handlers(self) -> None:
@@ -339,8 +389,9 @@ class Worker:
             log.warning("forced_exit", signal=sig)
         self.should_exit.set()
 
-    async def serve(self, *, wait_for_redis: bool = True) -> None:
-        self.install_signal_handlers()
+    async def serve(self, *, wait_for_redis: bool = True, install_signals: bool = True) -> None:
+        if install_signals:
+            self.install_signal_handlers()
         try:
             await self.startup(wait_for_redis=wait_for_redis)
             if not self.should_exit.is_set():
@@ -350,8 +401,12 @@ class Worker:
 
     def snapshot(self) -> dict[str, Any]:
         c = self.counters
-        return {"results_ok": c.results_ok, "results_error": c.results_error,
-                "duplicates": c.duplicates, "batches": c.batches}
+        return {
+            "results_ok": c.results_ok,
+            "results_error": c.results_error,
+            "duplicates": c.duplicates,
+            "batches": c.batches,
+        }
 
 
 __all__ = ["ConfigError", "RedisUnavailable", "Worker"]

@@ -16,6 +16,7 @@ never the bookkeeping.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -96,10 +97,8 @@ class InputRing:
             if self._copying:
                 # Copies finish in well under a millisecond; polling a few times per copy is
                 # cheaper than a thread blocked in cudaEventSynchronize.
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), poll_interval_s)
-                except TimeoutError:
-                    pass
             else:
                 await self._changed.wait()
 

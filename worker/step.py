@@ -53,6 +53,8 @@ class InferenceStep(nn.Module):
         # Folding /255 into the normalisation saves one elementwise pass over the batch.
         scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(1, 3, 1, 1)
         shift = torch.tensor([-m / s for m, s in zip(mean, std, strict=True)]).view(1, 3, 1, 1)
+        self.scale: torch.Tensor
+        self.shift: torch.Tensor
         self.register_buffer("scale", scale.to(dtype), persistent=False)
         self.register_buffer("shift", shift.to(dtype), persistent=False)
 
@@ -72,7 +74,8 @@ class InferenceStep(nn.Module):
 def build_step(
     loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype, top_k: int
 ) -> InferenceStep:
-    model = loaded.module.to(device=device, dtype=dtype, memory_format=torch.channels_last)
+    model = loaded.module.to(device=device, dtype=dtype)
+    model = model.to(memory_format=torch.channels_last)
     k = min(top_k, loaded.num_classes)
     step = InferenceStep(
         model,

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from worker.device import DeviceContext, DoneEvent, Event
+from worker.device import DeviceContext, DoneEvent, Event, cuda_event
 from worker.staging import InputSlot
 
 
@@ -20,7 +20,7 @@ class DeviceTransfer:
     def __init__(self, ctx: DeviceContext, slots: int, batch: int, size: int) -> None:
         self.ctx = ctx
         self._twins: list[torch.Tensor] = []
-        self._consumed: list[torch.cuda.Event | None] = [None] * slots
+        self._consumed: list[Event | None] = [None] * slots
         if ctx.is_cuda:
             self._twins = [
                 torch.empty((batch, size, size, 3), dtype=torch.uint8, device=ctx.device)
@@ -42,11 +42,11 @@ class DeviceTransfer:
         twin = self._twins[slot.index]
         consumed = self._consumed[slot.index]
         if consumed is not None:
-            copy_stream.wait_event(consumed)
+            copy_stream.wait_event(consumed)  # type: ignore[arg-type]
         with torch.cuda.stream(copy_stream):
             # x: [B, S, S, 3] uint8, pinned -> device; asynchronous because the source is pinned.
             twin.copy_(slot.images, non_blocking=True)
-            copied = torch.cuda.Event()
+            copied = cuda_event()
             copied.record(copy_stream)
         compute_stream.wait_event(copied)
         return twin, copied
@@ -54,5 +54,4 @@ class DeviceTransfer:
     def mark_consumed(self, slot: InputSlot, event: Event | None) -> None:
         """The compute stream recorded `event` after its last read of the slot's twin."""
         if self.ctx.is_cuda:
-            assert isinstance(event, torch.cuda.Event)
             self._consumed[slot.index] = event

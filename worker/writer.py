@@ -54,6 +54,7 @@ class WriterSettings:
     results_maxlen: int
     worker_name: str
     model_name: str
+    device: str = "cpu"
 
 
 def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | str]:
@@ -62,6 +63,7 @@ def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | st
     details: dict[str, Any] = {
         "model": settings.model_name,
         "worker": settings.worker_name,
+        "device": settings.device,
         "timings_ms": {k: round(v, 3) for k, v in job.timings_ms.items()},
     }
     out: list[bytes | str] = [
@@ -141,8 +143,7 @@ class ResultWriter:
                 acked = await self.publish(outcomes)
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 if not outage_logged:
-                    log.warning("redis_unavailable_for_results", error=str(exc),
-                                held=len(outcomes))
+                    log.warning("redis_unavailable_for_results", error=str(exc), held=len(outcomes))
                     outage_logged = True
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
@@ -163,14 +164,19 @@ class ResultWriter:
             job = outcome.job
             await self._script(
                 keys=[s.stream, job.reply_to, wire.result_key(job.job_id, s.result_prefix)],
-                args=[s.group, job.entry_id, s.result_ttl_s, s.results_maxlen,
-                      *result_fields(outcome, s)],
+                args=[
+                    s.group,
+                    job.entry_id,
+                    s.result_ttl_s,
+                    s.results_maxlen,
+                    *result_fields(outcome, s),
+                ],
                 client=pipe,
             )
         try:
             replies = await pipe.execute(raise_on_error=False)
         finally:
-            await pipe.reset()
+            await pipe.reset()  # type: ignore[no-untyped-call]
         acked: list[bool] = []
         for outcome, reply in zip(outcomes, replies, strict=True):
             if isinstance(reply, RedisError):
@@ -178,8 +184,12 @@ class ResultWriter:
                     raise reply
                 # A server-side refusal for one job (e.g. WRONGTYPE on its reply_to key)
                 # must not block the others; it is logged with the job id.
-                log.error("result_publish_failed", job_id=outcome.job.job_id,
-                          entry=outcome.job.entry_id, error=str(reply))
+                log.error(
+                    "result_publish_failed",
+                    job_id=outcome.job.job_id,
+                    entry=outcome.job.entry_id,
+                    error=str(reply),
+                )
                 acked.append(False)
                 continue
             acked.append(bool(reply))

@@ -1,0 +1,52 @@
+# gpufeed — every target that needs the environment builds it first (idempotent, quick when done).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+REDIS_PORT ?= 6379
+
+.PHONY: setup redis-server test lint demo run-worker run-redis bench gpu-check clean help
+
+help:
+	@echo "make demo        local Redis + worker + sample jobs + results and throughput"
+	@echo "make test        ruff, mypy, then the test suite (starts its own redis-server)"
+	@echo "make run-worker  run a worker with the GPUFEED_* / REDIS_URL settings of the environment"
+	@echo "make run-redis   a local redis-server on 127.0.0.1:$(REDIS_PORT), nothing kept on disk"
+	@echo "make lint        ruff and mypy"
+	@echo "make setup       .venv with the packages, and redis-server from the OS packages"
+
+setup: $(STAMP) redis-server
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[worker,dev]'
+	@touch $(STAMP)
+
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server from the OS packages"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@# The OS package starts a system-wide server on :6379; gpufeed's targets start their own.
+
+# The one test command (CI runs exactly this): lint and types, then the suite.
+test: setup lint
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check worker producer tests
+	$(VENV)/bin/ruff format --check worker producer tests
+	$(VENV)/bin/mypy
+
+demo: setup
+	$(PY) -m worker demo
+
+run-worker: setup
+	$(PY) -m worker
+
+run-redis: redis-server
+	redis-server --port $(REDIS_PORT) --bind 127.0.0.1 --save "" --appendonly no
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo *.egg-info

@@ -1,0 +1,63 @@
+"""Run a real Worker inside the test's event loop, against the test's redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from worker.config import WorkerConfig
+from worker.service import Worker
+
+TINY = {
+    "model": "mobilenet_v3_small",
+    "input_size": 64,
+    "batch_size": 4,
+    "max_wait_ms": 20.0,
+    "decode_threads": 2,
+    "ring_slots": 3,
+    "log_format": "json",
+    "log_level": "warning",
+    "shutdown_grace_s": 20.0,
+}
+
+
+def tiny_config(redis_url: str, weights: Path, **overrides: Any) -> WorkerConfig:
+    values: dict[str, Any] = {**TINY, "redis_url": redis_url, "weights": str(weights)}
+    values.update(overrides)
+    return WorkerConfig.load(env={}, overrides=values)
+
+
+@asynccontextmanager
+async def running_worker(redis_url: str, weights: Path, **overrides: Any) -> AsyncIterator[Worker]:
+    worker = Worker(tiny_config(redis_url, weights, **overrides))
+    task = asyncio.create_task(worker.serve(install_signals=False))
+    deadline = time.monotonic() + 120
+    while not worker.ready:
+        if task.done():
+            task.result()  # raises what startup raised
+        if time.monotonic() > deadline:
+            raise TimeoutError("worker did not become ready")
+        await asyncio.sleep(0.02)
+    try:
+        yield worker
+    finally:
+        worker.handle_exit()
+        await asyncio.wait_for(task, 60)
+
+
+async def wait_results(
+    client: redis.Redis, stream: str, count: int, timeout_s: float = 60
+) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """Poll the results stream (off the loop thread) until `count` entries are there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        entries = await asyncio.to_thread(client.xrange, stream)
+        if len(entries) >= count or time.monotonic() > deadline:
+            return entries
+        await asyncio.sleep(0.05)
