@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 import typer
@@ -115,14 +115,6 @@ class Settings:
     def merged(self, **given: str | None) -> Settings:
         return Settings(**{**self.__dict__, **{k: v for k, v in given.items() if v is not None}})
 
-    def producer(self) -> Producer:
-        return Producer(
-            self.redis_url,
-            stream=self.stream,
-            results_stream=self.results_stream,
-            result_prefix=self.result_prefix,
-        )
-
 
 class UsageError(Exception):
     """A mistake in the command line; the message is the one line the user sees."""
@@ -147,22 +139,30 @@ def redact(url: str) -> str:
 
 
 @contextmanager
-def _redis_errors(settings: Settings) -> Iterator[None]:
-    """Turn the ways Redis can fail a command into one line on stderr and an exit code."""
+def _session(settings: Settings) -> Iterator[Producer]:
+    """A producer for the command; the ways Redis can fail become one line and an exit code."""
     url = settings.redis_url
+    try:
+        producer = Producer(
+            url,
+            stream=settings.stream,
+            results_stream=settings.results_stream,
+            result_prefix=settings.result_prefix,
+        )
+    except ValueError as exc:
+        # redis-py rejects a malformed URL (unknown scheme, bad port) with ValueError.
+        raise _fail(f"invalid Redis URL {redact(url)}: {exc}", EXIT_USAGE) from None
     password = urlsplit(url).password
     try:
-        yield
+        with producer:
+            yield producer
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        reason = str(exc).replace(password, "***") if password else str(exc)
+        reason = str(exc)
+        for secret in {password, unquote(password or "")} - {None, ""}:
+            reason = reason.replace(str(secret), "***")
         raise _fail(f"cannot reach Redis at {redact(url)}: {reason}", EXIT_UNREACHABLE) from None
     except redis.RedisError as exc:
         raise _fail(f"Redis at {redact(url)} refused a command: {exc}", EXIT_FAILED) from None
-    except ValueError as exc:
-        # redis-py rejects a malformed URL (unknown scheme, bad port) with ValueError.
-        if "URL" not in str(exc) and "url" not in str(exc):
-            raise
-        raise _fail(f"invalid --redis-url {redact(url)}: {exc}", EXIT_USAGE) from None
 
 
 @app.callback()
@@ -210,7 +210,7 @@ def find_images(paths: Sequence[Path]) -> list[Path]:
     return found
 
 
-def _progress(description: str, total: int, enabled: bool) -> Progress:
+def _progress(description: str, total: int) -> Progress:
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -219,7 +219,7 @@ def _progress(description: str, total: int, enabled: bool) -> Progress:
         console=err,
         transient=True,
         # Rich on a pipe would print the final bar as clutter in logs.
-        disable=not (enabled and err.is_terminal),
+        disable=not err.is_terminal,
     )
     progress.add_task(description, total=total)
     return progress
@@ -297,21 +297,22 @@ def submit(
         raise _fail(str(exc), EXIT_USAGE) from None
     ids = file_job_ids(files, id_prefix=id_prefix)
     meta_bytes = None if meta is None else meta.encode()
-    with _redis_errors(settings), settings.producer() as producer:
-        with _progress("submitting", len(files), True) as progress:
+    with _session(settings) as producer:
+        with _progress("submitting", len(files)) as progress:
             for start in range(0, len(files), batch):
                 chunk = range(start, min(start + batch, len(files)))
                 try:
-                    jobs = [
+                    producer.submit_many(
                         Job.from_file(files[i], id=ids[i], meta=meta_bytes, reply_to=reply_to)
                         for i in chunk
-                    ]
+                    )
                 except OSError as exc:
                     raise _fail(
                         f"cannot read {exc.filename}: {exc.strerror} ({start} jobs were submitted)",
                         EXIT_USAGE,
                     ) from None
-                producer.submit_many(jobs)
+                except ValueError as exc:  # an invalid option value, e.g. an empty --reply-to
+                    raise _fail(str(exc), EXIT_USAGE) from None
                 progress.advance(progress.task_ids[0], len(chunk))
         if not wait:
             if json_out:
@@ -320,7 +321,7 @@ def submit(
             else:
                 out.print(f"submitted {len(ids)} job(s) to {settings.stream}", soft_wrap=True)
             return
-        with _progress("waiting", len(ids), True) as progress:
+        with _progress("waiting", len(ids)) as progress:
             results = producer.wait(
                 ids, timeout, on_result=lambda _: progress.advance(progress.task_ids[0])
             )
@@ -365,9 +366,9 @@ def stats(
         results_stream=results_stream,
         dead_stream=dead_stream,
     )
-    with _redis_errors(settings), redis.Redis.from_url(settings.redis_url) as client:
+    with _session(settings) as producer:
         snapshot = collect_stats(
-            client,
+            producer.client,
             settings.stream,
             settings.group,
             settings.results_stream,
@@ -435,7 +436,7 @@ def results(
 ) -> None:
     """Print the latest results from the results stream, and with --follow, new ones."""
     settings = _settings(ctx, redis_url=redis_url, results_stream=results_stream)
-    with _redis_errors(settings), settings.producer() as producer:
+    with _session(settings) as producer:
         recent = producer.recent_results(count)
         if json_out:
             for _, result in recent:

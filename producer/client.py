@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,9 +119,7 @@ def file_job_ids(files: Sequence[str | os.PathLike[str]], *, id_prefix: str = ""
     common folder where names repeat, so that every id is unique and fits the limit."""
     paths = [Path(f).absolute() for f in files]
     names = [p.name for p in paths]
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
+    counts = Counter(names)
     root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path()
     seen: dict[str, int] = {}
     ids: list[str] = []
@@ -349,6 +348,8 @@ class Producer(_Base):
         `on_result` is called as each result arrives, e.g. to drive a progress bar.
         """
         w = _Waiter(ids, timeout_s, on_result)
+        if not w.pending:
+            return {}
         watched = self._watched(streams)
         # The cursors are taken before the hashes are read: a result published in between
         # is in both, one published later is in the stream after the cursor.
@@ -487,6 +488,8 @@ class AsyncProducer(_Base):
         streams: Iterable[str] | None = None,
     ) -> dict[str, wire.JobResult]:
         w = _Waiter(ids, timeout_s, on_result)
+        if not w.pending:
+            return {}
         watched = self._watched(streams)
         async with self.client.pipeline(transaction=False) as pipe:
             for s in watched:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,7 +39,8 @@ def producer(redis_url: str) -> Iterator[Producer]:
 
 
 def entries(client: redis.Redis, stream: str = JOBS) -> list[tuple[str, dict[bytes, bytes]]]:
-    return [(eid.decode(), fields) for eid, fields in client.xrange(stream)]
+    reply: Any = client.xrange(stream)
+    return [(eid.decode(), fields) for eid, fields in reply]
 
 
 def publish_result(
@@ -78,7 +80,11 @@ def later(redis_client: redis.Redis) -> Iterator[Later]:
     threads: list[threading.Thread] = []
 
     def schedule(delay_s: float, action: Callable[[], None]) -> None:
-        thread = threading.Thread(target=lambda: (time.sleep(delay_s), action()), daemon=True)
+        def run() -> None:
+            time.sleep(delay_s)
+            action()
+
+        thread = threading.Thread(target=run, daemon=True)
         thread.start()
         threads.append(thread)
 
@@ -498,7 +504,8 @@ def fake_worker(redis_url: str) -> Iterator[FakeWorker]:
         client = redis.Redis.from_url(redis_url)
         cursor = "0-0"
         while not stop.is_set():
-            for _, batch in client.xread({JOBS: cursor}, block=100) or []:
+            reply: Any = client.xread({JOBS: cursor}, block=100)
+            for _, batch in reply or []:
                 for entry, fields in batch:
                     cursor = entry.decode()
                     job_id = fields.get(b"id", entry).decode()
@@ -610,6 +617,48 @@ def test_cli_results(redis_url: str, redis_client: redis.Redis) -> None:
     proc = gpufeed("results", "--count", "2", "--json", "--redis-url", redis_url)
     assert proc.returncode == 0, proc.stderr
     assert [json.loads(line)["id"] for line in proc.stdout.splitlines()] == ["job-2", "job-3"]
+
+
+def test_cli_results_follow_until_ctrl_c(redis_url: str, redis_client: redis.Redis) -> None:
+    publish_result(redis_client, "before")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "producer",
+            "results",
+            "--follow",
+            "--json",
+            "--redis-url",
+            redis_url,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["id"] == "before"
+        publish_result(redis_client, "after")
+        assert json.loads(proc.stdout.readline())["id"] == "after"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 130
+        assert proc.stderr is not None
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_cli_bad_redis_url_is_a_usage_error() -> None:
+    proc = gpufeed("stats", "--redis-url", "http://user:pw@host/0")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: invalid Redis URL http://user:***@host/0: ")
+    assert "pw" not in proc.stderr
 
 
 def test_cli_help_runs() -> None:

@@ -1,0 +1,147 @@
+"""`python -m worker` as an operator runs it: config errors, a real process, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.images import jpeg_bytes
+from tests.redis_server import free_port
+from worker.config import ConfigError, WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["--batch-size", "lots"], {}, "'lots' is not a valid integer"),
+        ([], {"GPUFEED_BATCH_SIZE": "lots"}, "GPUFEED_BATCH_SIZE: expected an integer"),
+        ([], {"GPUFEED_DEVICE": "tpu"}, "GPUFEED_DEVICE: must be auto, cpu, cuda or cuda:N"),
+        ([], {"GPUFEED_COMPILE": "fast"}, "GPUFEED_COMPILE: must be one of off, auto"),
+        ([], {"REDIS_URL": "http://localhost"}, "REDIS_URL: must start with redis://"),
+        ([], {"GPUFEED_PATH_ROOT": "/no/such/dir"}, "GPUFEED_PATH_ROOT: /no/such/dir is not"),
+    ],
+)
+def test_config_errors_give_one_clear_line(
+    args: list[str], env: dict[str, str], expected: str
+) -> None:
+    proc = run_worker(*args, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+    if not args:  # our own messages are exactly one line
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_model_lists_the_valid_ones() -> None:
+    proc = run_worker(env={"GPUFEED_MODEL": "resnet5000", "GPUFEED_WEIGHTS": "none",
+                           "GPUFEED_LOG_LEVEL": "error"})
+    assert proc.returncode == 2
+    assert "GPUFEED_MODEL: unknown model 'resnet5000'" in proc.stderr
+    assert "resnet50" in proc.stderr and "mobilenet_v3_small" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_weights_name_lists_the_valid_ones() -> None:
+    proc = run_worker(env={"GPUFEED_MODEL": "resnet18", "GPUFEED_WEIGHTS": "IMAGENET9K",
+                           "GPUFEED_LOG_LEVEL": "error"})
+    assert proc.returncode == 2
+    assert "IMAGENET1K_V1" in proc.stderr and "none" in proc.stderr
+
+
+def test_dead_redis_with_no_wait_exits_with_a_clear_message(tiny_weights: Path) -> None:
+    port = free_port()
+    proc = run_worker(
+        "--no-wait",
+        env={
+            "REDIS_URL": f"redis://gpufeed:s3cret@127.0.0.1:{port}/0",
+            "GPUFEED_MODEL": "mobilenet_v3_small",
+            "GPUFEED_WEIGHTS": str(tiny_weights),
+            "GPUFEED_INPUT_SIZE": "64",
+            "GPUFEED_LOG_FORMAT": "json",
+        },
+    )
+    assert proc.returncode == 3
+    assert f"cannot reach Redis at redis://gpufeed:***@127.0.0.1:{port}/0" in proc.stderr
+    assert "s3cret" not in proc.stderr + proc.stdout
+
+
+def test_config_precedence_flags_over_env_over_defaults() -> None:
+    config = WorkerConfig.load(
+        env={"GPUFEED_BATCH_SIZE": "16", "GPUFEED_MODEL": "resnet18"},
+        overrides={"batch_size": 32},
+    )
+    assert config.batch_size == 32
+    assert config.model == "resnet18"
+    assert config.stream == "gpufeed:jobs"
+    with pytest.raises(ConfigError, match="GPUFEED_TOP_K"):
+        WorkerConfig.load(env={"GPUFEED_TOP_K": "0"})
+
+
+def test_a_real_worker_process_answers_and_drains_on_sigterm(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
+    env.update({
+        "REDIS_URL": redis_url,
+        "GPUFEED_MODEL": "mobilenet_v3_small",
+        "GPUFEED_WEIGHTS": str(tiny_weights),
+        "GPUFEED_INPUT_SIZE": "64",
+        "GPUFEED_BATCH_SIZE": "4",
+        "GPUFEED_LOG_FORMAT": "json",
+        "GPUFEED_WORKER_NAME": "cli-worker",
+    })
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker"], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        redis_client.xadd("gpufeed:jobs", {"id": "t1", "image": jpeg_bytes()})
+        deadline = time.monotonic() + 90
+        while not redis_client.exists("gpufeed:result:t1"):
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "no result from the worker process"
+            time.sleep(0.1)
+        # A burst, then SIGTERM at once: everything already read must still be answered.
+        for i in range(12):
+            redis_client.xadd("gpufeed:jobs", {"id": f"late-{i}", "image": jpeg_bytes(seed=i)})
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert redis_client.hget("gpufeed:result:t1", "status") == b"ok"
+    assert '"event": "stopped"' in stderr
+    # Nothing read was dropped: every entry is either answered or still unread/pending
+    # for the group (and so available to other workers).
+    answered = redis_client.xlen("gpufeed:results")
+    pending = redis_client.xpending("gpufeed:jobs", "gpufeed")["pending"]
+    group = redis_client.xinfo_groups("gpufeed:jobs")[0]
+    unread = group["lag"] if group["lag"] is not None else 0
+    assert pending == 0
+    assert answered + unread == 13
