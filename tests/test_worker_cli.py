@@ -56,8 +56,9 @@ def test_config_errors_give_one_clear_line(
 
 
 def test_unknown_model_lists_the_valid_ones() -> None:
-    proc = run_worker(env={"GPUFEED_MODEL": "resnet5000", "GPUFEED_WEIGHTS": "none",
-                           "GPUFEED_LOG_LEVEL": "error"})
+    proc = run_worker(
+        env={"GPUFEED_MODEL": "resnet5000", "GPUFEED_WEIGHTS": "none", "GPUFEED_LOG_LEVEL": "error"}
+    )
     assert proc.returncode == 2
     assert "GPUFEED_MODEL: unknown model 'resnet5000'" in proc.stderr
     assert "resnet50" in proc.stderr and "mobilenet_v3_small" in proc.stderr
@@ -65,8 +66,13 @@ def test_unknown_model_lists_the_valid_ones() -> None:
 
 
 def test_bad_weights_name_lists_the_valid_ones() -> None:
-    proc = run_worker(env={"GPUFEED_MODEL": "resnet18", "GPUFEED_WEIGHTS": "IMAGENET9K",
-                           "GPUFEED_LOG_LEVEL": "error"})
+    proc = run_worker(
+        env={
+            "GPUFEED_MODEL": "resnet18",
+            "GPUFEED_WEIGHTS": "IMAGENET9K",
+            "GPUFEED_LOG_LEVEL": "error",
+        }
+    )
     assert proc.returncode == 2
     assert "IMAGENET1K_V1" in proc.stderr and "none" in proc.stderr
 
@@ -104,18 +110,24 @@ def test_a_real_worker_process_answers_and_drains_on_sigterm(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
-    env.update({
-        "REDIS_URL": redis_url,
-        "GPUFEED_MODEL": "mobilenet_v3_small",
-        "GPUFEED_WEIGHTS": str(tiny_weights),
-        "GPUFEED_INPUT_SIZE": "64",
-        "GPUFEED_BATCH_SIZE": "4",
-        "GPUFEED_LOG_FORMAT": "json",
-        "GPUFEED_WORKER_NAME": "cli-worker",
-    })
+    env.update(
+        {
+            "REDIS_URL": redis_url,
+            "GPUFEED_MODEL": "mobilenet_v3_small",
+            "GPUFEED_WEIGHTS": str(tiny_weights),
+            "GPUFEED_INPUT_SIZE": "64",
+            "GPUFEED_BATCH_SIZE": "4",
+            "GPUFEED_LOG_FORMAT": "json",
+            "GPUFEED_WORKER_NAME": "cli-worker",
+        }
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "worker"], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "worker"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         redis_client.xadd("gpufeed:jobs", {"id": "t1", "image": jpeg_bytes()})
