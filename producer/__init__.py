@@ -2,6 +2,8 @@
 
 from producer.client import (
     AsyncProducer,
+    DeadLetter,
+    DeadLetterNotFound,
     Job,
     Producer,
     ResultsTimeout,
@@ -13,6 +15,8 @@ from producer.wire import ErrorCode, JobResult
 
 __all__ = [
     "AsyncProducer",
+    "DeadLetter",
+    "DeadLetterNotFound",
     "ErrorCode",
     "Job",
     "JobResult",

@@ -23,7 +23,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from producer import wire
-from producer.client import DEFAULT_REDIS_URL, Job, Producer, file_job_ids
+from producer.client import (
+    DEFAULT_REDIS_URL,
+    DeadLetter,
+    DeadLetterNotFound,
+    Job,
+    Producer,
+    file_job_ids,
+    iso_utc,
+)
 from producer.stats import collect_stats
 
 EXIT_OK = 0
@@ -148,6 +156,7 @@ def _session(settings: Settings) -> Iterator[Producer]:
             stream=settings.stream,
             results_stream=settings.results_stream,
             result_prefix=settings.result_prefix,
+            dead_stream=settings.dead_stream,
         )
     except ValueError as exc:
         # redis-py rejects a malformed URL (unknown scheme, bad port) with ValueError.
@@ -457,6 +466,108 @@ def results(
                     out.print("  ".join(c for c in _row(result.id, result) if c), soft_wrap=True)
         except KeyboardInterrupt:
             raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _size(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    if n < 1024 * 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / (1024 * 1024):.1f} MiB"
+
+
+def _dead_row(d: DeadLetter) -> list[str]:
+    at = d.dead_at
+    if d.image_bytes is not None:
+        image = f"{_size(d.image_bytes)} image"
+    elif d.path is not None:
+        image = f"path {d.path}"
+    else:
+        image = "no image or path"
+    return [
+        d.dead_id,
+        d.id,
+        "" if d.deliveries is None else str(d.deliveries),
+        d.consumer or "",
+        "" if at is None else iso_utc(at),
+        image,
+    ]
+
+
+@app.command()
+def dead(
+    ctx: typer.Context,
+    *,
+    count: Annotated[int, typer.Option(min=1, help="how many dead letters, oldest first")] = 100,
+    json_out: JsonFlag = False,
+    redis_url: RedisUrl = None,
+    dead_stream: DeadStream = None,
+) -> None:
+    """List dead letters: jobs that kept killing or stalling workers past the delivery limit."""
+    settings = _settings(ctx, redis_url=redis_url, dead_stream=dead_stream)
+    with _session(settings) as producer:
+        letters = producer.dead_letters(count)
+    if json_out:
+        for d in letters:
+            _print_json(d.to_dict())
+    elif letters:
+        table = Table("dead entry", "job id", "deliveries", "last consumer", "when (UTC)", "image")
+        for d in letters:
+            table.add_row(*_dead_row(d))
+        out.print(table)
+    else:
+        print(f"no dead letters on {settings.dead_stream}", file=sys.stderr)
+
+
+@app.command("replay-dead")
+def replay_dead(
+    ctx: typer.Context,
+    *,
+    entry_ids: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="ENTRY_IDS",
+            show_default=False,
+            help="dead-letter stream entry IDs (as `dead` lists them)",
+        ),
+    ] = None,
+    all_: Annotated[bool, typer.Option("--all", help="replay every dead letter")] = False,
+    keep: Annotated[
+        bool, typer.Option("--keep", help="leave the dead letters in the dead-letter stream")
+    ] = False,
+    json_out: JsonFlag = False,
+    redis_url: RedisUrl = None,
+    stream: Stream = None,
+    result_prefix: ResultPrefix = None,
+    dead_stream: DeadStream = None,
+) -> None:
+    """Enqueue dead letters again with their original fields, to be run again.
+
+    Deletes each replayed job id's stored dead_letter result, so the job is not a duplicate.
+    """
+    if bool(entry_ids) == all_:
+        raise _fail("give the dead letters' entry IDs, or --all (not both)", EXIT_USAGE)
+    settings = _settings(
+        ctx,
+        redis_url=redis_url,
+        stream=stream,
+        result_prefix=result_prefix,
+        dead_stream=dead_stream,
+    )
+    with _session(settings) as producer:
+        try:
+            added = producer.replay_dead(entry_ids, all=all_, keep=keep)
+        except DeadLetterNotFound as exc:
+            raise _fail(str(exc), EXIT_FAILED) from None
+        except ValueError as exc:
+            raise _fail(str(exc), EXIT_USAGE) from None
+    if json_out:
+        _print_json({"replayed": len(added), "stream": settings.stream, "entries": added})
+        return
+    kept = f", kept in {settings.dead_stream}" if keep else ""
+    out.print(f"re-enqueued {len(added)} dead letter(s) to {settings.stream}{kept}", soft_wrap=True)
+    for entry_id in added:
+        out.print(entry_id, soft_wrap=True)
 
 
 def main() -> None:

@@ -8,12 +8,15 @@ msgpack `result` field are binary.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -34,8 +37,32 @@ _READ_COUNT = 1000
 # still land in their hash; look there again this often while waiting.
 _RECHECK_S = 2.0
 _HASH_CHUNK = 5000
+# Dead letters replayed by `replay_dead(all=True)` per transaction: each holds its image.
+_REPLAY_CHUNK = 100
+# A replay reads the dead-letter stream under WATCH; a worker adding a dead letter in
+# between aborts the transaction, which is then simply run again.
+_REPLAY_ATTEMPTS = 10
+
+# The fields a worker adds to a job's own fields when it copies it to the dead-letter stream.
+DEAD_ENTRY = b"dead_entry"  # the job's entry ID in the job stream
+DEAD_DELIVERIES = b"dead_deliveries"  # how many times it was delivered
+DEAD_CONSUMER = b"dead_consumer"  # the consumer that had it last
+DEAD_AT_MS = b"dead_at_ms"  # when it was dead-lettered, epoch milliseconds
+DEAD_FIELDS = (DEAD_ENTRY, DEAD_DELIVERIES, DEAD_CONSUMER, DEAD_AT_MS)
+
+_ENTRY_ID = re.compile(r"[0-9]+-[0-9]+")
 
 OnResult = Callable[[wire.JobResult], None]
+
+
+class DeadLetterNotFound(LookupError):
+    """`replay_dead` was given entry IDs that are not (or no longer) in the dead-letter stream;
+    nothing was replayed. `missing` lists them."""
+
+    def __init__(self, stream: str, missing: list[str]) -> None:
+        super().__init__(f"no dead letter {', '.join(missing)} in {stream}")
+        self.stream = stream
+        self.missing = missing
 
 
 class ResultsTimeout(TimeoutError):
@@ -193,6 +220,184 @@ def _check_client(client: redis.Redis | aioredis.Redis) -> None:
         )
 
 
+@dataclass(frozen=True)
+class DeadLetter:
+    """One entry of the dead-letter stream: a job that kept killing or stalling its workers.
+
+    `dead_id` is the entry's ID in the dead-letter stream (what `replay_dead` takes), `entry`
+    the job's original entry ID in the job stream, and `id` the job id its results are stored
+    under (its `id` field, or `entry` where it has none). Exactly one of `image_bytes` (the
+    size of the encoded image) and `path` is set for a well-formed job. `fields` names the
+    job's own fields, in order, as `replay_dead` would enqueue them again.
+    """
+
+    dead_id: str
+    id: str
+    entry: str
+    deliveries: int | None
+    consumer: str | None
+    dead_at_ms: int | None
+    image_bytes: int | None
+    path: str | None
+    reply_to: str | None
+    has_meta: bool
+    fields: tuple[bytes, ...] = field(default=(), repr=False)
+
+    @property
+    def dead_at(self) -> datetime | None:
+        """When the job was dead-lettered (UTC), if the entry says."""
+        if self.dead_at_ms is None:
+            return None
+        return datetime.fromtimestamp(self.dead_at_ms / 1000, tz=timezone.utc)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-friendly view; `dead_at` in ISO 8601, UTC."""
+        at = self.dead_at
+        return {
+            "dead_id": self.dead_id,
+            "id": self.id,
+            "entry": self.entry,
+            "deliveries": self.deliveries,
+            "consumer": self.consumer,
+            "dead_at_ms": self.dead_at_ms,
+            "dead_at": None if at is None else iso_utc(at),
+            "image_bytes": self.image_bytes,
+            "path": self.path,
+            "reply_to": self.reply_to,
+            "has_meta": self.has_meta,
+            "fields": [f.decode("utf-8", "backslashreplace") for f in self.fields],
+        }
+
+
+def iso_utc(at: datetime) -> str:
+    """`at` as ISO 8601 in UTC with milliseconds and a `Z`."""
+    return at.astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _raw(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _norm(fields: Mapping[Any, Any]) -> dict[bytes, bytes]:
+    """Stream entry fields with bytes keys and values, in the entry's order."""
+    return {_raw(k): _raw(v) for k, v in fields.items()}
+
+
+def _job_fields(fields: Mapping[bytes, bytes]) -> dict[bytes, bytes]:
+    """A dead letter's fields less those the worker added: the job exactly as enqueued."""
+    return {k: v for k, v in fields.items() if k not in DEAD_FIELDS}
+
+
+def _own_id(fields: Mapping[bytes, bytes]) -> str | None:
+    """The job's `id` where a worker would honour it (the worker's rule), else None."""
+    raw = fields.get(wire.JOB_ID)
+    if not raw or len(raw) > wire.MAX_ID_BYTES:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def _opt_text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("utf-8", "backslashreplace")
+
+
+def _opt_int(value: bytes | None) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+def _dead_letter(dead_id: str, raw_fields: Mapping[Any, Any]) -> DeadLetter:
+    fields = _norm(raw_fields)
+    entry = _opt_text(fields.get(DEAD_ENTRY)) or ""
+    image = fields.get(wire.JOB_IMAGE)
+    return DeadLetter(
+        dead_id=dead_id,
+        id=_own_id(fields) or entry,
+        entry=entry,
+        deliveries=_opt_int(fields.get(DEAD_DELIVERIES)),
+        consumer=_opt_text(fields.get(DEAD_CONSUMER)),
+        dead_at_ms=_opt_int(fields.get(DEAD_AT_MS)),
+        image_bytes=None if image is None else len(image),
+        path=_opt_text(fields.get(wire.JOB_PATH)),
+        reply_to=_opt_text(fields.get(wire.JOB_REPLY_TO)),
+        has_meta=wire.JOB_META in fields,
+        fields=tuple(_job_fields(fields)),
+    )
+
+
+def _replay_selection(entry_ids: Sequence[str] | None, all: bool) -> list[str] | None:
+    """The entry IDs to replay (deduplicated, in order), or None for all of them."""
+    if all:
+        if entry_ids:
+            raise ValueError("give either entry IDs or all=True, not both")
+        return None
+    if entry_ids is None:
+        raise ValueError("give the dead letters' entry IDs, or all=True")
+    if isinstance(entry_ids, str):
+        raise TypeError("entry_ids is a list of entry IDs, not one string")
+    ids = list(dict.fromkeys(entry_ids))
+    bad = [i for i in ids if not _ENTRY_ID.fullmatch(i)]
+    if bad:
+        raise ValueError(f"not a stream entry ID (ms-seq): {', '.join(map(repr, bad))}")
+    return ids
+
+
+def _single_entries(replies: list[Any]) -> list[tuple[str, dict[Any, Any]]]:
+    """The entries of one-entry XRANGE replies, left out where the entry is gone."""
+    return [e for reply in replies for e in _stream_entries(reply or [])]
+
+
+@dataclass
+class _Replay:
+    """What replaying some dead letters writes, worked out before the transaction."""
+
+    dead_ids: list[str] = field(default_factory=list)
+    jobs: list[dict[bytes, bytes]] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)
+    reply_to: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls, entries: Iterable[tuple[str, Mapping[Any, Any]]], result_prefix: str
+    ) -> tuple[_Replay, list[str]]:
+        """The plan for `entries`, and the IDs of those with no job fields to replay."""
+        plan, empty = cls(), []
+        for dead_id, raw_fields in entries:
+            job = _job_fields(_norm(raw_fields))
+            if not job:
+                empty.append(dead_id)
+                continue
+            plan.dead_ids.append(dead_id)
+            plan.jobs.append(job)
+            own_id = _own_id(job)
+            if own_id is not None:
+                # The dead_letter error result under this id would make workers answer the
+                # replayed job as a duplicate of an id that already has a result.
+                plan.stale.append(wire.result_key(own_id, result_prefix))
+            reply_to = _opt_text(job.get(wire.JOB_REPLY_TO))
+            if reply_to:
+                plan.reply_to.append(reply_to)
+        return plan, empty
+
+    def queue(self, pipe: Any, stream: str, dead_stream: str, keep: bool) -> None:
+        """Queue the writes on `pipe`, a sync or asyncio pipeline in MULTI mode."""
+        if self.stale:
+            pipe.delete(*dict.fromkeys(self.stale))
+        for job in self.jobs:
+            pipe.xadd(stream, job)
+        if not keep and self.dead_ids:
+            pipe.xdel(dead_stream, *self.dead_ids)
+
+    def added(self, replies: list[Any]) -> list[str]:
+        """The new job entry IDs, from the transaction's replies."""
+        first = 1 if self.stale else 0
+        return [_text(r) for r in replies[first : first + len(self.jobs)]]
+
+
 class _Waiter:
     """The client-independent half of `wait`: what is still missing and where to read next."""
 
@@ -250,10 +455,13 @@ class _Waiter:
 
 
 class _Base:
-    def __init__(self, stream: str, results_stream: str, result_prefix: str) -> None:
+    def __init__(
+        self, stream: str, results_stream: str, result_prefix: str, dead_stream: str
+    ) -> None:
         self.stream = stream
         self.results_stream = results_stream
         self.result_prefix = result_prefix
+        self.dead_stream = dead_stream
         # Every reply_to used here is watched by wait(); a handful of names, not one per job.
         self._reply_streams: dict[str, None] = {results_stream: None}
 
@@ -266,6 +474,17 @@ class _Base:
     def _watched(self, streams: Iterable[str] | None) -> list[str]:
         return list(self._reply_streams if streams is None else dict.fromkeys(streams))
 
+    def _plan(self, entries: Iterable[tuple[str, Mapping[Any, Any]]]) -> tuple[_Replay, list[str]]:
+        return _Replay.of(entries, self.result_prefix)
+
+    def _replayed(self, plan: _Replay, replies: list[Any]) -> list[str]:
+        for reply_to in plan.reply_to:
+            self._reply_streams[reply_to] = None
+        return plan.added(replies)
+
+    def _dead_letters(self, reply: Any) -> list[DeadLetter]:
+        return [_dead_letter(eid, f) for eid, f in _stream_entries(reply or [])]
+
 
 class Producer(_Base):
     """A synchronous gpufeed client. Closes the Redis client only if it created it."""
@@ -277,8 +496,9 @@ class Producer(_Base):
         stream: str = wire.DEFAULT_STREAM,
         results_stream: str = wire.DEFAULT_RESULTS_STREAM,
         result_prefix: str = wire.DEFAULT_RESULT_PREFIX,
+        dead_stream: str = wire.DEFAULT_DEAD_STREAM,
     ) -> None:
-        super().__init__(stream, results_stream, result_prefix)
+        super().__init__(stream, results_stream, result_prefix, dead_stream)
         self._owns_client = isinstance(url_or_client, str)
         self.client = (
             redis.Redis.from_url(url_or_client) if isinstance(url_or_client, str) else url_or_client
@@ -412,6 +632,98 @@ class Producer(_Base):
                 if (result := _parse(fields)) is not None:
                     yield entry_id, result
 
+    # ------------------------------------------------------------------ dead letters
+    def dead_letters(self, count: int = 100, start: str = "-") -> list[DeadLetter]:
+        """Up to `count` dead letters, oldest first, from `start` (an entry ID, inclusive;
+        "(ID" for the ones after ID, to page on)."""
+        return self._dead_letters(self.client.xrange(self.dead_stream, start, count=count))
+
+    def replay_dead(
+        self, entry_ids: Sequence[str] | None = None, *, all: bool = False, keep: bool = False
+    ) -> list[str]:
+        """Enqueue dead letters again, to be run again; returns the new job entry IDs.
+
+        Give the dead letters' `entry_ids` (their IDs in the dead-letter stream, e.g. from
+        `dead_letters`) or `all=True`. Each job is added to the job stream with exactly its
+        original fields (image or path, id, reply_to, meta and any field of the producer's
+        own), without the `dead_*` fields the worker added. Replay means "run it again": the
+        result stored for the job's `id` (its `dead_letter` error) is deleted, or workers
+        would answer the replayed job as a duplicate of an id that already has a result.
+        A job without an `id` is identified by its new entry ID, so its old result stays.
+
+        The dead letters are removed from the dead-letter stream unless `keep`. Their jobs,
+        the removal and the deletion of the stale results are one MULTI/EXEC transaction,
+        under WATCH of the dead-letter stream, so a replay is never half done nor done twice
+        by two concurrent replays. With entry IDs, all of them are one transaction and
+        DeadLetterNotFound is raised, with nothing replayed, if any is not in the stream;
+        with all=True, the dead letters present when the call starts are replayed in
+        transactions of up to 100 each, and entries with no job fields are left in place.
+        In Redis Cluster the job stream, the dead-letter stream and the result prefix must
+        share a hash tag.
+        """
+        ids = _replay_selection(entry_ids, all)
+        if ids is None:
+            return self._replay_all(keep)
+        if not ids:
+            return []
+        for _ in range(_REPLAY_ATTEMPTS - 1):
+            with contextlib.suppress(redis.WatchError):
+                return self._replay_ids(ids, keep)
+        return self._replay_ids(ids, keep)
+
+    def _replay_ids(self, ids: list[str], keep: bool) -> list[str]:
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.watch(self.dead_stream)  # type: ignore[no-untyped-call]
+            # Read on another connection: on the watching one each command is a round trip.
+            with self.client.pipeline(transaction=False) as read:
+                for i in ids:
+                    read.xrange(self.dead_stream, i, i, count=1)
+                found = dict(_single_entries(read.execute()))
+            missing = [i for i in ids if i not in found]
+            plan, empty = self._plan((i, found[i]) for i in ids if i in found)
+            if missing or empty:
+                pipe.unwatch()
+                if missing:
+                    raise DeadLetterNotFound(self.dead_stream, missing)
+                raise ValueError(f"dead letter(s) with no job fields: {', '.join(empty)}")
+            pipe.multi()
+            plan.queue(pipe, self.stream, self.dead_stream, keep)
+            return self._replayed(plan, pipe.execute())
+
+    def _replay_all(self, keep: bool) -> list[str]:
+        end = _last_id(self.client.xrevrange(self.dead_stream, count=1))
+        added: list[str] = []
+        cursor = "-"
+        while end != "0-0":
+            for attempt in range(_REPLAY_ATTEMPTS):
+                try:
+                    new, last = self._replay_range(cursor, end, keep)
+                    break
+                except redis.WatchError:
+                    if attempt == _REPLAY_ATTEMPTS - 1:
+                        raise
+            added += new
+            if last is None or last == end:
+                break
+            cursor = f"({last}"
+        return added
+
+    def _replay_range(self, start: str, end: str, keep: bool) -> tuple[list[str], str | None]:
+        with self.client.pipeline(transaction=True) as pipe:
+            pipe.watch(self.dead_stream)  # type: ignore[no-untyped-call]
+            entries = list(
+                _stream_entries(
+                    self.client.xrange(self.dead_stream, start, end, _REPLAY_CHUNK) or []
+                )
+            )
+            if not entries:
+                pipe.unwatch()
+                return [], None
+            plan, _ = self._plan(entries)
+            pipe.multi()
+            plan.queue(pipe, self.stream, self.dead_stream, keep)
+            return self._replayed(plan, pipe.execute() if plan.jobs else []), entries[-1][0]
+
 
 class AsyncProducer(_Base):
     """The asyncio twin of `Producer`: the same methods, awaited."""
@@ -423,8 +735,9 @@ class AsyncProducer(_Base):
         stream: str = wire.DEFAULT_STREAM,
         results_stream: str = wire.DEFAULT_RESULTS_STREAM,
         result_prefix: str = wire.DEFAULT_RESULT_PREFIX,
+        dead_stream: str = wire.DEFAULT_DEAD_STREAM,
     ) -> None:
-        super().__init__(stream, results_stream, result_prefix)
+        super().__init__(stream, results_stream, result_prefix, dead_stream)
         self._owns_client = isinstance(url_or_client, str)
         self.client = (
             aioredis.Redis.from_url(url_or_client)
@@ -545,3 +858,72 @@ class AsyncProducer(_Base):
                 cursor = entry_id
                 if (result := _parse(fields)) is not None:
                     yield entry_id, result
+
+    # ------------------------------------------------------------------ dead letters
+    async def dead_letters(self, count: int = 100, start: str = "-") -> list[DeadLetter]:
+        return self._dead_letters(await self.client.xrange(self.dead_stream, start, count=count))
+
+    async def replay_dead(
+        self, entry_ids: Sequence[str] | None = None, *, all: bool = False, keep: bool = False
+    ) -> list[str]:
+        """See `Producer.replay_dead`: replay means "run it again" (the stale result of the
+        job's id is deleted in the same transaction)."""
+        ids = _replay_selection(entry_ids, all)
+        if ids is None:
+            return await self._replay_all(keep)
+        if not ids:
+            return []
+        for _ in range(_REPLAY_ATTEMPTS - 1):
+            with contextlib.suppress(redis.WatchError):
+                return await self._replay_ids(ids, keep)
+        return await self._replay_ids(ids, keep)
+
+    async def _replay_ids(self, ids: list[str], keep: bool) -> list[str]:
+        async with self.client.pipeline(transaction=True) as pipe:
+            await pipe.watch(self.dead_stream)
+            async with self.client.pipeline(transaction=False) as read:
+                for i in ids:
+                    read.xrange(self.dead_stream, i, i, count=1)
+                found = dict(_single_entries(await read.execute()))
+            missing = [i for i in ids if i not in found]
+            plan, empty = self._plan((i, found[i]) for i in ids if i in found)
+            if missing or empty:
+                await pipe.unwatch()  # type: ignore[no-untyped-call]
+                if missing:
+                    raise DeadLetterNotFound(self.dead_stream, missing)
+                raise ValueError(f"dead letter(s) with no job fields: {', '.join(empty)}")
+            pipe.multi()  # type: ignore[no-untyped-call]
+            plan.queue(pipe, self.stream, self.dead_stream, keep)
+            return self._replayed(plan, await pipe.execute())
+
+    async def _replay_all(self, keep: bool) -> list[str]:
+        end = _last_id(await self.client.xrevrange(self.dead_stream, count=1))
+        added: list[str] = []
+        cursor = "-"
+        while end != "0-0":
+            for attempt in range(_REPLAY_ATTEMPTS):
+                try:
+                    new, last = await self._replay_range(cursor, end, keep)
+                    break
+                except redis.WatchError:
+                    if attempt == _REPLAY_ATTEMPTS - 1:
+                        raise
+            added += new
+            if last is None or last == end:
+                break
+            cursor = f"({last}"
+        return added
+
+    async def _replay_range(self, start: str, end: str, keep: bool) -> tuple[list[str], str | None]:
+        async with self.client.pipeline(transaction=True) as pipe:
+            await pipe.watch(self.dead_stream)
+            reply = await self.client.xrange(self.dead_stream, start, end, _REPLAY_CHUNK)
+            entries = list(_stream_entries(reply or []))
+            if not entries:
+                await pipe.unwatch()  # type: ignore[no-untyped-call]
+                return [], None
+            plan, _ = self._plan(entries)
+            pipe.multi()  # type: ignore[no-untyped-call]
+            plan.queue(pipe, self.stream, self.dead_stream, keep)
+            replies = await pipe.execute() if plan.jobs else []
+            return self._replayed(plan, replies), entries[-1][0]

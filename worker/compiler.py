@@ -5,20 +5,36 @@ partly in eager mode, a guard failure silently recompiles, and CUDA graphs are s
 skipped for some inputs. Any of those gives back the launch overhead the compile was meant
 to remove, so the worker checks for each at start-up and refuses to run (or, when the
 operator allows it, runs plain eager and says so loudly).
+
+How each failure is seen, in ways that hold from torch 2.11 to 2.14:
+- graph breaks: `fullgraph=True` turns the first one into an exception at the first call;
+  `torch._dynamo.explain` then counts them all for the message. The dynamo counter
+  `graph_break` is read as well.
+- recompiles: every graph dynamo produces bumps `counters["stats"]["unique_graphs"]` and
+  every converted frame `counters["frames"]["ok"]`; a fixed-shape step produces exactly one.
+  `CompileBaseline` snapshots both after the first compile, so a recompile later (another
+  shape, a changed global) is visible at any time through `changes_since`.
+- CUDA-graph skips: inductor logs "skipping cudagraphs due to ..." and bumps
+  `counters["inductor"]["cudagraph_skips"]`; the log line is captured for its reason. As a
+  last line of defence the warm-up counts real CUDA-graph replays: with reduce-overhead on
+  CUDA there must be some.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 import torch
+from torch import nn
 
 from worker.device import mark_cudagraph_step
-from worker.step import InferenceStep
 
 log = structlog.get_logger("gpufeed.compiler")
 
@@ -27,6 +43,16 @@ StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 class CompileRefused(RuntimeError):
     """The compiled step is not what was asked for; the message says why."""
+
+
+@dataclass(frozen=True)
+class CompileBaseline:
+    """Dynamo's counters right after the one expected compile."""
+
+    unique_graphs: int
+    frames_ok: int
+    graph_breaks: int
+    cudagraph_skips: int
 
 
 @dataclass
@@ -38,8 +64,11 @@ class CompileReport:
     graph_breaks: int = 0
     recompiles: int = 0
     cudagraph_skips: list[str] = field(default_factory=list)
+    cudagraph_replays: int = 0
     fell_back_to_eager: bool = False
     reason: str = ""
+    torch_version: str = torch.__version__
+    baseline: CompileBaseline | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -50,15 +79,134 @@ class CompileReport:
             "graph_breaks": self.graph_breaks,
             "recompiles": self.recompiles,
             "cudagraph_skips": self.cudagraph_skips,
+            "cudagraph_replays": self.cudagraph_replays,
             "fell_back_to_eager": self.fell_back_to_eager,
             "reason": self.reason,
         }
 
 
-def _counters() -> dict[str, Any]:
+def _counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def _count(group: str, name: str) -> int:
+    value = _counters().get(group, {}).get(name, 0)
+    return int(value)
+
+
+def _graph_break_count() -> int:
+    breaks = _counters().get("graph_break", {})
+    return int(sum(breaks.values())) if breaks else 0
+
+
+def snapshot() -> CompileBaseline:
+    return CompileBaseline(
+        unique_graphs=_count("stats", "unique_graphs"),
+        frames_ok=_count("frames", "ok"),
+        graph_breaks=_graph_break_count(),
+        cudagraph_skips=_count("inductor", "cudagraph_skips"),
+    )
+
+
+def changes_since(baseline: CompileBaseline) -> dict[str, int]:
+    """New graphs (recompiles), graph breaks and CUDA-graph skips since `baseline`."""
+    now = snapshot()
+    return {
+        "recompiles": max(
+            now.unique_graphs - baseline.unique_graphs, now.frames_ok - baseline.frames_ok, 0
+        ),
+        "graph_breaks": max(0, now.graph_breaks - baseline.graph_breaks),
+        "cudagraph_skips": max(0, now.cudagraph_skips - baseline.cudagraph_skips),
+    }
+
+
+def still_compiled(report: CompileReport) -> list[str]:
+    """Problems that appeared after start-up (empty when the step is still one graph).
+
+    Cheap (reads a few counters): meant for the periodic stats line and for benchmarks.
+    """
+    if not report.compiled or report.baseline is None:
+        return []
+    changes = changes_since(report.baseline)
+    return [f"{n} {what.replace('_', ' ')}" for what, n in changes.items() if n]
+
+
+class _SkipCapture(logging.Handler):
+    """Collects inductor's "skipping cudagraphs due to ..." lines, whatever the logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.reasons: list[str] = []
+        self._lock_reasons = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except (TypeError, ValueError):
+            return
+        if "cudagraph" in message.lower():
+            with self._lock_reasons:
+                self.reasons.append(" ".join(message.split())[:300])
+
+
+def _skip_loggers() -> list[logging.Logger]:
+    # The artifact was "perf_hints" up to about torch 2.5 and is "cudagraphs" since; both
+    # are off by default (propagate=False), so the handler goes on the loggers themselves.
+    with contextlib.suppress(ImportError):
+        import torch._inductor.cudagraph_utils  # noqa: F401
+    names = [
+        name
+        for name in list(logging.Logger.manager.loggerDict)
+        if name.startswith("torch._inductor") and name.endswith(("__cudagraphs", "__perf_hints"))
+    ]
+    names.append("torch._inductor.cudagraph_trees")
+    return [logging.getLogger(n) for n in names]
+
+
+@contextlib.contextmanager
+def _capture_skips() -> Iterator[_SkipCapture]:
+    handler = _SkipCapture()
+    loggers = _skip_loggers()
+    saved = [(lg, lg.level) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(handler)
+        if lg.level == logging.NOTSET or lg.level > logging.WARNING:
+            lg.setLevel(logging.WARNING)
+    try:
+        yield handler
+    finally:
+        for lg, level in saved:
+            lg.removeHandler(handler)
+            lg.setLevel(level)
+
+
+class _ReplayCounter:
+    def __init__(self) -> None:
+        self.count = 0
+
+
+@contextlib.contextmanager
+def count_cudagraph_replays() -> Iterator[_ReplayCounter]:
+    """Counts torch.cuda.CUDAGraph.replay calls while active (start-up and tests only:
+    it swaps a class attribute, which is not something to do with launches in flight)."""
+    counter = _ReplayCounter()
+    graph_cls: Any = getattr(torch.cuda, "CUDAGraph", None)
+    original = getattr(graph_cls, "replay", None) if graph_cls is not None else None
+    if graph_cls is None or original is None:
+        yield counter
+        return
+
+    def replay(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counter.count += 1
+        return original(self, *args, **kwargs)
+
+    graph_cls.replay = replay
+    try:
+        yield counter
+    finally:
+        graph_cls.replay = original
 
 
 def _sync(x: torch.Tensor) -> None:
@@ -67,13 +215,8 @@ def _sync(x: torch.Tensor) -> None:
         torch.cuda.synchronize(x.device)
 
 
-def _cudagraph_skips() -> list[str]:
-    skips = _counters().get("inductor", {}).get("cudagraph_skips", 0)
-    return [f"{skips} cudagraph skip(s) reported by inductor"] if skips else []
-
-
 def compile_step(
-    step: InferenceStep,
+    step: nn.Module | StepFn,
     example: torch.Tensor,
     *,
     mode: str,
@@ -81,51 +224,57 @@ def compile_step(
     warmup_iters: int = 3,
 ) -> tuple[StepFn, CompileReport]:
     """Returns the function to launch and a report. Runs the step `1 + warmup_iters` times on
-    `example` (which must have the production shape, dtype and device)."""
+    `example` (which must have the production shape, dtype and device, and like the
+    production buffers must not be an inference tensor: guards check that), on the calling
+    thread: with CUDA graphs that must be the thread that launches later (graph trees are
+    per thread), under the stream it will launch on."""
     if mode == "off":
-        report = CompileReport(mode="off", compiled=False)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            for _ in range(max(1, warmup_iters)):
-                out = step(example)
-        _sync(out[0])
-        report.warmup_s = time.perf_counter() - t0
-        return step, report
+        return _eager(step, example, warmup_iters)
 
     torch._dynamo.reset()
     _counters().clear()
     report = CompileReport(mode=mode, compiled=True)
     # fullgraph=True turns any graph break into an exception right here, at start-up,
-    # instead of a step that silently runs partly in eager mode.
+    # instead of a step that silently runs partly in eager mode. dynamic=False: the one
+    # batch shape is compiled as constants, and another shape is a (detected) recompile.
     compiled: StepFn = torch.compile(step, mode=mode, fullgraph=True, dynamic=False)
     cudagraphs = mode == "reduce-overhead" and example.is_cuda
-    t0 = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            if cudagraphs:
-                mark_cudagraph_step()
-            out = compiled(example)
-        _sync(out[0])
-    except Exception as exc:  # noqa: BLE001 - dynamo raises many kinds; all mean "not compiled"
-        report.compiled = False
-        report.graph_breaks = max(1, _graph_break_count())
-        report.reason = _first_line(exc)
-        return _refuse_or_fall_back(step, example, report, allow_eager_fallback, warmup_iters)
-    report.compile_s = time.perf_counter() - t0
+    with _capture_skips() as skips, count_cudagraph_replays() as replays:
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                if cudagraphs:
+                    mark_cudagraph_step()
+                out = compiled(example)
+            _sync(out[0])
+        except Exception as exc:  # noqa: BLE001 - dynamo raises many kinds; all mean "not compiled"
+            report.compiled = False
+            report.graph_breaks = max(1, _graph_break_count(), _explain_breaks(step, example))
+            report.reason = f"{report.graph_breaks} graph break(s): {_first_line(exc)}"
+            return _refuse_or_fall_back(step, example, report, allow_eager_fallback, warmup_iters)
+        report.compile_s = time.perf_counter() - t0
+        baseline = snapshot()
 
-    frames_after_compile = _unique_graphs()
-    t1 = time.perf_counter()
-    with torch.inference_mode():
-        for _ in range(max(1, warmup_iters)):
-            if cudagraphs:
-                mark_cudagraph_step()
-            out = compiled(example)
-    _sync(out[0])
-    report.warmup_s = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(max(1, warmup_iters)):
+                if cudagraphs:
+                    mark_cudagraph_step()
+                out = compiled(example)
+        _sync(out[0])
+        report.warmup_s = time.perf_counter() - t1
+    changes = changes_since(baseline)
     report.graph_breaks = _graph_break_count()
-    report.recompiles = max(0, _unique_graphs() - frames_after_compile)
+    report.recompiles = changes["recompiles"]
+    report.cudagraph_replays = replays.count
     if cudagraphs:
-        report.cudagraph_skips = _cudagraph_skips()
+        n_skips = _count("inductor", "cudagraph_skips")
+        report.cudagraph_skips = list(dict.fromkeys(skips.reasons))
+        if n_skips and not report.cudagraph_skips:
+            report.cudagraph_skips = [f"{n_skips} cudagraph skip(s) reported by inductor"]
+        if not report.cudagraph_skips and warmup_iters >= 2 and replays.count == 0:
+            report.cudagraph_skips = ["no CUDA-graph replay during warm-up"]
+    report.baseline = snapshot()
 
     problems = []
     if report.graph_breaks:
@@ -133,7 +282,7 @@ def compile_step(
     if report.recompiles:
         problems.append(f"{report.recompiles} recompile(s) on a fixed shape")
     if report.cudagraph_skips:
-        problems.append("; ".join(report.cudagraph_skips))
+        problems.append("skipping cudagraphs: " + "; ".join(report.cudagraph_skips))
     if problems:
         report.compiled = False
         report.reason = ", ".join(problems)
@@ -141,8 +290,21 @@ def compile_step(
     return compiled, report
 
 
+def _eager(
+    step: nn.Module | StepFn, example: torch.Tensor, warmup_iters: int
+) -> tuple[StepFn, CompileReport]:
+    report = CompileReport(mode="off", compiled=False)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for _ in range(max(1, warmup_iters)):
+            out = step(example)
+    _sync(out[0])
+    report.warmup_s = time.perf_counter() - t0
+    return step, report
+
+
 def _refuse_or_fall_back(
-    step: InferenceStep,
+    step: nn.Module | StepFn,
     example: torch.Tensor,
     report: CompileReport,
     allow_eager_fallback: bool,
@@ -159,21 +321,25 @@ def _refuse_or_fall_back(
         )
     log.error("compile_fell_back_to_eager", reason=report.reason, mode=report.mode)
     torch._dynamo.reset()
-    eager, eager_report = compile_step(
-        step, example, mode="off", allow_eager_fallback=True, warmup_iters=warmup_iters
-    )
+    eager, eager_report = _eager(step, example, warmup_iters)
     report.fell_back_to_eager = True
     report.warmup_s = eager_report.warmup_s
     return eager, report
 
 
-def _graph_break_count() -> int:
-    breaks = _counters().get("graph_break", {})
-    return int(sum(breaks.values())) if breaks else 0
-
-
-def _unique_graphs() -> int:
-    return int(_counters().get("stats", {}).get("unique_graphs", 0))
+def _explain_breaks(step: nn.Module | StepFn, example: torch.Tensor) -> int:
+    """How many graph breaks dynamo finds (for the message; 0 when explain is unusable)."""
+    explain = getattr(torch._dynamo, "explain", None)
+    if explain is None:
+        return 0
+    try:
+        with torch.inference_mode():
+            result = explain(step)(example)
+        return int(getattr(result, "graph_break_count", 0))
+    except Exception:  # noqa: BLE001 - only a count for the message; the refusal stands
+        return 0
+    finally:
+        torch._dynamo.reset()
 
 
 def _first_line(exc: BaseException) -> str:

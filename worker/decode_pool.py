@@ -2,6 +2,11 @@
 
 PIL releases the GIL while it decodes and resizes, so threads give real parallelism here
 without the cost of shipping pixels between processes.
+
+With GPU decode on, a JPEG the router picks for the GPU is only probed here (header,
+limits, orientation): its row is marked deferred and the runner decodes it on the GPU
+straight into the device copy of the slot. Anything else, and any JPEG the GPU fails on,
+is decoded here as usual.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import numpy.typing as npt
 
 from producer.wire import ErrorCode
 from worker.decoder import DecodeError, DecodeInfo, DecodeSpec, decode_into
+from worker.gpu_decode import GpuDecodeRouter, GpuRow
 from worker.job_path import read_job_path
 from worker.jobs import Job
 
@@ -27,6 +33,8 @@ class DecodeResult:
     info: DecodeInfo | None
     error: DecodeError | None
     decode_ms: float
+    # Set when the row was left for the GPU: the row in the pinned slot is not written.
+    gpu: GpuRow | None = None
 
 
 class DecodePool:
@@ -37,19 +45,26 @@ class DecodePool:
         path_root: Path | None,
         *,
         delay_hook: Callable[[], None] | None = None,
+        gpu_router: GpuDecodeRouter | None = None,
     ) -> None:
         self.spec = spec
         self.threads = threads
         self.path_root = path_root
         # Lets the doctor and tests simulate a slow decoder without touching the real one.
         self._delay_hook = delay_hook
+        self.gpu_router = gpu_router
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="gpufeed-decode")
 
     def submit(self, job: Job, out: npt.NDArray[np.uint8]) -> asyncio.Future[DecodeResult]:
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._executor, self._decode, job, out)
+        return loop.run_in_executor(self._executor, self._decode, job, out, True)
 
-    def _decode(self, job: Job, out: npt.NDArray[np.uint8]) -> DecodeResult:
+    async def decode_on_cpu(self, job: Job, out: npt.NDArray[np.uint8]) -> DecodeResult:
+        """Decode on a CPU thread whatever the router says (the GPU fallback)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._decode, job, out, False)
+
+    def _decode(self, job: Job, out: npt.NDArray[np.uint8], may_defer: bool) -> DecodeResult:
         start = time.perf_counter()
         try:
             if self._delay_hook is not None:
@@ -60,6 +75,11 @@ class DecodePool:
                 data = read_job_path(job.path, self.path_root, self.spec.max_bytes)
             else:
                 raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
+            if may_defer and self.gpu_router is not None:
+                row = self.gpu_router.route(data, self.spec)
+                if row is not None:
+                    ms = (time.perf_counter() - start) * 1000
+                    return DecodeResult(row.info, None, ms, gpu=row)
             info = decode_into(data, out, self.spec)
             return DecodeResult(info, None, (time.perf_counter() - start) * 1000)
         except DecodeError as exc:

@@ -23,6 +23,11 @@ class Job:
     timings_ms: dict[str, float] = field(default_factory=dict)
     # Set when the job was read and rejected before decoding.
     rejected: tuple[ErrorCode, str] | None = None
+    # The producer gave its own id: a second job with that id is answered by the first's
+    # result instead of running again.
+    has_own_id: bool = False
+    # How many times Redis delivered this entry (1 on a first read).
+    deliveries: int = 1
 
     @property
     def enqueued_ms(self) -> int:
@@ -45,6 +50,11 @@ class Outcome:
     error_code: ErrorCode | None = None
     error_message: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # "ack": publish only if this worker's XACK acknowledged the entry; "deleted": the entry
+    # already left the pending list (XAUTOCLAIM reported it deleted), publish as is.
+    ack_mode: str = "ack"
+    # For a dead letter: the job entry's original fields, copied to the dead-letter stream.
+    dead_fields: list[bytes | str] | None = None
 
     @classmethod
     def failure(cls, job: Job, code: ErrorCode, message: str) -> Outcome:
@@ -85,6 +95,7 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
 
     # The result must be findable, so a bad id falls back to the entry ID for the answer.
     job_id = entry_id
+    has_own_id = False
     if raw_id is not None:
         text = _text(raw_id)
         if len(raw_id) > wire.MAX_ID_BYTES:
@@ -98,6 +109,7 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
             rejected = (ErrorCode.INVALID_JOB, "id is empty")
         else:
             job_id = text
+            has_own_id = True
 
     if rejected is None:
         if image is not None and path is not None:
@@ -117,4 +129,5 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
         image=image,
         path=path,
         rejected=rejected,
+        has_own_id=has_own_id,
     )

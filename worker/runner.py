@@ -6,24 +6,34 @@ free, and the single launch thread keeps batches in order on one compute stream.
 
 Nothing here reads a device value back: results reach the host through a non-blocking copy
 into a pinned output slot, and completion is observed later through `Launched.done`.
+
+With GPU decode on, the batch's JPEG rows are decoded first (on the GPU decode thread and
+stream, straight into the slot's device twin); rows the GPU could not decode are decoded
+on the CPU into their pinned row instead, and the copy skips the rows already on the device.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from worker.batcher import Batch
+from worker.decode_pool import DecodeResult
 from worker.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
+from worker.gpu_decode import GpuDecoder
+from worker.jobs import Job
 from worker.staging import OutputSlot
 from worker.transfer import DeviceTransfer
 
 StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+CpuDecodeFn = Callable[[Job, npt.NDArray[np.uint8]], Awaitable[DecodeResult]]
 
 
 @dataclass(eq=False)
@@ -44,38 +54,92 @@ class ModelRunner:
         transfer: DeviceTransfer,
         *,
         cudagraphs: bool,
+        gpu_decoder: GpuDecoder | None = None,
+        cpu_decode: CpuDecodeFn | None = None,
     ) -> None:
         self.ctx = ctx
         self.step = step
         self.transfer = transfer
         self._cudagraphs = cudagraphs
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpufeed-launch")
+        self.gpu_decoder = gpu_decoder
+        self._cpu_decode = cpu_decode
+
+    def use_gpu_decode(self, decoder: GpuDecoder, cpu_decode: CpuDecodeFn) -> None:
+        """Decode the rows the decode pool deferred on `decoder`; `cpu_decode` is the
+        fallback for those the GPU could not decode."""
+        self.gpu_decoder = decoder
+        self._cpu_decode = cpu_decode
 
     async def launch(self, batch: Batch, out: OutputSlot) -> Launched:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._launch, batch, out)
+        on_device, ready = await self._decode_deferred_rows(batch)
+        return await loop.run_in_executor(
+            self._executor, self._launch, batch, out, on_device, ready
+        )
 
-    def _launch(self, batch: Batch, out: OutputSlot) -> Launched:
+    async def _decode_deferred_rows(self, batch: Batch) -> tuple[frozenset[int], Event | None]:
+        """Decode rows deferred to the GPU; returns the rows now in the device twin and the
+        event after which they are there."""
+        deferred = [
+            (row, r.gpu)
+            for row, r in enumerate(batch.results)
+            if r.gpu is not None and r.error is None
+        ]
+        if not deferred:
+            return frozenset(), None
+        failed: list[int] = [row for row, _ in deferred]
+        ready: Event | None = None
+        if self.gpu_decoder is not None and self.ctx.is_cuda:
+            result = await self.gpu_decoder.decode_rows(
+                deferred,
+                self.transfer.twin(batch.slot),
+                after=self.transfer.consumed(batch.slot),
+            )
+            failed, ready = result.failed, result.ready
+            for row, ms in result.decode_ms.items():
+                batch.results[row] = _with_ms(batch.results[row], ms)
+        if failed:
+            if self._cpu_decode is None:
+                raise RuntimeError("rows were deferred to the GPU but no CPU fallback is set")
+            redo = await asyncio.gather(
+                *(self._cpu_decode(batch.jobs[row], batch.slot.array[row]) for row in failed)
+            )
+            for row, res in zip(failed, redo, strict=True):
+                batch.results[row] = res
+        on_device = frozenset(row for row, _ in deferred) - frozenset(failed)
+        return on_device, ready if on_device else None
+
+    def _launch(
+        self, batch: Batch, out: OutputSlot, on_device: Collection[int], ready: Event | None
+    ) -> Launched:
         # inference_mode is thread-local: it must be entered on the launch thread itself.
         with torch.inference_mode():
             if self.ctx.is_cuda:
-                return self._launch_cuda(batch, out)
+                return self._launch_cuda(batch, out, on_device, ready)
             return self._launch_cpu(batch, out)
 
-    def _launch_cuda(self, batch: Batch, out: OutputSlot) -> Launched:
+    def _launch_cuda(
+        self, batch: Batch, out: OutputSlot, on_device: Collection[int], ready: Event | None
+    ) -> Launched:
         stream = self.ctx.compute_stream
         assert stream is not None
-        x, copied = self.transfer.to_device(batch.slot)
+        x, copied = self.transfer.to_device(batch.slot, skip_rows=on_device)
+        if ready is not None:
+            # Rows decoded on the GPU: stream-to-stream wait, no host wait.
+            stream.wait_event(ready)  # type: ignore[arg-type]
         with torch.cuda.stream(stream):
             start = cuda_event(timing=True)
             start.record(stream)
             if self._cudagraphs:
                 mark_cudagraph_step()
+            # x: [B, S, S, 3] uint8 on the device -> indices, scores: [B, K]
             indices, scores = self.step(x)
             consumed = cuda_event()
             consumed.record(stream)
             # The replay's outputs live in graph-owned memory that the next replay
-            # overwrites: copy them out now, queued behind the step on the same stream.
+            # overwrites: copy them out now, queued behind the step on the same stream,
+            # into pinned memory so the copies are asynchronous.
             out.indices.copy_(indices, non_blocking=True)
             out.scores.copy_(scores, non_blocking=True)
             done = cuda_event(timing=True)
@@ -93,8 +157,23 @@ class ModelRunner:
         return Launched(batch, out, copied, start, done, time.monotonic())
 
     def run_sync(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the launch thread and wait (start-up only: warm-up, checks)."""
-        self._executor.submit(fn).result()
+        """Run `fn` on the launch thread and wait (start-up only: warm-up, checks), under the
+        compute stream, so that CUDA graphs are recorded where they will be replayed."""
+        self._executor.submit(self._on_compute_stream, fn).result()
+
+    def _on_compute_stream(self, fn: Callable[[], None]) -> None:
+        stream = self.ctx.compute_stream
+        if stream is None:
+            fn()
+            return
+        with torch.cuda.stream(stream):
+            fn()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.gpu_decoder is not None:
+            self.gpu_decoder.shutdown()
+
+
+def _with_ms(result: DecodeResult, extra_ms: float) -> DecodeResult:
+    return DecodeResult(result.info, result.error, result.decode_ms + extra_ms, gpu=result.gpu)

@@ -14,12 +14,14 @@ import contextlib
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
 import torch
+from PIL import Image
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -34,11 +36,12 @@ from worker.device import DeviceContext, make_context, resolve_device
 from worker.jobs import Job, Outcome
 from worker.model_loader import LoadedModel, load_model
 from worker.reader import InFlight, Reader, ensure_group
+from worker.reclaimer import Reclaimer
 from worker.runner import Launched, ModelRunner
 from worker.staging import InputRing, OutputRing
 from worker.step import build_step, pick_dtype, resolve_compile_mode
 from worker.transfer import DeviceTransfer
-from worker.writer import ResultWriter, WriterSettings
+from worker.writer import PublishState, ResultWriter, WriterSettings
 
 log = structlog.get_logger("gpufeed.worker")
 
@@ -63,6 +66,8 @@ class Counters:
     results_ok: int = 0
     results_error: int = 0
     duplicates: int = 0
+    not_ours: int = 0
+    refused: int = 0
     batches: int = 0
     real_rows: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
@@ -77,12 +82,19 @@ class Worker:
         self.force_exit = False
         self.ready = False
         self.compile_report: CompileReport | None = None
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        # Entries read and not yet answered, by entry ID: the keep-alive refreshes them.
+        self._held: dict[str, Job] = {}
 
     # ----------------------------------------------------------------------- startup
     async def startup(self, *, wait_for_redis: bool = True) -> None:
         cfg = self.config
         log.info("starting", **cfg.summary())
+        # GPUFEED_MAX_IMAGE_PIXELS, checked from the header before any pixel is decoded, is
+        # the decompression-bomb guard; PIL's own would refuse or warn below an operator's
+        # higher limit.
+        Image.MAX_IMAGE_PIXELS = max(cfg.max_image_pixels, Image.MAX_IMAGE_PIXELS or 0)
+        warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
         device = resolve_device(cfg.device)
         self.ctx: DeviceContext = make_context(device)
         # Fixed shapes make cudnn's per-shape tuning useless; turning it off keeps the
@@ -189,6 +201,14 @@ class Worker:
             deliver=self._deliver,
             max_per_read=self.batch_size * 2,
         )
+        self.reclaimer = Reclaimer(
+            self.redis,
+            cfg,
+            in_flight=self.in_flight,
+            held=self._held,
+            deliver=self._deliver,
+            publish_now=self.writer.publish_now,
+        )
         self.ready = True
         log.info(
             "worker_ready",
@@ -229,6 +249,9 @@ class Worker:
             "batcher": asyncio.create_task(self.batcher.run(), name="batcher"),
             "reader": asyncio.create_task(self.reader.run(), name="reader"),
             "stats": asyncio.create_task(self._stats_loop(), name="stats"),
+            "keepalive": asyncio.create_task(self.reclaimer.run_keepalive(), name="keepalive"),
+            "reclaim": asyncio.create_task(self.reclaimer.run_reclaim(), name="reclaim"),
+            "trim": asyncio.create_task(self.reclaimer.run_trim(), name="trim"),
         }
         stop = asyncio.create_task(self.should_exit.wait(), name="should_exit")
         done, _ = await asyncio.wait(
@@ -242,6 +265,7 @@ class Worker:
                 raise exc  # type: ignore[misc]
 
     async def _deliver(self, job: Job) -> None:
+        self._held[job.entry_id] = job
         if job.rejected is not None:
             code, message = job.rejected
             await self.writer.put([Outcome.failure(job, code, message)])
@@ -294,11 +318,16 @@ class Worker:
         self.counters.batches += 1
         self.counters.real_rows += len(launched.batch.valid_rows)
 
-    def _on_published(self, outcomes: list[Outcome], acked: list[bool]) -> None:
+    def _on_published(self, outcomes: list[Outcome], states: list[int]) -> None:
         c = self.counters
-        for outcome, ok in zip(outcomes, acked, strict=True):
-            if not ok:
+        for outcome, state in zip(outcomes, states, strict=True):
+            self._held.pop(outcome.job.entry_id, None)
+            if state == PublishState.NOT_OURS:
+                c.not_ours += 1
+            elif state == PublishState.DUPLICATE_ID:
                 c.duplicates += 1
+            elif state == PublishState.REFUSED:
+                c.refused += 1
             elif outcome.ok:
                 c.results_ok += 1
             else:
@@ -333,6 +362,10 @@ class Worker:
             "shutting_down", in_flight=getattr(self, "in_flight", InFlight(0)).count, grace_s=grace
         )
         tasks = self._tasks
+        # 0. No more reclaiming or trimming; the keep-alive goes on while we drain.
+        for name in ("reclaim", "trim", "stats"):
+            if name in tasks:
+                tasks[name].cancel()
         # 1. Stop reading: nothing new is taken from the stream.
         if "reader" in tasks:
             self.reader.stop()
@@ -363,6 +396,18 @@ class Worker:
             if not task.done():
                 task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
+        # 4. Leave the group tidy: this consumer goes if it holds nothing (otherwise its
+        #    entries stay pending for others to reclaim, and it is removed after that).
+        if tasks and hasattr(self, "reclaimer"):
+            try:
+                removed = await asyncio.wait_for(
+                    self.reclaimer.delete_consumer(self.config.worker_name), 5
+                )
+                if removed < 0:
+                    log.warning("left_pending_jobs", note="they will be reclaimed after "
+                                "GPUFEED_VISIBILITY_TIMEOUT_S by the other workers")
+            except (TimeoutError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("could_not_leave_group", error=str(exc))
         if hasattr(self, "decoder"):
             self.decoder.shutdown()
         if hasattr(self, "runner"):

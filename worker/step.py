@@ -8,6 +8,8 @@ launches become one graph replay.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -69,6 +71,35 @@ class InferenceStep(nn.Module):
         probs = logits.float().softmax(dim=-1)
         scores, indices = probs.topk(self.top_k, dim=-1)
         return indices.to(torch.int32), scores
+
+
+def contract_problems(out: tuple[torch.Tensor, torch.Tensor], batch: int, top_k: int) -> list[str]:
+    """What is wrong with a step's outputs for a [B, S, S, 3] input (empty: nothing).
+
+    The contract: (indices [B, K] int32, scores [B, K] float32), on the input's device,
+    scores in [0, 1] and sorted descending per row (checked on the host by callers that can
+    afford it; here only the metadata, so it is free on any device).
+    """
+    problems = []
+    indices, scores = out
+    if tuple(indices.shape) != (batch, top_k) or indices.dtype != torch.int32:
+        problems.append(
+            f"indices are {indices.dtype} {tuple(indices.shape)}, want int32 {(batch, top_k)}"
+        )
+    if tuple(scores.shape) != (batch, top_k) or scores.dtype != torch.float32:
+        problems.append(
+            f"scores are {scores.dtype} {tuple(scores.shape)}, want float32 {(batch, top_k)}"
+        )
+    if indices.device != scores.device:
+        problems.append(f"indices on {indices.device} but scores on {scores.device}")
+    return problems
+
+
+def reference_copy(step: InferenceStep) -> InferenceStep:
+    """An fp32 copy of `step` on the same device (the precision check's reference)."""
+    ref = copy.deepcopy(step).float()
+    ref.dtype = torch.float32
+    return ref.eval()
 
 
 def build_step(

@@ -1,14 +1,19 @@
 """Host-to-device transfer: pinned staging slot -> device buffer, on the side copy stream.
 
-Each input slot has a device twin allocated once, so the caching allocator never has to be
-told about cross-stream use (the job `record_stream` does for per-batch allocations): reuse
-of a twin is ordered on the GPU instead, the copy stream waiting on the event recorded after
-the compute stream last read it. No host thread ever waits here.
+Each input slot has a device twin allocated once. That is the "keep the allocator honest"
+part: a twin is never returned to the caching allocator, so no `record_stream` is needed
+for it, and its reuse is ordered on the GPU instead: the copy stream (and the GPU decode
+stream, see gpu_decode.py) waits on the event the compute stream recorded after it last
+read the twin. No host thread ever waits here.
+
+Rows decoded on the GPU are written straight into the twin, so the copy skips them: it
+copies the remaining rows as a few contiguous runs.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 import torch
 
@@ -16,19 +21,48 @@ from worker.device import DeviceContext, DoneEvent, Event, cuda_event
 from worker.staging import InputSlot
 
 
+def copy_runs(rows: int, skip: Collection[int]) -> list[tuple[int, int]]:
+    """[start, stop) runs of the rows in range(rows) that are not in `skip`, in order."""
+    runs: list[tuple[int, int]] = []
+    start: int | None = None
+    for r in range(rows):
+        if r in skip:
+            if start is not None:
+                runs.append((start, r))
+                start = None
+        elif start is None:
+            start = r
+    if start is not None:
+        runs.append((start, rows))
+    return runs
+
+
 class DeviceTransfer:
     def __init__(self, ctx: DeviceContext, slots: int, batch: int, size: int) -> None:
         self.ctx = ctx
+        self.batch = batch
         self._twins: list[torch.Tensor] = []
         self._consumed: list[Event | None] = [None] * slots
         if ctx.is_cuda:
+            # twin: [B, S, S, 3] uint8 on the device, one per input slot, never freed.
             self._twins = [
                 torch.empty((batch, size, size, 3), dtype=torch.uint8, device=ctx.device)
                 for _ in range(slots)
             ]
 
-    def to_device(self, slot: InputSlot) -> tuple[torch.Tensor, Event]:
-        """Queue the copy of `slot`; returns the device tensor and the copy's event.
+    def twin(self, slot: InputSlot) -> torch.Tensor:
+        """The device buffer the step reads for `slot` (CUDA only)."""
+        return self._twins[slot.index]
+
+    def consumed(self, slot: InputSlot) -> Event | None:
+        """The event after the compute stream's last read of the slot's twin, if any."""
+        return self._consumed[slot.index]
+
+    def to_device(
+        self, slot: InputSlot, *, skip_rows: Collection[int] = ()
+    ) -> tuple[torch.Tensor, Event]:
+        """Queue the copy of `slot` (less `skip_rows`); returns the device tensor and the
+        copy's event.
 
         Called on the launch thread. The compute stream is made to wait on the event, so
         the caller can launch work on the result right away.
@@ -44,8 +78,13 @@ class DeviceTransfer:
         if consumed is not None:
             copy_stream.wait_event(consumed)  # type: ignore[arg-type]
         with torch.cuda.stream(copy_stream):
-            # x: [B, S, S, 3] uint8, pinned -> device; asynchronous because the source is pinned.
-            twin.copy_(slot.images, non_blocking=True)
+            if not skip_rows:
+                # x: [B, S, S, 3] uint8, pinned -> device; asynchronous because pinned.
+                twin.copy_(slot.images, non_blocking=True)
+            else:
+                for start, stop in copy_runs(self.batch, skip_rows):
+                    # A slice of a pinned tensor is pinned too: still asynchronous.
+                    twin[start:stop].copy_(slot.images[start:stop], non_blocking=True)
             copied = cuda_event()
             copied.record(copy_stream)
         compute_stream.wait_event(copied)

@@ -26,24 +26,11 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import wire
+from producer.wire import ErrorCode
 from worker.jobs import Outcome
+from worker.redis_scripts import PUBLISH_RESULT
 
 log = structlog.get_logger("gpufeed.writer")
-
-# KEYS: job stream, reply stream, result hash
-# ARGV: group, entry id, ttl seconds, reply stream MAXLEN (approximate), field, value, ...
-PUBLISH_AND_ACK = """
-local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-if acked == 0 then
-  return 0
-end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, 5))
-redis.call('DEL', KEYS[3])
-redis.call('HSET', KEYS[3], unpack(ARGV, 5))
-redis.call('EXPIRE', KEYS[3], ARGV[3])
-return 1
-"""
-
 
 @dataclass(frozen=True)
 class WriterSettings:
@@ -55,6 +42,17 @@ class WriterSettings:
     worker_name: str
     model_name: str
     device: str = "cpu"
+    dead_stream: str = wire.DEFAULT_DEAD_STREAM
+    default_reply_to: str = wire.DEFAULT_RESULTS_STREAM
+
+
+class PublishState:
+    """What the publish script answered for one outcome."""
+
+    PUBLISHED = 1
+    NOT_OURS = 0  # another worker (or an earlier try of ours) acknowledged the entry first
+    DUPLICATE_ID = 2  # acknowledged; the job id already had a result, which stands
+    REFUSED = -1  # Redis refused the script for this job (logged with the job id)
 
 
 def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | str]:
@@ -83,6 +81,8 @@ def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | st
         out += [wire.RES_SCORE, f"{outcome.top_scores[0]:.6f}"]
     else:
         details["error_code"] = outcome.error_code.value if outcome.error_code else ""
+        if outcome.extra:
+            details.update(outcome.extra)
         out += [wire.RES_ERROR, outcome.error_text]
     out += [wire.RES_RESULT, msgpack.packb(details, use_bin_type=True)]
     if job.meta is not None:
@@ -97,12 +97,12 @@ class ResultWriter:
         settings: WriterSettings,
         *,
         max_queued: int,
-        on_published: Callable[[list[Outcome], list[bool]], None] | None = None,
+        on_published: Callable[[list[Outcome], list[int]], None] | None = None,
     ) -> None:
         self.client = client
         self.settings = settings
         self._queue: asyncio.Queue[list[Outcome] | None] = asyncio.Queue(max_queued)
-        self._script = client.register_script(PUBLISH_AND_ACK)
+        self._script = client.register_script(PUBLISH_RESULT)
         self._on_published = on_published
         self.published = 0
         self.duplicates = 0
@@ -135,6 +135,11 @@ class ResultWriter:
                 pending.extend(more)
             await self._publish_until_done(pending)
 
+    async def publish_now(self, outcomes: list[Outcome]) -> None:
+        """Publish outside the queue and return once Redis took it (retrying outages)."""
+        if outcomes:
+            await self._publish_until_done(outcomes)
+
     async def _publish_until_done(self, outcomes: list[Outcome]) -> None:
         backoff_s = 0.05
         outage_logged = False
@@ -154,21 +159,56 @@ class ResultWriter:
                 self._on_published(outcomes, acked)
             return
 
-    async def publish(self, outcomes: list[Outcome]) -> list[bool]:
-        """One pipelined round trip; returns, per outcome, whether this call published it
-        (False: the entry was already acknowledged, by us or another worker)."""
+    async def publish(self, outcomes: list[Outcome]) -> list[int]:
+        """One pipelined round trip; returns a PublishState per outcome."""
+        states = await self._publish_once(outcomes)
+        # A job whose own reply_to Redis refuses (e.g. that key is a hash, not a stream)
+        # would stay pending forever; answer it on the default results stream instead.
+        retry = [
+            (i, self._fallback(outcomes[i]))
+            for i, state in enumerate(states)
+            if state == PublishState.REFUSED
+            and outcomes[i].job.reply_to != self.settings.default_reply_to
+        ]
+        if retry:
+            again = await self._publish_once([o for _, o in retry])
+            for (i, _), state in zip(retry, again, strict=True):
+                states[i] = state
+        self.published += sum(1 for st in states if st == PublishState.PUBLISHED)
+        self.duplicates += sum(1 for st in states if st == PublishState.DUPLICATE_ID)
+        return states
+
+    def _fallback(self, outcome: Outcome) -> Outcome:
+        job = outcome.job
+        bad = job.reply_to
+        job.reply_to = self.settings.default_reply_to
+        return Outcome.failure(
+            job, ErrorCode.INVALID_JOB, f"reply_to {bad!r} cannot receive results (not a stream)"
+        )
+
+    async def _publish_once(self, outcomes: list[Outcome]) -> list[int]:
         s = self.settings
         start = time.perf_counter()
         pipe = self.client.pipeline(transaction=False)
         for outcome in outcomes:
             job = outcome.job
+            dead = outcome.dead_fields or []
             await self._script(
-                keys=[s.stream, job.reply_to, wire.result_key(job.job_id, s.result_prefix)],
+                keys=[
+                    s.stream,
+                    job.reply_to,
+                    wire.result_key(job.job_id, s.result_prefix),
+                    s.dead_stream,
+                ],
                 args=[
                     s.group,
                     job.entry_id,
                     s.result_ttl_s,
                     s.results_maxlen,
+                    outcome.ack_mode,
+                    "1" if job.has_own_id else "0",
+                    len(dead),
+                    *dead,
                     *result_fields(outcome, s),
                 ],
                 client=pipe,
@@ -177,25 +217,21 @@ class ResultWriter:
             replies = await pipe.execute(raise_on_error=False)
         finally:
             await pipe.reset()  # type: ignore[no-untyped-call]
-        acked: list[bool] = []
+        states: list[int] = []
         for outcome, reply in zip(outcomes, replies, strict=True):
             if isinstance(reply, RedisError):
                 if isinstance(reply, RedisConnectionError | RedisTimeoutError):
                     raise reply
-                # A server-side refusal for one job (e.g. WRONGTYPE on its reply_to key)
-                # must not block the others; it is logged with the job id.
                 log.error(
-                    "result_publish_failed",
+                    "result_publish_refused",
                     job_id=outcome.job.job_id,
                     entry=outcome.job.entry_id,
                     error=str(reply),
                 )
-                acked.append(False)
+                states.append(PublishState.REFUSED)
                 continue
-            acked.append(bool(reply))
+            states.append(int(reply))
         write_ms = (time.perf_counter() - start) * 1000
         for outcome in outcomes:
             outcome.job.timings_ms["write"] = write_ms
-        self.published += sum(acked)
-        self.duplicates += len(acked) - sum(acked)
-        return acked
+        return states

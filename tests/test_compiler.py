@@ -1,0 +1,101 @@
+"""The start-up compile guard: graph breaks, recompiles and the eager rollback, on the CPU.
+
+Compiling is slow on a small CPU, so the compiled cases use a tiny module with
+mode="default" (inductor, no CUDA graphs) and are marked slow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from worker.compiler import (
+    CompileRefused,
+    changes_since,
+    compile_step,
+    count_cudagraph_replays,
+    still_compiled,
+)
+
+
+class Fixed(nn.Module):
+    """x: [B, S, S, 3] uint8 -> (indices [B, 2] int32, scores [B, 2] float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.proj(x.float().mean(dim=(1, 2)))
+        scores, indices = logits.softmax(-1).topk(2, dim=-1)
+        return indices.to(torch.int32), scores
+
+
+class DataDependent(Fixed):
+    """The classic hidden graph break: Python control flow on a tensor's value."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.float().sum() > 0:
+            x = x // 2
+        return super().forward(x)
+
+
+def example(b: int = 2, s: int = 4) -> torch.Tensor:
+    return torch.randint(0, 256, (b, s, s, 3), dtype=torch.uint8)
+
+
+def test_off_returns_the_eager_step() -> None:
+    step = Fixed().eval()
+    fn, report = compile_step(step, example(), mode="off", allow_eager_fallback=False)
+    assert fn is step
+    assert report.mode == "off" and not report.compiled and report.warmup_s >= 0
+    assert still_compiled(report) == []
+
+
+def test_replay_counter_is_a_no_op_without_graphs() -> None:
+    with count_cudagraph_replays() as replays:
+        Fixed()(example())
+    assert replays.count == 0
+    assert torch.cuda.CUDAGraph.replay.__name__ == "replay"  # restored
+
+
+@pytest.mark.slow
+def test_fixed_shape_compiles_to_one_graph_and_a_second_shape_is_a_recompile() -> None:
+    step = Fixed().eval()
+    fn, report = compile_step(
+        step, example(), mode="default", allow_eager_fallback=False, warmup_iters=2
+    )
+    assert report.compiled, report.reason
+    assert report.graph_breaks == 0 and report.recompiles == 0
+    assert report.compile_s > 0 and report.baseline is not None
+    assert still_compiled(report) == []
+    same, other = example(), example(b=3)  # made outside inference mode, like the ring's
+    with torch.inference_mode():
+        fn(same)  # same shape: no new graph
+    assert changes_since(report.baseline)["recompiles"] == 0
+
+    with torch.inference_mode():
+        fn(other)  # another batch size: dynamic=False means a new graph
+    assert changes_since(report.baseline)["recompiles"] >= 1
+    assert any("recompiles" in p for p in still_compiled(report))
+
+
+@pytest.mark.slow
+def test_data_dependent_branch_is_refused() -> None:
+    with pytest.raises(CompileRefused) as info:
+        compile_step(DataDependent().eval(), example(), mode="default", allow_eager_fallback=False)
+    message = str(info.value)
+    assert "graph break" in message and "GPUFEED_COMPILE=off" in message
+
+
+@pytest.mark.slow
+def test_data_dependent_branch_falls_back_to_eager_when_allowed() -> None:
+    step = DataDependent().eval()
+    fn, report = compile_step(step, example(), mode="default", allow_eager_fallback=True)
+    assert fn is step
+    assert report.fell_back_to_eager and not report.compiled
+    assert report.graph_breaks >= 1 and report.reason
+    with torch.inference_mode():
+        indices, scores = fn(example())
+    assert indices.shape == (2, 2) and scores.dtype == torch.float32

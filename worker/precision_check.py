@@ -1,0 +1,102 @@
+"""Does the step in its serving dtype (fp16/bf16) pick the same classes as fp32 eager?
+
+Runs the serving step and an fp32 eager copy on the same random uint8 batches and reports
+top-1 agreement and the largest difference of the top-1 probability. With random weights
+many rows have near-tied logits, where any rounding flips the top-1: agreement is therefore
+also reported over the rows whose fp32 top-1 leads the runner-up by a clear margin, which is
+the number to hold a half-precision model to.
+
+It waits for the device (it compares values on the host): start-up and checks only, never
+the launch path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from worker.device import mark_cudagraph_step
+from worker.step import InferenceStep, reference_copy
+
+StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class PrecisionReport:
+    dtype: str
+    reference: str
+    images: int
+    top1_agreement: float
+    confident_rows: int
+    top1_agreement_confident: float
+    max_abs_top1_prob_diff: float
+    margin: float
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for k in ("top1_agreement", "top1_agreement_confident", "max_abs_top1_prob_diff"):
+            out[k] = round(out[k], 6)
+        return out
+
+
+def precision_check(
+    step: InferenceStep,
+    fn: StepFn | None = None,
+    *,
+    batch: int,
+    batches: int = 2,
+    seed: int = 0,
+    margin: float = 0.02,
+    cudagraphs: bool = False,
+) -> PrecisionReport:
+    """Compare `fn` (default: `step` itself, eager) with an fp32 eager copy of `step`.
+
+    Call it on the thread that launches `fn` when `fn` replays CUDA graphs.
+    """
+    device = next(step.parameters()).device
+    reference = reference_copy(step)
+    run = fn or step
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    s = step.staging_size
+    agree = total = confident = confident_agree = 0
+    max_diff = 0.0
+    # x: [B, S, S, 3] uint8, random pixels. Made outside inference mode, like the
+    # worker's device buffers: an inference tensor would fail the compiled step's guards
+    # (a recompile, and on CUDA a second graph).
+    inputs = [
+        torch.randint(0, 256, (batch, s, s, 3), dtype=torch.uint8, generator=gen).to(device)
+        for _ in range(batches)
+    ]
+    with torch.inference_mode():
+        for x in inputs:
+            if cudagraphs:
+                mark_cudagraph_step()
+            idx, sc = run(x)
+            # Clone before anything else runs: a graph replay's outputs are overwritten by
+            # the next replay.
+            idx, sc = idx.clone(), sc.clone()
+            ridx, rsc = reference(x)
+            top1 = idx[:, 0].long().cpu()
+            rtop1 = ridx[:, 0].long().cpu()
+            same = top1 == rtop1
+            agree += int(same.sum())
+            total += int(same.numel())
+            lead = (rsc[:, 0] - rsc[:, 1]).cpu() if rsc.shape[1] > 1 else rsc[:, 0].cpu()
+            sure = lead > margin
+            confident += int(sure.sum())
+            confident_agree += int((same & sure).sum())
+            diff = (sc[:, 0].float() - rsc[:, 0].float()).abs().max()
+            max_diff = max(max_diff, float(diff))
+    return PrecisionReport(
+        dtype=str(step.dtype).removeprefix("torch."),
+        reference="float32 eager",
+        images=total,
+        top1_agreement=agree / max(total, 1),
+        confident_rows=confident,
+        top1_agreement_confident=confident_agree / confident if confident else 1.0,
+        max_abs_top1_prob_diff=max_diff,
+        margin=margin,
+    )

@@ -1,0 +1,269 @@
+"""Delivery housekeeping: reclaim stale jobs, dead-letter poison, keep live work, tidy up.
+
+Four duties, each on its own timer, each tolerant of Redis being away for a while:
+
+- keep-alive: refresh the idle time of entries this worker is working on, so that a slow
+  but live batch is never reclaimed by another worker;
+- reclaim: take over entries idle past the visibility timeout (their worker died or hung),
+  dead-letter those delivered too often, and answer those deleted while pending;
+- consumers: remove consumers of dead workers once they hold no pending entry;
+- trim: drop job entries that every group has processed, never one that is pending or not
+  yet delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer.wire import ErrorCode
+from worker.config import WorkerConfig
+from worker.jobs import Job, Outcome, parse_job
+from worker.reader import InFlight, ensure_group
+from worker.redis_scripts import DELETE_IDLE_CONSUMER, REFRESH_OWNED
+
+log = structlog.get_logger("gpufeed.reclaimer")
+
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def next_id(entry_id: str) -> str:
+    """The smallest stream ID greater than `entry_id`."""
+    ms, _, seq = entry_id.partition("-")
+    return f"{ms}-{int(seq or 0) + 1}"
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class Reclaimer:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        config: WorkerConfig,
+        *,
+        in_flight: InFlight,
+        held: Mapping[str, Job],
+        deliver: Callable[[Job], Awaitable[None]],
+        publish_now: Callable[[list[Outcome]], Awaitable[None]],
+    ) -> None:
+        self.client = client
+        self.cfg = config
+        self.consumer = config.worker_name
+        self.in_flight = in_flight
+        self._held = held
+        self._deliver = deliver
+        # Publishes and returns only once Redis took the results: a dead letter must be
+        # acknowledged before the next XAUTOCLAIM could hand the same entry out again.
+        self._publish = publish_now
+        self._refresh = client.register_script(REFRESH_OWNED)
+        self._delete_consumer = client.register_script(DELETE_IDLE_CONSUMER)
+        self._claim_cursor = "0-0"
+        self.reclaimed = 0
+        self.dead_lettered = 0
+        self.deleted_entries = 0
+        self.consumers_removed = 0
+        self.trimmed = 0
+
+    # ------------------------------------------------------------------ the loops
+    async def run_keepalive(self) -> None:
+        interval = max(0.2, self.cfg.visibility_timeout_s / 3)
+        await self._every(interval, self.keepalive, "keepalive")
+
+    async def run_reclaim(self) -> None:
+        await self._every(self.cfg.claim_interval_s, self.reclaim_and_tidy, "reclaim")
+
+    async def run_trim(self) -> None:
+        if self.cfg.trim_interval_s <= 0:
+            return
+        await self._every(self.cfg.trim_interval_s, self.trim, "trim")
+
+    async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], what: str) -> None:
+        outage = False
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await fn()
+                if outage:
+                    log.info("redis_back", duty=what)
+                    outage = False
+            except _REDIS_DOWN as exc:
+                if not outage:
+                    log.warning("redis_unavailable", duty=what, error=str(exc))
+                    outage = True
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    await ensure_group(self.client, self.cfg.stream, self.cfg.group)
+                else:
+                    log.error("housekeeping_failed", duty=what, error=str(exc))
+
+    # ------------------------------------------------------------------ keep-alive
+    async def keepalive(self) -> int:
+        ids = list(self._held)
+        refreshed = 0
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            refreshed += int(
+                await self._refresh(
+                    keys=[self.cfg.stream], args=[self.cfg.group, self.consumer, *chunk]
+                )
+            )
+        return refreshed
+
+    # ------------------------------------------------------------------ reclaim
+    async def reclaim_and_tidy(self) -> None:
+        await self.dead_letter_poison()
+        await self.reclaim_stale()
+        await self.remove_dead_consumers()
+
+    async def dead_letter_poison(self) -> int:
+        """Entries idle past the visibility timeout that were already delivered the maximum
+        number of times: they keep killing or stalling workers, so they stop here."""
+        idle_ms = int(self.cfg.visibility_timeout_s * 1000)
+        pending = await self.client.xpending_range(
+            self.cfg.stream, self.cfg.group, min="-", max="+", count=100, idle=idle_ms
+        )
+        poison = [
+            p for p in pending if int(p["times_delivered"]) >= self.cfg.max_deliveries
+        ]
+        outcomes: list[Outcome] = []
+        for p in poison:
+            entry_id = _s(p["message_id"])
+            if entry_id in self._held:
+                continue
+            entries = await self.client.xrange(self.cfg.stream, entry_id, entry_id)
+            times = int(p["times_delivered"])
+            if not entries:
+                job = parse_job(entry_id, {}, self.cfg.results_stream)
+                outcomes.append(Outcome.failure(
+                    job, ErrorCode.ENTRY_DELETED,
+                    "the job entry was deleted from the stream before it was processed",
+                ))
+                continue
+            fields: dict[Any, Any] = entries[0][1] or {}
+            job = parse_job(entry_id, fields, self.cfg.results_stream)
+            job.deliveries = times
+            outcome = Outcome.failure(
+                job, ErrorCode.DEAD_LETTER,
+                f"delivered {times} times without a result (last to "
+                f"{_s(p['consumer'])}); copied to {self.cfg.dead_stream}",
+            )
+            dead: list[bytes | str] = []
+            for k, v in fields.items():
+                dead += [k, v]
+            dead += ["dead_entry", entry_id, "dead_deliveries", str(times),
+                     "dead_consumer", _s(p["consumer"]), "dead_at_ms",
+                     str(int(time.time() * 1000))]
+            outcome.dead_fields = dead
+            outcomes.append(outcome)
+        if outcomes:
+            for _ in outcomes:
+                self.in_flight.take(1)
+            self.dead_lettered += sum(1 for o in outcomes if o.dead_fields)
+            log.warning("dead_lettered", count=len(outcomes),
+                        job_ids=[o.job.job_id for o in outcomes][:20])
+            await self._publish(outcomes)
+        return len(outcomes)
+
+    async def reclaim_stale(self) -> int:
+        """XAUTOCLAIM entries idle past the visibility timeout, as far as there is room."""
+        room = self.in_flight.room()
+        if room <= 0:
+            return 0
+        reply = await self.client.xautoclaim(
+            self.cfg.stream,
+            self.cfg.group,
+            self.consumer,
+            min_idle_time=int(self.cfg.visibility_timeout_s * 1000),
+            start_id=self._claim_cursor,
+            count=room,
+        )
+        cursor, entries = reply[0], reply[1]
+        deleted = reply[2] if len(reply) > 2 else []
+        self._claim_cursor = _s(cursor)
+        claimed = 0
+        for raw_id, fields in entries:
+            entry_id = _s(raw_id)
+            if not fields:
+                continue
+            job = parse_job(entry_id, fields, self.cfg.results_stream)
+            job.deliveries = 2  # at least; the exact count is in XPENDING
+            self.in_flight.take(1)
+            await self._deliver(job)
+            claimed += 1
+        gone: list[Outcome] = []
+        for raw_id in deleted:
+            job = parse_job(_s(raw_id), {}, self.cfg.results_stream)
+            o = Outcome.failure(job, ErrorCode.ENTRY_DELETED,
+                                "the job entry was deleted from the stream while it was pending")
+            o.ack_mode = "deleted"
+            self.in_flight.take(1)
+            gone.append(o)
+        if gone:
+            self.deleted_entries += len(gone)
+            await self._publish(gone)
+        if claimed:
+            self.reclaimed += claimed
+            log.info("reclaimed_stale_jobs", count=claimed)
+        return claimed
+
+    # ------------------------------------------------------------------ consumers
+    async def remove_dead_consumers(self) -> int:
+        consumers = await self.client.xinfo_consumers(self.cfg.stream, self.cfg.group)
+        expiry_ms = self.cfg.consumer_expiry_s * 1000
+        removed = 0
+        for c in consumers:
+            name = _s(c["name"])
+            idle = int(c.get("inactive", c.get("idle", 0)) or 0)
+            if name == self.consumer or int(c["pending"]) > 0 or idle < expiry_ms:
+                continue
+            if await self.delete_consumer(name) >= 0:
+                removed += 1
+        if removed:
+            self.consumers_removed += removed
+            log.info("removed_dead_consumers", count=removed)
+        return removed
+
+    async def delete_consumer(self, name: str) -> int:
+        """Delete `name` if it holds no pending entry; -1 if it still does."""
+        return int(
+            await self._delete_consumer(keys=[self.cfg.stream], args=[self.cfg.group, name])
+        )
+
+    # ------------------------------------------------------------------ trim
+    async def trim(self) -> int:
+        """XTRIM MINID below the oldest entry any group still needs."""
+        groups = await self.client.xinfo_groups(self.cfg.stream)
+        if not groups:
+            return 0
+        floor: str | None = None
+        for g in groups:
+            name = _s(g["name"])
+            candidates = [next_id(_s(g["last-delivered-id"]))]
+            summary = await self.client.xpending(self.cfg.stream, name)
+            if summary and summary.get("pending"):
+                candidates.append(_s(summary["min"]))
+            low = min(candidates, key=id_key)
+            if floor is None or id_key(low) < id_key(floor):
+                floor = low
+        if floor is None:
+            return 0
+        trimmed = int(await self.client.xtrim(self.cfg.stream, minid=floor, approximate=False))
+        if trimmed:
+            self.trimmed += trimmed
+            log.debug("trimmed_job_stream", entries=trimmed, below=floor)
+        return trimmed
