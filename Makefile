@@ -42,8 +42,20 @@ lint: setup
 demo: setup
 	$(PY) -m worker demo
 
+# One worker per visible GPU (or per GPU in GPUS=0,2), each its own consumer; one worker
+# on a host with a single GPU or none.
 run-worker: setup
-	$(PY) -m worker
+	PYTHON=$(PY) bash scripts/run-workers.sh
+
+# The CUDA tests and a short benchmark on a GPU host without network; writes
+# $$GPU_CHECK_OUT/report.json. Uses the host's python3 and PyTorch: no setup here.
+gpu-check:
+	bash scripts/gpu-check.sh
+
+# Where there is network: gather wheels and redis-server for gpu-check into .gpu-check/.
+.PHONY: gpu-check-prepare
+gpu-check-prepare:
+	bash scripts/prepare-gpu-host.sh
 
 run-redis: redis-server
 	redis-server --port $(REDIS_PORT) --bind 127.0.0.1 --save "" --appendonly no

@@ -121,8 +121,8 @@ class WorkerProcess:
     def events(self) -> list[dict[str, Any]]:
         """The JSON log lines written so far (other lines are skipped)."""
         out: list[dict[str, Any]] = []
-        for line in self.log_text().splitlines():
-            line = line.strip()
+        for raw in self.log_text().splitlines():
+            line = raw.strip()
             if line.startswith("{"):
                 try:
                     out.append(json.loads(line))
@@ -319,10 +319,14 @@ def pending_of(client: redis.Redis, consumer: str | None = None) -> int:
     """Pending entries of the group (or of one consumer)."""
     if consumer is None:
         return int(client.xpending(JOBS, GROUP)["pending"])
-    rows = client.xpending_range(JOBS, GROUP, min="-", max="+", count=100_000, consumername=consumer)
+    rows = client.xpending_range(
+        JOBS, GROUP, min="-", max="+", count=100_000, consumername=consumer
+    )
     return len(rows)
 
 
 def pending_ids(client: redis.Redis, consumer: str) -> list[str]:
-    rows = client.xpending_range(JOBS, GROUP, min="-", max="+", count=100_000, consumername=consumer)
+    rows = client.xpending_range(
+        JOBS, GROUP, min="-", max="+", count=100_000, consumername=consumer
+    )
     return [r["message_id"].decode() for r in rows]

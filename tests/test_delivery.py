@@ -81,7 +81,7 @@ async def test_poison_jobs_are_dead_lettered_with_their_fields(
     # Two more workers took it and died: three deliveries, no result.
     for name in ("ghost-2", "ghost-3"):
         redis_client.xclaim("gpufeed:jobs", "gpufeed", name, 0, [entry])
-    time.sleep(1.1)
+    await asyncio.sleep(1.1)
     async with running_worker(redis_url, tiny_weights, max_deliveries=3, **FAST) as worker:
         entries = await wait_results(redis_client, "gpufeed:results", 1, timeout_s=20)
         assert worker.reclaimer.dead_lettered == 1
@@ -104,7 +104,7 @@ async def test_an_entry_deleted_while_pending_gets_an_error_result(
     entry = redis_client.xadd("gpufeed:jobs", {"id": "gone", "image": jpeg_bytes()}).decode()
     ghost_read(redis_client, 1)
     redis_client.xdel("gpufeed:jobs", entry)
-    time.sleep(1.1)
+    await asyncio.sleep(1.1)
     async with running_worker(redis_url, tiny_weights, **FAST):
         entries = await wait_results(redis_client, "gpufeed:results", 1, timeout_s=20)
     result = JobResult.from_fields(entries[0][1])
@@ -174,7 +174,7 @@ async def test_consumers_of_dead_workers_are_removed_only_without_pending_entrie
         redis_client.xgroup_createconsumer("gpufeed:jobs", "gpufeed", f"pod-{i}")
         redis_client.xreadgroup("gpufeed", f"pod-{i}", {"gpufeed:jobs": ">"}, count=1)
     assert len(redis_client.xinfo_consumers("gpufeed:jobs", "gpufeed")) == 200
-    time.sleep(1.1)
+    await asyncio.sleep(1.1)
     async with running_worker(redis_url, tiny_weights, worker_name="survivor", **FAST) as w:
         await wait_results(redis_client, "gpufeed:results", 20, timeout_s=30)
         deadline = time.monotonic() + 10

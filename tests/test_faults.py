@@ -8,6 +8,7 @@ pending, and the workers that were not killed go on and exit 0 on SIGTERM.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -110,7 +111,9 @@ def test_sigkill_of_one_of_three_workers_mid_run_loses_and_doubles_nothing(
 ) -> None:
     server = deployment.redis()
     client = redis.Redis.from_url(server.url)
-    victim, *survivors = deployment.start_workers(["k1", "k2", "k3"], server.url, **FAST_RECLAIM_ENV)
+    victim, *survivors = deployment.start_workers(
+        ["k1", "k2", "k3"], server.url, **FAST_RECLAIM_ENV
+    )
 
     entries = submit(client, good_jobs(2000, "kill"))
     tally = ResultTally()
@@ -147,9 +150,7 @@ def test_a_frozen_worker_is_reclaimed_from_and_resumes_without_harm(
 ) -> None:
     server = deployment.redis()
     client = redis.Redis.from_url(server.url)
-    frozen, steady = deployment.start_workers(
-        ["frozen", "steady"], server.url, **FAST_RECLAIM_ENV
-    )
+    frozen, steady = deployment.start_workers(["frozen", "steady"], server.url, **FAST_RECLAIM_ENV)
 
     first = submit(client, good_jobs(1200, "stop"))
     tally = ResultTally()
@@ -228,6 +229,45 @@ def test_redis_restart_mid_run_loses_nothing_and_workers_reconnect(
     client.close()
 
 
+def test_a_job_whose_reply_to_is_not_a_stream_still_gets_exactly_one_result(
+    deployment: Deployment,
+) -> None:
+    """README: "Every job entry ends with exactly one result". A reply_to naming a key that
+    is not a stream cannot take the result; the writer then answers on the default results
+    stream (invalid_job). It must not acknowledge the job and publish nothing.
+
+    Fails today: PUBLISH_RESULT (worker/redis_scripts.py) runs XACK first and XADD to the
+    reply stream second; the XADD fails with WRONGTYPE, a Lua error does not undo the XACK,
+    so the writer's fallback publish finds the entry acknowledged (XACK 0: "not ours") and
+    publishes nothing. The job is gone: acknowledged, no result anywhere.
+    """
+    server = deployment.redis()
+    client = redis.Redis.from_url(server.url)
+    client.hset("not-a-stream", "x", "1")
+    (worker,) = deployment.start_workers(["replier"], server.url, **FAST_RECLAIM_ENV)
+    entries = submit(
+        client,
+        [
+            {"id": "bad-reply", "image": IMAGES[0], "reply_to": "not-a-stream"},
+            {"id": "good", "image": IMAGES[1]},
+        ],
+    )
+    tally = ResultTally()
+    wait_until_answered(client, tally, entries[1:], timeout_s=30, workers=[worker])
+    with contextlib.suppress(TimeoutError):  # the two went out in the same batch
+        wait_until_answered(client, tally, entries[:1], timeout_s=5, workers=[worker])
+    assert tally.per_entry[entries[1]] == 1
+    (result,) = results_of(tally, entries[0]) or [None]
+    pending = pending_of(client)
+    assert result is not None, (
+        f"the job has no result ({pending} pending): acknowledged and dropped"
+    )
+    assert result.error_code == "invalid_job" and "reply_to" in (result.error or "")
+    assert client.hget("gpufeed:result:bad-reply", "status") == b"error"
+    assert worker.terminate() == 0
+    client.close()
+
+
 MARKER = b"MARKER-SECRET-PIXELS"
 PASSWORD = "pw-Vx7q-hunter2-Zz9"
 
@@ -242,7 +282,6 @@ def test_logs_never_contain_image_bytes_or_the_redis_password(
     admin.close()
     url = f"redis://feeder:{PASSWORD}@127.0.0.1:{server.port}/0"
     client = redis.Redis.from_url(url)
-    client.hset("not-a-stream", "x", "1")
 
     jpeg = jpeg_bytes(64, 48, seed=3)
     jobs: list[dict[str, bytes | str]] = [
@@ -252,7 +291,6 @@ def test_logs_never_contain_image_bytes_or_the_redis_password(
         {"id": "truncated", "image": truncated_jpeg_bytes(64, 48) + MARKER},
         {"id": "huge", "image": png_header_only(100_000, 100_000) + MARKER},
         {"id": "long-" + "x" * 200, "image": MARKER},
-        {"id": "bad-reply", "image": MARKER, "reply_to": "not-a-stream"},
         {"id": "gif-ish", "image": b"GIF89a" + MARKER * 4},
         {"id": "png-ish", "image": b"\x89PNG\r\n\x1a\n" + MARKER * 4},
         {"id": "jpeg-ish", "image": b"\xff\xd8\xff\xe0" + MARKER * 4},

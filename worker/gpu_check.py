@@ -40,6 +40,7 @@ from worker.compiler import still_compiled
 from worker.config import WorkerConfig
 from worker.gpu_decode import synthetic_jpeg
 from worker.gpu_sampler import GpuSampler
+from worker.logs import configure_logging
 from worker.precision_check import precision_check
 from worker.service import Worker
 from worker.step import InferenceStep
@@ -339,6 +340,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    configure_logging(os.environ.get("GPU_CHECK_LOG_FORMAT", "auto"), "info")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
