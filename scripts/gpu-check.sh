@@ -11,7 +11,7 @@
 #   PYTHON            the interpreter (default python3)
 #   GPU_CHECK_MODEL / _BATCH / _PRECISION / _COMPILE / _DECODE / _SECONDS
 #                     benchmark settings (resnet50 / 64 / auto / auto / cpu / 40)
-#   GPU_CHECK_TEST_TIMEOUT_S / GPU_CHECK_BENCH_TIMEOUT_S   phase limits (200 / 260)
+#   GPU_CHECK_TEST_TIMEOUT_S / GPU_CHECK_BENCH_TIMEOUT_S   phase limits (220 / 220 s)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -63,13 +63,13 @@ export REDIS_URL="redis://127.0.0.1:$PORT/0"
   "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NONE")'
 
 # 3. The CUDA tests (the CPU suite runs in CI).
-timeout "${GPU_CHECK_TEST_TIMEOUT_S:-200}" "$PY" -m pytest -m cuda \
+timeout "${GPU_CHECK_TEST_TIMEOUT_S:-220}" "$PY" -m pytest -m cuda \
   tests/test_cuda.py tests/test_gpu_decode.py -q -p no:cacheprovider \
   -o addopts="" --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
 TESTS_RC=${PIPESTATUS[0]}
 
 # 4. The benchmark; it writes report.json whatever happens inside it.
-timeout "${GPU_CHECK_BENCH_TIMEOUT_S:-260}" "$PY" -m worker.gpu_check \
+timeout -k 20 "${GPU_CHECK_BENCH_TIMEOUT_S:-220}" "$PY" -m worker.gpu_check \
   --out "$OUT" --junit "$OUT/pytest.xml" --redis-url "$REDIS_URL"
 BENCH_RC=$?
 if [[ ! -f $OUT/report.json ]]; then

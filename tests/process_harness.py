@@ -162,20 +162,21 @@ class WorkerProcess:
             self.proc.wait(10)
         self._close_log()
 
-    def terminate(self, timeout_s: float = 60) -> int:
-        """SIGTERM and wait for the exit code (SIGKILL if it does not exit in time)."""
+    def terminate(self, timeout_s: float = 60, *, send: bool = True) -> int:
+        """SIGTERM (once: a second one skips the drain) and wait for the exit code; SIGKILL
+        and raise if it does not exit in time. `send=False` only waits."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.signal(signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+        if send and self.proc.poll() is None:
+            self.signal(signal.SIGCONT)  # a stopped process would not see SIGTERM
             self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-                self._close_log()
-                raise
-        self._close_log()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise
+        finally:
+            self._close_log()
         return int(self.proc.returncode)
 
     def _close_log(self) -> None:
@@ -219,7 +220,8 @@ def wait_ready(workers: Iterable[WorkerProcess], timeout_s: float = 120) -> None
 
 
 def stop_all(workers: Iterable[WorkerProcess], timeout_s: float = 60) -> dict[str, int | None]:
-    """SIGTERM every live worker at once, then collect exit codes (None: it was killed)."""
+    """SIGTERM every live worker at once, then collect exit codes (None: did not exit in
+    time, or was never started)."""
     workers = list(workers)
     for w in workers:
         if w.alive:
@@ -231,7 +233,7 @@ def stop_all(workers: Iterable[WorkerProcess], timeout_s: float = 60) -> dict[st
             codes[w.name] = None
             continue
         try:
-            codes[w.name] = w.terminate(timeout_s)
+            codes[w.name] = w.terminate(timeout_s, send=False)
         except subprocess.TimeoutExpired:
             codes[w.name] = None
     return codes

@@ -146,7 +146,8 @@ class _SkipCapture(logging.Handler):
             message = record.getMessage()
         except (TypeError, ValueError):
             return
-        if "cudagraph" in message.lower():
+        # Inductor's wording since 2.1: "skipping cudagraphs due to <reason>".
+        if "skipping cudagraph" in message.lower():
             with self._lock_reasons:
                 self.reasons.append(" ".join(message.split())[:300])
 

@@ -96,6 +96,7 @@ class WorkerConfig:
 
     # Observability
     metrics_port: int = field(default=0, metadata={"env": "GPUFEED_METRICS_PORT"})
+    stats_interval_s: float = field(default=10.0, metadata={"env": "GPUFEED_STATS_INTERVAL_S"})
     log_format: str = field(default="auto", metadata={"env": "GPUFEED_LOG_FORMAT"})
     log_level: str = field(default="info", metadata={"env": "GPUFEED_LOG_LEVEL"})
 

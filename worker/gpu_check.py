@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import sys
 import threading
 import time
@@ -348,14 +349,20 @@ def main(argv: list[str] | None = None) -> int:
     report["tests"] = junit_summary(Path(args.junit)) if args.junit else {"available": False}
     t0 = time.perf_counter()
     status = 0
+    path = out / "report.json"
+
+    def terminated(signum: int, frame: object) -> None:
+        # `timeout` sends SIGTERM: end with what was measured so far in the report.
+        raise TimeoutError(f"terminated by signal {signum} (phase time limit?)")
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
         asyncio.run(run(args, report))
-    except Exception as exc:  # noqa: BLE001 - the report must be written whatever failed
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the report is written anyway
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc(limit=20)
         status = 1
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    path = out / "report.json"
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(json.dumps({k: report.get(k) for k in _HEADLINE}, default=str))
     print(f"report: {path}", file=sys.stderr)

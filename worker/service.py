@@ -15,7 +15,6 @@ import os
 import signal
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -35,13 +34,14 @@ from worker.decoder import DecodeSpec
 from worker.device import DeviceContext, make_context, resolve_device
 from worker.jobs import Job, Outcome
 from worker.model_loader import LoadedModel, load_model
+from worker.observer import Observer, heartbeat_key
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
 from worker.runner import Launched, ModelRunner
 from worker.staging import InputRing, OutputRing
 from worker.step import build_step, pick_dtype, resolve_compile_mode
 from worker.transfer import DeviceTransfer
-from worker.writer import PublishState, ResultWriter, WriterSettings
+from worker.writer import ResultWriter, WriterSettings
 
 log = structlog.get_logger("gpufeed.worker")
 
@@ -58,26 +58,16 @@ def default_decode_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-@dataclass
-class Counters:
-    """Plain counters the stats line and the heartbeat read; updated on the loop thread."""
-
-    started_s: float = field(default_factory=time.monotonic)
-    results_ok: int = 0
-    results_error: int = 0
-    duplicates: int = 0
-    not_ours: int = 0
-    refused: int = 0
-    batches: int = 0
-    real_rows: int = 0
-    errors_by_code: dict[str, int] = field(default_factory=dict)
-
-
 class Worker:
     def __init__(self, config: WorkerConfig, *, decode_delay_s: float = 0.0) -> None:
         self.config = config
         self._decode_delay_s = decode_delay_s
-        self.counters = Counters()
+        self.observer = Observer(
+            worker_name=config.worker_name,
+            batch_size=config.batch_size or 8,
+            stats_interval_s=config.stats_interval_s,
+        )
+        self.counters = self.observer.counters
         self.should_exit = asyncio.Event()
         self.force_exit = False
         self.ready = False
@@ -90,6 +80,7 @@ class Worker:
     async def startup(self, *, wait_for_redis: bool = True) -> None:
         cfg = self.config
         log.info("starting", **cfg.summary())
+        self.observer.serve_http(cfg.metrics_port, lambda: self.ready)
         # GPUFEED_MAX_IMAGE_PIXELS, checked from the header before any pixel is decoded, is
         # the decompression-bomb guard; PIL's own would refuse or warn below an operator's
         # higher limit.
@@ -101,6 +92,7 @@ class Worker:
         # first batches from stalling on benchmark runs.
         torch.backends.cudnn.benchmark = False
         self.batch_size = cfg.batch_size or default_batch_size(device)
+        self.observer.batch_size = self.batch_size
         self.loaded: LoadedModel = load_model(cfg.model, cfg.weights, input_size=cfg.input_size)
         dtype = pick_dtype(cfg.precision, device)
         step = build_step(self.loaded, device=device, dtype=dtype, top_k=cfg.top_k)
@@ -209,6 +201,25 @@ class Worker:
             deliver=self._deliver,
             publish_now=self.writer.publish_now,
         )
+        self.observer.start_sampler(device.index if self.ctx.is_cuda else None)
+        self.observer.watch(
+            jobs=self.jobs_q.qsize,
+            sealed=self.sealed_q.qsize,
+            results=lambda: self.writer.queued,
+            in_flight=lambda: self.in_flight.count,
+        )
+        self.observer.info = {
+            "model": cfg.model,
+            "weights": self.loaded.weights_label,
+            "device": self.ctx.name,
+            "dtype": str(dtype).removeprefix("torch."),
+            "batch_size": self.batch_size,
+            "compile": self.compile_report.mode,
+            "compiled": self.compile_report.compiled,
+            "stream": cfg.stream,
+            "group": cfg.group,
+        }
+        self.observer.metrics.ready.set(1)
         self.ready = True
         log.info(
             "worker_ready",
@@ -248,7 +259,16 @@ class Worker:
             "dispatcher": asyncio.create_task(self._dispatch(), name="dispatcher"),
             "batcher": asyncio.create_task(self.batcher.run(), name="batcher"),
             "reader": asyncio.create_task(self.reader.run(), name="reader"),
-            "stats": asyncio.create_task(self._stats_loop(), name="stats"),
+            "stats": asyncio.create_task(
+                self.observer.run(
+                    self.redis,
+                    key=heartbeat_key(self.config.worker_name),
+                    stream=self.config.stream,
+                    group=self.config.group,
+                    in_flight=lambda: self.in_flight.count,
+                ),
+                name="stats",
+            ),
             "keepalive": asyncio.create_task(self.reclaimer.run_keepalive(), name="keepalive"),
             "reclaim": asyncio.create_task(self.reclaimer.run_reclaim(), name="reclaim"),
             "trim": asyncio.create_task(self.reclaimer.run_trim(), name="trim"),
@@ -266,6 +286,10 @@ class Worker:
 
     async def _deliver(self, job: Job) -> None:
         self._held[job.entry_id] = job
+        if job.enqueued_ms:
+            # Time in Redis before this worker read it (server and worker clocks may differ
+            # a little; never negative).
+            job.timings_ms["redis_wait"] = max(0.0, time.time() * 1000 - job.enqueued_ms)
         if job.rejected is not None:
             code, message = job.rejected
             await self.writer.put([Outcome.failure(job, code, message)])
@@ -315,45 +339,13 @@ class Worker:
             self.watcher.track(launched)
 
     def _on_batch_done(self, launched: Launched, gpu_ms: float) -> None:
-        self.counters.batches += 1
-        self.counters.real_rows += len(launched.batch.valid_rows)
+        self.observer.batch_done(launched, gpu_ms)
 
     def _on_published(self, outcomes: list[Outcome], states: list[int]) -> None:
-        c = self.counters
-        for outcome, state in zip(outcomes, states, strict=True):
+        for outcome in outcomes:
             self._held.pop(outcome.job.entry_id, None)
-            if state == PublishState.NOT_OURS:
-                c.not_ours += 1
-            elif state == PublishState.DUPLICATE_ID:
-                c.duplicates += 1
-            elif state == PublishState.REFUSED:
-                c.refused += 1
-            elif outcome.ok:
-                c.results_ok += 1
-            else:
-                c.results_error += 1
-                code = outcome.error_code.value if outcome.error_code else "unknown"
-                c.errors_by_code[code] = c.errors_by_code.get(code, 0) + 1
+        self.observer.published(outcomes, states)
         self.in_flight.give_back(len(outcomes))
-
-    async def _stats_loop(self, interval_s: float = 10.0) -> None:
-        last_total, last_s = 0, time.monotonic()
-        while True:
-            await asyncio.sleep(interval_s)
-            c = self.counters
-            total = c.results_ok + c.results_error
-            now = time.monotonic()
-            log.info(
-                "stats",
-                results_per_s=round((total - last_total) / (now - last_s), 2),
-                results_ok=c.results_ok,
-                results_error=c.results_error,
-                in_flight=self.in_flight.count,
-                batch_fill=round(c.real_rows / (c.batches * self.batch_size), 3)
-                if c.batches
-                else None,
-            )
-            last_total, last_s = total, now
 
     # ----------------------------------------------------------------------- shutdown
     async def shutdown(self) -> None:
@@ -404,8 +396,11 @@ class Worker:
                     self.reclaimer.delete_consumer(self.config.worker_name), 5
                 )
                 if removed < 0:
-                    log.warning("left_pending_jobs", note="they will be reclaimed after "
-                                "GPUFEED_VISIBILITY_TIMEOUT_S by the other workers")
+                    log.warning(
+                        "left_pending_jobs",
+                        note="they will be reclaimed after "
+                        "GPUFEED_VISIBILITY_TIMEOUT_S by the other workers",
+                    )
             except (TimeoutError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
                 log.warning("could_not_leave_group", error=str(exc))
         if hasattr(self, "decoder"):
@@ -413,7 +408,10 @@ class Worker:
         if hasattr(self, "runner"):
             self.runner.shutdown()
         if hasattr(self, "redis"):
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+                await asyncio.wait_for(self.redis.delete(heartbeat_key(self.config.worker_name)), 2)
             await self.redis.aclose()
+        self.observer.close()
         log.info(
             "stopped",
             results_ok=self.counters.results_ok,
@@ -445,13 +443,7 @@ class Worker:
             await self.shutdown()
 
     def snapshot(self) -> dict[str, Any]:
-        c = self.counters
-        return {
-            "results_ok": c.results_ok,
-            "results_error": c.results_error,
-            "duplicates": c.duplicates,
-            "batches": c.batches,
-        }
+        return self.observer.snapshot(self.in_flight.count if hasattr(self, "in_flight") else 0)
 
 
 __all__ = ["ConfigError", "RedisUnavailable", "Worker"]

@@ -1,0 +1,195 @@
+"""Metrics, written off the hot path: Prometheus, health endpoints and rolling figures.
+
+Everything here is fed from the event loop after a batch completed or a result was
+published, never from the launch path. The HTTP endpoints run on their own thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from worker.gpu_sampler import percentile
+
+# The stages a job goes through, in order; per-stage seconds are observed under these names.
+STAGES = ("redis_wait", "queue", "decode", "batch_wait", "compute", "write")
+_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_FILL = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+
+
+class WorkerMetrics:
+    """The worker's Prometheus metrics, in a registry of its own (one per worker)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.stage_seconds = Histogram(
+            "gpufeed_stage_seconds",
+            "Time a job spent in each pipeline stage.",
+            ["stage"],
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.job_seconds = Histogram(
+            "gpufeed_job_seconds",
+            "End-to-end job latency, from XADD to published result.",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.batch_gpu_seconds = Histogram(
+            "gpufeed_batch_compute_seconds",
+            "Device time per batch (CUDA events on GPU; wall time on CPU).",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.batch_fill = Histogram(
+            "gpufeed_batch_fill_ratio",
+            "Real (not padding) rows per batch over batch size.",
+            buckets=_FILL,
+            registry=r,
+        )
+        self.results = Counter(
+            "gpufeed_results",
+            "Results published, by status and error code.",
+            ["status", "code"],
+            registry=r,
+        )
+        self.batches = Counter("gpufeed_batches", "Batches run on the model.", registry=r)
+        self.rows = Counter(
+            "gpufeed_batch_rows", "Batch rows run, real or padding.", ["kind"], registry=r
+        )
+        self.events = Counter(
+            "gpufeed_delivery_events",
+            "Delivery events: reclaimed, dead_lettered, entry_deleted, duplicate_id, not_ours.",
+            ["event"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "gpufeed_queue_depth",
+            "Items waiting in each internal queue.",
+            ["queue"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "gpufeed_in_flight_jobs", "Jobs read and not yet answered.", registry=r
+        )
+        self.ready = Gauge(
+            "gpufeed_ready", "1 once the model is warm and the worker reads.", registry=r
+        )
+        self.gpu = Gauge(
+            "gpufeed_device_utilisation",
+            "Latest NVML/psutil sample, by metric.",
+            ["metric"],
+            registry=r,
+        )
+        self.stream_lag = Gauge(
+            "gpufeed_stream_lag",
+            "Entries not yet delivered to the group (-1: Redis does not know).",
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Rolling:
+    """The last N values, for percentiles in heartbeats and log lines."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._values: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        self._values.append(value)
+
+    def percentiles(self, *qs: float) -> list[float | None]:
+        if not self._values:
+            return [None for _ in qs]
+        ordered = sorted(self._values)
+        return [round(percentile(ordered, q), 3) for q in qs]
+
+    def mean(self) -> float | None:
+        return round(sum(self._values) / len(self._values), 3) if self._values else None
+
+
+class HealthServer:
+    """/metrics (Prometheus), /live (the process answers) and /ready (warm and reading)."""
+
+    def __init__(
+        self, port: int, metrics: WorkerMetrics, is_ready: Callable[[], bool], host: str = "0.0.0.0"
+    ) -> None:
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    outer._send(self, 200, metrics.render(), CONTENT_TYPE_LATEST)
+                elif path == "/live":
+                    outer._send(self, 200, b"live\n")
+                elif path == "/ready":
+                    ok = is_ready()
+                    outer._send(self, 200 if ok else 503, b"ready\n" if ok else b"warming up\n")
+                else:
+                    outer._send(self, 404, b"not found: try /metrics, /live or /ready\n")
+
+            def log_message(self, format: str, *args: Any) -> None:
+                # Scrapes every few seconds would drown the worker's own log.
+                return
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.port = int(self._server.server_address[1])
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="gpufeed-metrics", daemon=True
+        )
+
+    @staticmethod
+    def _send(
+        handler: BaseHTTPRequestHandler,
+        code: int,
+        body: bytes,
+        content_type: str = "text/plain; charset=utf-8",
+    ) -> None:
+        handler.send_response(code)
+        handler.send_header("Content-Type", content_type)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    def start(self) -> HealthServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+class RateMeter:
+    """Results per second over the last interval."""
+
+    def __init__(self) -> None:
+        self._last_count = 0
+        self._last_s = time.monotonic()
+        self.rate = 0.0
+
+    def update(self, count: int) -> float:
+        now = time.monotonic()
+        elapsed = now - self._last_s
+        if elapsed > 0:
+            self.rate = (count - self._last_count) / elapsed
+        self._last_count, self._last_s = count, now
+        return self.rate

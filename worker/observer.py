@@ -1,0 +1,271 @@
+"""What the worker tells the outside world about itself, all of it off the hot path.
+
+- Prometheus metrics and /live, /ready on GPUFEED_METRICS_PORT;
+- a heartbeat hash `gpufeed:worker:<name>` (with a TTL), so `redis-cli`, `producer stats`
+  and `worker top` see every live worker;
+- one structured summary log line per GPUFEED_STATS_INTERVAL_S.
+
+It is fed by the completion watcher and the result writer (both on the event loop, after
+the GPU work is done) and by a sampler thread that reads NVML and psutil.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from producer import wire
+from worker.gpu_sampler import GpuSampler
+from worker.jobs import Outcome
+from worker.metrics import STAGES, HealthServer, RateMeter, Rolling, WorkerMetrics
+from worker.runner import Launched
+from worker.writer import PublishState
+
+log = structlog.get_logger("gpufeed.observer")
+
+HEARTBEAT_INTERVAL_S = 2.0
+
+
+@dataclass
+class Counters:
+    started_s: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    results_ok: int = 0
+    results_error: int = 0
+    duplicates: int = 0
+    not_ours: int = 0
+    refused: int = 0
+    batches: int = 0
+    real_rows: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def results(self) -> int:
+        return self.results_ok + self.results_error
+
+
+class Observer:
+    def __init__(self, *, worker_name: str, batch_size: int, stats_interval_s: float) -> None:
+        self.worker_name = worker_name
+        self.batch_size = batch_size
+        self.stats_interval_s = stats_interval_s
+        self.counters = Counters()
+        self.metrics = WorkerMetrics()
+        self.latency_ms = Rolling()
+        self.stage_ms = {stage: Rolling(1024) for stage in STAGES}
+        self.gpu_ms = Rolling(256)
+        self.fill = Rolling(256)
+        self.rate = RateMeter()
+        self.sampler: GpuSampler | None = None
+        self.health: HealthServer | None = None
+        self.info: dict[str, Any] = {}
+        self.lag: int | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def serve_http(self, port: int, is_ready: Callable[[], bool]) -> None:
+        """Start /metrics, /live, /ready (before the model loads: /live must answer during a
+        long warm-up, and /ready says 503 until the worker reads)."""
+        if port:
+            self.health = HealthServer(port, self.metrics, is_ready).start()
+            log.info("metrics_listening", port=self.health.port)
+
+    def start_sampler(self, device_index: int | None) -> None:
+        self.sampler = GpuSampler(
+            device_index if device_index is not None else 0, interval_s=1.0, max_samples=120
+        )
+        if device_index is None:
+            self.sampler.available = False
+            self.sampler.reason = "CPU device: no GPU to sample"
+        self.sampler.start()
+
+    def watch(self, **gauges: Callable[[], float]) -> None:
+        """Queue depths and the in-flight count, read at scrape time."""
+        for name, fn in gauges.items():
+            if name == "in_flight":
+                self.metrics.in_flight.set_function(fn)
+            else:
+                self.metrics.queue_depth.labels(name).set_function(fn)
+
+    # ------------------------------------------------------------------ feeding
+    def batch_done(self, launched: Launched, gpu_ms: float) -> None:
+        real = len(launched.batch.valid_rows)
+        c = self.counters
+        c.batches += 1
+        c.real_rows += real
+        m = self.metrics
+        m.batches.inc()
+        m.rows.labels("real").inc(real)
+        m.rows.labels("padding").inc(self.batch_size - real)
+        m.batch_fill.observe(real / self.batch_size)
+        m.batch_gpu_seconds.observe(gpu_ms / 1000)
+        self.gpu_ms.add(gpu_ms)
+        self.fill.add(real / self.batch_size)
+
+    def published(self, outcomes: list[Outcome], states: list[int]) -> None:
+        c = self.counters
+        m = self.metrics
+        now_ms = time.time() * 1000
+        for outcome, state in zip(outcomes, states, strict=True):
+            if state == PublishState.NOT_OURS:
+                c.not_ours += 1
+                m.events.labels("not_ours").inc()
+                continue
+            if state == PublishState.DUPLICATE_ID:
+                c.duplicates += 1
+                m.events.labels("duplicate_id").inc()
+                continue
+            if state == PublishState.REFUSED:
+                c.refused += 1
+                continue
+            job = outcome.job
+            if outcome.ok:
+                c.results_ok += 1
+                m.results.labels("ok", "").inc()
+            else:
+                c.results_error += 1
+                code = outcome.error_code.value if outcome.error_code else "unknown"
+                c.errors_by_code[code] = c.errors_by_code.get(code, 0) + 1
+                m.results.labels("error", code).inc()
+            for stage in STAGES:
+                value = job.timings_ms.get(stage)
+                if value is not None:
+                    m.stage_seconds.labels(stage).observe(value / 1000)
+                    self.stage_ms[stage].add(value)
+            if job.enqueued_ms:
+                total = max(0.0, now_ms - job.enqueued_ms)
+                m.job_seconds.observe(total / 1000)
+                self.latency_ms.add(total)
+
+    def delivery_event(self, event: str, count: int = 1) -> None:
+        if count:
+            self.metrics.events.labels(event).inc(count)
+
+    # ------------------------------------------------------------------ reporting
+    def snapshot(self, in_flight: int) -> dict[str, Any]:
+        c = self.counters
+        p50, p99 = self.latency_ms.percentiles(50, 99)
+        sample = self._latest_sample()
+        return {
+            **self.info,
+            "name": self.worker_name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - c.started_s, 1),
+            "started_at": int(c.started_wall),
+            "results_ok": c.results_ok,
+            "results_error": c.results_error,
+            "duplicates": c.duplicates,
+            "jobs_per_s": round(self.rate.rate, 2),
+            "p50_ms": p50,
+            "p99_ms": p99,
+            "batches": c.batches,
+            "batch_fill": self.fill.mean(),
+            "gpu_ms_per_batch": self.gpu_ms.mean(),
+            "in_flight": in_flight,
+            "stage_ms": {s: self.stage_ms[s].mean() for s in STAGES},
+            "errors_by_code": dict(c.errors_by_code),
+            "gpu_util_pct": sample.get("gpu_util_pct"),
+            "mem_bw_util_pct": sample.get("mem_bw_util_pct"),
+            "mem_used_mib": sample.get("mem_used_mib"),
+            "process_cpu_pct": sample.get("process_cpu_pct"),
+            "system_cpu_pct": sample.get("system_cpu_pct"),
+            "stream_lag": self.lag,
+        }
+
+    def _latest_sample(self) -> dict[str, float]:
+        if self.sampler is None:
+            return {}
+        samples = self.sampler.samples()
+        return samples[-1] if samples else {}
+
+    async def run(
+        self,
+        client: aioredis.Redis,
+        *,
+        key: str,
+        stream: str,
+        group: str,
+        in_flight: Callable[[], int],
+    ) -> None:
+        """Heartbeat every few seconds, a log line every stats interval."""
+        next_log = time.monotonic() + self.stats_interval_s
+        outage = False
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            self.rate.update(self.counters.results)
+            for metric, value in self._latest_sample().items():
+                if metric != "t":
+                    self.metrics.gpu.labels(metric).set(value)
+            try:
+                self.lag = await _group_lag(client, stream, group)
+                self.metrics.stream_lag.set(-1 if self.lag is None else self.lag)
+                snap = self.snapshot(in_flight())
+                await write_heartbeat(client, key, snap, ttl_s=int(HEARTBEAT_INTERVAL_S * 5))
+                outage = False
+            except (RedisError, OSError) as exc:
+                if not outage:
+                    log.warning("heartbeat_failed", error=str(exc))
+                    outage = True
+            if time.monotonic() >= next_log:
+                next_log += self.stats_interval_s
+                snap = self.snapshot(in_flight())
+                log.info(
+                    "stats",
+                    jobs_per_s=snap["jobs_per_s"],
+                    results_ok=snap["results_ok"],
+                    results_error=snap["results_error"],
+                    p50_ms=snap["p50_ms"],
+                    p99_ms=snap["p99_ms"],
+                    batch_fill=snap["batch_fill"],
+                    in_flight=snap["in_flight"],
+                    stage_ms=snap["stage_ms"],
+                    gpu_util_pct=snap["gpu_util_pct"],
+                    cpu_pct=snap["process_cpu_pct"],
+                    lag="unknown" if self.lag is None else self.lag,
+                )
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
+        if self.health is not None:
+            self.health.stop()
+
+
+async def write_heartbeat(
+    client: aioredis.Redis, key: str, snap: dict[str, Any], ttl_s: int
+) -> None:
+    """Plain fields for redis-cli, plus the whole snapshot as msgpack for tools."""
+    plain = {
+        k: ("" if v is None else str(v)) for k, v in snap.items() if not isinstance(v, dict | list)
+    }
+    plain["snapshot"] = msgpack.packb(snap, use_bin_type=True)  # type: ignore[assignment]
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(key)
+    pipe.hset(key, mapping=plain)  # type: ignore[arg-type]
+    pipe.expire(key, ttl_s)
+    await pipe.execute()
+
+
+async def _group_lag(client: aioredis.Redis, stream: str, group: str) -> int | None:
+    """The group's lag, or None where Redis does not know it (it reports nil after
+    deletions), never a made-up 0."""
+    for g in await client.xinfo_groups(stream):
+        name = g.get("name")
+        if (name.decode() if isinstance(name, bytes) else name) == group:
+            lag = g.get("lag")
+            return None if lag is None else int(lag)
+    return None
+
+
+def heartbeat_key(worker_name: str) -> str:
+    return f"{wire.DEFAULT_WORKER_PREFIX}{worker_name}"
