@@ -60,5 +60,12 @@ gpu-check-prepare:
 run-redis: redis-server
 	redis-server --port $(REDIS_PORT) --bind 127.0.0.1 --save "" --appendonly no
 
+# 20,000 mixed good and bad jobs through 2 worker processes, with a worker SIGKILLed and
+# restarted and Redis restarted; prints a report, writes .soak/report.json (scripts/soak.py
+# --help for --jobs, --workers, --out). Fails if a job is missing or answered twice.
+.PHONY: soak
+soak: setup
+	$(PY) scripts/soak.py
+
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo *.egg-info

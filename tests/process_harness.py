@@ -80,12 +80,14 @@ class WorkerProcess:
     ready_s: float | None = None
     started_s: float | None = None
     _log_file: Any = field(default=None, repr=False)
+    _ready_before: int = 0
 
     def start(self) -> WorkerProcess:
         env = dict(self.env)
         env["GPUFEED_WORKER_NAME"] = self.name
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Append: a restarted worker (same name) keeps writing to the same log.
+        self._ready_before = self.event_count("worker_ready")
         self._log_file = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "worker"],
@@ -134,14 +136,11 @@ class WorkerProcess:
         return sum(1 for e in self.events() if e.get("event") == name)
 
     def is_ready(self) -> bool:
-        """Ready once this start logged `worker_ready` (counted per start: the log is shared
-        by a restarted worker)."""
-        if self.ready_s is None and self.event_count("worker_ready") >= self._starts():
+        """Ready once this start logged `worker_ready` (a restarted worker appends to the
+        log of its earlier starts)."""
+        if self.ready_s is None and self.event_count("worker_ready") > self._ready_before:
             self.ready_s = time.monotonic()
         return self.ready_s is not None
-
-    def _starts(self) -> int:
-        return max(1, self.event_count("starting"))
 
     def check_alive(self) -> None:
         if not self.alive:

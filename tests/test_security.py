@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The commands a worker needs, and nothing else; README.md documents the same list.
 WORKER_ACL = (
     "on >w0rker-pw resetkeys ~gpufeed:* resetchannels -@all "
-    "+ping +xreadgroup +xautoclaim +xpending +xrange +xtrim +xinfo|groups "
+    "+ping +type +xreadgroup +xautoclaim +xpending +xrange +xtrim +xinfo|groups "
     "+xinfo|consumers +xgroup|create +evalsha +script|load +script|exists "
     "+xack +xadd +xclaim +xgroup|delconsumer +hset +hget +del +expire"
 )

@@ -124,7 +124,7 @@ class Observer:
                 c.duplicates += 1
                 m.events.labels("duplicate_id").inc()
                 continue
-            if state == PublishState.REFUSED:
+            if state < 0:  # refused, or the reply stream was unusable: nothing was written
                 c.refused += 1
                 continue
             job = outcome.job

@@ -16,8 +16,21 @@ from __future__ import annotations
 #       [7] n: how many dead-letter field/value args follow (0: not a dead letter),
 #       [8 .. 7+n] the dead-letter entry, [8+n ..] the result's field/value pairs.
 # Returns 1 published, 0 not ours any more (someone else acknowledged it), 2 acknowledged
-# as a duplicate of an id that already has a result.
+# as a duplicate of an id that already has a result, -2 the reply stream (or dead-letter
+# stream) key holds another type: nothing done, so the caller can answer elsewhere.
+# Redis does not roll a script back when a command in it fails, so everything that could
+# fail is checked before the XACK.
 PUBLISH_RESULT = """
+local reply_type = redis.call('TYPE', KEYS[2])['ok']
+if reply_type ~= 'stream' and reply_type ~= 'none' then
+  return -2
+end
+if tonumber(ARGV[7]) > 0 then
+  local dead_type = redis.call('TYPE', KEYS[4])['ok']
+  if dead_type ~= 'stream' and dead_type ~= 'none' then
+    return -2
+  end
+end
 if ARGV[5] == 'ack' then
   if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
     return 0

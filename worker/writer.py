@@ -53,6 +53,7 @@ class PublishState:
     NOT_OURS = 0  # another worker (or an earlier try of ours) acknowledged the entry first
     DUPLICATE_ID = 2  # acknowledged; the job id already had a result, which stands
     REFUSED = -1  # Redis refused the script for this job (logged with the job id)
+    WRONG_REPLY_TYPE = -2  # its reply_to (or the dead-letter stream) is not a stream
 
 
 def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | str]:
@@ -167,7 +168,7 @@ class ResultWriter:
         retry = [
             (i, self._fallback(outcomes[i]))
             for i, state in enumerate(states)
-            if state == PublishState.REFUSED
+            if state in (PublishState.REFUSED, PublishState.WRONG_REPLY_TYPE)
             and outcomes[i].job.reply_to != self.settings.default_reply_to
         ]
         if retry:
@@ -230,7 +231,15 @@ class ResultWriter:
                 )
                 states.append(PublishState.REFUSED)
                 continue
-            states.append(int(reply))
+            state = int(reply)
+            if state == PublishState.WRONG_REPLY_TYPE:
+                log.error(
+                    "reply_to_not_a_stream",
+                    job_id=outcome.job.job_id,
+                    entry=outcome.job.entry_id,
+                    reply_to=outcome.job.reply_to,
+                )
+            states.append(state)
         write_ms = (time.perf_counter() - start) * 1000
         for outcome in outcomes:
             outcome.job.timings_ms["write"] = write_ms

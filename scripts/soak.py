@@ -1,0 +1,660 @@
+#!/usr/bin/env python
+"""Soak run: many mixed good and bad jobs through real worker processes, with faults.
+
+It starts its own redis-server (append-only file, fsync per write) on a free port and
+`--workers` worker processes (`python -m worker`, the tiny random-weights
+mobilenet_v3_small at input 64 unless told otherwise), feeds `--jobs` jobs (about 10% bad:
+not an image, truncated JPEG, empty image, missing fields, id too long, a header announcing
+huge dimensions) and, while they run:
+
+- at 25% answered, SIGKILLs worker 0 and starts it again under the same name;
+- at 50%, stops Redis (SIGTERM) and starts it again on the same port and folder;
+- at 75%, kills Redis (SIGKILL) and starts it again.
+
+Then it waits for every job to be answered, stops the workers (SIGTERM) and reports: jobs
+in, results out, ok and error counts by code, duplicates (job entries with more than one
+result), missing (none), unexpected outcomes (a good job that failed, a bad one with the
+wrong code, `meta` not echoed), dead letters, elapsed time and throughput, and each worker
+process's RSS at start, after warm-up and at the end (growth after warm-up over
+`--rss-flag-pct` is flagged). The report is printed as a table and written as JSON.
+
+    .venv/bin/python scripts/soak.py                       # 20,000 jobs, 2 workers
+    .venv/bin/python scripts/soak.py --jobs 600 --rate 60  # a short run
+
+Exit status: 0 when every job has exactly one result, the expected one, and no worker
+crashed; 1 otherwise; 2 when the run could not be set up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import shutil
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+import redis  # noqa: E402
+
+from producer.wire import JobResult  # noqa: E402
+from tests.images import (  # noqa: E402
+    jpeg_bytes,
+    png_bytes,
+    png_header_only,
+    truncated_jpeg_bytes,
+)
+from tests.process_harness import (  # noqa: E402
+    DEAD,
+    JOBS,
+    ResultTally,
+    WorkerProcess,
+    pending_of,
+    stop_all,
+    wait_ready,
+    worker_env,
+)
+from tests.redis_server import RedisServer  # noqa: E402
+
+MIB = 1024 * 1024
+
+# Bad job kinds and the error code each must come back with.
+BAD_KINDS: dict[str, str] = {
+    "not_an_image": "unsupported_format",
+    "truncated_jpeg": "decode_error",
+    "empty_image": "empty_image",
+    "missing_fields": "invalid_job",
+    "id_too_long": "id_too_long",
+    "huge_dimensions": "image_too_large",
+}
+
+
+# ----------------------------------------------------------------------------- jobs
+def make_jobs(n: int, bad_fraction: float, seed: int) -> list[tuple[str, dict[str, bytes | str]]]:
+    """(kind, fields) for each job; kind is "good" or one of BAD_KINDS."""
+    rng = random.Random(seed)
+    good = [jpeg_bytes(64, 48, seed=s) for s in range(6)]
+    good += [jpeg_bytes(320, 240, seed=7), png_bytes(64, 48, seed=8), png_bytes(48, 64, mode="L")]
+    truncated = truncated_jpeg_bytes(64, 48)
+    huge = png_header_only(100_000, 100_000)
+    kinds = list(BAD_KINDS)
+    jobs: list[tuple[str, dict[str, bytes | str]]] = []
+    for i in range(n):
+        job_id = f"soak-{i:07d}"
+        meta = f"m{i}".encode()
+        kind = rng.choice(kinds) if rng.random() < bad_fraction else "good"
+        fields: dict[str, bytes | str]
+        if kind == "good":
+            fields = {"id": job_id, "image": good[i % len(good)], "meta": meta}
+        elif kind == "not_an_image":
+            junk = rng.randbytes(64)
+            fields = {"id": job_id, "image": b"this is not an image " + junk, "meta": meta}
+        elif kind == "truncated_jpeg":
+            fields = {"id": job_id, "image": truncated, "meta": meta}
+        elif kind == "empty_image":
+            fields = {"id": job_id, "image": b"", "meta": meta}
+        elif kind == "missing_fields":
+            fields = {"id": job_id, "meta": meta}
+        elif kind == "id_too_long":
+            fields = {"id": job_id + "-" + "x" * 200, "image": good[0], "meta": meta}
+        else:  # huge_dimensions
+            fields = {"id": job_id, "image": huge, "meta": meta}
+        jobs.append((kind, fields))
+    return jobs
+
+
+# ----------------------------------------------------------------------------- feeder
+class Feeder(threading.Thread):
+    """XADDs the jobs in chunks, at `rate` jobs/s (0: as fast as the backlog bound allows),
+    keeping at most `backlog` jobs submitted and not yet answered. Redis is never stopped
+    in the middle of a chunk: the fault injector takes `lock` first, so every XADD either
+    happened (and is in the AOF) or was never sent."""
+
+    def __init__(
+        self,
+        url: str,
+        jobs: list[tuple[str, dict[str, bytes | str]]],
+        *,
+        rate: float,
+        backlog: int,
+        chunk: int = 100,
+    ) -> None:
+        super().__init__(name="feeder", daemon=True)
+        self.client = redis.Redis.from_url(url)
+        self.jobs = jobs
+        self.rate = rate
+        self.backlog = backlog
+        self.chunk = chunk
+        self.lock = threading.Lock()
+        self.entries: list[str] = []  # entry IDs, in job order
+        self.answered = 0  # updated by the monitor
+        self.started_s = 0.0
+        self.finished_s: float | None = None
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:  # noqa: BLE001 - reported by the monitor
+            self.error = exc
+
+    def _run(self) -> None:
+        self.started_s = time.monotonic()
+        for i in range(0, len(self.jobs), self.chunk):
+            chunk = self.jobs[i : i + self.chunk]
+            if self.rate > 0:
+                due = self.started_s + i / self.rate
+                while time.monotonic() < due and not self.stop.is_set():
+                    time.sleep(min(0.05, due - time.monotonic()))
+            while len(self.entries) - self.answered > self.backlog and not self.stop.is_set():
+                time.sleep(0.05)
+            if self.stop.is_set():
+                return
+            with self.lock:
+                pipe = self.client.pipeline(transaction=False)
+                for _, fields in chunk:
+                    pipe.xadd(JOBS, dict(fields))
+                self.entries += [raw.decode() for raw in pipe.execute()]
+        self.finished_s = time.monotonic()
+
+
+# ----------------------------------------------------------------------------- workers
+@dataclass
+class WorkerRun:
+    """One worker process, from start to its end (SIGKILL or SIGTERM)."""
+
+    name: str
+    pid: int
+    ended_by: str = ""
+    exit_code: int | None = None
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (s since ready, rss)
+    ready_at_s: float | None = None  # since the soak started
+
+    def sample(self, proc: WorkerProcess) -> None:
+        if proc.ready_s is None or not proc.alive:
+            return
+        try:
+            rss = psutil.Process(proc.pid).memory_info().rss
+        except psutil.Error:
+            return
+        self.samples.append((time.monotonic() - proc.ready_s, rss))
+
+    def memory(self, warmup_s: float, flag_pct: float) -> dict[str, Any]:
+        if not self.samples:
+            return {"rss_start_mib": None, "rss_warm_mib": None, "rss_end_mib": None}
+        start = self.samples[0][1]
+        warm_sample = next((s for s in self.samples if s[0] >= warmup_s), None)
+        end_t, end = self.samples[-1]
+        peak = max(s[1] for s in self.samples)
+        out: dict[str, Any] = {
+            "rss_start_mib": round(start / MIB, 1),
+            "rss_end_mib": round(end / MIB, 1),
+            "rss_peak_mib": round(peak / MIB, 1),
+            "observed_s": round(end_t, 1),
+        }
+        if warm_sample is None or warm_sample is self.samples[-1]:
+            out.update(rss_warm_mib=None, growth_mib=None, growth_pct=None, rss_flag=False)
+            out["note"] = f"ran under the {warmup_s:.0f}s warm-up: growth not judged"
+            return out
+        warm = warm_sample[1]
+        growth = end - warm
+        pct = 100 * growth / warm
+        out.update(
+            rss_warm_mib=round(warm / MIB, 1),
+            growth_mib=round(growth / MIB, 1),
+            growth_pct=round(pct, 1),
+            rss_flag=pct > flag_pct,
+        )
+        return out
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclass
+class Fault:
+    kind: str
+    at_fraction: float
+    done: bool = False
+    at_s: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def tiny_weights(path: Path) -> Path:
+    """Random weights for mobilenet_v3_small with 10 classes, saved once."""
+    if path.exists():
+        return path
+    import torch
+    from torchvision.models import get_model
+
+    from worker.model_loader import save_weights_file
+
+    torch.manual_seed(0)
+    module = get_model("mobilenet_v3_small", weights=None, num_classes=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_weights_file(module, path, [f"class_{i}" for i in range(10)])
+    return path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", type=int, default=20_000, help="jobs to submit (default 20000)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--out", type=Path, default=Path(".soak/report.json"), help="JSON report")
+    p.add_argument("--workdir", type=Path, default=Path(".soak"), help="Redis data, logs")
+    p.add_argument("--bad-fraction", type=float, default=0.10, help="share of bad jobs")
+    p.add_argument("--rate", type=float, default=0.0, help="jobs/s to submit; 0: no limit")
+    p.add_argument("--backlog", type=int, default=2000, help="max submitted, not answered")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--model", default="mobilenet_v3_small")
+    p.add_argument("--input-size", type=int, default=64)
+    p.add_argument("--weights", default="", help="GPUFEED_WEIGHTS; default: tiny random file")
+    p.add_argument("--device", default="cpu", help="GPUFEED_DEVICE (default cpu)")
+    p.add_argument("--visibility-timeout", type=float, default=5.0)
+    p.add_argument("--no-faults", action="store_true", help="no kills, no Redis restarts")
+    p.add_argument("--redis-down-s", type=float, default=2.0, help="how long Redis stays down")
+    p.add_argument("--warmup-s", type=float, default=10.0, help="RSS baseline after this")
+    p.add_argument("--rss-flag-pct", type=float, default=20.0, help="flag RSS growth over")
+    p.add_argument("--settle-s", type=float, default=3.0, help="wait for late duplicates")
+    p.add_argument("--timeout-s", type=float, default=0.0, help="0: 300 s + 20 ms per job")
+    p.add_argument("--seed", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.jobs < 1 or args.workers < 1:
+        p.error("--jobs and --workers must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = args.workdir.resolve()
+    if (work / "redis").exists():
+        shutil.rmtree(work / "redis")
+    if (work / "logs").exists():
+        shutil.rmtree(work / "logs")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / ".gitignore").write_text("*\n")
+    weights = args.weights or str(tiny_weights(work / "tiny-mobilenet_v3_small.pt"))
+    timeout_s = args.timeout_s or 300 + 0.02 * args.jobs
+
+    print(f"preparing {args.jobs} jobs ...", flush=True)
+    jobs = make_jobs(args.jobs, args.bad_fraction, args.seed)
+    kinds_in = Counter(kind for kind, _ in jobs)
+
+    server = RedisServer(work / "redis", persistent=True).start()
+    env = worker_env(
+        server.url,
+        weights,
+        GPUFEED_MODEL=args.model,
+        GPUFEED_INPUT_SIZE=str(args.input_size),
+        GPUFEED_BATCH_SIZE=str(args.batch_size),
+        GPUFEED_DEVICE=args.device,
+        GPUFEED_VISIBILITY_TIMEOUT_S=str(args.visibility_timeout),
+        GPUFEED_CLAIM_INTERVAL_S="1",
+        GPUFEED_CONSUMER_EXPIRY_S=str(max(30.0, args.visibility_timeout)),
+        GPUFEED_TRIM_INTERVAL_S="5",
+    )
+    names = [f"soak-w{i}" for i in range(args.workers)]
+    procs: dict[str, WorkerProcess] = {}
+    runs: list[WorkerRun] = []
+    current: dict[str, WorkerRun] = {}
+    t0 = time.monotonic()
+
+    def launch(name: str) -> None:
+        proc = WorkerProcess(name, env, work / "logs" / f"{name}.log").start()
+        procs[name] = proc
+        run = WorkerRun(name=name, pid=proc.pid)
+        runs.append(run)
+        current[name] = run
+
+    crashes: list[str] = []
+    faults = (
+        []
+        if args.no_faults
+        else [
+            Fault("worker_sigkill", 0.25),
+            Fault("redis_restart", 0.50, detail={"signal": "SIGTERM"}),
+            Fault("redis_restart", 0.75, detail={"signal": "SIGKILL"}),
+        ]
+    )
+    feeder: Feeder | None = None
+    tally = ResultTally()
+    client = redis.Redis.from_url(server.url)
+    all_answered_s: float | None = None
+    try:
+        print(f"starting {args.workers} workers ...", flush=True)
+        for name in names:
+            launch(name)
+        wait_ready(procs.values(), timeout_s=180)
+        for name in names:
+            current[name].ready_at_s = round(time.monotonic() - t0, 1)
+        feeder = Feeder(server.url, jobs, rate=args.rate, backlog=args.backlog)
+        feeder.start()
+        deadline = time.monotonic() + timeout_s
+        last_sample = 0.0
+        last_print = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if feeder.error is not None:
+                raise RuntimeError(f"feeder failed: {feeder.error!r}")
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                tally.poll(client)  # fails while Redis restarts; the next poll catches up
+            entries = feeder.entries[:]
+            answered = tally.answered(entries)
+            feeder.answered = answered
+            if now - last_sample >= 1.0:
+                last_sample = now
+                for name, proc in procs.items():
+                    if proc.ready_s is None and proc.alive and proc.is_ready():
+                        current[name].ready_at_s = round(now - t0, 1)
+                    current[name].sample(proc)
+            for name, proc in procs.items():
+                if not proc.alive and current[name].ended_by == "":
+                    current[name].ended_by = "crash"
+                    current[name].exit_code = proc.returncode
+                    crashes.append(name)
+                    print(f"worker {name} exited by itself ({proc.returncode})", flush=True)
+            if now - last_print >= 5:
+                last_print = now
+                print(
+                    f"  {now - t0:6.1f}s  submitted {len(entries):>7}  answered {answered:>7}",
+                    flush=True,
+                )
+            for fault in faults:
+                if not fault.done and answered >= fault.at_fraction * args.jobs:
+                    inject(
+                        fault,
+                        procs=procs,
+                        current=current,
+                        server=server,
+                        feeder=feeder,
+                        client=client,
+                        launch=launch,
+                        t0=t0,
+                        args=args,
+                    )
+            if feeder.finished_s is not None and answered >= args.jobs:
+                all_answered_s = now
+                break
+            if now > deadline:
+                print(f"timed out after {timeout_s:.0f}s", flush=True)
+                break
+            time.sleep(0.2)
+
+        time.sleep(args.settle_s)  # a wrong second result would show up now
+        for name, proc in procs.items():
+            current[name].sample(proc)
+        print("stopping the workers (SIGTERM) ...", flush=True)
+        codes = stop_all(procs.values(), timeout_s=90)
+        for name, code in codes.items():
+            run = current[name]
+            if run.ended_by == "":
+                run.ended_by = "sigterm"
+                run.exit_code = code
+        tally.poll(client)
+        pending = pending_of(client)
+        dead_letters = int(client.xlen(DEAD))
+    except (RuntimeError, TimeoutError, OSError, redis.RedisError) as exc:
+        print(f"soak could not run: {exc!r}", file=sys.stderr)
+        return 2
+    finally:
+        if feeder is not None:
+            feeder.stop.set()
+        for proc in procs.values():
+            proc.kill()  # only those still alive
+        client.close()
+        server.stop()
+
+    assert feeder is not None
+    entries = feeder.entries
+    started = feeder.started_s
+    end = all_answered_s or time.monotonic()
+    report = build_report(args, jobs, entries, tally, kinds_in)
+    elapsed = end - started
+    report.update(
+        pending_at_end=pending,
+        dead_letters=dead_letters,
+        elapsed_s=round(elapsed, 2),
+        throughput_per_s=round(report["answered"] / elapsed, 1) if elapsed > 0 else None,
+        crashes=crashes,
+        faults=[
+            {"kind": f.kind, "at_fraction": f.at_fraction, "at_s": f.at_s, **f.detail}
+            for f in faults
+            if f.done
+        ],
+        workers=[
+            {
+                **{k: v for k, v in asdict(r).items() if k != "samples"},
+                **r.memory(args.warmup_s, args.rss_flag_pct),
+                **log_summary(work / "logs" / f"{r.name}.log", start_index),
+            }
+            for r, start_index in zip(runs, start_indexes(runs), strict=True)
+        ],
+        settings={
+            "jobs": args.jobs,
+            "workers": args.workers,
+            "bad_fraction": args.bad_fraction,
+            "model": args.model,
+            "input_size": args.input_size,
+            "batch_size": args.batch_size,
+            "device": args.device,
+            "visibility_timeout_s": args.visibility_timeout,
+            "rate": args.rate,
+            "faults": not args.no_faults,
+        },
+    )
+    failed = bool(
+        report["missing"]
+        or report["duplicates"]
+        or report["unexpected"]
+        or report["results_out"] != report["jobs_in"]
+        or crashes
+    )
+    report["passed"] = not failed
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report)
+    print(f"\nreport: {args.out}")
+    return 1 if failed else 0
+
+
+def inject(
+    fault: Fault,
+    *,
+    procs: dict[str, WorkerProcess],
+    current: dict[str, WorkerRun],
+    server: RedisServer,
+    feeder: Feeder,
+    client: redis.Redis,
+    launch: Any,
+    t0: float,
+    args: argparse.Namespace,
+) -> None:
+    fault.done = True
+    fault.at_s = round(time.monotonic() - t0, 1)
+    if fault.kind == "worker_sigkill":
+        name = next(iter(procs))
+        proc, run = procs[name], current[name]
+        run.sample(proc)
+        # Kill it while it holds jobs it read and has not answered (a moment at most).
+        give_up = time.monotonic() + 5
+        held = pending_of(client, name)
+        while held == 0 and proc.alive and time.monotonic() < give_up:
+            time.sleep(0.005)
+            held = pending_of(client, name)
+        proc.kill()
+        run.ended_by, run.exit_code = "sigkill", proc.returncode
+        fault.detail.update(worker=name, pid=run.pid, held_pending=held)
+        print(f"  {fault.at_s:6.1f}s  SIGKILL {name} (holding {held}), restarting it", flush=True)
+        launch(name)
+        return
+    # Redis: never while the feeder is between sending a chunk and reading its replies.
+    with feeder.lock:
+        print(f"  {fault.at_s:6.1f}s  Redis down ({fault.detail['signal']})", flush=True)
+        server.restart(args.redis_down_s, hard=fault.detail["signal"] == "SIGKILL")
+        feeder.client.connection_pool.disconnect()
+        client.connection_pool.disconnect()
+    alive = [n for n, p in procs.items() if p.alive]
+    fault.detail.update(down_s=args.redis_down_s, workers_alive_after=alive)
+
+
+def build_report(
+    args: argparse.Namespace,
+    jobs: list[tuple[str, dict[str, bytes | str]]],
+    entries: list[str],
+    tally: ResultTally,
+    kinds_in: Counter[str],
+) -> dict[str, Any]:
+    status: Counter[str] = Counter()
+    codes: Counter[str] = Counter()
+    unexpected: Counter[str] = Counter()
+    examples: list[str] = []
+    for (kind, fields), entry in zip(jobs, entries, strict=False):
+        results = [JobResult.from_fields(f) for f in tally.fields.get(entry, [])]
+        for r in results:
+            status[r.status] += 1
+            if not r.ok:
+                codes[r.error_code or "?"] += 1
+        if not results:
+            continue
+        r = results[0]
+        want = "ok" if kind == "good" else BAD_KINDS[kind]
+        got = "ok" if r.ok else (r.error_code or "?")
+        problem = ""
+        if got != want:
+            problem = f"{kind}: expected {want}, got {got} ({r.error})"
+        elif r.meta != fields.get("meta"):
+            problem = f"{kind}: meta not echoed ({r.meta!r})"
+        elif kind != "id_too_long" and r.id != fields.get("id"):
+            problem = f"{kind}: id {r.id!r}"
+        elif kind == "id_too_long" and r.id != entry:
+            problem = f"{kind}: answered under {r.id!r}, not the entry ID"
+        if problem:
+            unexpected[kind] += 1
+            if len(examples) < 10:
+                examples.append(f"{entry} {problem}")
+    per_entry = tally.per_entry
+    known = set(entries)
+    duplicates = {e: n for e, n in per_entry.items() if n > 1 and e in known}
+    missing = [e for e in entries if per_entry[e] == 0]
+    return {
+        "jobs_in": len(entries),
+        "jobs_planned": len(jobs),
+        "kinds_in": dict(sorted(kinds_in.items())),
+        "results_out": tally.total,
+        "answered": len(entries) - len(missing),
+        "ok": status["ok"],
+        "error": status["error"],
+        "errors_by_code": dict(sorted(codes.items())),
+        "duplicates": len(duplicates),
+        "duplicate_examples": sorted(duplicates)[:10],
+        "missing": len(missing) + (len(jobs) - len(entries)),
+        "missing_examples": missing[:10],
+        "results_for_unknown_entries": sum(n for e, n in per_entry.items() if e not in known),
+        "unexpected": sum(unexpected.values()),
+        "unexpected_by_kind": dict(unexpected),
+        "unexpected_examples": examples,
+    }
+
+
+def start_indexes(runs: list[WorkerRun]) -> list[int]:
+    """For each run, which start of its worker name it was (0: the first)."""
+    seen: Counter[str] = Counter()
+    out: list[int] = []
+    for r in runs:
+        out.append(seen[r.name])
+        seen[r.name] += 1
+    return out
+
+
+def log_summary(path: Path, start_index: int) -> dict[str, Any]:
+    """What one start of a worker logged (a restarted worker appends to the same file, each
+    start begins with a `starting` event): jobs it reclaimed, its error-level events."""
+    reclaimed = 0
+    errors: Counter[str] = Counter()
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return {}
+    segment = -1
+    for line in lines:
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if event.get("event") == "starting":
+            segment += 1
+        if segment != start_index:
+            continue
+        if event.get("event") == "reclaimed_stale_jobs":
+            reclaimed += int(event.get("count", 0))
+        if event.get("level") in ("error", "critical"):
+            errors[str(event.get("event"))] += 1
+    return {"log_reclaimed": reclaimed, "log_errors": dict(errors)}
+
+
+def print_report(r: dict[str, Any]) -> None:
+    rows: list[tuple[str, str]] = [
+        ("jobs in", str(r["jobs_in"])),
+        ("results out", str(r["results_out"])),
+        ("ok", str(r["ok"])),
+        ("error", str(r["error"])),
+    ]
+    rows += [(f"  {code}", str(n)) for code, n in r["errors_by_code"].items()]
+    rows += [
+        ("duplicates", str(r["duplicates"])),
+        ("missing", str(r["missing"])),
+        ("unexpected outcomes", str(r["unexpected"])),
+        ("dead letters", str(r["dead_letters"])),
+        ("pending at end", str(r["pending_at_end"])),
+        ("elapsed", f"{r['elapsed_s']:.1f} s"),
+        ("throughput", f"{r['throughput_per_s']} jobs/s"),
+        ("faults", ", ".join(f"{f['kind']}@{f['at_s']}s" for f in r["faults"]) or "none"),
+        ("crashes", ", ".join(r["crashes"]) or "none"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("\n" + "soak report".center(width + 20, "-"))
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print()
+    header = f"{'worker':<10} {'pid':>8} {'ended by':<9} {'exit':>4} {'RSS start':>10} "
+    header += f"{'warm':>8} {'end':>8} {'growth':>15} flag"
+    print(header)
+    for w in r["workers"]:
+
+        def mib(v: float | None) -> str:
+            return "-" if v is None else f"{v:.0f} MiB"
+
+        growth = (
+            "-"
+            if w.get("growth_mib") is None
+            else f"{w['growth_mib']:+.1f} MiB {w['growth_pct']:+.1f}%"
+        )
+        flag = (
+            "GROWING" if w.get("rss_flag") else ("" if w.get("growth_mib") is not None else "n/a")
+        )
+        exit_code = "-" if w["exit_code"] is None else str(w["exit_code"])
+        print(
+            f"{w['name']:<10} {w['pid']:>8} {w['ended_by']:<9} {exit_code:>4} "
+            f"{mib(w.get('rss_start_mib')):>10} {mib(w.get('rss_warm_mib')):>8} "
+            f"{mib(w.get('rss_end_mib')):>8} {growth:>15} {flag}"
+        )
+    verdict = "PASS" if r["passed"] else "FAIL"
+    print(
+        f"\n{verdict}: {r['answered']} of {r['jobs_in']} jobs answered, "
+        f"{r['duplicates']} duplicated, {r['missing']} missing, {r['unexpected']} unexpected"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
