@@ -132,6 +132,10 @@ class WorkerProcess:
                     continue
         return out
 
+    def errors(self) -> list[dict[str, Any]]:
+        """Error-level events: what an operator's alerting would page on."""
+        return [e for e in self.events() if e.get("level") in ("error", "critical")]
+
     def event_count(self, name: str) -> int:
         return sum(1 for e in self.events() if e.get("event") == name)
 

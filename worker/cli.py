@@ -125,6 +125,112 @@ def demo(count: int) -> None:
     sys.exit(run_demo(count))
 
 
+def _image_size(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, int]:
+    width, sep, height = value.lower().partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise click.BadParameter(f"expected WIDTHxHEIGHT, e.g. 640x480 (got {value!r})")
+    return int(width), int(height)
+
+
+@cli.command()
+@config_options
+@click.option("--json", "json_out", is_flag=True, help="One JSON object (docs/doctor-schema.md).")
+@click.option("--jobs", default=200, show_default=True, help="Synthetic JPEGs in the run.")
+@click.option(
+    "--image-size",
+    default="640x480",
+    show_default=True,
+    callback=_image_size,
+    help="WIDTHxHEIGHT of the synthetic JPEGs.",
+)
+@click.option(
+    "--compile-ceiling",
+    is_flag=True,
+    help="On CPU, also compile the step to measure the compiled ceiling (tens of seconds).",
+)
+@click.option(
+    "--ceiling-seconds", default=3.0, show_default=True, help="Timed run per ceiling variant."
+)
+@click.option(
+    "--sync-launches", default=20, show_default=True, help="Launches checked for host syncs."
+)
+@click.option(
+    "--timeout", "timeout_s", default=300.0, show_default=True, help="Limit of the run, s."
+)
+@click.option(
+    "--decode-delay-ms",
+    default=0.0,
+    hidden=True,
+    help="For testing the verdict: sleep this long in every decode.",
+)
+def doctor(
+    json_out: bool,
+    jobs: int,
+    image_size: tuple[int, int],
+    compile_ceiling: bool,
+    ceiling_seconds: float,
+    sync_launches: int,
+    timeout_s: float,
+    decode_delay_ms: float,
+    **options: Any,
+) -> None:
+    """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
+    from worker.compiler import CompileRefused
+    from worker.doctor import DoctorOptions, print_json, render, run_doctor
+    from worker.logs import configure_logging
+    from worker.model_loader import WeightsUnavailable
+
+    try:
+        config = load_config(options)
+    except ConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
+        return
+    # The report is the output: the worker's own log says only what goes wrong.
+    configure_logging(config.log_format, "warning" if config.log_level == "info" else config.log_level)
+    settings = DoctorOptions(
+        jobs=max(1, jobs),
+        image_size=image_size,
+        compile_ceiling=compile_ceiling,
+        ceiling_seconds=ceiling_seconds,
+        sync_launches=max(1, sync_launches),
+        timeout_s=timeout_s,
+        decode_delay_s=max(0.0, decode_delay_ms) / 1000,
+    )
+    try:
+        report = run_async(run_doctor(config, settings))
+    except ConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
+        return
+    except WeightsUnavailable as exc:
+        fail(f"{exc}. Set GPUFEED_WEIGHTS=none for random weights or to a local file.", EXIT_CONFIG)
+        return
+    except CompileRefused as exc:
+        fail(str(exc), EXIT_COMPILE)
+        return
+    if json_out:
+        print_json(report)
+    else:
+        from rich.console import Console
+
+        render(report, Console(highlight=False))
+
+
+@cli.command()
+@config_options
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+def top(interval: float, once: bool, **options: Any) -> None:
+    """Live dashboard of the workers of a group: rates, latency, stages, GPU, backlog."""
+    from worker.top import run_top
+
+    try:
+        config = load_config(options)
+    except ConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
+        return
+    sys.exit(run_top(config, interval_s=max(0.2, interval), once=once))
+
+
 def main() -> None:
     cli(prog_name="python -m worker")
 

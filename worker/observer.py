@@ -70,6 +70,9 @@ class Observer:
         self.health: HealthServer | None = None
         self.info: dict[str, Any] = {}
         self.lag: int | None = None
+        # Returns problems that appeared since start-up (graph breaks, recompiles...).
+        self.compile_check: Callable[[], list[str]] = list
+        self._compile_problems: list[str] = []
 
     # ------------------------------------------------------------------ set-up
     def serve_http(self, port: int, is_ready: Callable[[], bool]) -> None:
@@ -216,6 +219,15 @@ class Observer:
                 if not outage:
                     log.warning("heartbeat_failed", error=str(exc))
                     outage = True
+            problems = self.compile_check()
+            if problems and problems != self._compile_problems:
+                log.error(
+                    "compile_degraded",
+                    problems=problems,
+                    note="the step is no longer one compiled graph; see the start-up "
+                    "compile report and GPUFEED_COMPILE",
+                )
+            self._compile_problems = problems
             if time.monotonic() >= next_log:
                 next_log += self.stats_interval_s
                 snap = self.snapshot(in_flight())

@@ -26,15 +26,17 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.wire import ErrorCode
 from worker.batcher import Batch, Batcher
-from worker.compiler import CompileReport, compile_step
+from worker.compiler import CompileReport, compile_step, still_compiled
 from worker.completion import CompletionWatcher
 from worker.config import ConfigError, WorkerConfig
 from worker.decode_pool import DecodePool
 from worker.decoder import DecodeSpec
 from worker.device import DeviceContext, make_context, resolve_device
+from worker.gpu_decode import GpuDecodeUnavailable, setup_gpu_decode
 from worker.jobs import Job, Outcome
 from worker.model_loader import LoadedModel, load_model
 from worker.observer import Observer, heartbeat_key
+from worker.precision_check import PrecisionReport, precision_check
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
 from worker.runner import Launched, ModelRunner
@@ -72,6 +74,7 @@ class Worker:
         self.force_exit = False
         self.ready = False
         self.compile_report: CompileReport | None = None
+        self.precision: PrecisionReport | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         # Entries read and not yet answered, by entry ID: the keep-alive refreshes them.
         self._held: dict[str, Job] = {}
@@ -115,6 +118,12 @@ class Worker:
             )
             self.runner.step = fn
             self.compile_report = report
+            if self.ctx.is_cuda:
+                # Start-up only (it waits for the GPU): the serving dtype against fp32 eager.
+                graphs = report.compiled and mode == "reduce-overhead"
+                self.precision = precision_check(
+                    step, fn, batch=self.batch_size, batches=1, cudagraphs=graphs
+                )
 
         await asyncio.get_running_loop().run_in_executor(
             None, self.runner.run_sync, compile_on_launch_thread
@@ -131,6 +140,8 @@ class Worker:
             input_size=self.loaded.crop_size,
             **self.compile_report.as_dict(),
         )
+        if self.precision is not None:
+            log.info("precision_check", **self.precision.as_dict())
 
         threads = cfg.decode_threads or default_decode_threads()
         spec = DecodeSpec(
@@ -140,9 +151,23 @@ class Worker:
             dct_scaling=cfg.dct_scaling,
         )
         delay = self._decode_delay_s
+        try:
+            gpu = setup_gpu_decode(cfg.decode, device, spec, threads)
+        except GpuDecodeUnavailable as exc:
+            raise ConfigError(f"GPUFEED_DECODE=gpu: {exc}") from None
+        router = None
+        if gpu is not None:
+            router, gpu_decoder, fields = gpu
+            log.info("gpu_decode", **fields)
         self.decoder = DecodePool(
-            spec, threads, cfg.path_root, delay_hook=(lambda: time.sleep(delay)) if delay else None
+            spec,
+            threads,
+            cfg.path_root,
+            delay_hook=(lambda: time.sleep(delay)) if delay else None,
+            gpu_router=router,
         )
+        if gpu is not None:
+            self.runner.use_gpu_decode(gpu_decoder, self.decoder.decode_on_cpu)
 
         self.redis = aioredis.from_url(
             cfg.redis_url, socket_keepalive=True, health_check_interval=30
@@ -219,6 +244,8 @@ class Worker:
             "stream": cfg.stream,
             "group": cfg.group,
         }
+        report = self.compile_report
+        self.observer.compile_check = lambda: still_compiled(report)
         self.observer.metrics.ready.set(1)
         self.ready = True
         log.info(

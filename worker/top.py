@@ -1,0 +1,216 @@
+"""`python -m worker top`: a live terminal dashboard of all workers of one group.
+
+Everything comes from Redis, read as `producer stats` reads it (XLEN, XINFO GROUPS, SCAN of
+the `gpufeed:worker:*` heartbeat hashes, never KEYS), so it can watch a production
+deployment from any host that reaches Redis, without touching the workers.
+
+Per worker (from its heartbeat, refreshed every 2 s): jobs/s, p50/p99 latency, the mean time
+per stage, GPU and CPU utilisation, batch fill, errors. Above them: the stream's length, the
+group's lag (`unknown` where Redis cannot tell, never a made-up 0) and pending count, the
+consumers, and the group's total jobs/s.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from producer.stats import collect_stats
+from worker.config import WorkerConfig
+from worker.metrics import STAGES
+
+EXIT_REDIS = 3
+
+# One letter per stage keeps the breakdown in one column; the caption spells them out.
+_STAGE_LETTERS = {
+    "redis_wait": "r",
+    "queue": "q",
+    "decode": "d",
+    "batch_wait": "b",
+    "compute": "c",
+    "write": "w",
+}
+
+
+def _float(value: Any) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def worker_row(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """One worker's figures from its heartbeat hash: the msgpack snapshot where there is
+    one, else the plain fields (strings)."""
+    snap = fields.get("snapshot")
+    data: Mapping[str, Any] = snap if isinstance(snap, Mapping) else fields
+    stage_ms = data.get("stage_ms") if isinstance(data.get("stage_ms"), Mapping) else {}
+    assert isinstance(stage_ms, Mapping)
+    return {
+        "name": str(data.get("name", "?")),
+        "device": str(data.get("device", "?")),
+        "stream": data.get("stream"),
+        "group": data.get("group"),
+        "jobs_per_s": _float(data.get("jobs_per_s")) or 0.0,
+        "results_ok": int(_float(data.get("results_ok")) or 0),
+        "results_error": int(_float(data.get("results_error")) or 0),
+        "p50_ms": _float(data.get("p50_ms")),
+        "p99_ms": _float(data.get("p99_ms")),
+        "stage_ms": {s: _float(stage_ms.get(s)) for s in STAGES},
+        "gpu_util_pct": _float(data.get("gpu_util_pct")),
+        "cpu_pct": _float(data.get("process_cpu_pct")),
+        "batch_fill": _float(data.get("batch_fill")),
+        "in_flight": int(_float(data.get("in_flight")) or 0),
+        "errors_by_code": dict(data.get("errors_by_code") or {}),
+    }
+
+
+def collect(client: redis.Redis, config: WorkerConfig) -> dict[str, Any]:
+    """The dashboard's data: the group's backlog and the workers of this stream and group."""
+    stats = collect_stats(
+        client,
+        config.stream,
+        config.group,
+        config.results_stream,
+        dead_stream=config.dead_stream,
+    )
+    rows = []
+    for w in stats["workers"]:
+        row = worker_row(w["fields"])
+        # A heartbeat names its stream and group; workers of other groups are not ours.
+        if row["stream"] not in (None, config.stream) or row["group"] not in (None, config.group):
+            continue
+        rows.append(row)
+    rows.sort(key=lambda r: r["name"])
+    group = stats["group"]
+    return {
+        "stream": stats["stream"],
+        "group": group,
+        "dead_length": stats["dead_stream"]["length"],
+        "workers": rows,
+        "jobs_per_s": sum(r["jobs_per_s"] for r in rows),
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _pct(value: float | None, scale: float = 1.0) -> str:
+    return "-" if value is None else f"{value * scale:.0f}%"
+
+
+def _stages(stage_ms: Mapping[str, float | None]) -> str:
+    return " ".join(
+        f"{_STAGE_LETTERS[s]} {_ms(stage_ms.get(s))}" for s in STAGES if s in _STAGE_LETTERS
+    )
+
+
+def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
+    stream, group = view["stream"], view["group"]
+    if not stream["exists"]:
+        length = "no such stream"
+    elif stream["length"] is None:
+        length = str(stream.get("error", "not a stream"))
+    else:
+        length = f"{stream['length']:,}"
+    parts = [f"stream {config.stream}: length {length}"]
+    if group is None:
+        parts.append(f"group {config.group}: none yet")
+    else:
+        lag = "unknown" if group["lag"] is None else f"{group['lag']:,}"
+        parts.append(f"group {group['name']}: lag {lag}, pending {group['pending']:,}")
+        parts.append(f"consumers {group['consumers']}")
+    parts.append(f"workers {len(view['workers'])}")
+    parts.append(f"{view['jobs_per_s']:,.1f} jobs/s")
+    if view.get("dead_length"):
+        parts.append(f"dead letters {view['dead_length']:,}")
+    return Text(" | ".join(parts), style="bold")
+
+
+def table(view: Mapping[str, Any]) -> Table:
+    t = Table(
+        caption="stages: mean ms per job in r redis_wait, q queue, d decode, b batch_wait, "
+        "c compute, w write; CPU: the worker process (100% = one core)",
+        caption_justify="left",
+    )
+    t.add_column("worker", no_wrap=True)
+    t.add_column("device")
+    for name in ("jobs/s", "ok", "errors", "p50 ms", "p99 ms"):
+        t.add_column(name, justify="right", no_wrap=True)
+    t.add_column("stages ms", no_wrap=True)
+    for name in ("GPU", "CPU", "fill", "in flight"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in view["workers"]:
+        errors = str(r["results_error"])
+        if r["errors_by_code"]:
+            code, n = max(r["errors_by_code"].items(), key=lambda kv: kv[1])
+            errors += f" ({code} {n})" if len(r["errors_by_code"]) == 1 else f" (most: {code})"
+        t.add_row(
+            r["name"],
+            r["device"],
+            f"{r['jobs_per_s']:,.1f}",
+            f"{r['results_ok']:,}",
+            errors,
+            _ms(r["p50_ms"]),
+            _ms(r["p99_ms"]),
+            _stages(r["stage_ms"]),
+            _pct(r["gpu_util_pct"]),
+            _pct(r["cpu_pct"]),
+            _pct(r["batch_fill"], 100),
+            str(r["in_flight"]),
+        )
+    if not view["workers"]:
+        t.add_row("no live worker on this stream and group", *[""] * 11)
+    return t
+
+
+def frame(client: redis.Redis, config: WorkerConfig) -> RenderableType:
+    view = collect(client, config)
+    stamp = Text(time.strftime("%Y-%m-%d %H:%M:%S") + "  (Ctrl+C quits)", style="dim")
+    return Group(header(view, config), table(view), stamp)
+
+
+def _error_frame(config: WorkerConfig, exc: Exception) -> RenderableType:
+    return Text(f"cannot reach Redis at {config.redacted_url()}: {exc}; retrying", style="red")
+
+
+def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False) -> int:
+    """Draw the dashboard until Ctrl+C (or one frame with `once`); returns the exit code."""
+    client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    # A frame for a file or a README is not cut to a narrow default width.
+    width = None if sys.stdout.isatty() else max(150, shutil.get_terminal_size((150, 40)).columns)
+    console = Console(width=width, highlight=False)
+    try:
+        if once:
+            try:
+                console.print(frame(client, config))
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                print(
+                    f"gpufeed: cannot reach Redis at {config.redacted_url()}: {exc}",
+                    file=sys.stderr,
+                )
+                return EXIT_REDIS
+            return 0
+        with Live(console=console, auto_refresh=False, screen=False) as live:
+            while True:
+                try:
+                    live.update(frame(client, config), refresh=True)
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    live.update(_error_frame(config, exc), refresh=True)
+                time.sleep(interval_s)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
