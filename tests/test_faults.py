@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -98,8 +98,7 @@ def assert_exactly_one_result_each(tally: ResultTally, entries: list[str]) -> No
     assert not strangers, f"results for entries nobody submitted: {sorted(strangers)[:5]}"
 
 
-def wait_for(predicate: object, timeout_s: float, what: str) -> None:
-    assert callable(predicate)
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
@@ -339,14 +338,19 @@ MARKER = b"MARKER-SECRET-PIXELS"
 PASSWORD = "pw-Vx7q-hunter2-Zz9"
 
 
+def add_acl_user(server: RedisServer) -> None:
+    """The worker's ACL user, and no access without a password."""
+    admin = redis.Redis(port=server.port)
+    admin.execute_command("ACL", "SETUSER", "feeder", "on", f">{PASSWORD}", "~*", "&*", "+@all")
+    admin.execute_command("ACL", "SETUSER", "default", "off")
+    admin.close()
+
+
 def test_logs_never_contain_image_bytes_or_the_redis_password(
     deployment: Deployment,
 ) -> None:
-    server = deployment.redis()
-    admin = redis.Redis.from_url(server.url)
-    admin.execute_command("ACL", "SETUSER", "feeder", "on", f">{PASSWORD}", "~*", "&*", "+@all")
-    admin.execute_command("ACL", "SETUSER", "default", "off")  # the password is needed
-    admin.close()
+    server = deployment.redis(persistent=True)
+    add_acl_user(server)
     url = f"redis://feeder:{PASSWORD}@127.0.0.1:{server.port}/0"
     client = redis.Redis.from_url(url)
 
@@ -371,12 +375,24 @@ def test_logs_never_contain_image_bytes_or_the_redis_password(
     assert_exactly_one_result_each(tally, entries)
     statuses = {r.id: r.status for e in entries for r in results_of(tally, e)}
     assert statuses["raw"] == "error" and statuses["huge"] == "error"
+    assert statuses["tail"] == "ok"
+
+    # Redis restarts without the ACL user (ACL SETUSER is not in the AOF): the worker's
+    # reconnects fail authentication, which is where a password would most likely leak.
+    server.restart(0.5)
+    time.sleep(2)
+    worker.check_alive()
+    add_acl_user(server)
+    client.close()
+    late = submit(client, [{"id": "late", "image": jpeg + MARKER}])
+    wait_until_answered(client, tally, late, timeout_s=60, workers=[worker])
     assert worker.terminate() == 0
     client.close()
 
     log = worker.log_path.read_bytes()
     assert b'"worker_ready"' in log  # the log is there and is JSON lines
     assert b"feeder" in log  # the URL is logged, redacted
+    assert any(e.get("level") == "warning" for e in worker.events())  # the outage, logged
     assert PASSWORD.encode() not in log
     assert MARKER not in log
     assert MARKER.hex().encode() not in log

@@ -164,6 +164,7 @@ def _image_size(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     help="For testing the verdict: sleep this long in every decode.",
 )
 def doctor(
+    *,
     json_out: bool,
     jobs: int,
     image_size: tuple[int, int],
@@ -176,7 +177,7 @@ def doctor(
 ) -> None:
     """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
     from worker.compiler import CompileRefused
-    from worker.doctor import DoctorOptions, print_json, render, run_doctor
+    from worker.doctor import DoctorOptions, print_json, render, report_console, run_doctor
     from worker.logs import configure_logging
     from worker.model_loader import WeightsUnavailable
 
@@ -186,7 +187,8 @@ def doctor(
         fail(str(exc), EXIT_CONFIG)
         return
     # The report is the output: the worker's own log says only what goes wrong.
-    configure_logging(config.log_format, "warning" if config.log_level == "info" else config.log_level)
+    level = "warning" if config.log_level == "info" else config.log_level
+    configure_logging(config.log_format, level)
     settings = DoctorOptions(
         jobs=max(1, jobs),
         image_size=image_size,
@@ -210,9 +212,7 @@ def doctor(
     if json_out:
         print_json(report)
     else:
-        from rich.console import Console
-
-        render(report, Console(highlight=False))
+        render(report, report_console())
 
 
 @cli.command()
@@ -229,6 +229,77 @@ def top(interval: float, once: bool, **options: Any) -> None:
         fail(str(exc), EXIT_CONFIG)
         return
     sys.exit(run_top(config, interval_s=max(0.2, interval), once=once))
+
+
+@cli.command()
+@config_options
+@click.option(
+    "--profile",
+    "profile_name",
+    type=click.Choice(["tiny", "quick", "full"]),
+    envvar="BENCH_PROFILE",
+    default=None,
+    help="[env BENCH_PROFILE] tiny (seconds), quick (minutes; default on CPU hosts) or full "
+    "(default on CUDA hosts).",
+)
+@click.option(
+    "--models",
+    default=None,
+    help="Comma-separated torchvision models to run instead of the profile's (--model: one).",
+)
+@click.option(
+    "--out",
+    "out_dir",
+    default="bench/out",
+    show_default=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Where report.json, report.md, throughput.png and the image cache go.",
+)
+def bench(profile_name: str | None, models: str | None, out_dir: Path, **options: Any) -> None:
+    """Benchmark: direct-feed ceiling, the naive worker, gpufeed and its ablations.
+
+    Runs on a private redis-server (or the one --redis-url names) with random weights unless
+    --weights is given; writes report.json, report.md and throughput.png, and prints the
+    markdown report. Exit 1 if a run did not answer every job.
+    """
+    from dataclasses import replace
+
+    from worker.bench.profiles import make_profile
+    from worker.bench.report import render_markdown, validate_report
+    from worker.bench.runner import run_bench
+    from worker.device import resolve_device
+    from worker.logs import configure_logging
+
+    try:
+        base = load_config(options)
+        explicit = {k: v for k, v in options.items() if v is not None}
+        device = resolve_device(str(explicit.get("device") or base.device))
+    except ConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
+        return
+    configure_logging(base.log_format, str(explicit.get("log_level") or "warning"))
+    cuda = device.type == "cuda"
+    profile = make_profile(profile_name or ("full" if cuda else "quick"), cuda=cuda)
+    chosen = [m.strip() for m in models.split(",") if m.strip()] if models else []
+    if not chosen and explicit.get("model"):
+        chosen = [str(explicit["model"])]
+    if chosen:
+        profile = profile.with_models(tuple(replace(profile.models[0], model=m) for m in chosen))
+    explicit.pop("model", None)
+    report = run_bench(
+        profile,
+        out_dir=out_dir,
+        base=base,
+        explicit=explicit,
+        external_redis=explicit.get("redis_url"),
+    )
+    click.echo(render_markdown(report))
+    click.echo(f"wrote {out_dir}/report.json, report.md and throughput.png", err=True)
+    problems = validate_report(report)
+    if problems:
+        for problem in problems:
+            click.echo(f"gpufeed bench: {problem}", err=True)
+        sys.exit(1)
 
 
 def main() -> None:

@@ -84,9 +84,7 @@ def _t(types: str | list[str], description: str, unit: str = "", **extra: Any) -
     return node
 
 
-def _obj(
-    description: str, properties: dict[str, Any], *, nullable: bool = False
-) -> dict[str, Any]:
+def _obj(description: str, properties: dict[str, Any], *, nullable: bool = False) -> dict[str, Any]:
     return {
         "type": ["object", "null"] if nullable else "object",
         "description": description,
@@ -124,9 +122,7 @@ _CEILING_RUN = _obj(
         "ms_per_batch": _t("number", "time per batch (CUDA events on CUDA, wall on CPU)", "ms"),
         "wall_s": _t("number", "wall time of the timed batches", "s"),
         "mode": _t("string", "`off` (eager) or the torch.compile mode"),
-        "compile_s": _t(
-            ["number", "null"], "compile time when compiled for this measurement", "s"
-        ),
+        "compile_s": _t(["number", "null"], "compile time when compiled for this measurement", "s"),
     },
     nullable=True,
 )
@@ -167,7 +163,9 @@ SCHEMA: dict[str, Any] = _obj(
                 "device": _t("string", "the device used, e.g. `cpu`, `cuda:0 (NVIDIA H200)`"),
                 "batch_size": _t("integer", "the one batch shape", "images"),
                 "compile": _t("string", "GPUFEED_COMPILE as configured"),
-                "compile_mode": _t("string", "the resolved mode of the serving step (`off`: eager)"),
+                "compile_mode": _t(
+                    "string", "the resolved mode of the serving step (`off`: eager)"
+                ),
                 "compiled": _t("boolean", "the serving step is compiled (no eager fallback)"),
                 "cudagraphs": _t("boolean", "the serving step replays CUDA graphs"),
                 "dtype": _t("string", "the serving precision, e.g. `float32`, `bfloat16`"),
@@ -177,7 +175,9 @@ SCHEMA: dict[str, Any] = _obj(
                 "decode_threads": _t("integer", "decode threads", "threads"),
                 "dct_scaling": _t("boolean", "GPUFEED_DCT_SCALING"),
                 "max_wait_ms": _t("number", "GPUFEED_MAX_WAIT_MS", "ms"),
-                "notes": _list("changes the doctor made, e.g. random weights", _t("string", "")),
+                "notes": _list(
+                    "changes the doctor made, e.g. random weights", _t("string", "one note")
+                ),
             },
         ),
         "ceiling": _obj(
@@ -254,7 +254,11 @@ SCHEMA: dict[str, Any] = _obj(
                 "applicable": _t("boolean", "false on the CPU, where there are no device syncs"),
                 "launches": _t("integer", "launches of the real hot path checked", "batches"),
                 "count": _t(["integer", "null"], "syncs counted in those launches (0 expected)"),
-                "where": _list("where they happened (file:line: message)", _t("string", "")),
+                "where": _list(
+                    "where they happened: `file:line: message`, or `thread:call xN` for "
+                    "explicit synchronize calls",
+                    _t("string", "one location"),
+                ),
                 "pipeline_count": _t(
                     ["integer", "null"], "syncs counted during the end-to-end run"
                 ),
@@ -429,8 +433,13 @@ def _glob_escape(text: str) -> str:
 
 
 # Kineto's own log lines ("USDT:... profiler_start", "ERROR:... gpuGetDeviceCount failed"
-# on hosts without a GPU) go straight to file descriptor 2; they are noise in a report.
-_KINETO_LINE = re.compile(rb"^(USDT|INFO|WARNING|ERROR|STAGE):\d{4}-\d\d-\d\d ")
+# on hosts without a GPU, and its complaint that the profiler starts on another thread than
+# the one that first registered it: the launch thread, on purpose) go straight to file
+# descriptor 2; they are noise in a report.
+_KINETO_LINE = re.compile(
+    rb"^(USDT|INFO|WARNING|ERROR|STAGE):\d{4}-\d\d-\d\d "
+    rb"|^ERROR: External init callback must run in same thread"
+)
 
 
 @contextlib.contextmanager
@@ -536,6 +545,11 @@ def _ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- (b) profile
+def _device(event: Any) -> str:
+    """ "CPU", "CUDA", ...: the name of the event's torch DeviceType."""
+    return str(getattr(event.device_type, "name", event.device_type))
+
+
 def _is_kernel(event: Any) -> bool:
     kind = getattr(event, "activity_type", None)
     if kind is not None:
@@ -547,11 +561,9 @@ def _is_kernel(event: Any) -> bool:
 def _outermost_aten_ops(events: Any) -> list[Any]:
     """CPU operators called by the step itself (not the ones they call in turn); under a
     compiled region, the aten calls the compiled code makes."""
-    from torch.autograd import DeviceType
-
     ops = []
     for e in events:
-        if e.device_type != DeviceType.CPU or not str(e.name).startswith("aten::"):
+        if _device(e) != "CPU" or not str(e.name).startswith("aten::"):
             continue
         parent = e.cpu_parent
         while parent is not None and not str(parent.name).startswith("aten::"):
@@ -570,7 +582,6 @@ def profile_forward(
 ) -> dict[str, Any]:
     """Profile one forward of `step_fn(example)` after one warm-up call. CUDA: the device
     kernels; CPU: the outermost aten operators ("kernels" of the CPU)."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from worker.device import mark_cudagraph_step
@@ -610,7 +621,7 @@ def profile_forward(
         out["not_measured"].append(f"profiler failed: {type(exc).__name__}: {exc}")
         return out
     if cuda:
-        picked = [e for e in events if e.device_type == DeviceType.CUDA and _is_kernel(e)]
+        picked = [e for e in events if _device(e) == "CUDA" and _is_kernel(e)]
         if not picked:
             out["not_measured"].append(
                 "no CUDA kernels in the trace (CUPTI unavailable, or kernels inside CUDA "
@@ -633,7 +644,9 @@ def profile_forward(
 def _profile_section(worker: Any, profile_step: StepFn | None) -> dict[str, Any]:
     report = worker.compile_report
     device: torch.device = worker.ctx.device
-    cudagraphs = bool(report.compiled and report.mode == "reduce-overhead" and device.type == "cuda")
+    cudagraphs = bool(
+        report.compiled and report.mode == "reduce-overhead" and device.type == "cuda"
+    )
     result: dict[str, Any] = {}
 
     def on_launch_thread() -> None:
@@ -652,8 +665,10 @@ def _profile_section(worker: Any, profile_step: StepFn | None) -> dict[str, Any]
 
 # --------------------------------------------------------------------------- (c) host syncs
 async def _wait_done(event: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not event.query() and time.monotonic() < deadline:
+    # A CUDA event has nothing to await: poll it, as the completion watcher does.
+    for _ in range(int(timeout_s * 1000)):
+        if event.query():
+            return
         await asyncio.sleep(0.001)
 
 
@@ -874,7 +889,6 @@ def _doctor_config(config: WorkerConfig, redis_url: str, base: str, name: str) -
         worker_name=name,
         result_ttl_s=600,  # a safety net: the run deletes its keys itself
         metrics_port=0,  # a production worker may hold the configured port
-        trim_interval_s=0,
         stats_interval_s=3600.0,
     )
 
@@ -1023,7 +1037,12 @@ def evidence_from(report: Mapping[str, Any]) -> Evidence:
     serving = ceiling["compiled"] if ceiling["serving"] == "compiled" else ceiling["eager"]
     stats = prof.get("stats") or {}
     gaps = stats.get("gaps") or {}
-    missing = list(report.get("not_measured", []))
+    # What the verdict lacks: the decisive figures only, not every missing detail.
+    missing = []
+    if e2e["images_per_s"] is None:
+        missing += [f"end-to-end: {m}" for m in e2e["not_measured"]] or ["the end-to-end run"]
+    if serving is None:
+        missing += [f"ceiling: {m}" for m in ceiling["not_measured"]] or ["the ceiling"]
     return Evidence(
         device_type="cuda" if str(cfg["device"]).startswith("cuda") else "cpu",
         batch_size=cfg["batch_size"],
@@ -1228,6 +1247,14 @@ def render(report: Mapping[str, Any], console: Console) -> None:
 def _not_measured(grid: Table, lines: list[str]) -> None:
     for line in lines:
         grid.add_row("not measured", Text(line, style="yellow"))
+
+
+def report_console() -> Console:
+    """stdout; a report piped to a file or a README is not cut to 80 columns."""
+    import shutil
+
+    width = None if sys.stdout.isatty() else max(110, shutil.get_terminal_size((110, 40)).columns)
+    return Console(width=width, highlight=False)
 
 
 def print_json(report: Mapping[str, Any]) -> None:

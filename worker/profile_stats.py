@@ -165,9 +165,10 @@ def top_names(named: Iterable[tuple[str, float]], n: int = 5) -> list[dict[str, 
     by_name: dict[str, list[float]] = {}
     for name, dur in named:
         by_name.setdefault(name, []).append(max(0.0, float(dur)))
-    rows = [
-        {"name": name, "count": len(durs), "total_us": round(sum(durs), 1)}
-        for name, durs in by_name.items()
+    totals = sorted(
+        ((sum(d), name, len(d)) for name, d in by_name.items()), key=lambda t: (-t[0], t[1])
+    )
+    return [
+        {"name": name, "count": count, "total_us": round(total, 1)}
+        for total, name, count in totals[:n]
     ]
-    rows.sort(key=lambda r: (-float(r["total_us"]), str(r["name"])))
-    return rows[:n]

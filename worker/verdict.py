@@ -253,8 +253,7 @@ def _feed_starved(ev: Evidence) -> Finding | None:
     what = "CPU decode and preprocessing" if decode_binds else "the feed (batches leave part-empty)"
     return Finding(
         "feed-starved",
-        f"the model waits for input: {what} cannot keep up, so the device idles between "
-        "batches",
+        f"the model waits for input: {what} cannot keep up, so the device idles between batches",
         _lines(*evidence),
         _decode_knob(ev),
     )
@@ -305,8 +304,7 @@ def _launch_bound(ev: Evidence) -> Finding | None:
         f"arithmetic, set the pace ({ev.kernel_count} {unit}, device busy "
         f"{_pct(ev.busy_ratio or 0.0)})",
         _lines(*evidence, _throughput_line(ev)),
-        f"{compile_note}; or raise GPUFEED_BATCH_SIZE (now {batch}) so each kernel does more "
-        "work",
+        f"{compile_note}; or raise GPUFEED_BATCH_SIZE (now {batch}) so each kernel does more work",
     )
 
 
@@ -366,8 +364,7 @@ def _compute_bound(ev: Evidence) -> Finding | None:
     cores = ev.cpu_count or "?"
     return Finding(
         "compute-bound",
-        "the model is the binding stage: the CPU runs it about as fast as it can, decode "
-        "keeps up",
+        "the model is the binding stage: the CPU runs it about as fast as it can, decode keeps up",
         _lines(*evidence),
         "a CUDA device (GPUFEED_DEVICE=cuda), a smaller GPUFEED_MODEL or GPUFEED_INPUT_SIZE, "
         f"or more cores (decode threads, now {threads}, share the {cores} cores with the model)",
@@ -427,9 +424,7 @@ def verdict(ev: Evidence) -> Verdict:
         return Verdict(main.name, main.headline, main.evidence, main.knob, rest)
     fallback = _feed_fallback(ev)
     if fallback is not None:
-        return Verdict(
-            fallback.name, fallback.headline, fallback.evidence, fallback.knob, hints
-        )
+        return Verdict(fallback.name, fallback.headline, fallback.evidence, fallback.knob, hints)
     ratio = ev.ratio
     if ratio is not None and ev.e2e_images_per_s is not None:
         return Verdict(

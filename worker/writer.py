@@ -22,7 +22,7 @@ import msgpack
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import wire
@@ -147,7 +147,7 @@ class ResultWriter:
         while True:
             try:
                 acked = await self.publish(outcomes)
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, NoScriptError, OSError) as exc:
                 if not outage_logged:
                     log.warning("redis_unavailable_for_results", error=str(exc), held=len(outcomes))
                     outage_logged = True
@@ -221,7 +221,9 @@ class ResultWriter:
         states: list[int] = []
         for outcome, reply in zip(outcomes, replies, strict=True):
             if isinstance(reply, RedisError):
-                if isinstance(reply, RedisConnectionError | RedisTimeoutError):
+                # NOSCRIPT: Redis restarted between loading the script and running it. The
+                # script did not run, so trying again (which reloads it) is safe.
+                if isinstance(reply, RedisConnectionError | RedisTimeoutError | NoScriptError):
                     raise reply
                 log.error(
                     "result_publish_refused",

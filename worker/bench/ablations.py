@@ -52,13 +52,13 @@ NO_DCT = Variant(
 )
 ONE_DECODE_THREAD = Variant(
     "gpufeed-1-decode-thread",
-    "parallel decode off (1 decode thread)",
+    "parallel decode off (1 thread)",
     "parallel_decode",
     (("decode_threads", 1),),
 )
 CPU_PREPROCESS = Variant(
     "gpufeed-cpu-preprocess",
-    "GPU preprocessing off (torchvision transforms on the CPU)",
+    "GPU preprocessing off (CPU transforms)",
     "gpu_preprocess",
     cpu_preprocess=True,
 )
@@ -66,7 +66,10 @@ NO_COMPILE = Variant("gpufeed-no-compile", "compile off (eager)", "compile", (("
 # On the CPU the default is eager (GPUFEED_COMPILE=auto): there the compile variant turns
 # it on, to show what it would be worth.
 COMPILED = Variant(
-    "gpufeed-compiled", "compile on (torch.compile, default mode)", "compile", (("compile", "default"),)
+    "gpufeed-compiled",
+    "compile on (default mode)",
+    "compile",
+    (("compile", "default"),),
 )
 
 

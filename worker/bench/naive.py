@@ -92,6 +92,8 @@ class NaiveWorker:
         loaded = load_model(model, weights, input_size=input_size)
         self.model = loaded.module.to(device).eval()
         self.crop_size = loaded.crop_size
+        self.resize_size = loaded.resize_size
+        self.mean, self.std = loaded.mean, loaded.std
         self.preprocess = NaivePreprocess(
             resize=loaded.resize_size, crop=loaded.crop_size, mean=loaded.mean, std=loaded.std
         )
@@ -106,18 +108,16 @@ class NaiveWorker:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    def model_only(self, *, target_s: float = 1.0) -> dict[str, Any]:
+    def model_only(self, *, iters: int, warmup: int) -> dict[str, Any]:
         """Images/s of this worker's forward alone at batch 1, measured with the same code as
-        the direct-feed ceiling (a random input already on the device)."""
+        the direct-feed ceiling (worker/ceiling.py: a random input already on the device)."""
         x = torch.randn(1, 3, self.crop_size, self.crop_size, device=self.device)
 
         def forward(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             logits = self.model(batch)
             return logits, logits
 
-        probe = direct_feed_ceiling(forward, x, iters=3, warmup=2)
-        iters = max(5, min(2000, int(target_s * 1000 / max(probe["ms_per_batch"], 1e-3))))
-        return direct_feed_ceiling(forward, x, iters=iters, warmup=2)
+        return direct_feed_ceiling(forward, x, iters=iters, warmup=warmup)
 
     def serve(self, count: int, *, block_ms: int = 200) -> int:
         """Answer jobs until `count` were answered or `stop` is set; returns how many."""
@@ -126,7 +126,7 @@ class NaiveWorker:
             torch.backends.cudnn.benchmark = True
         try:
             while self.answered < count and not self.stop.is_set():
-                reply = self.client.xreadgroup(
+                reply: Any = self.client.xreadgroup(
                     self.group, self.consumer, {self.stream: ">"}, count=1, block=block_ms
                 )
                 for _stream, entries in reply or []:

@@ -77,8 +77,12 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             name="tiny",
             models=(ModelPlan("mobilenet_v3_small", batch_size=4, input_size=64),),
             sets=(
-                SetPlan(ImageSetSpec("tiny-320x240", 320, 240, 12, quality=85, seed=3), 16, "photo"),
-                SetPlan(ImageSetSpec("tiny-1600x1200", 1600, 1200, 4, quality=90, seed=4), 8, "large"),
+                SetPlan(
+                    ImageSetSpec("tiny-320x240", 320, 240, 12, quality=85, seed=3), 16, "photo"
+                ),
+                SetPlan(
+                    ImageSetSpec("tiny-1600x1200", 1600, 1200, 4, quality=90, seed=4), 8, "large"
+                ),
             ),
             compile_variant_on_cpu=False,
             curve=CurvePlan(loads=(0.5, 1.0), seconds=0.6),

@@ -1,0 +1,227 @@
+"""The benchmark: its tiny profile end to end (real workers, a real redis-server started by
+the benchmark itself), the report's schema, and the formulas behind "pipeline efficiency"."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from worker.bench.ablations import CpuPreprocess
+from worker.bench.images import ImageSetSpec, load_image_set
+from worker.bench.profiles import make_profile
+from worker.bench.report import render_markdown, validate_report
+from worker.bench.runner import run_bench
+from worker.bench.stage_rates import ideal_pipeline, ideal_sequential
+from worker.cli import cli
+from worker.config import WorkerConfig
+from worker.decoder import DecodeSpec, decode_to_array
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench-out")
+    report = run_bench(
+        make_profile("tiny", cuda=False),
+        out_dir=out,
+        base=WorkerConfig.load(env={}, overrides={"device": "cpu", "log_level": "warning"}),
+        echo=lambda _line: None,
+    )
+    return report, out
+
+
+@pytest.mark.slow
+def test_the_written_report_matches_the_schema(tiny: tuple[dict[str, Any], Path]) -> None:
+    report, out = tiny
+    written = json.loads((out / "report.json").read_text())
+    assert validate_report(written) == []
+    assert written["profile"] == "tiny"
+    for key in ("name", "image_set", "images_per_s", "p50_ms", "p99_ms", "jobs", "results"):
+        assert all(key in run for run in written["runs"]), key
+    assert set(written["summary"]) == {s["name"] for s in written["image_sets"]}
+    for entry in written["summary"].values():
+        for key in ("vs_naive", "vs_ceiling", "pipeline_efficiency", "ideal_ratio"):
+            assert entry[key] > 0 and math.isfinite(entry[key])
+
+
+@pytest.mark.slow
+def test_every_job_of_every_run_was_answered(tiny: tuple[dict[str, Any], Path]) -> None:
+    report, _ = tiny
+    for run in report["runs"]:
+        assert run["results"] == run["jobs"] == run["results_ok"], run["name"]
+        # The timeline accounts for every result.
+        tl = run["timeline"]
+        widths = [tl["bin_s"]] * (len(tl["images_per_s"]) - 1)
+        widths.append(run["duration_s"] - tl["bin_s"] * (len(tl["images_per_s"]) - 1))
+        counted = sum(r * w for r, w in zip(tl["images_per_s"], widths, strict=True))
+        assert counted == pytest.approx(run["results"], abs=0.5)
+    for point in report["curves"]:
+        assert point["results"] == point["jobs"]
+
+
+@pytest.mark.slow
+def test_every_figure_is_a_real_measurement(tiny: tuple[dict[str, Any], Path]) -> None:
+    report, _ = tiny
+    for run in report["runs"]:
+        for key in ("images_per_s", "p50_ms", "p95_ms", "p99_ms", "ideal_images_per_s"):
+            assert run[key] > 0 and math.isfinite(run[key]), (run["name"], key)
+        assert run["p50_ms"] <= run["p95_ms"] <= run["p99_ms"]
+        # Throughput and the window agree: results / window.
+        assert run["images_per_s"] == pytest.approx(run["results"] / run["duration_s"], rel=0.01)
+        assert run["cpu_core_ms_per_image"]["total"] > 0
+    for rate in report["stage_rates"]["decode"] + report["stage_rates"]["model"]:
+        assert rate["images_per_s"] > 0 and math.isfinite(rate["images_per_s"])
+    kinds = {m["kind"] for m in report["stage_rates"]["model"]}
+    assert kinds == {"ceiling", "naive_batch_1"}
+
+
+@pytest.mark.slow
+def test_the_runs_cover_naive_defaults_and_each_ablation(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, _ = tiny
+    expected = {"naive", "gpufeed", "gpufeed-no-dct", "gpufeed-cpu-preprocess"}
+    if (os.cpu_count() or 1) > 1:
+        expected.add("gpufeed-1-decode-thread")
+    for image_set in report["summary"]:
+        names = {r["name"] for r in report["runs"] if r["image_set"] == image_set}
+        assert expected <= names
+    gpufeed = [r for r in report["runs"] if r["kind"] == "gpufeed"]
+    assert all(r["settings"]["batch_size"] == 4 for r in gpufeed)
+    assert {r["settings"]["dct_scaling"] for r in gpufeed} == {True, False}
+    assert any(r["settings"]["cpu_preprocess"] for r in gpufeed)
+    skipped = {s["what"] for s in report["skipped"]}
+    assert {"cache", "compile"} <= skipped  # no cache exists; CPU compile skipped in tiny
+    assert {c["max_wait_ms"] for c in report["curves"]} == {2.0, 10.0, 50.0}
+    for target in report["targets"]:
+        assert target["met"] or (target["limiting_stage"] and target["detail"])
+
+
+@pytest.mark.slow
+def test_the_figure_is_a_png_and_the_markdown_lists_every_run(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, out = tiny
+    png = (out / "throughput.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    width, height = struct.unpack(">II", png[16:24])
+    assert width > 200 and height > 200
+    with Image.open(out / "throughput.png") as im:
+        im.verify()
+    markdown = (out / "report.md").read_text()
+    assert markdown == render_markdown(report)
+    for run in report["runs"]:
+        label = f"**{run['name']}**" if run["name"] in ("naive", "gpufeed") else run["label"]
+        section = markdown.split(f"## {run['image_set']}:", 1)[1].split("\n## ", 1)[0]
+        assert label in section, (run["image_set"], run["name"])
+    assert "## Stage rates" in markdown and "## Summary" in markdown
+
+
+def test_validation_catches_missing_results_and_unreal_figures() -> None:
+    report = {
+        "schema_version": 1,
+        "profile": "tiny",
+        "host": {},
+        "image_sets": [{"name": "s"}],
+        "runs": [
+            {
+                "name": "gpufeed",
+                "kind": "gpufeed",
+                "model": "m",
+                "image_set": "s",
+                "jobs": 4,
+                "results": 4,
+                "results_ok": 4,
+                "results_error": 0,
+                "images_per_s": 10.0,
+                "duration_s": 0.4,
+                "p50_ms": 200.0,
+                "p95_ms": 300.0,
+                "p99_ms": 390.0,
+                "ideal_images_per_s": 12.0,
+                "efficiency": 0.83,
+                "vs_ceiling": 0.5,
+                "vs_naive": 3.0,
+                "timeline": {"bin_s": 0.5, "images_per_s": [10.0]},
+                "cpu_core_ms_per_image": {"total": 5.0},
+            }
+        ],
+        "summary": {
+            "s": {"vs_naive": 3.0, "vs_ceiling": 0.5, "pipeline_efficiency": 0.8, "ideal_ratio": 4}
+        },
+        "stage_rates": {"decode": [{"images_per_s": 5.0}], "model": [{"images_per_s": 9.0}]},
+        "targets": [],
+    }
+    assert validate_report(report) == []
+    short = copy.deepcopy(report)
+    short["runs"][0]["results"] = 3
+    assert any("3 results for 4 jobs" in p for p in validate_report(short))
+    unreal = copy.deepcopy(report)
+    unreal["runs"][0]["images_per_s"] = float("nan")
+    unreal["summary"]["s"]["vs_naive"] = 0.0
+    problems = validate_report(unreal)
+    assert any("not finite" in p for p in problems)
+    assert any("summary[s].vs_naive" in p for p in problems)
+    disordered = copy.deepcopy(report)
+    disordered["runs"][0]["p99_ms"] = 100.0
+    assert any("out of order" in p for p in validate_report(disordered))
+
+
+def test_the_ideal_reproduces_the_orientation_figures_of_the_issue() -> None:
+    # 4000x3000 on 2 cores: DCT-scaled decode ~39/s per core, resnet18 ~44/s at batch 8
+    # (both cores); naive: full decode 12.5/s, resize 30/s, batch-1 forward 35/s.
+    gpufeed = ideal_pipeline(decode_run=78, decode_all_cores=78, model=44, shared_cpu=True)
+    assert gpufeed.limited_by == "shared CPU (decode + model)"
+    naive_cpu = 1 / (1 / 12.5 + 1 / 30)
+    naive = ideal_sequential(cpu_per_image=naive_cpu, model_batch_1=35)
+    assert gpufeed.images_per_s / naive == pytest.approx(4.0, abs=0.1)  # "roughly 4x"
+    # With its own device, the model is one bound and decode the other.
+    gpu = ideal_pipeline(decode_run=600, decode_all_cores=600, model=3000, shared_cpu=False)
+    assert (gpu.images_per_s, gpu.limited_by) == (600, "decode")
+    # One decode thread caps the pipeline at one thread's rate.
+    one = ideal_pipeline(decode_run=39, decode_all_cores=78, model=300, shared_cpu=True)
+    assert (one.images_per_s, one.limited_by) == (39, "decode")
+
+
+def test_image_sets_are_deterministic_and_cached(tmp_path: Path) -> None:
+    spec = ImageSetSpec("t", 200, 150, 3, quality=80, seed=9)
+    first = load_image_set(spec, tmp_path)
+    again = load_image_set(spec, tmp_path)
+    fresh = load_image_set(spec, None)
+    assert first.images == again.images == fresh.images
+    assert len(list((tmp_path / f"t-{spec.key()}").glob("*.jpg"))) == 3
+    assert ImageSetSpec("t", 200, 150, 3, quality=81, seed=9).key() != spec.key()
+    with Image.open(__import__("io").BytesIO(first.images[2])) as im:
+        assert im.size == (200, 150) and im.format == "JPEG"
+    portrait = ImageSetSpec("p", 200, 150, 4, portrait_every=4)
+    assert portrait.size_of(3) == (150, 200) and portrait.size_of(0) == (200, 150)
+
+
+def test_the_cpu_preprocessing_emulation_feeds_the_model_the_same_pixels() -> None:
+    data = load_image_set(ImageSetSpec("e", 1600, 1200, 1, quality=90), None).images[0]
+    spec = DecodeSpec(size=73)
+    reference, _ = decode_to_array(data, spec)
+    emulated = CpuPreprocess(
+        spec, crop=64, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)
+    ).to_array(data)
+    off = (73 - 64) // 2
+    a = reference[off : off + 64, off : off + 64].astype(np.int16)
+    b = emulated[off : off + 64, off : off + 64].astype(np.int16)
+    assert np.abs(a - b).mean() < 3.0
+
+
+def test_the_cli_refuses_an_unknown_profile() -> None:
+    result = CliRunner().invoke(cli, ["bench", "--profile", "huge"])
+    assert result.exit_code == 2
+    assert "tiny" in result.output and "quick" in result.output
+    help_text = CliRunner().invoke(cli, ["bench", "--help"]).output
+    assert "BENCH_PROFILE" in help_text

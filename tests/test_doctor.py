@@ -1,0 +1,245 @@
+"""`python -m worker doctor` end to end on the CPU, its trace statistics, and its schema.
+
+- an artificially slow decoder (the Worker's decode-delay hook) yields *feed-starved*;
+- an eager model of hundreds of tiny ops shows a high op count and a *launch-bound* hint;
+- `doctor --json` from a real process matches the documented schema;
+- on CUDA (skipped here, run by `make gpu-check`): kernels, NVML and host-sync counting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from torch import nn
+
+from tests.worker_harness import tiny_config
+from worker.doctor import (
+    SCHEMA,
+    DoctorOptions,
+    profile_forward,
+    run_doctor,
+    schema_markdown,
+    validate,
+)
+from worker.profile_stats import (
+    busy_time_us,
+    gap_stats,
+    gaps_us,
+    tiny_share,
+    top_names,
+    trace_stats,
+)
+from worker.verdict import VERDICTS
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = {"ceiling_seconds": 0.3, "sync_launches": 3, "image_size": (320, 240)}
+
+
+class TinyOps(nn.Module):
+    """An eager "model" of `n` small elementwise ops on the uint8 batch: all launch
+    overhead, next to no arithmetic."""
+
+    def __init__(self, n: int = 300) -> None:
+        super().__init__()
+        self.n = n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x[:, :2, :2, :].float()
+        for i in range(self.n // 2):
+            y = torch.relu(y * 1.0001 + i * 1e-6)
+        return y
+
+
+# --------------------------------------------------------------------------- trace statistics
+def test_trace_statistics_on_hand_made_events() -> None:
+    # Three kernels: 0-5, 15-20 (overlapping 18-30 on another stream), then 40-44.
+    events = [(0.0, 5.0), (15.0, 5.0), (18.0, 12.0), (40.0, 4.0)]
+    assert busy_time_us(events) == 5 + 15 + 4
+    assert gaps_us(events) == [10.0, 10.0]
+    assert tiny_share(events) == 0.75  # 5, 5, 4 under 10 µs; 12 not
+    stats = trace_stats(events, wall_us=48.0)
+    assert stats.count == 4 and stats.span_us == 44.0
+    assert stats.busy_ratio == pytest.approx(24 / 48)
+    g = gap_stats(events)
+    assert (g.count, g.mean_us, g.p50_us, g.max_us, g.total_us) == (2, 10.0, 10.0, 10.0, 20.0)
+    assert trace_stats(events).wall_us == 44.0  # the span stands in for a missing wall time
+
+
+def test_trace_statistics_of_nothing() -> None:
+    stats = trace_stats([], wall_us=100.0)
+    assert stats.count == 0 and stats.busy_ratio is None and stats.tiny_share is None
+    assert stats.gaps.count == 0 and stats.gaps.mean_us is None
+    assert stats.as_dict()["gaps"]["total_us"] == 0.0
+
+
+def test_top_names_by_total_time() -> None:
+    rows = top_names([("conv", 100.0), ("relu", 3.0), ("conv", 50.0), ("add", 4.0)], n=2)
+    assert rows == [
+        {"name": "conv", "count": 2, "total_us": 150.0},
+        {"name": "add", "count": 1, "total_us": 4.0},
+    ]
+
+
+def test_profile_of_hundreds_of_tiny_ops() -> None:
+    x = torch.randint(0, 256, (4, 8, 8, 3), dtype=torch.uint8)
+    prof = profile_forward(TinyOps(300), x, step_label="injected")
+    assert prof["measured"] and prof["unit"] == "ops" and prof["device"] == "cpu"
+    stats = prof["stats"]
+    assert stats["count"] >= 300
+    assert stats["tiny_share"] > 0.9
+    assert {t["name"] for t in prof["top"]} >= {"aten::mul", "aten::add", "aten::relu"}
+
+
+# --------------------------------------------------------------------------- end to end
+def keys_left(url: str) -> list[bytes]:
+    client = redis.Redis.from_url(url)
+    try:
+        return sorted(client.scan_iter(match="*doctor*"))
+    finally:
+        client.close()
+
+
+async def test_slow_decoder_is_feed_starved(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    redis_client.xadd("gpufeed:jobs", {"id": "production-job", "image": b"x"})
+    config = tiny_config(redis_url, tiny_weights, decode_threads=2)
+    options = DoctorOptions(jobs=24, decode_delay_s=0.15, **FAST)  # type: ignore[arg-type]
+    report = await run_doctor(config, options)
+
+    assert validate(report) == []
+    v = report["verdict"]
+    assert v["name"] == "feed-starved", v
+    e2e = report["end_to_end"]
+    assert e2e["measured"] and e2e["results_ok"] == 24 and e2e["redis"] == "existing"
+    assert e2e["stage_ms"]["decode"] >= 150
+    # 2 threads / ~0.15 s: the decoders can supply about 13 images/s, and that is all.
+    assert 8 < e2e["decode_capacity_images_per_s"] < 14
+    assert e2e["images_per_s"] < 0.7 * report["ceiling"]["eager"]["images_per_s"]
+    assert any("decode capacity" in line for line in v["evidence"])
+    assert "GPUFEED_DECODE_THREADS (now 2" in v["knob"]
+    # The run's keys are gone; the production stream was not touched.
+    assert keys_left(redis_url) == []
+    assert redis_client.xlen("gpufeed:jobs") == 1
+    assert redis_client.xinfo_groups("gpufeed:jobs") == []
+
+
+async def test_tiny_ops_model_gives_a_launch_bound_hint(redis_url: str, tiny_weights: Path) -> None:
+    config = tiny_config(redis_url, tiny_weights)
+    options = DoctorOptions(jobs=8, **FAST)  # type: ignore[arg-type]
+    report = await run_doctor(config, options, profile_step=TinyOps(300))
+
+    assert validate(report) == []
+    prof = report["profile"]
+    assert prof["step"] == "injected" and prof["unit"] == "ops"
+    assert prof["stats"]["count"] >= 300
+    assert prof["stats"]["tiny_share"] > 0.9
+    hints = [f for f in report["verdict"]["also"] if f["name"] == "launch-bound"]
+    assert len(hints) == 1 and hints[0]["hint"], report["verdict"]
+    assert any("ops per forward" in line for line in hints[0]["evidence"])
+    assert report["verdict"]["name"] != "launch-bound"  # on the CPU a hint, never the verdict
+    # The CPU-only parts say why they were not measured.
+    assert report["host_syncs"]["not_measured"] == ["not applicable (no device syncs on CPU)"]
+    assert report["host_syncs"]["count"] is None
+    assert report["ceiling"]["compiled"] is None
+    assert "--compile-ceiling" in report["ceiling"]["not_measured"][0]
+    assert report["end_to_end"]["gpu_util_pct"] is None
+    assert keys_left(redis_url) == []
+
+
+def test_doctor_json_matches_the_documented_schema(redis_url: str, tiny_weights: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
+    env.update(
+        REDIS_URL=redis_url,
+        GPUFEED_MODEL="mobilenet_v3_small",
+        GPUFEED_WEIGHTS=str(tiny_weights),
+        GPUFEED_INPUT_SIZE="64",
+        GPUFEED_BATCH_SIZE="4",
+        GPUFEED_DECODE_THREADS="2",
+    )
+    args = [
+        "doctor",
+        "--json",
+        "--jobs",
+        "8",
+        "--ceiling-seconds",
+        "0.2",
+        "--image-size",
+        "160x120",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)  # stdout holds the report and nothing else
+    assert validate(report) == []
+    assert report["schema_version"] == 1
+    assert report["verdict"]["name"] in VERDICTS
+    assert report["config"]["batch_size"] == 4 and report["end_to_end"]["jobs"] == 8
+    assert report["end_to_end"]["image_size"] == "160x120"
+    assert report["end_to_end"]["results_ok"] == 8
+    assert "USDT" not in proc.stderr  # the profiler's native chatter is held back
+
+
+def test_validator_catches_what_the_schema_forbids() -> None:
+    assert validate({"schema_version": 1}, SCHEMA)[0].startswith("$: missing key")
+    bad = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    assert validate({"a": True}, bad) == ["$.a: expected integer, got bool"]
+    closed = {**bad, "additionalProperties": False}
+    assert validate({"a": 1, "b": 2}, closed) == ["$: undocumented key 'b'"]
+    assert validate("x", {"enum": ["y"]}) == ["$: 'x' is not one of ['y']"]
+
+
+def test_the_schema_document_is_the_schema() -> None:
+    doc = (ROOT / "docs" / "doctor-schema.md").read_text()
+    assert schema_markdown() in doc, "regenerate the table in docs/doctor-schema.md"
+
+
+def test_decode_delay_is_a_hidden_option() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "doctor", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0
+    assert "--compile-ceiling" in proc.stdout and "--json" in proc.stdout
+    assert "--decode-delay-ms" not in proc.stdout
+
+
+# --------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_doctor_on_cuda(redis_url: str, tiny_weights: Path) -> None:
+    config = tiny_config(redis_url, tiny_weights, device="cuda", batch_size=16, compile="off")
+    report = await run_doctor(config, DoctorOptions(jobs=64, sync_launches=10, **FAST))  # type: ignore[arg-type]
+    assert validate(report) == []
+    # (a) both variants, with CUDA-event timings
+    assert report["ceiling"]["eager"]["images_per_s"] > 0
+    assert report["ceiling"]["compiled"] is not None, report["ceiling"]["not_measured"]
+    # (b) device kernels, not CPU ops
+    prof = report["profile"]
+    assert prof["unit"] == "kernels" and prof["stats"]["count"] > 10, prof
+    # (c) the launch path does not sync
+    syncs = report["host_syncs"]
+    assert syncs["measured"] and syncs["launches"] == 10
+    assert syncs["count"] == 0, syncs["where"]
+    # (d) NVML sampled the GPU
+    e2e = report["end_to_end"]
+    assert e2e["results_ok"] == 64
+    assert e2e["gpu_util_pct"] is not None, e2e["not_measured"]

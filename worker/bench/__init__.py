@@ -1,0 +1,11 @@
+"""`python -m worker bench` (`make bench`): what gpufeed is worth, measured on this machine.
+
+- `runner`: one invocation runs the direct-feed ceiling, the naive reference worker, gpufeed
+  with its defaults and with each optimisation switched off, on deterministic image sets;
+- `naive`: the naive reference worker (reference only, never deployed);
+- `ablations`: the gpufeed variants, and the emulation of "GPU preprocessing off";
+- `images`: the deterministic image sets; `profiles`: tiny, quick and full;
+- `stage_rates`: each stage's cost alone, and the throughput those costs allow;
+- `probe`: CPU per thread group, GPU utilisation and memory during a run;
+- `report`: report.json (docs/bench-schema.md), report.md and throughput.png.
+"""
