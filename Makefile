@@ -47,6 +47,12 @@ demo: setup
 run-worker: setup
 	PYTHON=$(PY) bash scripts/run-workers.sh
 
+# The benchmark: ceiling, naive worker, gpufeed and its ablations on generated image sets;
+# writes bench/out/report.json, report.md and throughput.png. BENCH_PROFILE=tiny|quick|full
+# (default: quick on CPU hosts, full on CUDA hosts).
+bench: setup
+	$(PY) -m worker bench
+
 # The CUDA tests and a short benchmark on a GPU host without network; writes
 # $$GPU_CHECK_OUT/report.json. Uses the host's python3 and PyTorch: no setup here.
 gpu-check:

@@ -41,7 +41,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
 
 @pytest.mark.slow
 def test_the_written_report_matches_the_schema(tiny: tuple[dict[str, Any], Path]) -> None:
-    report, out = tiny
+    _, out = tiny
     written = json.loads((out / "report.json").read_text())
     assert validate_report(written) == []
     assert written["profile"] == "tiny"

@@ -194,6 +194,37 @@ def test_doctor_json_matches_the_documented_schema(redis_url: str, tiny_weights:
     assert "USDT" not in proc.stderr  # the profiler's native chatter is held back
 
 
+def test_without_any_redis_it_measures_the_rest(tmp_path: Path, tiny_weights: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
+    env.update(
+        PATH=str(tmp_path),  # no redis-server to start
+        REDIS_URL="redis://127.0.0.1:1/0",  # and nothing answering
+        GPUFEED_MODEL="mobilenet_v3_small",
+        GPUFEED_WEIGHTS=str(tiny_weights),
+        GPUFEED_INPUT_SIZE="64",
+        GPUFEED_BATCH_SIZE="4",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "doctor", "--json", "--ceiling-seconds", "0.2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert validate(report) == []
+    assert report["ceiling"]["eager"]["images_per_s"] > 0
+    assert report["profile"]["measured"]
+    e2e = report["end_to_end"]
+    assert not e2e["measured"] and e2e["redis"] is None
+    assert "redis-server is not installed" in e2e["not_measured"][0]
+    assert report["verdict"]["name"] == "inconclusive"
+    assert any("redis-server is not installed" in line for line in report["verdict"]["evidence"])
+
+
 def test_validator_catches_what_the_schema_forbids() -> None:
     assert validate({"schema_version": 1}, SCHEMA)[0].startswith("$: missing key")
     bad = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

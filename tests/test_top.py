@@ -102,13 +102,14 @@ async def test_top_shows_every_worker_of_the_group(
     assert "group gpufeed: lag 7, pending 3" in head
     assert "consumers 1" in head and "workers 2" in head
     assert "37.5 jobs/s" in head  # 12.5 + 25.0
-    rows = {line.split()[1]: line for line in out.splitlines() if "gpu-" in line}
-    first, other = rows["gpu-1-42"], rows["gpu-2-43"]
-    for shown in ("12.5", "1,000", "41.2", "97.5", "87%", "150%", "75%"):
-        assert shown in first, (shown, first)
-    assert "r 1.5 q 0.4 d 5.1 b 2.0 c 18.0 w 0.9" in first
-    for shown in ("25.0", "2,000", "2 (decode_error 2)", "12.0", "30.2", "95%", "100%"):
-        assert shown in other, (shown, other)
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if "gpu-" in line}
+    # worker, device (3 words), jobs/s, ok, errors, p50, p99, stages, GPU, CPU, fill, in flight
+    stages = "1.5/0.4/5.1/2.0/18.0/0.9"
+    first = ["12.5", "1,000", "0", "41.2", "97.5", stages, "87%", "150%", "75%", "7"]
+    assert rows["gpu-1-42"] == ["gpu-1-42", "cuda:0", "(NVIDIA", "H200)", *first]
+    second = ["25.0", "2,000", "2", "12.0", "30.2", stages, "-", "95%", "100%", "7"]
+    assert rows["gpu-2-43"][4:] == second
+    assert "errors by code: decode_error 2" in out
     assert "other-9" not in out  # another group's worker
 
 
@@ -139,8 +140,8 @@ async def test_top_against_a_live_worker(
         await wait_results(redis_client, "gpufeed:results", 13)
         await asyncio.sleep(2.5)  # one heartbeat
         out = await asyncio.to_thread(top_once, redis_url)
-    row = next(line for line in out.splitlines() if "top-live" in line)
-    assert " cpu " in row
-    assert "12" in row.split()  # ok results
-    assert "1 (unsupported_format 1)" in row
+    row = next(line for line in out.splitlines() if "top-live" in line).split()
+    assert row[:2] == ["top-live", "cpu"]
+    assert row[3:5] == ["12", "1"]  # ok, errors
+    assert "errors by code: unsupported_format 1" in out
     assert "lag 0, pending 0" in out.splitlines()[0]

@@ -169,6 +169,7 @@ def test_compute_bound_on_cpu_when_the_model_binds() -> None:
     v = verdict(cpu(e2e_images_per_s=20.0, model_in_pipeline_images_per_s=21.0))
     assert v.name == "compute-bound"
     assert any("inside the pipeline (1.05x the throughput)" in e for e in v.evidence)
+    assert "slower inside the pipeline than alone (21.0 vs 40.0 images/s)" in v.headline
 
 
 def test_healthy() -> None:

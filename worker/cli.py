@@ -135,7 +135,9 @@ def _image_size(ctx: click.Context, param: click.Parameter, value: str) -> tuple
 @cli.command()
 @config_options
 @click.option("--json", "json_out", is_flag=True, help="One JSON object (docs/doctor-schema.md).")
-@click.option("--jobs", default=200, show_default=True, help="Synthetic JPEGs in the run.")
+@click.option(
+    "--jobs", type=int, default=None, help="Synthetic JPEGs in the run [default: 200; CUDA 3000]."
+)
 @click.option(
     "--image-size",
     default="640x480",
@@ -166,7 +168,7 @@ def _image_size(ctx: click.Context, param: click.Parameter, value: str) -> tuple
 def doctor(
     *,
     json_out: bool,
-    jobs: int,
+    jobs: int | None,
     image_size: tuple[int, int],
     compile_ceiling: bool,
     ceiling_seconds: float,
@@ -190,7 +192,7 @@ def doctor(
     level = "warning" if config.log_level == "info" else config.log_level
     configure_logging(config.log_format, level)
     settings = DoctorOptions(
-        jobs=max(1, jobs),
+        jobs=0 if jobs is None else max(1, jobs),
         image_size=image_size,
         compile_ceiling=compile_ceiling,
         ceiling_seconds=ceiling_seconds,

@@ -62,7 +62,7 @@ _GROUP = "gpufeed-doctor"
 
 @dataclass(frozen=True)
 class DoctorOptions:
-    jobs: int = 200  # synthetic JPEGs in the end-to-end run
+    jobs: int = 0  # synthetic JPEGs in the end-to-end run; 0: 200 on CPU, 3000 on CUDA
     image_size: tuple[int, int] = (640, 480)  # their width, height
     compile_ceiling: bool = False  # compile on the CPU too, to measure the compiled ceiling
     ceiling_seconds: float = 3.0  # timed run per ceiling variant (after warm-up)
@@ -274,7 +274,14 @@ SCHEMA: dict[str, Any] = _obj(
                     "`existing` (REDIS_URL answered) or `private` (a redis-server started here)",
                 ),
                 "stream": _t(["string", "null"], "the private job stream used (deleted after)"),
-                "jobs": _t("integer", "jobs submitted", "jobs"),
+                "jobs": _t(
+                    "integer", "jobs submitted (--jobs; default 200 on CPU, 3000 on CUDA)", "jobs"
+                ),
+                "backlog": _t(
+                    "boolean",
+                    "jobs were waiting in Redis beyond what the worker held, in at least 90% "
+                    "of the checks while jobs were fed (false: the feed, not the worker, ran dry)",
+                ),
                 "image_size": _t("string", "WIDTHxHEIGHT of the synthetic JPEGs", "px"),
                 "mean_jpeg_bytes": _t(["integer", "null"], "mean encoded size", "bytes"),
                 "decode_delay_ms": _t("number", "test hook: added to every decode", "ms"),
@@ -546,7 +553,7 @@ def _ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- (b) profile
 def _device(event: Any) -> str:
-    """ "CPU", "CUDA", ...: the name of the event's torch DeviceType."""
+    """The name of the event's torch DeviceType: CPU, CUDA, ..."""
     return str(getattr(event.device_type, "name", event.device_type))
 
 
@@ -627,6 +634,7 @@ def profile_forward(
                 "no CUDA kernels in the trace (CUPTI unavailable, or kernels inside CUDA "
                 "graphs not traced by this PyTorch)"
             )
+            return out
     else:
         picked = _outermost_aten_ops(events)
         if step_label == "compiled":
@@ -719,32 +727,63 @@ def _mean(summary: Mapping[str, Any], metric: str) -> float | None:
     return None if not values else float(values["mean"])
 
 
+class _Feeder:
+    """Keeps the job stream ahead of the worker, never far ahead: at most `ahead` jobs
+    beyond those answered, so a production Redis never holds more than that many images
+    for the doctor (the worker's own trimming removes the processed ones)."""
+
+    def __init__(self, url: str, stream: str, images: list[bytes], jobs: int, ahead: int) -> None:
+        self.url, self.stream, self.images = url, stream, images
+        self.jobs, self.ahead = jobs, ahead
+        self.pushed = 0
+
+    async def push(self, answered: int, limit: int = 256) -> int:
+        """Push up to `limit` jobs, as many as the bound allows; returns how many."""
+        room = min(self.jobs - self.pushed, self.ahead - (self.pushed - answered), limit)
+        if room <= 0:
+            return 0
+        client = aioredis.from_url(self.url)
+        try:
+            pipe = client.pipeline(transaction=False)
+            for i in range(self.pushed, self.pushed + room):
+                image = self.images[i % len(self.images)]
+                pipe.xadd(self.stream, {"id": f"doctor-{i}", "image": image})
+            await pipe.execute()
+        finally:
+            await client.aclose()
+        self.pushed += room
+        return room
+
+    async def run(self, answered: Callable[[], int]) -> None:
+        while self.pushed < self.jobs:
+            if not await self.push(answered()):
+                await asyncio.sleep(0.002)
+
+
 async def _end_to_end_section(
     worker: Any, options: DoctorOptions, out: dict[str, Any], ceiling: float | None
 ) -> None:
     from worker.gpu_decode import synthetic_jpeg
 
     cfg: WorkerConfig = worker.config
+    jobs = int(out["jobs"])
     w, h = options.image_size
-    images = [synthetic_jpeg(w, h, seed=i, quality=85) for i in range(min(16, options.jobs))]
+    images = [synthetic_jpeg(w, h, seed=i, quality=85) for i in range(min(16, jobs))]
     out["mean_jpeg_bytes"] = int(sum(map(len, images)) / len(images))
-    client = aioredis.from_url(cfg.redis_url)
-    try:
-        # The whole backlog is in Redis before the worker reads: a steady, full feed.
-        for start in range(0, options.jobs, 256):
-            pipe = client.pipeline(transaction=False)
-            for i in range(start, min(start + 256, options.jobs)):
-                pipe.xadd(cfg.stream, {"id": f"doctor-{i}", "image": images[i % len(images)]})
-            await pipe.execute()
-    finally:
-        await client.aclose()
+    counters = worker.counters
+    held = worker.in_flight.limit
+    feeder = _Feeder(
+        cfg.redis_url, cfg.stream, images, jobs, held + max(128, 4 * worker.batch_size)
+    )
+    # A full backlog before the worker reads: the feed starts steady.
+    while await feeder.push(0):
+        pass
 
     cuda = worker.ctx.is_cuda
     sampler = GpuSampler((worker.ctx.device.index or 0) if cuda else 0, interval_s=0.2)
     if not cuda:
         sampler.available = False
         sampler.reason = "CPU device: no GPU to sample"
-    counters = worker.counters
     syncs_cm: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if cuda:
         from worker.gpu_check import count_host_syncs
@@ -753,9 +792,13 @@ async def _end_to_end_section(
     sampler.start()
     t_start = time.perf_counter()
     main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
+    feeding = asyncio.create_task(feeder.run(lambda: counters.results), name="doctor-feeder")
     first_t: float | None = None
     first_n = 0
     timed_out = False
+    # Polls while jobs were still being fed, and those that found some waiting in Redis
+    # beyond what the worker holds: was the worker ever short of input from Redis?
+    fed_polls = backlog_polls = 0
     try:
         with syncs_cm as syncs:
             while True:
@@ -763,21 +806,30 @@ async def _end_to_end_section(
                 now = time.perf_counter()
                 if first_t is None and n > 0:
                     first_t, first_n = now, n
-                if n >= options.jobs:
+                if first_t is not None and not feeding.done():
+                    fed_polls += 1
+                    if feeder.pushed - n > worker.in_flight.count:
+                        backlog_polls += 1
+                if n >= jobs:
                     break
                 if main.done():
                     main.result()  # a failed stage raises here
                     break
+                if feeding.done():
+                    feeding.result()
                 if now - t_start > options.timeout_s:
                     timed_out = True
                     break
                 await asyncio.sleep(0.005)
         t_end = time.perf_counter()
     finally:
+        feeding.cancel()
         sampler.close()
         worker.handle_exit()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(main, 60)
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeding
 
     n_end = counters.results
     obs = worker.observer
@@ -794,6 +846,7 @@ async def _end_to_end_section(
     summary = sampler.summary()
     out.update(
         measured=n_end > 0,
+        backlog=backlog_polls >= 0.9 * fed_polls,
         images_per_s=None if rate is None else round(rate, 2),
         elapsed_s=round(t_end - t_start, 3),
         first_result_s=None if first_t is None else round(first_t - t_start, 3),
@@ -818,7 +871,7 @@ async def _end_to_end_section(
         out["_pipeline_syncs"] = syncs.total
     if timed_out:
         out["not_measured"].append(
-            f"only {n_end} of {options.jobs} results within --timeout {options.timeout_s:.0f} s"
+            f"only {n_end} of {jobs} results within --timeout {options.timeout_s:.0f} s"
         )
     if n_end == 0:
         out["not_measured"].append("no result came back: no throughput to report")
@@ -835,6 +888,7 @@ def _empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
         "redis": None,
         "stream": None,
         "jobs": options.jobs,
+        "backlog": False,
         "image_size": f"{w}x{h}",
         "mean_jpeg_bytes": None,
         "decode_delay_ms": round(options.decode_delay_s * 1000, 3),
@@ -888,6 +942,7 @@ def _doctor_config(config: WorkerConfig, redis_url: str, base: str, name: str) -
         dead_stream=f"{base}:dead",
         worker_name=name,
         result_ttl_s=600,  # a safety net: the run deletes its keys itself
+        trim_interval_s=1.0,  # processed images leave Redis within a second
         metrics_port=0,  # a production worker may hold the configured port
         stats_interval_s=3600.0,
     )
@@ -899,11 +954,16 @@ def _usable_weights(config: WorkerConfig, notes: list[str]) -> WorkerConfig:
     weights = config.weights
     if weights.lower() == "none" or "/" in weights or weights.endswith((".pt", ".pth")):
         return config
-    from worker.model_loader import prefetch_weights
+    from worker.config import ConfigError
+    from worker.model_loader import classification_models, prefetch_weights
 
+    if config.model not in classification_models():
+        return config  # the worker's start-up says which models there are
     problem = prefetch_weights(config.model, weights, timeout_s=15)
     if problem is None:
         return config
+    if problem.startswith("GPUFEED_WEIGHTS:"):
+        raise ConfigError(problem)  # a wrong name, not a missing network
     notes.append(
         f"weights {weights} could not be fetched ({problem}); measured with random weights "
         "(speed does not depend on them)"
@@ -962,7 +1022,7 @@ async def run_doctor(
         try:
             try:
                 await worker.startup(wait_for_redis=False)
-            except RedisUnavailable as exc:
+            except (RedisUnavailable, aioredis.RedisError) as exc:  # e.g. an ACL refusal
                 if getattr(worker, "compile_report", None) is None:
                     raise
                 if redis_url is not None:
@@ -1000,6 +1060,7 @@ async def run_doctor(
             syncs = await _sync_section(worker, options.sync_launches)
             serving = ceiling["compiled"] if ceiling["serving"] == "compiled" else ceiling["eager"]
             serving_rate = None if serving is None else float(serving["images_per_s"])
+            e2e["jobs"] = options.jobs or (3000 if device.type == "cuda" else 200)
             if redis_url is not None:
                 await _end_to_end_section(worker, options, e2e, serving_rate)
             syncs["pipeline_count"] = e2e.pop("_pipeline_syncs", None)
@@ -1067,7 +1128,7 @@ def evidence_from(report: Mapping[str, Any]) -> Evidence:
         e2e_images_per_s=e2e["images_per_s"],
         decode_ms_mean=(e2e["stage_ms"] or {}).get("decode"),
         batch_fill=e2e["batch_fill"],
-        backlog=True,
+        backlog=e2e["backlog"],
         model_in_pipeline_images_per_s=e2e["model_in_pipeline_images_per_s"],
         stage_ms=dict(e2e["stage_ms"] or {}),
         gpu_util_pct=e2e["gpu_util_pct"],
@@ -1231,17 +1292,22 @@ def render(report: Mapping[str, Any], console: Console) -> None:
 
     v = report["verdict"]
     _heading(console, f"(e) verdict: {v['name'].upper()}")
-    console.print(f"  {v['headline']}")
-    for line in v["evidence"]:
-        console.print(f"  - {line}")
-    console.print(f"  [bold]knob:[/] {v['knob']}")
+    grid = _grid()
+    _finding(grid, "", v)
     for other in v["also"]:
-        kind = "hint" if other["hint"] else "also"
-        console.print(f"  [bold]{kind}: {other['name']}[/]: {other['headline']}")
-        for line in other["evidence"]:
-            console.print(f"    - {line}")
-        console.print(f"    knob: {other['knob']}")
-    console.print(f"\n[dim]doctor ran {report['elapsed_s']:.1f} s[/]")
+        grid.add_row("", "")
+        _finding(grid, "hint" if other["hint"] else "also", other)
+    console.print(grid)
+    console.print(Text(f"\ndoctor ran {report['elapsed_s']:.1f} s", style="dim"))
+
+
+def _finding(grid: Table, kind: str, finding: Mapping[str, Any]) -> None:
+    """Headline, evidence and knob; wrapped lines stay in their column."""
+    title = f"{kind}: {finding['name']}" if kind else "why"
+    grid.add_row(title, finding["headline"])
+    for line in finding["evidence"]:
+        grid.add_row("", f"- {line}")
+    grid.add_row("knob", finding["knob"])
 
 
 def _not_measured(grid: Table, lines: list[str]) -> None:

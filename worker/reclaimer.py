@@ -126,20 +126,36 @@ class Reclaimer:
 
     # ------------------------------------------------------------------ reclaim
     async def reclaim_and_tidy(self) -> None:
-        await self.dead_letter_poison()
-        await self.reclaim_stale()
+        stale = await self.dead_letter_poison()
+        if stale:
+            # Set places aside so that new reads do not take them all, then wait (briefly)
+            # for in-flight work to free them.
+            self.in_flight.reserve(stale)
+            await self.in_flight.wait_until_free(
+                min(stale, self.in_flight.limit), max(1.0, self.cfg.claim_interval_s)
+            )
+        try:
+            await self.reclaim_stale()
+        finally:
+            self.in_flight.reserve(0)
         await self.remove_dead_consumers()
 
     async def dead_letter_poison(self) -> int:
         """Entries idle past the visibility timeout that were already delivered the maximum
-        number of times: they keep killing or stalling workers, so they stop here."""
+        number of times: they keep killing or stalling workers, so they stop here.
+
+        Returns how many other stale entries there are (up to 100), to be reclaimed."""
         idle_ms = int(self.cfg.visibility_timeout_s * 1000)
         pending = await self.client.xpending_range(
             self.cfg.stream, self.cfg.group, min="-", max="+", count=100, idle=idle_ms
         )
-        poison = [
-            p for p in pending if int(p["times_delivered"]) >= self.cfg.max_deliveries
-        ]
+        poison = [p for p in pending if int(p["times_delivered"]) >= self.cfg.max_deliveries]
+        stale = sum(
+            1
+            for p in pending
+            if int(p["times_delivered"]) < self.cfg.max_deliveries
+            and _s(p["message_id"]) not in self._held
+        )
         outcomes: list[Outcome] = []
         for p in poison:
             entry_id = _s(p["message_id"])
@@ -149,39 +165,51 @@ class Reclaimer:
             times = int(p["times_delivered"])
             if not entries:
                 job = parse_job(entry_id, {}, self.cfg.results_stream)
-                outcomes.append(Outcome.failure(
-                    job, ErrorCode.ENTRY_DELETED,
-                    "the job entry was deleted from the stream before it was processed",
-                ))
+                outcomes.append(
+                    Outcome.failure(
+                        job,
+                        ErrorCode.ENTRY_DELETED,
+                        "the job entry was deleted from the stream before it was processed",
+                    )
+                )
                 continue
             fields: dict[Any, Any] = entries[0][1] or {}
             job = parse_job(entry_id, fields, self.cfg.results_stream)
             job.deliveries = times
             outcome = Outcome.failure(
-                job, ErrorCode.DEAD_LETTER,
+                job,
+                ErrorCode.DEAD_LETTER,
                 f"delivered {times} times without a result (last to "
                 f"{_s(p['consumer'])}); copied to {self.cfg.dead_stream}",
             )
             dead: list[bytes | str] = []
             for k, v in fields.items():
                 dead += [k, v]
-            dead += ["dead_entry", entry_id, "dead_deliveries", str(times),
-                     "dead_consumer", _s(p["consumer"]), "dead_at_ms",
-                     str(int(time.time() * 1000))]
+            dead += [
+                "dead_entry",
+                entry_id,
+                "dead_deliveries",
+                str(times),
+                "dead_consumer",
+                _s(p["consumer"]),
+                "dead_at_ms",
+                str(int(time.time() * 1000)),
+            ]
             outcome.dead_fields = dead
             outcomes.append(outcome)
         if outcomes:
             for _ in outcomes:
                 self.in_flight.take(1)
             self.dead_lettered += sum(1 for o in outcomes if o.dead_fields)
-            log.warning("dead_lettered", count=len(outcomes),
-                        job_ids=[o.job.job_id for o in outcomes][:20])
+            log.warning(
+                "dead_lettered", count=len(outcomes), job_ids=[o.job.job_id for o in outcomes][:20]
+            )
             await self._publish(outcomes)
-        return len(outcomes)
+        return stale
 
     async def reclaim_stale(self) -> int:
         """XAUTOCLAIM entries idle past the visibility timeout, as far as there is room."""
-        room = self.in_flight.room()
+        room = self.in_flight.room_for_reclaim()
         if room <= 0:
             return 0
         reply = await self.client.xautoclaim(
@@ -208,8 +236,11 @@ class Reclaimer:
         gone: list[Outcome] = []
         for raw_id in deleted:
             job = parse_job(_s(raw_id), {}, self.cfg.results_stream)
-            o = Outcome.failure(job, ErrorCode.ENTRY_DELETED,
-                                "the job entry was deleted from the stream while it was pending")
+            o = Outcome.failure(
+                job,
+                ErrorCode.ENTRY_DELETED,
+                "the job entry was deleted from the stream while it was pending",
+            )
             o.ack_mode = "deleted"
             self.in_flight.take(1)
             gone.append(o)
@@ -240,9 +271,7 @@ class Reclaimer:
 
     async def delete_consumer(self, name: str) -> int:
         """Delete `name` if it holds no pending entry; -1 if it still does."""
-        return int(
-            await self._delete_consumer(keys=[self.cfg.stream], args=[self.cfg.group, name])
-        )
+        return int(await self._delete_consumer(keys=[self.cfg.stream], args=[self.cfg.group, name]))
 
     # ------------------------------------------------------------------ trim
     async def trim(self) -> int:

@@ -16,8 +16,9 @@ from __future__ import annotations
 #       [7] n: how many dead-letter field/value args follow (0: not a dead letter),
 #       [8 .. 7+n] the dead-letter entry, [8+n ..] the result's field/value pairs.
 # Returns 1 published, 0 not ours any more (someone else acknowledged it), 2 acknowledged
-# as a duplicate of an id that already has a result, -2 the reply stream (or dead-letter
-# stream) key holds another type: nothing done, so the caller can answer elsewhere.
+# as a duplicate of an id that already has a result, -2 the reply stream key holds another
+# type (nothing done, so the caller can answer elsewhere), -3 the dead-letter stream key
+# holds another type (nothing done; an operator must fix GPUFEED_DEAD_STREAM).
 # Redis does not roll a script back when a command in it fails, so everything that could
 # fail is checked before the XACK.
 PUBLISH_RESULT = """
@@ -28,7 +29,7 @@ end
 if tonumber(ARGV[7]) > 0 then
   local dead_type = redis.call('TYPE', KEYS[4])['ok']
   if dead_type ~= 'stream' and dead_type ~= 'none' then
-    return -2
+    return -3
   end
 end
 if ARGV[5] == 'ack' then

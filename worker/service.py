@@ -190,6 +190,8 @@ class Worker:
                 worker_name=cfg.worker_name,
                 model_name=cfg.model,
                 device=str(device),
+                dead_stream=cfg.dead_stream,
+                default_reply_to=cfg.results_stream,
             ),
             max_queued=cfg.ring_slots * 2,
             on_published=self._on_published,

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
@@ -29,16 +30,6 @@ from worker.config import WorkerConfig
 from worker.metrics import STAGES
 
 EXIT_REDIS = 3
-
-# One letter per stage keeps the breakdown in one column; the caption spells them out.
-_STAGE_LETTERS = {
-    "redis_wait": "r",
-    "queue": "q",
-    "decode": "d",
-    "batch_wait": "b",
-    "compute": "c",
-    "write": "w",
-}
 
 
 def _float(value: Any) -> float | None:
@@ -104,7 +95,10 @@ def collect(client: redis.Redis, config: WorkerConfig) -> dict[str, Any]:
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:,.1f}"
+    # Compact: one decimal only where it says something (a 3-second p99 needs none).
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
 def _pct(value: float | None, scale: float = 1.0) -> str:
@@ -112,9 +106,7 @@ def _pct(value: float | None, scale: float = 1.0) -> str:
 
 
 def _stages(stage_ms: Mapping[str, float | None]) -> str:
-    return " ".join(
-        f"{_STAGE_LETTERS[s]} {_ms(stage_ms.get(s))}" for s in STAGES if s in _STAGE_LETTERS
-    )
+    return "/".join(_ms(stage_ms.get(s)) for s in STAGES)
 
 
 def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
@@ -139,30 +131,24 @@ def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
     return Text(" | ".join(parts), style="bold")
 
 
+_LEGEND = "stages: mean ms per job in " + "/".join(STAGES) + "; CPU: 100% = one core"
+
+
 def table(view: Mapping[str, Any]) -> Table:
-    t = Table(
-        caption="stages: mean ms per job in r redis_wait, q queue, d decode, b batch_wait, "
-        "c compute, w write; CPU: the worker process (100% = one core)",
-        caption_justify="left",
-    )
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     t.add_column("worker", no_wrap=True)
-    t.add_column("device")
-    for name in ("jobs/s", "ok", "errors", "p50 ms", "p99 ms"):
+    t.add_column("device", no_wrap=True)
+    for name in ("jobs/s", "ok", "errors", "p50 ms", "p99 ms", "stages ms"):
         t.add_column(name, justify="right", no_wrap=True)
-    t.add_column("stages ms", no_wrap=True)
     for name in ("GPU", "CPU", "fill", "in flight"):
         t.add_column(name, justify="right", no_wrap=True)
     for r in view["workers"]:
-        errors = str(r["results_error"])
-        if r["errors_by_code"]:
-            code, n = max(r["errors_by_code"].items(), key=lambda kv: kv[1])
-            errors += f" ({code} {n})" if len(r["errors_by_code"]) == 1 else f" (most: {code})"
         t.add_row(
             r["name"],
             r["device"],
             f"{r['jobs_per_s']:,.1f}",
             f"{r['results_ok']:,}",
-            errors,
+            f"{r['results_error']:,}",
             _ms(r["p50_ms"]),
             _ms(r["p99_ms"]),
             _stages(r["stage_ms"]),
@@ -176,10 +162,22 @@ def table(view: Mapping[str, Any]) -> Table:
     return t
 
 
+def footer(view: Mapping[str, Any]) -> Text:
+    codes: dict[str, int] = {}
+    for r in view["workers"]:
+        for code, n in r["errors_by_code"].items():
+            codes[code] = codes.get(code, 0) + int(n)
+    lines = [_LEGEND]
+    if codes:
+        ranked = sorted(codes.items(), key=lambda kv: (-kv[1], kv[0]))
+        lines.append("errors by code: " + ", ".join(f"{c} {n:,}" for c, n in ranked))
+    lines.append(time.strftime("%Y-%m-%d %H:%M:%S") + "  (Ctrl+C quits)")
+    return Text("\n".join(lines), style="dim")
+
+
 def frame(client: redis.Redis, config: WorkerConfig) -> RenderableType:
     view = collect(client, config)
-    stamp = Text(time.strftime("%Y-%m-%d %H:%M:%S") + "  (Ctrl+C quits)", style="dim")
-    return Group(header(view, config), table(view), stamp)
+    return Group(header(view, config), table(view), footer(view))
 
 
 def _error_frame(config: WorkerConfig, exc: Exception) -> RenderableType:
@@ -190,7 +188,7 @@ def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False
     """Draw the dashboard until Ctrl+C (or one frame with `once`); returns the exit code."""
     client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_timeout=5)
     # A frame for a file or a README is not cut to a narrow default width.
-    width = None if sys.stdout.isatty() else max(150, shutil.get_terminal_size((150, 40)).columns)
+    width = None if sys.stdout.isatty() else max(130, shutil.get_terminal_size((130, 40)).columns)
     console = Console(width=width, highlight=False)
     try:
         if once:

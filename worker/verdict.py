@@ -362,9 +362,16 @@ def _compute_bound(ev: Evidence) -> Finding | None:
         evidence.append(f"decode capacity {_rate(capacity)}: decode is not the binding stage")
     threads = ev.decode_threads if ev.decode_threads is not None else "?"
     cores = ev.cpu_count or "?"
+    headline = "the model is the binding stage: the CPU runs it about as fast as it can"
+    if ratio < FEED_STARVED_RATIO and in_pipe is not None and ev.ceiling_images_per_s:
+        headline = (
+            "the model is the binding stage, and slower inside the pipeline than alone "
+            f"({in_pipe:,.1f} vs {ev.ceiling_images_per_s:,.1f} images/s): it shares the CPU "
+            "cores with decode and the rest of the worker"
+        )
     return Finding(
         "compute-bound",
-        "the model is the binding stage: the CPU runs it about as fast as it can, decode keeps up",
+        headline,
         _lines(*evidence),
         "a CUDA device (GPUFEED_DEVICE=cuda), a smaller GPUFEED_MODEL or GPUFEED_INPUT_SIZE, "
         f"or more cores (decode threads, now {threads}, share the {cores} cores with the model)",

@@ -32,6 +32,7 @@ from worker.redis_scripts import PUBLISH_RESULT
 
 log = structlog.get_logger("gpufeed.writer")
 
+
 @dataclass(frozen=True)
 class WriterSettings:
     stream: str
@@ -53,7 +54,8 @@ class PublishState:
     NOT_OURS = 0  # another worker (or an earlier try of ours) acknowledged the entry first
     DUPLICATE_ID = 2  # acknowledged; the job id already had a result, which stands
     REFUSED = -1  # Redis refused the script for this job (logged with the job id)
-    WRONG_REPLY_TYPE = -2  # its reply_to (or the dead-letter stream) is not a stream
+    WRONG_REPLY_TYPE = -2  # its reply_to is not a stream
+    WRONG_DEAD_TYPE = -3  # the dead-letter stream key holds another type
 
 
 def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | str]:
@@ -168,7 +170,7 @@ class ResultWriter:
         retry = [
             (i, self._fallback(outcomes[i]))
             for i, state in enumerate(states)
-            if state in (PublishState.REFUSED, PublishState.WRONG_REPLY_TYPE)
+            if state == PublishState.WRONG_REPLY_TYPE
             and outcomes[i].job.reply_to != self.settings.default_reply_to
         ]
         if retry:
@@ -240,6 +242,13 @@ class ResultWriter:
                     job_id=outcome.job.job_id,
                     entry=outcome.job.entry_id,
                     reply_to=outcome.job.reply_to,
+                )
+            elif state == PublishState.WRONG_DEAD_TYPE:
+                log.error(
+                    "dead_stream_not_a_stream",
+                    job_id=outcome.job.job_id,
+                    dead_stream=self.settings.dead_stream,
+                    note="the job stays pending until GPUFEED_DEAD_STREAM names a stream",
                 )
             states.append(state)
         write_ms = (time.perf_counter() - start) * 1000

@@ -60,7 +60,7 @@ class RunProbe:
     def __init__(self, device: torch.device, *, redis_pid: int | None = None) -> None:
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.sampler = GpuSampler(device.index or 0 if self.is_cuda else 0, interval_s=0.1)
+        self.sampler = GpuSampler(device.index or 0, interval_s=0.1)
         if not self.is_cuda:
             self.sampler.available = False
             self.sampler.reason = "CPU device: no GPU to sample"

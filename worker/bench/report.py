@@ -346,12 +346,25 @@ def write_figure(report: Mapping[str, Any], path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- files
-def write_all(report: Mapping[str, Any], out_dir: Path) -> None:
+def write_all(report: dict[str, Any], out_dir: Path) -> None:
+    """report.json, report.md and throughput.png (the figure only where matplotlib is
+    installed, as `make setup` does; the report says so otherwise)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        report.setdefault("notes", []).append(
+            "matplotlib is not installed here, so no throughput.png was drawn"
+        )
+        has_matplotlib = False
+    else:
+        has_matplotlib = True
+    report["figure"] = "throughput.png" if has_matplotlib else None
     # allow_nan=False: a NaN or infinity is a bug, never a measurement.
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     (out_dir / "report.md").write_text(render_markdown(report))
-    write_figure(report, out_dir / "throughput.png")
+    if has_matplotlib:
+        write_figure(report, out_dir / "throughput.png")
 
 
 # --------------------------------------------------------------------------- validation
