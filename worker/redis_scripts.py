@@ -36,6 +36,9 @@ if ARGV[5] == 'ack' then
   if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
     return 0
   end
+elseif redis.call('HGET', KEYS[3], 'entry') == ARGV[2] then
+  -- 'deleted' has no XACK to guard it: a resent script finds its own earlier result.
+  return 0
 end
 if ARGV[6] == '1' then
   local existing = redis.call('HGET', KEYS[3], 'entry')
