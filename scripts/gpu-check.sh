@@ -64,7 +64,7 @@ export REDIS_URL="redis://127.0.0.1:$PORT/0"
 
 # 3. The CUDA tests (the CPU suite runs in CI).
 timeout "${GPU_CHECK_TEST_TIMEOUT_S:-220}" "$PY" -m pytest -m cuda \
-  tests/test_cuda.py tests/test_gpu_decode.py -q -p no:cacheprovider \
+  tests/test_cuda.py tests/test_gpu_decode.py tests/test_doctor.py -q -p no:cacheprovider \
   -o addopts="" --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
 TESTS_RC=${PIPESTATUS[0]}
 

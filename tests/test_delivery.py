@@ -198,3 +198,14 @@ async def test_repeated_restarts_keep_the_group_small(
             await wait_results(redis_client, "gpufeed:results", i + 1)
     assert redis_client.xinfo_consumers("gpufeed:jobs", "gpufeed") == []
     assert redis_client.xlen("gpufeed:results") == 5
+
+
+async def test_a_worker_with_trimming_off_keeps_running(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    async with running_worker(redis_url, tiny_weights, trim_interval_s=0):
+        await asyncio.sleep(0.5)  # the trim duty ends at once; the worker must not
+        redis_client.xadd("gpufeed:jobs", {"id": "t0", "image": jpeg_bytes()})
+        entries = await wait_results(redis_client, "gpufeed:results", 1, timeout_s=20)
+    assert entries[0][1][b"status"] == b"ok"
+    assert redis_client.xlen("gpufeed:jobs") == 1  # nothing trimmed

@@ -303,15 +303,20 @@ class Worker:
             "trim": asyncio.create_task(self.reclaimer.run_trim(), name="trim"),
         }
         stop = asyncio.create_task(self.should_exit.wait(), name="should_exit")
-        done, _ = await asyncio.wait(
-            [stop, *self._tasks.values()], return_when=asyncio.FIRST_COMPLETED
-        )
-        stop.cancel()
-        for task in done:
-            if task is not stop and not task.cancelled() and task.exception() is not None:
-                exc = task.exception()
-                log.error("stage_failed", stage=task.get_name(), error=repr(exc))
-                raise exc  # type: ignore[misc]
+        waiting: set[asyncio.Task[Any]] = {stop, *self._tasks.values()}
+        try:
+            while True:
+                done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if stop in done:
+                    return
+                # A duty with nothing to do (trimming turned off) may end; a failure may not.
+                for task in done:
+                    if not task.cancelled() and task.exception() is not None:
+                        exc = task.exception()
+                        log.error("stage_failed", stage=task.get_name(), error=repr(exc))
+                        raise exc  # type: ignore[misc]
+        finally:
+            stop.cancel()
 
     async def _deliver(self, job: Job) -> None:
         self._held[job.entry_id] = job

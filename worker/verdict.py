@@ -15,13 +15,13 @@ that hold are listed under `also`):
                   CPU (operators instead of kernels; an operator's time includes its
                   dispatch, so the busy share is not required) it is only a hint.
 4. memory-bound   (CUDA) NVML's memory-controller utilisation >= MEMORY_BW_PCT (60%).
-5. compute-bound  (CUDA) GPU utilisation >= COMPUTE_UTIL_PCT (85%); (CPU) the model is the
-                  binding stage: end-to-end >= 70% of its ceiling, or the model's own rate
-                  inside the pipeline is < 1.1x the throughput (decode and model share the
-                  cores).
+5. compute-bound  the model is the binding stage: (CUDA) GPU utilisation >=
+                  COMPUTE_UTIL_PCT (85%); (CPU) end-to-end >= 70% of its ceiling; (both) the
+                  model's own rate inside the pipeline is < MODEL_BINDING_MARGIN (1.1x) the
+                  throughput (it runs slower there than alone: the device is shared).
 6. feed-starved   (fallback) end-to-end < HEALTHY_RATIO (90%) of the ceiling and nothing
-                  above explains it: the model waits on its feed, the evidence names the
-                  slowest stage before it.
+                  above holds: decode binds (as in 2, between 70% and 90%), or neither decode
+                  nor the model does (the event loop, Redis round trips or writes do).
 7. healthy        end-to-end >= HEALTHY_RATIO (90%) of the ceiling, no other finding.
 8. inconclusive   the end-to-end run or the ceiling could not be measured and nothing else
                   was found; the evidence says what is missing.
@@ -56,7 +56,7 @@ LAUNCH_TINY_SHARE = 0.50  # share of kernels under 10 µs
 LAUNCH_MAX_BUSY = 0.60  # device busy share of the forward's wall time (CUDA only)
 MEMORY_BW_PCT = 60.0  # NVML memory-controller utilisation, %
 COMPUTE_UTIL_PCT = 85.0  # NVML GPU utilisation, %
-MODEL_BINDING_MARGIN = 1.10  # (CPU) model rate in the pipeline below this x throughput
+MODEL_BINDING_MARGIN = 1.10  # model rate inside the pipeline below this x throughput
 
 THRESHOLDS: dict[str, float] = {
     "feed_starved_ratio": FEED_STARVED_RATIO,
@@ -70,9 +70,6 @@ THRESHOLDS: dict[str, float] = {
     "compute_util_pct": COMPUTE_UTIL_PCT,
     "model_binding_margin": MODEL_BINDING_MARGIN,
 }
-
-# The stages upstream and downstream of the model, as the worker's observer names them.
-_FEED_STAGES = ("redis_wait", "queue", "decode", "batch_wait", "write")
 
 
 @dataclass(frozen=True)
@@ -211,6 +208,8 @@ def _sync_bound(ev: Evidence) -> Finding | None:
 def _decode_knob(ev: Evidence) -> str:
     threads = ev.decode_threads if ev.decode_threads is not None else "?"
     cores = f"; this host has {ev.cpu_count} cores" if ev.cpu_count else ""
+    if ev.cpu_count and ev.decode_threads and ev.decode_threads >= ev.cpu_count:
+        cores += ", so more threads help only while decode waits on I/O"
     parts = [f"raise GPUFEED_DECODE_THREADS (now {threads}{cores})"]
     if ev.device_type == "cuda" and ev.decode != "gpu":
         parts.append(f"or set GPUFEED_DECODE=gpu (now {ev.decode}) to decode JPEGs on the GPU")
@@ -224,9 +223,9 @@ def _decode_knob(ev: Evidence) -> str:
     return knob + "; or cache decoded, resized images upstream"
 
 
-def _feed_starved(ev: Evidence) -> Finding | None:
+def _feed_starved(ev: Evidence, ratio_limit: float = FEED_STARVED_RATIO) -> Finding | None:
     ratio = ev.ratio
-    if ratio is None or ratio >= FEED_STARVED_RATIO or ev.e2e_images_per_s is None:
+    if ratio is None or ratio >= ratio_limit or ev.e2e_images_per_s is None:
         return None
     capacity = ev.decode_capacity_images_per_s
     decode_binds = capacity is not None and capacity < DECODE_BINDING_MARGIN * ev.e2e_images_per_s
@@ -330,48 +329,54 @@ def _memory_bound(ev: Evidence) -> Finding | None:
 
 def _compute_bound(ev: Evidence) -> Finding | None:
     precision = ev.precision or "?"
+    ratio, e2e = ev.ratio, ev.e2e_images_per_s
+    in_pipe = ev.model_in_pipeline_images_per_s
+    model_binds = e2e is not None and in_pipe is not None and in_pipe < MODEL_BINDING_MARGIN * e2e
+    evidence = [_throughput_line(ev)]
+    if in_pipe is not None and e2e:
+        evidence.append(
+            f"the model runs at {_rate(in_pipe)} inside the pipeline "
+            f"({in_pipe / e2e:.2f}x the throughput)"
+        )
+    slower = ""
+    if model_binds and ratio is not None and ratio < FEED_STARVED_RATIO:
+        slower = (
+            f"the model is the binding stage, and slower inside the pipeline than alone "
+            f"({in_pipe:,.1f} vs {ev.ceiling_images_per_s:,.1f} images/s): "
+        )
     if ev.device_type == "cuda":
-        if ev.gpu_util_pct is None or ev.gpu_util_pct < COMPUTE_UTIL_PCT:
+        busy = ev.gpu_util_pct is not None and ev.gpu_util_pct >= COMPUTE_UTIL_PCT
+        if not (busy or model_binds):
             return None
+        if ev.gpu_util_pct is not None:
+            evidence.insert(
+                0, f"GPU utilisation {ev.gpu_util_pct:.0f}% (threshold {COMPUTE_UTIL_PCT:.0f}%)"
+            )
+        headline = (
+            slower + "something else uses the GPU meanwhile (GPU decode, copies, other processes)"
+            if slower and not busy
+            else f"the GPU is busy {ev.gpu_util_pct or 0:.0f}% of the time running the model: "
+            "the pipeline keeps it fed, the model itself is the limit"
+        )
         return Finding(
             "compute-bound",
-            f"the GPU is busy {ev.gpu_util_pct:.0f}% of the time running the model: the "
-            "pipeline keeps it fed, the model itself is the limit",
-            _lines(
-                f"GPU utilisation {ev.gpu_util_pct:.0f}% (threshold {COMPUTE_UTIL_PCT:.0f}%)",
-                _throughput_line(ev),
-            ),
+            headline,
+            _lines(*evidence),
             f"make each image cheaper: GPUFEED_PRECISION=bf16/fp16 (now {precision}), a smaller "
             "GPUFEED_MODEL or GPUFEED_INPUT_SIZE; or add GPUs (one worker per GPU)",
         )
-    ratio = ev.ratio
-    if ratio is None or ev.e2e_images_per_s is None:
+    if ratio is None or (ratio < FEED_STARVED_RATIO and not model_binds):
         return None
-    in_pipe = ev.model_in_pipeline_images_per_s
-    model_binds = in_pipe is not None and in_pipe < MODEL_BINDING_MARGIN * ev.e2e_images_per_s
-    if ratio < FEED_STARVED_RATIO and not model_binds:
-        return None
-    evidence = [_throughput_line(ev)]
-    if in_pipe is not None:
-        evidence.append(
-            f"the model runs at {_rate(in_pipe)} inside the pipeline "
-            f"({in_pipe / ev.e2e_images_per_s:.2f}x the throughput)"
-        )
     capacity = ev.decode_capacity_images_per_s
     if capacity is not None:
         evidence.append(f"decode capacity {_rate(capacity)}: decode is not the binding stage")
     threads = ev.decode_threads if ev.decode_threads is not None else "?"
     cores = ev.cpu_count or "?"
-    headline = "the model is the binding stage: the CPU runs it about as fast as it can"
-    if ratio < FEED_STARVED_RATIO and in_pipe is not None and ev.ceiling_images_per_s:
-        headline = (
-            "the model is the binding stage, and slower inside the pipeline than alone "
-            f"({in_pipe:,.1f} vs {ev.ceiling_images_per_s:,.1f} images/s): it shares the CPU "
-            "cores with decode and the rest of the worker"
-        )
     return Finding(
         "compute-bound",
-        headline,
+        slower + "it shares the CPU cores with decode and the rest of the worker"
+        if slower
+        else "the model is the binding stage: the CPU runs it about as fast as it can",
         _lines(*evidence),
         "a CUDA device (GPUFEED_DEVICE=cuda), a smaller GPUFEED_MODEL or GPUFEED_INPUT_SIZE, "
         f"or more cores (decode threads, now {threads}, share the {cores} cores with the model)",
@@ -380,34 +385,41 @@ def _compute_bound(ev: Evidence) -> Finding | None:
 
 def _feed_fallback(ev: Evidence) -> Finding | None:
     ratio = ev.ratio
-    if ratio is None or ratio >= HEALTHY_RATIO:
+    if ratio is None or ratio >= HEALTHY_RATIO or ev.e2e_images_per_s is None:
         return None
-    stages = {k: v for k, v in ev.stage_ms.items() if k in _FEED_STAGES and v is not None}
-    slowest = max(stages.items(), key=lambda kv: kv[1]) if stages else None
+    # Between 70% and 90% of the ceiling a binding decode is still the answer.
+    decode = _feed_starved(ev, ratio_limit=HEALTHY_RATIO)
+    if decode is not None:
+        return decode
+    e2e = ev.e2e_images_per_s
     evidence = [_throughput_line(ev)]
     capacity = ev.decode_capacity_images_per_s
-    if capacity is not None and ev.e2e_images_per_s:
+    if capacity is not None:
         evidence.append(
-            f"decode capacity {_rate(capacity)} ({capacity / ev.e2e_images_per_s:.2f}x the "
-            "throughput): decode is not what binds"
+            f"decode capacity {_rate(capacity)} ({capacity / e2e:.2f}x the throughput): "
+            "decode does not bind"
         )
-    if slowest is not None:
-        evidence.append(f"largest stage outside the model: {slowest[0]} {slowest[1]:.1f} ms")
-    knobs = {
-        "redis_wait": "jobs wait in Redis: add workers (one per GPU) or check Redis latency",
-        "queue": "jobs queue for a staging slot: raise GPUFEED_RING_SLOTS",
-        "decode": _decode_knob(ev),
-        "batch_wait": "sealed batches wait for the model: raise GPUFEED_RING_SLOTS or check "
-        "the launch thread",
-        "write": "result writes are slow: check Redis latency and GPUFEED_RESULTS_MAXLEN",
-    }
-    knob = knobs[slowest[0]] if slowest else "compare the stage times in `python -m worker top`"
+    in_pipe = ev.model_in_pipeline_images_per_s
+    if in_pipe is not None:
+        evidence.append(
+            f"the model runs at {_rate(in_pipe)} inside the pipeline ({in_pipe / e2e:.2f}x "
+            "the throughput): the model does not bind"
+        )
+    # With a backlog every waiting stage is long (jobs queue behind the bottleneck), so
+    # the stage times are cited as figures, not taken as the culprit.
+    stages = [f"{k} {v:,.1f}" for k, v in ev.stage_ms.items() if v is not None]
+    if stages:
+        evidence.append("stage means (ms): " + ", ".join(stages))
+    if ev.process_cpu_pct is not None:
+        evidence.append(f"worker process CPU {ev.process_cpu_pct:.0f}% (100% = one core)")
     return Finding(
         "feed-starved",
-        "the model waits on its feed: the pipeline delivers less than the model can run, "
-        "without one stage clearly to blame",
+        "the model waits on its feed, but neither decode nor the model binds: the worker's "
+        "event loop, the Redis round trips or the result writes do",
         _lines(*evidence),
-        knob,
+        "if the worker process's CPU is near 100% (its event loop), run a second worker "
+        "process on the device (each its own GPUFEED_WORKER_NAME); if Redis is remote, check "
+        "its latency; raise GPUFEED_RING_SLOTS to ride out short stalls",
     )
 
 

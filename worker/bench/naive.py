@@ -117,7 +117,12 @@ class NaiveWorker:
             logits = self.model(batch)
             return logits, logits
 
-        return direct_feed_ceiling(forward, x, iters=iters, warmup=warmup)
+        previous = torch.backends.cudnn.benchmark
+        torch.backends.cudnn.benchmark = self.device.type == "cuda"  # as when serving
+        try:
+            return direct_feed_ceiling(forward, x, iters=iters, warmup=warmup)
+        finally:
+            torch.backends.cudnn.benchmark = previous
 
     def serve(self, count: int, *, block_ms: int = 200) -> int:
         """Answer jobs until `count` were answered or `stop` is set; returns how many."""

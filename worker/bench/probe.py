@@ -12,6 +12,10 @@ rest without instrumenting the pipeline:
 - naive: the naive worker's one thread (decode, transforms and model launch, in turn);
 - other: every other named thread (samplers, executors).
 
+Outside the process: redis-server's CPU, and the CPU every other process (and the
+hypervisor's steal) took meanwhile, from the host's counters: on a shared host that is CPU
+the pipeline could not have.
+
 GPU figures come from NVML through `GpuSampler` (worker/gpu_sampler.py); peak memory from
 torch's allocator. Neither touches the CUDA stream the pipeline runs on.
 """
@@ -50,6 +54,12 @@ def thread_cpu_s() -> dict[int, float]:
     return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
 
 
+def host_busy_s() -> float:
+    """CPU seconds all cores of the host spent busy (not idle, not waiting for I/O)."""
+    t = psutil.cpu_times()
+    return float(sum(t)) - float(t.idle) - float(getattr(t, "iowait", 0.0))
+
+
 def _names() -> dict[int, str]:
     return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
@@ -73,6 +83,8 @@ class RunProbe:
         self._names: dict[int, str] = {}
         self._redis_before = 0.0
         self._redis_after = 0.0
+        self._host_before = 0.0
+        self._host_after = 0.0
         self._t0 = 0.0
         self.wall_s = 0.0
 
@@ -90,6 +102,7 @@ class RunProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.sampler.start()
         self._redis_before = self._redis_cpu_s()
+        self._host_before = host_busy_s()
         self._before = thread_cpu_s()
         self._t0 = time.perf_counter()
         return self
@@ -100,6 +113,7 @@ class RunProbe:
         self._after = thread_cpu_s()
         self._names = _names()
         self._redis_after = self._redis_cpu_s()
+        self._host_after = host_busy_s()
         self.sampler.stop()
         return self
 
@@ -110,12 +124,14 @@ class RunProbe:
             if delta > 0:
                 out[_group(self._names.get(tid))] += delta
         out["redis_server"] = max(0.0, self._redis_after - self._redis_before)
+        ours = sum(out.values())
+        out["other_processes"] = max(0.0, self._host_after - self._host_before - ours)
         return out
 
     def result(self, images: int) -> dict[str, Any]:
         """CPU (percent of one core, and core-ms per image by group), GPU figures."""
         cpu = self.cpu_s_by_group()
-        process_s = sum(v for k, v in cpu.items() if k != "redis_server")
+        process_s = sum(v for k, v in cpu.items() if k in GROUPS)
         wall = max(self.wall_s, 1e-9)
         summary = self.sampler.summary()
         metrics = summary["metrics"]
@@ -127,6 +143,7 @@ class RunProbe:
         out: dict[str, Any] = {
             "cpu_process_pct": round(100 * process_s / wall, 1),
             "cpu_redis_pct": round(100 * cpu["redis_server"] / wall, 1),
+            "cpu_other_processes_pct": round(100 * cpu["other_processes"] / wall, 1),
             "cpu_system_pct": metrics.get("system_cpu_pct", {}).get("mean"),
             "cpu_core_ms_per_image": per_image,
             "gpu_util_pct": None,

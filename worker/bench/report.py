@@ -51,8 +51,9 @@ def _groups(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def _cpu(run: Mapping[str, Any]) -> str:
-    proc, redis_pct = run.get("cpu_process_pct"), run.get("cpu_redis_pct")
-    return f"{_fmt(proc, 0)} / {_fmt(redis_pct, 0)}"
+    return " / ".join(
+        _fmt(run.get(k), 0) for k in ("cpu_process_pct", "cpu_redis_pct", "cpu_other_processes_pct")
+    )
 
 
 def _run_label(run: Mapping[str, Any]) -> str:
@@ -81,7 +82,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "",
         "Each run: all jobs queued in Redis before the worker reads; images/s = results / "
         "(first read to last result); latency is end to end for that burst (so p50 is about "
-        "half the run); CPU % = the benchmark process / redis-server, in % of one core; "
+        "half the run); CPU % = the benchmark process (the worker runs in it) / redis-server / "
+        "every other process on the host, in % of one core; "
         "ideal = the throughput the isolated stage costs allow; efficiency = images/s / ideal; "
         "optimisation worth = gpufeed (defaults) images/s / the run's, with that one "
         "optimisation switched off.",
@@ -284,7 +286,7 @@ def write_figure(report: Mapping[str, Any], path: Path) -> None:
         for r in runs:
             tl = r["timeline"]
             series = list(tl["images_per_s"])
-            # Each bin's rate held over the bin, from t0 to the last result.
+            # Each bin's rate held over the bin, from t0 to the end of the last bin.
             xs = [i * tl["bin_s"] for i in range(len(series) + 1)]
             ax.step(
                 xs,
@@ -430,10 +432,13 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
             problems.append(f"{where}: percentiles out of order")
         timeline = run.get("timeline") or {}
         series = timeline.get("images_per_s")
+        counts = timeline.get("results")
         if not isinstance(series, list) or not series or not _positive(timeline.get("bin_s")):
             problems.append(f"{where}: timeline missing")
         elif any(not isinstance(v, int | float) or v < 0 for v in series):
             problems.append(f"{where}: timeline has negative values")
+        elif not isinstance(counts, list) or sum(counts) != results:
+            problems.append(f"{where}: the timeline's results do not add up to {results}")
         if run.get("kind") == "gpufeed" and not _positive(run.get("vs_naive")):
             problems.append(f"{where}: vs_naive must be a positive number")
         cpu = run.get("cpu_core_ms_per_image")

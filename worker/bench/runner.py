@@ -331,7 +331,6 @@ def summarise(answers: Sequence[Answer], t0_ms: float, bin_s: float) -> dict[str
     counts = [0] * bins
     for ms in finish:
         counts[min(bins - 1, int(ms / 1000.0 / bin_s))] += 1
-    widths = [min(bin_s, duration_s - i * bin_s) for i in range(bins)]
     errors: dict[str, int] = {}
     for a in answers:
         if not a.ok:
@@ -349,11 +348,11 @@ def summarise(answers: Sequence[Answer], t0_ms: float, bin_s: float) -> dict[str
         "results_ok": sum(1 for a in answers if a.ok),
         "results_error": sum(1 for a in answers if not a.ok),
         "errors": errors,
+        # Results per bin from t0; the last bin may be partial (its rate reads low).
         "timeline": {
             "bin_s": bin_s,
-            "images_per_s": [
-                round(c / max(w, 1e-3), 2) for c, w in zip(counts, widths, strict=True)
-            ],
+            "results": counts,
+            "images_per_s": [round(c / bin_s, 2) for c in counts],
         },
     }
 
@@ -977,7 +976,11 @@ def explain(
         "model compute": float(cost.get("model", 0.0)) - model_iso,
         "event loop (Redis I/O, batching, results)": float(cost.get("event_loop", 0.0)),
         "redis-server": float(cost.get("redis_server", 0.0)),
-        "idle cores (pipeline bubbles)": max(0.0, wall_core_ms - float(cost.get("total", 0.0))),
+        "other processes on the host": float(cost.get("other_processes", 0.0)),
+        "idle cores (pipeline bubbles)": max(
+            0.0,
+            wall_core_ms - float(cost.get("total", 0.0)) - float(cost.get("other_processes", 0.0)),
+        ),
         "other threads": float(cost.get("other", 0.0)),
     }
     if b.is_cuda:
@@ -1006,8 +1009,9 @@ def explain(
         f"{cost.get('decode', 0):.1f} core-ms in the pipeline vs {decode_iso:.1f} alone, "
         f"model {cost.get('model', 0):.1f} vs {model_iso:.1f} alone, event loop "
         f"{cost.get('event_loop', 0):.1f}, redis-server {cost.get('redis_server', 0):.1f}, "
-        f"idle {losses['idle cores (pipeline bubbles)']:.1f} of {wall_core_ms:.1f} "
-        f"core-ms; largest loss: {stage}"
+        f"other processes {cost.get('other_processes', 0):.1f}, idle "
+        f"{losses['idle cores (pipeline bubbles)']:.1f}, of {wall_core_ms:.1f} core-ms; "
+        f"largest loss: {stage}"
     )
     return stage, detail
 
