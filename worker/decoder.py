@@ -253,17 +253,23 @@ def _to_l_or_rgb(im: Image.Image) -> Image.Image:
     return im.convert("RGB")
 
 
-def _resize_center_crop(im: Image.Image, s: int) -> npt.NDArray[np.uint8]:
-    """torchvision Resize(s) (bilinear, antialias) then CenterCrop(s), in one resample."""
-    w, h = im.size
+def resize_geometry(w: int, h: int, s: int) -> tuple[int, int, int, int]:
+    """(new width, new height, crop left, crop top) of torchvision's Resize(s) then
+    CenterCrop(s) for a w x h image; shared by the CPU and GPU decoders so both put the
+    same pixels in a row."""
     # torchvision's _compute_resized_output_size: the long side is truncated, not rounded.
     if w <= h:
         nw, nh = s, int(s * h / w)
     else:
         nw, nh = int(s * w / h), s
     # torchvision's center_crop offsets.
-    left = round((nw - s) / 2.0)
-    top = round((nh - s) / 2.0)
+    return nw, nh, round((nw - s) / 2.0), round((nh - s) / 2.0)
+
+
+def _resize_center_crop(im: Image.Image, s: int) -> npt.NDArray[np.uint8]:
+    """torchvision Resize(s) (bilinear, antialias) then CenterCrop(s), in one resample."""
+    w, h = im.size
+    nw, nh, left, top = resize_geometry(w, h, s)
 
     if (nw, nh) == (w, h):
         cropped = im.crop((left, top, left + s, top + s))

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from producer.wire import ErrorCode
-from worker.decoder import DecodeError, DecodeInfo, DecodeSpec, decode_into
+from worker.decoder import DecodeError, DecodeInfo, DecodeSpec, decode_into, resize_geometry
 from worker.device import DoneEvent, Event, cuda_event
 
 _ORIENTATION_TAG = 0x0112
@@ -155,12 +155,7 @@ def fit_into(chw: torch.Tensor, out: torch.Tensor) -> None:
     """
     s = int(out.shape[0])
     h, w = int(chw.shape[1]), int(chw.shape[2])
-    if w <= h:
-        nw, nh = s, int(s * h / w)
-    else:
-        nw, nh = int(s * w / h), s
-    left = round((nw - s) / 2.0)
-    top = round((nh - s) / 2.0)
+    nw, nh, left, top = resize_geometry(w, h, s)
     x = chw.unsqueeze(0).float()  # [1, 3, H, W]
     if (nh, nw) != (h, w):
         x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True)
