@@ -102,7 +102,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         sets = (
             (photo_set(128, 1024), large_set(32, 128))
             if cuda
-            else (photo_set(48, 96), large_set(24, 48))
+            else (photo_set(48, 192), large_set(24, 96))
         )
         return Profile(
             name="quick",
@@ -118,7 +118,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
     sets = (
         (photo_set(256, 4096), large_set(64, 512))
         if cuda
-        else (photo_set(96, 384), large_set(48, 96))
+        else (photo_set(96, 384), large_set(48, 192))
     )
     return Profile(
         name="full",
