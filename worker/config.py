@@ -89,9 +89,7 @@ class WorkerConfig:
     max_deliveries: int = field(default=5, metadata={"env": "GPUFEED_MAX_DELIVERIES"})
     claim_interval_s: float = field(default=15.0, metadata={"env": "GPUFEED_CLAIM_INTERVAL_S"})
     shutdown_grace_s: float = field(default=30.0, metadata={"env": "GPUFEED_SHUTDOWN_GRACE_S"})
-    consumer_expiry_s: float = field(
-        default=3600.0, metadata={"env": "GPUFEED_CONSUMER_EXPIRY_S"}
-    )
+    consumer_expiry_s: float = field(default=3600.0, metadata={"env": "GPUFEED_CONSUMER_EXPIRY_S"})
     trim_interval_s: float = field(default=60.0, metadata={"env": "GPUFEED_TRIM_INTERVAL_S"})
 
     # Observability
@@ -202,10 +200,16 @@ class WorkerConfig:
         need(self.max_deliveries >= 1, "GPUFEED_MAX_DELIVERIES", "must be at least 1")
         need(self.claim_interval_s > 0, "GPUFEED_CLAIM_INTERVAL_S", "must be positive")
         need(self.shutdown_grace_s >= 0, "GPUFEED_SHUTDOWN_GRACE_S", "must not be negative")
-        need(self.consumer_expiry_s >= self.visibility_timeout_s, "GPUFEED_CONSUMER_EXPIRY_S",
-             "must be at least GPUFEED_VISIBILITY_TIMEOUT_S")
-        need(self.trim_interval_s >= 0, "GPUFEED_TRIM_INTERVAL_S",
-             "must not be negative (0 turns trimming off)")
+        need(
+            self.consumer_expiry_s >= self.visibility_timeout_s,
+            "GPUFEED_CONSUMER_EXPIRY_S",
+            "must be at least GPUFEED_VISIBILITY_TIMEOUT_S",
+        )
+        need(
+            self.trim_interval_s >= 0,
+            "GPUFEED_TRIM_INTERVAL_S",
+            "must not be negative (0 turns trimming off)",
+        )
         need(self.result_ttl_s >= 1, "GPUFEED_RESULT_TTL_S", "must be at least 1 second")
         need(self.results_maxlen >= 1, "GPUFEED_RESULTS_MAXLEN", "must be at least 1")
         need(
