@@ -35,8 +35,8 @@ test: setup lint
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check worker producer tests
-	$(VENV)/bin/ruff format --check worker producer tests
+	$(VENV)/bin/ruff check worker producer tests scripts
+	$(VENV)/bin/ruff format --check worker producer tests scripts
 	$(VENV)/bin/mypy
 
 demo: setup
