@@ -27,6 +27,8 @@ from producer.client import Job, Producer
 from producer.wire import JobResult
 
 console = Console(stderr=False, width=max(110, shutil.get_terminal_size((110, 24)).columns))
+# Side notes go to stderr, so tools that reuse redis_for_demo keep stdout for their output.
+notes = Console(stderr=True)
 
 
 def _free_port() -> int:
@@ -40,7 +42,7 @@ def redis_for_demo(url: str, workdir: Path) -> Iterator[str]:
     """Use the Redis at `url` if it answers, else a private one on a free port."""
     try:
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
-        console.print(f"[dim]using the Redis already running at {url}[/]")
+        notes.print(f"[dim]using the Redis already running at {url}[/]")
         yield url
         return
     except (redis.ConnectionError, redis.TimeoutError, OSError):
@@ -75,7 +77,7 @@ def redis_for_demo(url: str, workdir: Path) -> Iterator[str]:
                 break
             except redis.ConnectionError:
                 time.sleep(0.025)
-        console.print(f"[dim]started a private redis-server on 127.0.0.1:{port}[/]")
+        notes.print(f"[dim]started a private redis-server on 127.0.0.1:{port}[/]")
         yield private
     finally:
         proc.terminate()
