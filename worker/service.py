@@ -81,8 +81,10 @@ class Worker:
 
     # ----------------------------------------------------------------------- startup
     async def startup(self, *, wait_for_redis: bool = True) -> None:
+        """Model first, Redis last: a worker joins the group only once it can serve."""
         cfg = self.config
         log.info("starting", **cfg.summary())
+        # /live answers from here on; /ready only once the worker reads.
         self.observer.serve_http(cfg.metrics_port, lambda: self.ready)
         # GPUFEED_MAX_IMAGE_PIXELS, checked from the header before any pixel is decoded, is
         # the decompression-bomb guard; PIL's own would refuse or warn below an operator's
@@ -91,14 +93,27 @@ class Worker:
         warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
         device = resolve_device(cfg.device)
         self.ctx: DeviceContext = make_context(device)
+        self.batch_size = cfg.batch_size or default_batch_size(device)
+        self.observer.batch_size = self.batch_size
+        await self._prepare_model(device)
+        self._prepare_decode(device)
+        self.redis = aioredis.from_url(
+            cfg.redis_url, socket_keepalive=True, health_check_interval=30
+        )
+        await self._wait_for_redis(wait_for_redis)
+        await ensure_group(self.redis, cfg.stream, cfg.group)
+        self._build_stages(device)
+        self._announce_ready(device)
+
+    async def _prepare_model(self, device: torch.device) -> None:
+        """Load the model, allocate the rings, compile and warm up the one batch shape."""
+        cfg = self.config
         # Fixed shapes make cudnn's per-shape tuning useless; turning it off keeps the
         # first batches from stalling on benchmark runs.
         torch.backends.cudnn.benchmark = False
-        self.batch_size = cfg.batch_size or default_batch_size(device)
-        self.observer.batch_size = self.batch_size
         self.loaded: LoadedModel = load_model(cfg.model, cfg.weights, input_size=cfg.input_size)
-        dtype = pick_dtype(cfg.precision, device)
-        step = build_step(self.loaded, device=device, dtype=dtype, top_k=cfg.top_k)
+        self.dtype = pick_dtype(cfg.precision, device)
+        step = build_step(self.loaded, device=device, dtype=self.dtype, top_k=cfg.top_k)
         size = self.loaded.resize_size
         pin = self.ctx.is_cuda
         self.ring = InputRing(cfg.ring_slots, self.batch_size, size, pin=pin)
@@ -108,7 +123,6 @@ class Worker:
         self.runner = ModelRunner(
             self.ctx, step, self.transfer, cudagraphs=mode == "reduce-overhead" and self.ctx.is_cuda
         )
-
         example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
 
         def compile_on_launch_thread() -> None:
@@ -134,7 +148,7 @@ class Worker:
             model=cfg.model,
             weights=self.loaded.weights_label,
             device=self.ctx.name,
-            dtype=str(dtype).removeprefix("torch."),
+            dtype=str(self.dtype).removeprefix("torch."),
             batch_size=self.batch_size,
             staging_size=size,
             input_size=self.loaded.crop_size,
@@ -143,16 +157,19 @@ class Worker:
         if self.precision is not None:
             log.info("precision_check", **self.precision.as_dict())
 
-        threads = cfg.decode_threads or default_decode_threads()
+    def _prepare_decode(self, device: torch.device) -> None:
+        """The decode thread pool, and GPU decode where GPUFEED_DECODE asks for it."""
+        cfg = self.config
+        self.decode_threads = cfg.decode_threads or default_decode_threads()
         spec = DecodeSpec(
-            size=size,
+            size=self.loaded.resize_size,
             max_bytes=cfg.max_image_bytes,
             max_pixels=cfg.max_image_pixels,
             dct_scaling=cfg.dct_scaling,
         )
         delay = self._decode_delay_s
         try:
-            gpu = setup_gpu_decode(cfg.decode, device, spec, threads)
+            gpu = setup_gpu_decode(cfg.decode, device, spec, self.decode_threads)
         except GpuDecodeUnavailable as exc:
             raise ConfigError(f"GPUFEED_DECODE=gpu: {exc}") from None
         router = None
@@ -161,7 +178,7 @@ class Worker:
             log.info("gpu_decode", **fields)
         self.decoder = DecodePool(
             spec,
-            threads,
+            self.decode_threads,
             cfg.path_root,
             delay_hook=(lambda: time.sleep(delay)) if delay else None,
             gpu_router=router,
@@ -169,13 +186,9 @@ class Worker:
         if gpu is not None:
             self.runner.use_gpu_decode(gpu_decoder, self.decoder.decode_on_cpu)
 
-        self.redis = aioredis.from_url(
-            cfg.redis_url, socket_keepalive=True, health_check_interval=30
-        )
-        await self._wait_for_redis(wait_for_redis)
-        # Join the group only now: a worker that is still compiling takes no jobs.
-        await ensure_group(self.redis, cfg.stream, cfg.group)
-
+    def _build_stages(self, device: torch.device) -> None:
+        """The bounded queues and the stages between them."""
+        cfg = self.config
         self.in_flight = InFlight(self.batch_size * (cfg.ring_slots + 2))
         self.jobs_q: asyncio.Queue[Job | None] = asyncio.Queue(self.batch_size)
         self.sealed_q: asyncio.Queue[Batch | None] = asyncio.Queue(cfg.ring_slots)
@@ -228,6 +241,11 @@ class Worker:
             deliver=self._deliver,
             publish_now=self.writer.publish_now,
         )
+
+    def _announce_ready(self, device: torch.device) -> None:
+        cfg = self.config
+        report = self.compile_report
+        assert report is not None
         self.observer.start_sampler(device.index if self.ctx.is_cuda else None)
         self.observer.watch(
             jobs=self.jobs_q.qsize,
@@ -239,14 +257,13 @@ class Worker:
             "model": cfg.model,
             "weights": self.loaded.weights_label,
             "device": self.ctx.name,
-            "dtype": str(dtype).removeprefix("torch."),
+            "dtype": str(self.dtype).removeprefix("torch."),
             "batch_size": self.batch_size,
-            "compile": self.compile_report.mode,
-            "compiled": self.compile_report.compiled,
+            "compile": report.mode,
+            "compiled": report.compiled,
             "stream": cfg.stream,
             "group": cfg.group,
         }
-        report = self.compile_report
         self.observer.compile_check = lambda: still_compiled(report)
         self.observer.metrics.ready.set(1)
         self.ready = True
@@ -255,7 +272,7 @@ class Worker:
             worker=cfg.worker_name,
             stream=cfg.stream,
             group=cfg.group,
-            decode_threads=threads,
+            decode_threads=self.decode_threads,
             in_flight_limit=self.in_flight.limit,
         )
 

@@ -2,6 +2,10 @@
 
 - `runner`: one invocation runs the direct-feed ceiling, the naive reference worker, gpufeed
   with its defaults and with each optimisation switched off, on deterministic image sets;
+  `context`: what the runs share; `redis_env`: the private Redis, each run's streams;
+  `gpufeed_run`, `naive_run`, `latency_curve`: one kind of run each; `measurement`: what a
+  run measured and the timed ceiling; `rate_table`: decode rates at the runs' sizes;
+  `analysis`: ideals, efficiencies, targets and the limiting stage;
 - `naive`: the naive reference worker (reference only, never deployed);
 - `ablations`: the gpufeed variants, and the emulation of "GPU preprocessing off";
 - `images`: the deterministic image sets; `profiles`: tiny, quick and full;

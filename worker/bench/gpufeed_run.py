@@ -1,0 +1,132 @@
+"""One gpufeed run through a real Worker: its start-up (and ablation), the optional
+ceiling, the burst of jobs, and what it measured."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from worker.bench.ablations import CpuPreprocessPool, Variant
+from worker.bench.context import Bench, BenchError
+from worker.bench.measurement import measure_ceiling, summarise
+from worker.bench.probe import RunProbe
+from worker.bench.profiles import ModelPlan, SetPlan
+from worker.bench.redis_env import RunKeys, collect, push_jobs
+from worker.gpu_check import count_host_syncs
+from worker.service import Worker
+
+
+def watch(main: asyncio.Task[None], keys: RunKeys) -> Callable[[], None]:
+    """A check for `collect`: raises what the worker's main loop raised, or says it ended."""
+
+    def alive() -> None:
+        if main.done():
+            main.result()
+            raise BenchError(f"{keys.run_id}: the worker stopped before all results were in")
+
+    return alive
+
+
+def _install_cpu_preprocess(worker: Worker) -> None:
+    """Swap the worker's decode pool for the CPU-preprocessing emulation (ablations.py)."""
+    old = worker.decoder
+    pool = CpuPreprocessPool(
+        old.spec,
+        old.threads,
+        old.path_root,
+        crop=worker.loaded.crop_size,
+        mean=worker.loaded.mean,
+        std=worker.loaded.std,
+    )
+    old.shutdown()
+    worker.decoder = pool
+    worker.batcher.decoder = pool
+
+
+def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
+    cfg = worker.config
+    report = worker.compile_report
+    return {
+        "batch_size": worker.batch_size,
+        "dtype": str(getattr(worker.runner.step, "dtype", "")).removeprefix("torch.")
+        or cfg.precision,
+        "compile": report.mode if report is not None else cfg.compile,
+        "compiled": bool(report and report.compiled),
+        "decode_threads": worker.decoder.threads,
+        "dct_scaling": cfg.dct_scaling,
+        "cpu_preprocess": variant.cpu_preprocess,
+        "max_wait_ms": cfg.max_wait_ms,
+        "ring_slots": cfg.ring_slots,
+        "staging_size": worker.loaded.resize_size,
+        "input_size": worker.loaded.crop_size,
+        "mean": list(worker.loaded.mean),
+        "std": list(worker.loaded.std),
+        "weights": worker.loaded.weights_label,
+    }
+
+
+async def gpufeed_run(
+    b: Bench, plan: ModelPlan, sp: SetPlan, variant: Variant, *, with_ceiling: bool
+) -> dict[str, Any]:
+    keys = b.keys(plan.model, sp.spec.name, variant.name)
+    worker = Worker(b.worker_config(plan, variant, keys))
+    main: asyncio.Task[None] | None = None
+    try:
+        await worker.startup(wait_for_redis=False)
+        if variant.cpu_preprocess:
+            _install_cpu_preprocess(worker)
+        ceiling = await measure_ceiling(worker, b.profile.ceiling_s) if with_ceiling else None
+        images = b.sets[sp.spec.name].images
+        await asyncio.to_thread(push_jobs, b.client, keys.jobs, images, sp.jobs, keys.run_id)
+        probe = RunProbe(b.device, redis_pid=b.redis_pid).start()
+        with count_host_syncs() as syncs:
+            t0_ms = time.time() * 1000
+            main = asyncio.create_task(worker.main_loop(), name="bench-main-loop")
+            alive = watch(main, keys)
+
+            answers = await collect(
+                b.aclient, keys.results, sp.jobs, alive=alive, timeout_s=b.timeout_s(sp.jobs)
+            )
+            probe.stop()
+        c = worker.counters
+        gpu_ms = worker.observer.gpu_ms.mean()
+        compute_per_image = (
+            gpu_ms * c.batches / c.real_rows if gpu_ms is not None and c.real_rows else None
+        )
+        stats = summarise(answers, t0_ms, b.profile.timeline_bin_s)
+        run: dict[str, Any] = {
+            "name": variant.name,
+            "label": variant.label,
+            "kind": "gpufeed",
+            "switch": variant.switch,
+            "model": plan.model,
+            "image_set": sp.spec.name,
+            "role": sp.role,
+            "jobs": sp.jobs,
+            "results": len(answers),
+            **stats,
+            "work_ms_per_image": {
+                "decode": stats["stage_ms"].get("decode"),
+                "compute": round(compute_per_image, 3) if compute_per_image else None,
+            },
+            "batches": c.batches,
+            "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
+            if c.batches
+            else None,
+            **probe.result(len(answers)),
+            "host_syncs": syncs.total if b.is_cuda else None,
+            "settings": _worker_settings(worker, variant),
+        }
+        if ceiling is not None:
+            run["ceiling"] = ceiling
+        return run
+    finally:
+        worker.handle_exit()
+        if main is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(main, 60)
+        await worker.shutdown()
+        await b.cleanup(keys)
