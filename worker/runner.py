@@ -43,7 +43,7 @@ class Launched:
     copied: Event  # the input slot may be reused once this fired
     start: Event  # compute start (CUDA: timing event)
     done: Event  # results are in `out` once this fired
-    launched_s: float
+    launched_s: float  # when the launch began: the end of the batch's wait
 
 
 class ModelRunner:
@@ -113,14 +113,20 @@ class ModelRunner:
     def _launch(
         self, batch: Batch, out: OutputSlot, on_device: Collection[int], ready: Event | None
     ) -> Launched:
+        began_s = time.monotonic()
         # inference_mode is thread-local: it must be entered on the launch thread itself.
         with torch.inference_mode():
             if self.ctx.is_cuda:
-                return self._launch_cuda(batch, out, on_device, ready)
-            return self._launch_cpu(batch, out)
+                return self._launch_cuda(batch, out, on_device, ready, began_s)
+            return self._launch_cpu(batch, out, began_s)
 
     def _launch_cuda(
-        self, batch: Batch, out: OutputSlot, on_device: Collection[int], ready: Event | None
+        self,
+        batch: Batch,
+        out: OutputSlot,
+        on_device: Collection[int],
+        ready: Event | None,
+        began_s: float,
     ) -> Launched:
         stream = self.ctx.compute_stream
         assert stream is not None
@@ -145,16 +151,16 @@ class ModelRunner:
             done = cuda_event(timing=True)
             done.record(stream)
         self.transfer.mark_consumed(batch.slot, consumed)
-        return Launched(batch, out, copied, start, done, time.monotonic())
+        return Launched(batch, out, copied, start, done, began_s)
 
-    def _launch_cpu(self, batch: Batch, out: OutputSlot) -> Launched:
+    def _launch_cpu(self, batch: Batch, out: OutputSlot, began_s: float) -> Launched:
         x, copied = self.transfer.to_device(batch.slot)
         start = DoneEvent(time.perf_counter())
         indices, scores = self.step(x)
         out.indices.copy_(indices)
         out.scores.copy_(scores)
         done = DoneEvent(time.perf_counter())
-        return Launched(batch, out, copied, start, done, time.monotonic())
+        return Launched(batch, out, copied, start, done, began_s)
 
     def run_sync(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the launch thread and wait (start-up only: warm-up, checks), under the
