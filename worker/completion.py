@@ -94,6 +94,7 @@ class CompletionWatcher:
                     "width": result.info.width,
                     "height": result.info.height,
                     "draft_scale": result.info.draft_scale,
+                    "cached": result.cached,
                 }
             outcomes.append(
                 Outcome(

@@ -75,6 +75,7 @@ class WorkerConfig:
     decode_threads: int = field(default=0, metadata={"env": "GPUFEED_DECODE_THREADS"})
     decode: str = field(default="cpu", metadata={"env": "GPUFEED_DECODE"})
     dct_scaling: bool = field(default=True, metadata={"env": "GPUFEED_DCT_SCALING"})
+    decode_cache_mb: int = field(default=256, metadata={"env": "GPUFEED_DECODE_CACHE_MB"})
     ring_slots: int = field(default=4, metadata={"env": "GPUFEED_RING_SLOTS"})
     max_image_bytes: int = field(
         default=50 * 1024 * 1024, metadata={"env": "GPUFEED_MAX_IMAGE_BYTES"}
@@ -184,6 +185,11 @@ class WorkerConfig:
             self.decode in DECODE_MODES,
             "GPUFEED_DECODE",
             f"must be one of {', '.join(DECODE_MODES)} (got {self.decode!r})",
+        )
+        need(
+            0 <= self.decode_cache_mb <= 1_048_576,
+            "GPUFEED_DECODE_CACHE_MB",
+            "must be between 0 (off) and 1048576",
         )
         need(2 <= self.ring_slots <= 64, "GPUFEED_RING_SLOTS", "must be between 2 and 64")
         need(self.max_image_bytes >= 1024, "GPUFEED_MAX_IMAGE_BYTES", "must be at least 1024")

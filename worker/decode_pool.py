@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from producer.wire import ErrorCode
+from worker.decode_cache import DecodeCache, cache_key
 from worker.decoder import DecodeError, DecodeInfo, DecodeSpec, decode_into
 from worker.gpu_decode import GpuDecodeRouter, GpuRow
 from worker.job_path import read_job_path
@@ -35,6 +36,8 @@ class DecodeResult:
     decode_ms: float
     # Set when the row was left for the GPU: the row in the pinned slot is not written.
     gpu: GpuRow | None = None
+    # The row came from the decode cache (the same bytes were decoded before).
+    cached: bool = False
 
 
 class DecodePool:
@@ -46,6 +49,7 @@ class DecodePool:
         *,
         delay_hook: Callable[[], None] | None = None,
         gpu_router: GpuDecodeRouter | None = None,
+        cache: DecodeCache | None = None,
     ) -> None:
         self.spec = spec
         self.threads = threads
@@ -53,6 +57,7 @@ class DecodePool:
         # Lets the doctor and tests simulate a slow decoder without touching the real one.
         self._delay_hook = delay_hook
         self.gpu_router = gpu_router
+        self.cache = cache if cache is not None and cache.enabled else None
         self._executor = ThreadPoolExecutor(threads, thread_name_prefix="gpufeed-decode")
 
     def submit(self, job: Job, out: npt.NDArray[np.uint8]) -> asyncio.Future[DecodeResult]:
@@ -75,12 +80,20 @@ class DecodePool:
                 data = read_job_path(job.path, self.path_root, self.spec.max_bytes)
             else:
                 raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
+            key = cache_key(data) if self.cache is not None and data else None
+            if key is not None and self.cache is not None:
+                cached = self.cache.get_into(key, out)
+                if cached is not None:
+                    ms = (time.perf_counter() - start) * 1000
+                    return DecodeResult(cached, None, ms, cached=True)
             if may_defer and self.gpu_router is not None:
                 row = self.gpu_router.route(data, self.spec)
                 if row is not None:
                     ms = (time.perf_counter() - start) * 1000
                     return DecodeResult(row.info, None, ms, gpu=row)
             info = decode_into(data, out, self.spec)
+            if key is not None and self.cache is not None:
+                self.cache.put(key, out, info)
             return DecodeResult(info, None, (time.perf_counter() - start) * 1000)
         except DecodeError as exc:
             return DecodeResult(None, exc, (time.perf_counter() - start) * 1000)

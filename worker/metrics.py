@@ -76,6 +76,12 @@ class WorkerMetrics:
             ["event"],
             registry=r,
         )
+        self.decode_cache = Counter(
+            "gpufeed_decode_cache",
+            "Decode cache look-ups, by result (hit, miss).",
+            ["result"],
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "gpufeed_queue_depth",
             "Items waiting in each internal queue.",

@@ -47,6 +47,8 @@ class Counters:
     refused: int = 0
     batches: int = 0
     real_rows: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -113,6 +115,11 @@ class Observer:
         m.batch_gpu_seconds.observe(gpu_ms / 1000)
         self.gpu_ms.add(gpu_ms)
         self.fill.add(real / self.batch_size)
+        hits = sum(1 for r in launched.batch.results if r.error is None and r.cached)
+        c.cache_hits += hits
+        c.cache_misses += real - hits
+        m.decode_cache.labels("hit").inc(hits)
+        m.decode_cache.labels("miss").inc(real - hits)
 
     def published(self, outcomes: list[Outcome], states: list[int]) -> None:
         c = self.counters
@@ -173,6 +180,9 @@ class Observer:
             "p99_ms": p99,
             "batches": c.batches,
             "batch_fill": self.fill.mean(),
+            "cache_hit_ratio": round(c.cache_hits / (c.cache_hits + c.cache_misses), 3)
+            if c.cache_hits + c.cache_misses
+            else None,
             "gpu_ms_per_batch": self.gpu_ms.mean(),
             "in_flight": in_flight,
             "stage_ms": {s: self.stage_ms[s].mean() for s in STAGES},

@@ -29,6 +29,7 @@ from worker.batcher import Batch, Batcher
 from worker.compiler import CompileReport, compile_step, still_compiled
 from worker.completion import CompletionWatcher
 from worker.config import ConfigError, WorkerConfig
+from worker.decode_cache import DecodeCache
 from worker.decode_pool import DecodePool
 from worker.decoder import DecodeSpec
 from worker.device import DeviceContext, make_context, resolve_device
@@ -168,6 +169,7 @@ class Worker:
             dct_scaling=cfg.dct_scaling,
         )
         delay = self._decode_delay_s
+        self.decode_cache = DecodeCache(cfg.decode_cache_mb * 1024 * 1024)
         try:
             gpu = setup_gpu_decode(cfg.decode, device, spec, self.decode_threads)
         except GpuDecodeUnavailable as exc:
@@ -182,6 +184,7 @@ class Worker:
             cfg.path_root,
             delay_hook=(lambda: time.sleep(delay)) if delay else None,
             gpu_router=router,
+            cache=self.decode_cache,
         )
         if gpu is not None:
             self.runner.use_gpu_decode(gpu_decoder, self.decoder.decode_on_cpu)

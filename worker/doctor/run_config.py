@@ -26,6 +26,9 @@ def doctor_config(config: WorkerConfig, redis_url: str, base: str, name: str) ->
         trim_interval_s=1.0,  # processed images leave Redis within a second
         metrics_port=0,  # a production worker may hold the configured port
         stats_interval_s=3600.0,
+        # The synthetic jobs reuse a few images: cache hits would hide the decode cost the
+        # doctor is there to measure.
+        decode_cache_mb=0,
     )
 
 
