@@ -7,9 +7,11 @@ Machine-readable output (`--json`) goes to stdout; progress bars and errors go t
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +25,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from producer import wire
-from producer.client import (
-    DEFAULT_REDIS_URL,
-    DeadLetter,
-    DeadLetterNotFound,
-    Job,
-    Producer,
-    file_job_ids,
-    iso_utc,
-)
+from producer.client import Producer
+from producer.core import DEFAULT_REDIS_URL
+from producer.dead_letters import DeadLetter, DeadLetterNotFound, iso_utc
+from producer.jobs import Job, file_job_ids
 from producer.stats import collect_stats
 
 EXIT_OK = 0
@@ -52,62 +49,6 @@ app = typer.Typer(
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-# The connection options are accepted both before and after the command name; the env
-# variables are the ones the worker reads, so one environment configures both sides.
-RedisUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--redis-url",
-        envvar="REDIS_URL",
-        show_default=False,
-        help=f"redis://, rediss:// or unix:// URL (default: {DEFAULT_REDIS_URL})",
-    ),
-]
-Stream = Annotated[
-    str | None,
-    typer.Option(
-        "--stream",
-        envvar="GPUFEED_STREAM",
-        show_default=False,
-        help=f"job stream (default: {wire.DEFAULT_STREAM})",
-    ),
-]
-Group = Annotated[
-    str | None,
-    typer.Option(
-        "--group",
-        envvar="GPUFEED_GROUP",
-        show_default=False,
-        help=f"workers' consumer group (default: {wire.DEFAULT_GROUP})",
-    ),
-]
-ResultsStream = Annotated[
-    str | None,
-    typer.Option(
-        "--results-stream",
-        envvar="GPUFEED_RESULTS_STREAM",
-        show_default=False,
-        help=f"default results stream (default: {wire.DEFAULT_RESULTS_STREAM})",
-    ),
-]
-ResultPrefix = Annotated[
-    str | None,
-    typer.Option(
-        "--result-prefix",
-        envvar="GPUFEED_RESULT_PREFIX",
-        show_default=False,
-        help=f"prefix of result hashes (default: {wire.DEFAULT_RESULT_PREFIX})",
-    ),
-]
-DeadStream = Annotated[
-    str | None,
-    typer.Option(
-        "--dead-stream",
-        envvar="GPUFEED_DEAD_STREAM",
-        show_default=False,
-        help=f"dead-letter stream (default: {wire.DEFAULT_DEAD_STREAM})",
-    ),
-]
 JsonFlag = Annotated[bool, typer.Option("--json", help="one JSON object per line on stdout")]
 
 
@@ -122,6 +63,31 @@ class Settings:
 
     def merged(self, **given: str | None) -> Settings:
         return Settings(**{**self.__dict__, **{k: v for k, v in given.items() if v is not None}})
+
+
+# The connection options are accepted both before and after the command name; the env
+# variables are the ones the worker reads, so one environment configures both sides.
+# Each `Settings` field's option: its env variable and what it is, in the order listed.
+_CONNECTION_HELP = {
+    "redis_url": ("REDIS_URL", "redis://, rediss:// or unix:// URL"),
+    "stream": ("GPUFEED_STREAM", "job stream"),
+    "group": ("GPUFEED_GROUP", "workers' consumer group"),
+    "results_stream": ("GPUFEED_RESULTS_STREAM", "default results stream"),
+    "result_prefix": ("GPUFEED_RESULT_PREFIX", "prefix of result hashes"),
+    "dead_stream": ("GPUFEED_DEAD_STREAM", "dead-letter stream"),
+}
+_CONNECTION_OPTIONS: dict[str, Any] = {
+    name: Annotated[
+        str | None,
+        typer.Option(
+            f"--{name.replace('_', '-')}",
+            envvar=envvar,
+            show_default=False,
+            help=f"{what} (default: {getattr(Settings(), name)})",
+        ),
+    ]
+    for name, (envvar, what) in _CONNECTION_HELP.items()
+}
 
 
 class UsageError(Exception):
@@ -174,30 +140,50 @@ def _session(settings: Settings) -> Iterator[Producer]:
         raise _fail(f"Redis at {redact(url)} refused a command: {exc}", EXIT_FAILED) from None
 
 
-@app.callback()
-def _global_options(
-    ctx: typer.Context,
-    *,
-    redis_url: RedisUrl = None,
-    stream: Stream = None,
-    group: Group = None,
-    results_stream: ResultsStream = None,
-    result_prefix: ResultPrefix = None,
-    dead_stream: DeadStream = None,
-) -> None:
-    ctx.obj = Settings().merged(
-        redis_url=redis_url,
-        stream=stream,
-        group=group,
-        results_stream=results_stream,
-        result_prefix=result_prefix,
-        dead_stream=dead_stream,
-    )
-
-
 def _settings(ctx: typer.Context, **given: str | None) -> Settings:
     base = ctx.obj if isinstance(ctx.obj, Settings) else Settings()
     return base.merged(**given)
+
+
+def _connection(*names: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command --redis-url and the connection options `names`, after its own options,
+    and call it with `settings`: those given after the command name over those given before
+    it (kept in the context) and the defaults. The command may take `ctx` too."""
+    chosen = [n for n in _CONNECTION_OPTIONS if n == "redis_url" or n in names]
+
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        own = inspect.signature(command, eval_str=True)
+        wants_ctx = "ctx" in own.parameters
+        ctx_param = inspect.Parameter(
+            "ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
+        )
+        options = [
+            inspect.Parameter(
+                n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_CONNECTION_OPTIONS[n]
+            )
+            for n in chosen
+        ]
+        rest = [p for p in own.parameters.values() if p.name not in ("ctx", "settings")]
+
+        @functools.wraps(command)
+        def run(ctx: typer.Context, **kwargs: Any) -> None:
+            settings = _settings(ctx, **{n: kwargs.pop(n) for n in chosen})
+            if wants_ctx:
+                kwargs["ctx"] = ctx
+            command(settings=settings, **kwargs)
+
+        # typer finds the command's arguments and options in its signature.
+        signature = own.replace(parameters=[ctx_param, *rest, *options])
+        run.__signature__ = signature  # type: ignore[attr-defined]
+        return run
+
+    return decorate
+
+
+@app.callback()
+@_connection(*_CONNECTION_OPTIONS)
+def _global_options(ctx: typer.Context, settings: Settings) -> None:
+    ctx.obj = settings
 
 
 def find_images(paths: Sequence[Path]) -> list[Path]:
@@ -271,8 +257,9 @@ def _print_json(obj: Any) -> None:
 
 
 @app.command()
+@_connection("stream", "results_stream", "result_prefix")
 def submit(
-    ctx: typer.Context,
+    settings: Settings,
     *,
     paths: Annotated[
         list[Path],
@@ -287,19 +274,8 @@ def submit(
     meta: Annotated[str | None, typer.Option(help="text echoed back with each result")] = None,
     id_prefix: Annotated[str, typer.Option(help="prepended to each job id")] = "",
     batch: Annotated[int, typer.Option(min=1, help="jobs per pipelined round trip")] = 256,
-    redis_url: RedisUrl = None,
-    stream: Stream = None,
-    results_stream: ResultsStream = None,
-    result_prefix: ResultPrefix = None,
 ) -> None:
     """Submit image files (job id: the file name) and optionally wait for their results."""
-    settings = _settings(
-        ctx,
-        redis_url=redis_url,
-        stream=stream,
-        results_stream=results_stream,
-        result_prefix=result_prefix,
-    )
     try:
         files = find_images(paths)
     except UsageError as exc:
@@ -356,25 +332,9 @@ def _report(
 
 
 @app.command()
-def stats(
-    ctx: typer.Context,
-    *,
-    json_out: JsonFlag = False,
-    redis_url: RedisUrl = None,
-    stream: Stream = None,
-    group: Group = None,
-    results_stream: ResultsStream = None,
-    dead_stream: DeadStream = None,
-) -> None:
+@_connection("stream", "group", "results_stream", "dead_stream")
+def stats(settings: Settings, *, json_out: JsonFlag = False) -> None:
     """Show the job backlog, the consumer group, its consumers and live workers."""
-    settings = _settings(
-        ctx,
-        redis_url=redis_url,
-        stream=stream,
-        group=group,
-        results_stream=results_stream,
-        dead_stream=dead_stream,
-    )
     with _session(settings) as producer:
         snapshot = collect_stats(
             producer.client,
@@ -432,19 +392,17 @@ def _render_stats(snapshot: dict[str, Any]) -> None:
 
 
 @app.command()
+@_connection("results_stream")
 def results(
-    ctx: typer.Context,
+    settings: Settings,
     *,
     count: Annotated[int, typer.Option(min=1, help="how many of the latest results")] = 10,
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="keep printing new results")
     ] = False,
     json_out: JsonFlag = False,
-    redis_url: RedisUrl = None,
-    results_stream: ResultsStream = None,
 ) -> None:
     """Print the latest results from the results stream, and with --follow, new ones."""
-    settings = _settings(ctx, redis_url=redis_url, results_stream=results_stream)
     with _session(settings) as producer:
         recent = producer.recent_results(count)
         if json_out:
@@ -495,16 +453,14 @@ def _dead_row(d: DeadLetter) -> list[str]:
 
 
 @app.command()
+@_connection("dead_stream")
 def dead(
-    ctx: typer.Context,
+    settings: Settings,
     *,
     count: Annotated[int, typer.Option(min=1, help="how many dead letters, oldest first")] = 100,
     json_out: JsonFlag = False,
-    redis_url: RedisUrl = None,
-    dead_stream: DeadStream = None,
 ) -> None:
     """List dead letters: jobs that kept killing or stalling workers past the delivery limit."""
-    settings = _settings(ctx, redis_url=redis_url, dead_stream=dead_stream)
     with _session(settings) as producer:
         letters = producer.dead_letters(count)
     if json_out:
@@ -520,8 +476,9 @@ def dead(
 
 
 @app.command("replay-dead")
+@_connection("stream", "result_prefix", "dead_stream")
 def replay_dead(
-    ctx: typer.Context,
+    settings: Settings,
     *,
     entry_ids: Annotated[
         list[str] | None,
@@ -536,10 +493,6 @@ def replay_dead(
         bool, typer.Option("--keep", help="leave the dead letters in the dead-letter stream")
     ] = False,
     json_out: JsonFlag = False,
-    redis_url: RedisUrl = None,
-    stream: Stream = None,
-    result_prefix: ResultPrefix = None,
-    dead_stream: DeadStream = None,
 ) -> None:
     """Enqueue dead letters again with their original fields, to be run again.
 
@@ -547,13 +500,6 @@ def replay_dead(
     """
     if bool(entry_ids) == all_:
         raise _fail("give the dead letters' entry IDs, or --all (not both)", EXIT_USAGE)
-    settings = _settings(
-        ctx,
-        redis_url=redis_url,
-        stream=stream,
-        result_prefix=result_prefix,
-        dead_stream=dead_stream,
-    )
     with _session(settings) as producer:
         try:
             added = producer.replay_dead(entry_ids, all=all_, keep=keep)

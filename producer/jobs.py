@@ -1,0 +1,116 @@
+"""Jobs as `submit_many` takes them, and ids for jobs made from image files."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis.typing import EncodableT, FieldT
+
+from producer import wire
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job for `submit_many`: exactly one of `image` (encoded bytes) or `path`."""
+
+    image: bytes | None = None
+    path: str | None = None
+    id: str | None = None
+    meta: bytes | None = None
+    reply_to: str | None = None
+
+    @classmethod
+    def from_file(
+        cls,
+        file: str | os.PathLike[str],
+        *,
+        id: str | None = None,
+        meta: bytes | None = None,
+        reply_to: str | None = None,
+    ) -> Job:
+        """Read `file` into an image job; the id defaults to the file's name."""
+        p = Path(file)
+        return cls(
+            image=p.read_bytes(), id=p.name if id is None else id, meta=meta, reply_to=reply_to
+        )
+
+    def fields(self) -> dict[FieldT, EncodableT]:
+        """The stream entry fields, only those that are set; ValueError if the job is invalid."""
+        if (self.image is None) == (self.path is None):
+            raise ValueError("a job needs exactly one of image (bytes) or path")
+        out: dict[FieldT, EncodableT] = {}
+        if self.image is not None:
+            if not isinstance(self.image, (bytes, bytearray, memoryview)):
+                raise ValueError(f"image must be bytes, not {type(self.image).__name__}")
+            if len(self.image) == 0:
+                raise ValueError("image is empty")
+            out[wire.JOB_IMAGE] = self.image
+        if self.path is not None:
+            if not self.path:
+                raise ValueError("path is empty")
+            out[wire.JOB_PATH] = self.path.encode()
+        if self.id is not None:
+            _check_id(self.id)
+            out[wire.JOB_ID] = self.id.encode()
+        if self.reply_to is not None:
+            if not self.reply_to:
+                raise ValueError("reply_to is empty")
+            out[wire.JOB_REPLY_TO] = self.reply_to.encode()
+        if self.meta is not None:
+            if not isinstance(self.meta, (bytes, bytearray, memoryview)):
+                raise ValueError(f"meta must be bytes, not {type(self.meta).__name__}")
+            out[wire.JOB_META] = self.meta
+        return out
+
+
+def _check_id(job_id: str) -> None:
+    if not job_id:
+        raise ValueError("id is empty; leave it out to use the stream entry ID")
+    size = len(job_id.encode())
+    if size > wire.MAX_ID_BYTES:
+        raise ValueError(
+            f"id is {size} bytes, over the limit of {wire.MAX_ID_BYTES}: {job_id[:40]}..."
+        )
+
+
+def file_job_ids(files: Sequence[str | os.PathLike[str]], *, id_prefix: str = "") -> list[str]:
+    """Ids for jobs made from `files`: the file name, or the path relative to the files'
+    common folder where names repeat, so that every id is unique and fits the limit."""
+    paths = [Path(f).absolute() for f in files]
+    names = [p.name for p in paths]
+    counts = Counter(names)
+    root = Path(os.path.commonpath([p.parent for p in paths])) if paths else Path()
+    seen: dict[str, int] = {}
+    ids: list[str] = []
+    for p, name in zip(paths, names, strict=True):
+        base = p.relative_to(root).as_posix() if counts[name] > 1 else name
+        nth = seen[base] = seen.get(base, 0) + 1
+        # The same file given twice is two jobs; each needs its own id.
+        ids.append(_fit_id(id_prefix + (base if nth == 1 else f"{base}#{nth}")))
+    return ids
+
+
+def _fit_id(job_id: str) -> str:
+    if len(job_id.encode()) <= wire.MAX_ID_BYTES:
+        return job_id
+    # Keep the informative tail (file name) and a digest of the whole, so ids stay unique.
+    digest = hashlib.sha1(job_id.encode()).hexdigest()[:16]
+    tail = job_id.encode()[-(wire.MAX_ID_BYTES - len(digest) - 1) :].decode("utf-8", "ignore")
+    return f"{digest}~{tail}"
+
+
+def jobs_from_files(
+    files: Sequence[str | os.PathLike[str]],
+    *,
+    id_prefix: str = "",
+    meta: bytes | None = None,
+    reply_to: str | None = None,
+) -> Iterator[Job]:
+    """Image jobs for `files`, read lazily one by one, with ids from `file_job_ids`."""
+    for file, job_id in zip(files, file_job_ids(files, id_prefix=id_prefix), strict=True):
+        yield Job.from_file(file, id=job_id, meta=meta, reply_to=reply_to)
