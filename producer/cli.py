@@ -379,15 +379,20 @@ def _render_stats(snapshot: dict[str, Any]) -> None:
         for c in snapshot["consumers"]:
             consumers.add_row(c["name"], str(c["pending"]), str(c["idle_ms"]))
         out.print(consumers)
-    workers = Table("worker", "fields", title="live workers")
+    # The heartbeat's compact figures; the full snapshot is in `stats --json`.
+    columns = (
+        ("worker", "name"), ("model", "model"), ("jobs/s", "jobs_per_s"),
+        ("ok", "results_ok"), ("errors", "results_error"), ("p50 ms", "p50_ms"),
+        ("p99 ms", "p99_ms"), ("fill", "batch_fill"),
+    )  # fmt: skip
+    workers = Table(*(title for title, _ in columns), title="live workers")
     for w in snapshot["workers"]:
-        fields = ", ".join(
-            f"{k}={json.dumps(v, default=str) if isinstance(v, (dict, list)) else v}"
-            for k, v in w["fields"].items()
-        )
-        workers.add_row(w["name"], fields)
+        fields = w["fields"]
+        cells = [str(fields.get(key, "")) for _, key in columns]
+        cells[0] = cells[0] or w["name"]
+        workers.add_row(*cells)
     if not snapshot["workers"]:
-        workers.add_row("none", "")
+        workers.add_row("none", *([""] * (len(columns) - 1)))
     out.print(workers)
 
 
