@@ -4,6 +4,7 @@ the benchmark itself), the report's schema, and the formulas behind "pipeline ef
 from __future__ import annotations
 
 import copy
+import io
 import json
 import math
 import os
@@ -13,18 +14,22 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 from PIL import Image
 
 from worker.bench.ablations import CpuPreprocess
 from worker.bench.images import ImageSetSpec, load_image_set
+from worker.bench.naive import NaivePreprocess
 from worker.bench.profiles import make_profile
+from worker.bench.redis_env import job_image
 from worker.bench.report import render_markdown, validate_report
 from worker.bench.runner import run_bench
 from worker.bench.stage_rates import ideal_pipeline, ideal_sequential
 from worker.cli import cli
 from worker.config import WorkerConfig
-from worker.decoder import DecodeSpec, decode_to_array
+from worker.decode_cache import cache_key
+from worker.decoder import DecodeSpec, decode_into, decode_to_array
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +76,9 @@ def test_every_job_of_every_run_was_answered(tiny: tuple[dict[str, Any], Path]) 
 def test_every_figure_is_a_real_measurement(tiny: tuple[dict[str, Any], Path]) -> None:
     report, _ = tiny
     for run in report["runs"]:
-        for key in ("images_per_s", "p50_ms", "p95_ms", "p99_ms", "ideal_images_per_s"):
+        # The cache pair (repeated images) has no ideal: it is outside the comparisons.
+        ideal = () if run.get("variant") else ("ideal_images_per_s",)
+        for key in ("images_per_s", "p50_ms", "p95_ms", "p99_ms", *ideal):
             assert run[key] > 0 and math.isfinite(run[key]), (run["name"], key)
         assert run["p50_ms"] <= run["p95_ms"] <= run["p99_ms"]
         # Throughput and the window agree: results / window.
@@ -99,7 +106,8 @@ def test_the_runs_cover_naive_defaults_and_each_ablation(
     assert {r["settings"]["dct_scaling"] for r in gpufeed} == {True, False}
     assert any(r["settings"]["cpu_preprocess"] for r in gpufeed)
     skipped = {s["what"] for s in report["skipped"]}
-    assert {"cache", "compile"} <= skipped  # no cache exists; CPU compile skipped in tiny
+    assert "compile" in skipped  # CPU compile skipped in tiny
+    assert "cache" not in skipped  # the decode cache is measured (the cache pair)
     assert {c["max_wait_ms"] for c in report["curves"]} == {2.0, 10.0, 50.0}
     for target in report["targets"]:
         assert target["met"] or (target["limiting_stage"] and target["detail"])
@@ -118,11 +126,89 @@ def test_the_figure_is_a_png_and_the_markdown_lists_every_run(
         im.verify()
     markdown = (out / "report.md").read_text()
     assert markdown == render_markdown(report)
+    cache_section = markdown.split("## Decode cache, on repeated images", 1)[1].split("\n## ")[0]
     for run in report["runs"]:
         label = f"**{run['name']}**" if run["name"] in ("naive", "gpufeed") else run["label"]
         section = markdown.split(f"## {run['image_set']}:", 1)[1].split("\n## ", 1)[0]
-        assert label in section, (run["image_set"], run["name"])
+        if run.get("variant"):
+            # The cache pair has its own table, apart from the comparable runs.
+            assert label not in section, (run["image_set"], run["name"])
+            assert f"| {run['image_set']} | {run['model']} | gpufeed, {label} |" in cache_section
+        else:
+            assert label in section, (run["image_set"], run["name"])
     assert "## Stage rates" in markdown and "## Summary" in markdown
+    assert "every job's bytes are unique" in markdown
+
+
+@pytest.mark.slow
+def test_no_comparable_run_hits_the_cache_and_the_cache_pair_measures_it(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, _ = tiny
+    pair = [r for r in report["runs"] if r.get("variant")]
+    for run in report["runs"]:
+        if run.get("variant"):
+            continue
+        # Unique job bytes: every run decodes every image, as the naive worker and the ideal.
+        assert run["workload"] == "unique"
+        assert not run.get("cache_hit_ratio"), (run["name"], run["image_set"])
+        if run["kind"] == "gpufeed":
+            assert run["cache_hit_ratio"] == 0 and run["cache_hits"] == 0
+            assert run["cached_results"] == 0
+    # The tiny profile runs the pair on its larger set, for its one model.
+    large = next(s for s in report["image_sets"] if s["role"] == "large")
+    by_variant = {r["variant"]: r for r in pair}
+    assert set(by_variant) == {"cache_on_repeats", "cache_off_repeats"}
+    on, off = by_variant["cache_on_repeats"], by_variant["cache_off_repeats"]
+    for run in (on, off):
+        assert run["image_set"] == large["name"] and run["workload"] == "repeats"
+        assert run["results"] == run["jobs"] == run["results_ok"] == large["jobs"]
+        assert run["distinct_images"] == large["distinct_images"]
+        assert run["repeats"] == pytest.approx(large["jobs"] / large["distinct_images"], abs=0.01)
+        # The flags in the results and the worker's counters agree.
+        assert run["cache_hits"] == run["cached_results"]
+        assert run["cache_hits"] + run["cache_misses"] == run["results"]
+        for key in ("ideal_images_per_s", "efficiency", "optimisation_gain", "vs_naive"):
+            assert key not in run, key  # outside the ideal and the comparisons
+    assert off["settings"]["decode_cache_mb"] == 0 and on["settings"]["decode_cache_mb"] > 0
+    assert off["cache_hit_ratio"] == 0 and off["cache_hits"] == 0
+    assert 0 < on["cache_hit_ratio"] <= 1 - 1 / on["repeats"] + 1e-9
+    assert on["cache_worth"] == pytest.approx(on["images_per_s"] / off["images_per_s"], rel=0.01)
+    entry = report["summary"][large["name"]]
+    assert entry["cache_worth"] == on["cache_worth"]
+    assert entry["cache_hit_ratio"] == on["cache_hit_ratio"]
+    assert (
+        "cache_worth"
+        not in report["summary"][
+            next(s["name"] for s in report["image_sets"] if s["role"] != "large")
+        ]
+    )
+    bad = copy.deepcopy(report)
+    next(r for r in bad["runs"] if r["name"] == "gpufeed")["cache_hit_ratio"] = 0.5
+    next(r for r in bad["runs"] if r.get("variant") == "cache_off_repeats")["cache_hit_ratio"] = 0.1
+    problems = validate_report(bad)
+    assert any("cache hits on unique job bytes" in p for p in problems)
+    assert any("with the cache off" in p for p in problems)
+
+
+def test_the_per_job_trailer_keeps_the_pixels_and_makes_every_job_unique() -> None:
+    data = load_image_set(ImageSetSpec("u", 1600, 1200, 2, quality=90, seed=4), None).images
+    jobs = [job_image(data, i, f"run-{i}", unique=True) for i in range(6)]
+    assert len({cache_key(j) for j in jobs}) == 6  # the decode cache never hits
+    assert [job_image(data, i, f"run-{i}", unique=False) for i in range(4)] == [*data, *data]
+    first, tagged = data[0], jobs[2]
+    assert first.endswith(b"\xff\xd9") and tagged == first + b"gpufeed-bench-run-2"
+    with Image.open(io.BytesIO(first)) as a, Image.open(io.BytesIO(tagged)) as b:
+        assert np.array_equal(np.asarray(a.convert("RGB")), np.asarray(b.convert("RGB")))
+    for dct in (True, False):
+        spec = DecodeSpec(size=224, dct_scaling=dct)
+        plain, info = decode_to_array(first, spec)
+        out = np.zeros_like(plain)
+        assert decode_into(tagged, out, spec) == info
+        assert np.array_equal(plain, out)
+    # The naive worker's CPU work (full decode and torchvision transforms) is unchanged too.
+    naive = NaivePreprocess(resize=256, crop=224, mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2))
+    assert torch.equal(naive(first), naive(tagged))
 
 
 def test_validation_catches_missing_results_and_unreal_figures() -> None:
@@ -173,6 +259,21 @@ def test_validation_catches_missing_results_and_unreal_figures() -> None:
     disordered = copy.deepcopy(report)
     disordered["runs"][0]["p99_ms"] = 100.0
     assert any("out of order" in p for p in validate_report(disordered))
+    hits = copy.deepcopy(report)
+    hits["runs"][0]["cache_hit_ratio"] = 0.75  # a comparable run answered from the cache
+    assert any("cache hits on unique job bytes" in p for p in validate_report(hits))
+    on = copy.deepcopy(report)
+    on["runs"][0].update(
+        variant="cache_on_repeats", workload="repeats", repeats=4.0, cache_hit_ratio=0.0
+    )
+    for key in ("ideal_images_per_s", "efficiency", "vs_ceiling", "vs_naive"):
+        del on["runs"][0][key]  # the pair is outside the ideal: none of these is required
+    assert validate_report(on) == [
+        "runs[0] (gpufeed, m, s): no cache hit on repeated images with the cache on",
+        "runs[0] (gpufeed, m, s): cache_worth must be a positive number",
+    ]
+    on["runs"][0].update(cache_hit_ratio=0.75, cache_worth=3.2)
+    assert validate_report(on) == []
 
 
 def test_the_ideal_reproduces_the_orientation_figures_of_the_issue() -> None:

@@ -1,13 +1,16 @@
 """`python -m worker bench` (`make bench`): what gpufeed is worth, measured on this machine.
 
 - `runner`: one invocation runs the direct-feed ceiling, the naive reference worker, gpufeed
-  with its defaults and with each optimisation switched off, on deterministic image sets;
+  with its defaults and with each optimisation switched off (every job's bytes unique, so
+  the decode cache never hits), and the decode cache on repeated images, on deterministic
+  image sets;
   `context`: what the runs share; `redis_env`: the private Redis, each run's streams;
   `gpufeed_run`, `naive_run`, `latency_curve`: one kind of run each; `measurement`: what a
   run measured and the timed ceiling; `rate_table`: decode rates at the runs' sizes;
   `analysis`: ideals, efficiencies, targets and the limiting stage;
 - `naive`: the naive reference worker (reference only, never deployed);
-- `ablations`: the gpufeed variants, and the emulation of "GPU preprocessing off";
+- `ablations`: the gpufeed variants, the decode-cache pair (repeated images, cache on and
+  off), and the emulation of "GPU preprocessing off";
 - `images`: the deterministic image sets; `profiles`: tiny, quick and full;
 - `stage_rates`: each stage's cost alone, and the throughput those costs allow;
 - `probe`: CPU per thread group, GPU utilisation and memory during a run;

@@ -1,4 +1,5 @@
-"""The gpufeed variants the benchmark runs: the defaults, and each optimisation switched off.
+"""The gpufeed variants the benchmark runs: the defaults, each optimisation switched off, and
+the decode-cache pair (repeated images, cache on and off).
 
 Most switches are plain worker settings (`dct_scaling`, `decode_threads`, `compile`). GPU
 preprocessing has no switch in the worker, so it is emulated here, without touching the
@@ -29,6 +30,7 @@ from PIL import Image
 
 from producer.wire import ErrorCode
 from worker.bench.naive import NaivePreprocess
+from worker.config import WorkerConfig
 from worker.decode_pool import DecodePool, DecodeResult
 from worker.decoder import DecodeError, DecodeInfo, DecodeSpec, sniff_format
 from worker.jobs import Job
@@ -41,6 +43,10 @@ class Variant:
     switch: str  # the optimisation it turns off ("" for the defaults)
     overrides: tuple[tuple[str, Any], ...] = ()
     cpu_preprocess: bool = False
+    # The cache pair: the jobs repeat the distinct images as they are (no per-job trailer,
+    # worker/bench/redis_env.py `job_image`), and `cache` names the run in the schema.
+    repeats: bool = False
+    cache: str = ""  # "cache_on_repeats" or "cache_off_repeats"; "" for every other run
 
     def settings(self) -> dict[str, Any]:
         return dict(self.overrides)
@@ -71,6 +77,33 @@ COMPILED = Variant(
     "compile",
     (("compile", "default"),),
 )
+
+
+# The decode cache (worker/decode_cache.py) is an optimisation only a workload with repeated
+# images can use; every other run makes each job's bytes unique, so it never hits there.
+# This pair runs the same jobs, repeating the distinct images, with the cache on and off;
+# neither is comparable with the stage-rate ideal (which decodes every image).
+CACHE_VARIANTS = ("cache_on_repeats", "cache_off_repeats")
+CACHE_OFF_REPEATS = Variant(
+    "gpufeed-cache-off-repeats",
+    "repeated images (cache off)",
+    "decode_cache",
+    (("decode_cache_mb", 0),),
+    repeats=True,
+    cache="cache_off_repeats",
+)
+
+
+def cache_on_repeats(cache_mb: int) -> Variant:
+    """The "cache on" run, with the worker's cache size (`cache_mb`; its default if 0)."""
+    return Variant(
+        "gpufeed-cache-on-repeats",
+        "repeated images (cache on)",
+        "",
+        (("decode_cache_mb", cache_mb or WorkerConfig().decode_cache_mb),),
+        repeats=True,
+        cache="cache_on_repeats",
+    )
 
 
 class CpuPreprocess:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from worker.bench.ablations import DEFAULTS
+from worker.bench.ablations import CACHE_VARIANTS, DEFAULTS
 from worker.bench.context import Bench
 from worker.bench.profiles import SetPlan
 from worker.bench.rate_table import RateTable, decode_method, decode_rate
@@ -39,7 +39,12 @@ def analyse(b: Bench, rates: RateTable) -> tuple[dict[str, Any], list[dict[str, 
     by_key: dict[tuple[str, str, str], dict[str, Any]] = {
         (r["model"], r["image_set"], r["name"]): r for r in b.runs
     }
+    cache_worth = _cache_worth(b.runs)
     for r in b.runs:
+        if r.get("variant") in CACHE_VARIANTS:
+            # Repeated images: not comparable with the stage-rate ideal (which decodes every
+            # image), the naive worker or the ablations; only with each other.
+            continue
         ceiling = (r.get("ceiling") or ceilings[r["model"]])["images_per_s"]
         if r["kind"] == "naive":
             cpu = decode_rate(rates, r, "naive_cpu", 1)
@@ -99,11 +104,37 @@ def analyse(b: Bench, rates: RateTable) -> tuple[dict[str, Any], list[dict[str, 
                 "ideal_ratio": round(ideal_ratio, 3),
                 "vs_naive_of_ideal_ratio": round(g["vs_naive"] / ideal_ratio, 3),
             }
+            entry.update(cache_worth.get((model, sp.spec.name), {}))
             per_model[model] = entry
             targets.extend(_targets(b, sp, entry=entry, g=g, nv=nv, rates=rates))
         main = per_model.get(primary) or next(iter(per_model.values()))
         summary[sp.spec.name] = {**main, "by_model": per_model}
     return summary, targets
+
+
+def _cache_worth(runs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (model, image set) with the cache pair: what the decode cache is worth on
+    repeated images (on / off), with the measured hit ratios; also set on the "on" run."""
+    pair: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+    for r in runs:
+        if r.get("variant") in CACHE_VARIANTS:
+            pair.setdefault((r["model"], r["image_set"]), {})[r["variant"]] = r
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for key, found in pair.items():
+        on, off = found.get("cache_on_repeats"), found.get("cache_off_repeats")
+        if on is None or off is None or not off["images_per_s"]:
+            continue
+        worth = round(on["images_per_s"] / off["images_per_s"], 3)
+        on["cache_worth"] = worth
+        out[key] = {
+            "cache_worth": worth,
+            "cache_hit_ratio": on.get("cache_hit_ratio"),
+            "cache_off_hit_ratio": off.get("cache_hit_ratio"),
+            "cache_on_images_per_s": on["images_per_s"],
+            "cache_off_images_per_s": off["images_per_s"],
+            "cache_repeats": on.get("repeats"),
+        }
+    return out
 
 
 def _target(

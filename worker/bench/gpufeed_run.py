@@ -57,6 +57,7 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
         "compiled": bool(report and report.compiled),
         "decode_threads": worker.decoder.threads,
         "dct_scaling": cfg.dct_scaling,
+        "decode_cache_mb": cfg.decode_cache_mb,
         "cpu_preprocess": variant.cpu_preprocess,
         "max_wait_ms": cfg.max_wait_ms,
         "ring_slots": cfg.ring_slots,
@@ -80,7 +81,10 @@ async def gpufeed_run(
             _install_cpu_preprocess(worker)
         ceiling = await measure_ceiling(worker, b.profile.ceiling_s) if with_ceiling else None
         images = b.sets[sp.spec.name].images
-        await asyncio.to_thread(push_jobs, b.client, keys.jobs, images, sp.jobs, keys.run_id)
+        unique = not variant.repeats
+        await asyncio.to_thread(
+            push_jobs, b.client, keys.jobs, images, sp.jobs, keys.run_id, unique=unique
+        )
         probe = RunProbe(b.device, redis_pid=b.redis_pid).start()
         with count_host_syncs() as syncs:
             t0_ms = time.time() * 1000
@@ -97,6 +101,7 @@ async def gpufeed_run(
             gpu_ms * c.batches / c.real_rows if gpu_ms is not None and c.real_rows else None
         )
         stats = summarise(answers, t0_ms, b.profile.timeline_bin_s)
+        cached = sum(1 for a in answers if a.ok and a.cached)
         run: dict[str, Any] = {
             "name": variant.name,
             "label": variant.label,
@@ -107,7 +112,16 @@ async def gpufeed_run(
             "role": sp.role,
             "jobs": sp.jobs,
             "results": len(answers),
+            "workload": "unique" if unique else "repeats",
             **stats,
+            # Results whose `cached` flag says the decode cache served them, and the worker's
+            # own counters (worker/observer.py); the ratio is per answered image.
+            "cached_results": cached,
+            "cache_hits": c.cache_hits,
+            "cache_misses": c.cache_misses,
+            "cache_hit_ratio": round(cached / stats["results_ok"], 3)
+            if stats.get("results_ok")
+            else None,
             "work_ms_per_image": {
                 "decode": stats["stage_ms"].get("decode"),
                 "compute": round(compute_per_image, 3) if compute_per_image else None,
@@ -120,6 +134,11 @@ async def gpufeed_run(
             "host_syncs": syncs.total if b.is_cuda else None,
             "settings": _worker_settings(worker, variant),
         }
+        if variant.cache:
+            distinct = len(images)
+            run["variant"] = variant.cache
+            run["distinct_images"] = distinct
+            run["repeats"] = round(sp.jobs / distinct, 2)
         if ceiling is not None:
             run["ceiling"] = ceiling
         return run

@@ -79,7 +79,9 @@ async def naive_run(b: Bench, plan: ModelPlan, sp: SetPlan, *, with_model: bool)
             "role": sp.role,
             "jobs": sp.jobs,
             "results": len(answers),
+            "workload": "unique",
             **stats,
+            "cache_hit_ratio": None,  # the naive worker has no cache
             "work_ms_per_image": {
                 "decode": stage.get("decode"),
                 "preprocess": stage.get("preprocess"),

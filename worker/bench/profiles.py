@@ -1,10 +1,16 @@
 """Benchmark profiles: which models, image sets, job counts and extras one invocation runs.
 
 - `tiny`: seconds; the test suite's profile (mobilenet_v3_small at input 64, a dozen small
-  images and a few larger ones, every variant, a short max-wait curve).
-- `quick`: a few minutes on a 2-core CPU host; the default of `make bench` on CPU hosts.
-- `full`: more jobs, the compile variant on the CPU too, and the latency/throughput curve
-  for three batcher max waits; the default on CUDA hosts.
+  images and a few larger ones, every variant, a short max-wait curve, the decode-cache
+  pair on the larger set).
+- `quick`: a few minutes on a 2-core CPU host; the default of `make bench` on CPU hosts;
+  the decode-cache pair on the 4000x3000 set only.
+- `full`: more jobs, the compile variant on the CPU too, the decode-cache pair on both
+  sets, and the latency/throughput curve for three batcher max waits; the default on CUDA
+  hosts.
+
+Each job's bytes are unique (worker/bench/redis_env.py `job_image`) except in the cache
+pair, whose jobs cycle through the distinct images, `jobs / count` times each.
 
 On CUDA the models are resnet50 at batch 64 in fp16 (the GPU target's configuration) and
 mobilenet_v3_small; on the CPU resnet18 (model-bound there) and mobilenet_v3_small (light
@@ -54,6 +60,9 @@ class Profile:
     stage_images: int  # distinct images per decode-rate measurement (at most)
     timeline_bin_s: float = 0.5
     time_limit_s: float | None = None  # a soft limit, reported when exceeded
+    # Roles of the image sets ("photo", "large") that get the decode-cache pair (jobs
+    # repeating the distinct images, cache on and off), for every model.
+    cache_roles: tuple[str, ...] = ()
 
     def with_models(self, models: tuple[ModelPlan, ...]) -> Profile:
         return replace(self, models=models)
@@ -90,6 +99,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             stage_min_s=0.15,
             stage_images=4,
             timeline_bin_s=0.25,
+            cache_roles=("large",),
         )
     if cuda:
         models = (
@@ -114,6 +124,8 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             stage_min_s=1.0,
             stage_images=8,
             time_limit_s=None if cuda else 300.0,
+            # Where decode dominates; the photo set too would push it over 5 min on 2 cores.
+            cache_roles=("large",),
         )
     sets = (
         (photo_set(256, 4096), large_set(64, 512))
@@ -129,4 +141,5 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         ceiling_s=5.0,
         stage_min_s=2.0,
         stage_images=16,
+        cache_roles=("photo", "large"),
     )

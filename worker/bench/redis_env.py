@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 import redis
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from producer import wire
 from worker.demo import redis_for_demo
@@ -50,6 +51,7 @@ class Answer:
     ok: bool
     error: str
     timings: dict[str, float]
+    cached: bool | None = None  # the worker's `cached` flag (decode cache hit); None: absent
 
 
 def _entry_ms(entry_id: bytes | str) -> int:
@@ -65,23 +67,60 @@ def parse_answer(entry_id: bytes, fields_: Mapping[bytes, bytes]) -> Answer:
     job_entry = fields_.get(wire.RES_ENTRY, b"0-0")
     status = fields_.get(wire.RES_STATUS, b"").decode()
     timings = {str(k): float(v) for k, v in (details.get("timings_ms") or {}).items()}
+    cached = details.get("cached")
     return Answer(
         ms=_entry_ms(entry_id),
         job_ms=_entry_ms(job_entry),
         ok=status == wire.STATUS_OK,
         error=fields_.get(wire.RES_ERROR, b"").decode(errors="replace"),
         timings=timings,
+        cached=bool(cached) if cached is not None else None,
     )
 
 
+# After the JPEG's end-of-image marker: decoders stop at EOI and ignore what follows.
+JPEG_EOI = b"\xff\xd9"
+TRAILER_PREFIX = b"gpufeed-bench-"
+
+
+def job_image(images: Sequence[bytes], i: int, job_id: str, *, unique: bool) -> bytes:
+    """The bytes of job `i`, cycling through `images`.
+
+    `unique` (the default of every comparable run) appends a short per-job trailer after the
+    JPEG's end-of-image marker (`gpufeed-bench-<job id>`), so no two jobs of a worker carry
+    the same bytes and its decode cache (worker/decode_cache.py, keyed by a hash of the
+    bytes) never hits: the pixels decoded are the same, only the repeats are gone. Without
+    it, the jobs repeat the distinct images as they are (the cache pair's workload)."""
+    data = images[i % len(images)]
+    if not unique:
+        return data
+    if not data.endswith(JPEG_EOI):
+        raise ValueError("the benchmark's images are JPEGs ending with the EOI marker")
+    return data + TRAILER_PREFIX + job_id.encode()
+
+
+def _job_fields(
+    images: Sequence[bytes], i: int, id_prefix: str, *, unique: bool
+) -> dict[FieldT, EncodableT]:
+    job_id = f"{id_prefix}-{i}"
+    return {"id": job_id, "image": job_image(images, i, job_id, unique=unique)}
+
+
 def push_jobs(
-    client: redis.Redis, stream: str, images: Sequence[bytes], count: int, id_prefix: str
+    client: redis.Redis,
+    stream: str,
+    images: Sequence[bytes],
+    count: int,
+    id_prefix: str,
+    *,
+    unique: bool = True,
 ) -> None:
-    """`count` jobs cycling through `images`, pipelined (64 per round trip)."""
+    """`count` jobs cycling through `images`, pipelined (64 per round trip); each job's
+    bytes unique unless `unique` is False (see `job_image`)."""
     for start in range(0, count, 64):
         pipe = client.pipeline(transaction=False)
         for i in range(start, min(count, start + 64)):
-            pipe.xadd(stream, {"id": f"{id_prefix}-{i}", "image": images[i % len(images)]})
+            pipe.xadd(stream, _job_fields(images, i, id_prefix, unique=unique))
         pipe.execute()
 
 
@@ -93,15 +132,17 @@ def paced_push(
     count: int,
     rate_per_s: float,
     id_prefix: str,
+    unique: bool = True,
 ) -> None:
-    """`count` jobs at `rate_per_s` (open loop: the schedule ignores the results)."""
+    """`count` jobs at `rate_per_s` (open loop: the schedule ignores the results); each
+    job's bytes unique unless `unique` is False (see `job_image`)."""
     t0 = time.perf_counter()
     sent = 0
     while sent < count:
         due = min(count, max(sent + 1, int((time.perf_counter() - t0) * rate_per_s) + 1))
         pipe = client.pipeline(transaction=False)
         for i in range(sent, due):
-            pipe.xadd(stream, {"id": f"{id_prefix}-{i}", "image": images[i % len(images)]})
+            pipe.xadd(stream, _job_fields(images, i, id_prefix, unique=unique))
         pipe.execute()
         sent = due
         pause = t0 + sent / rate_per_s - time.perf_counter()

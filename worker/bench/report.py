@@ -14,6 +14,8 @@ SCHEMA_VERSION = 1
 
 RUN_NUMBERS = ("images_per_s", "p50_ms", "p95_ms", "p99_ms", "duration_s")
 SUMMARY_NUMBERS = ("vs_naive", "vs_ceiling", "pipeline_efficiency", "ideal_ratio")
+# The decode-cache pair (worker/bench/ablations.py): repeated images, outside the ideal.
+CACHE_VARIANTS = ("cache_on_repeats", "cache_off_repeats")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -37,13 +39,24 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = ""
     return lines
 
 
+def is_cache_run(run: Mapping[str, Any]) -> bool:
+    return run.get("variant") in CACHE_VARIANTS
+
+
 def _runs_of(report: Mapping[str, Any], image_set: str, model: str) -> list[dict[str, Any]]:
-    return [r for r in report["runs"] if r["image_set"] == image_set and r["model"] == model]
+    """The comparable runs (unique job bytes) of one image set and model."""
+    return [
+        r
+        for r in report["runs"]
+        if r["image_set"] == image_set and r["model"] == model and not is_cache_run(r)
+    ]
 
 
 def _groups(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     seen: list[tuple[str, str]] = []
     for run in report["runs"]:
+        if is_cache_run(run):
+            continue
         key = (run["image_set"], run["model"])
         if key not in seen:
             seen.append(key)
@@ -80,7 +93,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     )
     out += [
         "",
-        "Each run: all jobs queued in Redis before the worker reads; images/s = results / "
+        "Each run: every job's bytes are unique (a per-job trailer after the JPEG's "
+        "end-of-image marker, which decoders ignore: the same pixels), so gpufeed's decode "
+        "cache never hits and every run decodes every image, as the naive worker and the "
+        "ideal do (the cache is measured apart, on repeated images); "
+        "all jobs queued in Redis before the worker reads; images/s = results / "
         "(first read to last result); latency is end to end for that burst (so p50 is about "
         "half the run); CPU % = the benchmark process (the worker runs in it) / redis-server / "
         "every other process on the host, in % of one core; "
@@ -173,6 +190,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         rows,
         "ll" + "r" * 9,
     )
+    out += _cache_lines(report)
     out += _stage_rate_lines(report)
     out += _target_lines(report)
     if report.get("curves"):
@@ -198,6 +216,55 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         out += ["", "Notes:"]
         out += [f"- {n}" for n in report["notes"]]
     return "\n".join(out) + "\n"
+
+
+def _cache_lines(report: Mapping[str, Any]) -> list[str]:
+    runs = [r for r in report["runs"] if is_cache_run(r)]
+    if not runs:
+        return []
+    out = [
+        "",
+        "## Decode cache, on repeated images (not comparable with the runs above)",
+        "",
+        "gpufeed (defaults otherwise) on jobs that cycle through the set's distinct images "
+        "as they are, each repeated jobs / distinct times, with its decode cache on and off. "
+        "Not comparable with the ideal, the naive worker or the runs above (all of them decode "
+        "every image); cache worth = images/s with the cache on / off. Hit ratio: results the "
+        "worker answered from the cache (their `cached` flag) / results.",
+        "",
+    ]
+    rows = [
+        [
+            r["image_set"],
+            r["model"],
+            f"gpufeed, {r['label']}",
+            r.get("distinct_images"),
+            f"{r['jobs']} (x{_fmt(r.get('repeats'), 1)})",
+            _fmt(r["images_per_s"]),
+            _fmt(r["p50_ms"], 0),
+            _cpu(r),
+            _fmt(r.get("cache_hit_ratio"), 2),
+            "" if r.get("cache_worth") is None else f"x{r['cache_worth']:.2f}",
+        ]
+        for r in runs
+    ]
+    out += _table(
+        [
+            "image set",
+            "model",
+            "run",
+            "distinct images",
+            "jobs (repeats)",
+            "images/s",
+            "p50 ms",
+            "CPU %",
+            "cache hit ratio",
+            "cache worth (on / off)",
+        ],
+        rows,
+        "lll" + "r" * 7,
+    )
+    return out
 
 
 def _stage_rate_lines(report: Mapping[str, Any]) -> list[str]:
@@ -370,6 +437,35 @@ def write_all(report: dict[str, Any], out_dir: Path) -> None:
 
 
 # --------------------------------------------------------------------------- validation
+def _cache_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    """The decode cache's part of a run: no hit outside the cache pair (every other run's
+    job bytes are unique), hits with the cache on, none with it off."""
+    ratio = run.get("cache_hit_ratio")
+    if ratio is not None and not (
+        isinstance(ratio, int | float) and not isinstance(ratio, bool) and 0 <= ratio <= 1
+    ):
+        return [f"{where}: cache_hit_ratio must be between 0 and 1, got {ratio!r}"]
+    variant = run.get("variant")
+    if variant is None:
+        if ratio:
+            return [f"{where}: {ratio} cache hits on unique job bytes (the runs must decode)"]
+        return []
+    if variant not in CACHE_VARIANTS:
+        return [f"{where}: unknown variant {variant!r}"]
+    problems = []
+    if run.get("workload") != "repeats" or not _positive(run.get("repeats")):
+        problems.append(f"{where}: the cache pair must run on repeated images")
+    if ratio is None:
+        problems.append(f"{where}: cache_hit_ratio missing")
+    elif variant == "cache_off_repeats" and ratio != 0:
+        problems.append(f"{where}: {ratio} cache hits with the cache off")
+    elif variant == "cache_on_repeats" and ratio <= 0:
+        problems.append(f"{where}: no cache hit on repeated images with the cache on")
+    if variant == "cache_on_repeats" and not _positive(run.get("cache_worth")):
+        problems.append(f"{where}: cache_worth must be a positive number")
+    return problems
+
+
 def _positive(value: Any) -> bool:
     return (
         isinstance(value, int | float)
@@ -416,9 +512,13 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
                 problems.append(f"{where}: {key} must be a non-empty string")
         if run.get("image_set") not in set_names:
             problems.append(f"{where}: unknown image set {run.get('image_set')!r}")
-        for key in (*RUN_NUMBERS, "ideal_images_per_s", "efficiency", "vs_ceiling"):
+        cache_run = is_cache_run(run)
+        # The cache pair is outside the ideal: it has no ideal, efficiency or ratios.
+        compared = () if cache_run else ("ideal_images_per_s", "efficiency", "vs_ceiling")
+        for key in (*RUN_NUMBERS, *compared):
             if not _positive(run.get(key)):
                 problems.append(f"{where}: {key} must be a positive number, got {run.get(key)!r}")
+        problems += _cache_problems(where, run)
         jobs, results = run.get("jobs"), run.get("results")
         if not isinstance(jobs, int) or jobs < 1:
             problems.append(f"{where}: jobs must be a positive integer")
@@ -439,7 +539,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
             problems.append(f"{where}: timeline has negative values")
         elif not isinstance(counts, list) or sum(counts) != results:
             problems.append(f"{where}: the timeline's results do not add up to {results}")
-        if run.get("kind") == "gpufeed" and not _positive(run.get("vs_naive")):
+        if run.get("kind") == "gpufeed" and not cache_run and not _positive(run.get("vs_naive")):
             problems.append(f"{where}: vs_naive must be a positive number")
         cpu = run.get("cpu_core_ms_per_image")
         if not isinstance(cpu, Mapping) or not _positive(cpu.get("total")):
@@ -452,6 +552,9 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
             for key in SUMMARY_NUMBERS:
                 if not _positive(entry.get(key)):
                     problems.append(f"summary[{name}].{key} must be a positive number")
+            for model, m in (entry.get("by_model") or {}).items():
+                if "cache_worth" in m and not _positive(m["cache_worth"]):
+                    problems.append(f"summary[{name}].by_model[{model}].cache_worth not positive")
     decode = report["stage_rates"].get("decode") or []
     model = report["stage_rates"].get("model") or []
     if not decode or not model:

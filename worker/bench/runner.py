@@ -7,13 +7,18 @@ One invocation, for each model of the profile and each image set:
 2. the naive reference worker (worker/bench/naive.py);
 3. gpufeed with its defaults, and once more with each optimisation switched off in turn
    (worker/bench/ablations.py);
+4. where the profile says so, the decode-cache pair: gpufeed on jobs that repeat the set's
+   distinct images, with its decode cache on and off ("cache worth" = on / off);
 
 plus the decode stage rates (worker/bench/stage_rates.py) and, in the full profile, a
 latency/throughput curve for three batcher max waits. Then report.json, report.md and
 throughput.png (worker/bench/report.py).
 
-How a run is measured: every run gets its own streams on a private redis-server. All its
-jobs are pushed (pipelined) before the worker reads, so the push costs nothing in the
+How a run is measured: every run gets its own streams on a private redis-server. Every
+job's bytes are unique (a per-job trailer after the JPEG's end-of-image marker, ignored by
+decoders), so gpufeed's decode cache never hits outside the cache pair, and the runs and the
+stage-rate ideal compare like with like. All its jobs are pushed (pipelined) before the
+worker reads, so the push costs nothing in the
 window; the window runs from the moment the worker's reader starts (t0) to the last result.
 images/s = results / window. Latency is end to end for that burst: from t0, when every job
 is waiting, to the Redis time its result was added; p50 is thus about half the window, and
@@ -38,6 +43,7 @@ import torch
 
 from worker.bench import report as report_mod
 from worker.bench.ablations import (
+    CACHE_OFF_REPEATS,
     COMPILED,
     CPU_PREPROCESS,
     DEFAULTS,
@@ -45,6 +51,7 @@ from worker.bench.ablations import (
     NO_DCT,
     ONE_DECODE_THREAD,
     Variant,
+    cache_on_repeats,
 )
 from worker.bench.analysis import analyse
 from worker.bench.context import Bench
@@ -52,7 +59,7 @@ from worker.bench.gpufeed_run import gpufeed_run
 from worker.bench.images import ImageSet, load_image_set
 from worker.bench.latency_curve import curve_runs
 from worker.bench.naive_run import naive_run
-from worker.bench.profiles import Profile
+from worker.bench.profiles import Profile, SetPlan
 from worker.bench.rate_table import RateTable, stage_rates
 from worker.bench.redis_env import bench_redis
 from worker.bench.stage_rates import DECODE_METHODS
@@ -92,18 +99,30 @@ def variants_for(b: Bench) -> list[Variant]:
                 f"{b.profile.name} profile skips that variant (the full profile runs it)",
             }
         )
-    b.skipped.append({"what": "cache", "reason": "not present: gpufeed has no result cache"})
     return out
+
+
+def cache_pair_for(b: Bench, sp: SetPlan) -> list[Variant]:
+    """The decode-cache pair (repeated images, cache on and off) where the profile runs it."""
+    if sp.role not in b.profile.cache_roles:
+        return []
+    return [cache_on_repeats(b.base.decode_cache_mb), CACHE_OFF_REPEATS]
 
 
 async def _bench(b: Bench) -> RateTable:
     variants = variants_for(b)
-    total = len(b.profile.models) * len(b.profile.sets) * (2 + len(variants))
+    pairs = sum(len(cache_pair_for(b, sp)) for sp in b.profile.sets)
+    total = len(b.profile.models) * (len(b.profile.sets) * (2 + len(variants)) + pairs)
     done = 0
     for plan in b.profile.models:
         for i, sp in enumerate(b.profile.sets):
             first = i == 0
-            runs = [("naive", None), ("gpufeed", DEFAULTS), *((v.name, v) for v in variants)]
+            runs = [
+                ("naive", None),
+                ("gpufeed", DEFAULTS),
+                *((v.name, v) for v in variants),
+                *((v.name, v) for v in cache_pair_for(b, sp)),
+            ]
             for name, variant in runs:
                 done += 1
                 t0 = time.perf_counter()
@@ -118,10 +137,12 @@ async def _bench(b: Bench) -> RateTable:
                         with_ceiling=(first and variant is DEFAULTS) or variant.switch == "compile",
                     )
                 b.runs.append(run)
+                hits = run.get("cache_hit_ratio")
                 b.echo(
                     f"[{done}/{total}] {plan.model} {sp.spec.name} {name}: "
-                    f"{run['images_per_s']} images/s, {run['results']}/{run['jobs']} answered "
-                    f"({time.perf_counter() - t0:.1f} s)"
+                    f"{run['images_per_s']} images/s, {run['results']}/{run['jobs']} answered"
+                    + (f", cache hit ratio {hits}" if hits else "")
+                    + f" ({time.perf_counter() - t0:.1f} s)"
                 )
     if b.profile.curve is not None:
         plan, sp = b.profile.models[0], b.profile.sets[0]
@@ -237,6 +258,9 @@ def run_bench(
             "window": "from the worker's first read (all jobs already queued) to the last result",
             "latency": "end to end for the burst: from the start of the window to the Redis "
             "time of each result",
+            "job_bytes": "unique per job (a trailer after the JPEG's end-of-image marker), so "
+            "the decode cache never hits; except the cache pair, whose jobs repeat the distinct "
+            "images as they are",
             "shared_cpu": not b.is_cuda,
             "decode_threads": b.decode_threads,
             "timeline_bin_s": profile.timeline_bin_s,
