@@ -170,6 +170,8 @@ def tls_server(tmp_path: Path) -> Iterator[tuple[int, Path]]:
             break
         except redis.ConnectionError:
             if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                proc.wait()
                 pytest.fail("redis-server with TLS did not start (built without TLS?)")
             time.sleep(0.05)
     client.close()
