@@ -31,7 +31,6 @@ JOB_PATH = b"path"
 JOB_ID = b"id"
 JOB_REPLY_TO = b"reply_to"
 JOB_META = b"meta"
-JOB_FIELDS = (JOB_IMAGE, JOB_PATH, JOB_ID, JOB_REPLY_TO, JOB_META)
 
 # Result fields (stream entry and hash field names).
 RES_ID = b"id"

@@ -45,7 +45,7 @@ async def test_jobs_of_a_dead_worker_are_reclaimed_and_answered_once(
         entries = await wait_results(redis_client, "gpufeed:results", 6, timeout_s=30)
         await asyncio.sleep(0.5)  # room for a wrong second result to show up
         entries = redis_client.xrange("gpufeed:results")
-        assert worker.reclaimer.reclaimed == 4
+        assert worker.counters.events.get("reclaimed") == 4
     ids = Counter(f[b"id"] for _, f in entries)
     assert ids == Counter({f"r{i}".encode(): 1 for i in range(6)})
     assert redis_client.xpending("gpufeed:jobs", "gpufeed")["pending"] == 0
@@ -64,7 +64,7 @@ async def test_a_slow_batch_on_a_live_worker_is_not_reclaimed(
         async with running_worker(redis_url, tiny_weights, worker_name="fast", **FAST) as fast:
             entries = await wait_results(redis_client, "gpufeed:results", 1, timeout_s=30)
             await asyncio.sleep(1.0)
-            assert fast.reclaimer.reclaimed == 0
+            assert "reclaimed" not in fast.counters.events
     entries = redis_client.xrange("gpufeed:results")
     assert len(entries) == 1
     result = JobResult.from_fields(entries[0][1])
@@ -84,7 +84,7 @@ async def test_poison_jobs_are_dead_lettered_with_their_fields(
     await asyncio.sleep(1.1)
     async with running_worker(redis_url, tiny_weights, max_deliveries=3, **FAST) as worker:
         entries = await wait_results(redis_client, "gpufeed:results", 1, timeout_s=20)
-        assert worker.reclaimer.dead_lettered == 1
+        assert worker.counters.events.get("dead_lettered") == 1
     result = JobResult.from_fields(entries[0][1])
     assert result.id == "poison" and result.error_code == "dead_letter"
     assert "delivered 3 times" in (result.error or "")
@@ -146,7 +146,7 @@ async def test_trimming_keeps_pending_and_undelivered_entries(
         redis_client.xgroup_destroy("gpufeed:jobs", "audit")
         await asyncio.sleep(0.6)
         assert redis_client.xlen("gpufeed:jobs") == 0
-        assert worker.reclaimer.trimmed == 5
+        assert worker.counters.events.get("trimmed") == 5
 
     # Pending on a dead consumer: kept until answered (MINID trimming keeps everything
     # from the oldest pending entry on).
@@ -183,7 +183,7 @@ async def test_consumers_of_dead_workers_are_removed_only_without_pending_entrie
             await asyncio.sleep(0.1)
         names = [c["name"] for c in redis_client.xinfo_consumers("gpufeed:jobs", "gpufeed")]
         assert names == [b"survivor"]
-        assert w.reclaimer.consumers_removed == 200
+        assert w.counters.events.get("consumer_removed") == 200
     # A clean stop leaves the group too.
     assert redis_client.xinfo_consumers("gpufeed:jobs", "gpufeed") == []
     assert Counter(f[b"status"] for _, f in redis_client.xrange("gpufeed:results")) == {b"ok": 20}

@@ -37,14 +37,9 @@ class Batch:
 
     @property
     def valid_rows(self) -> list[int]:
-        """Rows holding a successfully decoded image (call after `decoded()`)."""
+        """Rows holding a successfully decoded image (call after `decoded()`): the step
+        computes all B rows; only these are read. Padding and failed rows are not."""
         return [i for i, r in enumerate(self.results) if r.error is None]
-
-    def row_mask(self, batch_size: int) -> list[bool]:
-        """True for the rows whose results are real; padding and failed rows are False
-        (call after `decoded()`). The step computes all B rows; only these are read."""
-        valid = set(self.valid_rows)
-        return [i in valid for i in range(batch_size)]
 
     def fill_ratio(self, batch_size: int) -> float:
         return len(self.valid_rows) / batch_size

@@ -19,17 +19,6 @@ from typing import Any
 
 import psutil
 
-GPU_METRICS = (
-    "gpu_util_pct",
-    "mem_bw_util_pct",
-    "mem_used_mib",
-    "power_w",
-    "sm_clock_mhz",
-    "pcie_tx_mib_s",
-    "pcie_rx_mib_s",
-)
-CPU_METRICS = ("process_cpu_pct", "system_cpu_pct")
-
 Sample = dict[str, float]
 
 

@@ -42,14 +42,14 @@ class Counters:
     started_wall: float = field(default_factory=time.time)
     results_ok: int = 0
     results_error: int = 0
-    duplicates: int = 0
-    not_ours: int = 0
-    refused: int = 0
     batches: int = 0
     real_rows: int = 0
     cache_hits: int = 0
     cache_misses: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
+    # Delivery events by name (worker.metrics.DELIVERY_EVENTS), as exported in
+    # gpufeed_delivery_events_total.
+    events: dict[str, int] = field(default_factory=dict)
 
     @property
     def results(self) -> int:
@@ -104,6 +104,7 @@ class Observer:
     # ------------------------------------------------------------------ feeding
     def batch_done(self, launched: Launched, gpu_ms: float) -> None:
         real = len(launched.batch.valid_rows)
+        fill = launched.batch.fill_ratio(self.batch_size)
         c = self.counters
         c.batches += 1
         c.real_rows += real
@@ -111,10 +112,10 @@ class Observer:
         m.batches.inc()
         m.rows.labels("real").inc(real)
         m.rows.labels("padding").inc(self.batch_size - real)
-        m.batch_fill.observe(real / self.batch_size)
+        m.batch_fill.observe(fill)
         m.batch_gpu_seconds.observe(gpu_ms / 1000)
         self.gpu_ms.add(gpu_ms)
-        self.fill.add(real / self.batch_size)
+        self.fill.add(fill)
         hits = sum(1 for r in launched.batch.results if r.error is None and r.cached)
         c.cache_hits += hits
         c.cache_misses += real - hits
@@ -127,15 +128,13 @@ class Observer:
         now_ms = time.time() * 1000
         for outcome, state in zip(outcomes, states, strict=True):
             if state == PublishState.NOT_OURS:
-                c.not_ours += 1
-                m.events.labels("not_ours").inc()
+                self.delivery_event("not_ours")
                 continue
             if state == PublishState.DUPLICATE_ID:
-                c.duplicates += 1
-                m.events.labels("duplicate_id").inc()
+                self.delivery_event("duplicate_id")
                 continue
             if state < 0:  # refused, or the reply stream was unusable: nothing was written
-                c.refused += 1
+                self.delivery_event("refused")
                 continue
             job = outcome.job
             if outcome.ok:
@@ -157,7 +156,10 @@ class Observer:
                 self.latency_ms.add(total)
 
     def delivery_event(self, event: str, count: int = 1) -> None:
+        """Count `count` occurrences of a delivery event (one of worker.metrics.DELIVERY_EVENTS)."""
         if count:
+            events = self.counters.events
+            events[event] = events.get(event, 0) + count
             self.metrics.events.labels(event).inc(count)
 
     # ------------------------------------------------------------------ reporting
@@ -174,7 +176,8 @@ class Observer:
             "started_at": int(c.started_wall),
             "results_ok": c.results_ok,
             "results_error": c.results_error,
-            "duplicates": c.duplicates,
+            "duplicates": c.events.get("duplicate_id", 0),
+            "delivery_events": dict(c.events),
             "jobs_per_s": round(self.rate.rate, 2),
             "p50_ms": p50,
             "p99_ms": p99,

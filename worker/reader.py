@@ -73,11 +73,6 @@ class InFlight:
                 return False
         return True
 
-    async def wait_empty(self) -> None:
-        while self.count > 0:
-            self._changed.clear()
-            await self._changed.wait()
-
 
 async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
     """Create the group at id 0 (so a backlog enqueued before the first worker is served)."""
@@ -113,7 +108,6 @@ class Reader:
         self.max_per_read = max_per_read
         self.block_ms = block_ms
         self._stop = asyncio.Event()
-        self.read_total = 0
 
     def stop(self) -> None:
         """Stop reading after the current XREADGROUP returns (at most block_ms)."""
@@ -173,7 +167,6 @@ class Reader:
                 else:
                     job = parse_job(entry_id, fields, self.default_reply_to)
                 self.in_flight.take(1)
-                self.read_total += 1
                 await self._deliver(job)
 
 

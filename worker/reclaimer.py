@@ -60,6 +60,7 @@ class Reclaimer:
         held: Mapping[str, Job],
         deliver: Callable[[Job], Awaitable[None]],
         publish_now: Callable[[list[Outcome]], Awaitable[None]],
+        on_event: Callable[[str, int], None],
     ) -> None:
         self.client = client
         self.cfg = config
@@ -73,11 +74,7 @@ class Reclaimer:
         self._refresh = client.register_script(REFRESH_OWNED)
         self._delete_consumer = client.register_script(DELETE_IDLE_CONSUMER)
         self._claim_cursor = "0-0"
-        self.reclaimed = 0
-        self.dead_lettered = 0
-        self.deleted_entries = 0
-        self.consumers_removed = 0
-        self.trimmed = 0
+        self._event = on_event
 
     # ------------------------------------------------------------------ the loops
     async def run_keepalive(self) -> None:
@@ -200,7 +197,9 @@ class Reclaimer:
         if outcomes:
             for _ in outcomes:
                 self.in_flight.take(1)
-            self.dead_lettered += sum(1 for o in outcomes if o.dead_fields)
+            n_dead = sum(1 for o in outcomes if o.dead_fields)
+            self._event("dead_lettered", n_dead)
+            self._event("entry_deleted", len(outcomes) - n_dead)
             log.warning(
                 "dead_lettered", count=len(outcomes), job_ids=[o.job.job_id for o in outcomes][:20]
             )
@@ -245,10 +244,10 @@ class Reclaimer:
             self.in_flight.take(1)
             gone.append(o)
         if gone:
-            self.deleted_entries += len(gone)
+            self._event("entry_deleted", len(gone))
             await self._publish(gone)
         if claimed:
-            self.reclaimed += claimed
+            self._event("reclaimed", claimed)
             log.info("reclaimed_stale_jobs", count=claimed)
         return claimed
 
@@ -265,7 +264,7 @@ class Reclaimer:
             if await self.delete_consumer(name) >= 0:
                 removed += 1
         if removed:
-            self.consumers_removed += removed
+            self._event("consumer_removed", removed)
             log.info("removed_dead_consumers", count=removed)
         return removed
 
@@ -293,6 +292,6 @@ class Reclaimer:
             return 0
         trimmed = int(await self.client.xtrim(self.cfg.stream, minid=floor, approximate=False))
         if trimmed:
-            self.trimmed += trimmed
+            self._event("trimmed", trimmed)
             log.debug("trimmed_job_stream", entries=trimmed, below=floor)
         return trimmed

@@ -243,6 +243,7 @@ class Worker:
             held=self._held,
             deliver=self._deliver,
             publish_now=self.writer.publish_now,
+            on_event=self.observer.delivery_event,
         )
 
     def _announce_ready(self, device: torch.device) -> None:
