@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import redis
 import torch
 from torch import nn
 
+from tests.cli_runner import run_module
 from tests.worker_harness import tiny_config
 from worker.doctor import (
     SCHEMA,
@@ -155,8 +155,7 @@ async def test_tiny_ops_model_gives_a_launch_bound_hint(redis_url: str, tiny_wei
 
 
 def test_doctor_json_matches_the_documented_schema(redis_url: str, tiny_weights: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
-    env.update(
+    env = dict(
         REDIS_URL=redis_url,
         GPUFEED_MODEL="mobilenet_v3_small",
         GPUFEED_WEIGHTS=str(tiny_weights),
@@ -174,15 +173,7 @@ def test_doctor_json_matches_the_documented_schema(redis_url: str, tiny_weights:
         "--image-size",
         "160x120",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_module("worker", *args, env=env)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)  # stdout holds the report and nothing else
     assert validate(report) == []
@@ -195,8 +186,7 @@ def test_doctor_json_matches_the_documented_schema(redis_url: str, tiny_weights:
 
 
 def test_without_any_redis_it_measures_the_rest(tmp_path: Path, tiny_weights: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
-    env.update(
+    env = dict(
         PATH=str(tmp_path),  # no redis-server to start
         REDIS_URL="redis://127.0.0.1:1/0",  # and nothing answering
         GPUFEED_MODEL="mobilenet_v3_small",
@@ -204,15 +194,7 @@ def test_without_any_redis_it_measures_the_rest(tmp_path: Path, tiny_weights: Pa
         GPUFEED_INPUT_SIZE="64",
         GPUFEED_BATCH_SIZE="4",
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "worker", "doctor", "--json", "--ceiling-seconds", "0.2"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_module("worker", "doctor", "--json", "--ceiling-seconds", "0.2", env=env)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert validate(report) == []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from producer import wire
 from producer.cli import redact
 from producer.client import AsyncProducer, Job, Producer, ResultsTimeout, file_job_ids
 from producer.stats import collect_stats
+from tests.cli_runner import run_module
 from tests.images import jpeg_bytes, png_bytes
 from tests.redis_server import free_port
 
@@ -443,16 +443,7 @@ def test_stats_without_stream_or_group(redis_client: redis.Redis) -> None:
 
 
 def gpufeed(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GPUFEED_"))}
-    return subprocess.run(
-        [sys.executable, "-m", "producer", *args],
-        check=False,
-        cwd=REPO,
-        env={**base, "COLUMNS": "200", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_module("producer", *args, env={"COLUMNS": "200", **(env or {})}, timeout=60)
 
 
 @pytest.fixture

@@ -5,9 +5,7 @@ entry's own fields plus the `dead_*` fields, and a `dead_letter` error result.""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -26,6 +24,7 @@ from producer.client import (
     Job,
     Producer,
 )
+from tests.cli_runner import run_module
 from tests.redis_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -410,16 +409,7 @@ def test_a_replayed_job_round_trips_through_submit_jobs(
 
 
 def gpufeed(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("REDIS_", "GPUFEED_"))}
-    return subprocess.run(
-        [sys.executable, "-m", "producer", *args],
-        check=False,
-        cwd=REPO,
-        env={**base, "COLUMNS": "200", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_module("producer", *args, env={"COLUMNS": "200", **(env or {})}, timeout=60)
 
 
 def test_cli_dead_json_and_table(

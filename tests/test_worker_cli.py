@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.redis_server import free_port
 from worker.config import ConfigError, WorkerConfig
@@ -19,18 +20,10 @@ from worker.config import ConfigError, WorkerConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_worker(*args: str, env: dict[str, str] | None = None, timeout: float = 120):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "worker", *args],
-        cwd=ROOT,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+def run_worker(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return run_module("worker", *args, env=env, timeout=timeout)
 
 
 @pytest.mark.parametrize(
