@@ -131,3 +131,15 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
         rejected=rejected,
         has_own_id=has_own_id,
     )
+
+
+def deleted_entry_job(entry_id: str, default_reply_to: str) -> Job:
+    """A pending entry whose data was deleted (XDEL or a trim): it cannot run, yet it must
+    end with a result. Its own id and reply_to went with its fields, so the entry ID and
+    the default results stream stand in."""
+    job = parse_job(entry_id, {}, default_reply_to)
+    job.rejected = (
+        ErrorCode.ENTRY_DELETED,
+        "the job entry was deleted from the stream while it was pending",
+    )
+    return job

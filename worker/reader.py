@@ -18,8 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer.wire import ErrorCode
-from worker.jobs import Job, parse_job
+from worker.jobs import Job, deleted_entry_job, parse_job
 
 log = structlog.get_logger("gpufeed.reader")
 
@@ -157,13 +156,7 @@ class Reader:
                     backlog_id = entries[-1][0]
             for entry_id, fields in entries:
                 if fields is None:
-                    # Still pending for us, but its data was deleted (XDEL or a trim): the
-                    # job cannot run, yet it must still end with a result.
-                    job = parse_job(entry_id, {}, self.default_reply_to)
-                    job.rejected = (
-                        ErrorCode.ENTRY_DELETED,
-                        "the job entry was deleted from the stream before it was processed",
-                    )
+                    job = deleted_entry_job(entry_id, self.default_reply_to)
                 else:
                     job = parse_job(entry_id, fields, self.default_reply_to)
                 self.in_flight.take(1)

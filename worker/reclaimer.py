@@ -26,7 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.wire import ErrorCode
 from worker.config import WorkerConfig
-from worker.jobs import Job, Outcome, parse_job
+from worker.jobs import Job, Outcome, deleted_entry_job, parse_job
 from worker.reader import InFlight, ensure_group
 from worker.redis_scripts import DELETE_IDLE_CONSUMER, REFRESH_OWNED
 
@@ -161,14 +161,7 @@ class Reclaimer:
             entries = await self.client.xrange(self.cfg.stream, entry_id, entry_id)
             times = int(p["times_delivered"])
             if not entries:
-                job = parse_job(entry_id, {}, self.cfg.results_stream)
-                outcomes.append(
-                    Outcome.failure(
-                        job,
-                        ErrorCode.ENTRY_DELETED,
-                        "the job entry was deleted from the stream before it was processed",
-                    )
-                )
+                outcomes.append(_failure(deleted_entry_job(entry_id, self.cfg.results_stream)))
                 continue
             fields: dict[Any, Any] = entries[0][1] or {}
             job = parse_job(entry_id, fields, self.cfg.results_stream)
@@ -234,12 +227,7 @@ class Reclaimer:
             claimed += 1
         gone: list[Outcome] = []
         for raw_id in deleted:
-            job = parse_job(_s(raw_id), {}, self.cfg.results_stream)
-            o = Outcome.failure(
-                job,
-                ErrorCode.ENTRY_DELETED,
-                "the job entry was deleted from the stream while it was pending",
-            )
+            o = _failure(deleted_entry_job(_s(raw_id), self.cfg.results_stream))
             o.ack_mode = "deleted"
             self.in_flight.take(1)
             gone.append(o)
@@ -295,3 +283,8 @@ class Reclaimer:
             self._event("trimmed", trimmed)
             log.debug("trimmed_job_stream", entries=trimmed, below=floor)
         return trimmed
+
+
+def _failure(job: Job) -> Outcome:
+    assert job.rejected is not None
+    return Outcome.failure(job, *job.rejected)
