@@ -497,8 +497,5 @@ class Worker:
         finally:
             await self.shutdown()
 
-    def snapshot(self) -> dict[str, Any]:
-        return self.observer.snapshot(self.in_flight.count if hasattr(self, "in_flight") else 0)
-
 
 __all__ = ["ConfigError", "RedisUnavailable", "Worker"]
