@@ -34,8 +34,10 @@ def tiny_config(redis_url: str, weights: Path, **overrides: Any) -> WorkerConfig
 
 
 @asynccontextmanager
-async def running_worker(redis_url: str, weights: Path, **overrides: Any) -> AsyncIterator[Worker]:
-    worker = Worker(tiny_config(redis_url, weights, **overrides))
+async def running_worker(
+    redis_url: str, weights: Path, *, decode_delay_s: float = 0.0, **overrides: Any
+) -> AsyncIterator[Worker]:
+    worker = Worker(tiny_config(redis_url, weights, **overrides), decode_delay_s=decode_delay_s)
     task = asyncio.create_task(worker.serve(install_signals=False))
     deadline = time.monotonic() + 120
     while not worker.ready:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from producer import wire
 
@@ -247,12 +248,26 @@ class WorkerConfig:
 
 
 def redact_url(url: str) -> str:
-    if "@" not in url or "://" not in url:
+    """`url` without its password, wherever redis-py would take one from: the user-info
+    part (`redis://user:pw@host`) or the query string (`?password=...`)."""
+    if "://" not in url:
         return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0] if ":" in creds else ""
-    return f"{scheme}://{user}:***@{host}" if user else f"{scheme}://***@{host}"
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        creds, host = netloc.rsplit("@", 1)
+        user = creds.split(":", 1)[0] if ":" in creds else ""
+        netloc = f"{user}:***@{host}" if user else f"***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode(
+            [(k, "***" if k.lower() in _SECRET_PARAMS else v) for k, v in pairs], safe="*/:"
+        )
+    return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+
+
+_SECRET_PARAMS = frozenset({"password", "pass", "pwd", "ssl_password"})
 
 
 def _env(name: str) -> str:

@@ -50,9 +50,8 @@ class Outcome:
     error_code: ErrorCode | None = None
     error_message: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-    # "ack": publish only if this worker's XACK acknowledged the entry; "deleted": the entry
-    # already left the pending list (XAUTOCLAIM reported it deleted), publish as is.
-    ack_mode: str = "ack"
+    # Redis refused to publish it once already (logged then; retries are not logged again).
+    refused_logged: bool = False
     # For a dead letter: the job entry's original fields, copied to the dead-letter stream.
     dead_fields: list[bytes | str] | None = None
 
@@ -86,10 +85,10 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
 
     reply_to = default_reply_to
     rejected: tuple[ErrorCode, str] | None = None
-    if raw_reply:
+    if raw_reply is not None:
         text = _text(raw_reply)
         if text is None or not text.strip():
-            rejected = (ErrorCode.INVALID_JOB, "reply_to is not a UTF-8 stream name")
+            rejected = (ErrorCode.INVALID_JOB, "reply_to is empty or not a UTF-8 stream name")
         else:
             reply_to = text
 

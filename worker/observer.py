@@ -130,12 +130,14 @@ class Observer:
             if state == PublishState.NOT_OURS:
                 self.delivery_event("not_ours")
                 continue
-            if state == PublishState.DUPLICATE_ID:
-                self.delivery_event("duplicate_id")
+            if state == PublishState.ALREADY_ANSWERED:
+                self.delivery_event("already_answered")
                 continue
-            if state < 0:  # refused, or the reply stream was unusable: nothing was written
+            if state < 0:  # the keys were unusable: nothing was written, the job stays pending
                 self.delivery_event("refused")
                 continue
+            if state == PublishState.DUPLICATE_ID:
+                self.delivery_event("duplicate_id")
             job = outcome.job
             if outcome.ok:
                 c.results_ok += 1

@@ -228,7 +228,6 @@ class Reclaimer:
         gone: list[Outcome] = []
         for raw_id in deleted:
             o = _failure(deleted_entry_job(_s(raw_id), self.cfg.results_stream))
-            o.ack_mode = "deleted"
             self.in_flight.take(1)
             gone.append(o)
         if gone:

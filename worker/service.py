@@ -24,6 +24,7 @@ from PIL import Image
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producer import wire
 from producer.wire import ErrorCode
 from worker.batcher import Batch, Batcher
 from worker.compiler import CompileReport, compile_step, still_compiled
@@ -40,6 +41,7 @@ from worker.observer import Observer, heartbeat_key
 from worker.precision_check import PrecisionReport, precision_check
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
+from worker.redis_scripts import CHECK_KEYS
 from worker.runner import Launched, ModelRunner
 from worker.staging import InputRing, OutputRing
 from worker.step import build_step, pick_dtype, resolve_compile_mode
@@ -102,6 +104,7 @@ class Worker:
             cfg.redis_url, socket_keepalive=True, health_check_interval=30
         )
         await self._wait_for_redis(wait_for_redis)
+        await self._check_keys()
         await ensure_group(self.redis, cfg.stream, cfg.group)
         self._build_stages(device)
         self._announce_ready(device)
@@ -205,6 +208,7 @@ class Worker:
                 results_maxlen=cfg.results_maxlen,
                 worker_name=cfg.worker_name,
                 model_name=cfg.model,
+                weights=self.loaded.weights_label,
                 device=str(device),
                 dead_stream=cfg.dead_stream,
                 default_reply_to=cfg.results_stream,
@@ -279,6 +283,24 @@ class Worker:
             decode_threads=self.decode_threads,
             in_flight_limit=self.in_flight.limit,
         )
+
+    async def _check_keys(self) -> None:
+        """Refuse to start (exit 2) when the keys this worker writes are unusable: every job
+        would stay pending otherwise."""
+        cfg = self.config
+        check = self.redis.register_script(CHECK_KEYS)
+        problems = await check(
+            keys=[
+                cfg.stream,
+                cfg.results_stream,
+                cfg.dead_stream,
+                wire.result_key("start-up-check", cfg.result_prefix),
+                heartbeat_key(cfg.worker_name),
+            ]
+        )
+        if problems:
+            listed = "; ".join(p.decode() if isinstance(p, bytes) else str(p) for p in problems)
+            raise ConfigError(f"Redis keys this worker must write are unusable: {listed}")
 
     async def _wait_for_redis(self, wait: bool) -> None:
         backoff_s = 0.2

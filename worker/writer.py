@@ -22,7 +22,7 @@ import msgpack
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoPermissionError, NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import wire
@@ -31,6 +31,9 @@ from worker.jobs import Outcome
 from worker.redis_scripts import PUBLISH_RESULT
 
 log = structlog.get_logger("gpufeed.writer")
+
+REFUSED_BACKOFF_MIN_S = 0.1
+REFUSED_BACKOFF_MAX_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -42,20 +45,38 @@ class WriterSettings:
     results_maxlen: int
     worker_name: str
     model_name: str
+    weights: str = ""
     device: str = "cpu"
     dead_stream: str = wire.DEFAULT_DEAD_STREAM
     default_reply_to: str = wire.DEFAULT_RESULTS_STREAM
 
 
 class PublishState:
-    """What the publish script answered for one outcome."""
+    """What the publish script answered for one outcome (see worker/redis_scripts.py)."""
 
     PUBLISHED = 1
-    NOT_OURS = 0  # another worker (or an earlier try of ours) acknowledged the entry first
-    DUPLICATE_ID = 2  # acknowledged; the job id already had a result, which stands
-    REFUSED = -1  # Redis refused the script for this job (logged with the job id)
-    WRONG_REPLY_TYPE = -2  # its reply_to is not a stream
-    WRONG_DEAD_TYPE = -3  # the dead-letter stream key holds another type
+    DUPLICATE_ID = 2  # published, marked `duplicate_of`: the id's first result stands
+    NOT_OURS = 0  # already answered: another worker (or an earlier try of ours) did it
+    ALREADY_ANSWERED = 3  # acknowledged here; a recreated group served it again
+    REFUSED = -1  # Redis refused the script (e.g. maxmemory): nothing done, tried again
+    REPLY_WRONG_TYPE = -2
+    REPLY_RESERVED = -3
+    REPLY_IS_A_QUEUE = -4
+    REPLY_NOT_PERMITTED = -5
+    DEAD_WRONG_TYPE = -6  # the dead-letter stream key holds another type
+    OWN_KEYS_NOT_PERMITTED = -7  # the worker's Redis user may not write its result keys
+
+    WRITTEN = frozenset({PUBLISHED, DUPLICATE_ID})
+
+
+# Why a reply_to cannot take results, by PublishState: the job is then answered on the
+# default results stream with `invalid_job` and this reason.
+REPLY_PROBLEMS = {
+    PublishState.REPLY_WRONG_TYPE: "holds another type than a stream",
+    PublishState.REPLY_RESERVED: "is one of gpufeed's own keys",
+    PublishState.REPLY_IS_A_QUEUE: "is read by a consumer group (a job queue)",
+    PublishState.REPLY_NOT_PERMITTED: "may not be written by the worker's Redis user",
+}
 
 
 def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | str]:
@@ -71,6 +92,8 @@ def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | st
         wire.RES_ID, job.job_id,
         wire.RES_ENTRY, job.entry_id,
         wire.RES_STATUS, wire.STATUS_OK if outcome.ok else wire.STATUS_ERROR,
+        wire.RES_MODEL, settings.model_name,
+        wire.RES_WEIGHTS, settings.weights,
     ]  # fmt: skip
     if outcome.ok:
         details["top_k"] = outcome.top_indices
@@ -107,12 +130,17 @@ class ResultWriter:
         self._queue: asyncio.Queue[list[Outcome] | None] = asyncio.Queue(max_queued)
         self._script = client.register_script(PUBLISH_RESULT)
         self._on_published = on_published
+        # Outcomes Redis refused (maxmemory): nothing was written for them, and for an entry
+        # that already left the pending list nobody else would answer, so they are tried
+        # again here. They keep their in-flight places, which bounds this list.
+        self._refused: list[Outcome] = []
+        self._refused_backoff_s = REFUSED_BACKOFF_MIN_S
         self.published = 0
         self.duplicates = 0
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._refused)
 
     async def put(self, outcomes: list[Outcome]) -> None:
         if outcomes:
@@ -124,22 +152,43 @@ class ResultWriter:
 
     async def run(self) -> None:
         closing = False
-        while not closing:
-            first = await self._queue.get()
-            if first is None:
-                return
-            pending = list(first)
-            # Coalesce whatever else is ready into the same round trip.
-            while not self._queue.empty() and len(pending) < 1024:
-                more = self._queue.get_nowait()
-                if more is None:
+        while not closing or self._refused:
+            pending: list[Outcome] = []
+            if not closing:
+                first = await self._next(self._refused_backoff_s if self._refused else None)
+                if first is None:
                     closing = True
-                    break
-                pending.extend(more)
-            await self._publish_until_done(pending)
+                else:
+                    pending.extend(first)
+                # Coalesce whatever else is ready into the same round trip.
+                while not closing and not self._queue.empty() and len(pending) < 1024:
+                    more = self._queue.get_nowait()
+                    if more is None:
+                        closing = True
+                    else:
+                        pending.extend(more)
+            elif self._refused:
+                await asyncio.sleep(self._refused_backoff_s)
+            pending.extend(self._take_refused())
+            if pending:
+                await self._publish_until_done(pending)
+
+    async def _next(self, timeout_s: float | None) -> list[Outcome] | None:
+        """The next queued outcomes; [] when `timeout_s` passed first."""
+        if timeout_s is None:
+            return await self._queue.get()
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout_s)
+        except TimeoutError:
+            return []
+
+    def _take_refused(self) -> list[Outcome]:
+        taken, self._refused = self._refused, []
+        return taken
 
     async def publish_now(self, outcomes: list[Outcome]) -> None:
-        """Publish outside the queue and return once Redis took it (retrying outages)."""
+        """Publish outside the queue and return once Redis took it (retrying outages);
+        what Redis refuses is handed to `run`, which tries it again."""
         if outcomes:
             await self._publish_until_done(outcomes)
 
@@ -148,7 +197,7 @@ class ResultWriter:
         outage_logged = False
         while True:
             try:
-                acked = await self.publish(outcomes)
+                states = await self.publish(outcomes)
             except (RedisConnectionError, RedisTimeoutError, NoScriptError, OSError) as exc:
                 if not outage_logged:
                     log.warning("redis_unavailable_for_results", error=str(exc), held=len(outcomes))
@@ -156,38 +205,55 @@ class ResultWriter:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, 2.0)
                 continue
-            if outage_logged:
-                log.info("redis_back_results_published", count=len(outcomes))
-            if self._on_published is not None:
-                self._on_published(outcomes, acked)
-            return
+            break
+        pairs = list(zip(outcomes, states, strict=True))
+        done = [(o, st) for o, st in pairs if st != PublishState.REFUSED]
+        refused = [o for o, st in pairs if st == PublishState.REFUSED]
+        if outage_logged:
+            log.info(
+                "redis_back_results_written",
+                written=sum(1 for _, st in done if st in PublishState.WRITTEN),
+                already_answered=sum(1 for _, st in done if st not in PublishState.WRITTEN),
+                refused=len(refused),
+            )
+        self._refused.extend(refused)
+        self._refused_backoff_s = (
+            min(self._refused_backoff_s * 2, REFUSED_BACKOFF_MAX_S)
+            if refused
+            else REFUSED_BACKOFF_MIN_S
+        )
+        if done and self._on_published is not None:
+            self._on_published([o for o, _ in done], [st for _, st in done])
 
     async def publish(self, outcomes: list[Outcome]) -> list[int]:
         """One pipelined round trip; returns a PublishState per outcome."""
         states = await self._publish_once(outcomes)
-        # A job whose own reply_to Redis refuses (e.g. that key is a hash, not a stream)
-        # would stay pending forever; answer it on the default results stream instead.
+        # A job whose reply_to cannot take results would stay pending forever, or write
+        # into somebody's queue: answer it on the default results stream instead.
+        default = self.settings.default_reply_to
         retry = [
-            (i, self._fallback(outcomes[i]))
+            (i, self._fallback(outcomes[i], REPLY_PROBLEMS[state]))
             for i, state in enumerate(states)
-            if state == PublishState.WRONG_REPLY_TYPE
-            and outcomes[i].job.reply_to != self.settings.default_reply_to
+            if state in REPLY_PROBLEMS and outcomes[i].job.reply_to != default
         ]
         if retry:
             again = await self._publish_once([o for _, o in retry])
             for (i, _), state in zip(retry, again, strict=True):
                 states[i] = state
-        self.published += sum(1 for st in states if st == PublishState.PUBLISHED)
+        self.published += sum(1 for st in states if st in PublishState.WRITTEN)
         self.duplicates += sum(1 for st in states if st == PublishState.DUPLICATE_ID)
         return states
 
-    def _fallback(self, outcome: Outcome) -> Outcome:
+    def _fallback(self, outcome: Outcome, problem: str) -> Outcome:
         job = outcome.job
         bad = job.reply_to
         job.reply_to = self.settings.default_reply_to
-        return Outcome.failure(
-            job, ErrorCode.INVALID_JOB, f"reply_to {bad!r} cannot receive results (not a stream)"
-        )
+        message = f"reply_to {bad!r} cannot receive results: it {problem}"
+        if not outcome.ok:
+            message += f" (the job's own error: {outcome.error_text})"
+        answer = Outcome.failure(job, ErrorCode.INVALID_JOB, message)
+        answer.dead_fields = outcome.dead_fields
+        return answer
 
     async def _publish_once(self, outcomes: list[Outcome]) -> list[int]:
         s = self.settings
@@ -202,14 +268,18 @@ class ResultWriter:
                     job.reply_to,
                     wire.result_key(job.job_id, s.result_prefix),
                     s.dead_stream,
+                    wire.result_key(job.entry_id, s.result_prefix),
                 ],
                 args=[
                     s.group,
                     job.entry_id,
                     s.result_ttl_s,
                     s.results_maxlen,
-                    outcome.ack_mode,
+                    s.result_prefix,
                     "1" if job.has_own_id else "0",
+                    s.model_name,
+                    s.weights,
+                    s.default_reply_to,
                     len(dead),
                     *dead,
                     *result_fields(outcome, s),
@@ -227,31 +297,54 @@ class ResultWriter:
                 # script did not run, so trying again (which reloads it) is safe.
                 if isinstance(reply, RedisConnectionError | RedisTimeoutError | NoScriptError):
                     raise reply
-                log.error(
-                    "result_publish_refused",
-                    job_id=outcome.job.job_id,
-                    entry=outcome.job.entry_id,
-                    error=str(reply),
-                )
+                if isinstance(reply, NoPermissionError):
+                    # Redis checks a script's keys against the ACL before running it. The
+                    # start-up check showed gpufeed's own keys writable, so it is reply_to.
+                    mine = outcome.job.reply_to == s.default_reply_to
+                    states.append(
+                        PublishState.OWN_KEYS_NOT_PERMITTED
+                        if mine
+                        else PublishState.REPLY_NOT_PERMITTED
+                    )
+                    self._log_state(outcome, states[-1])
+                    continue
+                if not outcome.refused_logged:
+                    log.error(
+                        "result_publish_refused",
+                        job_id=outcome.job.job_id,
+                        entry=outcome.job.entry_id,
+                        error=str(reply),
+                        note="nothing was written; it is tried again",
+                    )
+                    outcome.refused_logged = True
                 states.append(PublishState.REFUSED)
                 continue
-            state = int(reply)
-            if state == PublishState.WRONG_REPLY_TYPE:
-                log.error(
-                    "reply_to_not_a_stream",
-                    job_id=outcome.job.job_id,
-                    entry=outcome.job.entry_id,
-                    reply_to=outcome.job.reply_to,
-                )
-            elif state == PublishState.WRONG_DEAD_TYPE:
-                log.error(
-                    "dead_stream_not_a_stream",
-                    job_id=outcome.job.job_id,
-                    dead_stream=self.settings.dead_stream,
-                    note="the job stays pending until GPUFEED_DEAD_STREAM names a stream",
-                )
-            states.append(state)
+            states.append(int(reply))
+            self._log_state(outcome, states[-1])
         write_ms = (time.perf_counter() - start) * 1000
         for outcome in outcomes:
             outcome.job.timings_ms["write"] = write_ms
         return states
+
+    def _log_state(self, outcome: Outcome, state: int) -> None:
+        job = outcome.job
+        if state in REPLY_PROBLEMS:
+            log.error(
+                "reply_to_refused",
+                job_id=job.job_id,
+                entry=job.entry_id,
+                reply_to=job.reply_to,
+                problem=REPLY_PROBLEMS[state],
+            )
+        elif state in (PublishState.DEAD_WRONG_TYPE, PublishState.OWN_KEYS_NOT_PERMITTED):
+            log.error(
+                "result_keys_unusable",
+                job_id=job.job_id,
+                entry=job.entry_id,
+                dead_stream=self.settings.dead_stream,
+                result_prefix=self.settings.result_prefix,
+                problem="the dead-letter stream holds another type"
+                if state == PublishState.DEAD_WRONG_TYPE
+                else "the worker's Redis user may not write its result keys",
+                note="the job stays pending until an operator fixes this",
+            )
