@@ -5,6 +5,7 @@ execute the requests, one on a `redis.Redis`, the other on a `redis.asyncio.Redi
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
@@ -35,6 +36,7 @@ from producer.replies import (
 from producer.waiting import OnResult, ResultsFeed, Waiter
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+REMEMBERED_ENTRIES = 100_000
 
 C = TypeVar("C", bound="redis.Redis | aioredis.Redis")
 T = TypeVar("T")
@@ -66,6 +68,9 @@ class ProducerBase(Generic[C]):
         self.dead_stream = dead_stream
         # Every reply_to used here is watched by wait(); a handful of names, not one per job.
         self._reply_streams: dict[str, None] = {results_stream: None}
+        # The entry of each recent job submitted with its own id, so that wait() tells its
+        # result from another job's with the same id. Bounded: the oldest are forgotten.
+        self._entries: OrderedDict[str, str] = OrderedDict()
         self._owns_client = isinstance(url_or_client, str)
         self.client: C = (
             self._connect(url_or_client) if isinstance(url_or_client, str) else url_or_client
@@ -86,19 +91,25 @@ class ProducerBase(Generic[C]):
         return list(self._reply_streams if streams is None else dict.fromkeys(streams))
 
     # ------------------------------------------------------------------ jobs and results
+    def _remember(self, job: Job, entry_id: bytes | str) -> str:
+        if job.id is None:
+            return text(entry_id)
+        self._entries[job.id] = text(entry_id)
+        self._entries.move_to_end(job.id)
+        while len(self._entries) > REMEMBERED_ENTRIES:
+            self._entries.popitem(last=False)
+        return job.id
+
     def _submit(self, job: Job) -> Steps[str]:
         entry_id = yield call("xadd", self.stream, self._fields(job))
-        return text(entry_id) if job.id is None else job.id
+        return self._remember(job, entry_id)
 
     def _submit_many(self, jobs: Iterable[Job]) -> Steps[list[str]]:
         prepared = [(job, self._fields(job)) for job in jobs]
         if not prepared:
             return []
         entry_ids = yield Batch(tuple(call("xadd", self.stream, f) for _, f in prepared))
-        return [
-            text(e) if job.id is None else job.id
-            for (job, _), e in zip(prepared, entry_ids, strict=True)
-        ]
+        return [self._remember(job, e) for (job, _), e in zip(prepared, entry_ids, strict=True)]
 
     def _get_result(self, id: str) -> Steps[wire.JobResult | None]:
         return stored_result((yield call("hgetall", wire.result_key(id, self.result_prefix))))
@@ -111,7 +122,7 @@ class ProducerBase(Generic[C]):
         on_result: OnResult | None,
         streams: Iterable[str] | None,
     ) -> Steps[dict[str, wire.JobResult]]:
-        w = Waiter(ids, timeout_s, on_result)
+        w = Waiter(ids, timeout_s, on_result, self._entries)
         if not w.pending:
             return {}
         return (yield from w.steps(self._watched(streams), self.result_prefix, raise_on_timeout))

@@ -4,7 +4,7 @@ the replies mean. Nothing here does I/O."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from redis.typing import KeyT, StreamIdT
@@ -41,10 +41,17 @@ class Waiter:
     """The state of one `wait`: what is still missing and where to read next."""
 
     def __init__(
-        self, ids: Iterable[str], timeout_s: float | None, on_result: OnResult | None
+        self,
+        ids: Iterable[str],
+        timeout_s: float | None,
+        on_result: OnResult | None,
+        entries: Mapping[str, str] | None = None,
     ) -> None:
         self.wanted = list(dict.fromkeys(ids))
         self.pending = set(self.wanted)
+        # The stream entry of each id this producer submitted: another job with the same id
+        # (another tenant, an earlier run) has another entry, and its result is not ours.
+        self.entries = {i: entries[i] for i in self.wanted if entries and i in entries}
         self.found: dict[str, wire.JobResult] = {}
         self.cursors: dict[KeyT, StreamIdT] = {}
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -52,7 +59,12 @@ class Waiter:
         self.on_result = on_result
 
     def take(self, result: wire.JobResult | None) -> None:
-        if result is not None and result.id in self.pending:
+        if result is None:
+            return
+        expected = self.entries.get(result.id)
+        if expected is not None and result.entry != expected:
+            return
+        if result.id in self.pending:
             self.pending.discard(result.id)
             self.found[result.id] = result
             if self.on_result is not None:
@@ -111,7 +123,13 @@ class Waiter:
 
     def _check_hashes(self, result_prefix: str) -> Steps[None]:
         for chunk in self.hash_chunks():
-            keys = (wire.result_key(job_id, result_prefix) for job_id in chunk)
+            # A duplicate id's answer is stored under its entry ID, the id's under the id.
+            keys = [wire.result_key(job_id, result_prefix) for job_id in chunk]
+            keys += [
+                wire.result_key(self.entries[job_id], result_prefix)
+                for job_id in chunk
+                if job_id in self.entries
+            ]
             self.take_hashes((yield Batch(tuple(call("hgetall", k) for k in keys))))
 
 

@@ -97,6 +97,13 @@ class JobResult:
     error: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     meta: bytes | None = None
+    # The model and weights that served it.
+    model: str | None = None
+    weights: str | None = None
+    # Set on the answer to a job whose id already had a result (from another entry, the one
+    # named here, served by the same model and weights): that result stands under the id,
+    # and this answer is stored under this job's entry ID.
+    duplicate_of: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -133,6 +140,9 @@ class JobResult:
             error=_text(norm.get(RES_ERROR)) or None,
             details=details,
             meta=norm.get(RES_META),
+            model=_text(norm.get(RES_MODEL)),
+            weights=_text(norm.get(RES_WEIGHTS)),
+            duplicate_of=_text(norm.get(RES_DUPLICATE_OF)),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,4 +163,7 @@ class JobResult:
             "error": self.error,
             "result": self.details,
             "meta": meta,
+            "model": self.model,
+            "weights": self.weights,
+            "duplicate_of": self.duplicate_of,
         }

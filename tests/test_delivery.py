@@ -114,24 +114,6 @@ async def test_an_entry_deleted_while_pending_gets_an_error_result(
     assert redis_client.xpending("gpufeed:jobs", "gpufeed")["pending"] == 0
 
 
-async def test_a_duplicate_id_is_answered_by_the_existing_result(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
-) -> None:
-    async with running_worker(redis_url, tiny_weights):
-        first = redis_client.xadd("gpufeed:jobs", {"id": "dup", "image": jpeg_bytes(seed=1)})
-        await wait_results(redis_client, "gpufeed:results", 1)
-        second = redis_client.xadd("gpufeed:jobs", {"id": "dup", "image": jpeg_bytes(seed=2)})
-        deadline = time.monotonic() + 20
-        while redis_client.xpending("gpufeed:jobs", "gpufeed")["pending"] or (
-            redis_client.xinfo_groups("gpufeed:jobs")[0]["last-delivered-id"] != second
-        ):
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)
-    assert redis_client.xlen("gpufeed:results") == 1
-    assert redis_client.hget("gpufeed:result:dup", "entry") == first
-
-
 async def test_trimming_keeps_pending_and_undelivered_entries(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:

@@ -131,8 +131,9 @@ class Reader:
                     block=None if backlog_id != ">" else self.block_ms,
                 )
             except ResponseError as exc:
-                if "NOGROUP" in str(exc):
-                    # Stream or group deleted under us: recreate and carry on.
+                # The stream or the group was deleted under us (before the read, or while it
+                # blocked: UNBLOCKED): recreate them and carry on.
+                if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
                     log.warning("group_missing_recreating", stream=self.stream, group=self.group)
                     await ensure_group(self.client, self.stream, self.group)
                     continue
