@@ -5,11 +5,18 @@ It starts its own redis-server (append-only file, fsync per write) on a free por
 `--workers` worker processes (`python -m worker`, the tiny random-weights
 mobilenet_v3_small at input 64 unless told otherwise), feeds `--jobs` jobs (about 10% bad:
 not an image, truncated JPEG, empty image, missing fields, id too long, a header announcing
-huge dimensions) and, while they run:
+huge dimensions), with a hostile share (`--hostile-fraction`, about 3%: `reply_to` naming
+the job stream, the dead-letter stream, another job's result key, a hash, another group's
+queue, or a tenant's own results stream; ids that another job already used) and, while they
+run:
 
 - at 25% answered, SIGKILLs worker 0 and starts it again under the same name;
+- at 40%, an XDEL storm: deletes up to 200 entries that workers hold (and some answered);
 - at 50%, stops Redis (SIGTERM) and starts it again on the same port and folder;
 - at 75%, kills Redis (SIGKILL) and starts it again.
+
+An entry deleted while a worker held it must still get exactly one result: its own, or
+`entry_deleted`.
 
 Then it waits for every job to be answered, stops the workers (SIGTERM) and reports: jobs
 in, results out, ok and error counts by code, duplicates (job entries with more than one
@@ -56,7 +63,9 @@ from tests.images import (  # noqa: E402
 )
 from tests.process_harness import (  # noqa: E402
     DEAD,
+    GROUP,
     JOBS,
+    RESULTS,
     ResultTally,
     WorkerProcess,
     pending_of,
@@ -78,23 +87,64 @@ BAD_KINDS: dict[str, str] = {
     "huge_dimensions": "image_too_large",
 }
 
+# Hostile kinds and the outcome each must come back with. A hostile reply_to is answered on
+# the default results stream; the tenant's own stream is a valid one.
+TENANT_RESULTS = "soak:tenant-results"
+QUEUE = "soak:queue"
+NOT_A_STREAM = "soak:not-a-stream"
+HOSTILE_KINDS: dict[str, str] = {
+    "reply_to_job_stream": "invalid_job",
+    "reply_to_dead_stream": "invalid_job",
+    "reply_to_result_key": "invalid_job",
+    "reply_to_hash": "invalid_job",
+    "reply_to_queue": "invalid_job",
+    "tenant_reply_to": "ok",
+    "duplicate_id": "ok",
+}
+HOSTILE_REPLY_TO = {
+    "reply_to_job_stream": JOBS,
+    "reply_to_dead_stream": DEAD,
+    "reply_to_hash": NOT_A_STREAM,
+    "reply_to_queue": QUEUE,
+    "tenant_reply_to": TENANT_RESULTS,
+}
+
 
 # ----------------------------------------------------------------------------- jobs
-def make_jobs(n: int, bad_fraction: float, seed: int) -> list[tuple[str, dict[str, bytes | str]]]:
-    """(kind, fields) for each job; kind is "good" or one of BAD_KINDS."""
+def make_jobs(
+    n: int, bad_fraction: float, seed: int, hostile_fraction: float = 0.0
+) -> list[tuple[str, dict[str, bytes | str]]]:
+    """(kind, fields) for each job; kind is "good", one of BAD_KINDS or HOSTILE_KINDS."""
     rng = random.Random(seed)
     good = [jpeg_bytes(64, 48, seed=s) for s in range(6)]
     good += [jpeg_bytes(320, 240, seed=7), png_bytes(64, 48, seed=8), png_bytes(48, 64, mode="L")]
     truncated = truncated_jpeg_bytes(64, 48)
     huge = png_header_only(100_000, 100_000)
     kinds = list(BAD_KINDS)
+    hostile = list(HOSTILE_KINDS)
     jobs: list[tuple[str, dict[str, bytes | str]]] = []
     for i in range(n):
         job_id = f"soak-{i:07d}"
         meta = f"m{i}".encode()
-        kind = rng.choice(kinds) if rng.random() < bad_fraction else "good"
+        draw = rng.random()
+        if draw < hostile_fraction and i > 0:
+            kind = rng.choice(hostile)
+        elif draw < hostile_fraction + bad_fraction:
+            kind = rng.choice(kinds)
+        else:
+            kind = "good"
         fields: dict[str, bytes | str]
-        if kind == "good":
+        if kind in HOSTILE_REPLY_TO:
+            fields = {"id": job_id, "image": good[i % len(good)], "meta": meta}
+            fields["reply_to"] = HOSTILE_REPLY_TO[kind]
+        elif kind == "reply_to_result_key":
+            fields = {"id": job_id, "image": good[i % len(good)], "meta": meta}
+            fields["reply_to"] = f"gpufeed:result:soak-{rng.randrange(i):07d}"
+        elif kind == "duplicate_id":
+            # The id of an earlier job; the same image, as a retrying producer would send.
+            j = rng.randrange(i)
+            fields = {"id": f"soak-{j:07d}", "image": good[i % len(good)], "meta": meta}
+        elif kind == "good":
             fields = {"id": job_id, "image": good[i % len(good)], "meta": meta}
         elif kind == "not_an_image":
             junk = rng.randbytes(64)
@@ -252,6 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path(".soak/report.json"), help="JSON report")
     p.add_argument("--workdir", type=Path, default=Path(".soak"), help="Redis data, logs")
     p.add_argument("--bad-fraction", type=float, default=0.10, help="share of bad jobs")
+    p.add_argument("--hostile-fraction", type=float, default=0.03, help="share of hostile jobs")
     p.add_argument("--rate", type=float, default=0.0, help="jobs/s to submit; 0: no limit")
     p.add_argument("--backlog", type=int, default=2000, help="max submitted, not answered")
     p.add_argument("--batch-size", type=int, default=8)
@@ -286,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout_s = args.timeout_s or 300 + 0.02 * args.jobs
 
     print(f"preparing {args.jobs} jobs ...", flush=True)
-    jobs = make_jobs(args.jobs, args.bad_fraction, args.seed)
+    jobs = make_jobs(args.jobs, args.bad_fraction, args.seed, args.hostile_fraction)
     kinds_in = Counter(kind for kind, _ in jobs)
 
     server = RedisServer(work / "redis", persistent=True).start()
@@ -321,13 +372,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_faults
         else [
             Fault("worker_sigkill", 0.25),
+            Fault("xdel_storm", 0.40),
             Fault("redis_restart", 0.50, detail={"signal": "SIGTERM"}),
             Fault("redis_restart", 0.75, detail={"signal": "SIGKILL"}),
         ]
     )
     feeder: Feeder | None = None
-    tally = ResultTally()
+    tally = ResultTally(RESULTS, TENANT_RESULTS)
     client = redis.Redis.from_url(server.url)
+    # The keys hostile jobs name: a hash, and another deployment's queue with its group.
+    client.hset(NOT_A_STREAM, "x", "y")
+    client.xgroup_create(QUEUE, "other", id="0", mkstream=True)
+    deleted: set[str] = set()
     all_answered_s: float | None = None
     try:
         print(f"starting {args.workers} workers ...", flush=True)
@@ -380,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
                         launch=launch,
                         t0=t0,
                         args=args,
+                        deleted=deleted,
                     )
             if feeder.finished_s is not None and answered >= args.jobs:
                 all_answered_s = now
@@ -402,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         tally.poll(client)
         pending = pending_of(client)
         dead_letters = int(client.xlen(DEAD))
+        # Hostile reply_to values wrote nothing into keys that are not results streams.
+        untouched = client.xlen(QUEUE) == 0 and client.type(NOT_A_STREAM) == b"hash"
     except (RuntimeError, TimeoutError, OSError, redis.RedisError) as exc:
         print(f"soak could not run: {exc!r}", file=sys.stderr)
         return 2
@@ -417,11 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     entries = feeder.entries
     started = feeder.started_s
     end = all_answered_s or time.monotonic()
-    report = build_report(args, jobs, entries, tally, kinds_in)
+    report = build_report(args, jobs, entries, tally, kinds_in, deleted=deleted)
     elapsed = end - started
     report.update(
         pending_at_end=pending,
         dead_letters=dead_letters,
+        hostile_keys_untouched=untouched,
         elapsed_s=round(elapsed, 2),
         throughput_per_s=round(report["answered"] / elapsed, 1) if elapsed > 0 else None,
         crashes=crashes,
@@ -456,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         or report["duplicates"]
         or report["unexpected"]
         or report["results_out"] != report["jobs_in"]
+        or not untouched
         or crashes
     )
     report["passed"] = not failed
@@ -477,6 +538,7 @@ def inject(
     launch: Any,
     t0: float,
     args: argparse.Namespace,
+    deleted: set[str],
 ) -> None:
     fault.done = True
     fault.at_s = round(time.monotonic() - t0, 1)
@@ -496,6 +558,20 @@ def inject(
         print(f"  {fault.at_s:6.1f}s  SIGKILL {name} (holding {held}), restarting it", flush=True)
         launch(name)
         return
+    if fault.kind == "xdel_storm":
+        # Entries the workers hold, and a few already answered: every one was delivered, so
+        # every one must still end with exactly one result.
+        held = client.xpending_range(JOBS, GROUP, min="-", max="+", count=150)
+        ids = [p["message_id"].decode() for p in held]
+        last = _stream_id(_last_delivered(client))
+        chosen = set(ids)
+        ids += [e for e in feeder.entries[-2000:] if e not in chosen and _stream_id(e) <= last][:50]
+        if ids:
+            client.xdel(JOBS, *ids)
+        deleted.update(ids)
+        fault.detail.update(deleted=len(ids), pending_deleted=len(held))
+        print(f"  {fault.at_s:6.1f}s  XDEL storm: {len(ids)} entries", flush=True)
+        return
     # Redis: never while the feeder is between sending a chunk and reading its replies.
     with feeder.lock:
         print(f"  {fault.at_s:6.1f}s  Redis down ({fault.detail['signal']})", flush=True)
@@ -506,17 +582,35 @@ def inject(
     fault.detail.update(down_s=args.redis_down_s, workers_alive_after=alive)
 
 
+def _last_delivered(client: redis.Redis) -> str:
+    groups = client.xinfo_groups(JOBS)
+    return str(groups[0]["last-delivered-id"].decode()) if groups else "0-0"
+
+
+def _stream_id(entry: str) -> tuple[int, int]:
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def expected_outcome(kind: str) -> str:
+    return "ok" if kind == "good" else {**BAD_KINDS, **HOSTILE_KINDS}[kind]
+
+
 def build_report(
     args: argparse.Namespace,
     jobs: list[tuple[str, dict[str, bytes | str]]],
     entries: list[str],
     tally: ResultTally,
     kinds_in: Counter[str],
+    *,
+    deleted: set[str],
 ) -> dict[str, Any]:
     status: Counter[str] = Counter()
     codes: Counter[str] = Counter()
     unexpected: Counter[str] = Counter()
     examples: list[str] = []
+    after_delete: Counter[str] = Counter()
+    marked_duplicates = 0
     for (kind, fields), entry in zip(jobs, entries, strict=False):
         results = [JobResult.from_fields(f) for f in tally.fields.get(entry, [])]
         for r in results:
@@ -526,9 +620,14 @@ def build_report(
         if not results:
             continue
         r = results[0]
-        want = "ok" if kind == "good" else BAD_KINDS[kind]
+        want = expected_outcome(kind)
         got = "ok" if r.ok else (r.error_code or "?")
+        marked_duplicates += r.duplicate_of is not None
         problem = ""
+        if entry in deleted:
+            after_delete[got] += 1
+            if got == "entry_deleted":
+                continue  # its worker died before answering, or a reclaimer got there first
         if got != want:
             problem = f"{kind}: expected {want}, got {got} ({r.error})"
         elif r.meta != fields.get("meta"):
@@ -537,6 +636,11 @@ def build_report(
             problem = f"{kind}: id {r.id!r}"
         elif kind == "id_too_long" and r.id != entry:
             problem = f"{kind}: answered under {r.id!r}, not the entry ID"
+        elif kind in HOSTILE_KINDS and kind != "tenant_reply_to" and r.duplicate_of is None:
+            if tally.where[entry] != [RESULTS]:
+                problem = f"{kind}: answered on {tally.where[entry]}, not on {RESULTS}"
+        elif kind == "tenant_reply_to" and tally.where[entry] != [TENANT_RESULTS]:
+            problem = f"{kind}: answered on {tally.where[entry]}, not on {TENANT_RESULTS}"
         if problem:
             unexpected[kind] += 1
             if len(examples) < 10:
@@ -562,6 +666,9 @@ def build_report(
         "unexpected": sum(unexpected.values()),
         "unexpected_by_kind": dict(unexpected),
         "unexpected_examples": examples,
+        "deleted_while_held": len(deleted),
+        "answers_after_delete": dict(sorted(after_delete.items())),
+        "marked_duplicate_of": marked_duplicates,
     }
 
 
@@ -616,6 +723,9 @@ def print_report(r: dict[str, Any]) -> None:
         ("missing", str(r["missing"])),
         ("unexpected outcomes", str(r["unexpected"])),
         ("dead letters", str(r["dead_letters"])),
+        ("XDEL storm", f"{r['deleted_while_held']} deleted: {r['answers_after_delete']}"),
+        ("duplicate ids", f"{r['marked_duplicate_of']} answered with duplicate_of"),
+        ("hostile keys", "untouched" if r["hostile_keys_untouched"] else "WRITTEN"),
         ("pending at end", str(r["pending_at_end"])),
         ("elapsed", f"{r['elapsed_s']:.1f} s"),
         ("throughput", f"{r['throughput_per_s']} jobs/s"),

@@ -259,26 +259,33 @@ def submit(
 class ResultTally:
     """Reads a results stream incrementally and counts results per job entry."""
 
-    def __init__(self, stream: str = RESULTS) -> None:
-        self.stream = stream
-        self.cursor = "-"
+    def __init__(self, *streams: str) -> None:
+        self.streams = streams or (RESULTS,)
+        self.cursors = dict.fromkeys(self.streams, "-")
         self.per_entry: Counter[str] = Counter()
         self.fields: dict[str, list[dict[bytes, bytes]]] = {}
+        # The stream each result of an entry was read from.
+        self.where: dict[str, list[str]] = {}
         self.total = 0
 
     def poll(self, client: redis.Redis, page: int = 5000) -> int:
         """Read what arrived since the last call; returns how many results were new."""
+        return sum(self._poll(client, stream, page) for stream in self.streams)
+
+    def _poll(self, client: redis.Redis, stream: str, page: int) -> int:
         new = 0
         while True:
-            start = "-" if self.cursor == "-" else f"({self.cursor}"  # exclusive
-            batch = client.xrange(self.stream, start, "+", count=page)
+            cursor = self.cursors[stream]
+            start = "-" if cursor == "-" else f"({cursor}"  # exclusive
+            batch = client.xrange(stream, start, "+", count=page)
             for raw_id, fields in batch:
                 entry = fields.get(b"entry", b"").decode()
                 self.per_entry[entry] += 1
                 self.fields.setdefault(entry, []).append(fields)
+                self.where.setdefault(entry, []).append(stream)
                 self.total += 1
                 new += 1
-                self.cursor = raw_id.decode()
+                self.cursors[stream] = raw_id.decode()
             if len(batch) < page:
                 return new
 
