@@ -21,7 +21,8 @@ from producer.wire import JobResult
 from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer
 from tests.worker_harness import running_worker, wait_results
-from worker.jobs import Outcome, deleted_entry_job
+from worker.config import WorkerConfig
+from worker.jobs import Outcome, deleted_entry_job, parse_job
 from worker.model_loader import save_weights_file
 from worker.writer import ResultWriter, WriterSettings
 
@@ -273,3 +274,28 @@ async def test_results_held_through_a_redis_restart_that_lost_everything_are_wri
     finally:
         client.close()
         server.stop()
+
+
+@pytest.mark.parametrize("reply_to", [b"", b"   ", b"\xff\xfe"])
+def test_an_empty_or_unreadable_reply_to_is_an_invalid_job(reply_to: bytes) -> None:
+    job = parse_job("1-0", {b"image": SMALL, b"reply_to": reply_to}, "gpufeed:results")
+    assert job.rejected is not None and job.rejected[0].value == "invalid_job"
+    assert job.reply_to == "gpufeed:results"  # answered where the caller can find it
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://host/0?username=bob&password=s3cret", "redis://host/0?username=bob&password=***"),
+        ("redis://bob:s3cret@host:6380/0", "redis://bob:***@host:6380/0"),
+        (
+            "rediss://:s3cret@host/0?ssl_ca_certs=/etc/ca.crt",
+            "rediss://***@host/0?ssl_ca_certs=/etc/ca.crt",
+        ),
+        ("unix:///run/redis.sock?password=s3cret&db=2", "unix:///run/redis.sock?password=***&db=2"),
+    ],
+)
+def test_a_password_in_the_redis_url_never_reaches_the_log(url: str, shown: str) -> None:
+    config = WorkerConfig.load(env={"REDIS_URL": url})
+    assert "s3cret" not in str(config.summary())
+    assert config.summary()["redis_url"] == shown

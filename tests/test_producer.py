@@ -288,8 +288,47 @@ def test_wait_watches_the_reply_to_stream_of_submitted_jobs(
     producer: Producer, redis_client: redis.Redis, later: Later
 ) -> None:
     producer.submit(b"x", id="r1", reply_to="team:results")
-    later(0.2, lambda: publish_result(redis_client, "r1", stream="team:results", to_hash=False))
+    entry = redis_client.xrange("gpufeed:jobs")[-1][0].decode()
+    later(
+        0.2,
+        lambda: publish_result(
+            redis_client, "r1", entry=entry, stream="team:results", to_hash=False
+        ),
+    )
     assert producer.wait(["r1"], timeout_s=5)["r1"].ok
+
+
+def test_wait_takes_its_own_jobs_answer_not_another_with_the_same_id(
+    producer: Producer, redis_client: redis.Redis, later: Later
+) -> None:
+    # Another tenant's job used the id first: its result stands under the id.
+    publish_result(redis_client, "same", entry="1-1", meta=b"theirs")
+    producer.submit(b"x", id="same", meta=b"mine")
+    entry = redis_client.xrange("gpufeed:jobs")[-1][0].decode()
+    # Ours is answered as a duplicate: on the stream, and under its entry ID.
+    later(
+        0.2,
+        lambda: (
+            publish_result(
+                redis_client, "same", entry=entry, to_hash=False, meta=b"mine", duplicate_of="1-1"
+            ),
+            redis_client.hset(
+                wire.result_key(entry),
+                mapping={
+                    "id": "same",
+                    "entry": entry,
+                    "status": "ok",
+                    "meta": b"mine",
+                    "duplicate_of": "1-1",
+                },
+            ),
+        ),
+    )
+    mine = producer.wait_one("same", timeout_s=5)
+    assert mine.entry == entry and mine.meta == b"mine" and mine.duplicate_of == "1-1"
+    # Its answer is also found in the hashes alone (a stream it does not watch).
+    redis_client.delete("gpufeed:results")
+    assert producer.wait_one("same", timeout_s=5).entry == entry
 
 
 def test_wait_times_out_with_partial_results_or_raises(
@@ -357,8 +396,9 @@ async def test_async_producer_round_trip(redis_url: str, redis_client: redis.Red
 
         async def worker() -> None:
             await asyncio.sleep(0.2)
-            await asyncio.to_thread(publish_result, redis_client, "a")
-            await asyncio.to_thread(publish_result, redis_client, first, meta=b"m")
+            a_entry = stored[1][0]
+            await asyncio.to_thread(publish_result, redis_client, "a", entry=a_entry)
+            await asyncio.to_thread(publish_result, redis_client, first, entry=first, meta=b"m")
 
         task = asyncio.create_task(worker())
         results = await p.wait([first, "a", "b"], timeout_s=1)
