@@ -60,6 +60,7 @@ class ErrorCode(str, enum.Enum):
     UNSUPPORTED_FORMAT = "unsupported_format"  # bytes are not an image format we decode
     IMAGE_TOO_LARGE = "image_too_large"  # header announces dimensions over the pixel limit
     DECODE_ERROR = "decode_error"  # truncated or corrupt image data
+    DECODE_TIMEOUT = "decode_timeout"  # decoding ran past the per-image decode budget
     PATH_DISABLED = "path_disabled"  # a path job, but the worker has no path root
     FORBIDDEN_PATH = "forbidden_path"  # path resolves outside the allowed root
     PATH_NOT_FOUND = "path_not_found"  # path under the root, but no readable file there

@@ -43,6 +43,7 @@ WHEELS=(
   "pytest-asyncio==1.2.0"
   "pytest-timeout==2.4.0"
   "typing_extensions==4.15.0"
+  "simplejpeg==1.9.0"
 )
 download() {
   $PIP download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \

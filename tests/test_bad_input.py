@@ -18,7 +18,17 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from producer.wire import MAX_ID_BYTES, JobResult
-from tests.images import encode, jpeg_bytes, photo_like, png_bytes, png_header_only
+from tests.images import (
+    blank_png_bytes,
+    encode,
+    jpeg_bytes,
+    jpeg_cut_short_with_eoi,
+    jpeg_with_zeroed_scan,
+    photo_like,
+    png_bytes,
+    png_header_only,
+    rle_bmp_bytes,
+)
 from tests.worker_harness import running_worker, wait_results
 from worker.jobs import parse_job
 
@@ -73,6 +83,12 @@ async def test_the_bad_input_matrix(
         "zero-sized": ({"image": png_header_only(0, 0)}, "decode_error"),
         "one-pixel": ({"image": png_bytes(1, 1)}, None),
         "bomb-header": ({"image": png_header_only(100_000, 100_000)}, "image_too_large"),
+        # 5 KB, 30 s of Pillow's pure-Python RLE decoder: refused from the header.
+        "slow-rle-bmp": ({"image": rle_bmp_bytes(100_000, 1000)}, "image_too_large"),
+        # 35 KB of PNG that would take 69 MiB to decode, over the worker's 64 MiB.
+        "decode-memory": ({"image": blank_png_bytes(3000, 3000, "RGBA")}, "image_too_large"),
+        "jpeg-cut-with-eoi": ({"image": jpeg_cut_short_with_eoi()}, "decode_error"),
+        "jpeg-zeroed-scan": ({"image": jpeg_with_zeroed_scan()}, "decode_error"),
         "over-byte-limit": ({"image": b"\xff\xd8\xff" + big}, "payload_too_large"),
         "grey": ({"image": png_bytes(40, 30, mode="L")}, None),
         "rgba": ({"image": png_bytes(40, 30, mode="RGBA")}, None),
@@ -90,7 +106,12 @@ async def test_the_bad_input_matrix(
     }
     long_id = "x" * (MAX_ID_BYTES + 1)
     async with running_worker(
-        redis_url, tiny_weights, path_root=root, max_image_bytes=200_000, batch_size=4
+        redis_url,
+        tiny_weights,
+        path_root=root,
+        max_image_bytes=200_000,
+        max_decode_mb=64,
+        batch_size=4,
     ):
         for job_id, (fields, _) in cases.items():
             redis_client.xadd("gpufeed:jobs", {"id": job_id, **fields})

@@ -48,6 +48,14 @@ def test_eviction_keeps_the_recently_used_within_the_byte_bound() -> None:
     assert len(cache) == 3 and cache.size_bytes == 3 * one
 
 
+def test_keys_differ_per_reply_stream() -> None:
+    assert cache_key(b"img", "tenant-a:results") == cache_key(b"img", "tenant-a:results")
+    assert cache_key(b"img", "tenant-a:results") != cache_key(b"img", "tenant-b:results")
+    assert cache_key(b"img", "a") != cache_key(b"img", "")
+    # The stream name is length-prefixed: moving bytes between name and image changes the key.
+    assert cache_key(b"bc", "a") != cache_key(b"c", "ab")
+
+
 def test_off_when_the_bound_is_zero() -> None:
     cache = DecodeCache(max_bytes=0)
     cache.put(cache_key(b"a"), row(1), INFO)
@@ -92,3 +100,28 @@ async def test_a_repeated_image_comes_from_the_cache_with_the_same_answer(
     assert results["other"].details["cached"] is False
     assert results["again"].details["scores"] == results["first"].details["scores"]
     assert results["again"].details["width"] == 640
+
+
+async def test_a_hit_never_crosses_reply_streams(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """`cached` (and a near-zero decode time) must not tell a tenant that another tenant
+    sent the same bytes: each reply stream has its own cache entries."""
+    data = jpeg_bytes(640, 480, seed=5)
+    async with running_worker(redis_url, tiny_weights, batch_size=4) as worker:
+        redis_client.xadd("gpufeed:jobs", {"id": "a1", "image": data, "reply_to": "tenant-a:out"})
+        await wait_results(redis_client, "tenant-a:out", 1)
+        redis_client.xadd("gpufeed:jobs", {"id": "b1", "image": data, "reply_to": "tenant-b:out"})
+        await wait_results(redis_client, "tenant-b:out", 1)
+        redis_client.xadd("gpufeed:jobs", {"id": "a2", "image": data, "reply_to": "tenant-a:out"})
+        await wait_results(redis_client, "tenant-a:out", 2)
+        assert worker.decode_cache.hits == 1
+    results = {
+        r.id: r
+        for stream in ("tenant-a:out", "tenant-b:out")
+        for r in (JobResult.from_fields(f) for _, f in redis_client.xrange(stream))
+    }
+    assert results["a1"].details["cached"] is False
+    assert results["b1"].details["cached"] is False
+    assert results["a2"].details["cached"] is True
+    assert results["b1"].details["scores"] == results["a1"].details["scores"]

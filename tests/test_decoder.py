@@ -16,12 +16,16 @@ from PIL import Image, ImageOps
 
 from producer.wire import ErrorCode
 from tests.images import (
+    blank_png_bytes,
     encode,
     jpeg_bytes,
+    jpeg_cut_short_with_eoi,
+    jpeg_with_zeroed_scan,
     photo_like,
     png_bytes,
     png_chunk,
     png_header_only,
+    rle_bmp_bytes,
     truncated_jpeg_bytes,
 )
 from worker.decoder import (
@@ -30,6 +34,7 @@ from worker.decoder import (
     DecodeSpec,
     decode_into,
     decode_to_array,
+    decoded_bytes,
     sniff_format,
 )
 
@@ -554,6 +559,141 @@ def test_header_only_png_within_limits_is_a_decode_error() -> None:
     assert decode_error(png_header_only(100, 100)).code is ErrorCode.DECODE_ERROR
 
 
+# --- slow decoders and decode memory -------------------------------------------------------
+
+
+@pytest.fixture
+def worker_pixel_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pillow's own bomb limit raised to the worker's default, as the worker does at start-up
+    (100 M pixels would warn, and warnings are errors in this suite)."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100_000_000)
+
+
+@pytest.mark.usefixtures("worker_pixel_limit")
+@pytest.mark.parametrize("rle4", [False, True], ids=["rle8", "rle4"])
+def test_big_rle_bmp_is_refused_from_its_header(rle4: bool) -> None:
+    # 5 KB, under the pixel limit, ~30 s in Pillow's pure-Python RLE decoder: refused at once.
+    data = rle_bmp_bytes(100_000, 1000, rle4=rle4)
+    assert len(data) < 6000
+    err = decode_error(data)
+    assert err.code is ErrorCode.IMAGE_TOO_LARGE
+    assert "100000x1000" in err.message and "RLE" in err.message
+
+
+def test_small_rle_bmp_still_decodes() -> None:
+    out, info = decode(rle_bmp_bytes(300, 200))
+    assert info == DecodeInfo(format="BMP", width=300, height=200, draft_scale=1)
+    assert out.max() <= 7  # one pixel of grey 7 a row, the rest black
+
+
+def test_rle_limit_is_inclusive() -> None:
+    data = rle_bmp_bytes(100, 50)
+    decode(data, DecodeSpec(size=S, max_slow_decoder_pixels=5000))
+    err = decode_error(data, DecodeSpec(size=S, max_slow_decoder_pixels=4999))
+    assert err.code is ErrorCode.IMAGE_TOO_LARGE
+
+
+def test_uncompressed_bmp_has_no_slow_decoder_limit() -> None:
+    data = encode(photo_like(100, 50), "BMP")
+    _, info = decode(data, DecodeSpec(size=S, max_slow_decoder_pixels=0))
+    assert info.format == "BMP"
+
+
+@pytest.mark.usefixtures("worker_pixel_limit")
+def test_huge_rgba_png_is_refused_for_its_decode_memory() -> None:
+    # 390 KB of PNG that Pillow would inflate to 400 MB, then copy to RGB: 800 MB.
+    data = blank_png_bytes(10_000, 10_000, "RGBA")
+    assert len(data) < 400_000
+    err = decode_error(data, DecodeSpec(size=S, max_pixels=100_000_000))
+    assert err.code is ErrorCode.IMAGE_TOO_LARGE
+    assert "10000x10000 RGBA" in err.message
+    assert "763 MiB" in err.message and "512 MiB" in err.message
+
+
+@pytest.mark.parametrize(
+    ("mode", "per_pixel"), [("L", 1), ("RGB", 4), ("P", 5), ("RGBA", 8), ("I;16", 6)]
+)
+def test_decoded_bytes_counts_pillow_storage_and_the_rgb_copy(mode: str, per_pixel: int) -> None:
+    assert decoded_bytes(mode, 30, 20) == 600 * per_pixel
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA", "P"])
+def test_decode_memory_limit_is_inclusive(mode: str) -> None:
+    img = photo_like(40, 30).convert(mode)
+    data = encode(img, "PNG")
+    with Image.open(io.BytesIO(data)) as check:
+        need = decoded_bytes(check.mode, 40, 30)
+    decode(data, DecodeSpec(size=S, max_decode_bytes=need))
+    err = decode_error(data, DecodeSpec(size=S, max_decode_bytes=need - 1))
+    assert err.code is ErrorCode.IMAGE_TOO_LARGE
+
+
+def test_decode_memory_is_counted_at_the_dct_scale(big_jpeg: bytes) -> None:
+    # 4000x3000 RGB is 46 MiB at full scale; DCT-scaled to 1/8 (500x375) it is 0.7 MiB.
+    limit = 2 * 1024 * 1024
+    _, info = decode(big_jpeg, DecodeSpec(size=S, max_decode_bytes=limit))
+    assert info.draft_scale == 8
+    err = decode_error(big_jpeg, DecodeSpec(size=S, max_decode_bytes=limit, dct_scaling=False))
+    assert err.code is ErrorCode.IMAGE_TOO_LARGE
+    assert "4000x3000" in err.message
+
+
+# --- JPEG data that ends before the image ----------------------------------------------------
+
+
+def cut_short(data: bytes) -> bytes:
+    sos = data.index(b"\xff\xda")
+    return data[: (sos + len(data)) // 2] + b"\xff\xd9"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        jpeg_cut_short_with_eoi(),
+        jpeg_cut_short_with_eoi(1200, 900),  # DCT-scaled
+        jpeg_cut_short_with_eoi(subsampling=0),  # 4:4:4
+        cut_short(encode(photo_like(320, 240).convert("L"), "JPEG")),
+        cut_short(encode(photo_like(320, 240).convert("CMYK"), "JPEG")),
+        jpeg_with_zeroed_scan(),
+        jpeg_with_zeroed_scan(1200, 900),
+    ],
+    ids=["cut", "cut-scaled", "cut-444", "cut-grey", "cut-cmyk", "zeroed", "zeroed-scaled"],
+)
+def test_jpeg_data_ending_before_the_image_is_a_decode_error(data: bytes) -> None:
+    # Pillow decodes each of these without a word, the missing part as flat grey.
+    with Image.open(io.BytesIO(data)) as im:
+        im.load()
+    err = decode_error(data)
+    assert err.code is ErrorCode.DECODE_ERROR
+    assert "ends before the image does" in err.message
+    assert "premature end" in err.message
+
+
+def test_jpeg_ending_in_grey_is_not_taken_for_damage() -> None:
+    # A grey letterbox puts libjpeg's fill colour in the last pixel of a whole image.
+    img = Image.new("RGB", (320, 240), (128, 128, 128))
+    img.paste(photo_like(320, 160), (0, 0))
+    out, _ = decode(encode(img, "JPEG", quality=95))
+    assert_colour(out[-4:], (128, 128, 128), tol=1.0)
+
+
+def test_jpeg_with_a_zero_run_in_its_scan_is_not_taken_for_damage() -> None:
+    # A large flat area under optimised Huffman tables encodes to runs of zero bytes.
+    img = Image.new("RGB", (2000, 1500), (30, 60, 90))
+    img.paste(photo_like(200, 150), (0, 0))
+    data = encode(img, "JPEG", optimize=True)
+    assert data.find(bytes(64), data.index(b"\xff\xda")) > 0
+    out, _ = decode(data)
+    assert_colour(out[-8:], (30, 60, 90), tol=3.0)
+
+
+def test_zero_padding_in_exif_is_not_scan_data() -> None:
+    data = encode(photo_like(320, 240), "JPEG", exif=Image.Exif().tobytes() + bytes(200))
+    assert data.find(bytes(64)) < data.index(b"\xff\xda")
+    _, info = decode(data)
+    assert info.width == 320
+
+
 # --- the output buffer ---------------------------------------------------------------------
 
 
@@ -594,7 +734,14 @@ def test_read_only_output_buffer() -> None:
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"size": 0}, {"size": 8, "max_bytes": 0}, {"size": 8, "max_pixels": 0}]
+    "kwargs",
+    [
+        {"size": 0},
+        {"size": 8, "max_bytes": 0},
+        {"size": 8, "max_pixels": 0},
+        {"size": 8, "max_decode_bytes": 0},
+        {"size": 8, "max_slow_decoder_pixels": -1},
+    ],
 )
 def test_spec_validation(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):

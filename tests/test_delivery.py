@@ -55,10 +55,9 @@ async def test_a_slow_batch_on_a_live_worker_is_not_reclaimed(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
     # Worker A decodes slowly: 2.5 s per image, well past the 1 s visibility timeout.
-    async with (
-        running_worker(redis_url, tiny_weights, worker_name="slow", **FAST) as slow,
+    async with running_worker(
+        redis_url, tiny_weights, worker_name="slow", decode_delay_s=2.5, **FAST
     ):
-        slow.decoder._delay_hook = lambda: time.sleep(2.5)
         redis_client.xadd("gpufeed:jobs", {"id": "slow-1", "image": jpeg_bytes()})
         await asyncio.sleep(0.3)  # A has read it
         async with running_worker(redis_url, tiny_weights, worker_name="fast", **FAST) as fast:

@@ -3,19 +3,23 @@
 Each job gets a row of a staging slot *before* it is decoded, so the decode thread writes its
 pixels straight into the buffer that will be copied to the device. A batch is sealed when all
 B rows are taken or when `max_wait_s` has passed since its first row; rows never taken (and
-rows whose decode failed) are padding, masked out of the results. The compiled model always
-sees the same shape, so it never recompiles and cuDNN never re-tunes.
+rows whose decode failed or ran past the decode budget) are padding, masked out of the
+results. The compiled model always sees the same shape, so it never recompiles and cuDNN
+never re-tunes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from worker.decode_pool import DecodePool, DecodeResult
 from worker.jobs import Job
 from worker.staging import InputRing, InputSlot
+
+SettleFn = Callable[[Sequence[asyncio.Future[DecodeResult]]], Awaitable[list[DecodeResult]]]
 
 
 @dataclass(eq=False)
@@ -29,10 +33,15 @@ class Batch:
     opened_s: float
     sealed_s: float = 0.0
     results: list[DecodeResult] = field(default_factory=list)
+    # The decode pool's wait, which gives up rows over the decode budget; None: wait for all.
+    settle: SettleFn | None = None
 
     async def decoded(self) -> list[DecodeResult]:
         if not self.results:
-            self.results = list(await asyncio.gather(*self.futures))
+            if self.settle is not None:
+                self.results = await self.settle(self.futures)
+            else:
+                self.results = list(await asyncio.gather(*self.futures))
         return self.results
 
     @property
@@ -100,7 +109,12 @@ class Batcher:
             slot = await self.ring.acquire()
             self._seq += 1
             self._open = Batch(
-                seq=self._seq, slot=slot, jobs=[], futures=[], opened_s=time.monotonic()
+                seq=self._seq,
+                slot=slot,
+                jobs=[],
+                futures=[],
+                opened_s=time.monotonic(),
+                settle=self.decoder.settle,
             )
         batch = self._open
         row = len(batch.jobs)

@@ -82,6 +82,8 @@ class WorkerConfig:
         default=50 * 1024 * 1024, metadata={"env": "GPUFEED_MAX_IMAGE_BYTES"}
     )
     max_image_pixels: int = field(default=100_000_000, metadata={"env": "GPUFEED_MAX_IMAGE_PIXELS"})
+    max_decode_mb: int = field(default=512, metadata={"env": "GPUFEED_MAX_DECODE_MB"})
+    decode_budget_ms: float = field(default=10000.0, metadata={"env": "GPUFEED_DECODE_BUDGET_MS"})
     path_root: Path | None = field(default=None, metadata={"env": "GPUFEED_PATH_ROOT"})
 
     # Delivery
@@ -195,6 +197,16 @@ class WorkerConfig:
         need(2 <= self.ring_slots <= 64, "GPUFEED_RING_SLOTS", "must be between 2 and 64")
         need(self.max_image_bytes >= 1024, "GPUFEED_MAX_IMAGE_BYTES", "must be at least 1024")
         need(self.max_image_pixels >= 1, "GPUFEED_MAX_IMAGE_PIXELS", "must be at least 1")
+        need(
+            1 <= self.max_decode_mb <= 1_048_576,
+            "GPUFEED_MAX_DECODE_MB",
+            "must be between 1 and 1048576",
+        )
+        need(
+            1 <= self.decode_budget_ms <= 3_600_000,
+            "GPUFEED_DECODE_BUDGET_MS",
+            "must be between 1 and 3600000",
+        )
         if self.path_root is not None:
             need(
                 self.path_root.is_dir(), "GPUFEED_PATH_ROOT", f"{self.path_root} is not a directory"

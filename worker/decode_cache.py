@@ -6,6 +6,10 @@ jobs). Decoding a 4000x3000 JPEG costs tens of milliseconds of CPU; copying a ca
 1 GB/s, so negligible next to a decode), and the cache holds rows, not tensors on the
 device, so it costs host memory only and never touches the hot path's buffers.
 
+The key includes the job's reply stream: a hit shows in the result (`cached`, and a decode
+time near zero), so a cache shared between reply streams would tell one tenant that another
+sent the same bytes recently. Jobs answered on the same stream share their hits.
+
 Thread-safe: decode threads call it concurrently.
 """
 
@@ -21,8 +25,15 @@ import numpy.typing as npt
 from worker.decoder import DecodeInfo
 
 
-def cache_key(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
+def cache_key(data: bytes, namespace: str = "") -> bytes:
+    """The key of `data` decoded for jobs answered on `namespace` (their reply stream)."""
+    h = hashlib.blake2b(digest_size=16)
+    name = namespace.encode("utf-8", "surrogatepass")
+    # Length-prefixed, so that no (namespace, data) pair can collide with another.
+    h.update(len(name).to_bytes(4, "big"))
+    h.update(name)
+    h.update(data)
+    return h.digest()
 
 
 class DecodeCache:
@@ -47,8 +58,9 @@ class DecodeCache:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def get_into(self, key: bytes, out: npt.NDArray[np.uint8]) -> DecodeInfo | None:
-        """Copy the cached row for `key` into `out` and return its info; None on a miss."""
+    def get(self, key: bytes) -> tuple[npt.NDArray[np.uint8], DecodeInfo] | None:
+        """The cached row for `key` (read-only: never modified after insertion) and its
+        info; None on a miss."""
         with self._lock:
             entry = self._rows.get(key)
             if entry is None:
@@ -56,7 +68,14 @@ class DecodeCache:
                 return None
             self._rows.move_to_end(key)
             self.hits += 1
-            row, info = entry
+            return entry
+
+    def get_into(self, key: bytes, out: npt.NDArray[np.uint8]) -> DecodeInfo | None:
+        """Copy the cached row for `key` into `out` and return its info; None on a miss."""
+        entry = self.get(key)
+        if entry is None:
+            return None
+        row, info = entry
         # The row is never modified after insertion, so copying outside the lock is safe.
         np.copyto(out, row)
         return info
@@ -67,6 +86,7 @@ class DecodeCache:
         if not self.enabled or size > self.max_bytes:
             return
         copy = row.copy()
+        copy.flags.writeable = False
         with self._lock:
             old = self._rows.pop(key, None)
             if old is not None:

@@ -10,6 +10,11 @@ with antialias, shorter side to S, long side truncated to an int, crop offsets r
 model trained with the standard torchvision transforms sees the same pixels here, except that
 large JPEGs are decoded DCT-scaled first (libjpeg's 1/2, 1/4, 1/8 decode), which trades a
 little fidelity for a several-fold cheaper decode.
+
+What a hostile image can cost is bounded before any pixel is decoded: the pixel limit, the
+memory its pixels would take in Pillow (at the DCT scale that would be used), and a size
+limit for the decoders Pillow implements in Python (RLE-compressed BMP), which run about a
+hundred times slower than its C codecs.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import simplejpeg  # type: ignore[import-untyped]
 from PIL import (
     BmpImagePlugin,
     GifImagePlugin,
     Image,
+    ImageFile,
     JpegImagePlugin,
     PngImagePlugin,
     UnidentifiedImageError,
@@ -65,12 +72,19 @@ class DecodeSpec:
     ``2 * Image.MAX_IMAGE_PIXELS`` (about 179 M pixels by default); such images are reported
     as ``image_too_large`` as well. A deployment wanting a ``max_pixels`` above that must raise
     ``Image.MAX_IMAGE_PIXELS`` once at startup: this module never touches it at call time.
+
+    ``max_decode_bytes`` bounds the memory of one decode: the decoded frame as Pillow holds it
+    (see `decoded_bytes`), at the DCT scale that would be used, plus the copy that converts
+    it to RGB; also checked from the header. ``max_slow_decoder_pixels`` bounds images whose
+    Pillow decoder is written in Python (RLE-compressed BMP): about 0.3 s a million pixels.
     """
 
     size: int
     max_bytes: int = 50 * 1024 * 1024
     max_pixels: int = 100_000_000
     dct_scaling: bool = True
+    max_decode_bytes: int = 512 * 1024 * 1024
+    max_slow_decoder_pixels: int = 1_000_000
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -79,6 +93,12 @@ class DecodeSpec:
             raise ValueError(f"max_bytes must be >= 1 (got {self.max_bytes})")
         if self.max_pixels < 1:
             raise ValueError(f"max_pixels must be >= 1 (got {self.max_pixels})")
+        if self.max_decode_bytes < 1:
+            raise ValueError(f"max_decode_bytes must be >= 1 (got {self.max_decode_bytes})")
+        if self.max_slow_decoder_pixels < 0:
+            raise ValueError(
+                f"max_slow_decoder_pixels must be >= 0 (got {self.max_slow_decoder_pixels})"
+            )
 
 
 class DecodeError(Exception):
@@ -136,12 +156,36 @@ def decode_into(data: bytes, out: npt.NDArray[np.uint8], spec: DecodeSpec) -> De
     Raises DecodeError for any input that is not a usable image, and nothing else for any
     byte string (a ValueError means the caller passed a wrong `out`).
     """
+    check_row(out, spec)
+    pixels, info = decode_pixels(data, spec)
+    write_row(out, pixels)
+    return info
+
+
+def check_row(out: npt.NDArray[np.uint8], spec: DecodeSpec) -> None:
+    """Raise ValueError unless `out` is a writable (S, S, 3) uint8 row for `spec`."""
     s = spec.size
     if out.shape != (s, s, 3) or out.dtype != np.uint8:
         raise ValueError(f"out must be uint8 of shape {(s, s, 3)}, got {out.dtype} {out.shape}")
     if not out.flags.writeable:
         raise ValueError("out must be writable")
 
+
+def write_row(out: npt.NDArray[np.uint8], pixels: npt.NDArray[np.uint8]) -> None:
+    """Copy what `decode_pixels` returned into a staging row: (S, S) grey or (S, S, 3)."""
+    if pixels.ndim == 2:
+        np.copyto(out, pixels[:, :, np.newaxis])
+    else:
+        np.copyto(out, pixels)
+
+
+def decode_pixels(data: bytes, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8], DecodeInfo]:
+    """Decode `data` into a private (S, S) grey or (S, S, 3) RGB array, not yet in any row.
+
+    The decode pool writes the array into its staging row only if the batch still waits
+    for it (`write_row`): a decode that ran past its budget must not touch a row that a
+    later batch may own by then. Raises DecodeError, and nothing else, for any byte string.
+    """
     if len(data) == 0:
         raise DecodeError(ErrorCode.EMPTY_IMAGE, "the image is empty")
     if len(data) > spec.max_bytes:
@@ -154,7 +198,7 @@ def decode_into(data: bytes, out: npt.NDArray[np.uint8], spec: DecodeSpec) -> De
         raise DecodeError(ErrorCode.UNSUPPORTED_FORMAT, "not a JPEG, PNG, WebP, BMP or GIF image")
 
     try:
-        pixels, info = _decode(data, fmt, spec)
+        return _decode(data, fmt, spec)
     except DecodeError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -169,12 +213,6 @@ def decode_into(data: bytes, out: npt.NDArray[np.uint8], spec: DecodeSpec) -> De
         # and more, as its fuzzers keep finding); whatever the type, one bad image must
         # fail alone, as a decode_error, never as a worker error.
         raise DecodeError(ErrorCode.DECODE_ERROR, _message(exc, fmt)) from None
-
-    if pixels.ndim == 2:
-        np.copyto(out, pixels[:, :, np.newaxis])
-    else:
-        np.copyto(out, pixels)
-    return info
 
 
 def _decode(data: bytes, fmt: str, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8], DecodeInfo]:
@@ -201,7 +239,10 @@ def _decode(data: bytes, fmt: str, spec: DecodeSpec) -> tuple[npt.NDArray[np.uin
             if drafted is not None:
                 draft_scale = max(1, round(width / drafted[1][2]))
 
+        _check_cost(im, spec, width, height, draft_scale)
         im.load()
+        if fmt == "JPEG" and _looks_damaged(im, data):
+            _check_jpeg_data(data, im.mode)
         orientation = _orientation(im)
         frame = _to_l_or_rgb(im)
 
@@ -213,6 +254,119 @@ def _decode(data: bytes, fmt: str, spec: DecodeSpec) -> tuple[npt.NDArray[np.uin
 
     pixels = _resize_center_crop(frame, s)
     return pixels, DecodeInfo(format=fmt, width=width, height=height, draft_scale=draft_scale)
+
+
+def decoded_bytes(mode: str, width: int, height: int) -> int:
+    """Bytes Pillow holds for a `mode` frame of width x height, plus the copy converting it
+    to RGB where the mode needs one: a pixel is 1 byte in modes 1, L and P, 2 in the 16-bit
+    grey modes and one 32-bit word in every other mode (RGB included)."""
+    if mode in ("1", "L", "P"):
+        per_pixel = 1
+    elif mode in _SIXTEEN_BIT_MODES:
+        per_pixel = 2
+    else:
+        per_pixel = 4
+    if mode not in ("L", "RGB"):
+        per_pixel += 4
+    return width * height * per_pixel
+
+
+def _check_cost(
+    im: ImageFile.ImageFile, spec: DecodeSpec, width: int, height: int, scale: int
+) -> None:
+    """Refuse, from the header alone, what would take too much memory or time to decode."""
+    slow = [t.codec_name for t in im.tile if t.codec_name in Image.DECODERS]
+    if slow and width * height > spec.max_slow_decoder_pixels:
+        # Image.DECODERS holds the decoders written in Python (for the formats we accept,
+        # only BMP's RLE8/RLE4): ~0.3 s a million pixels, holding the GIL most of it.
+        raise DecodeError(
+            ErrorCode.IMAGE_TOO_LARGE,
+            f"{width}x{height} is {width * height} pixels of RLE-compressed data, over the "
+            f"limit of {spec.max_slow_decoder_pixels} pixels for that slow decoder",
+        )
+    # After draft(), im.size and im.mode are what the decoder will produce.
+    need = decoded_bytes(im.mode, *im.size)
+    if need > spec.max_decode_bytes:
+        at = f" (decoded at 1/{scale}: {im.size[0]}x{im.size[1]})" if scale > 1 else ""
+        mib = 1024 * 1024
+        raise DecodeError(
+            ErrorCode.IMAGE_TOO_LARGE,
+            f"{width}x{height} {im.mode}{at} needs {-(-need // mib)} MiB to decode, over the "
+            f"limit of {spec.max_decode_bytes // mib} MiB",
+        )
+
+
+def _looks_damaged(im: Image.Image, data: bytes) -> bool:
+    """Cheap signs of JPEG data that ran out, since Pillow drops libjpeg's warnings: the
+    last pixel is libjpeg's fill for blocks it had no data for (every coefficient zero, so
+    every sample 128; 127 in inverted Adobe CMYK), or the scan data holds a run of zero
+    bytes (zero-filled damage), which decodes to garbage until the data runs out."""
+    w, h = im.size
+    pixel = im.getpixel((w - 1, h - 1))
+    values = pixel if isinstance(pixel, tuple) else (pixel,)
+    if len(set(values)) == 1 and values[0] in (127, 128):
+        return True
+    scan = _first_scan(data)
+    return scan >= 0 and _has_zero_run(data, scan)
+
+
+def _has_zero_run(data: bytes, start: int) -> bool:
+    """Whether `data[start:]` holds 7 consecutive zero 8-byte words, which any run of 64 zero
+    bytes does (512 zero bits: encoders write such runs only for large flat areas under
+    optimised Huffman tables, which the strict look then clears). As 8-byte words in numpy,
+    it costs a third of bytes.find and mostly runs without the GIL."""
+    first = -(-start // 8) * 8
+    count = (len(data) - first) // 8
+    if count < 7:
+        return False
+    words = np.frombuffer(data, dtype=np.uint64, count=count, offset=first)
+    zero = np.flatnonzero(words == 0)
+    return bool(zero.size >= 7 and np.any(zero[6:] - zero[:-6] == 6))
+
+
+def _first_scan(data: bytes) -> int:
+    """Offset of the first scan's entropy-coded data (after its SOS header), or -1. Walks
+    the marker segments, so zero padding inside EXIF blocks is not mistaken for scan data."""
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return -1
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # no length field
+            pos += 2
+            continue
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xDA:
+            return pos + 2 + length
+        pos += 2 + length
+    return -1
+
+
+def _check_jpeg_data(data: bytes, mode: str) -> None:
+    """Raise DecodeError when libjpeg-turbo reports that the scan data ends before the image
+    does (cut short and closed with an end-of-image marker, or damaged so that the decoder
+    runs out): Pillow fills the rest with grey and says nothing. simplejpeg's strict mode
+    is libjpeg-turbo's stop-on-warning, and thread-safe (unlike catching warnings); the
+    1/8 scale keeps this second look cheap."""
+    try:
+        simplejpeg.decode_jpeg(
+            data,
+            colorspace="CMYK" if mode == "CMYK" else "GRAY",
+            min_height=1,
+            min_width=1,
+            strict=True,
+        )
+    except ValueError as exc:
+        text = str(exc)
+        # libjpeg's JWRN_HIT_MARKER and JWRN_JPEG_EOF; other warnings (extraneous bytes,
+        # odd markers) leave the pixels whole and are not a reason to refuse the image.
+        if "premature end" in text.lower():
+            raise DecodeError(
+                ErrorCode.DECODE_ERROR, f"the JPEG data ends before the image does ({text})"
+            ) from None
 
 
 def _orientation(im: Image.Image) -> int:

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -64,9 +65,17 @@ def default_decode_threads() -> int:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, *, decode_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        decode_delay_s: float = 0.0,
+        decode_hook: Callable[[Job], None] | None = None,
+    ) -> None:
         self.config = config
         self._decode_delay_s = decode_delay_s
+        # Tests only: runs in the decode thread before each decode (a slow decoder).
+        self._decode_hook = decode_hook
         self.observer = Observer(
             worker_name=config.worker_name,
             batch_size=config.batch_size or 8,
@@ -170,8 +179,14 @@ class Worker:
             max_bytes=cfg.max_image_bytes,
             max_pixels=cfg.max_image_pixels,
             dct_scaling=cfg.dct_scaling,
+            max_decode_bytes=cfg.max_decode_mb * 1024 * 1024,
         )
         delay = self._decode_delay_s
+
+        def sleep(job: Job) -> None:
+            time.sleep(delay)
+
+        hook = self._decode_hook or (sleep if delay else None)
         self.decode_cache = DecodeCache(cfg.decode_cache_mb * 1024 * 1024)
         try:
             gpu = setup_gpu_decode(cfg.decode, device, spec, self.decode_threads)
@@ -185,9 +200,10 @@ class Worker:
             spec,
             self.decode_threads,
             cfg.path_root,
-            delay_hook=(lambda: time.sleep(delay)) if delay else None,
+            delay_hook=hook,
             gpu_router=router,
             cache=self.decode_cache,
+            budget_s=cfg.decode_budget_ms / 1000,
         )
         if gpu is not None:
             self.runner.use_gpu_decode(gpu_decoder, self.decoder.decode_on_cpu)
