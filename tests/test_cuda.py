@@ -241,14 +241,31 @@ class CpuTensorInside(torch.nn.Module):
 
 
 def test_a_cudagraph_skip_refuses_to_start() -> None:
+    """The step is compiled without graph partitions: a CPU op skips CUDA graphs, which is
+    logged and refused."""
     device = torch.device("cuda", 0)
     example = torch.zeros((B, S, S, 3), dtype=torch.uint8, device=device)
-    with pytest.raises(CompileRefused, match="cudagraph"):
+    with pytest.raises(CompileRefused, match="skipping cudagraphs"):
         compile_step(
             CpuTensorInside(cuda_step()).eval(),
             example,
             mode="reduce-overhead",
             allow_eager_fallback=False,
+        )
+
+
+def test_a_partitioned_step_refuses_to_start() -> None:
+    """With inductor's graph partitioning on (its default since torch 2.9) the CPU op is cut
+    out without any skip: the partition counter still refuses the step."""
+    device = torch.device("cuda", 0)
+    example = torch.zeros((B, S, S, 3), dtype=torch.uint8, device=device)
+    with pytest.raises(CompileRefused, match="partitions"):
+        compile_step(
+            CpuTensorInside(cuda_step()).eval(),
+            example,
+            mode="reduce-overhead",
+            allow_eager_fallback=False,
+            inductor_overrides={"graph_partition": True},
         )
 
 
