@@ -124,7 +124,8 @@ def reference_copy(step: InferenceStep) -> InferenceStep:
     device = step.scale.device
     if step.fp32_weights:
         model = copy.deepcopy(step.fp32_weights[0])
-        model = model.to(device=device, dtype=torch.float32, memory_format=torch.channels_last)
+        model = model.to(device=device, dtype=torch.float32)
+        model = model.to(memory_format=torch.channels_last)
         ref = InferenceStep(
             model,
             staging_size=step.staging_size,
