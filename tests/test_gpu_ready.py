@@ -5,7 +5,9 @@
 - a GPU decoder that raises on a batch sends those rows to the CPU decoder, and the batch
   is answered normally;
 - a launch that raises hands back a fence, and the worker answers the batch's jobs with
-  `inference_error` and goes on serving with the same slots.
+  `inference_error` and goes on serving with the same slots;
+- the GPU sampler finds the worker's CUDA device in NVML by UUID, PCI bus id or
+  CUDA_VISIBLE_DEVICES, not by assuming the CUDA index is NVML's (fake device lists).
 
 The decoder classes are device-agnostic, so these run the real code on the CPU (where the
 "device twin" is the pinned slot itself and events are born completed).
@@ -42,6 +44,14 @@ from worker.gpu_decode import (
     TorchvisionBackend,
     make_backend,
     setup_gpu_decode,
+)
+from worker.gpu_sampler import (
+    CudaIdentity,
+    DeviceNotFound,
+    GpuSampler,
+    NvmlDevice,
+    _Nvml,
+    nvml_index_for,
 )
 from worker.jobs import Job
 from worker.runner import LaunchFailed, ModelRunner
@@ -261,3 +271,121 @@ async def test_worker_answers_a_failed_batch_and_keeps_serving(
         bad = results[f"bad{i}"]
         assert bad.error_code == "inference_error" and "out of memory" in (bad.error or "")
         assert results[f"ok{i}"].ok
+
+
+# ------------------------------------------------------------------ NVML device mapping
+GPUS = [
+    # NVML index, UUID, PCI bus id: NVML lists them in PCI order.
+    NvmlDevice(0, "GPU-aaaaaaaa-0000-0000-0000-000000000000", "00000000:1A:00.0"),
+    NvmlDevice(1, "GPU-bbbbbbbb-0000-0000-0000-000000000000", "00000000:3B:00.0"),
+    NvmlDevice(2, "GPU-cccccccc-0000-0000-0000-000000000000", "00000000:88:00.0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("cuda_index", "identity", "visible", "order", "want"),
+    [
+        # What CUDA says about the device wins over everything else.
+        (0, CudaIdentity(uuid="cccccccc-0000-0000-0000-000000000000"), "0", None, (2, "uuid")),
+        (0, CudaIdentity(pci_bus_id="00000000:3b:00.0"), None, None, (1, "pci bus id")),
+        # run-workers.sh: CUDA_VISIBLE_DEVICES=2, the worker uses cuda:0.
+        (0, None, "2", "PCI_BUS_ID", (2, "CUDA_VISIBLE_DEVICES ordinal")),
+        (1, None, "2,0", "PCI_BUS_ID", (0, "CUDA_VISIBLE_DEVICES ordinal")),
+        (0, None, "GPU-bbbb", None, (1, "CUDA_VISIBLE_DEVICES uuid")),
+        (1, None, None, None, (1, "ordinal")),
+    ],
+)
+def test_the_cuda_device_is_found_in_nvml(
+    cuda_index: int,
+    identity: CudaIdentity | None,
+    visible: str | None,
+    order: str | None,
+    want: tuple[int, str],
+) -> None:
+    assert nvml_index_for(cuda_index, GPUS, identity=identity, visible=visible, order=order) == want
+
+
+def test_nvml_order_is_not_assumed_to_be_the_listing_order() -> None:
+    shuffled = [
+        NvmlDevice(0, "GPU-x", "00000000:88:00.0"),
+        NvmlDevice(1, "GPU-y", "00000000:1A:00.0"),
+    ]
+    index, how = nvml_index_for(0, shuffled, visible="0")
+    assert index == 1 and "PCI order assumed" in how
+
+
+@pytest.mark.parametrize(
+    ("cuda_index", "visible", "message"),
+    [
+        (0, "", "empty"),
+        (1, "2", "not visible"),
+        (0, "7", "NVML lists 3"),
+        (0, "MIG-0b7b7f2e-aaaa", "MIG"),
+        (0, "GPU-dead", "matches 0"),
+    ],
+)
+def test_an_unmappable_device_is_said_so(cuda_index: int, visible: str, message: str) -> None:
+    with pytest.raises(DeviceNotFound, match=message):
+        nvml_index_for(cuda_index, GPUS, visible=visible)
+
+
+class FakePynvml:
+    """pynvml's calls over GPUS; each GPU reports its own utilisation (10, 20, 30 %)."""
+
+    class NVMLError(Exception):
+        pass
+
+    NVML_CLOCK_SM = 1
+    NVML_PCIE_UTIL_TX_BYTES = 0
+    NVML_PCIE_UTIL_RX_BYTES = 1
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(GPUS)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUUID(self, h: int) -> bytes:
+        return GPUS[h].uuid.encode()
+
+    def nvmlDeviceGetPciInfo(self, h: int) -> Any:
+        return types.SimpleNamespace(busId=GPUS[h].pci_bus_id.encode())
+
+    def nvmlDeviceGetName(self, h: int) -> str:
+        return f"Fake H200 #{h}"
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> Any:
+        return types.SimpleNamespace(gpu=10 * (h + 1), memory=5)
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> Any:
+        return types.SimpleNamespace(used=2**30)
+
+    def nvmlDeviceGetPowerUsage(self, h: int, *args: Any) -> int:
+        raise self.NVMLError("not supported")
+
+    nvmlDeviceGetClockInfo = nvmlDeviceGetPowerUsage
+    nvmlDeviceGetPcieThroughput = nvmlDeviceGetPowerUsage
+
+
+def test_a_worker_started_by_run_workers_samples_its_own_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    fake = FakePynvml()
+    sampler = GpuSampler(0, nvml_factory=lambda i: _Nvml(i, nv=fake, identity=CudaIdentity()))
+    for _ in range(3):
+        sampler.sample_once()
+    sampler.close()
+    summary = sampler.summary()
+    assert summary["available"], summary["reason"]
+    assert summary["gpu"] == "Fake H200 #2"
+    assert summary["nvml_device"]["nvml_index"] == 2
+    assert summary["nvml_device"]["uuid"] == GPUS[2].uuid
+    assert summary["metrics"]["gpu_util_pct"]["mean"] == 30.0
