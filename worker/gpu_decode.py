@@ -414,8 +414,11 @@ def _stream_ctx(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def synthetic_jpeg(width: int, height: int, seed: int = 0, quality: int = 90) -> bytes:
-    """A photo-like JPEG (gradient plus noise), for calibration and benchmarks."""
+def synthetic_jpeg(
+    width: int, height: int, seed: int = 0, quality: int = 90, mode: str = "RGB"
+) -> bytes:
+    """A photo-like JPEG (gradient plus noise), for calibration and benchmarks; `mode`:
+    the JPEG's colour mode as Pillow writes it (RGB, L for grey, CMYK as Adobe does)."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     base = np.stack(
@@ -423,7 +426,7 @@ def synthetic_jpeg(width: int, height: int, seed: int = 0, quality: int = 90) ->
     )
     noisy = np.clip(base + rng.normal(0, 12, size=base.shape), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(noisy, "RGB").save(buf, format="JPEG", quality=quality)
+    Image.fromarray(noisy, "RGB").convert(mode).save(buf, format="JPEG", quality=quality)
     return buf.getvalue()
 
 
