@@ -201,7 +201,8 @@ class Report:
         }
         self.phase_now = ""
         self._t0 = time.perf_counter()
-        self._lock = threading.Lock()
+        # Reentrant: SIGTERM's handler writes from the main thread, maybe mid-write.
+        self._lock = threading.RLock()
 
     def __getitem__(self, key: str) -> Any:
         return self.data[key]
