@@ -11,10 +11,15 @@ import torch
 from torch import nn
 
 from worker.compiler import (
+    CompileBaseline,
     CompileRefused,
+    CompileReport,
     changes_since,
     compile_step,
     count_cudagraph_replays,
+    gate_problems,
+    snapshot,
+    step_inductor_options,
     still_compiled,
 )
 
@@ -60,6 +65,46 @@ def test_replay_counter_is_a_no_op_without_graphs() -> None:
     assert torch.cuda.CUDAGraph.replay.__name__ == "replay"  # restored
 
 
+def test_a_partitioned_graph_is_not_one_graph() -> None:
+    """What inductor's graph partitioning leaves behind (no skip, replays happen, but the
+    partition counter says the graph was cut) is refused like a skip."""
+    clean = CompileReport(mode="reduce-overhead", compiled=True, cudagraph_replays=3)
+    assert gate_problems(clean) == []
+    split = CompileReport(
+        mode="reduce-overhead", compiled=True, cudagraph_replays=3, graph_partitions=2
+    )
+    problems = gate_problems(split)
+    assert len(problems) == 1 and "split into 2 partitions" in problems[0]
+    skipped = CompileReport(mode="reduce-overhead", compiled=True, cudagraph_skips=["cpu device"])
+    assert gate_problems(skipped) == ["skipping cudagraphs: cpu device"]
+
+
+def test_a_partition_after_start_up_shows_in_the_running_check() -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    baseline = snapshot()
+    report = CompileReport(mode="reduce-overhead", compiled=True, baseline=baseline)
+    assert still_compiled(report) == []
+    counters["inductor"]["cudagraph_partitions"] += 3  # what inductor does when it splits
+    try:
+        assert changes_since(baseline)["graph_partitions"] == 3
+        assert still_compiled(report) == ["3 graph partitions"]
+    finally:
+        counters.clear()
+    assert isinstance(baseline, CompileBaseline)
+
+
+def test_the_step_is_compiled_without_graph_partitions() -> None:
+    import torch._inductor.config as inductor_config
+
+    options = step_inductor_options("reduce-overhead")
+    assert options["triton.cudagraphs"] is True  # what mode="reduce-overhead" means
+    assert options.get("graph_partition") is False
+    assert hasattr(inductor_config, "graph_partition"), "torch without partitions: recheck"
+    assert step_inductor_options("default") == {"graph_partition": False}
+
+
 @pytest.mark.slow
 def test_fixed_shape_compiles_to_one_graph_and_a_second_shape_is_a_recompile() -> None:
     step = Fixed().eval()
@@ -68,6 +113,8 @@ def test_fixed_shape_compiles_to_one_graph_and_a_second_shape_is_a_recompile() -
     )
     assert report.compiled, report.reason
     assert report.graph_breaks == 0 and report.recompiles == 0
+    assert report.graph_partitions == 0
+    assert report.inductor_options == {"graph_partition": False}
     assert report.compile_s > 0 and report.baseline is not None
     assert still_compiled(report) == []
     same, other = example(), example(b=3)  # made outside inference mode, like the ring's

@@ -5,7 +5,8 @@
   torch.cuda.set_sync_debug_mode("error"), with Tensor.to / copy_ wrapped to reject any
   host-to-device copy from pageable memory (which that mode does not see);
 - CUDA-graph replays are counted, and a step inductor will not graph is refused;
-- a pinned slot is never handed out again before its copy finished (poison and check);
+- a pinned slot is never handed out again before its copy finished (poison and check),
+  also when the launch fails after the copy was queued;
 - fp16 / bf16 agree with fp32 eager;
 - a real Worker on CUDA answers from Redis like the CPU reference.
 """
@@ -31,7 +32,7 @@ from worker.decoder import DecodeInfo
 from worker.device import make_context
 from worker.jobs import Job
 from worker.precision_check import precision_check
-from worker.runner import Launched, ModelRunner
+from worker.runner import Launched, LaunchFailed, ModelRunner
 from worker.staging import InputRing, OutputRing
 from worker.step import InferenceStep
 from worker.transfer import DeviceTransfer
@@ -241,14 +242,31 @@ class CpuTensorInside(torch.nn.Module):
 
 
 def test_a_cudagraph_skip_refuses_to_start() -> None:
+    """The step is compiled without graph partitions: a CPU op skips CUDA graphs, which is
+    logged and refused."""
     device = torch.device("cuda", 0)
     example = torch.zeros((B, S, S, 3), dtype=torch.uint8, device=device)
-    with pytest.raises(CompileRefused, match="cudagraph"):
+    with pytest.raises(CompileRefused, match="skipping cudagraphs"):
         compile_step(
             CpuTensorInside(cuda_step()).eval(),
             example,
             mode="reduce-overhead",
             allow_eager_fallback=False,
+        )
+
+
+def test_a_partitioned_step_refuses_to_start() -> None:
+    """With inductor's graph partitioning on (its default since torch 2.9) the CPU op is cut
+    out without any skip: the partition counter still refuses the step."""
+    device = torch.device("cuda", 0)
+    example = torch.zeros((B, S, S, 3), dtype=torch.uint8, device=device)
+    with pytest.raises(CompileRefused, match="partitions"):
+        compile_step(
+            CpuTensorInside(cuda_step()).eval(),
+            example,
+            mode="reduce-overhead",
+            allow_eager_fallback=False,
+            inductor_overrides={"graph_partition": True},
         )
 
 
@@ -284,6 +302,38 @@ async def test_pinned_slot_not_reused_before_its_copy_finished() -> None:
             _, sc = await pipe.collect(launched)
             np.testing.assert_allclose(sc, reference(step, pixels)[1], atol=1e-4, rtol=1e-4)
         assert waited >= len(inputs) // 2, "the stall never made the ring wait: test is void"
+    finally:
+        pipe.close()
+
+
+async def test_a_failed_launch_keeps_its_slot_until_the_queued_copy_ran() -> None:
+    """The step raises after the copy out of the pinned slot was queued (behind ~100 ms of
+    GPU spin): the slot must not be free until that copy ran, and the twin's next user
+    must wait for the same fence."""
+    pipe = Pipeline(cuda_step(), slots=1)
+    assert pipe.ctx.copy_stream is not None
+
+    def out_of_memory(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    pipe.runner.step = out_of_memory
+    try:
+        slot = await pipe.ring.acquire()
+        slot.array[:] = batches(1)[0]
+        batch = Batch(seq=1, slot=slot, jobs=[], futures=[], opened_s=0.0)
+        with torch.cuda.stream(pipe.ctx.copy_stream):
+            torch.cuda._sleep(200_000_000)
+        with pytest.raises(LaunchFailed, match="out of memory") as info:
+            await pipe.runner.launch(batch, await pipe.out_ring.acquire())
+        fence = info.value.fence
+        assert pipe.transfer.consumed(slot) is fence
+        # What the dispatcher does with a failed launch.
+        slot.copy_done = fence
+        pipe.ring.release_after_copy(slot)
+        assert pipe.ring.free_count == 0, "slot freed while its copy was still queued"
+        fence.synchronize()  # type: ignore[attr-defined]  # a test may wait
+        pipe.ring.poll()
+        assert pipe.ring.free_count == 1
     finally:
         pipe.close()
 

@@ -8,6 +8,8 @@ the CPU: the same code path as on the GPU, minus the stream.
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pytest
@@ -249,9 +251,58 @@ def test_gpu_decode_bad_image_fails_alone() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-async def test_gpu_rows_and_copied_rows_meet_in_the_twin() -> None:
+def test_torchvision_outputs_survive_a_decode_stream_held_back_by_compute() -> None:
+    """Each call's decode stream waits on ~10 ms of 'compute' before the resize reads
+    torchvision's outputs, while the next call already decodes: outputs and the resize's
+    temporaries must never share memory across calls (wrong pixels, no error)."""
+    device = torch.device("cuda", 0)
+    decoder = GpuDecoder(device, make_backend(device, "torchvision"))
+    compute = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    try:
+        calls = [[jpeg_bytes(320, 240, seed=10 * c + i) for i in range(4)] for c in range(8)]
+        dests = [torch.zeros((4, 64, 64, 3), dtype=torch.uint8, device=device) for _ in calls]
+        for images, dest in zip(calls, dests, strict=True):
+            with torch.cuda.stream(compute):
+                torch.cuda._sleep(20_000_000)
+            held = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            held.record(compute)
+            rows = [(i, r) for i, d in enumerate(images) if (r := ALL_GPU.route(d, SPEC))]
+            assert decoder.decode_rows_sync(rows, dest, after=held).failed == []
+        torch.cuda.synchronize()
+        for images, dest in zip(calls, dests, strict=True):
+            got = dest.cpu().numpy()
+            for i, data in enumerate(images):
+                want, _ = decode_to_array(data, SPEC)
+                diff = np.abs(got[i].astype(int) - want.astype(int))
+                assert diff.mean() < 4.0, (i, diff.mean())
+    finally:
+        decoder.shutdown()
+
+
+class HalfwayOnCuda:
+    """The real decoder for the first image, then one the resize cannot take: the GPU
+    decode fails after queuing work that writes a row of the twin."""
+
+    name = "halfway"
+    applies_exif = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.real = make_backend(device, "torchvision")
+        self.device = device
+
+    def decode(self, datas: Sequence[bytes], stream: Any) -> list[torch.Tensor | None]:
+        first = self.real.decode(datas[:1], stream)
+        empty = torch.zeros((3, 0, 5), dtype=torch.uint8, device=self.device)
+        return first + [empty] * (len(datas) - 1)
+
+
+@pytest.mark.parametrize("gpu_decoder", ["working", "raising halfway"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_gpu_rows_and_copied_rows_meet_in_the_twin(gpu_decoder: str) -> None:
     """A batch mixing GPU-decoded JPEG rows and CPU-decoded PNG rows gives each row the
-    same answer as an all-CPU decode of the same images."""
+    same answer as an all-CPU decode of the same images; so does one whose GPU decoder
+    raised part-way (its rows then decoded on the CPU)."""
     from tests.test_step import tiny_step
 
     device = torch.device("cuda", 0)
@@ -259,7 +310,11 @@ async def test_gpu_rows_and_copied_rows_meet_in_the_twin() -> None:
     spec = DecodeSpec(size=20, dct_scaling=False)
     step = tiny_step().to(device)
     pool = DecodePool(spec, 2, None, gpu_router=ALL_GPU)
-    decoder = GpuDecoder(device)
+    decoder = (
+        GpuDecoder(device)
+        if gpu_decoder == "working"
+        else GpuDecoder(device, HalfwayOnCuda(device))
+    )
     ring = InputRing(2, 6, 20, pin=True)
     out_ring = OutputRing(2, 6, 3, pin=True)
     runner = ModelRunner(ctx, step, DeviceTransfer(ctx, 2, 6, 20), cudagraphs=False)

@@ -11,10 +11,13 @@ from torch import nn
 
 from worker.ceiling import direct_feed_ceiling
 from worker.gpu_sampler import GpuSampler, percentile, summarize
+from worker.model_loader import LoadedModel
 from worker.precision_check import precision_check
 from worker.step import (
     InferenceStep,
+    build_step,
     contract_problems,
+    crop_offset,
     pick_dtype,
     reference_copy,
     resolve_compile_mode,
@@ -89,6 +92,92 @@ def test_center_crop_reads_only_the_middle() -> None:
     y[:, -2:] = 255
     with torch.inference_mode():
         torch.testing.assert_close(step(x)[1], step(y)[1])
+
+
+class Recorder(nn.Module):
+    """A 'model' that keeps the tensor it was given and returns zero logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.clone())
+        return x.new_zeros((x.shape[0], 4))
+
+
+@pytest.mark.parametrize(("staging", "crop"), [(20, 17), (21, 16), (256, 225), (20, 16)])
+def test_center_crop_is_torchvision_center_crop(staging: int, crop: int) -> None:
+    from torchvision.transforms.functional import center_crop
+
+    recorder = Recorder()
+    mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)
+    step = InferenceStep(
+        recorder,
+        staging_size=staging,
+        crop_size=crop,
+        mean=mean,
+        std=std,
+        top_k=2,
+        dtype=torch.float32,
+    )
+    x = random_batch(2, staging, seed=staging + crop)
+    with torch.inference_mode():
+        step(x)
+    full = x.permute(0, 3, 1, 2).float() / 255.0
+    full = (full - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    want = center_crop(full, [crop, crop])
+    torch.testing.assert_close(recorder.seen[0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_crop_offset_rounds_like_torchvision() -> None:
+    # (S - C) / 2 = 15.5 rounds to 16, where floor division would give 15.
+    assert crop_offset(256, 225) == 16
+    assert crop_offset(21, 16) == 2  # 2.5: Python rounds half to even, as torchvision does
+    assert crop_offset(256, 224) == 16
+
+
+def loaded_tiny(dtype_of_weights: torch.dtype = torch.float32) -> LoadedModel:
+    torch.manual_seed(1)
+    return LoadedModel(
+        name="tiny",
+        module=TinyNet().to(dtype_of_weights).eval(),
+        weights_label="random",
+        categories=None,
+        crop_size=16,
+        resize_size=20,
+        mean=(0.485, 0.456, 0.406),
+        std=(0.229, 0.224, 0.225),
+        num_classes=10,
+    )
+
+
+def test_the_precision_reference_has_the_weights_as_loaded() -> None:
+    loaded = loaded_tiny()
+    original = loaded.module.conv.weight.detach().clone()  # type: ignore[union-attr]
+    step = build_step(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, top_k=3)
+    served = step.model.conv.weight  # type: ignore[union-attr]
+    assert served.dtype == torch.bfloat16
+    assert not torch.equal(served.float(), original), "bf16 rounding is the point of the test"
+    # The loaded module was not cast in place, and the reference computes with it.
+    assert torch.equal(loaded.module.conv.weight, original)  # type: ignore[union-attr]
+    ref = reference_copy(step)
+    assert ref.dtype == torch.float32
+    assert torch.equal(ref.model.conv.weight, original)  # type: ignore[union-attr]
+    report = precision_check(step, batch=8, batches=1)
+    assert report.reference == "float32 eager, weights as loaded"
+
+
+def test_a_step_without_loaded_weights_says_its_reference_is_rounded() -> None:
+    report = precision_check(tiny_step(torch.bfloat16), batch=4, batches=1)
+    assert "already rounded" in report.reference
+
+
+def test_fp32_step_uses_the_loaded_module_itself() -> None:
+    loaded = loaded_tiny()
+    step = build_step(loaded, device=torch.device("cpu"), dtype=torch.float32, top_k=3)
+    assert step.model is loaded.module and step.fp32_weights == ()
+    assert precision_check(step, batch=4, batches=1).reference.endswith("as loaded")
 
 
 def test_pick_dtype_and_compile_mode_on_cpu() -> None:

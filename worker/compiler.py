@@ -18,6 +18,13 @@ How each failure is seen, in ways that hold from torch 2.11 to 2.14:
   `counters["inductor"]["cudagraph_skips"]`; the log line is captured for its reason. As a
   last line of defence the warm-up counts real CUDA-graph replays: with reduce-overhead on
   CUDA there must be some.
+- graph partitions: since torch 2.9 inductor's `graph_partition` is on by default. With it,
+  CPU ops (and other CUDA-graph-unsafe ones) are cut out into partitions that run eagerly
+  between graphed ones, with no skip logged or counted, and replays still happen. The step
+  is therefore compiled with `graph_partition=False` (a CPU op then skips CUDA graphs the
+  way it did before partitions, logged and counted), and
+  `counters["inductor"]["cudagraph_partitions"]` (bumped when a graph is split) is read as
+  well, so a partitioned step is refused whatever the configuration.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class CompileBaseline:
     frames_ok: int
     graph_breaks: int
     cudagraph_skips: int
+    graph_partitions: int = 0
 
 
 @dataclass
@@ -65,6 +73,10 @@ class CompileReport:
     recompiles: int = 0
     cudagraph_skips: list[str] = field(default_factory=list)
     cudagraph_replays: int = 0
+    # Partitions inductor cut the step into (0: not split). Any split means some ops run
+    # outside the CUDA graph.
+    graph_partitions: int = 0
+    inductor_options: dict[str, Any] = field(default_factory=dict)
     fell_back_to_eager: bool = False
     reason: str = ""
     torch_version: str = torch.__version__
@@ -80,6 +92,8 @@ class CompileReport:
             "recompiles": self.recompiles,
             "cudagraph_skips": self.cudagraph_skips,
             "cudagraph_replays": self.cudagraph_replays,
+            "graph_partitions": self.graph_partitions,
+            "inductor_options": self.inductor_options,
             "fell_back_to_eager": self.fell_back_to_eager,
             "reason": self.reason,
         }
@@ -107,11 +121,13 @@ def snapshot() -> CompileBaseline:
         frames_ok=_count("frames", "ok"),
         graph_breaks=_graph_break_count(),
         cudagraph_skips=_count("inductor", "cudagraph_skips"),
+        graph_partitions=_count("inductor", "cudagraph_partitions"),
     )
 
 
 def changes_since(baseline: CompileBaseline) -> dict[str, int]:
-    """New graphs (recompiles), graph breaks and CUDA-graph skips since `baseline`."""
+    """New graphs (recompiles), graph breaks, CUDA-graph skips and graph partitions since
+    `baseline`."""
     now = snapshot()
     return {
         "recompiles": max(
@@ -119,7 +135,37 @@ def changes_since(baseline: CompileBaseline) -> dict[str, int]:
         ),
         "graph_breaks": max(0, now.graph_breaks - baseline.graph_breaks),
         "cudagraph_skips": max(0, now.cudagraph_skips - baseline.cudagraph_skips),
+        "graph_partitions": max(0, now.graph_partitions - baseline.graph_partitions),
     }
+
+
+def step_inductor_options(mode: str) -> dict[str, Any]:
+    """The inductor options for `mode` (what torch.compile(mode=...) would apply), with graph
+    partitioning off where this torch has it: the step must be one graph or be refused."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor import list_mode_options
+
+    options: dict[str, Any] = dict(list_mode_options(mode, False)) if mode != "default" else {}
+    if hasattr(inductor_config, "graph_partition"):
+        options["graph_partition"] = False
+    return options
+
+
+def gate_problems(report: CompileReport) -> list[str]:
+    """Why the compiled step is not one fixed-shape graph (empty: it is)."""
+    problems = []
+    if report.graph_breaks:
+        problems.append(f"{report.graph_breaks} graph break(s)")
+    if report.recompiles:
+        problems.append(f"{report.recompiles} recompile(s) on a fixed shape")
+    if report.cudagraph_skips:
+        problems.append("skipping cudagraphs: " + "; ".join(report.cudagraph_skips))
+    if report.graph_partitions:
+        problems.append(
+            f"the graph was split into {report.graph_partitions} partitions: some ops "
+            "(CPU ops, device copies, CUDA-graph-unsafe ops) run outside the CUDA graph"
+        )
+    return problems
 
 
 def still_compiled(report: CompileReport) -> list[str]:
@@ -223,22 +269,27 @@ def compile_step(
     mode: str,
     allow_eager_fallback: bool,
     warmup_iters: int = 3,
+    inductor_overrides: dict[str, Any] | None = None,
 ) -> tuple[StepFn, CompileReport]:
     """Returns the function to launch and a report. Runs the step `1 + warmup_iters` times on
     `example` (which must have the production shape, dtype and device, and like the
     production buffers must not be an inference tensor: guards check that), on the calling
     thread: with CUDA graphs that must be the thread that launches later (graph trees are
-    per thread), under the stream it will launch on."""
+    per thread), under the stream it will launch on. `inductor_overrides` (tests) change
+    the inductor options the step is compiled with."""
     if mode == "off":
         return _eager(step, example, warmup_iters)
 
     torch._dynamo.reset()
     _counters().clear()
-    report = CompileReport(mode=mode, compiled=True)
+    options = {**step_inductor_options(mode), **(inductor_overrides or {})}
+    report = CompileReport(mode=mode, compiled=True, inductor_options=options)
     # fullgraph=True turns any graph break into an exception right here, at start-up,
     # instead of a step that silently runs partly in eager mode. dynamic=False: the one
     # batch shape is compiled as constants, and another shape is a (detected) recompile.
-    compiled: StepFn = torch.compile(step, mode=mode, fullgraph=True, dynamic=False)
+    # The mode is given as its options (torch.compile takes one or the other), so that
+    # graph partitioning can be turned off for this step alone, for every compile of it.
+    compiled: StepFn = torch.compile(step, options=dict(options), fullgraph=True, dynamic=False)
     cudagraphs = mode == "reduce-overhead" and example.is_cuda
     with _capture_skips() as skips, count_cudagraph_replays() as replays:
         t0 = time.perf_counter()
@@ -268,6 +319,7 @@ def compile_step(
     report.graph_breaks = _graph_break_count()
     report.recompiles = changes["recompiles"]
     report.cudagraph_replays = replays.count
+    report.graph_partitions = _count("inductor", "cudagraph_partitions")
     if cudagraphs:
         n_skips = _count("inductor", "cudagraph_skips")
         report.cudagraph_skips = list(dict.fromkeys(skips.reasons))
@@ -277,13 +329,7 @@ def compile_step(
             report.cudagraph_skips = ["no CUDA-graph replay during warm-up"]
     report.baseline = snapshot()
 
-    problems = []
-    if report.graph_breaks:
-        problems.append(f"{report.graph_breaks} graph break(s)")
-    if report.recompiles:
-        problems.append(f"{report.recompiles} recompile(s) on a fixed shape")
-    if report.cudagraph_skips:
-        problems.append("skipping cudagraphs: " + "; ".join(report.cudagraph_skips))
+    problems = gate_problems(report)
     if problems:
         report.compiled = False
         report.reason = ", ".join(problems)

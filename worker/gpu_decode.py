@@ -9,6 +9,19 @@ needs nothing beyond torchvision, which is why it stays as the fallback: it fail
 batch on one bad image (we then retry image by image) and synchronises its own stream on the
 calling thread, which is the GPU decode thread here, never the launch thread.
 
+torchvision allocates its outputs on the caller's current stream but writes them on a
+stream of its own. Were that our working stream, a block freed there while our kernels are
+still queued (the stream waits on compute) could come back as the next call's output and
+be overwritten before it was read. So it runs under a stream that allocates nothing else,
+our stream waits on it, and each output is `record_stream`ed on our stream, so the
+allocator keeps it until the resize that reads it has run.
+
+Any failure to build a GPU decoder (nvImageCodec missing or failing, torchvision without
+nvJPEG, no device) leaves the worker on CPU decode with a log line; a decoder that raises
+on a batch sends that batch's rows to the CPU decoder (the runner does that), after the
+event recorded on every exit path so the device buffer is not reused while queued work
+may still write it.
+
 Flow: a decode thread probes a JPEG's header (limits, mode, orientation, size class) and, if
 the router sends it to the GPU, defers the row. Before the launch, `GpuDecoder.decode_rows`
 decodes the batch's deferred rows in one call on its own thread and stream, resizes and
@@ -34,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import structlog
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -41,6 +55,8 @@ from PIL import Image
 from producer.wire import ErrorCode
 from worker.decoder import DecodeError, DecodeInfo, DecodeSpec, decode_into, resize_geometry
 from worker.device import DoneEvent, Event, cuda_event
+
+log = structlog.get_logger("gpufeed.gpu_decode")
 
 _ORIENTATION_TAG = 0x0112
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -58,6 +74,15 @@ _CLASS_SAMPLES = {"small": (480, 360), "medium": (1280, 960), "large": (2600, 19
 
 class GpuDecodeUnavailable(RuntimeError):
     """No usable GPU JPEG decoder here; the message says why."""
+
+
+class GpuDecodeFailed(RuntimeError):
+    """The GPU decoder raised on a batch. `ready` fires once the work it had queued on the
+    device (possibly writing rows of the destination) has run; None when nothing was."""
+
+    def __init__(self, message: str, ready: Event | None) -> None:
+        super().__init__(message)
+        self.ready = ready
 
 
 def size_class(width: int, height: int) -> str:
@@ -181,20 +206,27 @@ class NvImgCodecBackend:
         try:
             nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
         except ImportError as exc:
-            raise GpuDecodeUnavailable(f"nvImageCodec is not installed ({exc})") from None
+            raise NvImgCodecMissing(f"nvImageCodec is not installed ({exc})") from None
         self._nv: Any = nvimgcodec
         self.device = device
-        self._decoder = nvimgcodec.Decoder(device_id=device.index or 0)
-        self._params = nvimgcodec.DecodeParams(
-            apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.RGB
-        )
-        self._source: Callable[[bytes], Any] = getattr(nvimgcodec, "DecodeSource", lambda b: b)
+        version = getattr(nvimgcodec, "__version__", "?")
+        try:
+            self._decoder = nvimgcodec.Decoder(device_id=device.index or 0)
+            # sRGB output, interleaved uint8 [H, W, 3] (the default sample format for it);
+            # the colour spec is SRGB since nvImageCodec 0.7 (there is no RGB).
+            self._params = nvimgcodec.DecodeParams(
+                apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
+            )
+        except Exception as exc:  # whatever the library raises means: no decoder
+            raise GpuDecodeUnavailable(
+                f"nvImageCodec {version} could not build a decoder: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def decode(self, datas: Sequence[bytes], stream: Any) -> list[torch.Tensor | None]:
         handle = int(stream.cuda_stream) if stream is not None else 0
-        images = self._decoder.decode(
-            [self._source(d) for d in datas], params=self._params, cuda_stream=handle
-        )
+        # bytes convert to nvImageCodec CodeStreams; it returns None for an image it cannot
+        # decode, and makes its outputs ready on `cuda_stream`.
+        images = self._decoder.decode(list(datas), params=self._params, cuda_stream=handle)
         out: list[torch.Tensor | None] = []
         for img in images:
             if img is None:
@@ -207,6 +239,10 @@ class NvImgCodecBackend:
         return out
 
 
+class NvImgCodecMissing(GpuDecodeUnavailable):
+    """nvImageCodec is not installed (the usual case: not worth a warning)."""
+
+
 class TorchvisionBackend:
     name = "torchvision"
     applies_exif = False  # its CUDA path ignores apply_exif_orientation
@@ -217,8 +253,27 @@ class TorchvisionBackend:
         self.device = device
         self._decode = decode_jpeg
         self._rgb = ImageReadMode.RGB
+        # The current stream while torchvision allocates its outputs: nothing else is ever
+        # allocated on it (see the module docstring).
+        self.alloc_stream: Any = (
+            torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            if device.type == "cuda"
+            else None
+        )
 
     def decode(self, datas: Sequence[bytes], stream: Any) -> list[torch.Tensor | None]:
+        with _stream_ctx(self.alloc_stream):
+            out = self._decode_all(datas)
+        if stream is not None and self.alloc_stream is not None:
+            # torchvision ordered alloc_stream after its own writes; `stream` (the readers')
+            # after alloc_stream; the allocator keeps each output until `stream` read it.
+            stream.wait_stream(self.alloc_stream)
+            for img in out:
+                if img is not None:
+                    img.record_stream(stream)
+        return out
+
+    def _decode_all(self, datas: Sequence[bytes]) -> list[torch.Tensor | None]:
         # Encoded bytes stay on the host (nvJPEG parses them there); bytearray: writable.
         encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
         try:
@@ -237,17 +292,30 @@ class TorchvisionBackend:
 
 
 def make_backend(device: torch.device, prefer: str = "auto") -> JpegBackend:
-    """nvImageCodec if installed (or asked for), else torchvision."""
+    """nvImageCodec if installed (or asked for), else torchvision. Any failure to build
+    nvImageCodec's decoder falls back to torchvision, logged; GpuDecodeUnavailable when
+    neither can be built."""
     if prefer in ("auto", "nvimgcodec"):
         try:
             return NvImgCodecBackend(device)
-        except GpuDecodeUnavailable:
+        except Exception as exc:  # any failure: the next decoder, and say why
             if prefer == "nvimgcodec":
-                raise
+                if isinstance(exc, GpuDecodeUnavailable):
+                    raise
+                raise GpuDecodeUnavailable(f"nvImageCodec: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(exc, NvImgCodecMissing):
+                log.warning(
+                    "gpu_decoder_unavailable",
+                    decoder="nvimgcodec",
+                    reason=f"{exc}",
+                    using="torchvision",
+                )
     try:
         return TorchvisionBackend(device)
-    except (ImportError, RuntimeError) as exc:
-        raise GpuDecodeUnavailable(f"torchvision's JPEG decode is unusable: {exc}") from None
+    except Exception as exc:  # ImportError, RuntimeError, CUDA errors alike
+        raise GpuDecodeUnavailable(
+            f"torchvision's JPEG decode is unusable: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 @dataclass
@@ -289,35 +357,49 @@ class GpuDecoder:
         after: Event | None = None,
     ) -> GpuDecodeResult:
         """dest: [B, S, S, 3] uint8 on the device; row r of each (r, GpuRow) is written.
-        `after`: an event to wait for (on the GPU) before writing `dest`."""
+        `after`: an event to wait for (on the GPU) before writing `dest`. Raises
+        GpuDecodeFailed (with the event after the work it queued) if the decoder raises."""
         self._release_finished()
         t0 = time.perf_counter()
         failed: list[int] = []
         decoded_rows: list[int] = []
+        datas = [r.data for _, r in rows]
+        images: list[torch.Tensor | None] = []
         with torch.inference_mode(), _stream_ctx(self.stream):
-            if after is not None and self.stream is not None:
-                self.stream.wait_event(after)
-            datas = [r.data for _, r in rows]
-            images = self.backend.decode(datas, self.stream)
-            for (row, r), img in zip(rows, images, strict=True):
-                if img is None or img.dim() != 3 or img.shape[0] != 3:
-                    failed.append(row)
-                    continue
-                upright = img if self.backend.applies_exif else orient(img, r.orientation)
-                fit_into(upright, dest[row])
-                decoded_rows.append(row)
-            ready: Event
-            if self.stream is not None:
-                ev = cuda_event()
-                ev.record(self.stream)
-                ready = ev
-            else:
-                ready = DoneEvent(time.perf_counter())
+            try:
+                if after is not None and self.stream is not None:
+                    self.stream.wait_event(after)
+                images = self.backend.decode(datas, self.stream)
+                for (row, r), img in zip(rows, images, strict=True):
+                    if img is None or img.dim() != 3 or img.shape[0] != 3:
+                        failed.append(row)
+                        continue
+                    upright = img if self.backend.applies_exif else orient(img, r.orientation)
+                    fit_into(upright, dest[row])
+                    decoded_rows.append(row)
+            except Exception as exc:
+                # Rows may be half written and kernels still queued: whoever reuses `dest`
+                # must wait for this event, recorded on this exit path too.
+                ready = self._record_ready()
+                self._retained.append((ready, [images, datas]))
+                raise GpuDecodeFailed(
+                    f"GPU decode ({self.backend.name}) of {len(rows)} rows failed: "
+                    f"{type(exc).__name__}: {exc}",
+                    ready,
+                ) from exc
+            ready = self._record_ready()
         self._retained.append((ready, [images, datas]))
         per_row_ms = (time.perf_counter() - t0) * 1000 / max(1, len(rows))
         return GpuDecodeResult(
             ready=ready, failed=failed, decode_ms=dict.fromkeys(decoded_rows, per_row_ms)
         )
+
+    def _record_ready(self) -> Event:
+        if self.stream is None:
+            return DoneEvent(time.perf_counter())
+        ev = cuda_event()
+        ev.record(self.stream)
+        return ev
 
     def _release_finished(self) -> None:
         while self._retained and self._retained[0][0].query():
@@ -332,8 +414,11 @@ def _stream_ctx(stream: Any) -> contextlib.AbstractContextManager[Any]:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
-def synthetic_jpeg(width: int, height: int, seed: int = 0, quality: int = 90) -> bytes:
-    """A photo-like JPEG (gradient plus noise), for calibration and benchmarks."""
+def synthetic_jpeg(
+    width: int, height: int, seed: int = 0, quality: int = 90, mode: str = "RGB"
+) -> bytes:
+    """A photo-like JPEG (gradient plus noise), for calibration and benchmarks; `mode`:
+    the JPEG's colour mode as Pillow writes it (RGB, L for grey, CMYK as Adobe does)."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     base = np.stack(
@@ -341,7 +426,7 @@ def synthetic_jpeg(width: int, height: int, seed: int = 0, quality: int = 90) ->
     )
     noisy = np.clip(base + rng.normal(0, 12, size=base.shape), 0, 255).astype(np.uint8)
     buf = io.BytesIO()
-    Image.fromarray(noisy, "RGB").save(buf, format="JPEG", quality=quality)
+    Image.fromarray(noisy, "RGB").convert(mode).save(buf, format="JPEG", quality=quality)
     return buf.getvalue()
 
 
@@ -404,30 +489,44 @@ def _wait(event: Event | None) -> None:
 
 
 def setup_gpu_decode(
-    mode: str, device: torch.device, spec: DecodeSpec, cpu_threads: int
+    mode: str,
+    device: torch.device,
+    spec: DecodeSpec,
+    cpu_threads: int,
+    *,
+    make_decoder: Callable[[torch.device], GpuDecoder] = GpuDecoder,
 ) -> tuple[GpuDecodeRouter, GpuDecoder, dict[str, Any]] | None:
     """GPUFEED_DECODE -> (router for the decode pool, decoder for the runner, log fields),
-    or None for CPU decode. `gpu` on a host without a GPU decoder raises
-    GpuDecodeUnavailable; `auto` then quietly stays on the CPU."""
+    or None for CPU decode. `gpu` on a device that is not CUDA raises
+    GpuDecodeUnavailable (a configuration error). Any failure to build or calibrate a GPU
+    decoder leaves decode on the CPU, logged (at error level when `gpu` asked for it)."""
     if mode == "cpu":
         return None
     if device.type != "cuda":
         if mode == "gpu":
             raise GpuDecodeUnavailable("GPUFEED_DECODE=gpu needs a CUDA device")
         return None
+    decoder: GpuDecoder | None = None
     try:
-        decoder = GpuDecoder(device)
-    except GpuDecodeUnavailable:
+        decoder = make_decoder(device)
+        fields: dict[str, Any] = {"decode": mode, "gpu_decoder": decoder.backend.name}
         if mode == "gpu":
-            raise
+            router = GpuDecodeRouter(dict.fromkeys(_CLASS_SAMPLES, True))
+        else:
+            cal = calibrate(decoder, spec, cpu_threads)
+            router = GpuDecodeRouter(cal.use_gpu)
+            fields["calibration"] = cal.as_dict()
+    except Exception as exc:  # noqa: BLE001 - any failure to build it: decode on the CPU
+        if decoder is not None:
+            decoder.shutdown()
+        quiet = mode == "auto" and isinstance(exc, GpuDecodeUnavailable)
+        (log.warning if quiet else log.error)(
+            "gpu_decode_unavailable",
+            decode=mode,
+            reason=f"{type(exc).__name__}: {exc}",
+            using="cpu decode",
+        )
         return None
-    fields: dict[str, Any] = {"decode": mode, "gpu_decoder": decoder.backend.name}
-    if mode == "gpu":
-        router = GpuDecodeRouter(dict.fromkeys(_CLASS_SAMPLES, True))
-    else:
-        cal = calibrate(decoder, spec, cpu_threads)
-        router = GpuDecodeRouter(cal.use_gpu)
-        fields["calibration"] = cal.as_dict()
     if not router.any_gpu:
         decoder.shutdown()
         return None

@@ -4,6 +4,14 @@ It never touches the CUDA context (NVML is a separate driver interface), so it c
 the pipeline without perturbing it. Samples go into a bounded deque; `summary()` gives
 mean, p50 and p95 per metric. Without NVML (no driver, no nvidia-ml-py) it still samples
 the CPU and says why the GPU metrics are missing.
+
+The sampler is given the CUDA device index the process computes on. That is not an NVML
+index: NVML numbers every GPU of the host in PCI order, while CUDA numbers only the
+devices CUDA_VISIBLE_DEVICES lets through, in its own order (fastest first unless
+CUDA_DEVICE_ORDER=PCI_BUS_ID). So the device is found in NVML by what identifies it on
+both sides: its UUID, else its PCI bus id (both asked of CUDA when this process already
+initialised it), else the CUDA_VISIBLE_DEVICES entry it came from (a UUID, or a physical
+ordinal, read in PCI order).
 """
 
 from __future__ import annotations
@@ -11,10 +19,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import os
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -51,15 +62,143 @@ def summarize(samples: Iterable[Sample]) -> dict[str, dict[str, float]]:
     return out
 
 
+@dataclass(frozen=True)
+class NvmlDevice:
+    """One GPU as NVML lists it."""
+
+    index: int
+    uuid: str  # "GPU-xxxxxxxx-xxxx-..."
+    pci_bus_id: str  # "00000000:3B:00.0"
+
+
+@dataclass(frozen=True)
+class CudaIdentity:
+    """What CUDA says identifies the device this process computes on."""
+
+    uuid: str | None = None  # with or without the "GPU-" prefix
+    pci_bus_id: str | None = None
+
+
+class DeviceNotFound(LookupError):
+    """The CUDA device could not be found among NVML's devices."""
+
+
+def _uuid_key(uuid: str) -> str:
+    u = uuid.strip().lower()
+    return u[4:] if u.startswith("gpu-") else u
+
+
+def _pci_key(bus_id: str) -> tuple[int, int, int, int]:
+    """(domain, bus, device, function) of "DDDDDDDD:BB:DD.F" or "DDDD:BB:DD.F"."""
+    domain, bus, rest = bus_id.strip().split(":")
+    device, _, function = rest.partition(".")
+    return int(domain, 16), int(bus, 16), int(device, 16), int(function or "0", 16)
+
+
+def nvml_index_for(
+    cuda_index: int,
+    devices: Sequence[NvmlDevice],
+    *,
+    identity: CudaIdentity | None = None,
+    visible: str | None = None,
+    order: str | None = None,
+) -> tuple[int, str]:
+    """The NVML index of CUDA device `cuda_index`, and how it was matched ("uuid", "pci bus
+    id", "CUDA_VISIBLE_DEVICES uuid", "CUDA_VISIBLE_DEVICES ordinal"). `visible` and
+    `order` are CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER. Raises DeviceNotFound."""
+    if identity is not None and identity.uuid:
+        key = _uuid_key(identity.uuid)
+        for d in devices:
+            if _uuid_key(d.uuid) == key:
+                return d.index, "uuid"
+    if identity is not None and identity.pci_bus_id:
+        key4 = _pci_key(identity.pci_bus_id)
+        for d in devices:
+            if _pci_key(d.pci_bus_id)[:3] == key4[:3]:
+                return d.index, "pci bus id"
+    # NVML lists GPUs in PCI order; CUDA's ordinals (before CUDA_VISIBLE_DEVICES) follow
+    # it under CUDA_DEVICE_ORDER=PCI_BUS_ID and, on a host of identical GPUs, by default.
+    by_pci = sorted(devices, key=lambda d: _pci_key(d.pci_bus_id))
+    if visible is None:
+        if cuda_index >= len(by_pci):
+            raise DeviceNotFound(f"CUDA device {cuda_index}: NVML lists {len(by_pci)} GPU(s)")
+        return by_pci[cuda_index].index, "ordinal"
+    if not visible.strip():
+        raise DeviceNotFound("CUDA_VISIBLE_DEVICES is empty: no CUDA device is visible")
+    entries = [e.strip() for e in visible.split(",")]
+    if cuda_index >= len(entries):
+        raise DeviceNotFound(
+            f"CUDA device {cuda_index} is not visible (CUDA_VISIBLE_DEVICES={visible})"
+        )
+    entry = entries[cuda_index]
+    if entry.upper().startswith("MIG-"):
+        raise DeviceNotFound(f"CUDA_VISIBLE_DEVICES entry {entry}: MIG instances are not mapped")
+    if entry.upper().startswith("GPU-"):
+        key = _uuid_key(entry)
+        matches = [d for d in devices if _uuid_key(d.uuid).startswith(key)]
+        if len(matches) != 1:
+            raise DeviceNotFound(
+                f"CUDA_VISIBLE_DEVICES entry {entry} matches {len(matches)} NVML device(s)"
+            )
+        return matches[0].index, "CUDA_VISIBLE_DEVICES uuid"
+    try:
+        ordinal = int(entry, 0)
+    except ValueError:
+        raise DeviceNotFound(f"CUDA_VISIBLE_DEVICES entry {entry!r} is not understood") from None
+    if not 0 <= ordinal < len(by_pci):
+        raise DeviceNotFound(
+            f"CUDA_VISIBLE_DEVICES entry {ordinal}: NVML lists {len(by_pci)} GPU(s)"
+        )
+    how = "CUDA_VISIBLE_DEVICES ordinal"
+    if (order or "").upper() != "PCI_BUS_ID":
+        how += " (CUDA_DEVICE_ORDER is not PCI_BUS_ID: PCI order assumed)"
+    return by_pci[ordinal].index, how
+
+
+def cuda_identity(cuda_index: int) -> CudaIdentity | None:
+    """UUID and PCI bus id of a CUDA device, asked of torch only when this process has
+    already initialised CUDA (the sampler never creates a CUDA context of its own)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        props = torch.cuda.get_device_properties(cuda_index)
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+    uuid = str(getattr(props, "uuid", "") or "") or None
+    pci = None
+    if hasattr(props, "pci_bus_id"):
+        pci = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    return CudaIdentity(uuid=uuid, pci_bus_id=pci)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class _Nvml:
     """The few NVML calls used, behind one object (pynvml from nvidia-ml-py)."""
 
-    def __init__(self, index: int) -> None:
-        self.nv: Any = importlib.import_module("pynvml")
+    def __init__(
+        self, cuda_index: int, *, nv: Any = None, identity: CudaIdentity | None = None
+    ) -> None:
+        self.nv: Any = nv if nv is not None else importlib.import_module("pynvml")
         self.nv.nvmlInit()
-        self.handle = self.nv.nvmlDeviceGetHandleByIndex(index)
-        name = self.nv.nvmlDeviceGetName(self.handle)
-        self.name = name.decode() if isinstance(name, bytes) else str(name)
+        devices = []
+        for i in range(self.nv.nvmlDeviceGetCount()):
+            h = self.nv.nvmlDeviceGetHandleByIndex(i)
+            bus_id = _text(self.nv.nvmlDeviceGetPciInfo(h).busId)
+            devices.append(NvmlDevice(i, _text(self.nv.nvmlDeviceGetUUID(h)), bus_id))
+        self.nvml_index, self.mapping = nvml_index_for(
+            cuda_index,
+            devices,
+            identity=identity if identity is not None else cuda_identity(cuda_index),
+            visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            order=os.environ.get("CUDA_DEVICE_ORDER"),
+        )
+        self.handle = self.nv.nvmlDeviceGetHandleByIndex(self.nvml_index)
+        self.uuid = devices[self.nvml_index].uuid
+        self.name = _text(self.nv.nvmlDeviceGetName(self.handle))
 
     def sample(self) -> Sample:
         nv, h = self.nv, self.handle
@@ -90,7 +229,7 @@ class GpuSampler:
 
     def __init__(
         self,
-        device_index: int = 0,
+        device_index: int = 0,  # the CUDA device index (not NVML's: see the module doc)
         *,
         interval_s: float = 0.1,
         max_samples: int = 36_000,
@@ -106,11 +245,19 @@ class GpuSampler:
         self.available = False
         self.reason = ""
         self.gpu_name = ""
+        self.nvml_mapping: dict[str, Any] = {}
         factory = nvml_factory or _Nvml
         try:
             self._nvml = factory(device_index)
             self.available = True
             self.gpu_name = str(getattr(self._nvml, "name", ""))
+            if hasattr(self._nvml, "nvml_index"):
+                self.nvml_mapping = {
+                    "cuda_index": device_index,
+                    "nvml_index": self._nvml.nvml_index,
+                    "uuid": getattr(self._nvml, "uuid", None),
+                    "matched_by": self._nvml.mapping,
+                }
         except Exception as exc:  # noqa: BLE001 - no module, no driver, no device: all "unavailable"
             self.reason = f"NVML unavailable: {type(exc).__name__}: {exc}".strip()
         self._proc = psutil.Process()
@@ -166,6 +313,7 @@ class GpuSampler:
             "available": self.available,
             "reason": self.reason,
             "gpu": self.gpu_name,
+            "nvml_device": self.nvml_mapping,
             "interval_s": self.interval_s,
             "samples": len(self._samples),
             "metrics": summarize(self.samples()),

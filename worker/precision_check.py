@@ -6,6 +6,10 @@ many rows have near-tied logits, where any rounding flips the top-1: agreement i
 also reported over the rows whose fp32 top-1 leads the runner-up by a clear margin, which is
 the number to hold a half-precision model to.
 
+The reference is built from the weights as loaded (build_step keeps an fp32 copy before it
+casts), not from the cast model turned back into fp32: that one would carry the rounding
+the check is meant to measure.
+
 It waits for the device (it compares values on the host): start-up and checks only, never
 the launch path.
 """
@@ -19,7 +23,7 @@ from typing import Any
 import torch
 
 from worker.device import mark_cudagraph_step
-from worker.step import InferenceStep, reference_copy
+from worker.step import InferenceStep, has_exact_reference, reference_copy
 
 StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -90,9 +94,12 @@ def precision_check(
             confident_agree += int((same & sure).sum())
             diff = (sc[:, 0].float() - rsc[:, 0].float()).abs().max()
             max_diff = max(max_diff, float(diff))
+    dtype = str(step.dtype).removeprefix("torch.")
     return PrecisionReport(
-        dtype=str(step.dtype).removeprefix("torch."),
-        reference="float32 eager",
+        dtype=dtype,
+        reference="float32 eager, weights as loaded"
+        if has_exact_reference(step)
+        else f"float32 eager from the {dtype} weights (already rounded)",
         images=total,
         top1_agreement=agree / max(total, 1),
         confident_rows=confident,

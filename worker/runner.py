@@ -10,30 +10,57 @@ into a pinned output slot, and completion is observed later through `Launched.do
 With GPU decode on, the batch's JPEG rows are decoded first (on the GPU decode thread and
 stream, straight into the slot's device twin); rows the GPU could not decode are decoded
 on the CPU into their pinned row instead, and the copy skips the rows already on the device.
+If the GPU decoder raises, all of the batch's deferred rows are decoded on the CPU, and the
+copy waits for whatever the failed decode had queued.
+
+A launch that raises after queuing device work raises LaunchFailed with a fence: the event
+after that work. The caller releases the pinned slot after it, and the slot's twin is
+reused only after it, exactly as after a launch that went well.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 import torch
 
 from worker.batcher import Batch
 from worker.decode_pool import DecodeResult
 from worker.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
-from worker.gpu_decode import GpuDecoder
+from worker.gpu_decode import GpuDecodeFailed, GpuDecoder
 from worker.jobs import Job
 from worker.staging import OutputSlot
 from worker.transfer import DeviceTransfer
 
+log = structlog.get_logger("gpufeed.runner")
+
 StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 CpuDecodeFn = Callable[[Job, npt.NDArray[np.uint8]], Awaitable[DecodeResult]]
+
+
+class LaunchFailed(RuntimeError):
+    """A launch raised. `fence` fires once the device work it had queued has run: release
+    the pinned slot after it (the slot's twin already waits for it)."""
+
+    def __init__(self, message: str, fence: Event) -> None:
+        super().__init__(message)
+        self.fence = fence
+
+
+@dataclass(frozen=True)
+class DeviceRows:
+    """What the GPU decode left for the launch."""
+
+    on_device: frozenset[int]  # rows already in the twin
+    ready: Event | None  # the compute stream waits for it before reading them
+    copy_after: Event | None  # the copy waits for it before writing the twin
 
 
 @dataclass(eq=False)
@@ -72,68 +99,91 @@ class ModelRunner:
         self._cpu_decode = cpu_decode
 
     async def launch(self, batch: Batch, out: OutputSlot) -> Launched:
+        """Raises LaunchFailed when device work was queued before the failure."""
         loop = asyncio.get_running_loop()
-        on_device, ready = await self._decode_deferred_rows(batch)
-        return await loop.run_in_executor(
-            self._executor, self._launch, batch, out, on_device, ready
-        )
+        rows = await self._decode_deferred_rows(batch)
+        return await loop.run_in_executor(self._executor, self._launch, batch, out, rows)
 
-    async def _decode_deferred_rows(self, batch: Batch) -> tuple[frozenset[int], Event | None]:
-        """Decode rows deferred to the GPU; returns the rows now in the device twin and the
-        event after which they are there."""
+    async def _decode_deferred_rows(self, batch: Batch) -> DeviceRows:
+        """Decode rows deferred to the GPU; rows it could not decode (all of them when the
+        decoder raised) are decoded on the CPU into their pinned row."""
         deferred = [
             (row, r.gpu)
             for row, r in enumerate(batch.results)
             if r.gpu is not None and r.error is None
         ]
         if not deferred:
-            return frozenset(), None
+            return DeviceRows(frozenset(), None, None)
         failed: list[int] = [row for row, _ in deferred]
         ready: Event | None = None
-        if self.gpu_decoder is not None and self.ctx.is_cuda:
-            result = await self.gpu_decoder.decode_rows(
-                deferred,
-                self.transfer.twin(batch.slot),
-                after=self.transfer.consumed(batch.slot),
-            )
-            failed, ready = result.failed, result.ready
-            for row, ms in result.decode_ms.items():
-                batch.results[row] = _with_ms(batch.results[row], ms)
+        copy_after: Event | None = None
+        if self.gpu_decoder is not None:
+            try:
+                result = await self.gpu_decoder.decode_rows(
+                    deferred,
+                    self.transfer.twin(batch.slot),
+                    after=self.transfer.consumed(batch.slot),
+                )
+            except GpuDecodeFailed as exc:
+                log.error(
+                    "gpu_decode_failed",
+                    batch=batch.seq,
+                    error=str(exc),
+                    job_ids=[batch.jobs[row].job_id for row, _ in deferred],
+                    fallback="cpu decode",
+                )
+                copy_after = exc.ready
+            else:
+                failed, ready = result.failed, result.ready
+                for row, ms in result.decode_ms.items():
+                    batch.results[row] = _with_ms(batch.results[row], ms)
         if failed:
-            if self._cpu_decode is None:
-                raise RuntimeError("rows were deferred to the GPU but no CPU fallback is set")
-            redo = await asyncio.gather(
-                *(self._cpu_decode(batch.jobs[row], batch.slot.array[row]) for row in failed)
-            )
+            try:
+                if self._cpu_decode is None:
+                    raise RuntimeError("rows were deferred to the GPU but no CPU fallback is set")
+                redo = await asyncio.gather(
+                    *(self._cpu_decode(batch.jobs[row], batch.slot.array[row]) for row in failed)
+                )
+            except Exception as exc:
+                fence = ready if ready is not None else copy_after
+                if fence is None:
+                    raise
+                # GPU decode work may still write the twin: its next user waits for it.
+                self.transfer.mark_consumed(batch.slot, fence)
+                raise LaunchFailed(f"{type(exc).__name__}: {exc}", fence) from exc
             for row, res in zip(failed, redo, strict=True):
                 batch.results[row] = res
         on_device = frozenset(row for row, _ in deferred) - frozenset(failed)
-        return on_device, ready if on_device else None
+        return DeviceRows(on_device, ready if on_device else None, copy_after)
 
-    def _launch(
-        self, batch: Batch, out: OutputSlot, on_device: Collection[int], ready: Event | None
-    ) -> Launched:
+    def _launch(self, batch: Batch, out: OutputSlot, rows: DeviceRows) -> Launched:
         began_s = time.monotonic()
         # inference_mode is thread-local: it must be entered on the launch thread itself.
         with torch.inference_mode():
             if self.ctx.is_cuda:
-                return self._launch_cuda(batch, out, on_device, ready, began_s)
-            return self._launch_cpu(batch, out, began_s)
+                try:
+                    return self._launch_cuda(batch, out, rows, began_s)
+                except Exception as exc:
+                    # Work queued before the failure may still read the pinned slot or
+                    # write the twin: both wait for this fence, never the host.
+                    fence = self.transfer.fence(batch.slot, rows.ready, rows.copy_after)
+                    raise LaunchFailed(f"{type(exc).__name__}: {exc}", fence) from exc
+            try:
+                return self._launch_cpu(batch, out, began_s)
+            except Exception as exc:
+                raise LaunchFailed(f"{type(exc).__name__}: {exc}", DoneEvent()) from exc
 
     def _launch_cuda(
-        self,
-        batch: Batch,
-        out: OutputSlot,
-        on_device: Collection[int],
-        ready: Event | None,
-        began_s: float,
+        self, batch: Batch, out: OutputSlot, rows: DeviceRows, began_s: float
     ) -> Launched:
         stream = self.ctx.compute_stream
         assert stream is not None
-        x, copied = self.transfer.to_device(batch.slot, skip_rows=on_device)
-        if ready is not None:
+        x, copied = self.transfer.to_device(
+            batch.slot, skip_rows=rows.on_device, after=rows.copy_after
+        )
+        if rows.ready is not None:
             # Rows decoded on the GPU: stream-to-stream wait, no host wait.
-            stream.wait_event(ready)  # type: ignore[arg-type]
+            stream.wait_event(rows.ready)  # type: ignore[arg-type]
         with torch.cuda.stream(stream):
             start = cuda_event(timing=True)
             start.record(stream)

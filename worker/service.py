@@ -43,7 +43,7 @@ from worker.precision_check import PrecisionReport, precision_check
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
 from worker.redis_scripts import CHECK_KEYS
-from worker.runner import Launched, ModelRunner
+from worker.runner import Launched, LaunchFailed, ModelRunner
 from worker.staging import InputRing, OutputRing
 from worker.step import build_step, pick_dtype, resolve_compile_mode
 from worker.transfer import DeviceTransfer
@@ -189,6 +189,7 @@ class Worker:
         hook = self._decode_hook or (sleep if delay else None)
         self.decode_cache = DecodeCache(cfg.decode_cache_mb * 1024 * 1024)
         try:
+            # Falls back to CPU decode, logged, on any failure to build a GPU decoder.
             gpu = setup_gpu_decode(cfg.decode, device, spec, self.decode_threads)
         except GpuDecodeUnavailable as exc:
             raise ConfigError(f"GPUFEED_DECODE=gpu: {exc}") from None
@@ -417,7 +418,12 @@ class Worker:
                     job_ids=[j.job_id for j in batch.jobs],
                 )
                 self.out_ring.release(out)
-                self.ring.release_now(batch.slot)
+                if isinstance(exc, LaunchFailed):
+                    # Device work queued before the failure may still read the slot.
+                    batch.slot.copy_done = exc.fence
+                    self.ring.release_after_copy(batch.slot)
+                else:
+                    self.ring.release_now(batch.slot)
                 await self.writer.put(
                     [
                         Outcome.failure(job, r.error.code, r.error.message)

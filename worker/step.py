@@ -50,8 +50,17 @@ class InferenceStep(nn.Module):
         self.model = model
         self.staging_size = staging_size
         self.crop_size = crop_size
+        # torchvision's CenterCrop offset: round((S - C) / 2), half to even as Python rounds.
+        self.crop_offset = crop_offset(staging_size, crop_size)
+        self.mean = mean
+        self.std = std
         self.top_k = top_k
         self.dtype = dtype
+        # The model's weights as loaded, before the cast to `dtype` rounded them: the
+        # precision check's fp32 reference (build_step sets it for half-precision steps). In
+        # a tuple so that nn.Module does not register it: it stays on the host, out of the
+        # compiled graph and out of `.to()`.
+        self.fp32_weights: tuple[nn.Module, ...] = ()
         # Folding /255 into the normalisation saves one elementwise pass over the batch.
         scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(1, 3, 1, 1)
         shift = torch.tensor([-m / s for m, s in zip(mean, std, strict=True)]).view(1, 3, 1, 1)
@@ -61,7 +70,7 @@ class InferenceStep(nn.Module):
         self.register_buffer("shift", shift.to(dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        off = (self.staging_size - self.crop_size) // 2
+        off = self.crop_offset
         x = x[:, off : off + self.crop_size, off : off + self.crop_size, :]
         # NHWC uint8 viewed as NCHW is already channels_last in memory: no transpose copy.
         x = x.permute(0, 3, 1, 2).to(self.dtype)
@@ -95,17 +104,55 @@ def contract_problems(out: tuple[torch.Tensor, torch.Tensor], batch: int, top_k:
     return problems
 
 
+def crop_offset(staging_size: int, crop_size: int) -> int:
+    """Top (and left) offset of torchvision's CenterCrop(crop_size) on a square of
+    staging_size: `int(round((S - C) / 2.0))` in torchvision.transforms.functional."""
+    return round((staging_size - crop_size) / 2.0)
+
+
+def has_exact_reference(step: InferenceStep) -> bool:
+    """Whether `reference_copy(step)` computes with the weights as loaded (not rounded)."""
+    return bool(step.fp32_weights) or step.dtype == torch.float32
+
+
 def reference_copy(step: InferenceStep) -> InferenceStep:
-    """An fp32 copy of `step` on the same device (the precision check's reference)."""
-    ref = copy.deepcopy(step).float()
-    ref.dtype = torch.float32
+    """An fp32 eager copy of `step` on the same device (the precision check's reference).
+
+    Built from the weights as loaded when build_step kept them; otherwise from the step's
+    own weights, which for a bf16/fp16 step are already rounded (has_exact_reference says
+    which)."""
+    device = step.scale.device
+    if step.fp32_weights:
+        model = copy.deepcopy(step.fp32_weights[0])
+        model = model.to(device=device, dtype=torch.float32)
+        model = model.to(memory_format=torch.channels_last)
+        ref = InferenceStep(
+            model,
+            staging_size=step.staging_size,
+            crop_size=step.crop_size,
+            mean=step.mean,
+            std=step.std,
+            top_k=step.top_k,
+            dtype=torch.float32,
+        ).to(device)
+    else:
+        ref = copy.deepcopy(step).float()
+        ref.dtype = torch.float32
     return ref.eval()
 
 
 def build_step(
     loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype, top_k: int
 ) -> InferenceStep:
-    model = loaded.module.to(device=device, dtype=dtype)
+    if dtype == torch.float32:
+        # Module.to casts in place; in fp32 nothing is rounded, so the loaded module is used.
+        model = loaded.module.to(device=device)
+        fp32_weights: tuple[nn.Module, ...] = ()
+    else:
+        # The cast would round the loaded weights in place: cast a copy, and keep the loaded
+        # fp32 module on the host as the precision check's reference.
+        model = copy.deepcopy(loaded.module).to(device=device, dtype=dtype)
+        fp32_weights = (loaded.module,)
     model = model.to(memory_format=torch.channels_last)
     k = min(top_k, loaded.num_classes)
     step = InferenceStep(
@@ -117,6 +164,7 @@ def build_step(
         top_k=k,
         dtype=dtype,
     )
+    step.fp32_weights = fp32_weights
     return step.to(device).eval()
 
 

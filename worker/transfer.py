@@ -8,6 +8,10 @@ read the twin. No host thread ever waits here.
 
 Rows decoded on the GPU are written straight into the twin, so the copy skips them: it
 copies the remaining rows as a few contiguous runs.
+
+A launch that fails after queuing work (a copy, a GPU decode, part of the step) records a
+fence: an event after everything queued for the slot. The twin is reused, and the pinned
+slot released, only after it, as after a launch that went well.
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ class DeviceTransfer:
             ]
 
     def twin(self, slot: InputSlot) -> torch.Tensor:
-        """The device buffer the step reads for `slot` (CUDA only)."""
+        """The buffer the step reads for `slot`: its device twin on CUDA, the slot itself on
+        the CPU (where the model reads the host slot in place)."""
+        if not self.ctx.is_cuda:
+            return slot.images
         return self._twins[slot.index]
 
     def consumed(self, slot: InputSlot) -> Event | None:
@@ -59,10 +66,15 @@ class DeviceTransfer:
         return self._consumed[slot.index]
 
     def to_device(
-        self, slot: InputSlot, *, skip_rows: Collection[int] = ()
+        self,
+        slot: InputSlot,
+        *,
+        skip_rows: Collection[int] = (),
+        after: Event | None = None,
     ) -> tuple[torch.Tensor, Event]:
         """Queue the copy of `slot` (less `skip_rows`); returns the device tensor and the
-        copy's event.
+        copy's event. `after`: other work that writes the twin (a GPU decode that failed
+        part-way) and must be done before the copy writes it.
 
         Called on the launch thread. The compute stream is made to wait on the event, so
         the caller can launch work on the result right away.
@@ -77,6 +89,8 @@ class DeviceTransfer:
         consumed = self._consumed[slot.index]
         if consumed is not None:
             copy_stream.wait_event(consumed)  # type: ignore[arg-type]
+        if after is not None:
+            copy_stream.wait_event(after)  # type: ignore[arg-type]
         with torch.cuda.stream(copy_stream):
             if not skip_rows:
                 # x: [B, S, S, 3] uint8, pinned -> device; asynchronous because pinned.
@@ -94,3 +108,24 @@ class DeviceTransfer:
         """The compute stream recorded `event` after its last read of the slot's twin."""
         if self.ctx.is_cuda:
             self._consumed[slot.index] = event
+
+    def fence(self, slot: InputSlot, *also: Event | None) -> Event:
+        """After a failed launch: an event after all the work queued for `slot` so far (its
+        copy, the compute stream, and `also`, e.g. a GPU decode), which the twin's next
+        user waits for and after which the pinned slot may be reused. Called on the launch
+        thread; never waits on the host."""
+        if not self.ctx.is_cuda:
+            return DoneEvent(time.perf_counter())
+        copy_stream = self.ctx.copy_stream
+        compute_stream = self.ctx.compute_stream
+        assert copy_stream is not None and compute_stream is not None
+        copied = cuda_event()
+        copied.record(copy_stream)
+        compute_stream.wait_event(copied)
+        for event in also:
+            if event is not None:
+                compute_stream.wait_event(event)  # type: ignore[arg-type]
+        done = cuda_event()
+        done.record(compute_stream)
+        self._consumed[slot.index] = done
+        return done

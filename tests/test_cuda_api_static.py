@@ -1,0 +1,204 @@
+"""The torch, torchvision and nvImageCodec names the CUDA path uses exist in the installed
+versions, checked without a GPU (attributes and signatures only; nothing is called).
+
+- Every `torch.*`, `F.*` and `torchvision.*` name written in the CUDA-path modules (found
+  by walking their syntax tree, so a new use is checked without editing this file), plus
+  the members reached through instances or getattr, which the walk cannot see.
+- nvImageCodec is not a dependency: the names gpu_decode.py uses from it must be among
+  those vendored below, as read from the nvidia-nvimgcodec-cu13 0.9.0.20 wheel's module
+  (ColorSpec has SRGB and no RGB since 0.7); where nvImageCodec is installed they are
+  checked against it too.
+
+docs/cuda-api-check.md says which of these were also checked against torch 2.11.0 and
+torchvision 0.26.0, the versions of the GPU host.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torchvision
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CUDA_PATH = (
+    "worker/device.py",
+    "worker/transfer.py",
+    "worker/runner.py",
+    "worker/staging.py",
+    "worker/completion.py",
+    "worker/step.py",
+    "worker/compiler.py",
+    "worker/precision_check.py",
+    "worker/ceiling.py",
+    "worker/gpu_decode.py",
+    "worker/gpu_sampler.py",
+    "worker/gpu_check.py",
+    "worker/gpu_preflight.py",
+)
+
+# Reached through an instance, getattr or hasattr: invisible to the walk.
+THROUGH_INSTANCES = (
+    "torch.cuda.Stream.wait_event",
+    "torch.cuda.Stream.wait_stream",
+    "torch.cuda.Stream.cuda_stream",
+    "torch.cuda.Event.record",
+    "torch.cuda.Event.query",
+    "torch.cuda.Event.elapsed_time",
+    "torch.cuda.Event.synchronize",
+    "torch.cuda.CUDAGraph.replay",
+    "torch.Tensor.record_stream",
+    "torch.Tensor.is_pinned",
+    "torch._dynamo.explain",
+    "torch._inductor.config.graph_partition",
+    "torch._inductor.config.triton.cudagraphs",
+    "torch._C._CudaDeviceProperties.uuid",
+    "torch._C._CudaDeviceProperties.pci_bus_id",
+    "torch._C._CudaDeviceProperties.pci_device_id",
+    "torch._C._CudaDeviceProperties.pci_domain_id",
+    "torch.cuda._sleep",  # the CUDA tests stall streams with it
+    "torch.OutOfMemoryError",
+)
+
+# (callable, keyword parameters the CUDA path passes to it)
+SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("torch.compile", ("options", "fullgraph", "dynamic")),
+    ("torch._inductor.list_mode_options", ("mode", "dynamic")),
+    ("torch.cuda.is_bf16_supported", ("including_emulation",)),
+    ("torch.cuda.Event", ("enable_timing",)),
+    ("torchvision.io.decode_jpeg", ("mode", "device")),
+    ("torchvision.transforms.functional.center_crop", ("output_size",)),
+)
+
+# nvImageCodec names used, as the 0.9.0.20 wheel has them (module imported on a CPU host:
+# ColorSpec members UNKNOWN, UNCHANGED, SYCC, SRGB, GRAY, CMYK, YCCK, PALETTE, ICC_PROFILE,
+# UNSUPPORTED; Decoder(device_id, ...), Decoder.decode(srcs, *, params, cuda_stream), bytes
+# accepted for CodeStream; DecodeParams(apply_exif_orientation, color_spec, ...)).
+NVIMGCODEC_API = frozenset(
+    {
+        "__version__",
+        "Decoder",
+        "Decoder.decode",
+        "DecodeParams",
+        "ColorSpec",
+        "ColorSpec.SRGB",
+        "Image.__cuda_array_interface__",
+    }
+)
+NVIMGCODEC_KEYWORDS = {
+    "Decoder": ("device_id",),
+    "Decoder.decode": ("params", "cuda_stream"),
+    "DecodeParams": ("apply_exif_orientation", "color_spec"),
+}
+ROOTS = {"torch": "torch", "F": "torch.nn.functional", "torchvision": "torchvision"}
+
+
+def dotted_names(source: str, roots: dict[str, str]) -> set[str]:
+    """Every attribute chain on one of `roots` (name -> module), and every name imported
+    from them, as fully qualified dotted names (longest chains only)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            parts: list[str] = []
+            inner: ast.expr = node
+            while isinstance(inner, ast.Attribute):
+                parts.append(inner.attr)
+                inner = inner.value
+            if isinstance(inner, ast.Name) and inner.id in roots:
+                found.add(".".join([roots[inner.id], *reversed(parts)]))
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in {m.split(".")[0] for m in roots.values()}
+        ):
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in found if not any(o.startswith(n + ".") for o in found)}
+
+
+def resolve(name: str) -> Any:
+    """getattr along `name`, importing submodules on the way (torch._inductor.config...)."""
+    parts = name.split(".")
+    obj: Any = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=1):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            obj = importlib.import_module(".".join(parts[: i + 1]))
+    return obj
+
+
+def used_names() -> list[str]:
+    names: set[str] = set()
+    for module in CUDA_PATH:
+        names |= dotted_names((ROOT / module).read_text(), ROOTS)
+    return sorted(names)
+
+
+def test_the_walk_sees_the_cuda_path() -> None:
+    names = used_names()
+    # A few that must be there: if these vanish, the walk (not the code) broke.
+    for name in ("torch.cuda.Stream", "torch.compiler.cudagraph_mark_step_begin"):
+        assert name in names
+    assert "torchvision.io.decode_jpeg" in names
+
+
+@pytest.mark.parametrize("name", used_names())
+def test_names_written_in_the_cuda_path_exist(name: str) -> None:
+    try:
+        resolve(name)
+    except (AttributeError, ImportError) as exc:
+        pytest.fail(
+            f"{name} is missing in torch {torch.__version__} / torchvision "
+            f"{torchvision.__version__}: {exc}"
+        )
+
+
+@pytest.mark.parametrize("name", THROUGH_INSTANCES)
+def test_members_reached_through_instances_exist(name: str) -> None:
+    owner, _, member = name.rpartition(".")
+    assert hasattr(resolve(owner), member), f"{name} is missing in torch {torch.__version__}"
+
+
+@pytest.mark.parametrize(("name", "keywords"), SIGNATURES)
+def test_keyword_parameters_exist(name: str, keywords: tuple[str, ...]) -> None:
+    params = inspect.signature(resolve(name)).parameters
+    missing = [k for k in keywords if k not in params]
+    assert not missing, f"{name} lacks {missing}"
+
+
+def nvimgcodec_names_in_code() -> set[str]:
+    source = (ROOT / "worker/gpu_decode.py").read_text()
+    chains = dotted_names(source, {"nvimgcodec": "nvimgcodec"})
+    return {c.removeprefix("nvimgcodec.") for c in chains}
+
+
+def test_gpu_decode_uses_only_vendored_nvimgcodec_names() -> None:
+    used = nvimgcodec_names_in_code()
+    assert used, "the walk found no nvImageCodec use in gpu_decode.py"
+    assert used <= NVIMGCODEC_API, f"not in nvImageCodec 0.9: {sorted(used - NVIMGCODEC_API)}"
+    assert "ColorSpec.RGB" not in used
+
+
+def test_nvimgcodec_names_exist_where_installed() -> None:
+    try:
+        nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
+    except ImportError:
+        pytest.skip("nvImageCodec is not installed (the vendored names are checked above)")
+    for name in sorted(NVIMGCODEC_API):
+        obj: Any = nvimgcodec
+        for part in name.split("."):
+            assert hasattr(obj, part), f"nvImageCodec {nvimgcodec.__version__} lacks {name}"
+            obj = getattr(obj, part)
+    for name, keywords in NVIMGCODEC_KEYWORDS.items():
+        owner: Any = nvimgcodec
+        for part in name.split("."):
+            owner = getattr(owner, part)
+        doc = (getattr(owner, "__init__", owner).__doc__ or "") + (owner.__doc__ or "")
+        missing = [k for k in keywords if f"{k}:" not in doc]
+        assert not missing, f"nvImageCodec {name} lacks {missing}"

@@ -1,0 +1,220 @@
+"""`make gpu-check` fails loudly whenever it did not really run on a GPU, and a run cut by
+its time budget still leaves a report of what it measured.
+
+Checked here, on a host without CUDA: the script stops at once with the reason; the
+preflight names a missing C compiler or missing Python headers (what triton needs); a
+skipped CUDA test counts as a failure; the benchmark's phases, run on the CPU through the
+test-only entry point, write report.json as each ends, and its deadline ends the process
+with the report written even in the middle of a phase.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.gpu_check import cuda_tests_verdict, junit_summary, main
+from worker.gpu_preflight import check_cuda, check_toolchain
+
+ROOT = Path(__file__).resolve().parent.parent
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a host without CUDA")
+
+
+@needs_no_cuda
+def test_gpu_check_on_a_host_without_cuda_fails_at_once(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_OUT": str(tmp_path)}
+    done = subprocess.run(
+        ["bash", "scripts/gpu-check.sh"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "FAILED" in done.stderr and "CUDA is not available" in done.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["verdict"]["passed"] is False
+    assert report["preflight"]["cuda_available"] is False
+    assert not (tmp_path / "pytest.xml").exists()  # nothing ran
+
+
+def test_the_benchmark_refuses_a_cpu_device(tmp_path: Path) -> None:
+    assert main(["--device", "cpu", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "needs a CUDA device" in report["error"]
+    assert report["verdict"]["passed"] is False
+    assert "startup" not in report["phases"]  # refused before anything ran
+
+
+def test_preflight_names_what_triton_would_miss(tmp_path: Path) -> None:
+    assert check_toolchain(os.environ) == [], "this host builds Python extensions"
+    no_compiler = check_toolchain({"PATH": str(tmp_path)})
+    assert len(no_compiler) == 1 and "no C compiler" in no_compiler[0]
+    wrong_cc = check_toolchain({**os.environ, "CC": str(tmp_path / "cc")})
+    assert wrong_cc == [f"CC={tmp_path / 'cc'} is not an executable C compiler"]
+    no_headers = check_toolchain(os.environ, include_dir=str(tmp_path))
+    assert len(no_headers) == 1 and "Python headers" in no_headers[0]
+    # A compiler that runs but cannot build the extension.
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'fatal error: Python.h: No such file' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    failing = check_toolchain({**os.environ, "CC": str(broken)})
+    assert len(failing) == 1 and "cannot build a Python extension" in failing[0]
+
+
+def test_preflight_refuses_a_device_that_is_not_cuda() -> None:
+    problems, _ = check_cuda("cpu")
+    assert problems == ["the GPU check needs a CUDA device, not 'cpu'"]
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="0" failures="{failures}" skipped="{skipped}"
+ tests="{tests}">
+<testcase classname="tests.test_cuda" name="test_a"/>
+{extra}
+</testsuite></testsuites>
+"""
+
+
+def write_junit(path: Path, *, skipped: int = 0, failures: int = 0) -> Path:
+    extra = "".join(
+        f'<testcase classname="tests.test_cuda" name="test_s{i}">'
+        f'<skipped type="pytest.skip" message="needs CUDA"/></testcase>'
+        for i in range(skipped)
+    ) + "".join(
+        f'<testcase classname="tests.test_cuda" name="test_f{i}"><failure message="x"/></testcase>'
+        for i in range(failures)
+    )
+    path.write_text(
+        JUNIT.format(tests=1 + skipped + failures, skipped=skipped, failures=failures, extra=extra)
+    )
+    return path
+
+
+def test_skipped_cuda_tests_fail_the_check(tmp_path: Path) -> None:
+    assert cuda_tests_verdict(junit_summary(write_junit(tmp_path / "ok.xml"))) == []
+    skipped = cuda_tests_verdict(junit_summary(write_junit(tmp_path / "s.xml", skipped=2)))
+    assert len(skipped) == 1 and "2 CUDA test(s) skipped" in skipped[0]
+    assert "test_s0: needs CUDA" in skipped[0]
+    failed = cuda_tests_verdict(junit_summary(write_junit(tmp_path / "f.xml", failures=1)))
+    assert failed == ["1 CUDA test(s) failed: tests.test_cuda::test_f0"]
+    assert cuda_tests_verdict(junit_summary(tmp_path / "missing.xml"))[0].startswith("no CUDA test")
+
+
+def phases_on_cpu(
+    redis_url: str, out: Path, junit: Path, *, deadline_s: float, seconds: float = 1.0
+) -> list[str]:
+    """A child process running the benchmark's phases on the CPU (its deadline and SIGTERM
+    end the process, so it cannot run inside the test's)."""
+    argv = [
+        "--device", "cpu", "--model", "mobilenet_v3_small", "--batch", "4",
+        "--precision", "fp32", "--seconds", str(seconds), "--warmup-seconds", "0.2",
+        "--ceiling-iters", "2", "--width", "96", "--height", "64",
+        "--redis-url", redis_url, "--out", str(out), "--junit", str(junit),
+        "--deadline-s", str(deadline_s),
+    ]  # fmt: skip
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from worker.gpu_check import main; "
+        f"sys.exit(main({argv!r}, require_cuda=False))",
+    ]
+
+
+def run_child(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "GPU_CHECK_LOG_FORMAT": "json"},
+    )
+
+
+@pytest.mark.slow
+def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
+    redis_url: str, tmp_path: Path
+) -> None:
+    junit = write_junit(tmp_path / "pytest.xml", skipped=1)
+    done = run_child(phases_on_cpu(redis_url, tmp_path, junit, deadline_s=200))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "error" not in report, report.get("traceback")
+    phases = report["phases"]
+    assert [phases[p]["status"] for p in ("startup", "ceiling", "pipeline", "decode")] == [
+        "done"
+    ] * 4
+    assert phases["cudnn"] == {"status": "skipped", "why": "not a CUDA device"}
+    assert report["ceiling_images_per_s"]["eager"] > 0
+    assert report["pipeline_images_per_s"] > 0
+    grey = report["gpu_decode_vs_cpu"]["torchvision"]["modes"]["L"]
+    assert grey["decoded"] and grey["mean_abs_diff"] < 4
+    # Everything measured, but a CUDA test was skipped: the check fails.
+    assert done.returncode == 1
+    assert report["verdict"]["passed"] is False
+    assert "skipped" in report["verdict"]["problems"][0]
+
+
+@pytest.mark.slow
+def test_a_start_up_longer_than_the_budget_still_reports(redis_url: str, tmp_path: Path) -> None:
+    """A compile that outlasts the deadline (here: a start-up made to hang) cannot hold the
+    run: the report is written and the process ends at the deadline."""
+    junit = write_junit(tmp_path / "pytest.xml")
+    argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=3)
+    argv[2] = (
+        "import asyncio, worker.service as service\n"
+        "async def hang(self, **kwargs): await asyncio.sleep(600)\n"
+        "service.Worker.startup = hang\n" + argv[2]
+    )
+    done = run_child(argv)
+    assert done.returncode == 124, done.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["error"] == "time budget of 3 s spent during phase 'startup'"
+    assert report["phases"]["startup"]["status"] == "running"
+    assert report["verdict"]["passed"] is False
+    assert report["environment"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_a_run_terminated_mid_phase_keeps_what_it_measured(redis_url: str, tmp_path: Path) -> None:
+    junit = write_junit(tmp_path / "pytest.xml")
+    argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=200, seconds=120)
+    child = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "GPU_CHECK_LOG_FORMAT": "json"},
+    )
+    path = tmp_path / "report.json"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if path.exists():
+                phase = json.loads(path.read_text())["phases"].get("pipeline", {})
+                if phase.get("status") == "running":
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the pipeline phase never started")
+        child.send_signal(signal.SIGTERM)  # what `timeout` sends at its limit
+        assert child.wait(timeout=60) == 124
+    finally:
+        if child.poll() is None:
+            child.kill()
+    report = json.loads(path.read_text())
+    assert report["error"] == "signal 15 during phase 'pipeline'"
+    assert report["phases"]["ceiling"]["status"] == "done"
+    assert report["ceiling_images_per_s"]["eager"] > 0  # measured before the cut
