@@ -151,6 +151,8 @@ class Worker:
                 self.precision = precision_check(
                     step, fn, batch=self.batch_size, batches=1, cudagraphs=graphs
                 )
+            # The fp32 copy served only as the check's reference: give its memory back.
+            step.fp32_weights = ()
 
         await asyncio.get_running_loop().run_in_executor(
             None, self.runner.run_sync, compile_on_launch_thread
