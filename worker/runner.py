@@ -64,6 +64,9 @@ class ModelRunner:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpufeed-launch")
         self.gpu_decoder = gpu_decoder
         self._cpu_decode = cpu_decode
+        # When the launch thread took its current batch (None while it holds none): /live
+        # fails when a launch has been running far longer than any batch should.
+        self.launch_started_s: float | None = None
 
     def use_gpu_decode(self, decoder: GpuDecoder, cpu_decode: CpuDecodeFn) -> None:
         """Decode the rows the decode pool deferred on `decoder`; `cpu_decode` is the
@@ -113,12 +116,15 @@ class ModelRunner:
     def _launch(
         self, batch: Batch, out: OutputSlot, on_device: Collection[int], ready: Event | None
     ) -> Launched:
-        began_s = time.monotonic()
-        # inference_mode is thread-local: it must be entered on the launch thread itself.
-        with torch.inference_mode():
-            if self.ctx.is_cuda:
-                return self._launch_cuda(batch, out, on_device, ready, began_s)
-            return self._launch_cpu(batch, out, began_s)
+        began_s = self.launch_started_s = time.monotonic()
+        try:
+            # inference_mode is thread-local: it must be entered on the launch thread itself.
+            with torch.inference_mode():
+                if self.ctx.is_cuda:
+                    return self._launch_cuda(batch, out, on_device, ready, began_s)
+                return self._launch_cpu(batch, out, began_s)
+        finally:
+            self.launch_started_s = None
 
     def _launch_cuda(
         self,
