@@ -68,6 +68,7 @@ async def test_metrics_health_and_heartbeat_under_load(
     assert metric(after, "gpufeed_job_seconds_count") == 31
     assert metric(after, "gpufeed_queue_depth", queue="jobs") == 0
     assert metric(after, "gpufeed_stream_lag") == 0
+    assert metric(after, "gpufeed_stream_pending") == 0
     # What the worker serves, so two deployments' series cannot be confused.
     info = [line for line in after.splitlines() if line.startswith("gpufeed_worker_info{")]
     assert len(info) == 1 and info[0].endswith(" 1.0")

@@ -111,6 +111,11 @@ class WorkerMetrics:
             "Entries not yet delivered to the group (-1: Redis does not know).",
             registry=r,
         )
+        self.stream_pending = Gauge(
+            "gpufeed_stream_pending",
+            "Entries delivered to the group's workers and not yet answered (all workers).",
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

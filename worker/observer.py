@@ -73,6 +73,7 @@ class Observer:
         self.http: HealthServer | None = None
         self._info: dict[str, Any] = {}
         self.lag: int | None = None
+        self.pending: int | None = None
         # Returns problems that appeared since start-up (graph breaks, recompiles...).
         self.compile_check: Callable[[], list[str]] = list
         self._compile_problems: list[str] = []
@@ -211,6 +212,7 @@ class Observer:
             "process_cpu_pct": sample.get("process_cpu_pct"),
             "system_cpu_pct": sample.get("system_cpu_pct"),
             "stream_lag": self.lag,
+            "stream_pending": self.pending,
         }
 
     def _latest_sample(self) -> dict[str, float]:
@@ -238,8 +240,10 @@ class Observer:
                 if metric != "t":
                     self.metrics.gpu.labels(metric).set(value)
             try:
-                self.lag = await _group_lag(client, stream, group)
+                self.lag, self.pending = await _group_backlog(client, stream, group)
                 self.metrics.stream_lag.set(-1 if self.lag is None else self.lag)
+                if self.pending is not None:
+                    self.metrics.stream_pending.set(self.pending)
                 snap = self.snapshot(in_flight())
                 await write_heartbeat(client, key, snap, ttl_s=int(HEARTBEAT_INTERVAL_S * 5))
                 outage = False
@@ -296,15 +300,20 @@ async def write_heartbeat(
     await pipe.execute()
 
 
-async def _group_lag(client: aioredis.Redis, stream: str, group: str) -> int | None:
-    """The group's lag, or None where Redis does not know it (it reports nil after
-    deletions), never a made-up 0."""
+async def _group_backlog(
+    client: aioredis.Redis, stream: str, group: str
+) -> tuple[int | None, int | None]:
+    """The group's lag and pending count; the lag None where Redis does not know it (it
+    reports nil after deletions), never a made-up 0."""
     for g in await client.xinfo_groups(stream):
         name = g.get("name")
         if (name.decode() if isinstance(name, bytes) else name) == group:
-            lag = g.get("lag")
-            return None if lag is None else int(lag)
-    return None
+            lag, pending = g.get("lag"), g.get("pending")
+            return (
+                None if lag is None else int(lag),
+                None if pending is None else int(pending),
+            )
+    return None, None
 
 
 def heartbeat_key(worker_name: str) -> str:
