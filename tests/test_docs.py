@@ -66,6 +66,7 @@ def test_worker_help_shows_every_setting_with_its_meaning(args: list[str]) -> No
         flag = "--" + f.name.replace("_", "-")
         assert flag in result.output, flag
         assert _squeeze(f"{settings_help.meaning(env)} [env {env};") in shown, env
+    assert result.output.count("--help") == 1
     if args == ["--help"]:
         for command in ("run", "demo", "doctor", "top", "bench"):
             assert re.search(rf"^\s+{command}\s", result.output, re.M), command

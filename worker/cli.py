@@ -83,8 +83,7 @@ class DefaultGroup(click.Group):
         records = [
             record
             for param in run_command.get_params(run_ctx)
-            if (record := param.get_help_record(run_ctx)) is not None
-            and param.name not in ("help",)
+            if "--help" not in param.opts and (record := param.get_help_record(run_ctx)) is not None
         ]
         with formatter.section("Worker settings (flags win over the environment)"):
             formatter.write_dl(records)

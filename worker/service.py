@@ -85,8 +85,10 @@ class Worker:
         self._held: dict[str, Job] = {}
 
     # ----------------------------------------------------------------------- startup
-    async def startup(self, *, wait_for_redis: bool = True) -> None:
-        """Model first, Redis last: a worker joins the group only once it can serve."""
+    async def startup(self, *, wait_for_redis: bool = True, redis_first: bool = False) -> None:
+        """Model first, Redis last: a worker joins the group only once it can serve.
+        `redis_first`: fail at once when Redis does not answer, before loading the model
+        (tools that measure the model without Redis leave it off)."""
         cfg = self.config
         log.info("starting", **cfg.summary())
         # /live answers from here on; /ready only once the worker reads.
@@ -94,7 +96,7 @@ class Worker:
         self.redis = aioredis.from_url(
             cfg.redis_url, socket_keepalive=True, health_check_interval=30
         )
-        if not wait_for_redis:
+        if redis_first:
             # Fail in a second, not after minutes of loading and compiling the model.
             await self._wait_for_redis(False)
         # GPUFEED_MAX_IMAGE_PIXELS, checked from the header before any pixel is decoded, is
@@ -508,7 +510,8 @@ class Worker:
         if install_signals:
             self.install_signal_handlers()
         try:
-            await self.startup(wait_for_redis=wait_for_redis)
+            # --no-wait: a worker that would exit for want of Redis does so before the model.
+            await self.startup(wait_for_redis=wait_for_redis, redis_first=not wait_for_redis)
             if not self.should_exit.is_set():
                 await self.main_loop()
         finally:
