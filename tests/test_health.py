@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,10 @@ async def wait_status(url: str, code: int, timeout_s: float = 20) -> str:
     """Poll `url` from a thread (the loop stays free) until it answers `code`; the body."""
     deadline = time.monotonic() + timeout_s
     while True:
-        status, body = await asyncio.to_thread(get, url)
+        try:
+            status, body = await asyncio.to_thread(get, url)
+        except urllib.error.URLError as exc:  # not listening yet: the worker is starting
+            status, body = 0, str(exc)
         if status == code:
             return body
         assert time.monotonic() < deadline, f"{url} still {status} {body!r}, not {code}"
