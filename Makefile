@@ -1,4 +1,5 @@
 # gpufeed — every target that needs the environment builds it first (idempotent, quick when done).
+# `make help` lists the targets: each one's line below ends with `## what it does`.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,72 +7,82 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 REDIS_PORT ?= 6379
 
-.PHONY: setup redis-server test lint demo run-worker run-redis bench gpu-check clean help
+.PHONY: help setup redis-server promtool test lint demo run-worker run-redis bench soak \
+	gpu-check gpu-check-prepare clean
 
-help:
-	@echo "make demo        local Redis + worker + sample jobs + results and throughput"
-	@echo "make test        ruff, mypy, then the test suite (starts its own redis-server)"
-	@echo "make run-worker  run a worker with the GPUFEED_* / REDIS_URL settings of the environment"
-	@echo "make run-redis   a local redis-server on 127.0.0.1:$(REDIS_PORT), nothing kept on disk"
-	@echo "make lint        ruff and mypy"
-	@echo "make setup       .venv with the packages, and redis-server from the OS packages"
+help: ## this list
+	@echo "make TARGET, where TARGET is one of:"
+	@grep -E '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) \
+	  | sed -E 's/^([a-zA-Z0-9_-]+):.*## (.*)$$/\1\t\2/' \
+	  | while IFS=$$'\t' read -r target text; do printf '  make %-18s %s\n' "$$target" "$$text"; done
 
-setup: $(STAMP) redis-server
+setup: $(STAMP) redis-server promtool ## .venv with the packages; redis-server and promtool from the OS packages
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[worker,dev]'
 	@touch $(STAMP)
 
-redis-server:
+redis-server: ## install redis-server from the OS packages when it is missing
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  echo "installing redis-server from the OS packages"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 	@# The OS package starts a system-wide server on :6379; gpufeed's targets start their own.
 
+# promtool checks deploy/prometheus (rule syntax, alert unit tests, the dashboard's
+# queries). Only the binary is taken out of Debian's `prometheus` package, into the venv:
+# installing the package itself would also start a Prometheus server. Without it the
+# tests that need it are skipped.
+promtool: $(STAMP) ## put promtool (from Debian's prometheus package) into .venv/bin
+	@command -v promtool >/dev/null 2>&1 || test -x $(VENV)/bin/promtool || { \
+	  echo "fetching promtool from the OS's prometheus package"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  dir=$$(mktemp -d) && venv_bin=$$(cd $(VENV)/bin && pwd) && \
+	  { $$SUDO apt-get update -qq; cd $$dir && apt-get download -qq prometheus 2>/dev/null \
+	    && dpkg-deb -x prometheus_*.deb root && install -m 0755 root/usr/bin/promtool $$venv_bin/promtool; } \
+	  || echo "promtool could not be installed: the tests that need it will be skipped"; \
+	  rm -rf $$dir; }
+
 # The one test command (CI runs exactly this): lint and types, then the suite.
-test: setup lint
+test: setup lint ## ruff, mypy, then the test suite (starts its own redis-server)
 	$(PY) -m pytest -q
 
-lint: setup
+lint: setup ## ruff check, ruff format --check, mypy (strict)
 	$(VENV)/bin/ruff check worker producer tests scripts
 	$(VENV)/bin/ruff format --check worker producer tests scripts
 	$(VENV)/bin/mypy
 
-demo: setup
+demo: setup ## a local Redis, a worker, sample jobs, each result and a throughput line
 	$(PY) -m worker demo
 
 # One worker per visible GPU (or per GPU in GPUS=0,2), each its own consumer; one worker
 # on a host with a single GPU or none.
-run-worker: setup
+run-worker: setup ## run a worker (one per GPU) with the GPUFEED_* / REDIS_URL settings of the environment
 	PYTHON=$(PY) bash scripts/run-workers.sh
+
+run-redis: redis-server ## a throwaway redis-server in the foreground on 127.0.0.1:6379, or a free port if taken
+	REDIS_PORT=$(REDIS_PORT) bash scripts/run-redis.sh
 
 # The benchmark: ceiling, naive worker, gpufeed and its ablations on generated image sets;
 # writes bench/out/report.json, report.md and throughput.png. BENCH_PROFILE=tiny|quick|full
 # (default: quick on CPU hosts, full on CUDA hosts).
-bench: setup
+bench: setup ## the benchmark report (bench/out/)
 	$(PY) -m worker bench
-
-# The CUDA tests and a short benchmark on a GPU host without network; writes
-# $$GPU_CHECK_OUT/report.json. Uses the host's python3 and PyTorch: no setup here.
-gpu-check:
-	bash scripts/gpu-check.sh
-
-# Where there is network: gather wheels and redis-server for gpu-check into .gpu-check/.
-.PHONY: gpu-check-prepare
-gpu-check-prepare:
-	bash scripts/prepare-gpu-host.sh
-
-run-redis: redis-server
-	redis-server --port $(REDIS_PORT) --bind 127.0.0.1 --save "" --appendonly no
 
 # 20,000 mixed good and bad jobs through 2 worker processes, with a worker SIGKILLed and
 # restarted and Redis restarted; prints a report, writes .soak/report.json (scripts/soak.py
 # --help for --jobs, --workers, --out). Fails if a job is missing or answered twice.
-.PHONY: soak
-soak: setup
+soak: setup ## 20,000 jobs with a worker killed and Redis restarted (.soak/report.json)
 	$(PY) scripts/soak.py
 
-clean:
+# The CUDA tests and a short benchmark on a GPU host without network; writes
+# $$GPU_CHECK_OUT/report.json. Uses the host's python3 and PyTorch: no setup here.
+gpu-check: ## on a GPU host: the CUDA tests and the GPU benchmark
+	bash scripts/gpu-check.sh
+
+gpu-check-prepare: ## where there is network: wheels and redis-server for gpu-check into .gpu-check/
+	bash scripts/prepare-gpu-host.sh
+
+clean: ## remove .venv, caches and the demo's files
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo *.egg-info

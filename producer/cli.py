@@ -431,6 +431,27 @@ def results(
             raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
+@app.command("wait")
+@_connection("results_stream", "result_prefix")
+def wait_for(
+    settings: Settings,
+    *,
+    ids: Annotated[list[str], typer.Argument(metavar="ID...", help="job ids")],
+    timeout: Annotated[float, typer.Option("--timeout", min=0, help="seconds to wait")] = 60.0,
+    reply_to: Annotated[
+        list[str] | None,
+        typer.Option("--reply-to", help="also watch this reply stream (repeatable)"),
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Show the results of job ids, decoded (the msgpack `result` too), waiting for those
+    not published yet."""
+    streams = [settings.results_stream, *reply_to] if reply_to else None
+    with _session(settings) as producer:
+        results = producer.wait(ids, timeout, streams=streams)
+    _report(ids, results, timeout, json_out)
+
+
 def _size(n: int) -> str:
     if n < 1024:
         return f"{n} B"

@@ -563,9 +563,29 @@ def test_keda_scales_the_deployment_on_the_configured_stream_and_group() -> None
         assert set(meta) <= KEDA_REDIS_STREAMS_FIELDS, sorted(set(meta) - KEDA_REDIS_STREAMS_FIELDS)
         assert all(isinstance(v, str) for v in meta.values()), meta
         assert meta["stream"] == configmap_value("GPUFEED_STREAM")
-        assert meta["consumerGroup"] == configmap_value("GPUFEED_GROUP")
+        if "streamLength" in meta:
+            # KEDA scales on XLEN only for a trigger without a consumer group.
+            assert "consumerGroup" not in meta
+        else:
+            assert meta["consumerGroup"] == configmap_value("GPUFEED_GROUP")
         if "lagCount" in meta:
             assert "activationLagCount" in meta
+
+
+def test_keda_wakes_from_zero_when_the_lag_is_unknown() -> None:
+    # Redis reports the lag as nil after deletions and KEDA reads that as 0: scaling to
+    # zero needs a trigger that does not depend on the lag.
+    spec = k8s("ScaledObject")["spec"]
+    if spec["minReplicaCount"] > 0:
+        return
+    lengths = [t["metadata"] for t in spec["triggers"] if "streamLength" in t["metadata"]]
+    assert len(lengths) == 1
+    # One replica from this trigger alone, far past the backlog at which the lag trigger
+    # already asks for every replica: the lag trigger does the sizing.
+    (lag_count,) = [
+        int(t["metadata"]["lagCount"]) for t in spec["triggers"] if "lagCount" in t["metadata"]
+    ]
+    assert int(lengths[0]["streamLength"]) >= 10 * lag_count * spec["maxReplicaCount"]
 
 
 def test_keda_reaches_the_same_redis_as_the_workers() -> None:

@@ -68,6 +68,12 @@ async def test_metrics_health_and_heartbeat_under_load(
     assert metric(after, "gpufeed_job_seconds_count") == 31
     assert metric(after, "gpufeed_queue_depth", queue="jobs") == 0
     assert metric(after, "gpufeed_stream_lag") == 0
+    assert metric(after, "gpufeed_stream_pending") == 0
+    # What the worker serves, so two deployments' series cannot be confused.
+    info = [line for line in after.splitlines() if line.startswith("gpufeed_worker_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1.0")
+    for label in ('model="mobilenet_v3_small"', 'worker="obs-1"', 'device="cpu"', "weights="):
+        assert label in info[0], label
 
     # The heartbeat: plain fields for redis-cli, and the full snapshot.
     assert hb[b"name"] == b"obs-1" and hb[b"model"] == b"mobilenet_v3_small"
@@ -87,7 +93,7 @@ async def test_ready_is_503_until_the_worker_reads(redis_url: str, tiny_weights:
 
     port = free_port()
     worker = Worker(tiny_config(redis_url, tiny_weights, metrics_port=port))
-    worker.observer.serve_http(port, lambda: worker.ready)
+    worker.observer.serve_http(port, worker.health)
     try:
         assert (await asyncio.to_thread(get, f"http://127.0.0.1:{port}/live"))[0] == 200
         code, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/ready")

@@ -15,6 +15,7 @@ from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
 from worker.cli import cli
 from worker.observer import heartbeat_key, write_heartbeat
+from worker.top import footer
 
 
 def snapshot(name: str, **changes: Any) -> dict[str, Any]:
@@ -122,6 +123,13 @@ def test_top_says_unknown_lag_and_no_group(redis_url: str, redis_client: redis.R
     redis_client.xgroup_create("gpufeed:jobs", "gpufeed", id="0")
     redis_client.xdel("gpufeed:jobs", ids[1])
     assert "lag unknown" in top_once(redis_url)
+
+
+def test_top_says_how_to_quit(redis_url: str) -> None:
+    once = top_once(redis_url)
+    assert "one frame; without --once it refreshes until Ctrl+C quits" in once
+    live = footer({"workers": []}, interval_s=2.0).plain
+    assert "refreshes every 2 s; Ctrl+C quits" in live and "--once" not in live
 
 
 def test_top_exits_3_without_redis() -> None:

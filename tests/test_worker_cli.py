@@ -85,6 +85,26 @@ def test_dead_redis_with_no_wait_exits_with_a_clear_message(tiny_weights: Path) 
     assert proc.returncode == 3
     assert f"cannot reach Redis at redis://gpufeed:***@127.0.0.1:{port}/0" in proc.stderr
     assert "s3cret" not in proc.stderr + proc.stdout
+    # Redis is checked first: the model was never loaded.
+    assert '"event": "starting"' in proc.stderr
+    assert '"event": "model_ready"' not in proc.stderr
+
+
+def test_no_wait_checks_redis_before_the_model() -> None:
+    # A model that does not exist fails with exit 2 once loading begins; with Redis down
+    # and --no-wait the worker must not get that far.
+    proc = run_worker(
+        "--no-wait",
+        env={
+            "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+            "GPUFEED_MODEL": "resnet5000",
+            "GPUFEED_WEIGHTS": "none",
+            "GPUFEED_LOG_FORMAT": "json",
+        },
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "cannot reach Redis" in proc.stderr
+    assert "unknown model" not in proc.stderr
 
 
 def test_config_precedence_flags_over_env_over_defaults() -> None:

@@ -1,7 +1,8 @@
 """`python -m worker`: run the worker (default), or one of its tools.
 
 Every WorkerConfig setting is a flag (`--batch-size` for GPUFEED_BATCH_SIZE, ...), built from
-the config's own fields so the two never drift; flags win over environment variables.
+the config's own fields so the two never drift, with its meaning from worker/settings_help.py
+(the table README.md shows); flags win over environment variables.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 import click
 
+from worker import settings_help
 from worker.config import ConfigError, WorkerConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -30,17 +32,14 @@ def config_options(func: F) -> F:
         flag = "--" + f.name.replace("_", "-")
         env = f.metadata["env"]
         type_name = str(f.type)
+        help_text = (
+            f"{settings_help.meaning(env)} [env {env}; default {settings_help.default(env)}]"
+        )
         if type_name == "bool":
-            opt = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=f"[env {env}]")
+            opt = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help_text)
         else:
             click_type: Any = {"int": int, "float": float}.get(type_name, str)
-            opt = click.option(
-                flag,
-                f.name,
-                type=click_type,
-                default=None,
-                help=f"[env {env}; default {f.default!r}]",
-            )
+            opt = click.option(flag, f.name, type=click_type, default=None, help=help_text)
         func = opt(func)
     return func
 
@@ -76,10 +75,31 @@ class DefaultGroup(click.Group):
             args = ["run", *args]
         return super().parse_args(ctx, args)
 
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # `python -m worker` runs the worker, so its --help shows what `run` takes: every
+        # setting with its meaning, then the tools.
+        run_command = self.commands["run"]
+        run_ctx = click.Context(run_command, info_name="run", parent=ctx)
+        records = [
+            record
+            for param in run_command.get_params(run_ctx)
+            if "--help" not in param.opts and (record := param.get_help_record(run_ctx)) is not None
+        ]
+        with formatter.section("Worker settings (flags win over the environment)"):
+            formatter.write_dl(records)
+        super().format_options(ctx, formatter)
 
-@click.group(cls=DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
+
+@click.group(
+    cls=DefaultGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+)
 def cli() -> None:
-    """gpufeed worker: image jobs from Redis Streams through a GPU, results back."""
+    """gpufeed worker: image jobs from Redis Streams through a GPU, results back.
+
+    `python -m worker [SETTINGS]` runs the worker (the same as `python -m worker run`)
+    until SIGTERM or SIGINT. The tools below take the same settings.
+    """
 
 
 @cli.command()

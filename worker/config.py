@@ -98,6 +98,10 @@ class WorkerConfig:
 
     # Observability
     metrics_port: int = field(default=0, metadata={"env": "GPUFEED_METRICS_PORT"})
+    live_loop_stall_s: float = field(default=30.0, metadata={"env": "GPUFEED_LIVE_LOOP_STALL_S"})
+    live_launch_stall_s: float = field(
+        default=120.0, metadata={"env": "GPUFEED_LIVE_LAUNCH_STALL_S"}
+    )
     stats_interval_s: float = field(default=10.0, metadata={"env": "GPUFEED_STATS_INTERVAL_S"})
     log_format: str = field(default="auto", metadata={"env": "GPUFEED_LOG_FORMAT"})
     log_level: str = field(default="info", metadata={"env": "GPUFEED_LOG_LEVEL"})
@@ -236,6 +240,11 @@ class WorkerConfig:
             "GPUFEED_METRICS_PORT",
             "must be a TCP port (0 turns metrics off)",
         )
+        for name in ("live_loop_stall_s", "live_launch_stall_s"):
+            value = getattr(self, name)
+            need(
+                value == 0 or value >= 1, _env(name), "must be 0 (not checked) or at least 1 second"
+            )
         need(
             self.log_format in LOG_FORMATS,
             "GPUFEED_LOG_FORMAT",

@@ -14,13 +14,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import redis
 from PIL import Image
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from producer.client import Job, Producer
@@ -84,8 +85,11 @@ def redis_for_demo(url: str, workdir: Path) -> Iterator[str]:
         proc.wait(10)
 
 
-def sample_images(count: int, seed: int = 7) -> list[tuple[str, bytes]]:
-    """Photo-like JPEGs of mixed sizes, a PNG with alpha, and two bad files."""
+def sample_images(
+    count: int, seed: int = 7, *, on_image: Callable[[], None] | None = None
+) -> list[tuple[str, bytes]]:
+    """Photo-like JPEGs of mixed sizes, a PNG with alpha, and two bad files; `on_image` is
+    called after each JPEG (they take a few seconds in all)."""
     rng = np.random.default_rng(seed)
     sizes = [(640, 480), (1024, 768), (1920, 1080), (480, 640)]
     out: list[tuple[str, bytes]] = []
@@ -102,6 +106,8 @@ def sample_images(count: int, seed: int = 7) -> list[tuple[str, bytes]]:
         buf = io.BytesIO()
         img.save(buf, "JPEG", quality=88)
         out.append((f"sample-{i:03d}.jpg", buf.getvalue()))
+        if on_image is not None:
+            on_image()
     buf = io.BytesIO()
     Image.new("RGBA", (300, 200), (30, 120, 200, 128)).save(buf, "PNG")
     out.append(("logo.png", buf.getvalue()))
@@ -117,14 +123,47 @@ def weights_for_demo(model: str, requested: str) -> str:
         return requested
     from worker.model_loader import prefetch_weights
 
-    problem = prefetch_weights(model, requested, timeout_s=15)
+    # torch's own "Downloading: ..." line goes: the spinner (drawn on the terminal as it
+    # was before stdout is silenced) says it, and a failure is one line.
+    terminal = Console(file=sys.stdout)
+    with (
+        terminal.status(f"fetching the pretrained weights of {model}"),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
+        problem = prefetch_weights(model, requested, timeout_s=15)
     if problem is None:
         return requested
     console.print(
-        f"[yellow]pretrained weights for {model} could not be fetched ({problem}); "
-        "using random weights, so labels are meaningless but the pipeline is real[/]"
+        f"[yellow]no pretrained weights for {model} ({_first_words(problem)}): random weights, "
+        "so labels mean nothing but the pipeline is real[/]",
+        soft_wrap=True,
     )
     return "none"
+
+
+def _first_words(problem: str, limit: int = 60) -> str:
+    # "URLError: <urlopen error [Errno -2] Name or service not known>" -> the reason only.
+    reason = problem.rsplit("]", 1)[-1].strip(" >") if "]" in problem else problem
+    return reason if len(reason) <= limit else reason[: limit - 3] + "..."
+
+
+def make_samples(count: int) -> list[tuple[str, bytes]]:
+    """sample_images with a progress bar: a few seconds of work, never a silent pause."""
+    with Progress(
+        TextColumn("making sample images"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("images", total=count)
+        images = sample_images(count, on_image=lambda: progress.advance(task))
+    console.print(
+        f"made {len(images)} sample images: {count} JPEGs of 0.3 to 2 megapixels, "
+        "a PNG with alpha, a truncated JPEG and a text file"
+    )
+    return images
 
 
 def run_demo(count: int = 48) -> int:
@@ -186,6 +225,8 @@ def _drive(
     log_path: Path,
 ) -> int:
     client = redis.Redis.from_url(redis_url)
+    # Made while the worker loads its model.
+    images = make_samples(count)
     with console.status("waiting for the worker to load and warm up the model"):
         while True:
             if worker.poll() is not None:
@@ -197,7 +238,6 @@ def _drive(
                 if groups:
                     break
             time.sleep(0.2)
-    images = sample_images(count)
     producer = Producer(redis_url, stream=stream, results_stream=results_stream)
     t0 = time.perf_counter()
     ids = producer.submit_many([Job(image=data, id=name) for i, (name, data) in enumerate(images)])

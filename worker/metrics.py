@@ -1,26 +1,15 @@
-"""Metrics, written off the hot path: Prometheus, health endpoints and rolling figures.
+"""Metrics, written off the hot path: Prometheus and rolling figures.
 
 Everything here is fed from the event loop after a batch completed or a result was
-published, never from the launch path. The HTTP endpoints run on their own thread.
+published, never from the launch path. worker.health serves them over HTTP.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from worker.gpu_sampler import percentile
 
@@ -99,7 +88,17 @@ class WorkerMetrics:
             "gpufeed_in_flight_jobs", "Jobs read and not yet answered.", registry=r
         )
         self.ready = Gauge(
-            "gpufeed_ready", "1 once the model is warm and the worker reads.", registry=r
+            "gpufeed_ready",
+            "1 while /ready says 200: warm, reading, Redis answers, not draining.",
+            registry=r,
+        )
+        # What this worker serves, as labels of one series (value 1): join on it to tell
+        # two deployments apart, e.g. `... * on(instance) group_left(model) gpufeed_worker_info`.
+        self.worker_info = Info(
+            "gpufeed_worker",
+            "The worker's model, weights, device, dtype, batch size, compile mode, stream "
+            "and group.",
+            registry=r,
         )
         self.gpu = Gauge(
             "gpufeed_device_utilisation",
@@ -110,6 +109,11 @@ class WorkerMetrics:
         self.stream_lag = Gauge(
             "gpufeed_stream_lag",
             "Entries not yet delivered to the group (-1: Redis does not know).",
+            registry=r,
+        )
+        self.stream_pending = Gauge(
+            "gpufeed_stream_pending",
+            "Entries delivered to the group's workers and not yet answered (all workers).",
             registry=r,
         )
 
@@ -134,61 +138,6 @@ class Rolling:
 
     def mean(self) -> float | None:
         return round(sum(self._values) / len(self._values), 3) if self._values else None
-
-
-class HealthServer:
-    """/metrics (Prometheus), /live (the process answers) and /ready (warm and reading)."""
-
-    def __init__(
-        self, port: int, metrics: WorkerMetrics, is_ready: Callable[[], bool], host: str = "0.0.0.0"
-    ) -> None:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    outer._send(self, 200, metrics.render(), CONTENT_TYPE_LATEST)
-                elif path == "/live":
-                    outer._send(self, 200, b"live\n")
-                elif path == "/ready":
-                    ok = is_ready()
-                    outer._send(self, 200 if ok else 503, b"ready\n" if ok else b"warming up\n")
-                else:
-                    outer._send(self, 404, b"not found: try /metrics, /live or /ready\n")
-
-            def log_message(self, format: str, *args: Any) -> None:
-                # Scrapes every few seconds would drown the worker's own log.
-                return
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="gpufeed-metrics", daemon=True
-        )
-
-    @staticmethod
-    def _send(
-        handler: BaseHTTPRequestHandler,
-        code: int,
-        body: bytes,
-        content_type: str = "text/plain; charset=utf-8",
-    ) -> None:
-        handler.send_response(code)
-        handler.send_header("Content-Type", content_type)
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
-
-    def start(self) -> HealthServer:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
 
 
 class RateMeter:

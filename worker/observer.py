@@ -26,8 +26,9 @@ from redis.exceptions import RedisError
 
 from producer import wire
 from worker.gpu_sampler import GpuSampler
+from worker.health import Health, HealthServer
 from worker.jobs import Outcome
-from worker.metrics import STAGES, HealthServer, RateMeter, Rolling, WorkerMetrics
+from worker.metrics import STAGES, RateMeter, Rolling, WorkerMetrics
 from worker.runner import Launched
 from worker.writer import PublishState
 
@@ -69,20 +70,35 @@ class Observer:
         self.fill = Rolling(256)
         self.rate = RateMeter()
         self.sampler: GpuSampler | None = None
-        self.health: HealthServer | None = None
-        self.info: dict[str, Any] = {}
+        self.http: HealthServer | None = None
+        self._info: dict[str, Any] = {}
         self.lag: int | None = None
+        self.pending: int | None = None
         # Returns problems that appeared since start-up (graph breaks, recompiles...).
         self.compile_check: Callable[[], list[str]] = list
         self._compile_problems: list[str] = []
 
     # ------------------------------------------------------------------ set-up
-    def serve_http(self, port: int, is_ready: Callable[[], bool]) -> None:
+    def serve_http(self, port: int, health: Health) -> None:
         """Start /metrics, /live, /ready (before the model loads: /live must answer during a
         long warm-up, and /ready says 503 until the worker reads)."""
+        self.metrics.ready.set_function(lambda: 1.0 if health.ready()[0] else 0.0)
         if port:
-            self.health = HealthServer(port, self.metrics, is_ready).start()
-            log.info("metrics_listening", port=self.health.port)
+            self.http = HealthServer(port, self.metrics, health).start()
+            log.info("metrics_listening", port=self.http.port)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What this worker serves (model, weights, device...): in the heartbeat, and as the
+        labels of gpufeed_worker_info."""
+        return self._info
+
+    @info.setter
+    def info(self, info: dict[str, Any]) -> None:
+        self._info = info
+        self.metrics.worker_info.info(
+            {"worker": self.worker_name, **{k: str(v) for k, v in info.items()}}
+        )
 
     def start_sampler(self, device_index: int | None) -> None:
         self.sampler = GpuSampler(
@@ -198,6 +214,7 @@ class Observer:
             "process_cpu_pct": sample.get("process_cpu_pct"),
             "system_cpu_pct": sample.get("system_cpu_pct"),
             "stream_lag": self.lag,
+            "stream_pending": self.pending,
         }
 
     def _latest_sample(self) -> dict[str, float]:
@@ -225,8 +242,10 @@ class Observer:
                 if metric != "t":
                     self.metrics.gpu.labels(metric).set(value)
             try:
-                self.lag = await _group_lag(client, stream, group)
+                self.lag, self.pending = await _group_backlog(client, stream, group)
                 self.metrics.stream_lag.set(-1 if self.lag is None else self.lag)
+                if self.pending is not None:
+                    self.metrics.stream_pending.set(self.pending)
                 snap = self.snapshot(in_flight())
                 await write_heartbeat(client, key, snap, ttl_s=int(HEARTBEAT_INTERVAL_S * 5))
                 outage = False
@@ -264,8 +283,8 @@ class Observer:
     def close(self) -> None:
         if self.sampler is not None:
             self.sampler.close()
-        if self.health is not None:
-            self.health.stop()
+        if self.http is not None:
+            self.http.stop()
 
 
 async def write_heartbeat(
@@ -283,15 +302,20 @@ async def write_heartbeat(
     await pipe.execute()
 
 
-async def _group_lag(client: aioredis.Redis, stream: str, group: str) -> int | None:
-    """The group's lag, or None where Redis does not know it (it reports nil after
-    deletions), never a made-up 0."""
+async def _group_backlog(
+    client: aioredis.Redis, stream: str, group: str
+) -> tuple[int | None, int | None]:
+    """The group's lag and pending count; the lag None where Redis does not know it (it
+    reports nil after deletions), never a made-up 0."""
     for g in await client.xinfo_groups(stream):
         name = g.get("name")
         if (name.decode() if isinstance(name, bytes) else name) == group:
-            lag = g.get("lag")
-            return None if lag is None else int(lag)
-    return None
+            lag, pending = g.get("lag"), g.get("pending")
+            return (
+                None if lag is None else int(lag),
+                None if pending is None else int(pending),
+            )
+    return None, None
 
 
 def heartbeat_key(worker_name: str) -> str:

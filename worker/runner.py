@@ -91,6 +91,9 @@ class ModelRunner:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpufeed-launch")
         self.gpu_decoder = gpu_decoder
         self._cpu_decode = cpu_decode
+        # When the launch thread took its current batch (None while it holds none): /live
+        # fails when a launch has been running far longer than any batch should.
+        self.launch_started_s: float | None = None
 
     def use_gpu_decode(self, decoder: GpuDecoder, cpu_decode: CpuDecodeFn) -> None:
         """Decode the rows the decode pool deferred on `decoder`; `cpu_decode` is the
@@ -157,21 +160,24 @@ class ModelRunner:
         return DeviceRows(on_device, ready if on_device else None, copy_after)
 
     def _launch(self, batch: Batch, out: OutputSlot, rows: DeviceRows) -> Launched:
-        began_s = time.monotonic()
-        # inference_mode is thread-local: it must be entered on the launch thread itself.
-        with torch.inference_mode():
-            if self.ctx.is_cuda:
+        began_s = self.launch_started_s = time.monotonic()
+        try:
+            # inference_mode is thread-local: it must be entered on the launch thread itself.
+            with torch.inference_mode():
+                if self.ctx.is_cuda:
+                    try:
+                        return self._launch_cuda(batch, out, rows, began_s)
+                    except Exception as exc:
+                        # Work queued before the failure may still read the pinned slot or
+                        # write the twin: both wait for this fence, never the host.
+                        fence = self.transfer.fence(batch.slot, rows.ready, rows.copy_after)
+                        raise LaunchFailed(f"{type(exc).__name__}: {exc}", fence) from exc
                 try:
-                    return self._launch_cuda(batch, out, rows, began_s)
+                    return self._launch_cpu(batch, out, began_s)
                 except Exception as exc:
-                    # Work queued before the failure may still read the pinned slot or
-                    # write the twin: both wait for this fence, never the host.
-                    fence = self.transfer.fence(batch.slot, rows.ready, rows.copy_after)
-                    raise LaunchFailed(f"{type(exc).__name__}: {exc}", fence) from exc
-            try:
-                return self._launch_cpu(batch, out, began_s)
-            except Exception as exc:
-                raise LaunchFailed(f"{type(exc).__name__}: {exc}", DoneEvent()) from exc
+                    raise LaunchFailed(f"{type(exc).__name__}: {exc}", DoneEvent()) from exc
+        finally:
+            self.launch_started_s = None
 
     def _launch_cuda(
         self, batch: Batch, out: OutputSlot, rows: DeviceRows, began_s: float

@@ -36,6 +36,7 @@ from worker.decode_pool import DecodePool
 from worker.decoder import DecodeSpec
 from worker.device import DeviceContext, make_context, resolve_device
 from worker.gpu_decode import GpuDecodeUnavailable, setup_gpu_decode
+from worker.health import Health
 from worker.jobs import Job, Outcome
 from worker.model_loader import LoadedModel, load_model
 from worker.observer import Observer, heartbeat_key
@@ -82,6 +83,9 @@ class Worker:
             stats_interval_s=config.stats_interval_s,
         )
         self.counters = self.observer.counters
+        self.health = Health(
+            loop_stall_s=config.live_loop_stall_s, launch_stall_s=config.live_launch_stall_s
+        )
         self.should_exit = asyncio.Event()
         self.force_exit = False
         self.ready = False
@@ -92,12 +96,21 @@ class Worker:
         self._held: dict[str, Job] = {}
 
     # ----------------------------------------------------------------------- startup
-    async def startup(self, *, wait_for_redis: bool = True) -> None:
-        """Model first, Redis last: a worker joins the group only once it can serve."""
+    async def startup(self, *, wait_for_redis: bool = True, redis_first: bool = False) -> None:
+        """Model first, Redis last: a worker joins the group only once it can serve.
+        `redis_first`: fail at once when Redis does not answer, before loading the model
+        (tools that measure the model without Redis leave it off)."""
         cfg = self.config
         log.info("starting", **cfg.summary())
         # /live answers from here on; /ready only once the worker reads.
-        self.observer.serve_http(cfg.metrics_port, lambda: self.ready)
+        self.observer.serve_http(cfg.metrics_port, self.health)
+        self.redis = aioredis.from_url(
+            cfg.redis_url, socket_keepalive=True, health_check_interval=30
+        )
+        if redis_first:
+            # Fail in a second, not after minutes of loading and compiling the model.
+            await self._wait_for_redis(False)
+            await self._check_keys()
         # GPUFEED_MAX_IMAGE_PIXELS, checked from the header before any pixel is decoded, is
         # the decompression-bomb guard; PIL's own would refuse or warn below an operator's
         # higher limit.
@@ -109,9 +122,6 @@ class Worker:
         self.observer.batch_size = self.batch_size
         await self._prepare_model(device)
         self._prepare_decode(device)
-        self.redis = aioredis.from_url(
-            cfg.redis_url, socket_keepalive=True, health_check_interval=30
-        )
         await self._wait_for_redis(wait_for_redis)
         await self._check_keys()
         await ensure_group(self.redis, cfg.stream, cfg.group)
@@ -136,6 +146,7 @@ class Worker:
         self.runner = ModelRunner(
             self.ctx, step, self.transfer, cudagraphs=mode == "reduce-overhead" and self.ctx.is_cuda
         )
+        self.health.watch_launches(lambda: self.runner.launch_started_s, cfg.ring_slots)
         example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
 
         def compile_on_launch_thread() -> None:
@@ -292,7 +303,7 @@ class Worker:
             "group": cfg.group,
         }
         self.observer.compile_check = lambda: still_compiled(report)
-        self.observer.metrics.ready.set(1)
+        self.health.warm = True
         self.ready = True
         log.info(
             "worker_ready",
@@ -363,6 +374,11 @@ class Worker:
             "keepalive": asyncio.create_task(self.reclaimer.run_keepalive(), name="keepalive"),
             "reclaim": asyncio.create_task(self.reclaimer.run_reclaim(), name="reclaim"),
             "trim": asyncio.create_task(self.reclaimer.run_trim(), name="trim"),
+            # /live and /ready: proof that the loop runs, and whether Redis answers.
+            "beat": asyncio.create_task(self.health.beat(), name="beat"),
+            "redis_probe": asyncio.create_task(
+                self.health.probe_redis(self.redis), name="redis_probe"
+            ),
         }
         stop = asyncio.create_task(self.should_exit.wait(), name="should_exit")
         waiting: set[asyncio.Task[Any]] = {stop, *self._tasks.values()}
@@ -435,6 +451,7 @@ class Worker:
                     ]
                 )
                 continue
+            self.health.launched(launched)
             batch.slot.copy_done = launched.copied
             self.ring.release_after_copy(batch.slot)
             self.watcher.track(launched)
@@ -450,13 +467,14 @@ class Worker:
 
     # ----------------------------------------------------------------------- shutdown
     async def shutdown(self) -> None:
+        self.health.draining = True
         grace = self.config.shutdown_grace_s
         log.info(
             "shutting_down", in_flight=getattr(self, "in_flight", InFlight(0)).count, grace_s=grace
         )
         tasks = self._tasks
         # 0. No more reclaiming or trimming; the keep-alive goes on while we drain.
-        for name in ("reclaim", "trim", "stats"):
+        for name in ("reclaim", "trim", "stats", "redis_probe"):
             if name in tasks:
                 tasks[name].cancel()
         # 1. Stop reading: nothing new is taken from the stream.
@@ -531,13 +549,16 @@ class Worker:
         if self.should_exit.is_set():
             self.force_exit = True
             log.warning("forced_exit", signal=sig)
+        # /ready says 503 from the first signal on: this worker takes nothing new.
+        self.health.draining = True
         self.should_exit.set()
 
     async def serve(self, *, wait_for_redis: bool = True, install_signals: bool = True) -> None:
         if install_signals:
             self.install_signal_handlers()
         try:
-            await self.startup(wait_for_redis=wait_for_redis)
+            # --no-wait: a worker that would exit for want of Redis does so before the model.
+            await self.startup(wait_for_redis=wait_for_redis, redis_first=not wait_for_redis)
             if not self.should_exit.is_set():
                 await self.main_loop()
         finally:

@@ -162,7 +162,8 @@ def table(view: Mapping[str, Any]) -> Table:
     return t
 
 
-def footer(view: Mapping[str, Any]) -> Text:
+def footer(view: Mapping[str, Any], *, interval_s: float | None = None) -> Text:
+    """The legend, errors by code, and how to leave: `interval_s` None for a single frame."""
     codes: dict[str, int] = {}
     for r in view["workers"]:
         for code, n in r["errors_by_code"].items():
@@ -171,13 +172,19 @@ def footer(view: Mapping[str, Any]) -> Text:
     if codes:
         ranked = sorted(codes.items(), key=lambda kv: (-kv[1], kv[0]))
         lines.append("errors by code: " + ", ".join(f"{c} {n:,}" for c, n in ranked))
-    lines.append(time.strftime("%Y-%m-%d %H:%M:%S") + "  (Ctrl+C quits)")
+    if interval_s is None:
+        how = "one frame; without --once it refreshes until Ctrl+C quits"
+    else:
+        how = f"refreshes every {interval_s:g} s; Ctrl+C quits"
+    lines.append(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  ({how})")
     return Text("\n".join(lines), style="dim")
 
 
-def frame(client: redis.Redis, config: WorkerConfig) -> RenderableType:
+def frame(
+    client: redis.Redis, config: WorkerConfig, *, interval_s: float | None = None
+) -> RenderableType:
     view = collect(client, config)
-    return Group(header(view, config), table(view), footer(view))
+    return Group(header(view, config), table(view), footer(view, interval_s=interval_s))
 
 
 def _error_frame(config: WorkerConfig, exc: Exception) -> RenderableType:
@@ -204,7 +211,7 @@ def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
                 try:
-                    live.update(frame(client, config), refresh=True)
+                    live.update(frame(client, config, interval_s=interval_s), refresh=True)
                 except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                     live.update(_error_frame(config, exc), refresh=True)
                 time.sleep(interval_s)

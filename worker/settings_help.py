@@ -1,0 +1,157 @@
+"""Each worker setting's default, as people read it, and its one-line meaning.
+
+The one table behind `python -m worker --help` (and `run --help`, `doctor --help`, ...) and
+README.md's Configuration table, which tests/test_docs.py checks is exactly
+`markdown_table()`. A new setting in worker/config.py gets its row here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from worker.config import WorkerConfig
+
+# env var: (default, meaning), in markdown; in worker/config.py's order.
+SETTINGS: dict[str, tuple[str, str]] = {
+    "REDIS_URL": (
+        "`redis://localhost:6379/0`",
+        "`redis://`, `rediss://` (TLS) or `unix://`; `redis://user:password@host:port/db` for "
+        "ACL users. The password never appears in logs",
+    ),
+    "GPUFEED_STREAM": ("`gpufeed:jobs`", "the job stream"),
+    "GPUFEED_GROUP": ("`gpufeed`", "the consumer group"),
+    "GPUFEED_RESULTS_STREAM": ("`gpufeed:results`", "results of jobs without `reply_to`"),
+    "GPUFEED_RESULT_PREFIX": ("`gpufeed:result:`", "prefix of the result hashes"),
+    "GPUFEED_DEAD_STREAM": ("`gpufeed:dead`", "the dead-letter stream"),
+    "GPUFEED_RESULT_TTL_S": ("`86400`", "lifetime of a result hash"),
+    "GPUFEED_RESULTS_MAXLEN": (
+        "`1000000`",
+        "approximate cap of each results stream (`XADD MAXLEN ~`)",
+    ),
+    "GPUFEED_WORKER_NAME": ("`<host>-<pid>`", "the consumer name in the group"),
+    "GPUFEED_MODEL": ("`resnet50`", "a torchvision classification model name"),
+    "GPUFEED_WEIGHTS": (
+        "`DEFAULT`",
+        "a torchvision weights name (`DEFAULT`, `IMAGENET1K_V2`, ...), a local file (a state "
+        'dict, or `{"state_dict": ..., "categories": [...]}`, loaded with '
+        "`weights_only=True`), or `none` for random init",
+    ),
+    "GPUFEED_DEVICE": ("`auto`", "`auto`, `cpu`, `cuda` or `cuda:N`"),
+    "GPUFEED_BATCH_SIZE": ("`0` (auto)", "the one fixed batch shape; auto: 64 on CUDA, 8 on CPU"),
+    "GPUFEED_COMPILE": (
+        "`auto`",
+        "`off` (eager: the rollback switch), `auto` (`reduce-overhead` on CUDA, `off` on "
+        "CPU), or a `torch.compile` mode",
+    ),
+    "GPUFEED_PRECISION": (
+        "`auto`",
+        "`fp32`, `fp16`, `bf16`; auto: bf16 (or fp16) on CUDA, fp32 on CPU",
+    ),
+    "GPUFEED_INPUT_SIZE": ("`0`", "model input side; 0: the weights' own (224 for most)"),
+    "GPUFEED_TOP_K": ("`5`", "classes returned per image"),
+    "GPUFEED_ALLOW_EAGER_FALLBACK": (
+        "`false`",
+        "start in eager mode, with an error in the log, instead of refusing when the compiled "
+        "step has graph breaks or recompiles",
+    ),
+    "GPUFEED_MAX_WAIT_MS": ("`10`", "how long a batch waits to fill before it runs padded"),
+    "GPUFEED_DECODE_THREADS": ("`0`", "decode threads; 0: one per CPU core, at most 16"),
+    "GPUFEED_DECODE": (
+        "`cpu`",
+        "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up)",
+    ),
+    "GPUFEED_DCT_SCALING": (
+        "`true`",
+        "let libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale when that still covers the "
+        "model input",
+    ),
+    "GPUFEED_DECODE_CACHE_MB": (
+        "`256`",
+        "host memory for decoded rows of images seen before (keyed by a hash of their bytes "
+        "and the job's reply stream); a repeated image skips decoding; 0: off",
+    ),
+    "GPUFEED_RING_SLOTS": ("`4`", "staging slots (batches in flight between decode and results)"),
+    "GPUFEED_MAX_IMAGE_BYTES": ("`52428800`", "largest encoded image accepted"),
+    "GPUFEED_MAX_IMAGE_PIXELS": ("`100000000`", "largest width x height accepted"),
+    "GPUFEED_MAX_DECODE_MB": (
+        "`512`",
+        "most memory (MiB) one decode may take for its pixels, as Pillow holds them (4 bytes a "
+        "pixel for colour modes, 1 for grey and palette, 2 for 16-bit grey) at the JPEG DCT "
+        "scale that would be used, plus the copy converting them to RGB; estimated from the "
+        "header, larger images get `image_too_large`. 10000x10000 RGBA (a 390 KB PNG) needs "
+        "763 MiB",
+    ),
+    "GPUFEED_DECODE_BUDGET_MS": (
+        "`10000`",
+        "longest time one image may take to decode, counted from when a thread starts on it; "
+        "past it the image is answered `decode_timeout` and its batch goes on without it (see "
+        "Guarantees). The largest images the default limits admit (100 M pixel PNG or GIF) "
+        "decode in 1 to 2 s on one core of the 2-core test machine, 3 to 4 s while it is busy",
+    ),
+    "GPUFEED_PATH_ROOT": (
+        "unset",
+        "the only folder `path` jobs may read from; unset: `path` jobs are refused",
+    ),
+    "GPUFEED_VISIBILITY_TIMEOUT_S": (
+        "`300`",
+        "idle time after which another worker may reclaim a pending job; must exceed the "
+        "slowest batch",
+    ),
+    "GPUFEED_MAX_DELIVERIES": ("`5`", "deliveries before a job is dead-lettered"),
+    "GPUFEED_CLAIM_INTERVAL_S": (
+        "`15`",
+        "how often a worker looks for stale pending jobs to reclaim",
+    ),
+    "GPUFEED_SHUTDOWN_GRACE_S": ("`30`", "time given to in-flight jobs after SIGTERM"),
+    "GPUFEED_CONSUMER_EXPIRY_S": (
+        "`3600`",
+        "a consumer idle this long and holding no pending job (a worker that died) is removed "
+        "from the group",
+    ),
+    "GPUFEED_TRIM_INTERVAL_S": (
+        "`60`",
+        "how often the job stream is trimmed of entries every group has processed; 0: never",
+    ),
+    "GPUFEED_METRICS_PORT": (
+        "`0`",
+        "Prometheus metrics and `/ready`, `/live` on this port; 0: off",
+    ),
+    "GPUFEED_LIVE_LOOP_STALL_S": (
+        "`30`",
+        "`/live` fails when the event loop has not run for this long (a blocking call, a "
+        "wedged task); 0: not checked",
+    ),
+    "GPUFEED_LIVE_LAUNCH_STALL_S": (
+        "`120`",
+        "`/live` fails when one batch has been in the launch thread, or unfinished on the "
+        "device, for this long; must exceed the slowest batch; 0: not checked",
+    ),
+    "GPUFEED_STATS_INTERVAL_S": ("`10`", "interval of the worker's summary log line"),
+    "GPUFEED_LOG_FORMAT": ("`auto`", "`console` (on a terminal), `json` (otherwise), or forced"),
+    "GPUFEED_LOG_LEVEL": ("`info`", "`debug`, `info`, `warning`, `error`"),
+}
+
+
+def markdown_table() -> str:
+    """README.md's Configuration table."""
+    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
+    rows += [f"| `{env}` | {default} | {meaning} |" for env, (default, meaning) in SETTINGS.items()]
+    return "\n".join(rows)
+
+
+def plain(markdown: str) -> str:
+    """Terminal text: no backticks."""
+    return markdown.replace("`", "")
+
+
+def meaning(env: str) -> str:
+    return plain(SETTINGS[env][1])
+
+
+def default(env: str) -> str:
+    return plain(SETTINGS[env][0])
+
+
+def missing() -> list[str]:
+    """Settings of worker/config.py without a row here."""
+    return [f.metadata["env"] for f in fields(WorkerConfig) if f.metadata["env"] not in SETTINGS]
