@@ -115,7 +115,7 @@ def weights_for_demo(model: str, requested: str) -> str:
     """The requested weights if they can be had within a few seconds, else `none`."""
     if requested.lower() == "none" or "/" in requested:
         return requested
-    from worker.model_loader import prefetch_weights
+    from worker.model.loader import prefetch_weights
 
     problem = prefetch_weights(model, requested, timeout_s=15)
     if problem is None:

@@ -36,15 +36,15 @@ import redis
 import structlog
 import torch
 
-from worker.ceiling import direct_feed_ceiling
-from worker.compiler import still_compiled
 from worker.config import WorkerConfig
 from worker.gpu_decode import synthetic_jpeg
 from worker.gpu_sampler import GpuSampler
 from worker.logs import configure_logging
-from worker.precision_check import precision_check
+from worker.model.ceiling import direct_feed_ceiling
+from worker.model.compiler import still_compiled
+from worker.model.precision import precision_check
+from worker.model.step import InferenceStep
 from worker.service import Worker
-from worker.step import InferenceStep
 
 log = structlog.get_logger("gpufeed.gpu_check")
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from worker.device import mark_cudagraph_step
-from worker.step import InferenceStep, reference_copy
+from worker.model.step import InferenceStep, reference_copy
 
 StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
