@@ -45,7 +45,7 @@ def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from torchvision.models import get_model
 
-    from worker.model_loader import save_weights_file
+    from worker.model.loader import save_weights_file
 
     torch.manual_seed(0)
     module = get_model("mobilenet_v3_small", weights=None, num_classes=10)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.compiler import (
+from worker.model.compiler import (
     CompileBaseline,
     CompileRefused,
     CompileReport,

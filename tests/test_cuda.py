@@ -26,15 +26,20 @@ import torch
 
 from tests.test_step import random_batch, tiny_step
 from worker.batcher import Batch
-from worker.compiler import CompileRefused, compile_step, count_cudagraph_replays, still_compiled
 from worker.decode_pool import DecodeResult
 from worker.decoder import DecodeInfo
 from worker.device import make_context
 from worker.jobs import Job
-from worker.precision_check import precision_check
+from worker.model.compiler import (
+    CompileRefused,
+    compile_step,
+    count_cudagraph_replays,
+    still_compiled,
+)
+from worker.model.precision import precision_check
+from worker.model.step import InferenceStep
 from worker.runner import Launched, LaunchFailed, ModelRunner
 from worker.staging import InputRing, OutputRing
-from worker.step import InferenceStep
 from worker.transfer import DeviceTransfer
 
 pytestmark = [

@@ -14,8 +14,8 @@ from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
 from tests.worker_harness import running_worker, wait_results
 from worker.decoder import DecodeSpec, decode_to_array
-from worker.model_loader import load_model
-from worker.step import build_step
+from worker.model.loader import load_model
+from worker.model.step import build_step
 
 
 def reference_scores(weights: Path, images: list[bytes]) -> np.ndarray:

@@ -23,7 +23,7 @@ from tests.redis_server import RedisServer
 from tests.worker_harness import running_worker, wait_results
 from worker.config import WorkerConfig
 from worker.jobs import Outcome, deleted_entry_job, parse_job
-from worker.model_loader import save_weights_file
+from worker.model.loader import save_weights_file
 from worker.writer import ResultWriter, WriterSettings
 
 FAST = {"visibility_timeout_s": 1.0, "claim_interval_s": 0.3, "consumer_expiry_s": 1.0}

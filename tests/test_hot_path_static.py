@@ -21,14 +21,14 @@ FORBIDDEN = frozenset({"item", "cpu", "tolist", "numpy", "synchronize"})
 HOT_PATH = (
     "worker/transfer.py",
     "worker/runner.py",
-    "worker/step.py",
+    "worker/model/step.py",
     "worker/staging.py",
     "worker/batcher.py",
     "worker/decode_pool.py",
     "worker/gpu_decode.py",
     "worker/completion.py",
-    "worker/compiler.py",
-    "worker/ceiling.py",
+    "worker/model/compiler.py",
+    "worker/model/ceiling.py",
 )
 
 # (module, enclosing function, call name) -> why it is not a hot-path sync.
@@ -45,12 +45,12 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ): "numpy views of the pinned output slot, made once at allocation; the completion "
     "watcher reads them only after the batch's done-event fired",
     (
-        "worker/compiler.py",
+        "worker/model/compiler.py",
         "_sync",
         "synchronize",
     ): "start-up only: the warm-up must have run before its time is reported",
     (
-        "worker/ceiling.py",
+        "worker/model/ceiling.py",
         "direct_feed_ceiling",
         "synchronize",
     ): "measurement harness: one wait at the end of the timed run",

@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from worker.ceiling import direct_feed_ceiling
 from worker.gpu_sampler import GpuSampler, percentile, summarize
-from worker.model_loader import LoadedModel
-from worker.precision_check import precision_check
-from worker.step import (
+from worker.model.ceiling import direct_feed_ceiling
+from worker.model.loader import LoadedModel
+from worker.model.precision import precision_check
+from worker.model.step import (
     InferenceStep,
     build_step,
     contract_problems,

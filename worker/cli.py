@@ -112,9 +112,9 @@ def cli() -> None:
 )
 def run(wait_for_redis: bool, **options: Any) -> None:
     """Run the worker until SIGTERM or SIGINT (a second one skips the drain)."""
-    from worker.compiler import CompileRefused
     from worker.logs import configure_logging
-    from worker.model_loader import WeightsUnavailable
+    from worker.model.compiler import CompileRefused
+    from worker.model.loader import WeightsUnavailable
     from worker.service import RedisUnavailable, Worker
 
     try:
@@ -198,10 +198,10 @@ def doctor(
     **options: Any,
 ) -> None:
     """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
-    from worker.compiler import CompileRefused
     from worker.doctor import DoctorOptions, print_json, render, report_console, run_doctor
     from worker.logs import configure_logging
-    from worker.model_loader import WeightsUnavailable
+    from worker.model.compiler import CompileRefused
+    from worker.model.loader import WeightsUnavailable
 
     try:
         config = load_config(options)

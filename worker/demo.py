@@ -121,7 +121,7 @@ def weights_for_demo(model: str, requested: str) -> str:
     """The requested weights if they can be had within a few seconds, else `none`."""
     if requested.lower() == "none" or "/" in requested:
         return requested
-    from worker.model_loader import prefetch_weights
+    from worker.model.loader import prefetch_weights
 
     # torch's own "Downloading: ..." line goes: the spinner (drawn on the terminal as it
     # was before stdout is silenced) says it, and a failure is one line.

@@ -50,8 +50,6 @@ import redis
 import structlog
 import torch
 
-from worker.ceiling import direct_feed_ceiling
-from worker.compiler import compile_step, still_compiled
 from worker.config import WorkerConfig
 from worker.decoder import DecodeInfo, DecodeSpec, decode_to_array
 from worker.gpu_decode import (
@@ -64,6 +62,8 @@ from worker.gpu_decode import (
 )
 from worker.gpu_sampler import GpuSampler
 from worker.logs import configure_logging
+from worker.model.ceiling import direct_feed_ceiling
+from worker.model.compiler import compile_step, still_compiled
 from worker.service import Worker
 
 log = structlog.get_logger("gpufeed.gpu_check")

@@ -28,7 +28,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from producer import wire
 from producer.wire import ErrorCode
 from worker.batcher import Batch, Batcher
-from worker.compiler import CompileReport, compile_step, still_compiled
 from worker.completion import CompletionWatcher
 from worker.config import ConfigError, WorkerConfig
 from worker.decode_cache import DecodeCache
@@ -38,15 +37,16 @@ from worker.device import DeviceContext, make_context, resolve_device
 from worker.gpu_decode import GpuDecodeUnavailable, setup_gpu_decode
 from worker.health import Health
 from worker.jobs import Job, Outcome
-from worker.model_loader import LoadedModel, load_model
+from worker.model.compiler import CompileReport, compile_step, still_compiled
+from worker.model.loader import LoadedModel, load_model
+from worker.model.precision import PrecisionReport, precision_check
+from worker.model.step import build_step, pick_dtype, resolve_compile_mode
 from worker.observer import Observer, heartbeat_key
-from worker.precision_check import PrecisionReport, precision_check
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
 from worker.redis_scripts import CHECK_KEYS
 from worker.runner import Launched, LaunchFailed, ModelRunner
 from worker.staging import InputRing, OutputRing
-from worker.step import build_step, pick_dtype, resolve_compile_mode
 from worker.transfer import DeviceTransfer
 from worker.writer import ResultWriter, WriterSettings
 

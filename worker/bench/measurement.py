@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from worker.bench.redis_env import Answer
-from worker.ceiling import direct_feed_ceiling
 from worker.gpu_sampler import percentile
+from worker.model.ceiling import direct_feed_ceiling
 from worker.service import Worker
 
 

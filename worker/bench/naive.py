@@ -34,8 +34,8 @@ import torchvision.transforms as T
 from PIL import Image
 
 from producer import wire
-from worker.ceiling import direct_feed_ceiling
-from worker.model_loader import load_model
+from worker.model.ceiling import direct_feed_ceiling
+from worker.model.loader import load_model
 
 
 class NaivePreprocess:
@@ -110,7 +110,7 @@ class NaiveWorker:
 
     def model_only(self, *, iters: int, warmup: int) -> dict[str, Any]:
         """Images/s of this worker's forward alone at batch 1, measured with the same code as
-        the direct-feed ceiling (worker/ceiling.py: a random input already on the device)."""
+        the direct-feed ceiling (worker/model/ceiling.py: a random input already on the device)."""
         x = torch.randn(1, 3, self.crop_size, self.crop_size, device=self.device)
 
         def forward(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 One invocation, for each model of the profile and each image set:
 
-1. the direct-feed ceiling of the step the worker serves (worker/ceiling.py, on the
+1. the direct-feed ceiling of the step the worker serves (worker/model/ceiling.py, on the
    worker's launch thread, before it reads any job), and the naive model alone at batch 1;
 2. the naive reference worker (worker/bench/naive.py);
 3. gpufeed with its defaults, and once more with each optimisation switched off in turn
@@ -65,8 +65,8 @@ from worker.bench.redis_env import bench_redis
 from worker.bench.stage_rates import DECODE_METHODS
 from worker.config import WorkerConfig
 from worker.device import resolve_device
+from worker.model.step import resolve_compile_mode
 from worker.service import default_decode_threads
-from worker.step import resolve_compile_mode
 
 
 def _stderr(message: str) -> None:

@@ -2,7 +2,7 @@
 
 Decode rates are images/s of one method over an image set, on one thread and on N threads
 (N = the worker's decode threads), with nothing else running. The model rates are the
-direct-feed ceiling (worker/ceiling.py) at the worker's batch, and the naive worker's
+direct-feed ceiling (worker/model/ceiling.py) at the worker's batch, and the naive worker's
 forward at batch 1. From them:
 
 - ideal gpufeed throughput: where the model runs on its own device (CUDA), the slower of

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from worker.ceiling import direct_feed_ceiling
 from worker.doctor.options import DoctorOptions, StepFn
 from worker.doctor.serving_step import eager_of, random_batch
+from worker.model.ceiling import direct_feed_ceiling
 
 
 def timed_ceiling(
@@ -24,7 +24,7 @@ def timed_ceiling(
 
 
 def ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
-    from worker.compiler import compile_step
+    from worker.model.compiler import compile_step
 
     report = worker.compile_report
     device: torch.device = worker.ctx.device

@@ -39,7 +39,7 @@ def usable_weights(config: WorkerConfig, notes: list[str]) -> WorkerConfig:
     if weights.lower() == "none" or "/" in weights or weights.endswith((".pt", ".pth")):
         return config
     from worker.config import ConfigError
-    from worker.model_loader import classification_models, prefetch_weights
+    from worker.model.loader import classification_models, prefetch_weights
 
     if config.model not in classification_models():
         return config  # the worker's start-up says which models there are

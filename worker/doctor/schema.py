@@ -51,7 +51,7 @@ _NOT_MEASURED = _list(
 )
 
 _CEILING_RUN = _obj(
-    "one direct-feed run (worker/ceiling.py)",
+    "one direct-feed run (worker/model/ceiling.py)",
     {
         "device": _t("string", "the device the batch was on, e.g. `cpu`, `cuda:0`"),
         "batch": _t("integer", "batch size", "images"),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from worker.device import mark_cudagraph_step
-from worker.step import InferenceStep, has_exact_reference, reference_copy
+from worker.model.step import InferenceStep, has_exact_reference, reference_copy
 
 StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

@@ -13,7 +13,7 @@ import copy
 import torch
 from torch import nn
 
-from worker.model_loader import LoadedModel
+from worker.model.loader import LoadedModel
 
 
 def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
