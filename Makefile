@@ -49,9 +49,10 @@ run-worker: setup
 
 # The benchmark: ceiling, naive worker, gpufeed and its ablations on generated image sets;
 # writes bench/out/report.json, report.md and throughput.png. BENCH_PROFILE=tiny|quick|full
-# (default: quick on CPU hosts, full on CUDA hosts).
+# (default: quick on CPU hosts, full on CUDA hosts); MODEL=./my-model (a model directory or
+# a torchvision name) instead of the profile's models.
 bench: setup
-	$(PY) -m worker bench
+	$(PY) -m worker bench $(if $(MODEL),--model $(MODEL))
 
 # The CUDA tests and a short benchmark on a GPU host without network; writes
 # $$GPU_CHECK_OUT/report.json. Uses the host's python3 and PyTorch: no setup here.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from tests.model_dirs import (
     toml_text,
     write_tinynet,
 )
-from tests.worker_harness import running_worker, wait_results
+from tests.worker_harness import running_worker, tiny_config, wait_results
 from worker.cli import cli
 from worker.config import ConfigError, WorkerConfig
 from worker.decoder import DecodeSpec, decode_to_array
@@ -498,9 +499,64 @@ def test_model_check_reports_a_good_directory(tmp_path: Path) -> None:
         assert word in text.stdout
 
 
+def test_model_check_takes_a_relative_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_model_dir(tmp_path / "embedder", kind="embed", out=4)
+    monkeypatch.chdir(tmp_path)
+    args = ["model", "check", "embedder", "--device", "cpu", "--batch-size", "2"]
+    result = CliRunner().invoke(cli, [*args, "--seconds", "0.1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["model"] == "./embedder" and report["name"] == "embedder"
+    assert report["outputs"] == [{"name": "embedding", "shape": [2, 4], "dtype": "float32"}]
+
+
 def test_model_check_refuses_a_broken_directory(broken: dict[str, tuple[Path, str]]) -> None:
     root, expected = broken["labels-count"]
     result = CliRunner().invoke(cli, ["model", "check", str(root), "--device", "cpu"])
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0] and lines[0].startswith("gpufeed: ")
+
+
+async def test_doctor_takes_a_model_directory(tmp_path: Path, redis_url: str) -> None:
+    from worker.doctor import DoctorOptions, run_doctor, validate
+
+    root = make_model_dir(tmp_path / "embedder", kind="embed", out=8)
+    config = tiny_config(redis_url, Path("unused"), model=str(root))
+    options = DoctorOptions(jobs=8, ceiling_seconds=0.2, sync_launches=2, image_size=(160, 120))
+    report = await run_doctor(config, options)
+    assert validate(report) == []
+    assert report["config"]["model"] == str(root) and report["config"]["input_size"] == 32
+    assert report["end_to_end"]["results_ok"] == 8
+    assert report["ceiling"]["eager"]["images_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_takes_a_model_directory(tmp_path: Path) -> None:
+    from worker.bench.profiles import ModelPlan, make_profile
+    from worker.bench.report import validate_report
+    from worker.bench.runner import run_bench
+
+    root = make_model_dir(
+        tmp_path / "letterboxed",
+        kind="embed",
+        out=8,
+        preprocess={"resize": "letterbox", "mean": list(MEAN), "std": list(STD)},
+    )
+    tiny = make_profile("tiny", cuda=False)
+    profile = replace(
+        tiny,
+        models=(ModelPlan(str(root), batch_size=4),),
+        sets=tiny.sets[:1],
+        curve=None,
+        cache_roles=(),
+    )
+    base = WorkerConfig.load(env={}, overrides={"device": "cpu", "log_level": "warning"})
+    report = run_bench(profile, out_dir=tmp_path / "out", base=base, echo=lambda _line: None)
+    assert validate_report(report) == []
+    names = {r["name"] for r in report["runs"]}
+    assert {"naive", "gpufeed", "gpufeed-cpu-preprocess"} <= names
+    for run in report["runs"]:
+        assert run["results"] == run["jobs"] == run["results_ok"], run["name"]
+        assert run["model"] == str(root) and run["settings"]["resize"] == "letterbox"
+        assert run["settings"]["staging_size"] == run["settings"]["input_size"] == 32

@@ -247,7 +247,8 @@ def top(interval: float, once: bool, **options: Any) -> None:
 @click.option(
     "--models",
     default=None,
-    help="Comma-separated torchvision models to run instead of the profile's (--model: one).",
+    help="Comma-separated torchvision models or model directories to run instead of the "
+    "profile's (--model: one).",
 )
 @click.option(
     "--out",
@@ -323,9 +324,11 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     from worker.logs import configure_logging
     from worker.model.check import check_model, render
     from worker.model.compiler import CompileRefused
+    from worker.model.manifest import looks_like_model_dir
 
-    # A path the user typed: make it unmistakably one for GPUFEED_MODEL.
-    options["model"] = str(directory if directory.is_absolute() else Path(".") / directory)
+    # The path as typed, made unmistakably a path for GPUFEED_MODEL ("tagger" -> "./tagger").
+    typed = str(directory)
+    options["model"] = typed if looks_like_model_dir(typed) else f"./{typed}"
     try:
         config = load_config(options)
         level = "warning" if config.log_level == "info" else config.log_level
