@@ -560,3 +560,48 @@ def test_bench_takes_a_model_directory(tmp_path: Path) -> None:
         assert run["results"] == run["jobs"] == run["results_ok"], run["name"]
         assert run["model"] == str(root) and run["settings"]["resize"] == "letterbox"
         assert run["settings"]["staging_size"] == run["settings"]["input_size"] == 32
+
+
+# --------------------------------------------------------------------------- on a GPU
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    ("fmt", "kind", "output"),
+    [
+        ("export", "classify", {"activation": "sigmoid", "threshold": 0.4}),
+        ("torchscript", "embed", {"dtype": "float16"}),
+        ("entry", "raw", {}),
+    ],
+)
+def test_every_kind_replays_as_one_cuda_graph(
+    tmp_path: Path, fmt: str, kind: str, output: dict[str, Any]
+) -> None:
+    from worker.model.compiler import compile_step
+    from worker.model.precision import output_agreement, precision_check
+
+    root = make_model_dir(tmp_path / kind, fmt=fmt, kind=kind, output=output)
+    loaded = load_model_dir(root, batch_size=8)
+    device = torch.device("cuda", 0)
+    step = build_step(loaded, device=device, dtype=torch.bfloat16, top_k=3)
+    s = loaded.resize_size
+    example = torch.zeros((8, s, s, 3), dtype=torch.uint8, device=device)
+    fn, report = compile_step(step, example, mode="reduce-overhead", allow_eager_fallback=False)
+    assert report.compiled and report.cudagraph_replays > 0, report.as_dict()
+    assert report.graph_breaks == report.recompiles == 0 and report.cudagraph_skips == []
+    if kind == "classify":
+        agreement = precision_check(step, fn, batch=8, cudagraphs=True)
+        assert agreement.top1_agreement_confident >= 0.9
+    else:
+        close = output_agreement(step, fn, batch=8, cudagraphs=True)
+        assert close.min_cosine >= 0.99, close.as_dict()
+
+
+def test_output_agreement_of_an_embedder_in_bf16(tmp_path: Path) -> None:
+    from worker.model.precision import output_agreement
+
+    loaded = load_model_dir(make_model_dir(tmp_path / "e", kind="embed", out=16), batch_size=4)
+    cpu = torch.device("cpu")
+    same = output_agreement(build_step(loaded, device=cpu, dtype=torch.float32, top_k=3), batch=4)
+    assert same.min_cosine == pytest.approx(1.0, abs=1e-6) and same.max_abs_diff < 1e-6
+    half = output_agreement(build_step(loaded, device=cpu, dtype=torch.bfloat16, top_k=3), batch=4)
+    assert 0.99 <= half.min_cosine < 1.0 and half.images == 8 and half.dtype == "bfloat16"
