@@ -144,7 +144,9 @@ def build_step(
     model = model.to(memory_format=torch.channels_last)
     # `top_k` is GPUFEED_TOP_K: a model directory's own top_k wins, and a classifier never
     # returns more classes than it has.
-    head = make_head(loaded.output, loaded.output_shape, top_k=top_k)
+    # A LoadedModel made by hand may leave output_shape out: a classifier's is its classes.
+    output_shape = loaded.output_shape or (loaded.num_classes,)
+    head = make_head(loaded.output, output_shape, top_k=top_k)
     step = InferenceStep(
         model,
         staging_size=loaded.resize_size,
