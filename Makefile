@@ -66,9 +66,10 @@ run-redis: redis-server ## a throwaway redis-server in the foreground on 127.0.0
 
 # The benchmark: ceiling, naive worker, gpufeed and its ablations on generated image sets;
 # writes bench/out/report.json, report.md and throughput.png. BENCH_PROFILE=tiny|quick|full
-# (default: quick on CPU hosts, full on CUDA hosts).
-bench: setup ## the benchmark report (bench/out/)
-	$(PY) -m worker bench
+# (default: quick on CPU hosts, full on CUDA hosts); MODEL=./my-model (a model directory or
+# a torchvision name) instead of the profile's models.
+bench: setup ## the benchmark report (bench/out/); MODEL=DIR for a model directory
+	$(PY) -m worker bench $(if $(MODEL),--model $(MODEL))
 
 # 20,000 mixed good and bad jobs through 2 worker processes, with a worker SIGKILLed and
 # restarted and Redis restarted; prints a report, writes .soak/report.json (scripts/soak.py

@@ -236,11 +236,22 @@ def _row(job_id: str, result: wire.JobResult | None) -> list[str]:
         job_id,
         result.status,
         "" if result.top1 is None else str(result.top1),
-        result.label or "",
+        _what(result),
         "" if result.score is None else f"{result.score:.4f}",
         result.error or "",
         "" if total is None else f"{total:.1f}",
     ]
+
+
+def _what(result: wire.JobResult) -> str:
+    """The label column: the class name, the multi-label names, or what kind of vector."""
+    if result.embedding is not None:
+        return f"embedding: {result.dim} x {result.dtype}"
+    if result.output is not None:
+        return f"output: {list(result.shape or ())} {result.dtype}"
+    if result.labels is not None and "threshold" in result.details:
+        return ", ".join(result.labels) or "(no label above the threshold)"
+    return result.label or ""
 
 
 def _results_table(rows: list[list[str]]) -> Table:

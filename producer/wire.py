@@ -7,7 +7,11 @@ This module must stay free of torch and of anything heavy: producers import it.
 
 from __future__ import annotations
 
+import array
+import base64
 import enum
+import json
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +49,13 @@ RES_META = b"meta"
 RES_MODEL = b"model"
 RES_WEIGHTS = b"weights"
 RES_DUPLICATE_OF = b"duplicate_of"
+# By output kind: classify with sigmoid (multi-label), embed, raw.
+RES_LABELS = b"labels"  # JSON array of the class names at or above the threshold
+RES_EMBEDDING = b"embedding"  # the vector, raw little-endian bytes of `dtype`
+RES_DIM = b"dim"
+RES_DTYPE = b"dtype"  # float16 or float32
+RES_OUTPUT = b"output"  # raw: the whole output tensor, little-endian bytes of `dtype`
+RES_SHAPE = b"shape"  # raw: JSON array of the output's dimensions (per image)
 
 STATUS_OK = "ok"
 STATUS_ERROR = "error"
@@ -87,7 +98,12 @@ def _text(value: bytes | str | None) -> str | None:
 
 @dataclass(frozen=True)
 class JobResult:
-    """A result as a client sees it, parsed from a result stream entry or result hash."""
+    """A result as a client sees it, parsed from a result stream entry or result hash.
+
+    What an `ok` result holds depends on the model's output kind: `top1`, `label`, `score`
+    and `labels` for a classifier; `embedding`, `dim` and `dtype` for an embedder; `output`,
+    `shape` and `dtype` for a raw output.
+    """
 
     id: str
     entry: str
@@ -105,6 +121,16 @@ class JobResult:
     # named here, served by the same model and weights): that result stands under the id,
     # and this answer is stored under this job's entry ID.
     duplicate_of: str | None = None
+    # classify: the top-k class names; multi-label (sigmoid): the names at or above the
+    # model's threshold, best first
+    labels: list[str] | None = None
+    # embed: the vector, as float32 values whatever the wire dtype (float16 widens exactly)
+    embedding: array.array[float] | None = None
+    dim: int | None = None
+    dtype: str | None = None  # embed, raw: float16 or float32
+    # raw: the model's whole output for the image, little-endian bytes of `dtype`
+    output: bytes | None = None
+    shape: tuple[int, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -118,6 +144,7 @@ class JobResult:
 
     @classmethod
     def from_fields(cls, fields: Mapping[bytes | str, bytes | str]) -> JobResult:
+        """Parse a result; ValueError (or TypeError) for one that breaks the contract."""
         norm: dict[bytes, bytes] = {}
         for k, v in fields.items():
             kb = k.encode() if isinstance(k, str) else k
@@ -131,6 +158,10 @@ class JobResult:
                 details = unpacked
         top1 = norm.get(RES_TOP1)
         score = norm.get(RES_SCORE)
+        dtype = _text(norm.get(RES_DTYPE)) or _str_or_none(details.get("dtype"))
+        vector = norm.get(RES_EMBEDDING) or _bytes_or_none(details.get("embedding"))
+        dim = norm.get(RES_DIM)
+        shape = norm.get(RES_SHAPE)
         return cls(
             id=_text(norm.get(RES_ID)) or "",
             entry=_text(norm.get(RES_ENTRY)) or "",
@@ -144,17 +175,24 @@ class JobResult:
             model=_text(norm.get(RES_MODEL)),
             weights=_text(norm.get(RES_WEIGHTS)),
             duplicate_of=_text(norm.get(RES_DUPLICATE_OF)),
+            labels=_labels(norm.get(RES_LABELS), details.get("labels")),
+            embedding=decode_vector(vector, dtype) if vector is not None else None,
+            dim=int(dim) if dim not in (None, b"") else _int_or_none(details.get("dim")),
+            dtype=dtype,
+            output=norm.get(RES_OUTPUT) or _bytes_or_none(details.get("output")),
+            shape=_shape(shape, details.get("shape")),
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly view (meta as text where it is UTF-8, else hex)."""
+        """A JSON-friendly view (meta as text where it is UTF-8, else hex; bytes in the
+        result map and a raw output as base64)."""
         meta: str | None = None
         if self.meta is not None:
             try:
                 meta = self.meta.decode("utf-8")
             except UnicodeDecodeError:
                 meta = self.meta.hex()
-        return {
+        out: dict[str, Any] = {
             "id": self.id,
             "entry": self.entry,
             "status": self.status,
@@ -162,9 +200,71 @@ class JobResult:
             "label": self.label,
             "score": self.score,
             "error": self.error,
-            "result": self.details,
+            "result": {
+                k: base64.b64encode(v).decode() if isinstance(v, bytes) else v
+                for k, v in self.details.items()
+            },
             "meta": meta,
             "model": self.model,
             "weights": self.weights,
             "duplicate_of": self.duplicate_of,
         }
+        if self.labels is not None:
+            out["labels"] = self.labels
+        if self.embedding is not None:
+            out.update(embedding=list(self.embedding), dim=self.dim, dtype=self.dtype)
+        if self.output is not None:
+            out.update(
+                output=base64.b64encode(self.output).decode(),
+                shape=list(self.shape) if self.shape is not None else None,
+                dtype=self.dtype,
+            )
+        return out
+
+
+_VECTOR_FORMATS = {"float16": ("e", 2), "float32": ("f", 4)}
+
+
+def decode_vector(data: bytes, dtype: str | None) -> array.array[float]:
+    """Little-endian float16/float32 bytes -> float32 values (an array('f'); numpy users:
+    `np.frombuffer(data, "<f2" or "<f4")` gives the same values without a copy)."""
+    if dtype not in _VECTOR_FORMATS:
+        raise ValueError(f"unknown vector dtype {dtype!r} (float16 or float32)")
+    code, size = _VECTOR_FORMATS[dtype]
+    if len(data) % size:
+        raise ValueError(f"{len(data)} bytes is not a whole number of {dtype} values")
+    return array.array("f", struct.unpack(f"<{len(data) // size}{code}", data))
+
+
+def _labels(field_value: bytes | None, detail: Any) -> list[str] | None:
+    if isinstance(detail, list) and all(isinstance(x, str) for x in detail):
+        return list(detail)
+    if field_value:
+        parsed = json.loads(field_value)
+        if isinstance(parsed, list) and all(isinstance(x, str) for x in parsed):
+            return list(parsed)
+        raise ValueError("labels is not a JSON array of strings")
+    return None
+
+
+def _shape(field_value: bytes | None, detail: Any) -> tuple[int, ...] | None:
+    value = json.loads(field_value) if field_value else detail
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in value
+    ):
+        raise ValueError("shape is not a list of integers")
+    return tuple(value)
+
+
+def _str_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _bytes_or_none(value: Any) -> bytes | None:
+    return value if isinstance(value, bytes) else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -13,6 +13,8 @@ from worker.completion import CompletionWatcher
 from worker.decode_pool import DecodeResult
 from worker.decoder import DecodeError, DecodeInfo
 from worker.jobs import Job, Outcome
+from worker.model.answers import Classification
+from worker.model.readers import ClassifyReader
 from worker.runner import Launched
 from worker.staging import InputRing, OutputRing
 
@@ -90,7 +92,6 @@ async def test_batches_are_published_in_launch_order(rings: tuple[InputRing, Out
     watcher = CompletionWatcher(
         out_ring,
         publish,
-        categories=None,
         poll_interval_s=0.001,
         on_batch_done=lambda launched, ms: gpu_ms.append(ms),
     )
@@ -122,7 +123,9 @@ async def test_failed_and_padding_rows(rings: tuple[InputRing, OutputRing]) -> N
     async def publish(outcomes: list[Outcome]) -> None:
         published.extend(outcomes)
 
-    watcher = CompletionWatcher(out_ring, publish, categories=["a", "b"], poll_interval_s=0.001)
+    watcher = CompletionWatcher(
+        out_ring, publish, reader=ClassifyReader(["a", "b"]), poll_interval_s=0.001
+    )
     # Three jobs in a batch of four: row 1 failed to decode, row 3 is padding.
     launched, done = await make_launched(1, in_ring, out_ring, [OK, BAD, OK], base=0)
     done.fired = True
@@ -134,7 +137,9 @@ async def test_failed_and_padding_rows(rings: tuple[InputRing, OutputRing]) -> N
     assert [o.ok for o in published] == [True, False, True]
     assert published[1].error_code == ErrorCode.DECODE_ERROR
     # Each row reads its own output row (indices were set to base + row).
-    assert published[0].top_indices == [0, 0] and published[2].top_indices == [2, 2]
-    assert published[0].labels == ["a", "a"]
-    assert published[2].labels == ["2", "2"]  # out of the category range: the index
+    first, third = published[0].answer, published[2].answer
+    assert isinstance(first, Classification) and isinstance(third, Classification)
+    assert first.indices == [0, 0] and third.indices == [2, 2]
+    assert first.names == ["a", "a"]
+    assert third.names == ["2", "2"]  # out of the category range: the index
     assert published[0].job.timings_ms["compute"] == 4.0

@@ -281,6 +281,7 @@ async def test_a_publish_that_meets_a_restarted_redis_is_retried_not_refused(
     from redis.asyncio.client import Pipeline
 
     from worker.jobs import Job, Outcome
+    from worker.model.answers import Classification
     from worker.writer import ResultWriter, WriterSettings
 
     redis_client.xgroup_create("gpufeed:jobs", "gpufeed", id="0", mkstream=True)
@@ -323,7 +324,8 @@ async def test_a_publish_that_meets_a_restarted_redis_is_retried_not_refused(
         has_own_id=True,
     )
     try:
-        await writer.publish_now([Outcome(job=job, ok=True, top_indices=[3], top_scores=[0.5])])
+        answer = Classification(indices=[3], scores=[0.5])
+        await writer.publish_now([Outcome(job=job, ok=True, answer=answer)])
     finally:
         await client.aclose()
     assert restarts

@@ -267,7 +267,8 @@ def top(interval: float, once: bool, **options: Any) -> None:
 @click.option(
     "--models",
     default=None,
-    help="Comma-separated torchvision models to run instead of the profile's (--model: one).",
+    help="Comma-separated torchvision models or model directories to run instead of the "
+    "profile's (--model: one).",
 )
 @click.option(
     "--out",
@@ -322,6 +323,44 @@ def bench(profile_name: str | None, models: str | None, out_dir: Path, **options
         for problem in problems:
             click.echo(f"gpufeed bench: {problem}", err=True)
         sys.exit(1)
+
+
+@cli.group()
+def model() -> None:
+    """Model directories: check one before serving it."""
+
+
+@model.command("check")
+@config_options
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "json_out", is_flag=True, help="One JSON object instead of the lines.")
+@click.option("--seconds", default=2.0, show_default=True, help="Timed run of the step (images/s).")
+def model_check(directory: Path, json_out: bool, seconds: float, **options: Any) -> None:
+    """Load DIRECTORY (gpufeed.toml beside the model), build and compile its step, run it on
+    generated images: kind, shapes, dtype, compile report, images/s. Exit 2 with a one-line
+    reason for a broken directory, 4 when the compiled step is refused."""
+    import json
+
+    from worker.logs import configure_logging
+    from worker.model.check import check_model, render
+    from worker.model.compiler import CompileRefused
+    from worker.model.manifest import looks_like_model_dir
+
+    # The path as typed, made unmistakably a path for GPUFEED_MODEL ("tagger" -> "./tagger").
+    typed = str(directory)
+    options["model"] = typed if looks_like_model_dir(typed) else f"./{typed}"
+    try:
+        config = load_config(options)
+        level = "warning" if config.log_level == "info" else config.log_level
+        configure_logging(config.log_format, level)
+        report = check_model(config, seconds=max(0.1, seconds))
+    except ConfigError as exc:
+        fail(f"model check: {exc}", EXIT_CONFIG)
+        return
+    except CompileRefused as exc:
+        fail(f"model check: {exc}", EXIT_COMPILE)
+        return
+    click.echo(json.dumps(report) if json_out else render(report))
 
 
 def main() -> None:

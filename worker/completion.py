@@ -3,7 +3,8 @@
 Batches finish in launch order (one compute stream), so the watcher only ever looks at the
 oldest one. It polls `event.query()` from the event loop, which never blocks, and only after
 the event fired does it read the pinned output slot: the few bytes per image that left the
-GPU. Reading host memory here is the one place where results become Python numbers.
+GPU. Reading host memory here, through the model kind's reader (model/readers.py), is the
+one place where results become Python values.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
 from worker.jobs import Outcome
+from worker.model.readers import ClassifyReader, Reader
 from worker.runner import Launched
 from worker.staging import OutputRing
 
@@ -27,13 +29,13 @@ class CompletionWatcher:
         out_ring: OutputRing,
         publish: PublishFn,
         *,
-        categories: Sequence[str] | None,
+        reader: Reader | None = None,
         poll_interval_s: float = 0.0005,
         on_batch_done: BatchDoneFn | None = None,
     ) -> None:
         self.out_ring = out_ring
         self._publish = publish
-        self._categories = categories
+        self._reader = reader or ClassifyReader()
         self._poll_s = poll_interval_s
         self._on_batch_done = on_batch_done
         self._pending: deque[Launched | None] = deque()
@@ -70,6 +72,9 @@ class CompletionWatcher:
         now = time.monotonic()
         out = launched.out
         outcomes: list[Outcome] = []
+        # Only rows holding a decoded image are read; padding and failed rows are not.
+        valid = batch.valid_rows
+        answers = dict(zip(valid, self._reader.read(out.arrays, valid), strict=True))
         for row, job in enumerate(batch.jobs):
             result = batch.results[row]
             job.timings_ms["decode"] = result.decode_ms
@@ -79,14 +84,6 @@ class CompletionWatcher:
             if result.error is not None:
                 outcomes.append(Outcome.failure(job, result.error.code, result.error.message))
                 continue
-            indices = [int(i) for i in out.indices_np[row]]
-            scores = [float(s) for s in out.scores_np[row]]
-            labels = None
-            if self._categories is not None:
-                labels = [
-                    self._categories[i] if 0 <= i < len(self._categories) else str(i)
-                    for i in indices
-                ]
             extra = {}
             if result.info is not None:
                 extra = {
@@ -96,16 +93,7 @@ class CompletionWatcher:
                     "draft_scale": result.info.draft_scale,
                     "cached": result.cached,
                 }
-            outcomes.append(
-                Outcome(
-                    job=job,
-                    ok=True,
-                    top_indices=indices,
-                    top_scores=scores,
-                    labels=labels,
-                    extra=extra,
-                )
-            )
+            outcomes.append(Outcome(job=job, ok=True, answer=answers[row], extra=extra))
         self.out_ring.release(out)
         if self._on_batch_done is not None:
             self._on_batch_done(launched, gpu_ms)

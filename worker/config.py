@@ -153,7 +153,17 @@ class WorkerConfig:
             "GPUFEED_RESULTS_STREAM",
             "must differ from GPUFEED_STREAM",
         )
-        need(self.model.strip() != "", "GPUFEED_MODEL", "must name a torchvision model")
+        need(
+            self.model.strip() != "",
+            "GPUFEED_MODEL",
+            "must name a torchvision model or a model directory (a path)",
+        )
+        from worker.model.manifest import looks_like_model_dir, read_manifest
+
+        if looks_like_model_dir(self.model):
+            # The manifest is small and torch-free: a wrong key stops the worker here,
+            # before anything is loaded. Whether the model fits it is checked at load.
+            read_manifest(self.model)
         need(bool(self.weights), "GPUFEED_WEIGHTS", "must be a weights name, a file or 'none'")
         dev = self.device
         need(

@@ -62,6 +62,8 @@ _SWAPS_AXES = frozenset({5, 6, 7, 8})
 
 _SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N"})
 
+GEOMETRIES = ("shorter-crop", "squash", "letterbox")
+
 
 @dataclass(frozen=True)
 class DecodeSpec:
@@ -85,10 +87,15 @@ class DecodeSpec:
     dct_scaling: bool = True
     max_decode_bytes: int = 512 * 1024 * 1024
     max_slow_decoder_pixels: int = 1_000_000
+    # How an image becomes S x S: "shorter-crop" (shorter side to S, centre crop),
+    # "squash" (both sides to S) or "letterbox" (longer side to S, black bars).
+    geometry: str = "shorter-crop"
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError(f"size must be >= 1 (got {self.size})")
+        if self.geometry not in GEOMETRIES:
+            raise ValueError(f"geometry must be one of {', '.join(GEOMETRIES)}")
         if self.max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1 (got {self.max_bytes})")
         if self.max_pixels < 1:
@@ -252,7 +259,12 @@ def _decode(data: bytes, fmt: str, spec: DecodeSpec) -> tuple[npt.NDArray[np.uin
     if orientation in _SWAPS_AXES:
         width, height = height, width
 
-    pixels = _resize_center_crop(frame, s)
+    if spec.geometry == "squash":
+        pixels = np.asarray(frame.resize((s, s), Image.Resampling.BILINEAR), dtype=np.uint8)
+    elif spec.geometry == "letterbox":
+        pixels = _letterbox(frame, s)
+    else:
+        pixels = _resize_center_crop(frame, s)
     return pixels, DecodeInfo(format=fmt, width=width, height=height, draft_scale=draft_scale)
 
 
@@ -435,6 +447,23 @@ def _resize_center_crop(im: Image.Image, s: int) -> npt.NDArray[np.uint8]:
         box = (left * sx, top * sy, (left + s) * sx, (top + s) * sy)
         cropped = im.resize((s, s), Image.Resampling.BILINEAR, box=box)
     return np.asarray(cropped, dtype=np.uint8)
+
+
+def letterbox_geometry(w: int, h: int, s: int) -> tuple[int, int, int, int]:
+    """(new width, new height, left, top) of a w x h image fitted into s x s with its aspect
+    ratio kept and centred: the longer side becomes s, the bars share the rest."""
+    scale = s / max(w, h)
+    nw, nh = max(1, min(s, round(w * scale))), max(1, min(s, round(h * scale)))
+    return nw, nh, (s - nw) // 2, (s - nh) // 2
+
+
+def _letterbox(im: Image.Image, s: int) -> npt.NDArray[np.uint8]:
+    w, h = im.size
+    nw, nh, left, top = letterbox_geometry(w, h, s)
+    fitted = im if (nw, nh) == (w, h) else im.resize((nw, nh), Image.Resampling.BILINEAR)
+    canvas = Image.new(fitted.mode, (s, s), 0)
+    canvas.paste(fitted, (left, top))
+    return np.asarray(canvas, dtype=np.uint8)
 
 
 def _message(exc: BaseException, fmt: str | None = None) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 from producer import wire
 from producer.wire import ErrorCode
+from worker.model.answers import Answer
 
 
 @dataclass(eq=False)
@@ -44,9 +45,8 @@ class Outcome:
 
     job: Job
     ok: bool
-    top_indices: list[int] = field(default_factory=list)
-    top_scores: list[float] = field(default_factory=list)
-    labels: list[str] | None = None
+    # What the model answered (ok outcomes): classes, an embedding or a raw output.
+    answer: Answer | None = None
     error_code: ErrorCode | None = None
     error_message: str = ""
     extra: dict[str, Any] = field(default_factory=dict)

@@ -41,7 +41,7 @@ from worker.transfer import DeviceTransfer
 
 log = structlog.get_logger("gpufeed.runner")
 
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 CpuDecodeFn = Callable[[Job, npt.NDArray[np.uint8]], Awaitable[DecodeResult]]
 
 
@@ -195,15 +195,16 @@ class ModelRunner:
             start.record(stream)
             if self._cudagraphs:
                 mark_cudagraph_step()
-            # x: [B, S, S, 3] uint8 on the device -> indices, scores: [B, K]
-            indices, scores = self.step(x)
+            # x: [B, S, S, 3] uint8 on the device -> the kind's outputs, e.g. indices and
+            # scores [B, K] (classify) or vectors [B, D] (embed)
+            outputs = self.step(x)
             consumed = cuda_event()
             consumed.record(stream)
             # The replay's outputs live in graph-owned memory that the next replay
             # overwrites: copy them out now, queued behind the step on the same stream,
             # into pinned memory so the copies are asynchronous.
-            out.indices.copy_(indices, non_blocking=True)
-            out.scores.copy_(scores, non_blocking=True)
+            for dst, src in zip(out.tensors, outputs, strict=True):
+                dst.copy_(src, non_blocking=True)
             done = cuda_event(timing=True)
             done.record(stream)
         self.transfer.mark_consumed(batch.slot, consumed)
@@ -212,9 +213,8 @@ class ModelRunner:
     def _launch_cpu(self, batch: Batch, out: OutputSlot, began_s: float) -> Launched:
         x, copied = self.transfer.to_device(batch.slot)
         start = DoneEvent(time.perf_counter())
-        indices, scores = self.step(x)
-        out.indices.copy_(indices)
-        out.scores.copy_(scores)
+        for dst, src in zip(out.tensors, self.step(x), strict=True):
+            dst.copy_(src)
         done = DoneEvent(time.perf_counter())
         return Launched(batch, out, copied, start, done, began_s)
 

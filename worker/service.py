@@ -38,9 +38,15 @@ from worker.gpu_decode import GpuDecodeUnavailable, setup_gpu_decode
 from worker.health import Health
 from worker.jobs import Job, Outcome
 from worker.model.compiler import CompileReport, compile_step, still_compiled
-from worker.model.loader import LoadedModel, load_model
-from worker.model.precision import PrecisionReport, precision_check
-from worker.model.step import build_step, pick_dtype, resolve_compile_mode
+from worker.model.loader import LoadedModel, load_configured
+from worker.model.precision import (
+    AgreementReport,
+    PrecisionReport,
+    output_agreement,
+    precision_check,
+)
+from worker.model.readers import make_reader
+from worker.model.step import build_step, check_step, pick_dtype, resolve_compile_mode
 from worker.observer import Observer, heartbeat_key
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
@@ -90,7 +96,7 @@ class Worker:
         self.force_exit = False
         self.ready = False
         self.compile_report: CompileReport | None = None
-        self.precision: PrecisionReport | None = None
+        self.precision: PrecisionReport | AgreementReport | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         # Entries read and not yet answered, by entry ID: the keep-alive refreshes them.
         self._held: dict[str, Job] = {}
@@ -134,13 +140,15 @@ class Worker:
         # Fixed shapes make cudnn's per-shape tuning useless; turning it off keeps the
         # first batches from stalling on benchmark runs.
         torch.backends.cudnn.benchmark = False
-        self.loaded: LoadedModel = load_model(cfg.model, cfg.weights, input_size=cfg.input_size)
+        self.loaded: LoadedModel = load_configured(
+            cfg.model, cfg.weights, input_size=cfg.input_size, batch_size=self.batch_size
+        )
         self.dtype = pick_dtype(cfg.precision, device)
         step = build_step(self.loaded, device=device, dtype=self.dtype, top_k=cfg.top_k)
         size = self.loaded.resize_size
         pin = self.ctx.is_cuda
         self.ring = InputRing(cfg.ring_slots, self.batch_size, size, pin=pin)
-        self.out_ring = OutputRing(cfg.ring_slots, self.batch_size, step.top_k, pin=pin)
+        self.out_ring = OutputRing(cfg.ring_slots, self.batch_size, step.layout, pin=pin)
         self.transfer = DeviceTransfer(self.ctx, cfg.ring_slots, self.batch_size, size)
         mode = resolve_compile_mode(cfg.compile, device)
         self.runner = ModelRunner(
@@ -150,6 +158,9 @@ class Worker:
         example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
 
         def compile_on_launch_thread() -> None:
+            # One eager batch first: a model that fails in the serving dtype or gives
+            # outputs of the wrong shape is a configuration error, not a compile failure.
+            check_step(step, example, what=f"GPUFEED_MODEL: {self.loaded.name}")
             # CUDA-graph trees are per thread: compile and warm up where launches happen.
             fn, report = compile_step(
                 step, example, mode=mode, allow_eager_fallback=cfg.allow_eager_fallback
@@ -159,7 +170,8 @@ class Worker:
             if self.ctx.is_cuda:
                 # Start-up only (it waits for the GPU): the serving dtype against fp32 eager.
                 graphs = report.compiled and mode == "reduce-overhead"
-                self.precision = precision_check(
+                check = precision_check if step.layout[0].name == "indices" else output_agreement
+                self.precision = check(
                     step, fn, batch=self.batch_size, batches=1, cudagraphs=graphs
                 )
             # The fp32 copy served only as the check's reference: give its memory back.
@@ -173,11 +185,13 @@ class Worker:
             "model_ready",
             model=cfg.model,
             weights=self.loaded.weights_label,
+            kind=self.loaded.output.kind,
             device=self.ctx.name,
             dtype=str(self.dtype).removeprefix("torch."),
             batch_size=self.batch_size,
             staging_size=size,
             input_size=self.loaded.crop_size,
+            outputs={f.name: [*f.shape] for f in step.layout},
             **self.compile_report.as_dict(),
         )
         if self.precision is not None:
@@ -193,6 +207,7 @@ class Worker:
             max_pixels=cfg.max_image_pixels,
             dct_scaling=cfg.dct_scaling,
             max_decode_bytes=cfg.max_decode_mb * 1024 * 1024,
+            geometry=self.loaded.resize_mode,
         )
         delay = self._decode_delay_s
 
@@ -201,9 +216,18 @@ class Worker:
 
         hook = self._decode_hook or (sleep if delay else None)
         self.decode_cache = DecodeCache(cfg.decode_cache_mb * 1024 * 1024)
+        decode = cfg.decode
+        if spec.geometry != "shorter-crop" and decode != "cpu":
+            # The GPU decoder resizes shorter-side-and-crop only.
+            if decode == "gpu":
+                raise ConfigError(
+                    f"GPUFEED_DECODE=gpu: the GPU decoder does resize = shorter-crop only; "
+                    f"{self.loaded.name} uses {spec.geometry} (decode on the CPU)"
+                )
+            decode = "cpu"
         try:
             # Falls back to CPU decode, logged, on any failure to build a GPU decoder.
-            gpu = setup_gpu_decode(cfg.decode, device, spec, self.decode_threads)
+            gpu = setup_gpu_decode(decode, device, spec, self.decode_threads)
         except GpuDecodeUnavailable as exc:
             raise ConfigError(f"GPUFEED_DECODE=gpu: {exc}") from None
         router = None
@@ -237,7 +261,7 @@ class Worker:
                 result_ttl_s=cfg.result_ttl_s,
                 results_maxlen=cfg.results_maxlen,
                 worker_name=cfg.worker_name,
-                model_name=cfg.model,
+                model_name=self.loaded.name,
                 weights=self.loaded.weights_label,
                 device=str(device),
                 dead_stream=cfg.dead_stream,
@@ -257,7 +281,7 @@ class Worker:
         self.watcher = CompletionWatcher(
             self.out_ring,
             self.writer.put,
-            categories=self.loaded.categories,
+            reader=make_reader(self.loaded.output, self.loaded.categories),
             on_batch_done=self._on_batch_done,
         )
         self.reader = Reader(

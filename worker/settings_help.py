@@ -29,11 +29,15 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "approximate cap of each results stream (`XADD MAXLEN ~`)",
     ),
     "GPUFEED_WORKER_NAME": ("`<host>-<pid>`", "the consumer name in the group"),
-    "GPUFEED_MODEL": ("`resnet50`", "a torchvision classification model name"),
+    "GPUFEED_MODEL": (
+        "`resnet50`",
+        "a torchvision classification model name, or a model directory (a path: see "
+        "[Your own model](#your-own-model))",
+    ),
     "GPUFEED_WEIGHTS": (
         "`DEFAULT`",
-        "a torchvision weights name (`DEFAULT`, `IMAGENET1K_V2`, ...), a local file (a state "
-        'dict, or `{"state_dict": ..., "categories": [...]}`, loaded with '
+        "torchvision models: a weights name (`DEFAULT`, `IMAGENET1K_V2`, ...), a local file "
+        '(a state dict, or `{"state_dict": ..., "categories": [...]}`, loaded with '
         "`weights_only=True`), or `none` for random init",
     ),
     "GPUFEED_DEVICE": ("`auto`", "`auto`, `cpu`, `cuda` or `cuda:N`"),
@@ -47,8 +51,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`auto`",
         "`fp32`, `fp16`, `bf16`; auto: bf16 (or fp16) on CUDA, fp32 on CPU",
     ),
-    "GPUFEED_INPUT_SIZE": ("`0`", "model input side; 0: the weights' own (224 for most)"),
-    "GPUFEED_TOP_K": ("`5`", "classes returned per image"),
+    "GPUFEED_INPUT_SIZE": (
+        "`0`",
+        "torchvision models: the input side; 0: the weights' own (224 for most)",
+    ),
+    "GPUFEED_TOP_K": ("`5`", "classes returned per image (a model directory's `top_k` wins)"),
     "GPUFEED_ALLOW_EAGER_FALLBACK": (
         "`false`",
         "start in eager mode, with an error in the log, instead of refusing when the compiled "

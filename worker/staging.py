@@ -5,9 +5,11 @@ image straight into its row. On CUDA they are pinned, so the host-to-device copy
 asynchronously on the copy stream. A slot goes back to the free list only once the event
 recorded after its copy reports completion: until then the GPU may still be reading it.
 
-Output slots hold what comes back from the GPU for one batch (top-k indices and scores),
-also pinned, written by a non-blocking device-to-host copy and read by the completion
-watcher once the batch's done-event fired.
+Output slots hold what comes back from the GPU for one batch, also pinned, written by a
+non-blocking device-to-host copy and read by the completion watcher once the batch's
+done-event fired. What they hold depends on the model's output kind (top-k indices and
+scores, class probabilities, an embedding, a raw output): an `OutputField` per tensor the
+step returns, fixed at start-up, so the ring is still allocated once.
 
 Both rings are driven from the event loop thread only; decode threads touch slot memory but
 never the bookkeeping.
@@ -18,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,17 +43,65 @@ class InputSlot:
     copy_done: Event | None = None
 
 
+@dataclass(frozen=True)
+class OutputField:
+    """One tensor of the step's output: its name, its shape per image and its dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per image."""
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * self.dtype.itemsize
+
+
+def classify_layout(top_k: int) -> tuple[OutputField, ...]:
+    """The softmax classifier's output: top-k indices and scores."""
+    return (
+        OutputField("indices", (top_k,), torch.int32),
+        OutputField("scores", (top_k,), torch.float32),
+    )
+
+
 @dataclass(eq=False)
 class OutputSlot:
     index: int
-    indices: torch.Tensor  # [B, K] int32
-    scores: torch.Tensor  # [B, K] float32
-    indices_np: npt.NDArray[np.int32] = field(init=False)
-    scores_np: npt.NDArray[np.float32] = field(init=False)
+    # One [B, *field.shape] tensor per field of the layout, in the step's output order.
+    tensors: tuple[torch.Tensor, ...]
+    layout: tuple[OutputField, ...]
+    # numpy views of the same memory, for the completion watcher (no copy).
+    arrays: tuple[npt.NDArray[Any], ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.indices_np = self.indices.numpy()
-        self.scores_np = self.scores.numpy()
+        self.arrays = tuple(t.numpy() for t in self.tensors)
+
+    def position(self, name: str) -> int:
+        for i, f in enumerate(self.layout):
+            if f.name == name:
+                return i
+        raise KeyError(f"no output field {name!r} in {[f.name for f in self.layout]}")
+
+    # The classifier's fields by name, as tests and tools read them.
+    @property
+    def indices(self) -> torch.Tensor:
+        return self.tensors[self.position("indices")]
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self.tensors[self.position("scores")]
+
+    @property
+    def indices_np(self) -> npt.NDArray[Any]:
+        return self.arrays[self.position("indices")]
+
+    @property
+    def scores_np(self) -> npt.NDArray[Any]:
+        return self.arrays[self.position("scores")]
 
 
 class InputRing:
@@ -117,12 +169,24 @@ class InputRing:
 class OutputRing:
     """K output slots; the completion watcher releases each after reading it."""
 
-    def __init__(self, slots: int, batch: int, top_k: int, *, pin: bool) -> None:
+    def __init__(
+        self,
+        slots: int,
+        batch: int,
+        layout: int | Sequence[OutputField],
+        *,
+        pin: bool,
+    ) -> None:
+        """`layout`: the step's output fields, or a top-k for the softmax classifier's."""
+        fields = classify_layout(layout) if isinstance(layout, int) else tuple(layout)
+        self.layout = fields
         self.slots = [
             OutputSlot(
                 index=i,
-                indices=torch.empty((batch, top_k), dtype=torch.int32, pin_memory=pin),
-                scores=torch.empty((batch, top_k), dtype=torch.float32, pin_memory=pin),
+                tensors=tuple(
+                    torch.empty((batch, *f.shape), dtype=f.dtype, pin_memory=pin) for f in fields
+                ),
+                layout=fields,
             )
             for i in range(slots)
         ]

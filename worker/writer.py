@@ -96,15 +96,12 @@ def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | st
         wire.RES_WEIGHTS, settings.weights,
     ]  # fmt: skip
     if outcome.ok:
-        details["top_k"] = outcome.top_indices
-        details["scores"] = [round(s, 6) for s in outcome.top_scores]
-        if outcome.labels is not None:
-            details["labels"] = outcome.labels
+        if outcome.answer is not None:
+            # The kind's own fields: top1/label/score (classify), embedding/dim/dtype (embed),
+            # output/shape/dtype (raw).
+            details.update(outcome.answer.details())
+            out += outcome.answer.hash_fields()
         details.update(outcome.extra)
-        out += [wire.RES_TOP1, str(outcome.top_indices[0])]
-        if outcome.labels:
-            out += [wire.RES_LABEL, outcome.labels[0]]
-        out += [wire.RES_SCORE, f"{outcome.top_scores[0]:.6f}"]
     else:
         details["error_code"] = outcome.error_code.value if outcome.error_code else ""
         if outcome.extra:

@@ -122,7 +122,9 @@ class CpuPreprocess:
             raise ValueError(f"crop {crop} is larger than the staging size {spec.size}")
         self.spec = spec
         self.crop = crop
-        self.transforms = NaivePreprocess(resize=spec.size, crop=crop, mean=mean, std=std)
+        self.transforms = NaivePreprocess(
+            resize=spec.size, crop=crop, mean=mean, std=std, geometry=spec.geometry
+        )
         self._mean = torch.tensor(mean).view(3, 1, 1)
         self._std = torch.tensor(std).view(3, 1, 1)
 

@@ -61,6 +61,7 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
         "cpu_preprocess": variant.cpu_preprocess,
         "max_wait_ms": cfg.max_wait_ms,
         "ring_slots": cfg.ring_slots,
+        "resize": worker.loaded.resize_mode,
         "staging_size": worker.loaded.resize_size,
         "input_size": worker.loaded.crop_size,
         "mean": list(worker.loaded.mean),

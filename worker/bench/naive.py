@@ -7,9 +7,9 @@ gpufeed against it on the same machine, model, Redis stream and images:
 - the full-resolution decode on the CPU (`Image.open(...).convert("RGB")`), whatever the
   image size;
 - torchvision's classification transforms on the CPU, per image (Resize, CenterCrop,
-  ToTensor, Normalize);
-- one forward per job (batch 1, fp32), then `.item()` on the top-1 class and score: a host
-  sync per job;
+  ToTensor, Normalize; for a model directory its own resize: squash or letterbox);
+- one forward per job (batch 1, fp32), then `.item()` on the top-1 class and score (other
+  output kinds: `.cpu()` of the output): a host sync per job;
 - `torch.backends.cudnn.benchmark = True` on CUDA, as such services usually set it. With the
   centre crop every input has the same shape, so cuDNN tunes once here; services that skip
   the crop, or batch whatever has arrived, re-tune for every new shape.
@@ -34,8 +34,23 @@ import torchvision.transforms as T
 from PIL import Image
 
 from producer import wire
+from worker.decoder import letterbox_geometry
 from worker.model.ceiling import direct_feed_ceiling
-from worker.model.loader import load_model
+from worker.model.heads import make_head
+from worker.model.loader import load_configured
+
+
+class Letterbox:
+    """Fit into size x size keeping the aspect ratio, black bars (gpufeed's geometry)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, im: Image.Image) -> Image.Image:
+        nw, nh, left, top = letterbox_geometry(im.width, im.height, self.size)
+        canvas = Image.new(im.mode, (self.size, self.size), 0)
+        canvas.paste(im.resize((nw, nh), Image.Resampling.BILINEAR), (left, top))
+        return canvas
 
 
 class NaivePreprocess:
@@ -48,9 +63,17 @@ class NaivePreprocess:
         crop: int,
         mean: tuple[float, float, float],
         std: tuple[float, float, float],
+        geometry: str = "shorter-crop",
     ) -> None:
+        fit: list[Callable[[Image.Image], Any]]
+        if geometry == "squash":
+            fit = [T.Resize((crop, crop))]
+        elif geometry == "letterbox":
+            fit = [Letterbox(crop)]
+        else:
+            fit = [T.Resize(resize), T.CenterCrop(crop)]
         self.transform: Callable[[Image.Image], torch.Tensor] = T.Compose(
-            [T.Resize(resize), T.CenterCrop(crop), T.ToTensor(), T.Normalize(mean, std)]
+            [*fit, T.ToTensor(), T.Normalize(mean, std)]
         )
 
     @staticmethod
@@ -89,13 +112,21 @@ class NaiveWorker:
         self.result_ttl_s = result_ttl_s
         self.device = device
         self.model_name = model
-        loaded = load_model(model, weights, input_size=input_size)
+        loaded = load_configured(model, weights, input_size=input_size, batch_size=1)
         self.model = loaded.module.to(device).eval()
+        # The same output kind as gpufeed serves (softmax top-k for a classifier), eager.
+        self.head = make_head(loaded.output, loaded.output_shape, top_k=5).to(device)
+        self.classify = loaded.output.kind == "classify"
         self.crop_size = loaded.crop_size
         self.resize_size = loaded.resize_size
+        self.resize_mode = loaded.resize_mode
         self.mean, self.std = loaded.mean, loaded.std
         self.preprocess = NaivePreprocess(
-            resize=loaded.resize_size, crop=loaded.crop_size, mean=loaded.mean, std=loaded.std
+            resize=loaded.resize_size,
+            crop=loaded.crop_size,
+            mean=loaded.mean,
+            std=loaded.std,
+            geometry=loaded.resize_mode,
         )
         self.client = redis.Redis.from_url(redis_url)
         self.stop = threading.Event()
@@ -155,12 +186,16 @@ class NaiveWorker:
             t1 = time.perf_counter()
             x = self.preprocess.transform(img).unsqueeze(0).to(self.device)
             t2 = time.perf_counter()
+            top1_index: int | None = None
             with torch.inference_mode():
-                probs = self.model(x).softmax(dim=1)
-                score, top1 = probs.max(dim=1)
+                outputs = self.head(self.model(x))
                 # The host syncs gpufeed never makes: each waits for the GPU to finish.
-                top1_index = int(top1.item())
-                top1_score = float(score.item())
+                if self.classify:
+                    top1_index = int(outputs[0][0, 0].item())
+                    top1_score = float(outputs[1][0, 0].item())
+                else:
+                    for t in outputs:
+                        t.cpu()
             t3 = time.perf_counter()
             timings = {
                 "decode": (t1 - t0) * 1000,
@@ -168,8 +203,9 @@ class NaiveWorker:
                 "compute": (t3 - t2) * 1000,
             }
             out[wire.RES_STATUS] = wire.STATUS_OK
-            out[wire.RES_TOP1] = str(top1_index)
-            out[wire.RES_SCORE] = f"{top1_score:.6f}"
+            if top1_index is not None:
+                out[wire.RES_TOP1] = str(top1_index)
+                out[wire.RES_SCORE] = f"{top1_score:.6f}"
         except Exception as exc:  # noqa: BLE001 - a bad job gets an error result, as in gpufeed
             out[wire.RES_STATUS] = wire.STATUS_ERROR
             out[wire.RES_ERROR] = f"decode_error: {type(exc).__name__}: {exc}"[:200]

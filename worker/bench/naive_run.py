@@ -94,6 +94,7 @@ async def naive_run(b: Bench, plan: ModelPlan, sp: SetPlan, *, with_model: bool)
                 "dtype": "float32",
                 "compile": "off",
                 "cudnn_benchmark": b.is_cuda,
+                "resize": worker.resize_mode,
                 "staging_size": worker.resize_size,
                 "input_size": worker.crop_size,
                 "mean": list(worker.mean),

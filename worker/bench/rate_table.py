@@ -28,6 +28,7 @@ def stage_rates(b: Bench) -> RateTable:
             crop_size=key[2],
             mean=_triple(s["mean"]),
             std=_triple(s["std"]),
+            geometry=str(s.get("resize", "shorter-crop")),
         )
         b.echo(f"stage rates: {key[0]}, {key[2]} px input ({len(methods)} decode methods)")
         out[key] = decode_rates(

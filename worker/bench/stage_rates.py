@@ -59,11 +59,14 @@ def decode_methods(
     crop_size: int,
     mean: tuple[float, float, float],
     std: tuple[float, float, float],
+    geometry: str = "shorter-crop",
 ) -> dict[str, DecodeFn]:
     """The per-image work of each decode method, exactly as the runs do it."""
-    naive = NaivePreprocess(resize=staging_size, crop=crop_size, mean=mean, std=std)
-    dct = DecodeSpec(size=staging_size, dct_scaling=True)
-    full = DecodeSpec(size=staging_size, dct_scaling=False)
+    naive = NaivePreprocess(
+        resize=staging_size, crop=crop_size, mean=mean, std=std, geometry=geometry
+    )
+    dct = DecodeSpec(size=staging_size, dct_scaling=True, geometry=geometry)
+    full = DecodeSpec(size=staging_size, dct_scaling=False, geometry=geometry)
     cpu = CpuPreprocess(dct, crop=crop_size, mean=mean, std=std)
     return {
         "pil_full_decode": NaivePreprocess.decode,

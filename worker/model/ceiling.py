@@ -18,7 +18,7 @@ import torch
 
 from worker.device import cuda_event, mark_cudagraph_step
 
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 def direct_feed_ceiling(

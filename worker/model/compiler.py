@@ -45,7 +45,7 @@ from worker.device import mark_cudagraph_step
 
 log = structlog.get_logger("gpufeed.compiler")
 
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 class CompileRefused(RuntimeError):

@@ -1,6 +1,7 @@
-"""Build a torchvision classification model by name, with its weights and preprocessing.
+"""The model GPUFEED_MODEL names: a torchvision classifier by name (here) or a model
+directory (directory.py), as one LoadedModel.
 
-GPUFEED_WEIGHTS is one of:
+For a torchvision model, GPUFEED_WEIGHTS is one of:
 - a torchvision weights name (`DEFAULT`, `IMAGENET1K_V1`, or fully qualified
   `ResNet50_Weights.IMAGENET1K_V2`): downloaded to the torch hub cache on first use;
 - a local file: a state dict, or a dict {"state_dict": ..., "categories": [...]} for models
@@ -10,7 +11,8 @@ GPUFEED_WEIGHTS is one of:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from torch import nn
 from torchvision.models import get_model, get_model_weights, list_models
 
 from worker.config import ConfigError
+from worker.model.manifest import OutputSpec, looks_like_model_dir
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -39,7 +42,27 @@ class LoadedModel:
     resize_size: int  # the staging side: shorter side resized to this, then center-cropped
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
-    num_classes: int
+    num_classes: int  # classify; 0 for the other kinds
+    # What the step's head makes of the model's output (the torchvision classifiers:
+    # softmax and GPUFEED_TOP_K), and that output's shape per image.
+    output: OutputSpec = field(default_factory=OutputSpec)
+    output_shape: tuple[int, ...] = ()
+    # How the decoder fits an image into the staging square (decoder.GEOMETRIES).
+    resize_mode: str = "shorter-crop"
+    source: str = "torchvision"  # or export, torchscript, entry (a model directory)
+
+
+def load_configured(
+    model: str, weights: str, *, input_size: int = 0, batch_size: int = 1
+) -> LoadedModel:
+    """GPUFEED_MODEL as the worker serves it: a model directory (a path), else a torchvision
+    name. A directory names its own weights and input size, so GPUFEED_WEIGHTS and
+    GPUFEED_INPUT_SIZE apply to torchvision models only."""
+    if looks_like_model_dir(model):
+        from worker.model.directory import load_model_dir
+
+        return load_model_dir(model, batch_size=batch_size)
+    return load_model(model, weights, input_size=input_size)
 
 
 def classification_models() -> list[str]:
@@ -68,7 +91,7 @@ def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
             raise ConfigError(f"GPUFEED_WEIGHTS: {path} is not a file")
         state_dict, categories = _read_weights_file(path)
         tv_weights = None
-        label = str(path)
+        label = file_label(path)
     else:
         tv_weights = _resolve_weights_name(name, weights)
         label = f"{type(tv_weights).__name__}.{tv_weights.name}"
@@ -111,6 +134,7 @@ def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
         mean=mean,
         std=std,
         num_classes=num_classes,
+        output_shape=(num_classes,),
     )
 
 
@@ -177,3 +201,13 @@ def prefetch_weights(model: str, weights: str, *, timeout_s: float = 15.0) -> st
     finally:
         socket.setdefaulttimeout(previous)
     return None
+
+
+def file_label(path: Path) -> str:
+    """A weights or model file as results name it: its path and a digest of its content, so
+    that a file replaced under the same name is told apart (idempotent ids compare it)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return f"{path} (sha256 {digest.hexdigest()[:12]})"

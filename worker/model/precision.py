@@ -25,7 +25,7 @@ import torch
 from worker.device import mark_cudagraph_step
 from worker.model.step import InferenceStep, has_exact_reference, reference_copy
 
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 @dataclass
@@ -78,11 +78,11 @@ def precision_check(
         for x in inputs:
             if cudagraphs:
                 mark_cudagraph_step()
-            idx, sc = run(x)
+            out = run(x)
             # Clone before anything else runs: a graph replay's outputs are overwritten by
-            # the next replay.
-            idx, sc = idx.clone(), sc.clone()
-            ridx, rsc = reference(x)
+            # the next replay. A classifier's first two outputs are its top-k.
+            idx, sc = out[0].clone(), out[1].clone()
+            ridx, rsc = reference(x)[:2]
             top1 = idx[:, 0].long().cpu()
             rtop1 = ridx[:, 0].long().cpu()
             same = top1 == rtop1
@@ -106,4 +106,63 @@ def precision_check(
         top1_agreement_confident=confident_agree / confident if confident else 1.0,
         max_abs_top1_prob_diff=max_diff,
         margin=margin,
+    )
+
+
+@dataclass
+class AgreementReport:
+    """The serving dtype against fp32 eager for embed and raw outputs."""
+
+    dtype: str
+    reference: str
+    images: int
+    min_cosine: float  # of each image's output, flattened, with the reference's
+    max_abs_diff: float
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        for k in ("min_cosine", "max_abs_diff"):
+            out[k] = round(out[k], 6)
+        return out
+
+
+def output_agreement(
+    step: InferenceStep,
+    fn: StepFn | None = None,
+    *,
+    batch: int,
+    batches: int = 2,
+    seed: int = 0,
+    cudagraphs: bool = False,
+) -> AgreementReport:
+    """Compare `fn` (default: `step`, eager) with an fp32 eager copy of `step` on random
+    batches, output by output: the lowest cosine similarity per image and the largest
+    absolute difference. For embeddings and raw outputs, where there is no top-1 to agree
+    on. Start-up and checks only: it waits for the device."""
+    device = next(step.parameters()).device
+    reference = reference_copy(step)
+    run = fn or step
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    s = step.staging_size
+    inputs = [
+        torch.randint(0, 256, (batch, s, s, 3), dtype=torch.uint8, generator=gen).to(device)
+        for _ in range(batches)
+    ]
+    min_cos, max_diff, total = 1.0, 0.0, 0
+    with torch.inference_mode():
+        for x in inputs:
+            if cudagraphs:
+                mark_cudagraph_step()
+            got = run(x)[0].clone().float().flatten(1)
+            want = reference(x)[0].float().flatten(1)
+            cos = torch.nn.functional.cosine_similarity(got, want, dim=1, eps=1e-12)
+            min_cos = min(min_cos, float(cos.min()))
+            max_diff = max(max_diff, float((got - want).abs().max()))
+            total += int(got.shape[0])
+    return AgreementReport(
+        dtype=str(step.dtype).removeprefix("torch."),
+        reference="float32 eager",
+        images=total,
+        min_cosine=min_cos,
+        max_abs_diff=max_diff,
     )

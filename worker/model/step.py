@@ -1,9 +1,9 @@
-"""The one fixed-shape step: uint8 staging batch in, top-k indices and scores out.
+"""The one fixed-shape step: uint8 staging batch in, the output kind's tensors out.
 
-Preprocessing (crop, uint8 -> float, normalize, channels_last), the model, softmax and top-k
-are one module so that torch.compile sees a single graph of fixed shapes: with
-mode="reduce-overhead" CUDA graphs then cover the whole step, and hundreds of small kernel
-launches become one graph replay.
+Preprocessing (crop, uint8 -> float, normalize, channels_last), the model and its head (for
+a classifier softmax and top-k; heads.py has every kind) are one module so that
+torch.compile sees a single graph of fixed shapes: with mode="reduce-overhead" CUDA graphs
+then cover the whole step, and hundreds of small kernel launches become one graph replay.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import copy
 import torch
 from torch import nn
 
+from worker.model.heads import ClassifyHead, Head, make_head
 from worker.model.loader import LoadedModel
+from worker.staging import OutputField
 
 
 def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -31,7 +33,8 @@ def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 
 class InferenceStep(nn.Module):
-    """x: [B, S, S, 3] uint8 -> (indices [B, K] int32, scores [B, K] float32)."""
+    """x: [B, S, S, 3] uint8 -> the head's outputs; by default the softmax classifier's
+    (indices [B, K] int32, scores [B, K] float32)."""
 
     def __init__(
         self,
@@ -41,8 +44,9 @@ class InferenceStep(nn.Module):
         crop_size: int,
         mean: tuple[float, float, float],
         std: tuple[float, float, float],
-        top_k: int,
+        top_k: int = 5,
         dtype: torch.dtype,
+        head: Head | None = None,
     ) -> None:
         super().__init__()
         if crop_size > staging_size:
@@ -61,6 +65,7 @@ class InferenceStep(nn.Module):
         # a tuple so that nn.Module does not register it: it stays on the host, out of the
         # compiled graph and out of `.to()`.
         self.fp32_weights: tuple[nn.Module, ...] = ()
+        self.head = head if head is not None else ClassifyHead(classes=top_k, top_k=top_k)
         # Folding /255 into the normalisation saves one elementwise pass over the batch.
         scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(1, 3, 1, 1)
         shift = torch.tensor([-m / s for m, s in zip(mean, std, strict=True)]).view(1, 3, 1, 1)
@@ -69,38 +74,47 @@ class InferenceStep(nn.Module):
         self.register_buffer("scale", scale.to(dtype), persistent=False)
         self.register_buffer("shift", shift.to(dtype), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def layout(self) -> tuple[OutputField, ...]:
+        """The outputs' fields (shape per image, dtype): what the output ring holds."""
+        return self.head.layout
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         off = self.crop_offset
         x = x[:, off : off + self.crop_size, off : off + self.crop_size, :]
         # NHWC uint8 viewed as NCHW is already channels_last in memory: no transpose copy.
         x = x.permute(0, 3, 1, 2).to(self.dtype)
         x = x * self.scale + self.shift
         x = x.contiguous(memory_format=torch.channels_last)
-        logits = self.model(x)
-        probs = logits.float().softmax(dim=-1)
-        scores, indices = probs.topk(self.top_k, dim=-1)
-        return indices.to(torch.int32), scores
+        out: tuple[torch.Tensor, ...] = self.head(self.model(x))
+        return out
 
 
-def contract_problems(out: tuple[torch.Tensor, torch.Tensor], batch: int, top_k: int) -> list[str]:
-    """What is wrong with a step's outputs for a [B, S, S, 3] input (empty: nothing).
+def contract_problems(out: tuple[torch.Tensor, ...], batch: int, top_k: int) -> list[str]:
+    """What is wrong with a softmax classifier step's outputs for a [B, S, S, 3] input
+    (empty: nothing): (indices [B, K] int32, scores [B, K] float32) on the input's device.
+    Scores in [0, 1] and sorted per row are checked on the host by callers that can afford
+    it; here only the metadata, so it is free on any device."""
+    return layout_problems(out, batch, ClassifyHead(classes=top_k, top_k=top_k).layout)
 
-    The contract: (indices [B, K] int32, scores [B, K] float32), on the input's device,
-    scores in [0, 1] and sorted descending per row (checked on the host by callers that can
-    afford it; here only the metadata, so it is free on any device).
-    """
+
+def layout_problems(
+    out: tuple[torch.Tensor, ...], batch: int, layout: tuple[OutputField, ...]
+) -> list[str]:
+    """What is wrong with a step's outputs against its layout (empty: nothing)."""
+    if len(out) != len(layout):
+        return [f"{len(out)} outputs, want {len(layout)} ({', '.join(f.name for f in layout)})"]
     problems = []
-    indices, scores = out
-    if tuple(indices.shape) != (batch, top_k) or indices.dtype != torch.int32:
-        problems.append(
-            f"indices are {indices.dtype} {tuple(indices.shape)}, want int32 {(batch, top_k)}"
-        )
-    if tuple(scores.shape) != (batch, top_k) or scores.dtype != torch.float32:
-        problems.append(
-            f"scores are {scores.dtype} {tuple(scores.shape)}, want float32 {(batch, top_k)}"
-        )
-    if indices.device != scores.device:
-        problems.append(f"indices on {indices.device} but scores on {scores.device}")
+    for tensor, f in zip(out, layout, strict=True):
+        want = (batch, *f.shape)
+        if tuple(tensor.shape) != want or tensor.dtype != f.dtype:
+            problems.append(
+                f"{f.name} are {tensor.dtype} {tuple(tensor.shape)}, want "
+                f"{str(f.dtype).removeprefix('torch.')} {want}"
+            )
+    devices = {t.device for t in out}
+    if len(devices) > 1:
+        problems.append(f"outputs on several devices: {', '.join(map(str, devices))}")
     return problems
 
 
@@ -113,6 +127,27 @@ def crop_offset(staging_size: int, crop_size: int) -> int:
 def has_exact_reference(step: InferenceStep) -> bool:
     """Whether `reference_copy(step)` computes with the weights as loaded (not rounded)."""
     return bool(step.fp32_weights) or step.dtype == torch.float32
+
+
+def check_step(step: InferenceStep, example: torch.Tensor, *, what: str) -> None:
+    """Run `step` once, eager, on `example` (the serving shape, dtype and device) and check
+    its outputs against its layout; ConfigError naming `what` if it fails. Start-up only."""
+    from worker.config import ConfigError
+
+    dtype = str(step.dtype).removeprefix("torch.")
+    try:
+        with torch.inference_mode():
+            out = step(example)
+    except Exception as exc:  # noqa: BLE001 - whatever the model raises, it cannot serve
+        lines = str(exc).strip().splitlines() or [""]
+        hint = "; try GPUFEED_PRECISION=fp32" if step.dtype != torch.float32 else ""
+        raise ConfigError(
+            f"{what} fails on a {dtype} batch of {example.shape[0]} on {example.device}: "
+            f"{type(exc).__name__}: {lines[0]}{hint}"
+        ) from None
+    problems = layout_problems(tuple(out), int(example.shape[0]), step.layout)
+    if problems:
+        raise ConfigError(f"{what}: the step's outputs are wrong: {'; '.join(problems)}")
 
 
 def reference_copy(step: InferenceStep) -> InferenceStep:
@@ -134,6 +169,7 @@ def reference_copy(step: InferenceStep) -> InferenceStep:
             std=step.std,
             top_k=step.top_k,
             dtype=torch.float32,
+            head=copy.deepcopy(step.head).float(),
         ).to(device)
     else:
         ref = copy.deepcopy(step).float()
@@ -154,15 +190,20 @@ def build_step(
         model = copy.deepcopy(loaded.module).to(device=device, dtype=dtype)
         fp32_weights = (loaded.module,)
     model = model.to(memory_format=torch.channels_last)
-    k = min(top_k, loaded.num_classes)
+    # `top_k` is GPUFEED_TOP_K: a model directory's own top_k wins, and a classifier never
+    # returns more classes than it has.
+    # A LoadedModel made by hand may leave output_shape out: a classifier's is its classes.
+    output_shape = loaded.output_shape or (loaded.num_classes,)
+    head = make_head(loaded.output, output_shape, top_k=top_k)
     step = InferenceStep(
         model,
         staging_size=loaded.resize_size,
         crop_size=loaded.crop_size,
         mean=loaded.mean,
         std=loaded.std,
-        top_k=k,
+        top_k=min(top_k, loaded.num_classes) if loaded.num_classes else top_k,
         dtype=dtype,
+        head=head,
     )
     step.fp32_weights = fp32_weights
     return step.to(device).eval()

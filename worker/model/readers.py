@@ -1,0 +1,105 @@
+"""From a finished output slot to answers, one reader per output kind (the host side of heads.py).
+
+Called by the completion watcher on the event loop once the batch's done-event fired, so
+the slot's pinned memory holds the batch's results and reading it waits on nothing. Each
+reader works per batch where numpy can (one `tolist()` of the whole slot, one threshold
+compare), and per row only to cut the batch into answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from worker.model.answers import Answer, Classification, Embedding, RawOutput
+from worker.model.manifest import OutputSpec
+
+Arrays = Sequence[npt.NDArray[Any]]
+
+
+class Reader(Protocol):
+    def read(self, arrays: Arrays, rows: Sequence[int]) -> list[Answer]:
+        """One answer per row in `rows`, from the slot's arrays (one per layout field)."""
+        ...
+
+
+class ClassifyReader:
+    def __init__(
+        self, categories: Sequence[str] | None = None, *, threshold: float | None = None
+    ) -> None:
+        self.categories = list(categories) if categories is not None else None
+        self.threshold = threshold  # multi-label (sigmoid) only
+
+    def _names(self, indices: Sequence[int]) -> list[str] | None:
+        cats = self.categories
+        if cats is None:
+            return None
+        return [cats[i] if 0 <= i < len(cats) else str(i) for i in indices]
+
+    def read(self, arrays: Arrays, rows: Sequence[int]) -> list[Answer]:
+        all_indices = arrays[0].tolist()
+        all_scores = arrays[1].tolist()
+        positive = None
+        if self.threshold is not None:
+            positive = arrays[2] >= self.threshold  # [B, C], one compare for the batch
+        out: list[Answer] = []
+        for row in rows:
+            indices: list[int] = all_indices[row]
+            scores: list[float] = all_scores[row]
+            if positive is None:
+                out.append(Classification(indices, scores, self._names(indices)))
+                continue
+            probs = arrays[2][row]
+            found = np.flatnonzero(positive[row])
+            found = found[np.argsort(-probs[found], kind="stable")]
+            chosen: list[int] = found.tolist()
+            out.append(
+                Classification(
+                    indices,
+                    scores,
+                    self._names(indices),
+                    threshold=self.threshold,
+                    positives=chosen,
+                    positive_scores=probs[found].tolist(),
+                    positive_names=self._names(chosen) or [str(i) for i in chosen],
+                )
+            )
+        return out
+
+
+class EmbedReader:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+        # The wire format is little-endian whatever the host: a no-op view on x86 and ARM.
+        self._wire = np.dtype(dtype).newbyteorder("<")
+
+    def read(self, arrays: Arrays, rows: Sequence[int]) -> list[Answer]:
+        vectors = arrays[0].astype(self._wire, copy=False)
+        dim = int(vectors.shape[1])
+        return [Embedding(vectors[row].tobytes(), dim, self.dtype) for row in rows]
+
+
+class RawReader:
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+        self._wire = np.dtype(dtype).newbyteorder("<")
+
+    def read(self, arrays: Arrays, rows: Sequence[int]) -> list[Answer]:
+        outputs = arrays[0].astype(self._wire, copy=False)
+        shape = tuple(int(d) for d in outputs.shape[1:])
+        return [RawOutput(outputs[row].tobytes(), shape, self.dtype) for row in rows]
+
+
+def make_reader(spec: OutputSpec, categories: Sequence[str] | None) -> Reader:
+    """The reader for `spec`; `categories`: the class names of a classifier."""
+    if spec.kind == "classify":
+        sigmoid = spec.activation == "sigmoid"
+        return ClassifyReader(categories, threshold=spec.threshold if sigmoid else None)
+    if spec.kind == "embed":
+        return EmbedReader(spec.dtype)
+    if spec.kind == "raw":
+        return RawReader(spec.dtype)
+    raise ValueError(f"unknown output kind {spec.kind!r}")
