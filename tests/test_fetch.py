@@ -183,6 +183,7 @@ async def test_hostile_urls_get_their_codes_and_the_worker_goes_on(
     assert image_server.hits["/status/404"] == 1  # a 404 is not
     assert image_server.hits["/img/a"] == 1  # ok-a only: not the refused redirect, nor two-sources
     assert "404" in (results["missing"].error or "")
+    assert "redirected to" in (results["to-metadata"].error or "")
     assert "169.254.169.254" in (results["to-metadata"].error or "")
     assert "does not resolve" in (results["unresolvable"].error or "")
     # A signature in the query reaches neither the results nor the log.
@@ -351,7 +352,9 @@ def test_producer_cli_submits_urls_from_a_file_and_from_stdin(
     assert piped.returncode == 0, piped.stderr
     assert redis_client.xlen("gpufeed:jobs") == 4
 
-    both = run_module("producer", "submit", "a.jpg", "--urls", str(listing), "--redis-url", redis_url)
+    both = run_module(
+        "producer", "submit", "a.jpg", "--urls", str(listing), "--redis-url", redis_url
+    )
     assert both.returncode == 2 and "not both" in both.stderr
 
 

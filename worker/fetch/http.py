@@ -151,9 +151,11 @@ class HttpFetcher:
         if known is not None and known.last_modified:
             headers["If-Modified-Since"] = known.last_modified
         target = _parse(url)
-        for _ in range(self.max_redirects + 1):
-            self._check_hop(target)
+        for hop in range(self.max_redirects + 1):
             where = loggable_url(str(target))
+            # A refusal after a redirect says so: the job's own URL looked harmless.
+            via = f"redirected to {where}: " if hop else ""
+            self._check_hop(target, via)
             try:
                 async with session.get(target, headers=headers, allow_redirects=False) as resp:
                     host_class = self._host_class(target)
@@ -172,7 +174,7 @@ class HttpFetcher:
             except FetchError:
                 raise
             except ForbiddenAddress as exc:
-                raise _forbidden(str(exc)) from None
+                raise _forbidden(via + str(exc)) from None
             except aiohttp.ClientConnectorDNSError as exc:
                 raise FetchError(
                     ErrorCode.FETCH_FAILED,
@@ -222,10 +224,10 @@ class HttpFetcher:
             status="4xx",
         )
 
-    def _check_hop(self, target: URL) -> None:
+    def _check_hop(self, target: URL, via: str) -> None:
         """Scheme and host of one hop; an IP literal's address (the resolver never sees it)."""
         if target.scheme not in ("http", "https"):
-            raise _forbidden(f"{target.scheme}:// is not fetched over HTTP; only http and https")
+            raise _forbidden(f"{via}{target.scheme}:// is not fetched; only http and https")
         host = target.raw_host
         if not host:
             raise FetchError(ErrorCode.INVALID_JOB, "the URL has no host", status="invalid")
@@ -238,7 +240,7 @@ class HttpFetcher:
             if ip is not None:
                 reason = self.policy.refuse_address(host, ip)
         if reason is not None:
-            raise _forbidden(reason)
+            raise _forbidden(via + reason)
 
     def _host_class(self, target: URL) -> str:
         """`public` or `allowed` (a non-public address let through GPUFEED_URL_ALLOW)."""
