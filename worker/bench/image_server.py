@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class ImageServer:
-    def __init__(self, images: dict[str, bytes], host: str = "127.0.0.1") -> None:
-        """`images`: path (e.g. `/img/7`) -> encoded bytes."""
-        self._images = {
-            path: (data, '"' + hashlib.blake2b(data, digest_size=16).hexdigest() + '"')
-            for path, data in images.items()
-        }
+    def __init__(self, images: Mapping[str, bytes], host: str = "127.0.0.1") -> None:
+        """`images`: path (e.g. `/img/7`) -> encoded bytes (a lazy Mapping will do)."""
+        self._images = images
+        self._etags: dict[str, str] = {}
         self.not_modified = 0
         self.sent = 0
         self._lock = threading.Lock()
@@ -45,23 +44,33 @@ class ImageServer:
     def url(self, path: str) -> str:
         return f"http://{self.host}:{self.port}{path}"
 
-    def __enter__(self) -> ImageServer:
+    def start(self) -> ImageServer:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
 
+    def __enter__(self) -> ImageServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def _answer(self, h: BaseHTTPRequestHandler) -> None:
-        entry = self._images.get(h.path.split("?", 1)[0])
-        if entry is None:
+        path = h.path.split("?", 1)[0]
+        data = self._images.get(path)
+        if data is None:
             h.send_response(404)
             h.send_header("Content-Length", "0")
             h.end_headers()
             return
-        data, etag = entry
+        etag = self._etags.get(path)
+        if etag is None:
+            etag = '"' + hashlib.blake2b(data, digest_size=16).hexdigest() + '"'
+            self._etags[path] = etag
         if h.headers.get("If-None-Match") == etag:
             with self._lock:
                 self.not_modified += 1
