@@ -373,3 +373,112 @@ def test_producer_submit_url_and_job_url(redis_url: str, redis_client: redis.Red
         {b"url": b"https://cdn.example/x.jpg", b"id": b"x"},
         {b"url": b"s3://bucket/y.jpg", b"id": b"y"},
     ]
+
+
+# ---------------------------------------------------------------------- the stage alone
+class FakeFetcher:
+    """Answers from a script; `gate` (per URL) holds a fetch until the test opens it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.active: Counter[str] = Counter()
+        self.most: Counter[str] = Counter()
+        self.gates: dict[str, asyncio.Event] = {}
+        self.answers: dict[str, list[Any]] = {}
+
+    async def fetch(self, url: str, max_bytes: int, known: Any) -> Any:
+        from worker.fetch.result import Fetched, Validator
+
+        host = url.split("/")[2]
+        self.calls.append((url, known))
+        self.active[host] += 1
+        self.most[host] = max(self.most[host], self.active[host])
+        try:
+            if url in self.gates:
+                await self.gates[url].wait()
+            script = self.answers.get(url)
+            if script:
+                return script.pop(0)
+            return Fetched(b"bytes of " + url.encode(), Validator('"v1"'), "public")
+        finally:
+            self.active[host] -= 1
+
+    async def close(self) -> None:
+        return None
+
+
+def stage_with(fake: FakeFetcher, cache: Any = None, **settings: Any) -> tuple[Any, list[Any]]:
+    from worker.fetch.stage import FetchSettings, FetchStage
+
+    ready: list[Any] = []
+
+    async def on_ready(job: Any) -> None:
+        ready.append(job)
+
+    async def on_fail(outcomes: list[Any]) -> None:
+        ready.extend(outcomes)
+
+    stage = FetchStage(
+        FetchSettings(**settings), ready=on_ready, fail=on_fail, cache=cache, http=fake, store=fake
+    )
+    return stage, ready
+
+
+def url_job(n: int, url: str) -> Any:
+    return parse_job(f"{n}-0", {b"url": url.encode()}, "gpufeed:results")
+
+
+async def test_the_per_host_limit_holds_one_host_back_not_the_others() -> None:
+    fake = FakeFetcher()
+    first = "http://busy.example/1.jpg"
+    fake.gates[first] = asyncio.Event()
+    stage, ready = stage_with(fake, concurrency=8, per_host=1)
+    stage.submit(url_job(1, first))
+    stage.submit(url_job(2, "http://busy.example/2.jpg"))
+    stage.submit(url_job(3, "http://other.example/3.jpg"))
+    for _ in range(100):
+        if ready:
+            break
+        await asyncio.sleep(0.01)
+    # The other host's image arrived while the busy host's first fetch was held.
+    assert [j.url for j in ready] == ["http://other.example/3.jpg"]
+    fake.gates[first].set()
+    assert await stage.drain(5)
+    assert len(ready) == 3 and fake.most["busy.example"] == 1
+    assert all(j.image is not None and j.timings_ms["fetch"] >= 0 for j in ready)
+
+
+async def test_a_304_uses_the_cached_row_and_a_304_without_one_fetches_whole() -> None:
+    import numpy as np
+
+    from worker.decode_cache import DecodeCache
+    from worker.decoder import DecodeInfo
+    from worker.fetch.result import Fetched, Validator
+
+    cache = DecodeCache(1 << 20)
+    fake = FakeFetcher()
+    url = "https://cdn.example/a.jpg"
+    v1 = Validator('"v1"')
+    stage, ready = stage_with(fake, cache=cache)
+
+    stage.submit(url_job(1, url))
+    assert await stage.drain(5)
+    assert ready[0].image is not None and ready[0].cache_key == v1.cache_key(url)
+    assert fake.calls == [(url, None)]
+
+    # Known, not modified, but never decoded (not in the cache): fetched whole again.
+    fake.answers[url] = [Fetched(None, v1, "public")]
+    stage.submit(url_job(2, url))
+    assert await stage.drain(5)
+    assert fake.calls[1:] == [(url, v1), (url, None)]
+    assert ready[1].image is not None and ready[1].cached_row is None
+
+    # Decoded meanwhile: a 304 gives the job its row, and nothing more is fetched.
+    row = np.full((4, 4, 3), 7, dtype=np.uint8)
+    cache.put(v1.cache_key(url), row, DecodeInfo("JPEG", 4, 4, 1))
+    fake.answers[url] = [Fetched(None, v1, "public")]
+    stage.submit(url_job(3, url))
+    assert await stage.drain(5)
+    assert fake.calls[3:] == [(url, v1)]
+    assert ready[2].image is None and ready[2].cached_row is not None
+    assert (ready[2].cached_row[0] == 7).all()

@@ -220,9 +220,9 @@ class WorkerConfig:
             "must be between 1 and 4096",
         )
         need(
-            1 <= self.fetch_per_host <= self.fetch_concurrency,
+            1 <= self.fetch_per_host <= 4096,
             "GPUFEED_FETCH_PER_HOST",
-            "must be between 1 and GPUFEED_FETCH_CONCURRENCY",
+            "must be between 1 and 4096 (above GPUFEED_FETCH_CONCURRENCY it changes nothing)",
         )
         for name in ("fetch_connect_timeout_s", "fetch_read_timeout_s", "fetch_timeout_s"):
             need(getattr(self, name) > 0, _env(name), "must be positive (seconds)")

@@ -69,7 +69,7 @@ class FetchSettings:
     def from_config(cls, cfg: Any) -> FetchSettings:
         return cls(
             concurrency=cfg.fetch_concurrency,
-            per_host=cfg.fetch_per_host,
+            per_host=min(cfg.fetch_per_host, cfg.fetch_concurrency),
             connect_timeout_s=cfg.fetch_connect_timeout_s,
             read_timeout_s=cfg.fetch_read_timeout_s,
             timeout_s=cfg.fetch_timeout_s,
