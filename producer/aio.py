@@ -57,6 +57,17 @@ class AsyncProducer(ProducerBase[aioredis.Redis]):
         job = Job(image=image, path=path, id=id, meta=meta, reply_to=reply_to)
         return await self._run(self._submit(job))
 
+    async def submit_url(
+        self,
+        url: str,
+        *,
+        id: str | None = None,
+        meta: bytes | None = None,
+        reply_to: str | None = None,
+    ) -> str:
+        job = Job(url=url, id=id, meta=meta, reply_to=reply_to)
+        return await self._run(self._submit(job))
+
     async def submit_many(self, jobs: Iterable[Job]) -> list[str]:
         return await self._run(self._submit_many(jobs))
 

@@ -28,7 +28,7 @@ from producer import wire
 from producer.client import Producer
 from producer.core import DEFAULT_REDIS_URL
 from producer.dead_letters import DeadLetter, DeadLetterNotFound, iso_utc
-from producer.jobs import Job, file_job_ids
+from producer.jobs import Job, file_job_ids, read_url_list, url_job_ids
 from producer.stats import collect_stats
 
 EXIT_OK = 0
@@ -205,6 +205,25 @@ def find_images(paths: Sequence[Path]) -> list[Path]:
     return found
 
 
+def _read_urls(source: str | None) -> list[str]:
+    """The URLs of `--urls FILE` (`-`: standard input)."""
+    if source is None:
+        return []
+    try:
+        if source == "-":
+            found = read_url_list(sys.stdin)
+        else:
+            with open(source, encoding="utf-8") as f:
+                found = read_url_list(f)
+    except OSError as exc:
+        raise UsageError(f"cannot read {source}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{source} is not UTF-8 text") from None
+    if not found:
+        raise UsageError(f"no URLs in {'standard input' if source == '-' else source}")
+    return found
+
+
 def _progress(description: str, total: int) -> Progress:
     progress = Progress(
         TextColumn("{task.description}"),
@@ -273,9 +292,17 @@ def submit(
     settings: Settings,
     *,
     paths: Annotated[
-        list[Path],
+        list[Path] | None,
         typer.Argument(metavar="FILES_OR_DIRS", help="image files, or folders to search"),
-    ],
+    ] = None,
+    urls: Annotated[
+        str | None,
+        typer.Option(
+            "--urls",
+            metavar="FILE",
+            help="submit url jobs instead: one URL a line (http(s)://, s3://...), - for stdin",
+        ),
+    ] = None,
     wait: Annotated[
         bool, typer.Option("--wait", help="wait for the results and show them")
     ] = False,
@@ -286,22 +313,36 @@ def submit(
     id_prefix: Annotated[str, typer.Option(help="prepended to each job id")] = "",
     batch: Annotated[int, typer.Option(min=1, help="jobs per pipelined round trip")] = 256,
 ) -> None:
-    """Submit image files (job id: the file name) and optionally wait for their results."""
+    """Submit image files (job id: the file name), or with --urls the URLs of images (job id:
+    the URL without its query), and optionally wait for their results."""
+    if bool(paths) == (urls is not None):
+        raise _fail("give image files or folders, or --urls FILE (not both)", EXIT_USAGE)
+    files: list[Path] = []
+    url_list: list[str] = []
     try:
-        files = find_images(paths)
+        if paths:
+            files = find_images(paths)
+        else:
+            url_list = _read_urls(urls)
     except UsageError as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
-    ids = file_job_ids(files, id_prefix=id_prefix)
+    if url_list:
+        ids = url_job_ids(url_list, id_prefix=id_prefix)
+    else:
+        ids = file_job_ids(files, id_prefix=id_prefix)
     meta_bytes = None if meta is None else meta.encode()
+
+    def job(i: int) -> Job:
+        if url_list:
+            return Job(url=url_list[i], id=ids[i], meta=meta_bytes, reply_to=reply_to)
+        return Job.from_file(files[i], id=ids[i], meta=meta_bytes, reply_to=reply_to)
+
     with _session(settings) as producer:
-        with _progress("submitting", len(files)) as progress:
-            for start in range(0, len(files), batch):
-                chunk = range(start, min(start + batch, len(files)))
+        with _progress("submitting", len(ids)) as progress:
+            for start in range(0, len(ids), batch):
+                chunk = range(start, min(start + batch, len(ids)))
                 try:
-                    producer.submit_many(
-                        Job.from_file(files[i], id=ids[i], meta=meta_bytes, reply_to=reply_to)
-                        for i in chunk
-                    )
+                    producer.submit_many(job(i) for i in chunk)
                 except OSError as exc:
                     raise _fail(
                         f"cannot read {exc.filename}: {exc.strerror} ({start} jobs were submitted)",
@@ -312,8 +353,10 @@ def submit(
                 progress.advance(progress.task_ids[0], len(chunk))
         if not wait:
             if json_out:
-                for job_id, file in zip(ids, files, strict=True):
-                    _print_json({"id": job_id, "file": str(file)})
+                key = "url" if url_list else "file"
+                sources = url_list or [str(f) for f in files]
+                for job_id, source in zip(ids, sources, strict=True):
+                    _print_json({"id": job_id, key: source})
             else:
                 out.print(f"submitted {len(ids)} job(s) to {settings.stream}", soft_wrap=True)
             return

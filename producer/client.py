@@ -92,6 +92,19 @@ class Producer(ProducerBase[redis.Redis]):
         job = Job(image=image, path=path, id=id, meta=meta, reply_to=reply_to)
         return self._run(self._submit(job))
 
+    def submit_url(
+        self,
+        url: str,
+        *,
+        id: str | None = None,
+        meta: bytes | None = None,
+        reply_to: str | None = None,
+    ) -> str:
+        """Enqueue a job whose image the worker fetches from `url` (http://, https://, s3://,
+        gs:// or az://, as the worker's settings allow); returns its id."""
+        job = Job(url=url, id=id, meta=meta, reply_to=reply_to)
+        return self._run(self._submit(job))
+
     def submit_many(self, jobs: Iterable[Job]) -> list[str]:
         """Enqueue all `jobs` in one pipelined round trip, or none if any is invalid."""
         return self._run(self._submit_many(jobs))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,13 +16,15 @@ from producer import wire
 
 @dataclass(frozen=True)
 class Job:
-    """One job for `submit_many`: exactly one of `image` (encoded bytes) or `path`."""
+    """One job for `submit_many`: exactly one of `image` (encoded bytes), `path` (a file
+    under the worker's root) or `url` (http://, https://, s3://, gs:// or az://)."""
 
     image: bytes | None = None
     path: str | None = None
     id: str | None = None
     meta: bytes | None = None
     reply_to: str | None = None
+    url: str | None = None
 
     @classmethod
     def from_file(
@@ -41,8 +43,12 @@ class Job:
 
     def fields(self) -> dict[FieldT, EncodableT]:
         """The stream entry fields, only those that are set; ValueError if the job is invalid."""
-        if (self.image is None) == (self.path is None):
-            raise ValueError("a job needs exactly one of image (bytes) or path")
+        given = [n for n in ("image", "path", "url") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "a job needs exactly one of image (bytes), path or url"
+                + (f", not {' and '.join(given)}" if given else "")
+            )
         out: dict[FieldT, EncodableT] = {}
         if self.image is not None:
             if not isinstance(self.image, (bytes, bytearray, memoryview)):
@@ -54,6 +60,12 @@ class Job:
             if not self.path:
                 raise ValueError("path is empty")
             out[wire.JOB_PATH] = self.path.encode()
+        if self.url is not None:
+            if not self.url.strip():
+                raise ValueError("url is empty")
+            if "://" not in self.url:
+                raise ValueError(f"url needs a scheme (http://, https://, s3://...): {self.url!r}")
+            out[wire.JOB_URL] = self.url.encode()
         if self.id is not None:
             _check_id(self.id)
             out[wire.JOB_ID] = self.id.encode()
@@ -93,6 +105,23 @@ def file_job_ids(files: Sequence[str | os.PathLike[str]], *, id_prefix: str = ""
         # The same file given twice is two jobs; each needs its own id.
         ids.append(_fit_id(id_prefix + (base if nth == 1 else f"{base}#{nth}")))
     return ids
+
+
+def url_job_ids(urls: Sequence[str], *, id_prefix: str = "") -> list[str]:
+    """Ids for jobs made from `urls`: the URL without its query string (which may hold a
+    signature, and must not end up in a result's key), made unique and fit to the limit."""
+    seen: dict[str, int] = {}
+    ids: list[str] = []
+    for url in urls:
+        base = url.split("#", 1)[0].split("?", 1)[0]
+        nth = seen[base] = seen.get(base, 0) + 1
+        ids.append(_fit_id(id_prefix + (base if nth == 1 else f"{base}#{nth}")))
+    return ids
+
+
+def read_url_list(lines: Iterable[str]) -> list[str]:
+    """URLs, one a line; blank lines and lines starting with `#` are skipped."""
+    return [u for u in (line.strip() for line in lines) if u and not u.startswith("#")]
 
 
 def _fit_id(job_id: str) -> str:

@@ -32,6 +32,7 @@ MAX_ID_BYTES = 128
 # Job fields (stream entry field names).
 JOB_IMAGE = b"image"
 JOB_PATH = b"path"
+JOB_URL = b"url"
 JOB_ID = b"id"
 JOB_REPLY_TO = b"reply_to"
 JOB_META = b"meta"
@@ -64,7 +65,7 @@ STATUS_ERROR = "error"
 class ErrorCode(str, enum.Enum):
     """Every code an `error` result can carry; the README documents each one."""
 
-    INVALID_JOB = "invalid_job"  # neither or both of image and path, wrong field types
+    INVALID_JOB = "invalid_job"  # not exactly one of image, path, url; wrong field types
     ID_TOO_LONG = "id_too_long"  # id over MAX_ID_BYTES
     EMPTY_IMAGE = "empty_image"  # image field present but empty
     PAYLOAD_TOO_LARGE = "payload_too_large"  # encoded bytes over the configured limit
@@ -75,6 +76,9 @@ class ErrorCode(str, enum.Enum):
     PATH_DISABLED = "path_disabled"  # a path job, but the worker has no path root
     FORBIDDEN_PATH = "forbidden_path"  # path resolves outside the allowed root
     PATH_NOT_FOUND = "path_not_found"  # path under the root, but no readable file there
+    FORBIDDEN_URL = "forbidden_url"  # url to an address or host the worker may not fetch from
+    FETCH_FAILED = "fetch_failed"  # url answered with an HTTP error, or the network failed
+    FETCH_TIMEOUT = "fetch_timeout"  # url did not answer in time, after the retries
     INFERENCE_ERROR = "inference_error"  # the model failed on the batch holding this job
     DEAD_LETTER = "dead_letter"  # delivered too many times without a result
     ENTRY_DELETED = "entry_deleted"  # the job entry was deleted while still pending

@@ -295,6 +295,7 @@ def test_edge_cpu_model_binding(in_pipe: float, name: str) -> None:
 def test_every_verdict_name_is_reachable() -> None:
     reached = {
         verdict(gpu(host_syncs=1)).name,
+        verdict(gpu(e2e_images_per_s=300.0, fetch_ms_mean=300.0, fetch_concurrency=64)).name,
         verdict(gpu(e2e_images_per_s=300.0, decode_ms_mean=26.0)).name,
         verdict(gpu(cudagraphs=False, kernel_count=300, tiny_share=0.8, busy_ratio=0.3)).name,
         verdict(gpu(mem_bw_util_pct=80.0)).name,

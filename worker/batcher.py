@@ -119,7 +119,8 @@ class Batcher:
         batch = self._open
         row = len(batch.jobs)
         batch.jobs.append(job)
-        job.timings_ms["queue"] = (time.monotonic() - job.received_s) * 1000
+        # From the moment its bytes were here (a `url` job's fetch is a stage of its own).
+        job.timings_ms["queue"] = (time.monotonic() - job.ready_s) * 1000
         batch.futures.append(self.decoder.submit(job, batch.slot.array[row]))
         if len(batch.jobs) == self.batch_size:
             await self._seal()

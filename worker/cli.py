@@ -180,6 +180,11 @@ def _image_size(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     "--timeout", "timeout_s", default=300.0, show_default=True, help="Limit of the run, s."
 )
 @click.option(
+    "--urls",
+    is_flag=True,
+    help="Send url jobs: the synthetic JPEGs served by a loopback HTTP server (fetch stage).",
+)
+@click.option(
     "--decode-delay-ms",
     default=0.0,
     hidden=True,
@@ -195,6 +200,7 @@ def doctor(
     sync_launches: int,
     timeout_s: float,
     decode_delay_ms: float,
+    urls: bool,
     **options: Any,
 ) -> None:
     """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
@@ -219,6 +225,7 @@ def doctor(
         sync_launches=max(1, sync_launches),
         timeout_s=timeout_s,
         decode_delay_s=max(0.0, decode_delay_ms) / 1000,
+        urls=urls,
     )
     try:
         report = run_async(run_doctor(config, settings))

@@ -86,6 +86,21 @@ class WorkerConfig:
     decode_budget_ms: float = field(default=10000.0, metadata={"env": "GPUFEED_DECODE_BUDGET_MS"})
     path_root: Path | None = field(default=None, metadata={"env": "GPUFEED_PATH_ROOT"})
 
+    # Images by URL (worker/fetch/)
+    fetch_concurrency: int = field(default=64, metadata={"env": "GPUFEED_FETCH_CONCURRENCY"})
+    fetch_per_host: int = field(default=16, metadata={"env": "GPUFEED_FETCH_PER_HOST"})
+    fetch_connect_timeout_s: float = field(
+        default=5.0, metadata={"env": "GPUFEED_FETCH_CONNECT_TIMEOUT_S"}
+    )
+    fetch_read_timeout_s: float = field(
+        default=15.0, metadata={"env": "GPUFEED_FETCH_READ_TIMEOUT_S"}
+    )
+    fetch_timeout_s: float = field(default=60.0, metadata={"env": "GPUFEED_FETCH_TIMEOUT_S"})
+    fetch_retries: int = field(default=2, metadata={"env": "GPUFEED_FETCH_RETRIES"})
+    fetch_max_redirects: int = field(default=5, metadata={"env": "GPUFEED_FETCH_MAX_REDIRECTS"})
+    url_allow: str = field(default="", metadata={"env": "GPUFEED_URL_ALLOW"})
+    url_deny: str = field(default="", metadata={"env": "GPUFEED_URL_DENY"})
+
     # Delivery
     visibility_timeout_s: float = field(
         default=300.0, metadata={"env": "GPUFEED_VISIBILITY_TIMEOUT_S"}
@@ -226,6 +241,32 @@ class WorkerConfig:
                 self.path_root.is_dir(), "GPUFEED_PATH_ROOT", f"{self.path_root} is not a directory"
             )
         need(
+            1 <= self.fetch_concurrency <= 4096,
+            "GPUFEED_FETCH_CONCURRENCY",
+            "must be between 1 and 4096",
+        )
+        need(
+            1 <= self.fetch_per_host <= 4096,
+            "GPUFEED_FETCH_PER_HOST",
+            "must be between 1 and 4096 (above GPUFEED_FETCH_CONCURRENCY it changes nothing)",
+        )
+        for name in ("fetch_connect_timeout_s", "fetch_read_timeout_s", "fetch_timeout_s"):
+            need(getattr(self, name) > 0, _env(name), "must be positive (seconds)")
+        need(0 <= self.fetch_retries <= 10, "GPUFEED_FETCH_RETRIES", "must be between 0 and 10")
+        need(
+            0 <= self.fetch_max_redirects <= 20,
+            "GPUFEED_FETCH_MAX_REDIRECTS",
+            "must be between 0 and 20",
+        )
+        for name in ("url_allow", "url_deny"):
+            problem = host_list_problem(getattr(self, name))
+            need(
+                problem is None,
+                _env(name),
+                f"{problem}; give host names and CIDRs separated by commas "
+                "(e.g. images.internal,10.0.0.0/8)",
+            )
+        need(
             self.visibility_timeout_s >= 1,
             "GPUFEED_VISIBILITY_TIMEOUT_S",
             "must be at least 1 second (and longer than the slowest batch)",
@@ -276,6 +317,18 @@ class WorkerConfig:
         out["redis_url"] = self.redacted_url()
         out["path_root"] = str(self.path_root) if self.path_root else None
         return out
+
+
+def host_list_problem(raw: str) -> str | None:
+    """Why `raw` (GPUFEED_URL_ALLOW / GPUFEED_URL_DENY) is not a list of host names and
+    CIDRs; None when it is."""
+    from worker.fetch.policy import parse_host_list
+
+    try:
+        parse_host_list(raw)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def redact_url(url: str) -> str:

@@ -284,13 +284,22 @@ class DecodePool:
         try:
             if self._delay_hook is not None:
                 self._delay_hook(job)
+            if job.cached_row is not None:
+                # A `url` job the server said had not changed: its row from the cache.
+                row, row_info = job.cached_row
+                ticket.write(out, row)
+                return DecodeResult(
+                    row_info, None, (time.perf_counter() - start) * 1000, cached=True
+                )
             if job.image is not None:
                 data = job.image
             elif job.path is not None:
                 data = read_job_path(job.path, self.path_root, self.spec.max_bytes)
             else:
                 raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
-            key = cache_key(data, job.reply_to) if self.cache is not None and data else None
+            key = None
+            if self.cache is not None and data:
+                key = job.cache_key or cache_key(data, job.reply_to)
             if key is not None and self.cache is not None:
                 entry = self.cache.get(key)
                 if entry is not None:

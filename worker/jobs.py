@@ -19,7 +19,17 @@ class Job:
     meta: bytes | None
     image: bytes | None
     path: bytes | None
+    # A `url` job: where its bytes are (the fetch stage sets `image` once they arrived).
+    url: str | None = None
     received_s: float = field(default_factory=time.monotonic)
+    # When the job became ready for a batch row: its arrival, or the end of its fetch.
+    ready_s: float = field(default_factory=time.monotonic)
+    # Decode-cache key the fetch stage derived from the URL and its validator (ETag or
+    # Last-Modified); None: the decode pool keys the cache by a hash of the bytes.
+    cache_key: bytes | None = None
+    # A decoded row the fetch stage took from the decode cache (the server answered 304
+    # Not Modified): (row, DecodeInfo), copied into the staging row instead of decoding.
+    cached_row: tuple[Any, Any] | None = None
     # Per-stage durations in milliseconds, filled as the job moves along.
     timings_ms: dict[str, float] = field(default_factory=dict)
     # Set when the job was read and rejected before decoding.
@@ -82,6 +92,7 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
     meta = fields.get(wire.JOB_META)
     image = fields.get(wire.JOB_IMAGE)
     path = fields.get(wire.JOB_PATH)
+    raw_url = fields.get(wire.JOB_URL)
 
     reply_to = default_reply_to
     rejected: tuple[ErrorCode, str] | None = None
@@ -110,15 +121,27 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
             job_id = text
             has_own_id = True
 
+    url: str | None = None
     if rejected is None:
-        if image is not None and path is not None:
-            rejected = (ErrorCode.INVALID_JOB, "give either image or path, not both")
-        elif image is None and path is None:
-            rejected = (ErrorCode.INVALID_JOB, "the job has neither an image nor a path field")
+        sources = [
+            n for n, v in (("image", image), ("path", path), ("url", raw_url)) if v is not None
+        ]
+        if len(sources) > 1:
+            rejected = (
+                ErrorCode.INVALID_JOB,
+                f"give exactly one of image, path or url, not {' and '.join(sources)}",
+            )
+        elif not sources:
+            rejected = (ErrorCode.INVALID_JOB, "the job has none of the image, path or url fields")
         elif image is not None and len(image) == 0:
             rejected = (ErrorCode.EMPTY_IMAGE, "the image field is empty")
         elif path is not None and len(path) == 0:
             rejected = (ErrorCode.INVALID_JOB, "the path field is empty")
+        elif raw_url is not None:
+            url = _text(raw_url)
+            if url is None or not url.strip():
+                rejected = (ErrorCode.INVALID_JOB, "the url field is empty or not UTF-8")
+                url = None
 
     return Job(
         entry_id=entry_id,
@@ -127,6 +150,7 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
         meta=meta,
         image=image,
         path=path,
+        url=url,
         rejected=rejected,
         has_own_id=has_own_id,
     )

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from worker.gpu_sampler import percentile
 
 # The stages a job goes through, in order; per-stage seconds are observed under these names.
-STAGES = ("redis_wait", "queue", "decode", "batch_wait", "compute", "write")
+STAGES = ("redis_wait", "fetch", "queue", "decode", "batch_wait", "compute", "write")
 # What can happen to a job's delivery besides a plain result: taken over from a dead
 # worker, dead-lettered, deleted while pending, answered by an earlier result of its id,
 # answered by another worker first, refused by Redis; and consumers of dead workers removed.
@@ -76,6 +76,15 @@ class WorkerMetrics:
             "gpufeed_decode_cache",
             "Decode cache look-ups, by result (hit, miss).",
             ["result"],
+            registry=r,
+        )
+        self.fetches = Counter(
+            "gpufeed_fetch",
+            "Fetches of `url` jobs, by source (http, s3, gs, az, other), host class (public; "
+            "allowed: a non-public address let through GPUFEED_URL_ALLOW; store; refused; "
+            "unknown) and status (ok, not_modified, 4xx, 5xx, timeout, forbidden, too_large, "
+            "network, unresolved, invalid).",
+            ["source", "host_class", "status"],
             registry=r,
         )
         self.queue_depth = Gauge(

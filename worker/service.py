@@ -1,6 +1,7 @@
 """The worker's lifecycle: startup() -> main_loop() -> shutdown(), and the stage wiring.
 
-    reader -> jobs queue -> batcher (row in a staging slot) -> decode threads
+    reader -> [fetch stage, `url` jobs] -> jobs queue -> batcher (row in a staging slot)
+           -> decode threads
            -> sealed queue -> dispatcher (launch thread: copy in, step, copy out)
            -> completion watcher (events) -> result writer (publish + ack)
 
@@ -34,6 +35,7 @@ from worker.decode_cache import DecodeCache
 from worker.decode_pool import DecodePool
 from worker.decoder import DecodeSpec
 from worker.device import DeviceContext, make_context, resolve_device
+from worker.fetch.stage import FetchSettings, FetchStage
 from worker.gpu_decode import GpuDecodeUnavailable, setup_gpu_decode
 from worker.health import Health
 from worker.jobs import Job, Outcome
@@ -284,6 +286,14 @@ class Worker:
             reader=make_reader(self.loaded.output, self.loaded.categories),
             on_batch_done=self._on_batch_done,
         )
+        # `url` jobs: their bytes arrive here, then they join the jobs queue like the rest.
+        self.fetcher = FetchStage(
+            FetchSettings.from_config(cfg),
+            ready=self.jobs_q.put,
+            fail=self.writer.put,
+            cache=self.decode_cache,
+            metrics=self.observer.metrics,
+        )
         self.reader = Reader(
             self.redis,
             stream=cfg.stream,
@@ -311,6 +321,7 @@ class Worker:
         self.observer.start_sampler(device.index if self.ctx.is_cuda else None)
         self.observer.watch(
             jobs=self.jobs_q.qsize,
+            fetching=lambda: self.fetcher.in_progress,
             sealed=self.sealed_q.qsize,
             results=lambda: self.writer.queued,
             in_flight=lambda: self.in_flight.count,
@@ -430,6 +441,11 @@ class Worker:
             code, message = job.rejected
             await self.writer.put([Outcome.failure(job, code, message)])
             return
+        if job.url is not None:
+            # Fetched in the background: the reader goes on, and the job joins a batch
+            # only once its bytes are here.
+            self.fetcher.submit(job)
+            return
         await self.jobs_q.put(job)
 
     async def _dispatch(self) -> None:
@@ -509,10 +525,18 @@ class Worker:
                 await asyncio.wait_for(asyncio.shield(tasks["reader"]), grace)
             if not tasks["reader"].done():
                 tasks["reader"].cancel()
-        # 2. Drain: the sentinel flows batcher -> dispatcher -> watcher; then the writer
-        #    publishes what is left.
+        # 2. Drain: fetches in progress hand their jobs on (or fail them), then the
+        #    sentinel flows batcher -> dispatcher -> watcher; then the writer publishes
+        #    what is left.
         drain = [tasks[n] for n in ("batcher", "dispatcher", "watcher") if n in tasks]
         if drain and not self.force_exit:
+            if not await self.fetcher.drain(grace):
+                log.warning(
+                    "fetches_unfinished",
+                    count=self.fetcher.in_progress,
+                    note="their jobs stay pending in Redis for other workers",
+                )
+                await self.fetcher.close()
             await self.jobs_q.put(None)
             try:
                 await asyncio.wait_for(asyncio.gather(*drain), grace)
@@ -531,6 +555,8 @@ class Worker:
             if not task.done():
                 task.cancel()
         await asyncio.gather(*tasks.values(), return_exceptions=True)
+        if hasattr(self, "fetcher"):
+            await self.fetcher.close()
         # 4. Leave the group tidy: this consumer goes if it holds nothing (otherwise its
         #    entries stay pending for others to reclaim, and it is removed after that).
         if tasks and hasattr(self, "reclaimer"):

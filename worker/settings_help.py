@@ -99,6 +99,36 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "unset",
         "the only folder `path` jobs may read from; unset: `path` jobs are refused",
     ),
+    "GPUFEED_FETCH_CONCURRENCY": ("`64`", "`url` fetches running at once"),
+    "GPUFEED_FETCH_PER_HOST": (
+        "`16`",
+        "`url` fetches running at once against one host (or one bucket)",
+    ),
+    "GPUFEED_FETCH_CONNECT_TIMEOUT_S": ("`5`", "time to open a connection for a `url`"),
+    "GPUFEED_FETCH_READ_TIMEOUT_S": ("`15`", "longest wait for the next bytes of an answer"),
+    "GPUFEED_FETCH_TIMEOUT_S": (
+        "`60`",
+        "a `url` fetch in all, retries and redirects included (`fetch_timeout` after it)",
+    ),
+    "GPUFEED_FETCH_RETRIES": (
+        "`2`",
+        "retries after a timeout, a dropped connection or a 5xx answer (not after a 4xx), "
+        "with exponential backoff and jitter",
+    ),
+    "GPUFEED_FETCH_MAX_REDIRECTS": (
+        "`5`",
+        "redirects followed per `url` (each hop checked like the first)",
+    ),
+    "GPUFEED_URL_ALLOW": (
+        "unset",
+        "host names (`images.internal`, `*.corp.example`) and CIDRs (`10.20.0.0/16`, "
+        "`127.0.0.1`) that `url` jobs may reach although their addresses are loopback, "
+        "private, link-local, reserved or multicast",
+    ),
+    "GPUFEED_URL_DENY": (
+        "unset",
+        "host names and CIDRs that `url` jobs may never reach (wins over `GPUFEED_URL_ALLOW`)",
+    ),
     "GPUFEED_VISIBILITY_TIMEOUT_S": (
         "`300`",
         "idle time after which another worker may reclaim a pending job; must exceed the "

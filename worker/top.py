@@ -105,8 +105,14 @@ def _pct(value: float | None, scale: float = 1.0) -> str:
     return "-" if value is None else f"{value * scale:.0f}%"
 
 
-def _stages(stage_ms: Mapping[str, float | None]) -> str:
-    return "/".join(_ms(stage_ms.get(s)) for s in STAGES)
+def _stages(stage_ms: Mapping[str, float | None], shown: tuple[str, ...]) -> str:
+    return "/".join(_ms(stage_ms.get(s)) for s in shown)
+
+
+def shown_stages(workers: list[Mapping[str, Any]]) -> tuple[str, ...]:
+    """STAGES, less `fetch` where no worker fetched anything (no `url` jobs)."""
+    fetched = any(w["stage_ms"].get("fetch") is not None for w in workers)
+    return tuple(s for s in STAGES if fetched or s != "fetch")
 
 
 def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
@@ -131,7 +137,8 @@ def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
     return Text(" | ".join(parts), style="bold")
 
 
-_LEGEND = "stages: mean ms per job in " + "/".join(STAGES) + "; CPU: 100% = one core"
+def _legend(shown: tuple[str, ...]) -> str:
+    return "stages: mean ms per job in " + "/".join(shown) + "; CPU: 100% = one core"
 
 
 def table(view: Mapping[str, Any]) -> Table:
@@ -142,6 +149,7 @@ def table(view: Mapping[str, Any]) -> Table:
         t.add_column(name, justify="right", no_wrap=True)
     for name in ("GPU", "CPU", "fill", "in flight"):
         t.add_column(name, justify="right", no_wrap=True)
+    shown = shown_stages(view["workers"])
     for r in view["workers"]:
         t.add_row(
             r["name"],
@@ -151,7 +159,7 @@ def table(view: Mapping[str, Any]) -> Table:
             f"{r['results_error']:,}",
             _ms(r["p50_ms"]),
             _ms(r["p99_ms"]),
-            _stages(r["stage_ms"]),
+            _stages(r["stage_ms"], shown),
             _pct(r["gpu_util_pct"]),
             _pct(r["cpu_pct"]),
             _pct(r["batch_fill"], 100),
@@ -168,7 +176,7 @@ def footer(view: Mapping[str, Any], *, interval_s: float | None = None) -> Text:
     for r in view["workers"]:
         for code, n in r["errors_by_code"].items():
             codes[code] = codes.get(code, 0) + int(n)
-    lines = [_LEGEND]
+    lines = [_legend(shown_stages(view["workers"]))]
     if codes:
         ranked = sorted(codes.items(), key=lambda kv: (-kv[1], kv[0]))
         lines.append("errors by code: " + ", ".join(f"{c} {n:,}" for c, n in ranked))

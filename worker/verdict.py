@@ -5,6 +5,9 @@ The rules, in the order they are tried (the first that holds is the verdict; the
 that hold are listed under `also`):
 
 1. sync-bound     host syncs were found on the launch path (any at all: there should be 0).
+1b. fetch-bound   (`url` jobs) end-to-end < FEED_STARVED_RATIO of the ceiling, and the fetch
+                  stage binds: GPUFEED_FETCH_CONCURRENCY fetches of the mean fetch time could
+                  supply less than FETCH_BINDING_MARGIN (1.1x) the measured throughput.
 2. feed-starved   end-to-end < FEED_STARVED_RATIO (70%) of the model's direct-feed ceiling,
                   and decode is the binding stage (the decoders could supply less than
                   DECODE_BINDING_MARGIN = 1.1x the measured throughput), or batches leave
@@ -38,6 +41,7 @@ from typing import Any
 
 VERDICTS = (
     "sync-bound",
+    "fetch-bound",
     "feed-starved",
     "launch-bound",
     "memory-bound",
@@ -57,6 +61,7 @@ LAUNCH_MAX_BUSY = 0.60  # device busy share of the forward's wall time (CUDA onl
 MEMORY_BW_PCT = 60.0  # NVML memory-controller utilisation, %
 COMPUTE_UTIL_PCT = 85.0  # NVML GPU utilisation, %
 MODEL_BINDING_MARGIN = 1.10  # model rate inside the pipeline below this x throughput
+FETCH_BINDING_MARGIN = 1.10  # fetch capacity below this x throughput: fetching binds
 
 THRESHOLDS: dict[str, float] = {
     "feed_starved_ratio": FEED_STARVED_RATIO,
@@ -69,6 +74,7 @@ THRESHOLDS: dict[str, float] = {
     "memory_bw_pct": MEMORY_BW_PCT,
     "compute_util_pct": COMPUTE_UTIL_PCT,
     "model_binding_margin": MODEL_BINDING_MARGIN,
+    "fetch_binding_margin": FETCH_BINDING_MARGIN,
 }
 
 
@@ -110,6 +116,9 @@ class Evidence:
     mem_bw_util_pct: float | None = None
     process_cpu_pct: float | None = None
     missing: tuple[str, ...] = ()  # what could not be measured, in words
+    # `url` jobs: the mean fetch stage time and GPUFEED_FETCH_CONCURRENCY
+    fetch_ms_mean: float | None = None
+    fetch_concurrency: int | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -117,6 +126,13 @@ class Evidence:
         if self.e2e_images_per_s is None or not self.ceiling_images_per_s:
             return None
         return self.e2e_images_per_s / self.ceiling_images_per_s
+
+    @property
+    def fetch_capacity_images_per_s(self) -> float | None:
+        """Images/s the fetch stage could supply: concurrent fetches / mean fetch seconds."""
+        if not self.fetch_concurrency or not self.fetch_ms_mean:
+            return None
+        return self.fetch_concurrency * 1000.0 / self.fetch_ms_mean
 
     @property
     def decode_capacity_images_per_s(self) -> float | None:
@@ -202,6 +218,27 @@ def _sync_bound(ev: Evidence) -> Finding | None:
         + (f" at {where[0]}" if where else "")
         + ": no .item(), .cpu(), .tolist(), .numpy() or synchronize() between launch and "
         "results; read results from the pinned output slot after the batch's done-event",
+    )
+
+
+def _fetch_bound(ev: Evidence) -> Finding | None:
+    ratio, capacity = ev.ratio, ev.fetch_capacity_images_per_s
+    if ratio is None or capacity is None or ev.e2e_images_per_s is None:
+        return None
+    if ratio >= FEED_STARVED_RATIO or capacity >= FETCH_BINDING_MARGIN * ev.e2e_images_per_s:
+        return None
+    return Finding(
+        "fetch-bound",
+        "the model waits for images to download: the fetch stage of `url` jobs cannot keep up",
+        _lines(
+            _throughput_line(ev),
+            f"fetch capacity {_rate(capacity)} = {ev.fetch_concurrency} concurrent fetches / "
+            f"{ev.fetch_ms_mean:,.1f} ms per image ({capacity / ev.e2e_images_per_s:.2f}x the "
+            f"throughput; binding below {FETCH_BINDING_MARGIN:.1f}x)",
+        ),
+        f"raise GPUFEED_FETCH_CONCURRENCY (now {ev.fetch_concurrency}) and "
+        "GPUFEED_FETCH_PER_HOST if the image hosts allow it; fetch from a store or CDN closer to "
+        "the worker; or repeat URLs less (a repeated URL is served from the decode cache)",
     )
 
 
@@ -429,6 +466,7 @@ def verdict(ev: Evidence) -> Verdict:
         f
         for f in (
             _sync_bound(ev),
+            _fetch_bound(ev),
             _feed_starved(ev),
             _launch_bound(ev),
             _memory_bound(ev),

@@ -47,6 +47,9 @@ class Variant:
     # worker/bench/redis_env.py `job_image`), and `cache` names the run in the schema.
     repeats: bool = False
     cache: str = ""  # "cache_on_repeats" or "cache_off_repeats"; "" for every other run
+    # "url": the jobs name URLs on a loopback HTTP server instead of carrying their bytes
+    # (worker/bench/url_jobs.py); reported apart, next to the inline runs they mirror.
+    source: str = "image"
 
     def settings(self) -> dict[str, Any]:
         return dict(self.overrides)
@@ -195,3 +198,27 @@ class CpuPreprocessPool(DecodePool):
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         super().shutdown()
+
+
+# `url` jobs (worker/fetch/): the same images served by a loopback HTTP server. The first
+# mirrors the defaults (unique bytes: every job a download and a decode); the second the
+# cache-on pair (the distinct images' URLs repeated: after the first round, a 304 and a
+# decode-cache hit each).
+URL_VARIANTS = ("url_unique", "url_repeats")
+URL_UNIQUE = Variant(
+    "gpufeed-url", "by URL (unique images)", "", (("url_allow", "127.0.0.1"),), source="url"
+)
+
+
+def url_repeats(cache_mb: int) -> Variant:
+    return Variant(
+        "gpufeed-url-repeats",
+        "by URL (repeated URLs, cache on)",
+        "",
+        (
+            ("url_allow", "127.0.0.1"),
+            ("decode_cache_mb", cache_mb or WorkerConfig().decode_cache_mb),
+        ),
+        repeats=True,
+        source="url",
+    )

@@ -44,6 +44,8 @@ class Bench:
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
     seq: int = 0
     runs: list[dict[str, Any]] = field(default_factory=list)
+    # The `url` job runs, apart: they mirror runs above with the images fetched by URL.
+    url_runs: list[dict[str, Any]] = field(default_factory=list)
     model_rates: list[dict[str, Any]] = field(default_factory=list)
     curves: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)

@@ -11,10 +11,12 @@ from typing import Any
 
 from worker.bench.ablations import CpuPreprocessPool, Variant
 from worker.bench.context import Bench, BenchError
+from worker.bench.image_server import ImageServer
 from worker.bench.measurement import measure_ceiling, summarise
 from worker.bench.probe import RunProbe
 from worker.bench.profiles import ModelPlan, SetPlan
 from worker.bench.redis_env import RunKeys, collect, push_jobs
+from worker.bench.url_jobs import push_url_jobs, url_server
 from worker.gpu_check import count_host_syncs
 from worker.service import Worker
 
@@ -76,6 +78,7 @@ async def gpufeed_run(
     keys = b.keys(plan.model, sp.spec.name, variant.name)
     worker = Worker(b.worker_config(plan, variant, keys))
     main: asyncio.Task[None] | None = None
+    server: ImageServer | None = None
     try:
         await worker.startup(wait_for_redis=False)
         if variant.cpu_preprocess:
@@ -83,9 +86,22 @@ async def gpufeed_run(
         ceiling = await measure_ceiling(worker, b.profile.ceiling_s) if with_ceiling else None
         images = b.sets[sp.spec.name].images
         unique = not variant.repeats
-        await asyncio.to_thread(
-            push_jobs, b.client, keys.jobs, images, sp.jobs, keys.run_id, unique=unique
-        )
+        if variant.source == "url":
+            server = url_server(images, sp.jobs, unique=unique).start()
+            await asyncio.to_thread(
+                push_url_jobs,
+                b.client,
+                keys.jobs,
+                server,
+                sp.jobs,
+                keys.run_id,
+                distinct=len(images),
+                unique=unique,
+            )
+        else:
+            await asyncio.to_thread(
+                push_jobs, b.client, keys.jobs, images, sp.jobs, keys.run_id, unique=unique
+            )
         probe = RunProbe(b.device, redis_pid=b.redis_pid).start()
         with count_host_syncs() as syncs:
             t0_ms = time.time() * 1000
@@ -135,15 +151,22 @@ async def gpufeed_run(
             "host_syncs": syncs.total if b.is_cuda else None,
             "settings": _worker_settings(worker, variant),
         }
-        if variant.cache:
+        if server is not None:
+            run["source"] = "url"
+            run["downloads"] = server.sent
+            run["not_modified"] = server.not_modified
+            run["fetch_ms"] = stats["stage_ms"].get("fetch")
+        if variant.cache or variant.source == "url":
             distinct = len(images)
-            run["variant"] = variant.cache
+            run["variant"] = variant.cache or ("url_repeats" if variant.repeats else "url_unique")
             run["distinct_images"] = distinct
             run["repeats"] = round(sp.jobs / distinct, 2)
         if ceiling is not None:
             run["ceiling"] = ceiling
         return run
     finally:
+        if server is not None:
+            server.stop()
         worker.handle_exit()
         if main is not None:
             with contextlib.suppress(Exception):

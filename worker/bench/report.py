@@ -191,6 +191,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "ll" + "r" * 9,
     )
     out += _cache_lines(report)
+    out += _url_lines(report)
     out += _stage_rate_lines(report)
     out += _target_lines(report)
     if report.get("curves"):
@@ -216,6 +217,61 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         out += ["", "Notes:"]
         out += [f"- {n}" for n in report["notes"]]
     return "\n".join(out) + "\n"
+
+
+def _url_lines(report: Mapping[str, Any]) -> list[str]:
+    """`url` jobs against the inline runs of the same workload (defaults; cache on)."""
+    runs = report.get("url_runs") or []
+    if not runs:
+        return []
+    inline = {
+        (r["model"], r["image_set"], "url_repeats" if r.get("variant") else "url_unique"): r
+        for r in report["runs"]
+        if r["name"] in ("gpufeed", "gpufeed-cache-on-repeats")
+    }
+    rows = []
+    for r in runs:
+        base = inline.get((r["model"], r["image_set"], r.get("variant")))
+        base_rate = base["images_per_s"] if base else None
+        rows.append(
+            [
+                r["image_set"],
+                r["model"],
+                r["label"],
+                _fmt(base_rate),
+                _fmt(r["images_per_s"]),
+                "" if not base_rate else f"{r['images_per_s'] / base_rate:.2f}",
+                _fmt(r.get("fetch_ms")),
+                f"{r.get('downloads', 0)} / {r.get('not_modified', 0)}",
+                _fmt(r.get("cache_hit_ratio"), 2),
+            ]
+        )
+    out = [
+        "",
+        "## Images by URL (`url` jobs from a loopback HTTP server)",
+        "",
+        "The same jobs with each image fetched by URL instead of carried in the job: unique "
+        "images against the defaults run, repeated URLs against the cache-on run. Downloads / "
+        "304: what the server sent whole, and the conditional requests it answered 'not "
+        "modified' (a repeated URL: neither downloaded nor decoded again).",
+        "",
+    ]
+    out += _table(
+        [
+            "image set",
+            "model",
+            "run",
+            "inline images/s",
+            "by URL images/s",
+            "URL / inline",
+            "fetch ms (mean)",
+            "downloads / 304",
+            "cache hit ratio",
+        ],
+        rows,
+        "lll" + "r" * 6,
+    )
+    return out
 
 
 def _cache_lines(report: Mapping[str, Any]) -> list[str]:

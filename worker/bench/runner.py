@@ -8,7 +8,9 @@ One invocation, for each model of the profile and each image set:
 3. gpufeed with its defaults, and once more with each optimisation switched off in turn
    (worker/bench/ablations.py);
 4. where the profile says so, the decode-cache pair: gpufeed on jobs that repeat the set's
-   distinct images, with its decode cache on and off ("cache worth" = on / off);
+   distinct images, with its decode cache on and off ("cache worth" = on / off); and the
+   same images as `url` jobs from a loopback HTTP server, unique and repeated
+   (worker/bench/url_jobs.py), reported apart as `url_runs`;
 
 plus the decode stage rates (worker/bench/stage_rates.py) and, in the full profile, a
 latency/throughput curve for three batcher max waits. Then report.json, report.md and
@@ -50,8 +52,10 @@ from worker.bench.ablations import (
     NO_COMPILE,
     NO_DCT,
     ONE_DECODE_THREAD,
+    URL_UNIQUE,
     Variant,
     cache_on_repeats,
+    url_repeats,
 )
 from worker.bench.analysis import analyse
 from worker.bench.context import Bench
@@ -109,9 +113,16 @@ def cache_pair_for(b: Bench, sp: SetPlan) -> list[Variant]:
     return [cache_on_repeats(b.base.decode_cache_mb), CACHE_OFF_REPEATS]
 
 
+def url_runs_for(b: Bench, sp: SetPlan) -> list[Variant]:
+    """The `url` job runs, on the sets that get the cache pair (they mirror its workload)."""
+    if sp.role not in b.profile.cache_roles:
+        return []
+    return [URL_UNIQUE, url_repeats(b.base.decode_cache_mb)]
+
+
 async def _bench(b: Bench) -> RateTable:
     variants = variants_for(b)
-    pairs = sum(len(cache_pair_for(b, sp)) for sp in b.profile.sets)
+    pairs = sum(len(cache_pair_for(b, sp)) + len(url_runs_for(b, sp)) for sp in b.profile.sets)
     total = len(b.profile.models) * (len(b.profile.sets) * (2 + len(variants)) + pairs)
     done = 0
     for plan in b.profile.models:
@@ -122,6 +133,7 @@ async def _bench(b: Bench) -> RateTable:
                 ("gpufeed", DEFAULTS),
                 *((v.name, v) for v in variants),
                 *((v.name, v) for v in cache_pair_for(b, sp)),
+                *((v.name, v) for v in url_runs_for(b, sp)),
             ]
             for name, variant in runs:
                 done += 1
@@ -136,7 +148,9 @@ async def _bench(b: Bench) -> RateTable:
                         variant,
                         with_ceiling=(first and variant is DEFAULTS) or variant.switch == "compile",
                     )
-                b.runs.append(run)
+                (b.url_runs if variant is not None and variant.source == "url" else b.runs).append(
+                    run
+                )
                 hits = run.get("cache_hit_ratio")
                 b.echo(
                     f"[{done}/{total}] {plan.model} {sp.spec.name} {name}: "
@@ -287,6 +301,7 @@ def run_bench(
             "model": b.model_rates,
         },
         "runs": b.runs,
+        "url_runs": b.url_runs,
         "curves": b.curves,
         "summary": summary,
         "targets": targets,

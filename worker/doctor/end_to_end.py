@@ -35,7 +35,16 @@ async def end_to_end_section(
     out["mean_jpeg_bytes"] = int(sum(map(len, images)) / len(images))
     counters = worker.counters
     held = worker.in_flight.limit
-    feeder = Feeder(cfg.redis_url, cfg.stream, images, jobs, held + max(128, 4 * worker.batch_size))
+    server = None
+    image_urls = None
+    if options.urls:
+        from worker.bench.image_server import ImageServer
+
+        server = ImageServer({f"/doctor/{i}.jpg": data for i, data in enumerate(images)})
+        image_urls = [server.url(f"/doctor/{i}.jpg") for i in range(len(images))]
+    out["source"] = "url" if options.urls else "image"
+    ahead = held + max(128, 4 * worker.batch_size)
+    feeder = Feeder(cfg.redis_url, cfg.stream, images, jobs, ahead, image_urls=image_urls)
     # A full backlog before the worker reads: the feed starts steady.
     while await feeder.push(0):
         pass
@@ -50,6 +59,8 @@ async def end_to_end_section(
         from worker.gpu_check import count_host_syncs
 
         syncs_cm = count_host_syncs()
+    if server is not None:
+        server.__enter__()
     sampler.start()
     t_start = time.perf_counter()
     main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
@@ -86,6 +97,8 @@ async def end_to_end_section(
     finally:
         feeding.cancel()
         sampler.close()
+        if server is not None:
+            server.__exit__()
         worker.handle_exit()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(main, 60)
@@ -102,6 +115,7 @@ async def end_to_end_section(
     else:
         rate = n_end / (t_end - t_start) if n_end else None
     decode_ms = stage_ms.get("decode")
+    fetch_ms = stage_ms.get("fetch")
     threads = worker.decoder.threads
     gpu_ms = obs.gpu_ms.mean()
     summary = sampler.summary()
@@ -119,6 +133,9 @@ async def end_to_end_section(
         batch_fill=obs.fill.mean(),
         decode_threads=threads,
         decode_capacity_images_per_s=round(threads * 1000 / decode_ms, 1) if decode_ms else None,
+        fetch_capacity_images_per_s=round(cfg.fetch_concurrency * 1000 / fetch_ms, 1)
+        if fetch_ms
+        else None,
         model_capacity_images_per_s=ceiling,
         model_in_pipeline_images_per_s=round(worker.batch_size * 1000 / gpu_ms, 1)
         if gpu_ms
@@ -163,6 +180,8 @@ def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
         "batch_fill": None,
         "decode_threads": None,
         "decode_capacity_images_per_s": None,
+        "fetch_capacity_images_per_s": None,
+        "source": "url" if options.urls else "image",
         "model_capacity_images_per_s": None,
         "model_in_pipeline_images_per_s": None,
         "gpu_util_pct": None,

@@ -52,4 +52,6 @@ def evidence_from(report: Mapping[str, Any]) -> Evidence:
         mem_bw_util_pct=e2e["mem_bw_util_pct"],
         process_cpu_pct=e2e["process_cpu_pct"],
         missing=tuple(missing),
+        fetch_ms_mean=(e2e["stage_ms"] or {}).get("fetch"),
+        fetch_concurrency=cfg["fetch_concurrency"],
     )

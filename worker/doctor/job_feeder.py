@@ -13,9 +13,20 @@ class Feeder:
     beyond those answered, so a production Redis never holds more than that many images
     for the doctor (the worker's own trimming removes the processed ones)."""
 
-    def __init__(self, url: str, stream: str, images: list[bytes], jobs: int, ahead: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        stream: str,
+        images: list[bytes],
+        jobs: int,
+        ahead: int,
+        *,
+        image_urls: list[str] | None = None,
+    ) -> None:
         self.url, self.stream, self.images = url, stream, images
         self.jobs, self.ahead = jobs, ahead
+        # `url` jobs naming these instead of carrying the images.
+        self.image_urls = image_urls
         self.pushed = 0
 
     async def push(self, answered: int, limit: int = 256) -> int:
@@ -27,8 +38,11 @@ class Feeder:
         try:
             pipe = client.pipeline(transaction=False)
             for i in range(self.pushed, self.pushed + room):
-                image = self.images[i % len(self.images)]
-                pipe.xadd(self.stream, {"id": f"doctor-{i}", "image": image})
+                if self.image_urls:
+                    source = "url", self.image_urls[i % len(self.image_urls)].encode()
+                else:
+                    source = "image", self.images[i % len(self.images)]
+                pipe.xadd(self.stream, {"id": f"doctor-{i}", source[0]: source[1]})
             await pipe.execute()
         finally:
             await client.aclose()

@@ -20,3 +20,4 @@ class DoctorOptions:
     sync_launches: int = 20  # launches of the hot path under sync-debug mode (CUDA)
     timeout_s: float = 300.0  # the end-to-end run gives up after this
     decode_delay_s: float = 0.0  # test hook: sleep in every decode (to test the verdict)
+    urls: bool = False  # the jobs name URLs on a loopback HTTP server (measures fetching)

@@ -117,8 +117,9 @@ def render(report: Mapping[str, Any], console: Console) -> None:
     e2e = report["end_to_end"]
     _heading(
         console,
-        f"(d) end to end: {e2e['jobs']} JPEGs {e2e['image_size']} through Redis "
-        f"({e2e['redis'] or 'none'}) and a real worker",
+        f"(d) end to end: {e2e['jobs']} JPEGs {e2e['image_size']} "
+        + ("by URL from a loopback HTTP server " if e2e["source"] == "url" else "")
+        + f"through Redis ({e2e['redis'] or 'none'}) and a real worker",
     )
     grid = _grid()
     if e2e["measured"]:
@@ -133,10 +134,17 @@ def render(report: Mapping[str, Any], console: Console) -> None:
         stage_ms = e2e["stage_ms"] or {}
         grid.add_row(
             "stages (mean ms)",
-            ", ".join(f"{s} {_num(v, ',.1f')}" for s, v in stage_ms.items()),
+            ", ".join(f"{s} {_num(v, ',.1f')}" for s, v in stage_ms.items() if v is not None),
         )
         grid.add_row("model per batch", f"{_num(e2e['gpu_ms_per_batch'], ',.1f')} ms")
         grid.add_row("batch fill", _num(e2e["batch_fill"], ".0%"))
+        if e2e["source"] == "url":
+            grid.add_row(
+                "fetch capacity",
+                f"{_num(e2e['fetch_capacity_images_per_s'])} images/s = "
+                f"{report['config']['fetch_concurrency']} concurrent fetches / "
+                f"{_num(stage_ms.get('fetch'), ',.1f')} ms",
+            )
         decode_ms = stage_ms.get("decode")
         grid.add_row(
             "decode capacity",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import socket
@@ -54,9 +55,12 @@ async def run_doctor(
         # Without Redis the worker still loads and compiles the model, then stops at its
         # first ping (a refused port answers at once): (a)-(c) need only the model.
         url = redis_url or f"redis://127.0.0.1:{free_port()}/0"
-        worker = Worker(
-            doctor_config(config, url, base, name), decode_delay_s=options.decode_delay_s
-        )
+        run_config = doctor_config(config, url, base, name)
+        if options.urls:
+            # Its own loopback image server: allowed for this run only.
+            allow = ",".join(a for a in (config.url_allow, "127.0.0.1") if a)
+            run_config = dataclasses.replace(run_config, url_allow=allow)
+        worker = Worker(run_config, decode_delay_s=options.decode_delay_s)
         try:
             try:
                 await worker.startup(wait_for_redis=False)
@@ -91,6 +95,7 @@ async def run_doctor(
                 "decode_threads": worker.decoder.threads,
                 "dct_scaling": config.dct_scaling,
                 "max_wait_ms": config.max_wait_ms,
+                "fetch_concurrency": config.fetch_concurrency,
                 "notes": notes,
             }
             ceiling = ceiling_section(worker, options)

@@ -113,6 +113,9 @@ SCHEMA: dict[str, Any] = _obj(
                 "decode_threads": _t("integer", "decode threads", "threads"),
                 "dct_scaling": _t("boolean", "GPUFEED_DCT_SCALING"),
                 "max_wait_ms": _t("number", "GPUFEED_MAX_WAIT_MS", "ms"),
+                "fetch_concurrency": _t(
+                    "integer", "GPUFEED_FETCH_CONCURRENCY (`url` jobs)", "fetches"
+                ),
                 "notes": _list(
                     "changes the doctor made, e.g. random weights", _t("string", "one note")
                 ),
@@ -221,6 +224,12 @@ SCHEMA: dict[str, Any] = _obj(
                     "of the checks while jobs were fed (false: the feed, not the worker, ran dry)",
                 ),
                 "image_size": _t("string", "WIDTHxHEIGHT of the synthetic JPEGs", "px"),
+                "source": _t(
+                    "string",
+                    "how the jobs carry their images: inline, or by URL from a loopback HTTP "
+                    "server (--urls)",
+                    enum=["image", "url"],
+                ),
                 "mean_jpeg_bytes": _t(["integer", "null"], "mean encoded size", "bytes"),
                 "decode_delay_ms": _t("number", "test hook: added to every decode", "ms"),
                 "images_per_s": _t(
@@ -246,6 +255,11 @@ SCHEMA: dict[str, Any] = _obj(
                 "decode_threads": _t(["integer", "null"], "decode threads", "threads"),
                 "decode_capacity_images_per_s": _t(
                     ["number", "null"], "decode threads / mean decode time", "images/s"
+                ),
+                "fetch_capacity_images_per_s": _t(
+                    ["number", "null"],
+                    "GPUFEED_FETCH_CONCURRENCY / mean fetch time (--urls runs)",
+                    "images/s",
                 ),
                 "model_capacity_images_per_s": _t(
                     ["number", "null"], "the serving step's ceiling, from (a)", "images/s"

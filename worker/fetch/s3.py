@@ -1,0 +1,195 @@
+"""s3://bucket/key, gs://bucket/key and az://container/key, with obstore.
+
+obstore wraps the Rust `object_store` crate (Apache Arrow's): one client per bucket, with its
+own connection pool, request signing, retries of 5xx answers, dropped connections and
+timeouts (exponential backoff), and the standard credential chain of each store read from
+the worker's environment, never from the job: for S3 the AWS_* variables (AWS_ENDPOINT_URL
+for an S3-compatible server such as MinIO, AWS_ALLOW_HTTP=true for one without TLS), web
+identity tokens, container and instance credentials; for GCS GOOGLE_APPLICATION_CREDENTIALS;
+for Azure the AZURE_STORAGE_* variables. Where boto3 is installed and an AWS profile is in
+use (AWS_PROFILE, or ~/.aws/credentials without AWS_ACCESS_KEY_ID), boto3's chain supplies
+the S3 credentials, so profiles and SSO work as in the AWS CLI.
+
+The endpoint of a store comes from the operator's environment, not from the job, so the
+address policy of http(s) URLs does not apply here; a job chooses only a bucket and a key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import OrderedDict
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import obstore
+from obstore.exceptions import (
+    BaseError,
+    NotModifiedError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
+from obstore.store import ObjectStore, from_url
+
+from producer.wire import ErrorCode
+from worker.fetch.result import Fetched, FetchError, Validator, too_large
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, RetryConfig, S3CredentialProvider
+
+STORE_SCHEMES = ("s3", "gs", "az")
+# Bucket and container names of the three stores fit this (lower case, digits, dots,
+# hyphens, underscores); anything else is refused before a client is built for it.
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+_CHUNK = 256 * 1024
+
+
+def split_store_url(url: str) -> tuple[str, str, str]:
+    """`s3://bucket/a/b.jpg` -> ("s3", "bucket", "a/b.jpg"); FetchError(invalid_job) when
+    it is not a store URL with a bucket and a key."""
+    parts = urlsplit(url)
+    bucket, key = parts.netloc, parts.path.lstrip("/")
+    if parts.scheme not in STORE_SCHEMES or not _BUCKET_RE.match(bucket) or not key:
+        raise FetchError(
+            ErrorCode.INVALID_JOB,
+            f"{parts.scheme}:// URLs need a bucket and a key: {parts.scheme}://BUCKET/KEY",
+            status="invalid",
+            host_class="store",
+        )
+    return parts.scheme, bucket, key
+
+
+class StoreFetcher:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        total_timeout_s: float,
+        retries: int,
+        max_stores: int = 64,
+    ) -> None:
+        self.client_options: ClientConfig = {
+            "connect_timeout": timedelta(seconds=connect_timeout_s),
+            "read_timeout": timedelta(seconds=read_timeout_s),
+            "timeout": timedelta(seconds=total_timeout_s),
+        }
+        self.retry_config: RetryConfig = {
+            "max_retries": retries,
+            "retry_timeout": timedelta(seconds=total_timeout_s),
+            "backoff": {"init_backoff": timedelta(milliseconds=100), "base": 2},
+        }
+        self.max_stores = max_stores
+        # Jobs choose buckets, so the clients kept are bounded (least recently used go).
+        self._stores: OrderedDict[tuple[str, str], ObjectStore] = OrderedDict()
+
+    def _store(self, scheme: str, bucket: str) -> ObjectStore:
+        key = (scheme, bucket)
+        store = self._stores.get(key)
+        if store is not None:
+            self._stores.move_to_end(key)
+            return store
+        options = self.client_options.copy()
+        if _env_true(f"{_ENV_PREFIX[scheme]}_ALLOW_HTTP"):
+            # Options given here replace the ones the store reads from its environment.
+            options["allow_http"] = True
+        provider = _boto3_provider() if scheme == "s3" else None
+        if provider is not None:
+            store = from_url(
+                f"{scheme}://{bucket}",
+                client_options=options,
+                retry_config=self.retry_config,
+                credential_provider=provider,
+            )
+        else:
+            store = from_url(
+                f"{scheme}://{bucket}",
+                client_options=options,
+                retry_config=self.retry_config,
+            )
+        self._stores[key] = store
+        while len(self._stores) > self.max_stores:
+            self._stores.popitem(last=False)
+        return store
+
+    async def close(self) -> None:
+        # The clients own no task of ours; their pools close when they are dropped.
+        self._stores.clear()
+
+    async def fetch(self, url: str, max_bytes: int, known: Validator | None) -> Fetched:
+        scheme, bucket, key = split_store_url(url)
+        where = f"{scheme}://{bucket}/{key}"
+        options: dict[str, Any] = {}
+        if known is not None and known.etag:
+            options["if_none_match"] = known.etag
+        elif known is not None and known.last_modified:
+            options["if_modified_since"] = datetime.fromisoformat(known.last_modified)
+        try:
+            store = self._store(scheme, bucket)
+            result = await obstore.get_async(store, key, options=options or None)  # type: ignore[arg-type]
+            meta = result.meta
+            if meta["size"] > max_bytes:
+                raise too_large(meta["size"], max_bytes, where, "store")
+            buf = bytearray()
+            async for chunk in result.stream(min_chunk_size=_CHUNK):
+                buf += chunk
+                if len(buf) > max_bytes:
+                    raise too_large(None, max_bytes, where, "store")
+        except FetchError:
+            raise
+        except NotModifiedError:
+            assert known is not None
+            return Fetched(None, known, "store")
+        except FileNotFoundError:
+            raise FetchError(
+                ErrorCode.FETCH_FAILED, f"{where}: no such object", status="4xx", host_class="store"
+            ) from None
+        except (PermissionDeniedError, UnauthenticatedError) as exc:
+            raise FetchError(
+                ErrorCode.FETCH_FAILED,
+                f"{where}: access denied ({type(exc).__name__}); the worker's credentials "
+                "come from its environment",
+                status="4xx",
+                host_class="store",
+            ) from None
+        except (BaseError, OSError, ValueError) as exc:
+            text = str(exc)
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            raise FetchError(
+                ErrorCode.FETCH_TIMEOUT if timed_out else ErrorCode.FETCH_FAILED,
+                f"{where}: {_first_line(text) or type(exc).__name__}",
+                status="timeout" if timed_out else "network",
+                host_class="store",
+            ) from None
+        etag = meta.get("e_tag")
+        modified = meta.get("last_modified")
+        validator = Validator(etag, modified.isoformat() if modified is not None else None)
+        return Fetched(bytes(buf), validator, "store")
+
+
+_ENV_PREFIX = {"s3": "AWS", "gs": "GOOGLE", "az": "AZURE"}
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line[:limit]
+
+
+def _boto3_provider() -> S3CredentialProvider | None:
+    """boto3's credential chain where a profile is in use and boto3 is installed."""
+    profile = os.environ.get("AWS_PROFILE")
+    files = Path("~/.aws/credentials").expanduser().exists()
+    if not profile and not (files and not os.environ.get("AWS_ACCESS_KEY_ID")):
+        return None
+    try:
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        return None
+    provider: S3CredentialProvider = Boto3CredentialProvider()
+    return provider
