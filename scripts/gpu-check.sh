@@ -37,7 +37,7 @@ rm -f "$OUT/report.json" "$OUT/pytest.xml"
 
 # 0. Can this host run it at all? CUDA for torch, and what triton builds its helpers with.
 #    Seconds, before anything is installed; exit 2 with the reason (and report.json).
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m worker.gpu_preflight \
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m worker.tools.gpu_preflight \
   --device "$DEVICE" --out "$OUT" || exit 2
 
 if [[ ! -d $GC/wheels || ! -f $GC/redis/redis-server ]]; then
@@ -93,7 +93,7 @@ TESTS_RC=${PIPESTATUS[0]}
 DEADLINE=$(( $(left) - 10 ))
 (( DEADLINE < 30 )) && DEADLINE=30
 echo "gpu-check: benchmark (deadline ${DEADLINE} s)"
-timeout -k 10 $(( DEADLINE + 15 )) "$PY" -m worker.gpu_check --device "$DEVICE" \
+timeout -k 10 $(( DEADLINE + 15 )) "$PY" -m worker.tools.gpu_check --device "$DEVICE" \
   --out "$OUT" --junit "$OUT/pytest.xml" --tests-rc "$TESTS_RC" --redis-url "$REDIS_URL" \
   --deadline-s "$DEADLINE"
 BENCH_RC=$?

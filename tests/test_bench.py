@@ -18,18 +18,18 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from worker.bench.ablations import CpuPreprocess
-from worker.bench.images import ImageSetSpec, load_image_set
-from worker.bench.naive import NaivePreprocess
-from worker.bench.profiles import make_profile
-from worker.bench.redis_env import job_image
-from worker.bench.report import render_markdown, validate_report
-from worker.bench.runner import run_bench
-from worker.bench.stage_rates import ideal_pipeline, ideal_sequential
 from worker.cli import cli
 from worker.config import WorkerConfig
-from worker.decode_cache import cache_key
-from worker.decoder import DecodeSpec, decode_into, decode_to_array
+from worker.decode.cache import cache_key
+from worker.decode.cpu import DecodeSpec, decode_into, decode_to_array
+from worker.tools.bench.ablations import CpuPreprocess
+from worker.tools.bench.images import ImageSetSpec, load_image_set
+from worker.tools.bench.naive import NaivePreprocess
+from worker.tools.bench.profiles import make_profile
+from worker.tools.bench.redis_env import job_image
+from worker.tools.bench.report import render_markdown, validate_report
+from worker.tools.bench.runner import run_bench
+from worker.tools.bench.stage_rates import ideal_pipeline, ideal_sequential
 
 
 @pytest.fixture(scope="module")

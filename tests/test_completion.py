@@ -10,8 +10,8 @@ import pytest
 from producer.wire import ErrorCode
 from worker.batcher import Batch
 from worker.completion import CompletionWatcher
-from worker.decode_pool import DecodeResult
-from worker.decoder import DecodeError, DecodeInfo
+from worker.decode.cpu import DecodeError, DecodeInfo
+from worker.decode.pool import DecodeResult
 from worker.jobs import Job, Outcome
 from worker.model.answers import Classification
 from worker.model.readers import ClassifyReader

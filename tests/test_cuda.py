@@ -26,8 +26,8 @@ import torch
 
 from tests.test_step import random_batch, tiny_step
 from worker.batcher import Batch
-from worker.decode_pool import DecodeResult
-from worker.decoder import DecodeInfo
+from worker.decode.cpu import DecodeInfo
+from worker.decode.pool import DecodeResult
 from worker.device import make_context
 from worker.jobs import Job
 from worker.model.compiler import (

@@ -4,7 +4,7 @@ versions, checked without a GPU (attributes and signatures only; nothing is call
 - Every `torch.*`, `F.*` and `torchvision.*` name written in the CUDA-path modules (found
   by walking their syntax tree, so a new use is checked without editing this file), plus
   the members reached through instances or getattr, which the walk cannot see.
-- nvImageCodec is not a dependency: the names gpu_decode.py uses from it must be among
+- nvImageCodec is not a dependency: the names decode/gpu.py uses from it must be among
   those vendored below, as read from the nvidia-nvimgcodec-cu13 0.9.0.20 wheel's module
   (ColorSpec has SRGB and no RGB since 0.7); where nvImageCodec is installed they are
   checked against it too.
@@ -37,10 +37,10 @@ CUDA_PATH = (
     "worker/model/compiler.py",
     "worker/model/precision.py",
     "worker/model/ceiling.py",
-    "worker/gpu_decode.py",
+    "worker/decode/gpu.py",
     "worker/gpu_sampler.py",
-    "worker/gpu_check.py",
-    "worker/gpu_preflight.py",
+    "worker/tools/gpu_check.py",
+    "worker/tools/gpu_preflight.py",
 )
 
 # Reached through an instance, getattr or hasattr: invisible to the walk.
@@ -173,14 +173,14 @@ def test_keyword_parameters_exist(name: str, keywords: tuple[str, ...]) -> None:
 
 
 def nvimgcodec_names_in_code() -> set[str]:
-    source = (ROOT / "worker/gpu_decode.py").read_text()
+    source = (ROOT / "worker/decode/gpu.py").read_text()
     chains = dotted_names(source, {"nvimgcodec": "nvimgcodec"})
     return {c.removeprefix("nvimgcodec.") for c in chains}
 
 
 def test_gpu_decode_uses_only_vendored_nvimgcodec_names() -> None:
     used = nvimgcodec_names_in_code()
-    assert used, "the walk found no nvImageCodec use in gpu_decode.py"
+    assert used, "the walk found no nvImageCodec use in decode/gpu.py"
     assert used <= NVIMGCODEC_API, f"not in nvImageCodec 0.9: {sorted(used - NVIMGCODEC_API)}"
     assert "ColorSpec.RGB" not in used
 

@@ -20,8 +20,8 @@ from producer.wire import ErrorCode, JobResult
 from tests.images import jpeg_bytes, png_bytes, rle_bmp_bytes
 from tests.worker_harness import tiny_config, wait_results
 from worker.config import ConfigError, WorkerConfig
-from worker.decode_pool import DecodePool, DecodeResult
-from worker.decoder import DecodeSpec, decode_to_array
+from worker.decode.cpu import DecodeSpec, decode_to_array
+from worker.decode.pool import DecodePool, DecodeResult
 from worker.jobs import Job
 from worker.service import Worker
 

@@ -13,8 +13,8 @@ import redis
 from producer.wire import JobResult
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
-from worker.decode_cache import DecodeCache, cache_key
-from worker.decoder import DecodeInfo
+from worker.decode.cache import DecodeCache, cache_key
+from worker.decode.cpu import DecodeInfo
 
 INFO = DecodeInfo(format="JPEG", width=10, height=10, draft_scale=1)
 

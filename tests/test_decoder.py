@@ -28,7 +28,7 @@ from tests.images import (
     rle_bmp_bytes,
     truncated_jpeg_bytes,
 )
-from worker.decoder import (
+from worker.decode.cpu import (
     DecodeError,
     DecodeInfo,
     DecodeSpec,

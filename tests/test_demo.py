@@ -9,10 +9,10 @@ from pathlib import Path
 
 from tests.cli_runner import ROOT, clean_env
 from tests.redis_server import free_port
-from worker.demo import sample_images
+from worker.tools.demo import sample_images
 
 OFFLINE_CHECK = """
-from worker.demo import make_samples, weights_for_demo
+from worker.tools.demo import make_samples, weights_for_demo
 print("weights:", weights_for_demo("resnet18", "DEFAULT"))
 make_samples(2)
 """

@@ -20,7 +20,7 @@ from torch import nn
 
 from tests.cli_runner import run_module
 from tests.worker_harness import tiny_config
-from worker.doctor import (
+from worker.tools.doctor import (
     SCHEMA,
     DoctorOptions,
     profile_forward,
@@ -28,7 +28,7 @@ from worker.doctor import (
     schema_markdown,
     validate,
 )
-from worker.profile_stats import (
+from worker.tools.profile_stats import (
     busy_time_us,
     gap_stats,
     gaps_us,
@@ -36,7 +36,7 @@ from worker.profile_stats import (
     top_names,
     trace_stats,
 )
-from worker.verdict import VERDICTS
+from worker.tools.verdict import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"ceiling_seconds": 0.3, "sync_launches": 3, "image_size": (320, 240)}

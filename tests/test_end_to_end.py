@@ -13,7 +13,7 @@ import torch
 from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
 from tests.worker_harness import running_worker, wait_results
-from worker.decoder import DecodeSpec, decode_to_array
+from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.model.loader import load_model
 from worker.model.step import build_step
 

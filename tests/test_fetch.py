@@ -451,8 +451,8 @@ async def test_the_per_host_limit_holds_one_host_back_not_the_others() -> None:
 async def test_a_304_uses_the_cached_row_and_a_304_without_one_fetches_whole() -> None:
     import numpy as np
 
-    from worker.decode_cache import DecodeCache
-    from worker.decoder import DecodeInfo
+    from worker.decode.cache import DecodeCache
+    from worker.decode.cpu import DecodeInfo
     from worker.fetch.result import Fetched, Validator
 
     cache = DecodeCache(1 << 20)

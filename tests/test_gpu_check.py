@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.gpu_check import cuda_tests_verdict, junit_summary, main
-from worker.gpu_preflight import check_cuda, check_toolchain
+from worker.tools.gpu_check import cuda_tests_verdict, junit_summary, main
+from worker.tools.gpu_preflight import check_cuda, check_toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,7 +127,7 @@ def phases_on_cpu(
     return [
         sys.executable,
         "-c",
-        "import sys; from worker.gpu_check import main; "
+        "import sys; from worker.tools.gpu_check import main; "
         f"sys.exit(main({argv!r}, require_cuda=False))",
     ]
 

@@ -19,10 +19,8 @@ from PIL import Image
 from producer.wire import ErrorCode
 from tests.images import encode, jpeg_bytes, photo_like, png_bytes
 from worker.batcher import Batch
-from worker.decode_pool import DecodePool
-from worker.decoder import DecodeError, DecodeSpec, decode_to_array
-from worker.device import make_context
-from worker.gpu_decode import (
+from worker.decode.cpu import DecodeError, DecodeSpec, decode_to_array
+from worker.decode.gpu import (
     GpuDecoder,
     GpuDecodeRouter,
     TorchvisionBackend,
@@ -32,6 +30,8 @@ from worker.gpu_decode import (
     setup_gpu_decode,
     size_class,
 )
+from worker.decode.pool import DecodePool
+from worker.device import make_context
 from worker.jobs import Job
 from worker.runner import ModelRunner
 from worker.staging import InputRing, OutputRing

@@ -32,10 +32,8 @@ from tests.images import jpeg_bytes, png_bytes
 from tests.test_step import tiny_step
 from tests.worker_harness import running_worker, wait_results
 from worker.batcher import Batch
-from worker.decode_pool import DecodePool
-from worker.decoder import DecodeSpec, decode_to_array
-from worker.device import make_context
-from worker.gpu_decode import (
+from worker.decode.cpu import DecodeSpec, decode_to_array
+from worker.decode.gpu import (
     GpuDecodeFailed,
     GpuDecoder,
     GpuDecodeRouter,
@@ -45,6 +43,8 @@ from worker.gpu_decode import (
     make_backend,
     setup_gpu_decode,
 )
+from worker.decode.pool import DecodePool
+from worker.device import make_context
 from worker.gpu_sampler import (
     CudaIdentity,
     DeviceNotFound,

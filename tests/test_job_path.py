@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from producer.wire import ErrorCode
-from worker.decoder import DecodeError
+from worker.decode.cpu import DecodeError
 from worker.job_path import read_job_path
 
 LIMIT = 1024

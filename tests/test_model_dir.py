@@ -35,7 +35,7 @@ from tests.model_dirs import (
 from tests.worker_harness import running_worker, tiny_config, wait_results
 from worker.cli import cli
 from worker.config import ConfigError, WorkerConfig
-from worker.decoder import DecodeSpec, decode_to_array
+from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.jobs import Job, Outcome
 from worker.model.answers import Embedding
 from worker.model.directory import load_model_dir
@@ -519,7 +519,7 @@ def test_model_check_refuses_a_broken_directory(broken: dict[str, tuple[Path, st
 
 
 async def test_doctor_takes_a_model_directory(tmp_path: Path, redis_url: str) -> None:
-    from worker.doctor import DoctorOptions, run_doctor, validate
+    from worker.tools.doctor import DoctorOptions, run_doctor, validate
 
     root = make_model_dir(tmp_path / "embedder", kind="embed", out=8)
     config = tiny_config(redis_url, Path("unused"), model=str(root))
@@ -533,9 +533,9 @@ async def test_doctor_takes_a_model_directory(tmp_path: Path, redis_url: str) ->
 
 @pytest.mark.slow
 def test_bench_takes_a_model_directory(tmp_path: Path) -> None:
-    from worker.bench.profiles import ModelPlan, make_profile
-    from worker.bench.report import validate_report
-    from worker.bench.runner import run_bench
+    from worker.tools.bench.profiles import ModelPlan, make_profile
+    from worker.tools.bench.report import validate_report
+    from worker.tools.bench.runner import run_bench
 
     root = make_model_dir(
         tmp_path / "letterboxed",

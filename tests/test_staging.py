@@ -11,8 +11,8 @@ import torch
 
 from producer.wire import ErrorCode
 from worker.batcher import Batch
-from worker.decode_pool import DecodeResult
-from worker.decoder import DecodeError, DecodeInfo
+from worker.decode.cpu import DecodeError, DecodeInfo
+from worker.decode.pool import DecodeResult
 from worker.staging import InputRing, OutputRing
 from worker.transfer import copy_runs
 

@@ -15,7 +15,7 @@ from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
 from worker.cli import cli
 from worker.observer import heartbeat_key, write_heartbeat
-from worker.top import footer
+from worker.tools.top import footer
 
 
 def snapshot(name: str, **changes: Any) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from worker import verdict as V
-from worker.verdict import Evidence, verdict
+from worker.tools import verdict as V
+from worker.tools.verdict import Evidence, verdict
 
 
 def gpu(**changes: Any) -> Evidence:

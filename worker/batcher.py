@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from worker.decode_pool import DecodePool, DecodeResult
+from worker.decode.pool import DecodePool, DecodeResult
 from worker.jobs import Job
 from worker.staging import InputRing, InputSlot
 

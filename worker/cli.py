@@ -140,7 +140,7 @@ def run(wait_for_redis: bool, **options: Any) -> None:
 @click.option("--count", default=48, show_default=True, help="Sample images to submit.")
 def demo(count: int) -> None:
     """Local Redis, a worker, sample jobs: prints each result and a throughput line."""
-    from worker.demo import run_demo
+    from worker.tools.demo import run_demo
 
     sys.exit(run_demo(count))
 
@@ -204,10 +204,10 @@ def doctor(
     **options: Any,
 ) -> None:
     """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
-    from worker.doctor import DoctorOptions, print_json, render, report_console, run_doctor
     from worker.logs import configure_logging
     from worker.model.compiler import CompileRefused
     from worker.model.loader import WeightsUnavailable
+    from worker.tools.doctor import DoctorOptions, print_json, render, report_console, run_doctor
 
     try:
         config = load_config(options)
@@ -250,7 +250,7 @@ def doctor(
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 def top(interval: float, once: bool, **options: Any) -> None:
     """Live dashboard of the workers of a group: rates, latency, stages, GPU, backlog."""
-    from worker.top import run_top
+    from worker.tools.top import run_top
 
     try:
         config = load_config(options)
@@ -294,11 +294,11 @@ def bench(profile_name: str | None, models: str | None, out_dir: Path, **options
     """
     from dataclasses import replace
 
-    from worker.bench.profiles import make_profile
-    from worker.bench.report import render_markdown, validate_report
-    from worker.bench.runner import run_bench
     from worker.device import resolve_device
     from worker.logs import configure_logging
+    from worker.tools.bench.profiles import make_profile
+    from worker.tools.bench.report import render_markdown, validate_report
+    from worker.tools.bench.runner import run_bench
 
     try:
         base = load_config(options)

@@ -10,7 +10,7 @@ import stat
 from pathlib import Path
 
 from producer.wire import ErrorCode
-from worker.decoder import DecodeError
+from worker.decode.cpu import DecodeError
 
 _MAX_SHOWN = 200
 _PROC_FD = Path("/proc/self/fd")

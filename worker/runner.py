@@ -32,9 +32,9 @@ import structlog
 import torch
 
 from worker.batcher import Batch
-from worker.decode_pool import DecodeResult
+from worker.decode.gpu import GpuDecodeFailed, GpuDecoder
+from worker.decode.pool import DecodeResult
 from worker.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
-from worker.gpu_decode import GpuDecodeFailed, GpuDecoder
 from worker.jobs import Job
 from worker.staging import OutputSlot
 from worker.transfer import DeviceTransfer

@@ -31,12 +31,12 @@ from producer.wire import ErrorCode
 from worker.batcher import Batch, Batcher
 from worker.completion import CompletionWatcher
 from worker.config import ConfigError, WorkerConfig
-from worker.decode_cache import DecodeCache
-from worker.decode_pool import DecodePool
-from worker.decoder import DecodeSpec
+from worker.decode.cache import DecodeCache
+from worker.decode.cpu import DecodeSpec
+from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
+from worker.decode.pool import DecodePool
 from worker.device import DeviceContext, make_context, resolve_device
 from worker.fetch.stage import FetchSettings, FetchStage
-from worker.gpu_decode import GpuDecodeUnavailable, setup_gpu_decode
 from worker.health import Health
 from worker.jobs import Job, Outcome
 from worker.model.compiler import CompileReport, compile_step, still_compiled

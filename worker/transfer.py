@@ -3,7 +3,7 @@
 Each input slot has a device twin allocated once. That is the "keep the allocator honest"
 part: a twin is never returned to the caching allocator, so no `record_stream` is needed
 for it, and its reuse is ordered on the GPU instead: the copy stream (and the GPU decode
-stream, see gpu_decode.py) waits on the event the compute stream recorded after it last
+stream, see decode/gpu.py) waits on the event the compute stream recorded after it last
 read the twin. No host thread ever waits here.
 
 Rows decoded on the GPU are written straight into the twin, so the copy skips them: it

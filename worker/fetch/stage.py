@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from producer.wire import ErrorCode
-from worker.decode_cache import DecodeCache
+from worker.decode.cache import DecodeCache
 from worker.fetch.policy import AddressPolicy, loggable_url
 from worker.fetch.result import Fetched, FetchError, Validator
 from worker.jobs import Job, Outcome

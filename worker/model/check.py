@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from worker.config import WorkerConfig
-from worker.decoder import DecodeSpec, decode_into
+from worker.decode.cpu import DecodeSpec, decode_into
+from worker.decode.gpu import synthetic_jpeg
 from worker.device import make_context, mark_cudagraph_step, resolve_device
-from worker.gpu_decode import synthetic_jpeg
 from worker.model.answers import Answer, Classification, Embedding, RawOutput
 from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step

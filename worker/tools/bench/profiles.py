@@ -1,0 +1,145 @@
+"""Benchmark profiles: which models, image sets, job counts and extras one invocation runs.
+
+- `tiny`: seconds; the test suite's profile (mobilenet_v3_small at input 64, a dozen small
+  images and a few larger ones, every variant, a short max-wait curve, the decode-cache
+  pair on the larger set).
+- `quick`: a few minutes on a 2-core CPU host; the default of `make bench` on CPU hosts;
+  the decode-cache pair on the 4000x3000 set only.
+- `full`: more jobs, the compile variant on the CPU too, the decode-cache pair on both
+  sets, and the latency/throughput curve for three batcher max waits; the default on CUDA
+  hosts.
+
+Each job's bytes are unique (worker/tools/bench/redis_env.py `job_image`) except in the cache
+pair, whose jobs cycle through the distinct images, `jobs / count` times each.
+
+On CUDA the models are resnet50 at batch 64 in fp16 (the GPU target's configuration) and
+mobilenet_v3_small; on the CPU resnet18 (model-bound there) and mobilenet_v3_small (light
+enough that the decode gains show in full), at the worker's CPU default batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from worker.tools.bench.images import ImageSetSpec
+
+PROFILE_NAMES = ("tiny", "quick", "full")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    model: str
+    batch_size: int = 0  # 0: the worker's default for the device (64 CUDA, 8 CPU)
+    precision: str = "auto"
+    input_size: int = 0  # 0: the weights' own (224)
+
+
+@dataclass(frozen=True)
+class SetPlan:
+    spec: ImageSetSpec
+    jobs: int  # jobs per run; they cycle through the set's distinct images
+    role: str  # "photo" (~640x480) or "large" (4000x3000)
+
+
+@dataclass(frozen=True)
+class CurvePlan:
+    max_waits_ms: tuple[float, ...] = (2.0, 10.0, 50.0)
+    loads: tuple[float, ...] = (0.25, 0.5, 0.75, 0.95)  # fractions of the measured capacity
+    seconds: float = 8.0  # offered-load window per point
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    models: tuple[ModelPlan, ...]
+    sets: tuple[SetPlan, ...]
+    compile_variant_on_cpu: bool  # compiling costs ~30 s per model on the CPU
+    curve: CurvePlan | None
+    ceiling_s: float  # timed part of each direct-feed measurement
+    stage_min_s: float  # least time per decode-rate measurement
+    stage_images: int  # distinct images per decode-rate measurement (at most)
+    timeline_bin_s: float = 0.5
+    time_limit_s: float | None = None  # a soft limit, reported when exceeded
+    # Roles of the image sets ("photo", "large") that get the decode-cache pair (jobs
+    # repeating the distinct images, cache on and off), for every model.
+    cache_roles: tuple[str, ...] = ()
+
+    def with_models(self, models: tuple[ModelPlan, ...]) -> Profile:
+        return replace(self, models=models)
+
+
+def photo_set(count: int, jobs: int) -> SetPlan:
+    spec = ImageSetSpec("photo-640x480", 640, 480, count, quality=85, seed=1)
+    return SetPlan(spec, jobs, "photo")
+
+
+def large_set(count: int, jobs: int) -> SetPlan:
+    spec = ImageSetSpec("large-4000x3000", 4000, 3000, count, quality=90, seed=2)
+    return SetPlan(spec, jobs, "large")
+
+
+def make_profile(name: str, *, cuda: bool) -> Profile:
+    if name not in PROFILE_NAMES:
+        raise ValueError(f"unknown profile {name!r}; use one of {', '.join(PROFILE_NAMES)}")
+    if name == "tiny":
+        return Profile(
+            name="tiny",
+            models=(ModelPlan("mobilenet_v3_small", batch_size=4, input_size=64),),
+            sets=(
+                SetPlan(
+                    ImageSetSpec("tiny-320x240", 320, 240, 12, quality=85, seed=3), 16, "photo"
+                ),
+                SetPlan(
+                    ImageSetSpec("tiny-1600x1200", 1600, 1200, 4, quality=90, seed=4), 8, "large"
+                ),
+            ),
+            compile_variant_on_cpu=False,
+            curve=CurvePlan(loads=(0.5, 1.0), seconds=0.6),
+            ceiling_s=0.3,
+            stage_min_s=0.15,
+            stage_images=4,
+            timeline_bin_s=0.25,
+            cache_roles=("large",),
+        )
+    if cuda:
+        models = (
+            ModelPlan("resnet50", batch_size=64, precision="fp16"),
+            ModelPlan("mobilenet_v3_small", batch_size=64, precision="fp16"),
+        )
+    else:
+        models = (ModelPlan("resnet18"), ModelPlan("mobilenet_v3_small"))
+    if name == "quick":
+        sets = (
+            (photo_set(128, 1024), large_set(32, 128))
+            if cuda
+            else (photo_set(48, 192), large_set(24, 96))
+        )
+        return Profile(
+            name="quick",
+            models=models,
+            sets=sets,
+            compile_variant_on_cpu=False,
+            curve=None,
+            ceiling_s=2.0,
+            stage_min_s=1.0,
+            stage_images=8,
+            time_limit_s=None if cuda else 300.0,
+            # Where decode dominates; the photo set too would push it over 5 min on 2 cores.
+            cache_roles=("large",),
+        )
+    sets = (
+        (photo_set(256, 4096), large_set(64, 512))
+        if cuda
+        else (photo_set(96, 384), large_set(48, 192))
+    )
+    return Profile(
+        name="full",
+        models=models,
+        sets=sets,
+        compile_variant_on_cpu=True,
+        curve=CurvePlan(),
+        ceiling_s=5.0,
+        stage_min_s=2.0,
+        stage_images=16,
+        cache_roles=("photo", "large"),
+    )

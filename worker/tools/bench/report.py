@@ -1,0 +1,627 @@
+"""The benchmark's outputs: report.json (schema in docs/bench-schema.md), report.md, and
+throughput.png; and `validate_report`, which checks a report against that schema and that
+every figure is a real measurement."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+RUN_NUMBERS = ("images_per_s", "p50_ms", "p95_ms", "p99_ms", "duration_s")
+SUMMARY_NUMBERS = ("vs_naive", "vs_ceiling", "pipeline_efficiency", "ideal_ratio")
+# The decode-cache pair (worker/tools/bench/ablations.py): repeated images, outside the ideal.
+CACHE_VARIANTS = ("cache_on_repeats", "cache_off_repeats")
+
+
+# --------------------------------------------------------------------------- helpers
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> list[str]:
+    align = align or "l" + "r" * (len(header) - 1)
+    sep = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def is_cache_run(run: Mapping[str, Any]) -> bool:
+    return run.get("variant") in CACHE_VARIANTS
+
+
+def _runs_of(report: Mapping[str, Any], image_set: str, model: str) -> list[dict[str, Any]]:
+    """The comparable runs (unique job bytes) of one image set and model."""
+    return [
+        r
+        for r in report["runs"]
+        if r["image_set"] == image_set and r["model"] == model and not is_cache_run(r)
+    ]
+
+
+def _groups(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    seen: list[tuple[str, str]] = []
+    for run in report["runs"]:
+        if is_cache_run(run):
+            continue
+        key = (run["image_set"], run["model"])
+        if key not in seen:
+            seen.append(key)
+    yield from seen
+
+
+def _cpu(run: Mapping[str, Any]) -> str:
+    return " / ".join(
+        _fmt(run.get(k), 0) for k in ("cpu_process_pct", "cpu_redis_pct", "cpu_other_processes_pct")
+    )
+
+
+def _run_label(run: Mapping[str, Any]) -> str:
+    if run["name"] in ("naive", "gpufeed"):
+        return f"**{run['name']}**"
+    return f"gpufeed, {run['label']}"
+
+
+def _gain(run: Mapping[str, Any]) -> str:
+    gain = run.get("optimisation_gain")
+    return "" if gain is None else f"x{gain:.2f}"
+
+
+# --------------------------------------------------------------------------- markdown
+def render_markdown(report: Mapping[str, Any]) -> str:
+    host = report["host"]
+    sets = {s["name"]: s for s in report["image_sets"]}
+    out: list[str] = [f"# gpufeed benchmark: {report['profile']} profile", ""]
+    gpu = f", {host['gpu']}" if host.get("gpu") else ""
+    out.append(
+        f"{host['cpu_count']} CPU cores, device {host['device']}{gpu}, torch {host['torch']}, "
+        f"load average {host['load_avg_1m_at_start']} at the start; {report['created_at']}; "
+        f"the benchmark took {report['elapsed_s']:.0f} s."
+    )
+    out += [
+        "",
+        "Each run: every job's bytes are unique (a per-job trailer after the JPEG's "
+        "end-of-image marker, which decoders ignore: the same pixels), so gpufeed's decode "
+        "cache never hits and every run decodes every image, as the naive worker and the "
+        "ideal do (the cache is measured apart, on repeated images); "
+        "all jobs queued in Redis before the worker reads; images/s = results / "
+        "(first read to last result); latency is end to end for that burst (so p50 is about "
+        "half the run); CPU % = the benchmark process (the worker runs in it) / redis-server / "
+        "every other process on the host, in % of one core; "
+        "ideal = the throughput the isolated stage costs allow; efficiency = images/s / ideal; "
+        "optimisation worth = gpufeed (defaults) images/s / the run's, with that one "
+        "optimisation switched off.",
+    ]
+    for image_set, model in _groups(report):
+        s = sets[image_set]
+        runs = _runs_of(report, image_set, model)
+        g = next((r for r in runs if r["name"] == "gpufeed"), runs[0])
+        st = g.get("settings", {})
+        out += [
+            "",
+            f"## {image_set}: {s['label']}, {s['distinct_images']} distinct images, "
+            f"{s['jobs']} jobs per run; {model}",
+            "",
+            f"gpufeed: batch {st.get('batch_size')}, {st.get('dtype')}, compile "
+            f"{st.get('compile')}, {st.get('decode_threads')} decode threads, max wait "
+            f"{_fmt(st.get('max_wait_ms'), 0)} ms; weights {st.get('weights')}.",
+            "",
+        ]
+        rows = [
+            [
+                _run_label(r),
+                _fmt(r["images_per_s"]),
+                _fmt(r["p50_ms"], 0),
+                _fmt(r["p95_ms"], 0),
+                _fmt(r["p99_ms"], 0),
+                _cpu(r),
+                _fmt(r.get("gpu_util_pct"), 0),
+                _fmt(r.get("vs_naive"), 2),
+                _fmt(r.get("vs_ceiling"), 2),
+                _fmt(r.get("ideal_images_per_s")),
+                _fmt(r.get("efficiency"), 2),
+                _gain(r),
+            ]
+            for r in runs
+        ]
+        out += _table(
+            [
+                "run",
+                "images/s",
+                "p50 ms",
+                "p95 ms",
+                "p99 ms",
+                "CPU %",
+                "GPU %",
+                "vs naive",
+                "vs ceiling",
+                "ideal images/s",
+                "efficiency",
+                "optimisation worth",
+            ],
+            rows,
+        )
+    out += ["", "## Summary", ""]
+    rows = []
+    for image_set, entry in report["summary"].items():
+        for model, m in entry["by_model"].items():
+            rows.append(
+                [
+                    image_set,
+                    model,
+                    _fmt(m["gpufeed_images_per_s"]),
+                    _fmt(m["naive_images_per_s"]),
+                    _fmt(m["ceiling_images_per_s"]),
+                    f"{_fmt(m['ideal_images_per_s'])} ({m['ideal_limited_by']})",
+                    _fmt(m["pipeline_efficiency"], 2),
+                    _fmt(m["vs_naive"], 2),
+                    _fmt(m["ideal_ratio"], 2),
+                    _fmt(m["vs_naive_of_ideal_ratio"], 2),
+                    _fmt(m["vs_ceiling"], 2),
+                ]
+            )
+    out += _table(
+        [
+            "image set",
+            "model",
+            "gpufeed images/s",
+            "naive",
+            "ceiling",
+            "ideal (bound)",
+            "pipeline efficiency",
+            "gpufeed/naive",
+            "ideal ratio",
+            "of ideal ratio",
+            "gpufeed/ceiling",
+        ],
+        rows,
+        "ll" + "r" * 9,
+    )
+    out += _cache_lines(report)
+    out += _url_lines(report)
+    out += _stage_rate_lines(report)
+    out += _target_lines(report)
+    if report.get("curves"):
+        out += ["", "## Latency against throughput, per batcher max wait", ""]
+        out += _table(
+            ["max wait ms", "load", "offered/s", "achieved/s", "p50 ms", "p99 ms"],
+            [
+                [
+                    _fmt(c["max_wait_ms"], 0),
+                    _fmt(c["load"], 2),
+                    _fmt(c["offered_per_s"]),
+                    _fmt(c["achieved_per_s"]),
+                    _fmt(c["p50_ms"], 0),
+                    _fmt(c["p99_ms"], 0),
+                ]
+                for c in report["curves"]
+            ],
+        )
+    if report.get("skipped"):
+        out += ["", "Not run:"]
+        out += [f"- {s['what']}: {s['reason']}" for s in report["skipped"]]
+    if report.get("notes"):
+        out += ["", "Notes:"]
+        out += [f"- {n}" for n in report["notes"]]
+    return "\n".join(out) + "\n"
+
+
+def _url_lines(report: Mapping[str, Any]) -> list[str]:
+    """`url` jobs against the inline runs of the same workload (defaults; cache on)."""
+    runs = report.get("url_runs") or []
+    if not runs:
+        return []
+    inline = {
+        (r["model"], r["image_set"], "url_repeats" if r.get("variant") else "url_unique"): r
+        for r in report["runs"]
+        if r["name"] in ("gpufeed", "gpufeed-cache-on-repeats")
+    }
+    rows = []
+    for r in runs:
+        base = inline.get((r["model"], r["image_set"], r.get("variant")))
+        base_rate = base["images_per_s"] if base else None
+        rows.append(
+            [
+                r["image_set"],
+                r["model"],
+                r["label"],
+                _fmt(base_rate),
+                _fmt(r["images_per_s"]),
+                "" if not base_rate else f"{r['images_per_s'] / base_rate:.2f}",
+                _fmt(r.get("fetch_ms")),
+                f"{r.get('downloads', 0)} / {r.get('not_modified', 0)}",
+                _fmt(r.get("cache_hit_ratio"), 2),
+            ]
+        )
+    out = [
+        "",
+        "## Images by URL (`url` jobs from a loopback HTTP server)",
+        "",
+        "The same jobs with each image fetched by URL instead of carried in the job: unique "
+        "images against the defaults run, repeated URLs against the cache-on run. Downloads / "
+        "304: what the server sent whole, and the conditional requests it answered 'not "
+        "modified' (a repeated URL: neither downloaded nor decoded again).",
+        "",
+    ]
+    out += _table(
+        [
+            "image set",
+            "model",
+            "run",
+            "inline images/s",
+            "by URL images/s",
+            "URL / inline",
+            "fetch ms (mean)",
+            "downloads / 304",
+            "cache hit ratio",
+        ],
+        rows,
+        "lll" + "r" * 6,
+    )
+    return out
+
+
+def _cache_lines(report: Mapping[str, Any]) -> list[str]:
+    runs = [r for r in report["runs"] if is_cache_run(r)]
+    if not runs:
+        return []
+    out = [
+        "",
+        "## Decode cache, on repeated images (not comparable with the runs above)",
+        "",
+        "gpufeed (defaults otherwise) on jobs that cycle through the set's distinct images "
+        "as they are, each repeated jobs / distinct times, with its decode cache on and off. "
+        "Not comparable with the ideal, the naive worker or the runs above (all of them decode "
+        "every image); cache worth = images/s with the cache on / off. Hit ratio: results the "
+        "worker answered from the cache (their `cached` flag) / results.",
+        "",
+    ]
+    rows = [
+        [
+            r["image_set"],
+            r["model"],
+            f"gpufeed, {r['label']}",
+            r.get("distinct_images"),
+            f"{r['jobs']} (x{_fmt(r.get('repeats'), 1)})",
+            _fmt(r["images_per_s"]),
+            _fmt(r["p50_ms"], 0),
+            _cpu(r),
+            _fmt(r.get("cache_hit_ratio"), 2),
+            "" if r.get("cache_worth") is None else f"x{r['cache_worth']:.2f}",
+        ]
+        for r in runs
+    ]
+    out += _table(
+        [
+            "image set",
+            "model",
+            "run",
+            "distinct images",
+            "jobs (repeats)",
+            "images/s",
+            "p50 ms",
+            "CPU %",
+            "cache hit ratio",
+            "cache worth (on / off)",
+        ],
+        rows,
+        "lll" + "r" * 7,
+    )
+    return out
+
+
+def _stage_rate_lines(report: Mapping[str, Any]) -> list[str]:
+    rates = report["stage_rates"]
+    threads = sorted({int(d["threads"]) for d in rates["decode"]})
+    rows: dict[tuple[str, int, str], dict[int, float]] = {}
+    for d in rates["decode"]:
+        key = (d["image_set"], int(d["input_size"]), d["method"])
+        rows.setdefault(key, {})[int(d["threads"])] = d["images_per_s"]
+    out = ["", "## Stage rates, each stage alone (images/s)", ""]
+    out += _table(
+        ["image set", "input", "decode method", *(f"{t} thread{'s' * (t > 1)}" for t in threads)],
+        [[k[0], k[1], k[2], *(_fmt(v.get(t)) for t in threads)] for k, v in rows.items()],
+        "lrl" + "r" * len(threads),
+    )
+    out += [""]
+    out += _table(
+        ["model", "measured", "batch", "images/s", "ms per batch", "core-ms per image"],
+        [
+            [
+                m["model"],
+                "direct-feed ceiling" + ("" if m["variant"] == "gpufeed" else f" ({m['variant']})")
+                if m["kind"] == "ceiling"
+                else "naive forward, batch 1",
+                m["batch"],
+                _fmt(m["images_per_s"]),
+                _fmt(m["ms_per_batch"], 2),
+                _fmt(m.get("core_ms_per_image")),
+            ]
+            for m in rates["model"]
+        ],
+        "llrrrr",
+    )
+    methods = rates.get("decode_methods", {})
+    if methods:
+        out += [""] + [f"- `{name}`: {text}" for name, text in methods.items()]
+    return out
+
+
+def _target_lines(report: Mapping[str, Any]) -> list[str]:
+    targets = report.get("targets") or []
+    if not targets:
+        return []
+    out = ["", "## Targets", ""]
+    out += _table(
+        ["target", "image set", "model", "measured", "threshold", "met", "limiting stage"],
+        [
+            [
+                t["target"] + (" (issue)" if t["named_in_issue"] else ""),
+                t["image_set"],
+                t["model"],
+                _fmt(t["measured"], 2),
+                _fmt(t["threshold"], 2),
+                "yes" if t["met"] else "**no**",
+                t["limiting_stage"] or "",
+            ]
+            for t in targets
+        ],
+        "lllrrll",
+    )
+    missed = [t for t in targets if not t["met"] and t.get("detail")]
+    if missed:
+        out += [""]
+        out += [f"- {t['target']}, {t['image_set']}, {t['model']}: {t['detail']}" for t in missed]
+    return out
+
+
+# --------------------------------------------------------------------------- figure
+def write_figure(report: Mapping[str, Any], path: Path) -> None:
+    """Throughput over time per run, and the per-image stage breakdown, per image set and
+    model; plus latency against throughput when the profile measured the curve."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(_groups(report))
+    curves = report.get("curves") or []
+    rows = len(groups) + (1 if curves else 0)
+    fig, axes = plt.subplots(rows, 2, figsize=(15, 3.6 * rows), squeeze=False)
+    stages = ("decode", "preprocess", "compute")
+    colours = {"decode": "#4c72b0", "preprocess": "#dd8452", "compute": "#55a868"}
+    for row, (image_set, model) in enumerate(groups):
+        runs = _runs_of(report, image_set, model)
+        ax = axes[row][0]
+        for r in runs:
+            tl = r["timeline"]
+            series = list(tl["images_per_s"])
+            # Each bin's rate held over the bin, from t0 to the end of the last bin.
+            xs = [i * tl["bin_s"] for i in range(len(series) + 1)]
+            ax.step(
+                xs,
+                [*series, series[-1]],
+                where="post",
+                label=r["name"],
+                lw=2.2 if r["name"] == "gpufeed" else 1.2,
+            )
+        ax.set_title(f"{image_set}, {model}: throughput over time")
+        ax.set_xlabel("seconds since the first read")
+        ax.set_ylabel("images/s")
+        ax.legend(fontsize=7, loc="upper right")
+        ax.grid(alpha=0.3)
+        ax = axes[row][1]
+        names = [r["name"] for r in runs]
+        left = [0.0] * len(runs)
+        for stage in stages:
+            widths = [float((r.get("work_ms_per_image") or {}).get(stage) or 0.0) for r in runs]
+            if any(widths):
+                ax.barh(
+                    names, widths, left=left, label=f"{stage} (stage timer)", color=colours[stage]
+                )
+                left = [a + w for a, w in zip(left, widths, strict=True)]
+        wall = [1000.0 / r["images_per_s"] for r in runs]
+        ax.scatter(
+            wall, names, marker="|", s=300, color="black", label="wall ms per image", zorder=3
+        )
+        ax.set_title(f"{image_set}, {model}: ms per image by stage")
+        ax.set_xlabel("ms per image (compute: per batch / images in it)")
+        ax.invert_yaxis()
+        ax.legend(fontsize=7, loc="lower right")
+        ax.grid(alpha=0.3, axis="x")
+    if curves:
+        ax = axes[rows - 1][0]
+        for wait in sorted({c["max_wait_ms"] for c in curves}):
+            pts = [c for c in curves if c["max_wait_ms"] == wait]
+            ax.plot(
+                [c["achieved_per_s"] for c in pts],
+                [c["p50_ms"] for c in pts],
+                marker="o",
+                label=f"max wait {wait:g} ms, p50",
+            )
+            ax.plot(
+                [c["achieved_per_s"] for c in pts],
+                [c["p99_ms"] for c in pts],
+                marker="x",
+                ls="--",
+                label=f"max wait {wait:g} ms, p99",
+            )
+        ax.set_title(f"latency against throughput ({curves[0]['model']}, {curves[0]['image_set']})")
+        ax.set_xlabel("images/s")
+        ax.set_ylabel("end-to-end latency, ms")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        axes[rows - 1][1].axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- files
+def write_all(report: dict[str, Any], out_dir: Path) -> None:
+    """report.json, report.md and throughput.png (the figure only where matplotlib is
+    installed, as `make setup` does; the report says so otherwise)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        report.setdefault("notes", []).append(
+            "matplotlib is not installed here, so no throughput.png was drawn"
+        )
+        has_matplotlib = False
+    else:
+        has_matplotlib = True
+    report["figure"] = "throughput.png" if has_matplotlib else None
+    # allow_nan=False: a NaN or infinity is a bug, never a measurement.
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    (out_dir / "report.md").write_text(render_markdown(report))
+    if has_matplotlib:
+        write_figure(report, out_dir / "throughput.png")
+
+
+# --------------------------------------------------------------------------- validation
+def _cache_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    """The decode cache's part of a run: no hit outside the cache pair (every other run's
+    job bytes are unique), hits with the cache on, none with it off."""
+    ratio = run.get("cache_hit_ratio")
+    if ratio is not None and not (
+        isinstance(ratio, int | float) and not isinstance(ratio, bool) and 0 <= ratio <= 1
+    ):
+        return [f"{where}: cache_hit_ratio must be between 0 and 1, got {ratio!r}"]
+    variant = run.get("variant")
+    if variant is None:
+        if ratio:
+            return [f"{where}: {ratio} cache hits on unique job bytes (the runs must decode)"]
+        return []
+    if variant not in CACHE_VARIANTS:
+        return [f"{where}: unknown variant {variant!r}"]
+    problems = []
+    if run.get("workload") != "repeats" or not _positive(run.get("repeats")):
+        problems.append(f"{where}: the cache pair must run on repeated images")
+    if ratio is None:
+        problems.append(f"{where}: cache_hit_ratio missing")
+    elif variant == "cache_off_repeats" and ratio != 0:
+        problems.append(f"{where}: {ratio} cache hits with the cache off")
+    elif variant == "cache_on_repeats" and ratio <= 0:
+        problems.append(f"{where}: no cache hit on repeated images with the cache on")
+    if variant == "cache_on_repeats" and not _positive(run.get("cache_worth")):
+        problems.append(f"{where}: cache_worth must be a positive number")
+    return problems
+
+
+def _positive(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def _all_numbers(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _all_numbers(v, f"{path}.{k}")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            yield from _all_numbers(v, f"{path}[{i}]")
+    elif isinstance(obj, int | float) and not isinstance(obj, bool):
+        yield path, float(obj)
+
+
+def validate_report(report: Mapping[str, Any]) -> list[str]:
+    """Everything wrong with `report` against docs/bench-schema.md (empty: nothing)."""
+    problems: list[str] = []
+    for key in ("schema_version", "profile", "host", "image_sets", "runs", "summary",
+                "stage_rates", "targets"):  # fmt: skip
+        if key not in report:
+            problems.append(f"missing top-level field {key!r}")
+    if problems:
+        return problems
+    if report["schema_version"] != SCHEMA_VERSION:
+        problems.append(f"schema_version {report['schema_version']} != {SCHEMA_VERSION}")
+    for path, value in _all_numbers(report):
+        if not math.isfinite(value):
+            problems.append(f"{path} is not finite ({value})")
+    set_names = {s["name"] for s in report["image_sets"]}
+    runs = report["runs"]
+    if not isinstance(runs, list) or not runs:
+        problems.append("runs must be a non-empty list")
+        runs = []
+    for i, run in enumerate(runs):
+        where = f"runs[{i}] ({run.get('name')}, {run.get('model')}, {run.get('image_set')})"
+        for key in ("name", "image_set", "model", "kind"):
+            if not isinstance(run.get(key), str) or not run.get(key):
+                problems.append(f"{where}: {key} must be a non-empty string")
+        if run.get("image_set") not in set_names:
+            problems.append(f"{where}: unknown image set {run.get('image_set')!r}")
+        cache_run = is_cache_run(run)
+        # The cache pair is outside the ideal: it has no ideal, efficiency or ratios.
+        compared = () if cache_run else ("ideal_images_per_s", "efficiency", "vs_ceiling")
+        for key in (*RUN_NUMBERS, *compared):
+            if not _positive(run.get(key)):
+                problems.append(f"{where}: {key} must be a positive number, got {run.get(key)!r}")
+        problems += _cache_problems(where, run)
+        jobs, results = run.get("jobs"), run.get("results")
+        if not isinstance(jobs, int) or jobs < 1:
+            problems.append(f"{where}: jobs must be a positive integer")
+        elif results != jobs:
+            problems.append(f"{where}: {results} results for {jobs} jobs")
+        if run.get("results_ok", 0) + run.get("results_error", 0) != results:
+            problems.append(f"{where}: results_ok + results_error != results")
+        if all(_positive(run.get(k)) for k in ("p50_ms", "p95_ms", "p99_ms")) and not (
+            run["p50_ms"] <= run["p95_ms"] <= run["p99_ms"]
+        ):
+            problems.append(f"{where}: percentiles out of order")
+        timeline = run.get("timeline") or {}
+        series = timeline.get("images_per_s")
+        counts = timeline.get("results")
+        if not isinstance(series, list) or not series or not _positive(timeline.get("bin_s")):
+            problems.append(f"{where}: timeline missing")
+        elif any(not isinstance(v, int | float) or v < 0 for v in series):
+            problems.append(f"{where}: timeline has negative values")
+        elif not isinstance(counts, list) or sum(counts) != results:
+            problems.append(f"{where}: the timeline's results do not add up to {results}")
+        if run.get("kind") == "gpufeed" and not cache_run and not _positive(run.get("vs_naive")):
+            problems.append(f"{where}: vs_naive must be a positive number")
+        cpu = run.get("cpu_core_ms_per_image")
+        if not isinstance(cpu, Mapping) or not _positive(cpu.get("total")):
+            problems.append(f"{where}: cpu_core_ms_per_image.total must be positive")
+    summary = report["summary"]
+    if not isinstance(summary, Mapping) or set(summary) != set_names:
+        problems.append(f"summary must have one entry per image set {sorted(set_names)}")
+    else:
+        for name, entry in summary.items():
+            for key in SUMMARY_NUMBERS:
+                if not _positive(entry.get(key)):
+                    problems.append(f"summary[{name}].{key} must be a positive number")
+            for model, m in (entry.get("by_model") or {}).items():
+                if "cache_worth" in m and not _positive(m["cache_worth"]):
+                    problems.append(f"summary[{name}].by_model[{model}].cache_worth not positive")
+    decode = report["stage_rates"].get("decode") or []
+    model = report["stage_rates"].get("model") or []
+    if not decode or not model:
+        problems.append("stage_rates needs decode and model entries")
+    for d in [*decode, *model]:
+        if not _positive(d.get("images_per_s")):
+            problems.append(f"stage rate {d} is not a positive number")
+    for c in report.get("curves") or []:
+        for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms"):
+            if not _positive(c.get(key)):
+                problems.append(f"curve point {c} has no positive {key}")
+        if c.get("results") != c.get("jobs"):
+            problems.append(f"curve point {c}: {c.get('results')} results for {c.get('jobs')} jobs")
+    return problems

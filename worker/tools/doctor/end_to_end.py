@@ -1,0 +1,192 @@
+"""(d) the end-to-end run: synthetic JPEGs through Redis and the real Worker's main loop,
+with the NVML/CPU sampler on."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from worker.config import WorkerConfig
+from worker.gpu_sampler import GpuSampler
+from worker.metrics import STAGES
+from worker.tools.doctor.job_feeder import Feeder
+from worker.tools.doctor.options import DoctorOptions
+
+
+def _mean(summary: Mapping[str, Any], metric: str) -> float | None:
+    values = summary.get("metrics", {}).get(metric)
+    return None if not values else float(values["mean"])
+
+
+async def end_to_end_section(
+    worker: Any, options: DoctorOptions, out: dict[str, Any], ceiling: float | None
+) -> int | None:
+    """Run the worker's main loop on synthetic jobs; fills `out`, returns the host syncs
+    counted meanwhile (CUDA; None on the CPU)."""
+    from worker.decode.gpu import synthetic_jpeg
+
+    cfg: WorkerConfig = worker.config
+    jobs = int(out["jobs"])
+    w, h = options.image_size
+    images = [synthetic_jpeg(w, h, seed=i, quality=85) for i in range(min(16, jobs))]
+    out["mean_jpeg_bytes"] = int(sum(map(len, images)) / len(images))
+    counters = worker.counters
+    held = worker.in_flight.limit
+    server = None
+    image_urls = None
+    if options.urls:
+        from worker.tools.bench.image_server import ImageServer
+
+        server = ImageServer({f"/doctor/{i}.jpg": data for i, data in enumerate(images)})
+        image_urls = [server.url(f"/doctor/{i}.jpg") for i in range(len(images))]
+    out["source"] = "url" if options.urls else "image"
+    ahead = held + max(128, 4 * worker.batch_size)
+    feeder = Feeder(cfg.redis_url, cfg.stream, images, jobs, ahead, image_urls=image_urls)
+    # A full backlog before the worker reads: the feed starts steady.
+    while await feeder.push(0):
+        pass
+
+    cuda = worker.ctx.is_cuda
+    sampler = GpuSampler((worker.ctx.device.index or 0) if cuda else 0, interval_s=0.2)
+    if not cuda:
+        sampler.available = False
+        sampler.reason = "CPU device: no GPU to sample"
+    syncs_cm: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if cuda:
+        from worker.tools.gpu_check import count_host_syncs
+
+        syncs_cm = count_host_syncs()
+    if server is not None:
+        server.__enter__()
+    sampler.start()
+    t_start = time.perf_counter()
+    main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
+    feeding = asyncio.create_task(feeder.run(lambda: counters.results), name="doctor-feeder")
+    first_t: float | None = None
+    first_n = 0
+    timed_out = False
+    # Polls while jobs were still being fed, and those that found some waiting in Redis
+    # beyond what the worker holds: was the worker ever short of input from Redis?
+    fed_polls = backlog_polls = 0
+    try:
+        with syncs_cm as syncs:
+            while True:
+                n = counters.results
+                now = time.perf_counter()
+                if first_t is None and n > 0:
+                    first_t, first_n = now, n
+                if first_t is not None and not feeding.done():
+                    fed_polls += 1
+                    if feeder.pushed - n > worker.in_flight.count:
+                        backlog_polls += 1
+                if n >= jobs:
+                    break
+                if main.done():
+                    main.result()  # a failed stage raises here
+                    break
+                if feeding.done():
+                    feeding.result()
+                if now - t_start > options.timeout_s:
+                    timed_out = True
+                    break
+                await asyncio.sleep(0.005)
+        t_end = time.perf_counter()
+    finally:
+        feeding.cancel()
+        sampler.close()
+        if server is not None:
+            server.__exit__()
+        worker.handle_exit()
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(main, 60)
+        with contextlib.suppress(asyncio.CancelledError):
+            await feeding
+
+    n_end = counters.results
+    obs = worker.observer
+    stage_ms = {s: obs.stage_ms[s].mean() for s in STAGES}
+    after_first = n_end - first_n
+    if first_t is not None and after_first >= worker.batch_size and t_end > first_t:
+        # From the first result on: the pipeline's fill-up is not throughput.
+        rate: float | None = after_first / (t_end - first_t)
+    else:
+        rate = n_end / (t_end - t_start) if n_end else None
+    decode_ms = stage_ms.get("decode")
+    fetch_ms = stage_ms.get("fetch")
+    threads = worker.decoder.threads
+    gpu_ms = obs.gpu_ms.mean()
+    summary = sampler.summary()
+    out.update(
+        measured=n_end > 0,
+        backlog=backlog_polls >= 0.9 * fed_polls,
+        images_per_s=None if rate is None else round(rate, 2),
+        elapsed_s=round(t_end - t_start, 3),
+        first_result_s=None if first_t is None else round(first_t - t_start, 3),
+        timed_out=timed_out,
+        results_ok=counters.results_ok,
+        results_error=counters.results_error,
+        stage_ms=stage_ms,
+        gpu_ms_per_batch=gpu_ms,
+        batch_fill=obs.fill.mean(),
+        decode_threads=threads,
+        decode_capacity_images_per_s=round(threads * 1000 / decode_ms, 1) if decode_ms else None,
+        fetch_capacity_images_per_s=round(cfg.fetch_concurrency * 1000 / fetch_ms, 1)
+        if fetch_ms
+        else None,
+        model_capacity_images_per_s=ceiling,
+        model_in_pipeline_images_per_s=round(worker.batch_size * 1000 / gpu_ms, 1)
+        if gpu_ms
+        else None,
+        gpu_util_pct=_mean(summary, "gpu_util_pct"),
+        mem_bw_util_pct=_mean(summary, "mem_bw_util_pct"),
+        process_cpu_pct=_mean(summary, "process_cpu_pct"),
+        system_cpu_pct=_mean(summary, "system_cpu_pct"),
+    )
+    if timed_out:
+        out["not_measured"].append(
+            f"only {n_end} of {jobs} results within --timeout {options.timeout_s:.0f} s"
+        )
+    if n_end == 0:
+        out["not_measured"].append("no result came back: no throughput to report")
+    if not summary["available"]:
+        out["not_measured"].append(f"GPU utilisation: {summary['reason']}")
+    if summary["samples"] == 0:
+        out["not_measured"].append("CPU utilisation: the run was shorter than one sample (0.2 s)")
+    return None if syncs is None else int(syncs.total)
+
+
+def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
+    w, h = options.image_size
+    return {
+        "measured": False,
+        "redis": None,
+        "stream": None,
+        "jobs": options.jobs,
+        "backlog": False,
+        "image_size": f"{w}x{h}",
+        "mean_jpeg_bytes": None,
+        "decode_delay_ms": round(options.decode_delay_s * 1000, 3),
+        "images_per_s": None,
+        "elapsed_s": None,
+        "first_result_s": None,
+        "timed_out": False,
+        "results_ok": None,
+        "results_error": None,
+        "stage_ms": None,
+        "gpu_ms_per_batch": None,
+        "batch_fill": None,
+        "decode_threads": None,
+        "decode_capacity_images_per_s": None,
+        "fetch_capacity_images_per_s": None,
+        "source": "url" if options.urls else "image",
+        "model_capacity_images_per_s": None,
+        "model_in_pipeline_images_per_s": None,
+        "gpu_util_pct": None,
+        "mem_bw_util_pct": None,
+        "process_cpu_pct": None,
+        "system_cpu_pct": None,
+        "not_measured": [],
+    }

@@ -1,0 +1,55 @@
+"""The Redis the end-to-end run uses: the configured one or a private one, and the cleanup
+of every key the run made."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _glob_escape(text: str) -> str:
+    # SCAN MATCH is a glob: the stream name must match literally.
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+async def cleanup(url: str, base: str, worker_name: str) -> None:
+    """Delete every key the run made: its streams, result hashes and heartbeat."""
+    from worker.observer import heartbeat_key
+
+    client = aioredis.from_url(url, socket_connect_timeout=2)
+    try:
+        keys = [f"{base}:jobs", f"{base}:results", f"{base}:dead", heartbeat_key(worker_name)]
+        async for key in client.scan_iter(match=_glob_escape(f"{base}:result:") + "*", count=500):
+            keys.append(key)
+        for i in range(0, len(keys), 500):
+            await client.delete(*keys[i : i + 500])
+    finally:
+        await client.aclose()
+
+
+def open_redis(url: str, stack: contextlib.ExitStack, reasons: list[str]) -> str | None:
+    """The configured Redis if it answers, else a private redis-server (worker/tools/demo.py's
+    helper, stopped when `stack` closes); None when neither can be had."""
+    from worker.tools.demo import redis_for_demo
+
+    workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpufeed-doctor-")))
+    try:
+        # The helper says which Redis it uses on stdout; stdout is the report's.
+        with contextlib.redirect_stdout(sys.stderr):
+            return str(stack.enter_context(redis_for_demo(url, workdir)))
+    except SystemExit as exc:  # no redis-server binary
+        reasons.append(f"no Redis: {url} does not answer and {exc}")
+    except (OSError, RuntimeError) as exc:
+        reasons.append(f"no Redis: {type(exc).__name__}: {exc}")
+    return None

@@ -1,0 +1,297 @@
+"""The report's JSON Schema (SCHEMA), documented in docs/doctor-schema.md.
+
+A JSON Schema (the subset the validator in validate.py understands: type, properties,
+required, additionalProperties, items, enum), with a `unit` next to `description` where one
+applies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.tools.verdict import VERDICTS
+
+SCHEMA_VERSION = 1
+
+
+def _t(types: str | list[str], description: str, unit: str = "", **extra: Any) -> dict[str, Any]:
+    node: dict[str, Any] = {"type": types, "description": description}
+    if unit:
+        node["unit"] = unit
+    node.update(extra)
+    return node
+
+
+def _obj(description: str, properties: dict[str, Any], *, nullable: bool = False) -> dict[str, Any]:
+    return {
+        "type": ["object", "null"] if nullable else "object",
+        "description": description,
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def _map(description: str, values: dict[str, Any], key: str, *, nullable: bool = False) -> Any:
+    return {
+        "type": ["object", "null"] if nullable else "object",
+        "description": description,
+        "additionalProperties": values,
+        "x-key": key,
+    }
+
+
+def _list(description: str, items: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "description": description, "items": items}
+
+
+_NOT_MEASURED = _list(
+    "what this section could not measure, and why (empty when everything was measured)",
+    _t("string", "one reason"),
+)
+
+_CEILING_RUN = _obj(
+    "one direct-feed run (worker/model/ceiling.py)",
+    {
+        "device": _t("string", "the device the batch was on, e.g. `cpu`, `cuda:0`"),
+        "batch": _t("integer", "batch size", "images"),
+        "iters": _t("integer", "timed batches, after warm-up", "batches"),
+        "images_per_s": _t("number", "throughput", "images/s"),
+        "ms_per_batch": _t("number", "time per batch (CUDA events on CUDA, wall on CPU)", "ms"),
+        "wall_s": _t("number", "wall time of the timed batches", "s"),
+        "mode": _t("string", "`off` (eager) or the torch.compile mode"),
+        "compile_s": _t(["number", "null"], "compile time when compiled for this measurement", "s"),
+    },
+    nullable=True,
+)
+
+_FINDING = _obj(
+    "a finding",
+    {
+        "name": _t("string", "the finding's name (one of the verdict names)", enum=list(VERDICTS)),
+        "headline": _t("string", "what it means, in plain words"),
+        "evidence": _list("the figures behind it", _t("string", "one line")),
+        "knob": _t("string", "the setting to change"),
+        "hint": _t("boolean", "true: not strong enough to be the verdict (e.g. on CPU)"),
+    },
+)
+
+SCHEMA: dict[str, Any] = _obj(
+    "the report of `python -m worker doctor --json`",
+    {
+        "schema_version": _t("integer", f"the schema's version ({SCHEMA_VERSION})"),
+        "started_at": _t("string", "when the doctor started, ISO 8601 UTC"),
+        "elapsed_s": _t("number", "how long the doctor ran", "s"),
+        "environment": _obj(
+            "the host",
+            {
+                "host": _t("string", "host name"),
+                "python": _t("string", "Python version"),
+                "torch": _t("string", "PyTorch version"),
+                "cuda_available": _t("boolean", "whether PyTorch sees a CUDA device"),
+                "device_name": _t(["string", "null"], "the CUDA device's name; null on CPU"),
+                "cpu_count": _t("integer", "CPU cores this process may use", "cores"),
+            },
+        ),
+        "config": _obj(
+            "the settings measured (environment and flags, as the worker resolved them)",
+            {
+                "model": _t("string", "GPUFEED_MODEL"),
+                "weights": _t("string", "the weights loaded"),
+                "device": _t("string", "the device used, e.g. `cpu`, `cuda:0 (NVIDIA H200)`"),
+                "batch_size": _t("integer", "the one batch shape", "images"),
+                "compile": _t("string", "GPUFEED_COMPILE as configured"),
+                "compile_mode": _t(
+                    "string", "the resolved mode of the serving step (`off`: eager)"
+                ),
+                "compiled": _t("boolean", "the serving step is compiled (no eager fallback)"),
+                "cudagraphs": _t("boolean", "the serving step replays CUDA graphs"),
+                "dtype": _t("string", "the serving precision, e.g. `float32`, `bfloat16`"),
+                "input_size": _t("integer", "model input side", "px"),
+                "staging_size": _t("integer", "staging (resize) side", "px"),
+                "decode": _t("string", "GPUFEED_DECODE"),
+                "decode_threads": _t("integer", "decode threads", "threads"),
+                "dct_scaling": _t("boolean", "GPUFEED_DCT_SCALING"),
+                "max_wait_ms": _t("number", "GPUFEED_MAX_WAIT_MS", "ms"),
+                "fetch_concurrency": _t(
+                    "integer", "GPUFEED_FETCH_CONCURRENCY (`url` jobs)", "fetches"
+                ),
+                "notes": _list(
+                    "changes the doctor made, e.g. random weights", _t("string", "one note")
+                ),
+            },
+        ),
+        "ceiling": _obj(
+            "(a) the direct-feed ceiling: a random batch already on the device, fed to the step",
+            {
+                "measured": _t("boolean", "at least one variant was measured"),
+                "serving": _t(
+                    "string", "which variant the worker serves with", enum=["eager", "compiled"]
+                ),
+                "eager": _CEILING_RUN,
+                "compiled": _CEILING_RUN,
+                "not_measured": _NOT_MEASURED,
+            },
+        ),
+        "profile": _obj(
+            "(b) one forward of the step under torch.profiler",
+            {
+                "measured": _t("boolean", "the profile was taken"),
+                "device": _t("string", "`cuda` or `cpu`"),
+                "unit": _t(
+                    "string",
+                    "what was counted: CUDA kernels, or on the CPU the outermost aten operators",
+                    enum=["kernels", "ops"],
+                ),
+                "step": _t(
+                    "string",
+                    "the step profiled: the serving one, or one passed in by a caller",
+                    enum=["eager", "compiled", "injected"],
+                ),
+                "stats": _obj(
+                    "figures of the trace (worker/tools/profile_stats.py)",
+                    {
+                        "count": _t("integer", "kernels (or ops) in one forward"),
+                        "busy_us": _t("number", "time any of them ran (union)", "µs"),
+                        "wall_us": _t("number", "wall time of the forward", "µs"),
+                        "span_us": _t("number", "first start to last end", "µs"),
+                        "busy_ratio": _t(["number", "null"], "busy_us / wall_us", "0..1"),
+                        "gaps": _obj(
+                            "idle gaps between one ending and the next starting",
+                            {
+                                "count": _t("integer", "gaps"),
+                                "mean_us": _t(["number", "null"], "mean gap", "µs"),
+                                "p50_us": _t(["number", "null"], "median gap", "µs"),
+                                "max_us": _t(["number", "null"], "longest gap", "µs"),
+                                "total_us": _t("number", "sum of the gaps", "µs"),
+                            },
+                        ),
+                        "tiny_share": _t(
+                            ["number", "null"], "share shorter than tiny_threshold_us", "0..1"
+                        ),
+                        "tiny_threshold_us": _t("number", "the 'tiny' threshold (10)", "µs"),
+                        "median_us": _t(["number", "null"], "median duration", "µs"),
+                    },
+                    nullable=True,
+                ),
+                "top": _list(
+                    "the names with the most time",
+                    _obj(
+                        "one name",
+                        {
+                            "name": _t("string", "kernel or operator name"),
+                            "count": _t("integer", "occurrences in the forward"),
+                            "total_us": _t("number", "their summed duration", "µs"),
+                        },
+                    ),
+                ),
+                "not_measured": _NOT_MEASURED,
+            },
+        ),
+        "host_syncs": _obj(
+            "(c) host syncs on the launch path, under CUDA sync-debug mode",
+            {
+                "measured": _t("boolean", "the check ran"),
+                "applicable": _t("boolean", "false on the CPU, where there are no device syncs"),
+                "launches": _t("integer", "launches of the real hot path checked", "batches"),
+                "count": _t(["integer", "null"], "syncs counted in those launches (0 expected)"),
+                "where": _list(
+                    "where they happened: `file:line: message`, or `thread:call xN` for "
+                    "explicit synchronize calls",
+                    _t("string", "one location"),
+                ),
+                "pipeline_count": _t(
+                    ["integer", "null"], "syncs counted during the end-to-end run"
+                ),
+                "not_measured": _NOT_MEASURED,
+            },
+        ),
+        "end_to_end": _obj(
+            "(d) synthetic JPEGs through Redis and a real in-process worker",
+            {
+                "measured": _t("boolean", "the run took place and produced results"),
+                "redis": _t(
+                    ["string", "null"],
+                    "`existing` (REDIS_URL answered) or `private` (a redis-server started here)",
+                ),
+                "stream": _t(["string", "null"], "the private job stream used (deleted after)"),
+                "jobs": _t(
+                    "integer", "jobs submitted (--jobs; default 200 on CPU, 3000 on CUDA)", "jobs"
+                ),
+                "backlog": _t(
+                    "boolean",
+                    "jobs were waiting in Redis beyond what the worker held, in at least 90% "
+                    "of the checks while jobs were fed (false: the feed, not the worker, ran dry)",
+                ),
+                "image_size": _t("string", "WIDTHxHEIGHT of the synthetic JPEGs", "px"),
+                "source": _t(
+                    "string",
+                    "how the jobs carry their images: inline, or by URL from a loopback HTTP "
+                    "server (--urls)",
+                    enum=["image", "url"],
+                ),
+                "mean_jpeg_bytes": _t(["integer", "null"], "mean encoded size", "bytes"),
+                "decode_delay_ms": _t("number", "test hook: added to every decode", "ms"),
+                "images_per_s": _t(
+                    ["number", "null"], "results per second after the first batch", "images/s"
+                ),
+                "elapsed_s": _t(["number", "null"], "main loop start to the last result", "s"),
+                "first_result_s": _t(["number", "null"], "main loop start to the first", "s"),
+                "timed_out": _t("boolean", "the run hit --timeout before all results"),
+                "results_ok": _t(["integer", "null"], "ok results", "jobs"),
+                "results_error": _t(["integer", "null"], "error results", "jobs"),
+                "stage_ms": _map(
+                    "mean time per job in each stage (the worker's observer)",
+                    _t(["number", "null"], "mean", "ms"),
+                    "stage",
+                    nullable=True,
+                ),
+                "gpu_ms_per_batch": _t(
+                    ["number", "null"],
+                    "model time per batch (CUDA events; wall time on CPU)",
+                    "ms",
+                ),
+                "batch_fill": _t(["number", "null"], "mean real rows / batch size", "0..1"),
+                "decode_threads": _t(["integer", "null"], "decode threads", "threads"),
+                "decode_capacity_images_per_s": _t(
+                    ["number", "null"], "decode threads / mean decode time", "images/s"
+                ),
+                "fetch_capacity_images_per_s": _t(
+                    ["number", "null"],
+                    "GPUFEED_FETCH_CONCURRENCY / mean fetch time (--urls runs)",
+                    "images/s",
+                ),
+                "model_capacity_images_per_s": _t(
+                    ["number", "null"], "the serving step's ceiling, from (a)", "images/s"
+                ),
+                "model_in_pipeline_images_per_s": _t(
+                    ["number", "null"], "batch size / gpu_ms_per_batch", "images/s"
+                ),
+                "gpu_util_pct": _t(["number", "null"], "NVML GPU utilisation, mean", "%"),
+                "mem_bw_util_pct": _t(["number", "null"], "NVML memory utilisation, mean", "%"),
+                "process_cpu_pct": _t(
+                    ["number", "null"], "this process's CPU, mean (100 = one core)", "%"
+                ),
+                "system_cpu_pct": _t(["number", "null"], "whole host CPU, mean", "%"),
+                "not_measured": _NOT_MEASURED,
+            },
+        ),
+        "verdict": _obj(
+            "(e) the verdict (rules and thresholds: worker/tools/verdict.py)",
+            {
+                "name": _t("string", "the verdict", enum=list(VERDICTS)),
+                "headline": _t("string", "what it means, in plain words"),
+                "evidence": _list("the figures behind it", _t("string", "one line")),
+                "knob": _t("string", "the setting to change"),
+                "also": _list("other findings that hold, and hints", _FINDING),
+                "thresholds": _map(
+                    "the thresholds the rules used", _t("number", "threshold"), "name"
+                ),
+            },
+        ),
+        "not_measured": _list(
+            "every section's not_measured lines, prefixed with the section",
+            _t("string", "one line"),
+        ),
+    },
+)

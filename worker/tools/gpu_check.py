@@ -1,0 +1,672 @@
+"""python -m worker.tools.gpu_check: a short benchmark of the real pipeline on this GPU.
+
+Phases, each written to `report.json` in $GPU_CHECK_OUT (default .gpu-check/out) as it
+ends, so a run cut short still reports what it measured:
+
+1. start-up: a real Worker in-process (compile, warm-up, precision check, start-up checks);
+2. ceiling: the direct-feed ceiling, a random uint8 batch already on the device through
+   the compiled step and through the eager step, on the launch thread (images/s), with
+   cudnn.benchmark off as the worker runs;
+3. pipeline: photo-like ~640x480 JPEGs pushed into Redis as fast as the worker takes them,
+   results counted for a fixed window, GPU utilisation sampled through NVML and host syncs
+   counted (CUDA sync-debug warnings plus explicit synchronize calls) meanwhile;
+4. decode: RGB, grey and CMYK JPEGs decoded by each GPU decoder against the CPU path;
+5. cudnn: the ceiling again with cudnn.benchmark on (eager, and compiled and captured
+   afresh: warm-up runs before capture, so it may pick faster kernels once), when the
+   time left allows it.
+
+The run has a deadline (--deadline-s): phases that do not fit are skipped and say so, and
+when the deadline passes (or SIGTERM arrives) the report is written with what was measured
+and the process ends at once, even with a compile still running on another thread.
+
+The CUDA test results (--junit) are part of the verdict: a failed, errored or skipped CUDA
+test fails the check, so a host where CUDA tests skip cannot pass.
+
+No network: weights are random (`none`), images are made here, Redis is whatever REDIS_URL
+points at (scripts/gpu-check.sh starts a private one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import redis
+import structlog
+import torch
+
+from worker.config import WorkerConfig
+from worker.decode.cpu import DecodeInfo, DecodeSpec, decode_to_array
+from worker.decode.gpu import (
+    GpuDecodeFailed,
+    GpuDecoder,
+    GpuDecodeUnavailable,
+    GpuRow,
+    make_backend,
+    synthetic_jpeg,
+)
+from worker.gpu_sampler import GpuSampler
+from worker.logs import configure_logging
+from worker.model.ceiling import direct_feed_ceiling
+from worker.model.compiler import compile_step, still_compiled
+from worker.service import Worker
+
+log = structlog.get_logger("gpufeed.gpu_check")
+
+_SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
+
+
+class SyncCounter:
+    """Counts host syncs while active: CUDA sync-debug warnings (any thread) and explicit
+    torch.cuda.synchronize / Event.synchronize / Stream.synchronize calls, per thread."""
+
+    def __init__(self) -> None:
+        self.debug_warnings = 0
+        self.explicit: dict[str, int] = {}
+        self.examples: list[str] = []
+        self._lock = threading.Lock()
+
+    @property
+    def total(self) -> int:
+        return self.debug_warnings + sum(self.explicit.values())
+
+    def _explicit(self, what: str) -> None:
+        key = f"{threading.current_thread().name}:{what}"
+        with self._lock:
+            self.explicit[key] = self.explicit.get(key, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "sync_debug_warnings": self.debug_warnings,
+            "explicit_calls": self.explicit,
+            "examples": self.examples[:5],
+        }
+
+
+@contextlib.contextmanager
+def count_host_syncs() -> Iterator[SyncCounter]:
+    counter = SyncCounter()
+    if not torch.cuda.is_available():
+        yield counter
+        return
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            counter._explicit(label)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counting)
+        patched.append((owner, name, original))
+
+    wrap(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    wrap(torch.cuda.Event, "synchronize", "Event.synchronize")
+    wrap(torch.cuda.Stream, "synchronize", "Stream.synchronize")
+    previous_mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counter
+        finally:
+            torch.cuda.set_sync_debug_mode(previous_mode)
+            for owner, name, original in reversed(patched):
+                setattr(owner, name, original)
+    for w in seen:
+        text = str(w.message)
+        if _SYNC_WARNING in text.lower():
+            counter.debug_warnings += 1
+            if len(counter.examples) < 5:
+                counter.examples.append(f"{w.filename}:{w.lineno}: {text[:200]}")
+
+
+def junit_summary(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {"available": False, "reason": f"{path} not found"}
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as exc:
+        return {"available": False, "reason": f"unreadable: {exc}"}
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed: list[str] = []
+    skipped: list[str] = []
+    for suite in suites:
+        for key in totals:
+            totals[key] += int(suite.get(key, 0) or 0)
+        for case in suite.iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            if case.find("failure") is not None or case.find("error") is not None:
+                failed.append(name)
+            elif case.find("skipped") is not None:
+                reason = case.find("skipped")
+                message = reason.get("message", "") if reason is not None else ""
+                skipped.append(f"{name}: {message}" if message else name)
+    passed = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
+    return {
+        "available": True,
+        **totals,
+        "passed": passed,
+        "failed": failed,
+        "skipped_tests": skipped,
+    }
+
+
+def cuda_tests_verdict(summary: dict[str, Any]) -> list[str]:
+    """Why the CUDA tests do not count as passed on this GPU (empty: they do). A skipped
+    CUDA test is a failure here: on a GPU host every one of them must run."""
+    if not summary.get("available"):
+        return [f"no CUDA test results ({summary.get('reason', 'not given')})"]
+    problems = []
+    if summary["tests"] == 0:
+        problems.append("no CUDA test ran")
+    bad = summary["failures"] + summary["errors"]
+    if bad:
+        problems.append(f"{bad} CUDA test(s) failed: " + ", ".join(summary["failed"][:10]))
+    if summary["skipped"]:
+        problems.append(
+            f"{summary['skipped']} CUDA test(s) skipped, which counts as failed on a GPU "
+            "host: " + ", ".join(summary["skipped_tests"][:10])
+        )
+    return problems
+
+
+class Report:
+    """The report as a dict, written atomically to `path` whenever a phase ends (and from
+    the watchdog), so the file always holds what was measured so far."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "phases": {},
+        }
+        self.phase_now = ""
+        self._t0 = time.perf_counter()
+        # Reentrant: SIGTERM's handler writes from the main thread, maybe mid-write.
+        self._lock = threading.RLock()
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.data[key] = value
+
+    def update(self, **values: Any) -> None:
+        self.data.update(values)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[dict[str, Any]]:
+        """Times a phase and writes the report when it ends, however it ends."""
+        entry: dict[str, Any] = {"status": "running"}
+        self.data["phases"][name] = entry
+        self.phase_now = name
+        t0 = time.perf_counter()
+        self.write()
+        try:
+            yield entry
+        except BaseException as exc:
+            entry["status"] = "failed"
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            raise
+        else:
+            if entry["status"] == "running":
+                entry["status"] = "done"
+        finally:
+            entry["s"] = round(time.perf_counter() - t0, 2)
+            self.write()
+
+    def skip(self, name: str, why: str) -> None:
+        self.data["phases"][name] = {"status": "skipped", "why": why}
+        self.write()
+
+    def write(self) -> None:
+        with self._lock:
+            self.data["elapsed_s"] = round(time.perf_counter() - self._t0, 1)
+            text = ""
+            # Another thread may add a key while this one serialises: try again.
+            for _ in range(5):
+                try:
+                    text = json.dumps(self.data, indent=2, default=str) + "\n"
+                    break
+                except RuntimeError:
+                    time.sleep(0.01)
+            tmp = self.path.with_suffix(".json.tmp")
+            tmp.write_text(text or json.dumps({"error": "report could not be serialised"}))
+            os.replace(tmp, self.path)
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "host": platform.node(),
+    }
+    with contextlib.suppress(ImportError):
+        import torchvision
+
+        env["torchvision"] = torchvision.__version__
+    if torch.cuda.is_available():
+        env["device_name"] = torch.cuda.get_device_name(0)
+        env["device_count"] = torch.cuda.device_count()
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    return env
+
+
+def _eager_of(fn: Any) -> Any:
+    # torch.compile(module) returns an OptimizedModule that keeps the module it wraps.
+    return getattr(fn, "_orig_mod", fn)
+
+
+async def _measure_pipeline(
+    worker: Worker, args: argparse.Namespace, report: Report, window_s: float
+) -> None:
+    cfg = worker.config
+    images = [synthetic_jpeg(args.width, args.height, seed=i, quality=85) for i in range(32)]
+    report["pipeline_input"] = {
+        "images": f"{args.width}x{args.height} JPEG q85",
+        "mean_bytes": int(sum(map(len, images)) / len(images)),
+    }
+    client = redis.Redis.from_url(cfg.redis_url)
+    stop = threading.Event()
+    pushed = 0
+    backlog = max(2048, worker.batch_size * 32)
+
+    def done_count() -> int:
+        c = worker.counters
+        return c.results_ok + c.results_error
+
+    def produce() -> None:
+        nonlocal pushed
+        while not stop.is_set():
+            if pushed - done_count() >= backlog:
+                time.sleep(0.002)
+                continue
+            pipe = client.pipeline(transaction=False)
+            for _ in range(256):
+                pipe.xadd(cfg.stream, {"id": f"g{pushed}", "image": images[pushed % len(images)]})
+                pushed += 1
+            pipe.execute()
+
+    producer = threading.Thread(target=produce, name="gpu-check-producer", daemon=True)
+    main = asyncio.create_task(worker.main_loop(), name="main_loop")
+    producer.start()
+    # The CUDA index the worker computes on; the sampler finds it in NVML by UUID.
+    sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
+    try:
+        deadline = time.monotonic() + args.warmup_seconds + 60
+        while done_count() < worker.batch_size * 4 and time.monotonic() < deadline:
+            if main.done():
+                main.result()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(args.warmup_seconds)
+        sampler.start()
+        with count_host_syncs() as syncs:
+            n0, t0 = done_count(), time.monotonic()
+            await asyncio.sleep(window_s)
+            n1, t1 = done_count(), time.monotonic()
+        sampler.stop()
+    finally:
+        stop.set()
+        producer.join(timeout=10)
+        worker.handle_exit()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(main, 60)
+        sampler.close()
+        client.close()
+    c = worker.counters
+    report["pipeline_images_per_s"] = round((n1 - n0) / max(t1 - t0, 1e-9), 1)
+    report["pipeline"] = {
+        "window_s": round(t1 - t0, 2),
+        "results_in_window": n1 - n0,
+        "results_ok": c.results_ok,
+        "results_error": c.results_error,
+        "errors_by_code": dict(c.errors_by_code),
+        "batches": c.batches,
+        "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
+        if c.batches
+        else None,
+        "jobs_pushed": pushed,
+        "decode_threads": worker.decoder.threads,
+    }
+    report["host_syncs"] = syncs.total
+    report["host_syncs_detail"] = syncs.as_dict()
+    summary = sampler.summary()
+    report["gpu_sampler"] = summary
+    util = summary["metrics"].get("gpu_util_pct", {})
+    report["gpu_util_mean"] = util.get("mean")
+    report["gpu_util_p50"] = util.get("p50")
+
+
+def decode_differences(device: torch.device, size: int = 224) -> dict[str, Any]:
+    """Where each GPU JPEG decoder differs from the CPU path, per colour mode: mean and
+    largest absolute difference per pixel value (0..255), after the same resize and crop.
+    The router sends only RGB and grey JPEGs to the GPU; CMYK is measured to show why."""
+    spec = DecodeSpec(size=size, dct_scaling=False)
+    samples = {
+        mode: synthetic_jpeg(640, 480, seed=7, quality=90, mode=mode)
+        for mode in ("RGB", "L", "CMYK")
+    }
+    out: dict[str, Any] = {}
+    for prefer in ("nvimgcodec", "torchvision"):
+        try:
+            decoder = GpuDecoder(device, make_backend(device, prefer))
+        except GpuDecodeUnavailable as exc:
+            out[prefer] = {"available": False, "reason": str(exc)}
+            continue
+        per_mode: dict[str, Any] = {}
+        try:
+            for mode, data in samples.items():
+                want, info = decode_to_array(data, spec)
+                row = GpuRow(data, DecodeInfo("JPEG", info.width, info.height, 1), 1)
+                dest = torch.zeros((1, size, size, 3), dtype=torch.uint8, device=device)
+                try:
+                    result = decoder.decode_rows_sync([(0, row)], dest)
+                except GpuDecodeFailed as exc:
+                    per_mode[mode] = {"decoded": False, "error": str(exc)}
+                    continue
+                if result.failed:
+                    per_mode[mode] = {"decoded": False, "error": "the decoder returned nothing"}
+                    continue
+                got = dest[0].cpu().numpy().astype(int)  # measurement: waits for the GPU
+                diff = abs(got - want.astype(int))
+                per_mode[mode] = {
+                    "decoded": True,
+                    "mean_abs_diff": round(float(diff.mean()), 3),
+                    "max_abs_diff": int(diff.max()),
+                    "mean_abs_diff_per_channel": [
+                        round(float(diff[..., ch].mean()), 3) for ch in range(3)
+                    ],
+                }
+        finally:
+            decoder.shutdown()
+        out[prefer] = {"available": True, "modes": per_mode}
+    return out
+
+
+def _example_batch(batch: int, size: int, device: torch.device) -> torch.Tensor:
+    # Made outside inference mode, like the worker's device buffers (the compiled step's
+    # guards would otherwise see another kind of tensor).
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shape = (batch, size, size, 3)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device)
+
+
+async def run(args: argparse.Namespace, report: Report, deadline: Deadline) -> None:
+    overrides: dict[str, Any] = {
+        "redis_url": args.redis_url,
+        "model": args.model,
+        "weights": "none",
+        "device": args.device,
+        "batch_size": args.batch,
+        "compile": args.compile,
+        "precision": args.precision,
+        "decode": args.decode,
+        "stream": "gpucheck:jobs",
+        "group": "gpucheck",
+        "results_stream": "gpucheck:results",
+        "result_prefix": "gpucheck:result:",
+        "dead_stream": "gpucheck:dead",
+        "result_ttl_s": 600,
+        "results_maxlen": 10_000,
+        "worker_name": "gpu-check",
+        "max_wait_ms": 5.0,
+        "log_level": "warning",
+        "log_format": "json",
+    }
+    cfg = WorkerConfig.load(env={}, overrides=overrides)
+    worker = Worker(cfg)
+    try:
+        await _run_phases(worker, args, report, deadline)
+    finally:
+        await worker.shutdown()
+
+
+async def _run_phases(
+    worker: Worker, args: argparse.Namespace, report: Report, deadline: Deadline
+) -> None:
+    with report.phase("startup"):
+        t0 = time.perf_counter()
+        await worker.startup(wait_for_redis=False)
+        report["startup_s"] = round(time.perf_counter() - t0, 2)
+        compile_report = worker.compile_report
+        assert compile_report is not None
+        report["compile"] = compile_report.as_dict()
+        report["precision"] = worker.precision.as_dict() if worker.precision else None
+    runner = worker.runner
+    device = worker.ctx.device
+    step_fn = runner.step
+    eager = _eager_of(step_fn)
+    cudagraphs = compile_report.mode == "reduce-overhead" and compile_report.compiled
+    cudagraphs = cudagraphs and device.type == "cuda"
+    report.update(
+        model=worker.config.model,
+        batch=worker.batch_size,
+        dtype=str(getattr(eager, "dtype", "")).removeprefix("torch."),
+        device=worker.ctx.name,
+        staging_size=worker.loaded.resize_size,
+        input_size=worker.loaded.crop_size,
+    )
+    size = worker.loaded.resize_size
+    ceilings: dict[str, Any] = {}
+    report["ceiling"] = ceilings
+
+    with report.phase("ceiling"):
+
+        def on_launch_thread() -> None:
+            x = _example_batch(worker.batch_size, size, device)
+            ceilings["compiled"] = direct_feed_ceiling(
+                step_fn, x, iters=args.ceiling_iters, warmup=5, cudagraphs=cudagraphs
+            )
+            ceilings["eager"] = direct_feed_ceiling(eager, x, iters=args.ceiling_iters, warmup=3)
+
+        runner.run_sync(on_launch_thread)
+        report["ceiling_images_per_s"] = {
+            "compiled": ceilings["compiled"]["images_per_s"],
+            "eager": ceilings["eager"]["images_per_s"],
+            "cudnn_benchmark": False,
+        }
+
+    # Keep time for the phases after it: decode (~10 s) and the end of the run.
+    room = deadline.left() - args.warmup_seconds - 25
+    window = min(args.seconds, room)
+    if room < min(args.seconds, 5.0):
+        report.skip("pipeline", f"{deadline.left():.0f} s left: no room for a window")
+    else:
+        with report.phase("pipeline") as entry:
+            entry["window_s"] = round(window, 1)
+            await _measure_pipeline(worker, args, report, window)
+            report["compile_still_one_graph"] = still_compiled(compile_report) or "yes"
+            best = max(ceilings["compiled"]["images_per_s"], ceilings["eager"]["images_per_s"])
+            report["ratio"] = round(report["pipeline_images_per_s"] / best, 3) if best else None
+
+    loop = asyncio.get_running_loop()
+    if deadline.left() < 15:
+        report.skip("decode", f"{deadline.left():.0f} s left")
+    else:
+        with report.phase("decode"):
+            report["gpu_decode_vs_cpu"] = await loop.run_in_executor(
+                None, decode_differences, device, worker.loaded.resize_size
+            )
+
+    if device.type != "cuda":
+        report.skip("cudnn", "not a CUDA device")
+        return
+    if deadline.left() < 10:
+        report.skip("cudnn", f"{deadline.left():.0f} s left")
+        return
+    with report.phase("cudnn") as entry:
+        # Its own thread and stream: CUDA-graph trees are per thread, and the worker's own
+        # launch thread is gone with the pipeline.
+        needed_s = max(15.0, 0.5 * compile_report.compile_s)
+
+        def cudnn_on() -> None:
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            previous = torch.backends.cudnn.benchmark
+            torch.backends.cudnn.benchmark = True
+            try:
+                with torch.cuda.stream(stream):
+                    x = _example_batch(worker.batch_size, size, device)
+                    ceilings["eager_cudnn_benchmark"] = direct_feed_ceiling(
+                        eager, x, iters=args.ceiling_iters, warmup=5
+                    )
+                    if not cudagraphs:
+                        return
+                    if deadline.left() < needed_s:
+                        entry["compiled"] = (
+                            f"not measured: {deadline.left():.0f} s left, a compile needs "
+                            f"about {needed_s:.0f} s"
+                        )
+                        return
+                    fn, rep = compile_step(
+                        eager, x, mode=compile_report.mode, allow_eager_fallback=False
+                    )
+                    entry["compile_s"] = round(rep.compile_s, 2)
+                    ceilings["compiled_cudnn_benchmark"] = direct_feed_ceiling(
+                        fn, x, iters=args.ceiling_iters, warmup=5, cudagraphs=True
+                    )
+            finally:
+                torch.backends.cudnn.benchmark = previous
+
+        with ThreadPoolExecutor(1, thread_name_prefix="gpu-check-cudnn") as pool:
+            await loop.run_in_executor(pool, cudnn_on)
+        report["ceiling_images_per_s_cudnn_benchmark"] = {
+            "compiled": ceilings.get("compiled_cudnn_benchmark", {}).get("images_per_s"),
+            "eager": ceilings["eager_cudnn_benchmark"]["images_per_s"],
+            "cudnn_benchmark": True,
+        }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m worker.tools.gpu_check", description="GPU benchmark"
+    )
+    p.add_argument("--model", default=os.environ.get("GPU_CHECK_MODEL", "resnet50"))
+    p.add_argument("--batch", type=int, default=int(os.environ.get("GPU_CHECK_BATCH", "64")))
+    p.add_argument("--precision", default=os.environ.get("GPU_CHECK_PRECISION", "auto"))
+    p.add_argument("--compile", default=os.environ.get("GPU_CHECK_COMPILE", "auto"))
+    p.add_argument("--decode", default=os.environ.get("GPU_CHECK_DECODE", "cpu"))
+    # Never a silent fallback to the CPU: the check is about the GPU.
+    p.add_argument("--device", default=os.environ.get("GPU_CHECK_DEVICE", "cuda:0"))
+    seconds = float(os.environ.get("GPU_CHECK_SECONDS", "20"))
+    p.add_argument("--seconds", type=float, default=seconds, help="pipeline window")
+    p.add_argument("--warmup-seconds", type=float, default=3.0)
+    p.add_argument("--ceiling-iters", type=int, default=50)
+    p.add_argument("--width", type=int, default=640)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", ".gpu-check/out"))
+    p.add_argument("--junit", default=None, help="pytest --junitxml file of the CUDA tests")
+    p.add_argument("--tests-rc", type=int, default=None, help="pytest's exit status")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=float(os.environ.get("GPU_CHECK_BENCH_DEADLINE_S", "170")),
+        help="write the report and stop after this many seconds, whatever is running",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, *, require_cuda: bool = True) -> int:
+    """The command line. `require_cuda=False` lets the test suite run the phases on the CPU;
+    the command itself always refuses to run anywhere but on a CUDA device."""
+    args = parse_args(argv)
+    configure_logging(os.environ.get("GPU_CHECK_LOG_FORMAT", "auto"), "info")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out / "report.json")
+    deadline = Deadline(args.deadline_s)
+    report.update(
+        environment=environment(),
+        deadline_s=args.deadline_s,
+        tests=junit_summary(Path(args.junit)) if args.junit else {"available": False},
+    )
+    problems = cuda_tests_verdict(report["tests"]) if args.junit else []
+    if args.tests_rc not in (None, 0):
+        # 2: interrupted (the phase's time limit sends SIGINT; the results so far are kept).
+        problems.append(f"pytest exited {args.tests_rc}")
+
+    def give_up(why: str, code: int) -> None:
+        # The deadline or a signal: the report says what was measured and where it stopped,
+        # and the process ends now, not when a compile on another thread would let it.
+        report["error"] = f"{why} during phase {report.phase_now or 'set-up'!r}"
+        report["verdict"] = {"passed": False, "problems": [*problems, report["error"]]}
+        report.write()
+        print(f"gpu-check: {report['error']}; report: {report.path}", file=sys.stderr)
+        os._exit(code)
+
+    watchdog = threading.Timer(
+        args.deadline_s, give_up, (f"time budget of {args.deadline_s:.0f} s spent", 124)
+    )
+    watchdog.daemon = True
+    watchdog.start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: give_up(f"signal {signum}", 124))
+    status = 0
+    try:
+        on_cuda = args.device.startswith("cuda") and torch.cuda.is_available()
+        if require_cuda and not on_cuda:
+            raise RuntimeError(
+                f"the GPU check needs a CUDA device; --device {args.device}, CUDA available: "
+                f"{torch.cuda.is_available()}"
+            )
+        asyncio.run(run(args, report, deadline))
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the report is written anyway
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["traceback"] = traceback.format_exc(limit=20)
+        problems.append(report["error"])
+    finally:
+        watchdog.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    report["verdict"] = {"passed": not problems, "problems": problems}
+    status = 0 if not problems else 1
+    report.write()
+    print(json.dumps({k: report.data.get(k) for k in _HEADLINE}, default=str))
+    print(f"report: {report.path}", file=sys.stderr)
+    return status
+
+
+_HEADLINE = (
+    "device",
+    "model",
+    "batch",
+    "dtype",
+    "ceiling_images_per_s",
+    "ceiling_images_per_s_cudnn_benchmark",
+    "pipeline_images_per_s",
+    "ratio",
+    "gpu_util_mean",
+    "host_syncs",
+    "verdict",
+    "error",
+)
+
+if __name__ == "__main__":
+    sys.exit(main())
