@@ -93,7 +93,9 @@ def test_profile_of_hundreds_of_tiny_ops() -> None:
     assert prof["measured"] and prof["unit"] == "ops" and prof["device"] == "cpu"
     stats = prof["stats"]
     assert stats["count"] >= 300
-    assert stats["tiny_share"] > 0.9
+    # Ops on an 8x8 tensor take a few µs; a busy host stretches some past 10 µs, so the
+    # test asks for "most", which a model of real convolutions (about 5%) never reaches.
+    assert stats["tiny_share"] > 0.5
     assert {t["name"] for t in prof["top"]} >= {"aten::mul", "aten::add", "aten::relu"}
 
 
