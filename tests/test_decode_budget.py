@@ -7,10 +7,8 @@ import asyncio
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,12 +16,11 @@ import redis
 
 from producer.wire import ErrorCode, JobResult
 from tests.images import jpeg_bytes, png_bytes, rle_bmp_bytes
-from tests.worker_harness import tiny_config, wait_results
+from tests.worker_harness import running_worker, wait_results
 from worker.config import ConfigError, WorkerConfig
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.decode.pool import DecodePool, DecodeResult
 from worker.jobs import Job
-from worker.service import Worker
 
 S = 32
 SPEC = DecodeSpec(size=S)
@@ -149,35 +146,16 @@ async def test_the_gpu_fallback_decode_has_the_budget_too() -> None:
         pool.shutdown()
 
 
-@asynccontextmanager
-async def worker_with_hook(
-    redis_url: str, weights: Path, hook: Callable[[Job], None], **overrides: Any
-) -> AsyncIterator[Worker]:
-    worker = Worker(tiny_config(redis_url, weights, **overrides), decode_hook=hook)
-    task = asyncio.create_task(worker.serve(install_signals=False))
-    deadline = time.monotonic() + 120
-    while not worker.ready:
-        if task.done():
-            task.result()
-        assert time.monotonic() < deadline, "worker did not become ready"
-        await asyncio.sleep(0.02)
-    try:
-        yield worker
-    finally:
-        worker.handle_exit()
-        await asyncio.wait_for(task, 60)
-
-
 async def test_jobs_behind_hanging_images_are_answered_while_they_hang(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
     stuck = Stuck()
     ids = ["stuck-0", "stuck-1"] + [f"fast-{i}" for i in range(10)]
     try:
-        async with worker_with_hook(
+        async with running_worker(
             redis_url,
             tiny_weights,
-            stuck,
+            decode_hook=stuck,
             decode_threads=2,
             batch_size=4,
             decode_budget_ms=300,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from worker.config import WorkerConfig
+from worker.jobs import Job
 from worker.service import Worker
 
 TINY = {
@@ -35,9 +36,18 @@ def tiny_config(redis_url: str, weights: Path, **overrides: Any) -> WorkerConfig
 
 @asynccontextmanager
 async def running_worker(
-    redis_url: str, weights: Path, *, decode_delay_s: float = 0.0, **overrides: Any
+    redis_url: str,
+    weights: Path,
+    *,
+    decode_delay_s: float = 0.0,
+    decode_hook: Callable[[Job], None] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[Worker]:
-    worker = Worker(tiny_config(redis_url, weights, **overrides), decode_delay_s=decode_delay_s)
+    worker = Worker(
+        tiny_config(redis_url, weights, **overrides),
+        decode_delay_s=decode_delay_s,
+        decode_hook=decode_hook,
+    )
     task = asyncio.create_task(worker.serve(install_signals=False))
     deadline = time.monotonic() + 120
     while not worker.ready:
