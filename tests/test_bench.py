@@ -191,6 +191,42 @@ def test_no_comparable_run_hits_the_cache_and_the_cache_pair_measures_it(
     assert any("with the cache off" in p for p in problems)
 
 
+@pytest.mark.slow
+def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, out = tiny
+    o = report["overhead"]
+    assert o["model"] == "null" and o["batch_size"] == 32
+    assert o["image_set"]["label"].startswith("64x64 JPEG")
+    queue = o["queue_ceiling"]
+    assert queue["jobs"] == queue["published"] == o["image_set"]["jobs"]
+    assert queue["batch"] == 32 and queue["jobs_per_s"] > 0
+    assert set(o["runs"]) == {"cache_hits", "every_job_decoded"}
+    hits, every = o["runs"]["cache_hits"], o["runs"]["every_job_decoded"]
+    for r in (hits, every):
+        assert r["results"] == r["results_ok"] == r["jobs"] == o["image_set"]["jobs"]
+        assert r["settings"]["batch_size"] == 32 and r["settings"]["input_size"] == 64
+        assert 0 < r["loop_cpu_us_per_job"] <= r["worker_cpu_us_per_job"]
+        assert r["vs_queue_ceiling"] == pytest.approx(
+            r["jobs_per_s"] / queue["jobs_per_s"], rel=0.01
+        )
+        assert r["binds"] in r["busy"]
+    # Repeats of 8 images with the cache on hit after the first round; unique bytes never do.
+    assert hits["cache_hit_ratio"] > 0.5 and every["cache_hit_ratio"] == 0
+    assert len(o["targets"]) == 4
+    for t in o["targets"]:
+        assert t["met"] or t["binds"] in t["busy"]
+    markdown = (out / "report.md").read_text()
+    assert "## Overhead: the null model" in markdown and "Queue ceiling" in markdown
+    bad = copy.deepcopy(report)
+    bad["overhead"]["runs"]["cache_hits"]["results"] -= 1
+    bad["overhead"]["queue_ceiling"]["jobs_per_s"] = 0
+    problems = validate_report(bad)
+    assert any("overhead.runs.cache_hits" in p for p in problems)
+    assert any("overhead.queue_ceiling" in p for p in problems)
+
+
 def test_the_per_job_trailer_keeps_the_pixels_and_makes_every_job_unique() -> None:
     data = load_image_set(ImageSetSpec("u", 1600, 1200, 2, quality=90, seed=4), None).images
     jobs = [job_image(data, i, f"run-{i}", unique=True) for i in range(6)]

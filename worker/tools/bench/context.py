@@ -49,6 +49,8 @@ class Bench:
     model_rates: list[dict[str, Any]] = field(default_factory=list)
     curves: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    # The overhead section (overhead.py), when the profile has one.
+    overhead: dict[str, Any] | None = None
 
     @property
     def is_cuda(self) -> bool:

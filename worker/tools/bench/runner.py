@@ -12,9 +12,10 @@ One invocation, for each model of the profile and each image set:
    same images as `url` jobs from a loopback HTTP server, unique and repeated
    (worker/tools/bench/url_jobs.py), reported apart as `url_runs`;
 
-plus the decode stage rates (worker/tools/bench/stage_rates.py) and, in the full profile, a
-latency/throughput curve for three batcher max waits. Then report.json, report.md and
-throughput.png (worker/tools/bench/report.py).
+plus the decode stage rates (worker/tools/bench/stage_rates.py), in the full profile a
+latency/throughput curve for three batcher max waits, and the overhead section
+(worker/tools/bench/overhead.py): the null model on tiny JPEGs beside the queue ceiling.
+Then report.json, report.md and throughput.png (worker/tools/bench/report.py).
 
 How a run is measured: every run gets its own streams on a private redis-server. Every
 job's bytes are unique (a per-job trailer after the JPEG's end-of-image marker, ignored by
@@ -67,6 +68,7 @@ from worker.tools.bench.gpufeed_run import gpufeed_run
 from worker.tools.bench.images import ImageSet, load_image_set
 from worker.tools.bench.latency_curve import curve_runs
 from worker.tools.bench.naive_run import naive_run
+from worker.tools.bench.overhead import overhead_section
 from worker.tools.bench.profiles import Profile, SetPlan
 from worker.tools.bench.rate_table import RateTable, stage_rates
 from worker.tools.bench.redis_env import bench_redis
@@ -169,6 +171,9 @@ async def _bench(b: Bench) -> RateTable:
         )
         b.echo(f"latency/throughput curve: {plan.model}, {sp.spec.name}")
         await curve_runs(b, plan, sp, capacity)
+    if b.profile.overhead is not None:
+        b.echo("overhead: the null model on 64x64 JPEGs, with the queue ceiling")
+        b.overhead = await overhead_section(b, b.profile.overhead)
     return await asyncio.to_thread(stage_rates, b)
 
 
@@ -303,6 +308,7 @@ def run_bench(
         "runs": b.runs,
         "url_runs": b.url_runs,
         "curves": b.curves,
+        "overhead": b.overhead,
         "summary": summary,
         "targets": targets,
         "skipped": b.skipped,
