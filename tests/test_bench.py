@@ -215,6 +215,14 @@ def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
     # Repeats of 8 images with the cache on hit after the first round; unique bytes never do.
     assert hits["cache_hit_ratio"] > 0.5 and every["cache_hit_ratio"] == 0
     assert len(o["targets"]) == 4
+    # The queue ceiling per image set is a bound of every comparable gpufeed run's ideal.
+    queue = {q["image_set"]: q for q in report["stage_rates"]["queue"]}
+    assert set(queue) == {s["name"] for s in report["image_sets"]}
+    for run in report["runs"]:
+        if run["kind"] == "gpufeed" and not run.get("variant"):
+            bound = run["ideal_bounds"]["queue (Redis)"]
+            assert bound == pytest.approx(queue[run["image_set"]]["jobs_per_s"], rel=0.01)
+            assert run["ideal_images_per_s"] <= bound + 0.01
     for t in o["targets"]:
         assert t["met"] or t["binds"] in t["busy"]
     markdown = (out / "report.md").read_text()
@@ -326,6 +334,18 @@ def test_the_ideal_reproduces_the_orientation_figures_of_the_issue() -> None:
     # One decode thread caps the pipeline at one thread's rate.
     one = ideal_pipeline(decode_run=39, decode_all_cores=78, model=300, shared_cpu=True)
     assert (one.images_per_s, one.limited_by) == (39, "decode")
+
+
+def test_the_queue_ceiling_bounds_the_ideal_where_it_binds() -> None:
+    fast = ideal_pipeline(
+        decode_run=20_000, decode_all_cores=20_000, model=90_000, shared_cpu=False, queue=9000
+    )
+    assert (fast.images_per_s, fast.limited_by) == (9000, "queue (Redis)")
+    assert fast.bounds == {"decode": 20_000, "model": 90_000, "queue (Redis)": 9000}
+    slow = ideal_pipeline(
+        decode_run=600, decode_all_cores=600, model=3000, shared_cpu=False, queue=9000
+    )
+    assert (slow.images_per_s, slow.limited_by) == (600, "decode")
 
 
 def test_image_sets_are_deterministic_and_cached(tmp_path: Path) -> None:

@@ -438,6 +438,15 @@ def _stage_rate_lines(report: Mapping[str, Any]) -> list[str]:
     methods = rates.get("decode_methods", {})
     if methods:
         out += [""] + [f"- `{name}`: {text}" for name, text in methods.items()]
+    queue = rates.get("queue") or []
+    if queue:
+        out += ["", "Queue ceiling (gpufeed's Redis work alone, the jobs of the set):", ""]
+        out += [
+            f"- {q['image_set']}, batch {q['batch']}: {_fmt(q['jobs_per_s'])} jobs/s "
+            f"({q['jobs']} jobs of {q['payload_bytes']} bytes, "
+            f"{_fmt(q['loop_cpu_us_per_job'])} µs of client CPU per job)"
+            for q in queue
+        ]
     return out
 
 
