@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -9,10 +10,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import torch
+from click.testing import CliRunner
 
 from producer.wire import JobResult
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
+from worker.cli import cli
 from worker.config import ConfigError, WorkerConfig
 from worker.model.loader import load_configured
 from worker.model.step import build_step
@@ -37,6 +40,36 @@ def test_the_null_model_is_a_classifier_of_fixed_answers() -> None:
 
 def test_the_null_model_takes_an_input_size() -> None:
     assert load_configured("null", "none", input_size=32).crop_size == 32
+
+
+def test_model_check_accepts_the_null_model() -> None:
+    result = CliRunner().invoke(
+        cli, ["model", "check", "null", "--json", "--seconds", "0.1", "--device", "cpu"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert report["model"] == "null" and report["kind"] == "classify"
+    assert report["images_per_s"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_null_model_through_a_worker_on_cuda(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    n = 300
+    images = [jpeg_bytes(64, 64, seed=i) for i in range(3)]
+    overrides = {"model": "null", "batch_size": 64, "device": "cuda", "compile": "auto"}
+    async with running_worker(redis_url, tmp_path / "unused", **overrides) as worker:
+        assert worker.compile_report is not None and worker.compile_report.compiled
+        pipe = redis_client.pipeline(transaction=False)
+        for i in range(n):
+            pipe.xadd("gpufeed:jobs", {"id": f"c{i}", "image": images[i % 3]})
+        pipe.execute()
+        entries = await wait_results(redis_client, "gpufeed:results", n, timeout_s=120)
+    results = [JobResult.from_fields(f) for _, f in entries]
+    assert sorted(r.id for r in results) == sorted(f"c{i}" for i in range(n))
+    assert all(r.ok and r.label is not None and r.label.startswith("null_") for r in results)
 
 
 def test_config_accepts_null_and_a_misspelling_names_it() -> None:
