@@ -191,6 +191,50 @@ def test_no_comparable_run_hits_the_cache_and_the_cache_pair_measures_it(
     assert any("with the cache off" in p for p in problems)
 
 
+@pytest.mark.slow
+def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, out = tiny
+    o = report["overhead"]
+    assert o["model"] == "null" and o["batch_size"] == 32
+    assert o["image_set"]["label"].startswith("64x64 JPEG")
+    queue = o["queue_ceiling"]
+    assert queue["jobs"] == queue["published"] == o["image_set"]["jobs"]
+    assert queue["batch"] == 32 and queue["jobs_per_s"] > 0
+    assert set(o["runs"]) == {"cache_hits", "every_job_decoded"}
+    hits, every = o["runs"]["cache_hits"], o["runs"]["every_job_decoded"]
+    for r in (hits, every):
+        assert r["results"] == r["results_ok"] == r["jobs"] == o["image_set"]["jobs"]
+        assert r["settings"]["batch_size"] == 32 and r["settings"]["input_size"] == 64
+        assert 0 < r["loop_cpu_us_per_job"] <= r["worker_cpu_us_per_job"]
+        assert r["vs_queue_ceiling"] == pytest.approx(
+            r["jobs_per_s"] / queue["jobs_per_s"], rel=0.01
+        )
+        assert r["binds"] in (*r["busy"], "host CPU, shared with other processes")
+    # Repeats of 8 images with the cache on hit after the first round; unique bytes never do.
+    assert hits["cache_hit_ratio"] > 0.5 and every["cache_hit_ratio"] == 0
+    assert len(o["targets"]) == 4
+    # The queue ceiling per image set is a bound of every comparable gpufeed run's ideal.
+    queue = {q["image_set"]: q for q in report["stage_rates"]["queue"]}
+    assert set(queue) == {s["name"] for s in report["image_sets"]}
+    for run in report["runs"]:
+        if run["kind"] == "gpufeed" and not run.get("variant"):
+            bound = run["ideal_bounds"]["queue (Redis)"]
+            assert bound == pytest.approx(queue[run["image_set"]]["jobs_per_s"], rel=0.01)
+            assert run["ideal_images_per_s"] <= bound + 0.01
+    for t in o["targets"]:
+        assert t["met"] or t["binds"]
+    markdown = (out / "report.md").read_text()
+    assert "## Overhead: the null model" in markdown and "Queue ceiling" in markdown
+    bad = copy.deepcopy(report)
+    bad["overhead"]["runs"]["cache_hits"]["results"] -= 1
+    bad["overhead"]["queue_ceiling"]["jobs_per_s"] = 0
+    problems = validate_report(bad)
+    assert any("overhead.runs.cache_hits" in p for p in problems)
+    assert any("overhead.queue_ceiling" in p for p in problems)
+
+
 def test_the_per_job_trailer_keeps_the_pixels_and_makes_every_job_unique() -> None:
     data = load_image_set(ImageSetSpec("u", 1600, 1200, 2, quality=90, seed=4), None).images
     jobs = [job_image(data, i, f"run-{i}", unique=True) for i in range(6)]
@@ -290,6 +334,18 @@ def test_the_ideal_reproduces_the_orientation_figures_of_the_issue() -> None:
     # One decode thread caps the pipeline at one thread's rate.
     one = ideal_pipeline(decode_run=39, decode_all_cores=78, model=300, shared_cpu=True)
     assert (one.images_per_s, one.limited_by) == (39, "decode")
+
+
+def test_the_queue_ceiling_bounds_the_ideal_where_it_binds() -> None:
+    fast = ideal_pipeline(
+        decode_run=20_000, decode_all_cores=20_000, model=90_000, shared_cpu=False, queue=9000
+    )
+    assert (fast.images_per_s, fast.limited_by) == (9000, "queue (Redis)")
+    assert fast.bounds == {"decode": 20_000, "model": 90_000, "queue (Redis)": 9000}
+    slow = ideal_pipeline(
+        decode_run=600, decode_all_cores=600, model=3000, shared_cpu=False, queue=9000
+    )
+    assert (slow.images_per_s, slow.limited_by) == (600, "decode")
 
 
 def test_image_sets_are_deterministic_and_cached(tmp_path: Path) -> None:

@@ -187,6 +187,28 @@ def test_doctor_json_matches_the_documented_schema(redis_url: str, tiny_weights:
     assert "USDT" not in proc.stderr  # the profiler's native chatter is held back
 
 
+def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> None:
+    env = dict(
+        REDIS_URL=redis_url,
+        GPUFEED_MODEL="null",
+        GPUFEED_BATCH_SIZE="16",
+        GPUFEED_DECODE_THREADS="2",
+    )
+    args = ["doctor", "--json", "--jobs", "64", "--ceiling-seconds", "0.2"]
+    proc = run_module("worker", *args, "--image-size", "64x64", env=env)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert validate(report) == []
+    assert report["config"]["model"] == "null" and report["config"]["input_size"] == 64
+    e2e = report["end_to_end"]
+    assert e2e["results_ok"] == 64 and e2e["results_error"] == 0
+    assert e2e["queue_capacity_jobs_per_s"] > 0 and e2e["queue_client_cpu_us_per_job"] > 0
+    assert e2e["loop_cpu_us_per_job"] > 0
+    assert report["verdict"]["name"] in VERDICTS
+    # The queue ceiling's keys are deleted with the run's.
+    assert keys_left(redis_url) == []
+
+
 def test_without_any_redis_it_measures_the_rest(tmp_path: Path, tiny_weights: Path) -> None:
     env = dict(
         PATH=str(tmp_path),  # no redis-server to start

@@ -201,6 +201,50 @@ def test_feed_starved_fallback_when_neither_decode_nor_model_binds() -> None:
     assert "second worker process" in v.knob
 
 
+def test_queue_bound_when_the_worker_runs_near_the_queue_ceiling() -> None:
+    v = verdict(gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=600.0))
+    assert v.name == "queue-bound" and "Redis is the limit" in v.headline
+    assert (
+        "end-to-end 500.0 jobs/s = 83% of the queue ceiling (600.0 jobs/s: gpufeed's read, "
+        "publish and ack alone on this Redis)" in v.evidence
+    )
+    assert "decode capacity 2,000.0 images/s (4.00x the throughput): decode does not bind" in (
+        v.evidence
+    )
+    assert "`path` or `url`" in v.knob
+
+
+def test_worker_overhead_bound_when_the_event_loop_is_busy_far_below_the_queue() -> None:
+    v = verdict(
+        gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=5000.0, loop_cpu_us_per_job=1800.0)
+    )
+    assert v.name == "worker-overhead-bound"
+    assert "event loop 1,800.0 µs of CPU per job = busy 90% of the run" in v.evidence
+    assert any("10% of the queue ceiling" in line for line in v.evidence)
+    assert "second worker process" in v.knob
+
+
+def test_decode_binding_comes_before_the_queue() -> None:
+    v = verdict(gpu(e2e_images_per_s=500.0, decode_ms_mean=16.0, queue_ceiling_jobs_per_s=550.0))
+    assert v.name == "feed-starved" and "CPU decode" in v.headline
+
+
+@pytest.mark.parametrize(("queue", "name"), [(626.0, "feed-starved"), (625.0, "queue-bound")])
+def test_edge_queue_bound_ratio(queue: float, name: str) -> None:
+    # 500 / 625 = 0.8 exactly; the event loop is idle enough not to bind.
+    ev = gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=queue, loop_cpu_us_per_job=100.0)
+    assert verdict(ev).name == name
+
+
+@pytest.mark.parametrize(
+    ("loop_us", "name"), [(1190.0, "feed-starved"), (1200.0, "worker-overhead-bound")]
+)
+def test_edge_loop_busy(loop_us: float, name: str) -> None:
+    # 1200 µs x 500 jobs/s = 0.6 of the run.
+    ev = gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=5000.0, loop_cpu_us_per_job=loop_us)
+    assert verdict(ev).name == name
+
+
 def test_inconclusive_says_what_is_missing() -> None:
     v = verdict(
         cpu(e2e_images_per_s=None, missing=("end-to-end: no Redis: redis-server not installed",))
@@ -297,6 +341,10 @@ def test_every_verdict_name_is_reachable() -> None:
         verdict(gpu(host_syncs=1)).name,
         verdict(gpu(e2e_images_per_s=300.0, fetch_ms_mean=300.0, fetch_concurrency=64)).name,
         verdict(gpu(e2e_images_per_s=300.0, decode_ms_mean=26.0)).name,
+        verdict(gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=600.0)).name,
+        verdict(
+            gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=5e3, loop_cpu_us_per_job=1800.0)
+        ).name,
         verdict(gpu(cudagraphs=False, kernel_count=300, tiny_share=0.8, busy_ratio=0.3)).name,
         verdict(gpu(mem_bw_util_pct=80.0)).name,
         verdict(gpu(gpu_util_pct=99.0)).name,

@@ -352,10 +352,13 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     from worker.model.check import check_model, render
     from worker.model.compiler import CompileRefused
     from worker.model.manifest import looks_like_model_dir
+    from worker.model.null import is_null_model
 
-    # The path as typed, made unmistakably a path for GPUFEED_MODEL ("tagger" -> "./tagger").
+    # The path as typed, made unmistakably a path for GPUFEED_MODEL ("tagger" -> "./tagger");
+    # `null` is the null model.
     typed = str(directory)
-    options["model"] = typed if looks_like_model_dir(typed) else f"./{typed}"
+    named = looks_like_model_dir(typed) or is_null_model(typed)
+    options["model"] = typed if named else f"./{typed}"
     try:
         config = load_config(options)
         level = "warning" if config.log_level == "info" else config.log_level

@@ -171,7 +171,7 @@ class WorkerConfig:
         need(
             self.model.strip() != "",
             "GPUFEED_MODEL",
-            "must name a torchvision model or a model directory (a path)",
+            "must name a torchvision model, a model directory (a path) or null",
         )
         from worker.model.manifest import looks_like_model_dir, read_manifest
 

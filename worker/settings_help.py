@@ -31,8 +31,10 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "GPUFEED_WORKER_NAME": ("`<host>-<pid>`", "the consumer name in the group"),
     "GPUFEED_MODEL": (
         "`resnet50`",
-        "a torchvision classification model name, or a model directory (a path: see "
-        "[Your own model](#your-own-model))",
+        "a torchvision classification model name, a model directory (a path: see "
+        "[Your own model](#your-own-model)), or `null`: a step that does next to nothing, "
+        "for measuring gpufeed itself (8 classes `null_0`.., 64 px unless "
+        "`GPUFEED_INPUT_SIZE`)",
     ),
     "GPUFEED_WEIGHTS": (
         "`DEFAULT`",

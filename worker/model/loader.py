@@ -7,6 +7,8 @@ For a torchvision model, GPUFEED_WEIGHTS is one of:
 - a local file: a state dict, or a dict {"state_dict": ..., "categories": [...]} for models
   fine-tuned on other classes; always loaded with `weights_only=True` (no pickle);
 - `none`: random initialisation (tests, benchmarks, hosts without network).
+
+GPUFEED_MODEL=null is the null model (null.py): no weights, a step that does next to nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from torchvision.models import get_model, get_model_weights, list_models
 
 from worker.config import ConfigError
 from worker.model.manifest import OutputSpec, looks_like_model_dir
+from worker.model.null import (
+    NULL_CLASSES,
+    NULL_INPUT_SIZE,
+    NULL_MODEL,
+    NullClassifier,
+    is_null_model,
+)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -49,7 +58,7 @@ class LoadedModel:
     output_shape: tuple[int, ...] = ()
     # How the decoder fits an image into the staging square (decoder.GEOMETRIES).
     resize_mode: str = "shorter-crop"
-    source: str = "torchvision"  # or export, torchscript, entry (a model directory)
+    source: str = "torchvision"  # or export, torchscript, entry (a model directory), null
 
 
 def load_configured(
@@ -62,7 +71,29 @@ def load_configured(
         from worker.model.directory import load_model_dir
 
         return load_model_dir(model, batch_size=batch_size)
+    if is_null_model(model):
+        return load_null(input_size=input_size)
     return load_model(model, weights, input_size=input_size)
+
+
+def load_null(*, input_size: int = 0) -> LoadedModel:
+    """The null model: classify results for null_0.., staged and cropped at one side (no
+    resize margin: the point is to cost nothing beyond the pipeline)."""
+    side = input_size or NULL_INPUT_SIZE
+    module = NullClassifier().eval()
+    return LoadedModel(
+        name=NULL_MODEL,
+        module=module,
+        weights_label="none (null model)",
+        categories=tuple(f"null_{i}" for i in range(NULL_CLASSES)),
+        crop_size=side,
+        resize_size=side,
+        mean=IMAGENET_MEAN,
+        std=IMAGENET_STD,
+        num_classes=NULL_CLASSES,
+        output_shape=(NULL_CLASSES,),
+        source="null",
+    )
 
 
 def classification_models() -> list[str]:
@@ -75,6 +106,7 @@ def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
         raise ConfigError(
             f"GPUFEED_MODEL: unknown model {name!r}; torchvision classification models are: "
             + ", ".join(available)
+            + "; or null (a step that does next to nothing, for measuring gpufeed itself)"
         )
     crop, resize = 224, 256
     mean, std = IMAGENET_MEAN, IMAGENET_STD

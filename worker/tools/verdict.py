@@ -23,8 +23,15 @@ that hold are listed under `also`):
                   model's own rate inside the pipeline is < MODEL_BINDING_MARGIN (1.1x) the
                   throughput (it runs slower there than alone: the device is shared).
 6. feed-starved   (fallback) end-to-end < HEALTHY_RATIO (90%) of the ceiling and nothing
-                  above holds: decode binds (as in 2, between 70% and 90%), or neither decode
-                  nor the model does (the event loop, Redis round trips or writes do).
+                  above holds, and decode binds (as in 2, between 70% and 90%).
+6b. queue-bound   (fallback, decode does not bind) end-to-end >= QUEUE_BOUND_RATIO (80%)
+                  of the queue ceiling: gpufeed's Redis work alone (read, publish, ack) for
+                  the same jobs and batch is about as fast as the whole worker.
+6c. worker-overhead-bound  (fallback, decode does not bind) end-to-end < QUEUE_BOUND_RATIO
+                  of the queue ceiling, and the event loop's thread was busy >= LOOP_BUSY
+                  (60%) of the run (its CPU per job x jobs/s): per-job work in the worker's
+                  own process, not Redis, not decode, not the model, sets the pace.
+6d. feed-starved  (fallback) none of 6-6c: the event loop, Redis round trips or writes.
 7. healthy        end-to-end >= HEALTHY_RATIO (90%) of the ceiling, no other finding.
 8. inconclusive   the end-to-end run or the ceiling could not be measured and nothing else
                   was found; the evidence says what is missing.
@@ -43,6 +50,8 @@ VERDICTS = (
     "sync-bound",
     "fetch-bound",
     "feed-starved",
+    "queue-bound",
+    "worker-overhead-bound",
     "launch-bound",
     "memory-bound",
     "compute-bound",
@@ -62,6 +71,8 @@ MEMORY_BW_PCT = 60.0  # NVML memory-controller utilisation, %
 COMPUTE_UTIL_PCT = 85.0  # NVML GPU utilisation, %
 MODEL_BINDING_MARGIN = 1.10  # model rate inside the pipeline below this x throughput
 FETCH_BINDING_MARGIN = 1.10  # fetch capacity below this x throughput: fetching binds
+QUEUE_BOUND_RATIO = 0.80  # end-to-end / queue ceiling at or above this: Redis binds
+LOOP_BUSY = 0.60  # event-loop thread busy share of the run: the worker's own work binds
 
 THRESHOLDS: dict[str, float] = {
     "feed_starved_ratio": FEED_STARVED_RATIO,
@@ -75,6 +86,8 @@ THRESHOLDS: dict[str, float] = {
     "compute_util_pct": COMPUTE_UTIL_PCT,
     "model_binding_margin": MODEL_BINDING_MARGIN,
     "fetch_binding_margin": FETCH_BINDING_MARGIN,
+    "queue_bound_ratio": QUEUE_BOUND_RATIO,
+    "loop_busy": LOOP_BUSY,
 }
 
 
@@ -119,6 +132,17 @@ class Evidence:
     # `url` jobs: the mean fetch stage time and GPUFEED_FETCH_CONCURRENCY
     fetch_ms_mean: float | None = None
     fetch_concurrency: int | None = None
+    # The queue ceiling (worker/tools/queue_ceiling.py) and the event loop thread's CPU per
+    # job during the end-to-end run
+    queue_ceiling_jobs_per_s: float | None = None
+    loop_cpu_us_per_job: float | None = None
+
+    @property
+    def loop_busy(self) -> float | None:
+        """Share of the run the event loop's thread was on a CPU: CPU per job x jobs/s."""
+        if self.loop_cpu_us_per_job is None or self.e2e_images_per_s is None:
+            return None
+        return self.loop_cpu_us_per_job * self.e2e_images_per_s / 1e6
 
     @property
     def ratio(self) -> float | None:
@@ -436,6 +460,9 @@ def _feed_fallback(ev: Evidence) -> Finding | None:
             f"decode capacity {_rate(capacity)} ({capacity / e2e:.2f}x the throughput): "
             "decode does not bind"
         )
+    queue = _queue_or_overhead(ev, evidence)
+    if queue is not None:
+        return queue
     in_pipe = ev.model_in_pipeline_images_per_s
     if in_pipe is not None:
         evidence.append(
@@ -457,6 +484,45 @@ def _feed_fallback(ev: Evidence) -> Finding | None:
         "if the worker process's CPU is near 100% (its event loop), run a second worker "
         "process on the device (each its own GPUFEED_WORKER_NAME); if Redis is remote, check "
         "its latency; raise GPUFEED_RING_SLOTS to ride out short stalls",
+    )
+
+
+def _queue_or_overhead(ev: Evidence, evidence: list[str | None]) -> Finding | None:
+    """Rules 6b and 6c, given the fallback's evidence so far (decode does not bind)."""
+    queue, e2e, busy = ev.queue_ceiling_jobs_per_s, ev.e2e_images_per_s, ev.loop_busy
+    if not queue or e2e is None:
+        return None
+    share = e2e / queue
+    lines = [
+        *evidence,
+        f"end-to-end {e2e:,.1f} jobs/s = {_pct(share)} of the queue ceiling ({queue:,.1f} "
+        "jobs/s: gpufeed's read, publish and ack alone on this Redis)",
+    ]
+    if busy is not None and ev.loop_cpu_us_per_job is not None:
+        lines.append(
+            f"event loop {ev.loop_cpu_us_per_job:,.1f} µs of CPU per job = busy {_pct(busy)} "
+            "of the run"
+        )
+    if share >= QUEUE_BOUND_RATIO:
+        return Finding(
+            "queue-bound",
+            "Redis is the limit: the worker goes about as fast as gpufeed's Redis work alone "
+            "allows on this Redis",
+            _lines(*lines),
+            "a Redis closer to the worker (round trips), a faster or less loaded Redis, "
+            "smaller jobs (a `path` or `url` instead of inline image bytes); or split the work "
+            "over several streams, each with its own workers",
+        )
+    if busy is None or busy < LOOP_BUSY:
+        return None
+    return Finding(
+        "worker-overhead-bound",
+        "the worker process itself is the limit: its event loop is busy with per-job work "
+        "(reading, batching, results, metrics) while Redis, decode and the model could go "
+        "faster",
+        _lines(*lines),
+        "run a second worker process on the device (each its own GPUFEED_WORKER_NAME, same "
+        "group), or raise GPUFEED_BATCH_SIZE so per-batch costs spread over more jobs",
     )
 
 

@@ -56,11 +56,13 @@ def analyse(b: Bench, rates: RateTable) -> tuple[dict[str, Any], list[dict[str, 
         else:
             method = decode_method(r)
             threads = int(r["settings"]["decode_threads"])
+            queue = b.queue_ceilings.get((r["image_set"], int(r["settings"]["batch_size"])))
             bound = ideal_pipeline(
                 decode_run=decode_rate(rates, r, method, threads),
                 decode_all_cores=decode_rate(rates, r, method, n),
                 model=ceiling,
                 shared_cpu=shared_cpu,
+                queue=None if queue is None else float(queue["jobs_per_s"]),
             )
             r["ideal_images_per_s"] = round(bound.images_per_s, 2)
             r["ideal_limited_by"] = bound.limited_by

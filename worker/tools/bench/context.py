@@ -49,6 +49,10 @@ class Bench:
     model_rates: list[dict[str, Any]] = field(default_factory=list)
     curves: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    # The queue ceiling per (image set, batch size), measured before the set's runs.
+    queue_ceilings: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    # The overhead section (overhead.py), when the profile has one.
+    overhead: dict[str, Any] | None = None
 
     @property
     def is_cuda(self) -> bool:

@@ -16,7 +16,7 @@ from worker.tools.bench.image_server import ImageServer
 from worker.tools.bench.measurement import measure_ceiling, summarise
 from worker.tools.bench.probe import RunProbe
 from worker.tools.bench.profiles import ModelPlan, SetPlan
-from worker.tools.bench.redis_env import RunKeys, collect, push_jobs
+from worker.tools.bench.redis_env import RunKeys, push_jobs, read_answers, wait_for_results
 from worker.tools.bench.url_jobs import push_url_jobs, url_server
 from worker.tools.gpu_check import count_host_syncs
 
@@ -108,10 +108,13 @@ async def gpufeed_run(
             main = asyncio.create_task(worker.main_loop(), name="bench-main-loop")
             alive = watch(main, keys)
 
-            answers = await collect(
+            await wait_for_results(
                 b.aclient, keys.results, sp.jobs, alive=alive, timeout_s=b.timeout_s(sp.jobs)
             )
+            # Before the results are read back: parsing them is the benchmark's CPU, not the
+            # worker's (its event loop thread is this one).
             probe.stop()
+        answers = await read_answers(b.aclient, keys.results)
         c = worker.counters
         gpu_ms = worker.observer.gpu_ms.mean()
         compute_per_image = (

@@ -5,6 +5,9 @@
   pair on the larger set).
 - `quick`: a few minutes on a 2-core CPU host; the default of `make bench` on CPU hosts;
   the decode-cache pair on the 4000x3000 set only.
+- every profile: the overhead section (worker/tools/bench/overhead.py): 64x64 JPEGs, the
+  null model at batch 256 (32 in tiny), cache hitting and every job decoded, beside the
+  queue ceiling; 10,000 jobs per run in quick on the CPU, 20,000 otherwise (192 in tiny).
 - `full`: more jobs, the compile variant on the CPU too, the decode-cache pair on both
   sets, and the latency/throughput curve for three batcher max waits; the default on CUDA
   hosts.
@@ -49,6 +52,16 @@ class CurvePlan:
 
 
 @dataclass(frozen=True)
+class OverheadPlan:
+    """The overhead section (worker/tools/bench/overhead.py): tiny JPEGs, the null model."""
+
+    jobs: int  # per run, and for the queue ceiling
+    batch_size: int = 256
+    distinct: int = 64  # distinct images (the cache-hit run repeats them)
+    side: int = 64
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     models: tuple[ModelPlan, ...]
@@ -63,6 +76,7 @@ class Profile:
     # Roles of the image sets ("photo", "large") that get the decode-cache pair (jobs
     # repeating the distinct images, cache on and off), for every model.
     cache_roles: tuple[str, ...] = ()
+    overhead: OverheadPlan | None = None
 
     def with_models(self, models: tuple[ModelPlan, ...]) -> Profile:
         return replace(self, models=models)
@@ -100,6 +114,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             stage_images=4,
             timeline_bin_s=0.25,
             cache_roles=("large",),
+            overhead=OverheadPlan(jobs=192, batch_size=32, distinct=8),
         )
     if cuda:
         models = (
@@ -126,6 +141,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             time_limit_s=None if cuda else 300.0,
             # Where decode dominates; the photo set too would push it over 5 min on 2 cores.
             cache_roles=("large",),
+            overhead=OverheadPlan(jobs=20_000 if cuda else 10_000),
         )
     sets = (
         (photo_set(256, 4096), large_set(64, 512))
@@ -142,4 +158,5 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         stage_min_s=2.0,
         stage_images=16,
         cache_roles=("photo", "large"),
+        overhead=OverheadPlan(jobs=20_000),
     )

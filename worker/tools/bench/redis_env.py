@@ -161,6 +161,25 @@ async def read_answers(client: aioredis.Redis, stream: str) -> list[Answer]:
         start = "(" + chunk[-1][0].decode()
 
 
+async def wait_for_results(
+    client: aioredis.Redis,
+    stream: str,
+    expected: int,
+    *,
+    alive: Callable[[], None],
+    timeout_s: float,
+) -> None:
+    """Wait until `expected` results are in `stream` (or the time is up)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if await client.xlen(stream) >= expected:
+            return
+        alive()
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.02)
+
+
 async def collect(
     client: aioredis.Redis,
     stream: str,
@@ -170,14 +189,7 @@ async def collect(
     timeout_s: float,
 ) -> list[Answer]:
     """Wait until `expected` results are in `stream` (or the time is up); return them all."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if await client.xlen(stream) >= expected:
-            break
-        alive()
-        if time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.02)
+    await wait_for_results(client, stream, expected, alive=alive, timeout_s=timeout_s)
     return await read_answers(client, stream)
 
 

@@ -192,6 +192,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     )
     out += _cache_lines(report)
     out += _url_lines(report)
+    out += overhead_lines(report)
     out += _stage_rate_lines(report)
     out += _target_lines(report)
     if report.get("curves"):
@@ -217,6 +218,86 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         out += ["", "Notes:"]
         out += [f"- {n}" for n in report["notes"]]
     return "\n".join(out) + "\n"
+
+
+def overhead_lines(report: Mapping[str, Any]) -> list[str]:
+    """The overhead section (worker/tools/bench/overhead.py) as a table and its targets."""
+    o = report.get("overhead")
+    if not o:
+        return []
+    q = o["queue_ceiling"]
+    s = o["image_set"]
+    out = [
+        "",
+        f"## Overhead: the null model, {s['label']}, batch {o['batch_size']}, "
+        f"{s['jobs']} jobs per run",
+        "",
+        f"Queue ceiling (gpufeed's Redis work alone: XREADGROUP COUNT {q['batch']}, one "
+        f"pipelined publish script per job): {_fmt(q['jobs_per_s'])} jobs/s, "
+        f"{_fmt(q['loop_cpu_us_per_job'])} µs of client CPU per job. CPU per job in µs: "
+        "the event loop's thread, the worker process's threads together, redis-server.",
+        "",
+    ]
+    rows = [
+        [
+            workload.replace("_", " "),
+            _fmt(r["jobs_per_s"]),
+            _fmt(r["loop_cpu_us_per_job"]),
+            _fmt(r["worker_cpu_us_per_job"]),
+            _fmt(r["redis_cpu_us_per_job"]),
+            _fmt(r["vs_queue_ceiling"], 3),
+            _fmt(r["batch_fill"], 3),
+            _fmt(r["cache_hit_ratio"], 3),
+            r["binds"],
+        ]
+        for workload, r in o["runs"].items()
+    ]
+    out += _table(
+        [
+            "workload",
+            "jobs/s",
+            "event loop µs/job",
+            "worker µs/job",
+            "redis µs/job",
+            "of queue ceiling",
+            "batch fill",
+            "cache hits",
+            "busiest stage",
+        ],
+        rows,
+        "l" + "r" * 7 + "l",
+    )
+    out += [""]
+    for t in o["targets"]:
+        sign = ">=" if t["at_least"] else "<="
+        line = f"- {t['target']}: {_fmt(t['measured'], 3)} ({sign} {_fmt(t['threshold'], 3)}): "
+        if t["met"]:
+            line += "met"
+        else:
+            busy = ", ".join(f"{k} {v:.2f}" for k, v in t["busy"].items())
+            line += f"missed; busiest stage {t['binds']} (busy fractions: {busy})"
+        out.append(line)
+    return out
+
+
+def _overhead_problems(o: Any) -> list[str]:
+    if o is None:
+        return []
+    if not isinstance(o, Mapping):
+        return ["overhead must be an object or null"]
+    problems = []
+    if not _positive((o.get("queue_ceiling") or {}).get("jobs_per_s")):
+        problems.append("overhead.queue_ceiling.jobs_per_s must be a positive number")
+    runs = o.get("runs") or {}
+    if set(runs) != {"cache_hits", "every_job_decoded"}:
+        problems.append("overhead.runs must be cache_hits and every_job_decoded")
+    for name, r in runs.items():
+        for key in ("jobs_per_s", "loop_cpu_us_per_job", "worker_cpu_us_per_job"):
+            if not _positive(r.get(key)):
+                problems.append(f"overhead.runs.{name}.{key} must be a positive number")
+        if r.get("results") != r.get("jobs") or r.get("results_ok") != r.get("jobs"):
+            problems.append(f"overhead.runs.{name}: {r.get('results')} results for {r.get('jobs')}")
+    return problems
 
 
 def _url_lines(report: Mapping[str, Any]) -> list[str]:
@@ -357,6 +438,15 @@ def _stage_rate_lines(report: Mapping[str, Any]) -> list[str]:
     methods = rates.get("decode_methods", {})
     if methods:
         out += [""] + [f"- `{name}`: {text}" for name, text in methods.items()]
+    queue = rates.get("queue") or []
+    if queue:
+        out += ["", "Queue ceiling (gpufeed's Redis work alone, the jobs of the set):", ""]
+        out += [
+            f"- {q['image_set']}, batch {q['batch']}: {_fmt(q['jobs_per_s'])} jobs/s "
+            f"({q['jobs']} jobs of {q['payload_bytes']} bytes, "
+            f"{_fmt(q['loop_cpu_us_per_job'])} µs of client CPU per job)"
+            for q in queue
+        ]
     return out
 
 
@@ -618,6 +708,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
     for d in [*decode, *model]:
         if not _positive(d.get("images_per_s")):
             problems.append(f"stage rate {d} is not a positive number")
+    problems += _overhead_problems(report.get("overhead"))
     for c in report.get("curves") or []:
         for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms"):
             if not _positive(c.get(key)):

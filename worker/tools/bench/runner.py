@@ -12,9 +12,10 @@ One invocation, for each model of the profile and each image set:
    same images as `url` jobs from a loopback HTTP server, unique and repeated
    (worker/tools/bench/url_jobs.py), reported apart as `url_runs`;
 
-plus the decode stage rates (worker/tools/bench/stage_rates.py) and, in the full profile, a
-latency/throughput curve for three batcher max waits. Then report.json, report.md and
-throughput.png (worker/tools/bench/report.py).
+plus the decode stage rates (worker/tools/bench/stage_rates.py), in the full profile a
+latency/throughput curve for three batcher max waits, and the overhead section
+(worker/tools/bench/overhead.py): the null model on tiny JPEGs beside the queue ceiling.
+Then report.json, report.md and throughput.png (worker/tools/bench/report.py).
 
 How a run is measured: every run gets its own streams on a private redis-server. Every
 job's bytes are unique (a per-job trailer after the JPEG's end-of-image marker, ignored by
@@ -67,10 +68,12 @@ from worker.tools.bench.gpufeed_run import gpufeed_run
 from worker.tools.bench.images import ImageSet, load_image_set
 from worker.tools.bench.latency_curve import curve_runs
 from worker.tools.bench.naive_run import naive_run
-from worker.tools.bench.profiles import Profile, SetPlan
+from worker.tools.bench.overhead import overhead_section
+from worker.tools.bench.profiles import ModelPlan, Profile, SetPlan
 from worker.tools.bench.rate_table import RateTable, stage_rates
 from worker.tools.bench.redis_env import bench_redis
 from worker.tools.bench.stage_rates import DECODE_METHODS
+from worker.tools.queue_ceiling import queue_ceiling
 
 
 def _stderr(message: str) -> None:
@@ -128,6 +131,7 @@ async def _bench(b: Bench) -> RateTable:
     for plan in b.profile.models:
         for i, sp in enumerate(b.profile.sets):
             first = i == 0
+            await measure_queue_ceiling(b, plan, sp)
             runs = [
                 ("naive", None),
                 ("gpufeed", DEFAULTS),
@@ -169,7 +173,29 @@ async def _bench(b: Bench) -> RateTable:
         )
         b.echo(f"latency/throughput curve: {plan.model}, {sp.spec.name}")
         await curve_runs(b, plan, sp, capacity)
+    if b.profile.overhead is not None:
+        b.echo("overhead: the null model on 64x64 JPEGs, with the queue ceiling")
+        b.overhead = await overhead_section(b, b.profile.overhead)
     return await asyncio.to_thread(stage_rates, b)
+
+
+async def measure_queue_ceiling(b: Bench, plan: ModelPlan, sp: SetPlan) -> None:
+    """The queue ceiling for this set's jobs at the worker's batch (once per set and batch):
+    the third isolated stage of the ideal, beside decode and the model."""
+    batch = int(b.model_settings(plan)["batch_size"]) or (64 if b.is_cuda else 8)
+    key = (sp.spec.name, batch)
+    if key in b.queue_ceilings:
+        return
+    payload = b.sets[sp.spec.name].images[0]
+    result = await queue_ceiling(
+        b.aclient,
+        f"bench:{os.getpid()}-queue-{len(b.queue_ceilings)}",
+        payload=payload,
+        jobs=sp.jobs,
+        batch=batch,
+    )
+    b.queue_ceilings[key] = {"image_set": sp.spec.name, **result}
+    b.echo(f"queue ceiling {sp.spec.name}, batch {batch}: {result['jobs_per_s']} jobs/s")
 
 
 # --------------------------------------------------------------------------- entry point
@@ -299,10 +325,12 @@ def run_bench(
                 for rate in by_threads.values()
             ],
             "model": b.model_rates,
+            "queue": list(b.queue_ceilings.values()),
         },
         "runs": b.runs,
         "url_runs": b.url_runs,
         "curves": b.curves,
+        "overhead": b.overhead,
         "summary": summary,
         "targets": targets,
         "skipped": b.skipped,

@@ -5,8 +5,9 @@ Decode rates are images/s of one method over an image set, on one thread and on 
 direct-feed ceiling (worker/model/ceiling.py) at the worker's batch, and the naive worker's
 forward at batch 1. From them:
 
-- ideal gpufeed throughput: where the model runs on its own device (CUDA), the slower of
-  decode capacity and the model ceiling. On a CPU-only host decode and model share the same
+- ideal gpufeed throughput: where the model runs on its own device (CUDA), the slowest of
+  decode capacity, the model ceiling and the queue ceiling (gpufeed's Redis work alone for
+  the same jobs, worker/tools/queue_ceiling.py). On a CPU-only host decode and model share the same
   cores, so the bound is also the sum of their costs, each measured on all cores:
   1 / (1/decode_N + 1/model);
 - ideal naive throughput: one job after another on one thread,
@@ -138,19 +139,27 @@ def decode_rates(
 @dataclass(frozen=True)
 class Ideal:
     images_per_s: float
-    limited_by: str  # "decode", "model" or "shared CPU (decode + model)"
+    limited_by: str  # "decode", "model", "shared CPU (decode + model)" or "queue (Redis)"
     bounds: dict[str, float]
 
 
 def ideal_pipeline(
-    *, decode_run: float, decode_all_cores: float, model: float, shared_cpu: bool
+    *,
+    decode_run: float,
+    decode_all_cores: float,
+    model: float,
+    shared_cpu: bool,
+    queue: float | None = None,
 ) -> Ideal:
     """The throughput the isolated stage costs allow a pipelined worker.
 
     decode_run: decode images/s with the run's own decode threads; decode_all_cores: with
-    one thread per core; model: the direct-feed ceiling at the run's batch.
+    one thread per core; model: the direct-feed ceiling at the run's batch; queue: the queue
+    ceiling (worker/tools/queue_ceiling.py) for the same jobs and batch, when measured.
     """
     bounds = {"decode": decode_run, "model": model}
+    if queue is not None:
+        bounds["queue (Redis)"] = queue
     if shared_cpu:
         bounds["shared CPU (decode + model)"] = 1.0 / (1.0 / decode_all_cores + 1.0 / model)
     limited_by = min(bounds, key=lambda k: bounds[k])

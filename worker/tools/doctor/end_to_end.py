@@ -45,6 +45,9 @@ async def end_to_end_section(
     out["source"] = "url" if options.urls else "image"
     ahead = held + max(128, 4 * worker.batch_size)
     feeder = Feeder(cfg.redis_url, cfg.stream, images, jobs, ahead, image_urls=image_urls)
+    # The third isolated stage: what Redis allows for the same jobs and batch, with
+    # gpufeed's own publish script (worker/tools/queue_ceiling.py), before the run.
+    queue = await _queue_ceiling(cfg, images[0], jobs, worker.batch_size, out)
     # A full backlog before the worker reads: the feed starts steady.
     while await feeder.push(0):
         pass
@@ -63,6 +66,9 @@ async def end_to_end_section(
         server.__enter__()
     sampler.start()
     t_start = time.perf_counter()
+    # This coroutine runs on the event loop's thread: its CPU time there over the run is the
+    # loop's (the worker's reader, batcher, writer and Redis client, and the feeder).
+    loop_cpu0 = time.thread_time()
     main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
     feeding = asyncio.create_task(feeder.run(lambda: counters.results), name="doctor-feeder")
     first_t: float | None = None
@@ -94,6 +100,7 @@ async def end_to_end_section(
                     break
                 await asyncio.sleep(0.005)
         t_end = time.perf_counter()
+        loop_cpu_s = time.thread_time() - loop_cpu0
     finally:
         feeding.cancel()
         sampler.close()
@@ -137,6 +144,9 @@ async def end_to_end_section(
         if fetch_ms
         else None,
         model_capacity_images_per_s=ceiling,
+        queue_capacity_jobs_per_s=None if queue is None else queue["jobs_per_s"],
+        queue_client_cpu_us_per_job=None if queue is None else queue["loop_cpu_us_per_job"],
+        loop_cpu_us_per_job=round(1e6 * loop_cpu_s / n_end, 1) if n_end else None,
         model_in_pipeline_images_per_s=round(worker.batch_size * 1000 / gpu_ms, 1)
         if gpu_ms
         else None,
@@ -156,6 +166,36 @@ async def end_to_end_section(
     if summary["samples"] == 0:
         out["not_measured"].append("CPU utilisation: the run was shorter than one sample (0.2 s)")
     return None if syncs is None else int(syncs.total)
+
+
+async def _queue_ceiling(
+    cfg: WorkerConfig, payload: bytes, jobs: int, batch: int, out: dict[str, Any]
+) -> dict[str, Any] | None:
+    """The queue ceiling on keys beside the run's stream (deleted after), or None with the
+    reason in `out["not_measured"]`."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+
+    from worker.tools.queue_ceiling import queue_ceiling
+
+    base = cfg.stream.removesuffix(":jobs") + ":queue"
+    # All its jobs are queued at once: at most about 16 MB of images in a production Redis.
+    cap = max(2 * batch, (16 << 20) // max(1, len(payload)))
+    client = aioredis.from_url(cfg.redis_url)
+    try:
+        return await queue_ceiling(
+            client,
+            base,
+            payload=payload,
+            jobs=min(max(jobs, 4 * batch), cap),
+            batch=batch,
+            top_k=cfg.top_k,
+        )
+    except (RedisError, OSError) as exc:
+        out["not_measured"].append(f"queue ceiling: {type(exc).__name__}: {exc}")
+        return None
+    finally:
+        await client.aclose()
 
 
 def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
@@ -183,6 +223,9 @@ def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
         "fetch_capacity_images_per_s": None,
         "source": "url" if options.urls else "image",
         "model_capacity_images_per_s": None,
+        "queue_capacity_jobs_per_s": None,
+        "queue_client_cpu_us_per_job": None,
+        "loop_cpu_us_per_job": None,
         "model_in_pipeline_images_per_s": None,
         "gpu_util_pct": None,
         "mem_bw_util_pct": None,

@@ -54,4 +54,6 @@ def evidence_from(report: Mapping[str, Any]) -> Evidence:
         missing=tuple(missing),
         fetch_ms_mean=(e2e["stage_ms"] or {}).get("fetch"),
         fetch_concurrency=cfg["fetch_concurrency"],
+        queue_ceiling_jobs_per_s=e2e["queue_capacity_jobs_per_s"],
+        loop_cpu_us_per_job=e2e["loop_cpu_us_per_job"],
     )

@@ -29,9 +29,12 @@ async def cleanup(url: str, base: str, worker_name: str) -> None:
 
     client = aioredis.from_url(url, socket_connect_timeout=2)
     try:
+        queue = f"{base}:queue"  # the queue ceiling's (worker/tools/queue_ceiling.py)
         keys = [f"{base}:jobs", f"{base}:results", f"{base}:dead", heartbeat_key(worker_name)]
-        async for key in client.scan_iter(match=_glob_escape(f"{base}:result:") + "*", count=500):
-            keys.append(key)
+        keys += [f"{queue}:jobs", f"{queue}:results", f"{queue}:dead"]
+        for prefix in (f"{base}:result:", f"{queue}:result:"):
+            async for key in client.scan_iter(match=_glob_escape(prefix) + "*", count=500):
+                keys.append(key)
         for i in range(0, len(keys), 500):
             await client.delete(*keys[i : i + 500])
     finally:

@@ -157,6 +157,12 @@ def render(report: Mapping[str, Any], console: Console) -> None:
             f"{_num(e2e['model_in_pipeline_images_per_s'])} images/s inside the pipeline",
         )
         grid.add_row(
+            "queue capacity",
+            f"{_num(e2e['queue_capacity_jobs_per_s'])} jobs/s (Redis work alone, "
+            f"{_num(e2e['queue_client_cpu_us_per_job'])} µs client CPU per job); the event "
+            f"loop spent {_num(e2e['loop_cpu_us_per_job'])} µs of CPU per job in the run",
+        )
+        grid.add_row(
             "GPU",
             f"util {_num(e2e['gpu_util_pct'], '.0f', '%')}, "
             f"memory {_num(e2e['mem_bw_util_pct'], '.0f', '%')}",

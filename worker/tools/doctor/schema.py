@@ -267,6 +267,21 @@ SCHEMA: dict[str, Any] = _obj(
                 "model_in_pipeline_images_per_s": _t(
                     ["number", "null"], "batch size / gpu_ms_per_batch", "images/s"
                 ),
+                "queue_capacity_jobs_per_s": _t(
+                    ["number", "null"],
+                    "the queue ceiling: gpufeed's Redis work alone for the same jobs and batch "
+                    "(XREADGROUP, one publish script per job), measured before the run",
+                    "jobs/s",
+                ),
+                "queue_client_cpu_us_per_job": _t(
+                    ["number", "null"], "client CPU of the queue ceiling per job", "µs"
+                ),
+                "loop_cpu_us_per_job": _t(
+                    ["number", "null"],
+                    "the event loop thread's CPU per result during the run (the worker's "
+                    "reader, batcher, writer, Redis client, and the doctor's feeder)",
+                    "µs",
+                ),
                 "gpu_util_pct": _t(["number", "null"], "NVML GPU utilisation, mean", "%"),
                 "mem_bw_util_pct": _t(["number", "null"], "NVML memory utilisation, mean", "%"),
                 "process_cpu_pct": _t(
