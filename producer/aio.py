@@ -53,8 +53,11 @@ class AsyncProducer(ProducerBase[aioredis.Redis]):
         id: str | None = None,
         meta: bytes | None = None,
         reply_to: str | None = None,
+        deadline_ms: int | None = None,
     ) -> str:
-        job = Job(image=image, path=path, id=id, meta=meta, reply_to=reply_to)
+        job = Job(
+            image=image, path=path, id=id, meta=meta, reply_to=reply_to, deadline_ms=deadline_ms
+        )
         return await self._run(self._submit(job))
 
     async def submit_url(
@@ -64,8 +67,9 @@ class AsyncProducer(ProducerBase[aioredis.Redis]):
         id: str | None = None,
         meta: bytes | None = None,
         reply_to: str | None = None,
+        deadline_ms: int | None = None,
     ) -> str:
-        job = Job(url=url, id=id, meta=meta, reply_to=reply_to)
+        job = Job(url=url, id=id, meta=meta, reply_to=reply_to, deadline_ms=deadline_ms)
         return await self._run(self._submit(job))
 
     async def submit_many(self, jobs: Iterable[Job]) -> list[str]:

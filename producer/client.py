@@ -87,9 +87,12 @@ class Producer(ProducerBase[redis.Redis]):
         id: str | None = None,
         meta: bytes | None = None,
         reply_to: str | None = None,
+        deadline_ms: int | None = None,
     ) -> str:
         """Enqueue one job; returns its id (`id`, or the stream entry ID the worker will use)."""
-        job = Job(image=image, path=path, id=id, meta=meta, reply_to=reply_to)
+        job = Job(
+            image=image, path=path, id=id, meta=meta, reply_to=reply_to, deadline_ms=deadline_ms
+        )
         return self._run(self._submit(job))
 
     def submit_url(
@@ -99,10 +102,11 @@ class Producer(ProducerBase[redis.Redis]):
         id: str | None = None,
         meta: bytes | None = None,
         reply_to: str | None = None,
+        deadline_ms: int | None = None,
     ) -> str:
         """Enqueue a job whose image the worker fetches from `url` (http://, https://, s3://,
         gs:// or az://, as the worker's settings allow); returns its id."""
-        job = Job(url=url, id=id, meta=meta, reply_to=reply_to)
+        job = Job(url=url, id=id, meta=meta, reply_to=reply_to, deadline_ms=deadline_ms)
         return self._run(self._submit(job))
 
     def submit_many(self, jobs: Iterable[Job]) -> list[str]:

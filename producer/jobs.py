@@ -25,6 +25,9 @@ class Job:
     meta: bytes | None = None
     reply_to: str | None = None
     url: str | None = None
+    # Unix time in milliseconds after which the worker answers `deadline_exceeded` instead
+    # of running the job (e.g. `int(time.time() * 1000) + 2000` for two seconds from now).
+    deadline_ms: int | None = None
 
     @classmethod
     def from_file(
@@ -77,6 +80,10 @@ class Job:
             if not isinstance(self.meta, (bytes, bytearray, memoryview)):
                 raise ValueError(f"meta must be bytes, not {type(self.meta).__name__}")
             out[wire.JOB_META] = self.meta
+        if self.deadline_ms is not None:
+            if not isinstance(self.deadline_ms, int) or not 10**12 <= self.deadline_ms < 10**14:
+                raise ValueError("deadline_ms must be a Unix time in milliseconds (an int)")
+            out[wire.JOB_DEADLINE_MS] = str(self.deadline_ms).encode()
         return out
 
 

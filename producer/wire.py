@@ -33,6 +33,7 @@ MAX_ID_BYTES = 128
 JOB_IMAGE = b"image"
 JOB_PATH = b"path"
 JOB_URL = b"url"
+JOB_DEADLINE_MS = b"deadline_ms"
 JOB_ID = b"id"
 JOB_REPLY_TO = b"reply_to"
 JOB_META = b"meta"
@@ -82,6 +83,7 @@ class ErrorCode(str, enum.Enum):
     INFERENCE_ERROR = "inference_error"  # the model failed on the batch holding this job
     DEAD_LETTER = "dead_letter"  # delivered too many times without a result
     ENTRY_DELETED = "entry_deleted"  # the job entry was deleted while still pending
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # its deadline_ms passed before it ran
     INTERNAL_ERROR = "internal_error"  # a worker bug; the message says what happened
 
 

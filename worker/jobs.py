@@ -21,6 +21,8 @@ class Job:
     path: bytes | None
     # A `url` job: where its bytes are (the fetch stage sets `image` once they arrived).
     url: str | None = None
+    # Unix milliseconds after which the job is answered `deadline_exceeded` instead of run.
+    deadline_ms: int | None = None
     received_s: float = field(default_factory=time.monotonic)
     # When the job became ready for a batch row: its arrival, or the end of its fetch.
     ready_s: float = field(default_factory=time.monotonic)
@@ -93,6 +95,7 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
     image = fields.get(wire.JOB_IMAGE)
     path = fields.get(wire.JOB_PATH)
     raw_url = fields.get(wire.JOB_URL)
+    raw_deadline = fields.get(wire.JOB_DEADLINE_MS)
 
     reply_to = default_reply_to
     rejected: tuple[ErrorCode, str] | None = None
@@ -120,6 +123,15 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
         else:
             job_id = text
             has_own_id = True
+
+    deadline_ms: int | None = None
+    if raw_deadline is not None and rejected is None:
+        deadline_ms = _deadline(raw_deadline)
+        if deadline_ms is None:
+            rejected = (
+                ErrorCode.INVALID_JOB,
+                "deadline_ms is not a Unix time in milliseconds (a positive integer)",
+            )
 
     url: str | None = None
     if rejected is None:
@@ -151,8 +163,31 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
         image=image,
         path=path,
         url=url,
+        deadline_ms=deadline_ms,
         rejected=rejected,
         has_own_id=has_own_id,
+    )
+
+
+def _deadline(raw: bytes) -> int | None:
+    text = _text(raw)
+    if text is None or not text.strip().isdigit():
+        return None
+    value = int(text.strip())
+    # Milliseconds since 1970 have 13 digits until 2286; seconds (10 digits) are a mistake
+    # that would pass every job's deadline at once.
+    return value if 10**12 <= value < 10**14 else None
+
+
+def past_deadline(job: Job, now_ms: float) -> Outcome | None:
+    """The `deadline_exceeded` answer of a job whose deadline has passed, else None."""
+    if job.deadline_ms is None or now_ms <= job.deadline_ms:
+        return None
+    late = now_ms - job.deadline_ms
+    return Outcome.failure(
+        job,
+        ErrorCode.DEADLINE_EXCEEDED,
+        f"its deadline_ms passed {late:.0f} ms before it could run; not decoded or computed",
     )
 
 

@@ -17,6 +17,7 @@ import signal
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -32,13 +33,13 @@ from worker.batcher import Batch, Batcher
 from worker.completion import CompletionWatcher
 from worker.config import ConfigError, WorkerConfig
 from worker.decode.cache import DecodeCache
-from worker.decode.cpu import DecodeSpec
+from worker.decode.cpu import DecodeError, DecodeSpec
 from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
 from worker.decode.pool import DecodePool
 from worker.device import DeviceContext, make_context, resolve_device
 from worker.fetch.stage import FetchSettings, FetchStage
 from worker.health import Health
-from worker.jobs import Job, Outcome
+from worker.jobs import Job, Outcome, past_deadline
 from worker.model.compiler import CompileReport, compile_step, still_compiled
 from worker.model.loader import LoadedModel, load_configured
 from worker.model.precision import (
@@ -441,6 +442,9 @@ class Worker:
             code, message = job.rejected
             await self.writer.put([Outcome.failure(job, code, message)])
             return
+        if (late := past_deadline(job, time.time() * 1000)) is not None:
+            await self.writer.put([late])
+            return
         if job.url is not None:
             # Fetched in the background: the reader goes on, and the job joins a batch
             # only once its bytes are here.
@@ -455,6 +459,7 @@ class Worker:
                 self.watcher.track(None)
                 return
             results = await batch.decoded()
+            expire_rows(batch)
             if not batch.valid_rows:
                 self.ring.release_now(batch.slot)
                 await self.writer.put(
@@ -613,6 +618,23 @@ class Worker:
                 await self.main_loop()
         finally:
             await self.shutdown()
+
+
+def expire_rows(batch: Batch) -> None:
+    """Rows whose job's deadline passed while it was decoded are not computed: they become
+    failed rows, answered `deadline_exceeded` with the batch's other failures."""
+    now_ms = time.time() * 1000
+    for row, job in enumerate(batch.jobs):
+        if job.deadline_ms is None or batch.results[row].error is not None:
+            continue
+        late = past_deadline(job, now_ms)
+        if late is not None and late.error_code is not None:
+            batch.results[row] = replace(
+                batch.results[row],
+                info=None,
+                gpu=None,
+                error=DecodeError(late.error_code, late.error_message),
+            )
 
 
 __all__ = ["ConfigError", "RedisUnavailable", "Worker"]
