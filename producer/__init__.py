@@ -1,5 +1,6 @@
 """gpufeed's client side: enqueue image jobs and read their results (no torch needed)."""
 
+from producer.admission import AdmissionRefused, BacklogFull, RedisMemoryFull
 from producer.client import (
     AsyncProducer,
     DeadLetter,
@@ -14,13 +15,16 @@ from producer.stats import collect_stats
 from producer.wire import ErrorCode, JobResult
 
 __all__ = [
+    "AdmissionRefused",
     "AsyncProducer",
+    "BacklogFull",
     "DeadLetter",
     "DeadLetterNotFound",
     "ErrorCode",
     "Job",
     "JobResult",
     "Producer",
+    "RedisMemoryFull",
     "ResultsTimeout",
     "collect_stats",
     "file_job_ids",

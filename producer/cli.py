@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from producer import wire
+from producer.admission import AdmissionRefused
 from producer.client import Producer
 from producer.core import DEFAULT_REDIS_URL
 from producer.dead_letters import DeadLetter, DeadLetterNotFound, iso_utc
@@ -35,6 +36,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+EXIT_REFUSED = 4  # admission control: the backlog or Redis's memory is full
 EXIT_INTERRUPTED = 130
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
@@ -312,6 +314,18 @@ def submit(
     meta: Annotated[str | None, typer.Option(help="text echoed back with each result")] = None,
     id_prefix: Annotated[str, typer.Option(help="prepended to each job id")] = "",
     batch: Annotated[int, typer.Option(min=1, help="jobs per pipelined round trip")] = 256,
+    max_backlog: Annotated[
+        int,
+        typer.Option(
+            min=0, help="refuse (exit 4) once this many jobs wait or are pending; 0: no limit"
+        ),
+    ] = 0,
+    max_memory_share: Annotated[
+        float,
+        typer.Option(
+            min=0.0, max=1.0, help="refuse (exit 4) past this share of Redis's maxmemory; 0: off"
+        ),
+    ] = 0.0,
 ) -> None:
     """Submit image files (job id: the file name), or with --urls the URLs of images (job id:
     the URL without its query), and optionally wait for their results."""
@@ -338,6 +352,8 @@ def submit(
         return Job.from_file(files[i], id=ids[i], meta=meta_bytes, reply_to=reply_to)
 
     with _session(settings) as producer:
+        producer.max_backlog = max_backlog
+        producer.max_memory_share = max_memory_share
         with _progress("submitting", len(ids)) as progress:
             for start in range(0, len(ids), batch):
                 chunk = range(start, min(start + batch, len(ids)))
@@ -350,6 +366,8 @@ def submit(
                     ) from None
                 except ValueError as exc:  # an invalid option value, e.g. an empty --reply-to
                     raise _fail(str(exc), EXIT_USAGE) from None
+                except AdmissionRefused as exc:
+                    raise _fail(f"{exc} ({start} jobs were submitted)", EXIT_REFUSED) from None
                 progress.advance(progress.task_ids[0], len(chunk))
         if not wait:
             if json_out:

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from producer import wire
+from producer.admission import ADMIT, admit_args, admitted
 from producer.commands import Batch, Exec, Steps, Transaction, Unwatch, call
 from producer.dead_letters import (
     REPLAY_ATTEMPTS,
@@ -61,8 +62,17 @@ class ProducerBase(Generic[C]):
         results_stream: str = wire.DEFAULT_RESULTS_STREAM,
         result_prefix: str = wire.DEFAULT_RESULT_PREFIX,
         dead_stream: str = wire.DEFAULT_DEAD_STREAM,
+        group: str = wire.DEFAULT_GROUP,
+        max_backlog: int = 0,
+        max_memory_share: float = 0.0,
     ) -> None:
+        if max_backlog < 0 or not 0.0 <= max_memory_share <= 1.0:
+            raise ValueError("max_backlog must be >= 0 and max_memory_share in 0..1")
         self.stream = stream
+        self.group = group
+        # Admission control (producer/admission.py): 0 turns each check off.
+        self.max_backlog = max_backlog
+        self.max_memory_share = max_memory_share
         self.results_stream = results_stream
         self.result_prefix = result_prefix
         self.dead_stream = dead_stream
@@ -101,14 +111,26 @@ class ProducerBase(Generic[C]):
         return job.id
 
     def _submit(self, job: Job) -> Steps[str]:
-        entry_id = yield call("xadd", self.stream, self._fields(job))
-        return self._remember(job, entry_id)
+        return (yield from self._submit_many([job]))[0]
 
     def _submit_many(self, jobs: Iterable[Job]) -> Steps[list[str]]:
         prepared = [(job, self._fields(job)) for job in jobs]
         if not prepared:
             return []
-        entry_ids = yield Batch(tuple(call("xadd", self.stream, f) for _, f in prepared))
+        if self.max_backlog or self.max_memory_share:
+            fields = [f for _, f in prepared]
+            args = admit_args(self.group, self.max_backlog, self.max_memory_share, fields)
+            reply = yield call("eval", ADMIT, 1, self.stream, *args)
+            entry_ids = admitted(
+                reply,
+                max_backlog=self.max_backlog,
+                max_memory_share=self.max_memory_share,
+                jobs=len(fields),
+            )
+        elif len(prepared) == 1:
+            entry_ids = [(yield call("xadd", self.stream, prepared[0][1]))]
+        else:
+            entry_ids = yield Batch(tuple(call("xadd", self.stream, f) for _, f in prepared))
         return [self._remember(job, e) for (job, _), e in zip(prepared, entry_ids, strict=True)]
 
     def _get_result(self, id: str) -> Steps[wire.JobResult | None]:
