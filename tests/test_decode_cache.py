@@ -23,14 +23,23 @@ def row(value: int, size: int = 8) -> np.ndarray:
     return np.full((size, size, 3), value, dtype=np.uint8)
 
 
+def get_into(cache: DecodeCache, key: bytes, out: np.ndarray) -> DecodeInfo | None:
+    """What the decode pool does with a hit: copy the cached row into the staging row."""
+    entry = cache.get(key)
+    if entry is None:
+        return None
+    np.copyto(out, entry[0])
+    return entry[1]
+
+
 def test_hits_copy_the_row_and_misses_say_none() -> None:
     cache = DecodeCache(max_bytes=10_000)
     out = np.zeros((8, 8, 3), dtype=np.uint8)
-    assert cache.get_into(cache_key(b"a"), out) is None
+    assert get_into(cache, cache_key(b"a"), out) is None
     src = row(7)
     cache.put(cache_key(b"a"), src, INFO)
     src[:] = 99  # the caller's buffer is reused: the cache must have kept its own copy
-    assert cache.get_into(cache_key(b"a"), out) == INFO
+    assert get_into(cache, cache_key(b"a"), out) == INFO
     assert (out == 7).all()
     assert (cache.hits, cache.misses) == (1, 1)
 
@@ -41,10 +50,10 @@ def test_eviction_keeps_the_recently_used_within_the_byte_bound() -> None:
     for name in (b"a", b"b", b"c"):
         cache.put(cache_key(name), row(1), INFO)
     out = np.zeros((8, 8, 3), dtype=np.uint8)
-    assert cache.get_into(cache_key(b"a"), out) is not None  # "a" is now the most recent
+    assert get_into(cache, cache_key(b"a"), out) is not None  # "a" is now the most recent
     cache.put(cache_key(b"d"), row(2), INFO)  # evicts "b", the least recently used
-    assert cache.get_into(cache_key(b"b"), out) is None
-    assert all(cache.get_into(cache_key(k), out) is not None for k in (b"a", b"c", b"d"))
+    assert get_into(cache, cache_key(b"b"), out) is None
+    assert all(get_into(cache, cache_key(k), out) is not None for k in (b"a", b"c", b"d"))
     assert len(cache) == 3 and cache.size_bytes == 3 * one
 
 
@@ -69,7 +78,7 @@ def test_concurrent_use_keeps_the_bound() -> None:
     def work(i: int) -> None:
         out = np.zeros((8, 8, 3), dtype=np.uint8)
         key = cache_key(str(i % 80).encode())
-        if cache.get_into(key, out) is None:
+        if get_into(cache, key, out) is None:
             cache.put(key, row(i % 80), INFO)
         else:
             assert (out == i % 80).all()

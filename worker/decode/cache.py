@@ -70,28 +70,6 @@ class DecodeCache:
             self.hits += 1
             return entry
 
-    def get_into(self, key: bytes, out: npt.NDArray[np.uint8]) -> DecodeInfo | None:
-        """Copy the cached row for `key` into `out` and return its info; None on a miss."""
-        entry = self.get(key)
-        if entry is None:
-            return None
-        row, info = entry
-        # The row is never modified after insertion, so copying outside the lock is safe.
-        np.copyto(out, row)
-        return info
-
-    def peek(self, key: bytes) -> tuple[npt.NDArray[np.uint8], DecodeInfo] | None:
-        """The cached row itself (never modified, so safe to hold) and its info, counted as
-        a look-up: the fetch stage keeps it for a `url` job whose server said 304."""
-        with self._lock:
-            entry = self._rows.get(key)
-            if entry is None:
-                self.misses += 1
-                return None
-            self._rows.move_to_end(key)
-            self.hits += 1
-            return entry
-
     def put(self, key: bytes, row: npt.NDArray[np.uint8], info: DecodeInfo) -> None:
         """Keep a private copy of `row` (the caller's buffer is a reused staging row)."""
         size = row.nbytes

@@ -289,7 +289,7 @@ class FetchStage:
     def _cached_row(self, url: str, validator: Validator, namespace: str) -> tuple[Any, Any] | None:
         if self.cache is None or not validator:
             return None
-        return self.cache.peek(validator.cache_key(url, namespace))
+        return self.cache.get(validator.cache_key(url, namespace))
 
     def _take(
         self, job: Job, url: str, fetched: Fetched, row: tuple[Any, Any] | None
