@@ -41,6 +41,10 @@ class Job:
     has_own_id: bool = False
     # How many times Redis delivered this entry (1 on a first read).
     deliveries: int = 1
+    # The job stream the entry was read from; empty: the worker's configured stream. A
+    # worker that reads several streams (priority levels, shards) acknowledges each entry
+    # on its own stream.
+    stream: str = ""
 
     @property
     def enqueued_ms(self) -> int:

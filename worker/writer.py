@@ -261,7 +261,7 @@ class ResultWriter:
             dead = outcome.dead_fields or []
             await self._script(
                 keys=[
-                    s.stream,
+                    job.stream or s.stream,
                     job.reply_to,
                     wire.result_key(job.job_id, s.result_prefix),
                     s.dead_stream,
