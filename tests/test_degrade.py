@@ -303,3 +303,36 @@ async def test_a_degraded_model_directory_with_other_classes_answers_in_its_own_
     assert small_result.label in ("cat", "dog", "fox")
     assert len(small_result.details["top_k"]) == 3
     assert small_result.weights is not None and "small" in small_result.weights
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_cuda_both_steps_replay_graphs_and_alternate_without_recompiling(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        device="cuda",
+        compile="reduce-overhead",
+        degrade_after_s=3600.0,  # the test turns the switch
+        degrade_input_size=48,
+    ) as worker:
+        report = worker.compile_report
+        assert report is not None and report.compiled and report.cudagraph_replays > 0
+        switch = worker.degrade_switch
+        assert switch is not None
+        async with AsyncProducer(redis_url) as p:
+            for round_ in range(4):
+                switch.on = round_ % 2 == 1
+                for i in range(4):
+                    await p.submit(jpeg_bytes(seed=10 * round_ + i), id=f"r{round_}-{i}")
+                entries = await wait_results(redis_client, "gpufeed:results", 4 * (round_ + 1))
+        # Neither step recompiled or fell out of its CUDA graph while they alternated.
+        assert worker.observer.compile_check() == []
+    results = results_by_id(entries)
+    assert len(results) == 16 and all(r.ok for r in results.values())
+    for job_id, r in results.items():
+        odd = int(job_id[1]) % 2 == 1
+        assert r.degraded == odd
+        assert r.model == ("mobilenet_v3_small@48" if odd else "mobilenet_v3_small")
