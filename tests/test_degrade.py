@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from producer import AsyncProducer
+from producer import AsyncProducer, Job
 from producer.wire import JobResult
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
@@ -237,9 +238,9 @@ async def test_a_backlog_turns_the_degraded_step_on_and_its_end_turns_it_off(
                     done(launched, gpu_ms)
 
             worker.watcher._on_batch_done = record
+            burst = [Job(image=jpeg_bytes(seed=i), id=f"b{i}") for i in range(48)]
             async with AsyncProducer(redis_url) as p:
-                for i in range(48):
-                    await p.submit(jpeg_bytes(seed=i), id=f"b{i}")
+                await p.submit_many(burst)  # one round trip: a backlog at once
                 entries = await wait_results(redis_client, "gpufeed:results", 48)
                 # The backlog is gone: the switch goes back off after its calm period.
                 for _ in range(600):
@@ -336,3 +337,28 @@ async def test_on_cuda_both_steps_replay_graphs_and_alternate_without_recompilin
         odd = int(job_id[1]) % 2 == 1
         assert r.degraded == odd
         assert r.model == ("mobilenet_v3_small@48" if odd else "mobilenet_v3_small")
+
+
+async def test_a_failure_of_the_degraded_step_fails_its_batch_alone_and_names_it(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    def broken(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        raise RuntimeError("out of memory (simulated)")
+
+    async with running_worker(
+        redis_url, tiny_weights, degrade_after_s=3600.0, degrade_input_size=32, **NULL
+    ) as worker:
+        assert worker.degrade_switch is not None and worker.degraded_serving is not None
+        worker.degraded_serving = replace(worker.degraded_serving, step=broken)
+        async with AsyncProducer(redis_url) as p:
+            worker.degrade_switch.observe(7200.0)
+            await p.submit(jpeg_bytes(seed=1), id="degraded")
+            await wait_results(redis_client, "gpufeed:results", 1)
+            worker.degrade_switch.on = False
+            await p.submit(jpeg_bytes(seed=2), id="main")
+            entries = await wait_results(redis_client, "gpufeed:results", 2)
+    results = results_by_id(entries)
+    failed = results["degraded"]
+    assert failed.error_code == "inference_error" and "simulated" in (failed.error or "")
+    assert failed.degraded and failed.model == "null@32"
+    assert results["main"].ok and not results["main"].degraded and results["main"].model == "null"

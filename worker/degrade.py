@@ -100,7 +100,7 @@ class DegradeSwitch:
         self.on = on
         self.switches += 1
         self._calm_since = None
-        log.warning(
+        (log.warning if on else log.info)(
             "degrade_on" if on else "degrade_off",
             oldest_waiting_s=round(age_s, 3),
             after_s=self.after_s,

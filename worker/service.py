@@ -573,7 +573,9 @@ class Worker:
                     [
                         Outcome.failure(job, r.error.code, r.error.message)
                         if r.error is not None
-                        else Outcome.failure(job, ErrorCode.INFERENCE_ERROR, f"{exc}")
+                        else _failed_on(
+                            serving, Outcome.failure(job, ErrorCode.INFERENCE_ERROR, f"{exc}")
+                        )
                         for job, r in zip(batch.jobs, results, strict=True)
                     ]
                 )
@@ -712,6 +714,13 @@ class Worker:
                 await self.main_loop()
         finally:
             await self.shutdown()
+
+
+def _failed_on(serving: Serving, outcome: Outcome) -> Outcome:
+    """An inference_error of the degraded step names that step, as its results would."""
+    if serving.degraded:
+        outcome.extra["degraded"] = True
+    return outcome
 
 
 def expire_rows(batch: Batch) -> None:
