@@ -67,7 +67,7 @@ class InferenceStep(nn.Module):
         self.resample: torch.Tensor
         self.register_buffer(
             "resample",
-            resample_matrix(self.input_side, staging_size, crop_size).to(dtype),
+            resample_matrix(self.input_side, staging_size, crop_size),
             persistent=False,
         )
         self.model = model
@@ -102,9 +102,10 @@ class InferenceStep(nn.Module):
         off = self.crop_offset
         if self.input_side != self.staging_size:
             # [B, S_in, S_in, 3] uint8 -> [B, 3, C, C] in `dtype`: resized and cropped as two
-            # matrix products with the rows of the resampling matrix that survive the crop.
-            x = x.permute(0, 3, 1, 2).to(self.dtype)
-            x = self.resample @ x @ self.resample.transpose(0, 1)
+            # matrix products with the rows of the resampling matrix that survive the crop,
+            # in fp32 (weights rounded to bf16 would shift the brightness of whole rows).
+            x = x.permute(0, 3, 1, 2).float()
+            x = (self.resample @ x @ self.resample.transpose(0, 1)).to(self.dtype)
         else:
             x = x[:, off : off + self.crop_size, off : off + self.crop_size, :]
             # NHWC uint8 viewed as NCHW is already channels_last in memory: no transpose copy.
