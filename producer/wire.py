@@ -51,6 +51,9 @@ RES_META = b"meta"
 RES_MODEL = b"model"
 RES_WEIGHTS = b"weights"
 RES_DUPLICATE_OF = b"duplicate_of"
+# "1" on a result served by the worker's degraded step (under backlog; README "Degrade under
+# backlog"); absent otherwise. `model` then names the degraded model or input size.
+RES_DEGRADED = b"degraded"
 # By output kind: classify with sigmoid (multi-label), embed, raw.
 RES_LABELS = b"labels"  # JSON array of the class names at or above the threshold
 RES_EMBEDDING = b"embedding"  # the vector, raw little-endian bytes of `dtype`
@@ -127,6 +130,9 @@ class JobResult:
     # named here, served by the same model and weights): that result stands under the id,
     # and this answer is stored under this job's entry ID.
     duplicate_of: str | None = None
+    # Served by the worker's cheaper degraded step, while a backlog waited (`model` says
+    # which); False for results without the field.
+    degraded: bool = False
     # classify: the top-k class names; multi-label (sigmoid): the names at or above the
     # model's threshold, best first
     labels: list[str] | None = None
@@ -181,6 +187,7 @@ class JobResult:
             model=_text(norm.get(RES_MODEL)),
             weights=_text(norm.get(RES_WEIGHTS)),
             duplicate_of=_text(norm.get(RES_DUPLICATE_OF)),
+            degraded=norm.get(RES_DEGRADED) == b"1",
             labels=_labels(norm.get(RES_LABELS), details.get("labels")),
             embedding=decode_vector(vector, dtype) if vector is not None else None,
             dim=int(dim) if dim not in (None, b"") else _int_or_none(details.get("dim")),
@@ -215,6 +222,8 @@ class JobResult:
             "weights": self.weights,
             "duplicate_of": self.duplicate_of,
         }
+        if self.degraded:
+            out["degraded"] = True
         if self.labels is not None:
             out["labels"] = self.labels
         if self.embedding is not None:

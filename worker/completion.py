@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from worker.jobs import Outcome
 from worker.model.readers import ClassifyReader, Reader
@@ -72,9 +73,14 @@ class CompletionWatcher:
         now = time.monotonic()
         out = launched.out
         outcomes: list[Outcome] = []
+        # A batch run on the degraded step has that step's outputs, in its output ring.
+        serving = launched.serving
+        reader = serving.reader if serving is not None else self._reader
+        out_ring = serving.out_ring if serving is not None else self.out_ring
+        degraded = serving is not None and serving.degraded
         # Only rows holding a decoded image are read; padding and failed rows are not.
         valid = batch.valid_rows
-        answers = dict(zip(valid, self._reader.read(out.arrays, valid), strict=True))
+        answers = dict(zip(valid, reader.read(out.arrays, valid), strict=True))
         for row, job in enumerate(batch.jobs):
             result = batch.results[row]
             job.timings_ms["decode"] = result.decode_ms
@@ -84,9 +90,10 @@ class CompletionWatcher:
             if result.error is not None:
                 outcomes.append(Outcome.failure(job, result.error.code, result.error.message))
                 continue
-            extra = {}
+            # `degraded`: the writer names the degraded step's model in the result.
+            extra: dict[str, Any] = {"degraded": True} if degraded else {}
             if result.info is not None:
-                extra = {
+                extra |= {
                     "format": result.info.format,
                     "width": result.info.width,
                     "height": result.info.height,
@@ -94,7 +101,7 @@ class CompletionWatcher:
                     "cached": result.cached,
                 }
             outcomes.append(Outcome(job=job, ok=True, answer=answers[row], extra=extra))
-        self.out_ring.release(out)
+        out_ring.release(out)
         if self._on_batch_done is not None:
             self._on_batch_done(launched, gpu_ms)
         await self._publish(outcomes)

@@ -71,6 +71,11 @@ class WorkerConfig:
         default=False, metadata={"env": "GPUFEED_ALLOW_EAGER_FALLBACK"}
     )
 
+    # Degrade under backlog (worker/degrade.py): off unless GPUFEED_DEGRADE_AFTER_S is set
+    degrade_after_s: float = field(default=0.0, metadata={"env": "GPUFEED_DEGRADE_AFTER_S"})
+    degrade_input_size: int = field(default=0, metadata={"env": "GPUFEED_DEGRADE_INPUT_SIZE"})
+    degrade_model: str = field(default="", metadata={"env": "GPUFEED_DEGRADE_MODEL"})
+
     # Pipeline sizing
     max_wait_ms: float = field(default=10.0, metadata={"env": "GPUFEED_MAX_WAIT_MS"})
     decode_threads: int = field(default=0, metadata={"env": "GPUFEED_DECODE_THREADS"})
@@ -207,6 +212,7 @@ class WorkerConfig:
             "must be 0 (the weights' own size) or between 16 and 2048",
         )
         need(1 <= self.top_k <= 100, "GPUFEED_TOP_K", "must be between 1 and 100")
+        self._validate_degrade(need)
         need(0 <= self.max_wait_ms <= 60_000, "GPUFEED_MAX_WAIT_MS", "must be between 0 and 60000")
         need(
             0 <= self.decode_threads <= 256,
@@ -306,6 +312,62 @@ class WorkerConfig:
             "GPUFEED_LOG_LEVEL",
             f"must be one of {', '.join(LOG_LEVELS)}",
         )
+
+    def _validate_degrade(self, need: Callable[[bool, str, str], None]) -> None:
+        """The degraded step's settings; whether its input is smaller than the main step's
+        is known only once the model is loaded (worker/model/degraded.py)."""
+        on = self.degrade_after_s > 0
+        need(
+            0 <= self.degrade_after_s <= 86_400,
+            "GPUFEED_DEGRADE_AFTER_S",
+            "must be between 0 (off) and 86400 seconds",
+        )
+        cheaper = bool(self.degrade_input_size or self.degrade_model.strip())
+        need(
+            not on or cheaper,
+            "GPUFEED_DEGRADE_AFTER_S",
+            "needs the cheaper step: GPUFEED_DEGRADE_INPUT_SIZE (the same model at a smaller "
+            "input size) or GPUFEED_DEGRADE_MODEL (a smaller model directory)",
+        )
+        for name in ("degrade_input_size", "degrade_model"):
+            need(
+                on or not getattr(self, name),
+                _env(name),
+                "applies only with GPUFEED_DEGRADE_AFTER_S (when to switch to the cheaper step)",
+            )
+        need(
+            self.degrade_input_size == 0 or 16 <= self.degrade_input_size <= 2048,
+            "GPUFEED_DEGRADE_INPUT_SIZE",
+            "must be 0 (the degraded model's own) or between 16 and 2048",
+        )
+        need(
+            self.degrade_input_size == 0
+            or self.input_size == 0
+            or self.degrade_input_size < self.input_size,
+            "GPUFEED_DEGRADE_INPUT_SIZE",
+            f"{self.degrade_input_size} must be smaller than GPUFEED_INPUT_SIZE "
+            f"({self.input_size}): the degraded step is the cheaper one",
+        )
+        if self.degrade_model:
+            from worker.model.manifest import looks_like_model_dir, read_manifest
+
+            need(
+                looks_like_model_dir(self.degrade_model),
+                "GPUFEED_DEGRADE_MODEL",
+                f"must be a model directory (a path, e.g. ./models/small), got "
+                f"{self.degrade_model!r}",
+            )
+            need(
+                not self.degrade_input_size,
+                "GPUFEED_DEGRADE_INPUT_SIZE",
+                "does not apply with GPUFEED_DEGRADE_MODEL: a model directory names its own "
+                "input size",
+            )
+            try:
+                read_manifest(self.degrade_model)
+            except ConfigError as exc:
+                reason = str(exc).removeprefix("GPUFEED_MODEL: ")
+                raise ConfigError(f"GPUFEED_DEGRADE_MODEL: {reason}") from None
 
     def redacted_url(self) -> str:
         """REDIS_URL with any password replaced, safe for logs."""

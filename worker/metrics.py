@@ -126,6 +126,18 @@ class WorkerMetrics:
             registry=r,
         )
 
+        self.degraded = Gauge(
+            "gpufeed_degraded",
+            "1 while batches run on the cheaper degraded step (GPUFEED_DEGRADE_AFTER_S).",
+            registry=r,
+        )
+        self.degrade_switches = Counter(
+            "gpufeed_degrade_switches",
+            "Switches to the degraded step (on) and back to the main step (off).",
+            ["to"],
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

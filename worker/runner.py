@@ -34,6 +34,7 @@ import torch
 from worker.batcher import Batch
 from worker.decode.gpu import GpuDecodeFailed, GpuDecoder
 from worker.decode.pool import DecodeResult
+from worker.degrade import Serving
 from worker.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
 from worker.jobs import Job
 from worker.staging import OutputSlot
@@ -71,6 +72,9 @@ class Launched:
     start: Event  # compute start (CUDA: timing event)
     done: Event  # results are in `out` once this fired
     launched_s: float  # when the launch began: the end of the batch's wait
+    # The step the batch ran on, with its output ring and reader; None: the main step, read
+    # by the completion watcher's own reader.
+    serving: Serving | None = None
 
 
 class ModelRunner:
@@ -101,11 +105,14 @@ class ModelRunner:
         self.gpu_decoder = decoder
         self._cpu_decode = cpu_decode
 
-    async def launch(self, batch: Batch, out: OutputSlot) -> Launched:
-        """Raises LaunchFailed when device work was queued before the failure."""
+    async def launch(
+        self, batch: Batch, out: OutputSlot, serving: Serving | None = None
+    ) -> Launched:
+        """Run the whole batch on `serving`'s step (None: `self.step`), `out` being a slot of
+        its output ring. Raises LaunchFailed when device work was queued before the failure."""
         loop = asyncio.get_running_loop()
         rows = await self._decode_deferred_rows(batch)
-        return await loop.run_in_executor(self._executor, self._launch, batch, out, rows)
+        return await loop.run_in_executor(self._executor, self._launch, batch, out, rows, serving)
 
     async def _decode_deferred_rows(self, batch: Batch) -> DeviceRows:
         """Decode rows deferred to the GPU; rows it could not decode (all of them when the
@@ -159,28 +166,34 @@ class ModelRunner:
         on_device = frozenset(row for row, _ in deferred) - frozenset(failed)
         return DeviceRows(on_device, ready if on_device else None, copy_after)
 
-    def _launch(self, batch: Batch, out: OutputSlot, rows: DeviceRows) -> Launched:
+    def _launch(
+        self, batch: Batch, out: OutputSlot, rows: DeviceRows, serving: Serving | None
+    ) -> Launched:
         began_s = self.launch_started_s = time.monotonic()
+        step = serving.step if serving is not None and serving.step is not None else self.step
         try:
             # inference_mode is thread-local: it must be entered on the launch thread itself.
             with torch.inference_mode():
                 if self.ctx.is_cuda:
                     try:
-                        return self._launch_cuda(batch, out, rows, began_s)
+                        launched = self._launch_cuda(batch, out, rows, began_s, step)
                     except Exception as exc:
                         # Work queued before the failure may still read the pinned slot or
                         # write the twin: both wait for this fence, never the host.
                         fence = self.transfer.fence(batch.slot, rows.ready, rows.copy_after)
                         raise LaunchFailed(f"{type(exc).__name__}: {exc}", fence) from exc
-                try:
-                    return self._launch_cpu(batch, out, began_s)
-                except Exception as exc:
-                    raise LaunchFailed(f"{type(exc).__name__}: {exc}", DoneEvent()) from exc
+                else:
+                    try:
+                        launched = self._launch_cpu(batch, out, began_s, step)
+                    except Exception as exc:
+                        raise LaunchFailed(f"{type(exc).__name__}: {exc}", DoneEvent()) from exc
+            launched.serving = serving
+            return launched
         finally:
             self.launch_started_s = None
 
     def _launch_cuda(
-        self, batch: Batch, out: OutputSlot, rows: DeviceRows, began_s: float
+        self, batch: Batch, out: OutputSlot, rows: DeviceRows, began_s: float, step: StepFn
     ) -> Launched:
         stream = self.ctx.compute_stream
         assert stream is not None
@@ -197,7 +210,7 @@ class ModelRunner:
                 mark_cudagraph_step()
             # x: [B, S, S, 3] uint8 on the device -> the kind's outputs, e.g. indices and
             # scores [B, K] (classify) or vectors [B, D] (embed)
-            outputs = self.step(x)
+            outputs = step(x)
             consumed = cuda_event()
             consumed.record(stream)
             # The replay's outputs live in graph-owned memory that the next replay
@@ -210,10 +223,10 @@ class ModelRunner:
         self.transfer.mark_consumed(batch.slot, consumed)
         return Launched(batch, out, copied, start, done, began_s)
 
-    def _launch_cpu(self, batch: Batch, out: OutputSlot, began_s: float) -> Launched:
+    def _launch_cpu(self, batch: Batch, out: OutputSlot, began_s: float, step: StepFn) -> Launched:
         x, copied = self.transfer.to_device(batch.slot)
         start = DoneEvent(time.perf_counter())
-        for dst, src in zip(out.tensors, self.step(x), strict=True):
+        for dst, src in zip(out.tensors, step(x), strict=True):
             dst.copy_(src)
         done = DoneEvent(time.perf_counter())
         return Launched(batch, out, copied, start, done, began_s)

@@ -36,11 +36,13 @@ from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeSpec
 from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
 from worker.decode.pool import DecodePool
+from worker.degrade import DegradeSwitch, Serving
 from worker.device import DeviceContext, make_context, resolve_device
 from worker.fetch.stage import FetchSettings, FetchStage
 from worker.health import Health
 from worker.jobs import Job, Outcome, past_deadline
 from worker.model.compiler import CompileReport, compile_step, still_compiled
+from worker.model.degraded import DegradedModel, build_degraded
 from worker.model.loader import LoadedModel, load_configured
 from worker.model.precision import (
     AgreementReport,
@@ -103,6 +105,10 @@ class Worker:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         # Entries read and not yet answered, by entry ID: the keep-alive refreshes them.
         self._held: dict[str, Job] = {}
+        # Degrade under backlog (GPUFEED_DEGRADE_AFTER_S): the cheaper step and its switch.
+        self.degraded: DegradedModel | None = None
+        self.degrade_switch: DegradeSwitch | None = None
+        self._degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
     # ----------------------------------------------------------------------- startup
     async def startup(self, *, wait_for_redis: bool = True, redis_first: bool = False) -> None:
@@ -159,6 +165,17 @@ class Worker:
         )
         self.health.watch_launches(lambda: self.runner.launch_started_s, cfg.ring_slots)
         example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
+        if cfg.degrade_after_s > 0:
+            self.degraded = build_degraded(
+                cfg, self.loaded, step, device=device, dtype=self.dtype, batch_size=self.batch_size
+            )
+            layout = self.degraded.step.layout
+            # Outputs of another shape (another model's classes) need slots of their own.
+            self.degraded_out_ring = (
+                self.out_ring
+                if layout == step.layout
+                else OutputRing(cfg.ring_slots, self.batch_size, layout, pin=pin)
+            )
 
         def compile_on_launch_thread() -> None:
             # One eager batch first: a model that fails in the serving dtype or gives
@@ -177,6 +194,8 @@ class Worker:
                 self.precision = check(
                     step, fn, batch=self.batch_size, batches=1, cudagraphs=graphs
                 )
+            if self.degraded is not None:
+                self._compile_degraded(example, mode, report)
             # The fp32 copy served only as the check's reference: give its memory back.
             step.fp32_weights = ()
 
@@ -199,6 +218,40 @@ class Worker:
         )
         if self.precision is not None:
             log.info("precision_check", **self.precision.as_dict())
+
+    def _compile_degraded(self, example: torch.Tensor, mode: str, main: CompileReport) -> None:
+        """Check, compile and warm up the degraded step on the launch thread, beside the main
+        one (start-up only). Its graph is not a recompile of the main step's: the main
+        report's baseline moves past it."""
+        assert self.degraded is not None
+        dstep, loaded = self.degraded.step, self.degraded.loaded
+        check_step(dstep, example, what=f"{self.degraded.setting}: {loaded.name}")
+        # A main step that fell back to eager (allowed) has a degraded step in eager too.
+        dmode = "off" if main.fell_back_to_eager else mode
+        fn, report = compile_step(
+            dstep, example, mode=dmode, allow_eager_fallback=False, reset=False
+        )
+        if report.baseline is not None:
+            main.baseline = report.baseline
+        self._degraded_step = fn
+        precision: PrecisionReport | AgreementReport | None = None
+        if self.ctx.is_cuda:
+            graphs = report.compiled and dmode == "reduce-overhead"
+            check = precision_check if dstep.layout[0].name == "indices" else output_agreement
+            precision = check(dstep, fn, batch=self.batch_size, batches=1, cudagraphs=graphs)
+        dstep.fp32_weights = ()
+        log.info(
+            "degraded_step_ready",
+            model=loaded.name,
+            weights=loaded.weights_label,
+            staging_size=dstep.staging_size,
+            input_size=dstep.crop_size,
+            resized_from=dstep.input_side,
+            after_s=self.config.degrade_after_s,
+            outputs={f.name: [*f.shape] for f in dstep.layout},
+            **report.as_dict(),
+            **({"precision": precision.as_dict()} if precision is not None else {}),
+        )
 
     def _prepare_decode(self, device: torch.device) -> None:
         """The decode thread pool, and GPU decode where GPUFEED_DECODE asks for it."""
@@ -269,6 +322,8 @@ class Worker:
                 device=str(device),
                 dead_stream=cfg.dead_stream,
                 default_reply_to=cfg.results_stream,
+                degraded_model=self.degraded.loaded.name if self.degraded else "",
+                degraded_weights=self.degraded.loaded.weights_label if self.degraded else "",
             ),
             max_queued=cfg.ring_slots * 2,
             on_published=self._on_published,
@@ -281,10 +336,28 @@ class Worker:
             jobs=self.jobs_q,
             sealed=self.sealed_q,
         )
+        reader = make_reader(self.loaded.output, self.loaded.categories)
+        self.serving = Serving(
+            self.loaded.name, self.loaded.weights_label, False, self.out_ring, reader
+        )
+        self.degraded_serving: Serving | None = None
+        if self.degraded is not None:
+            d = self.degraded.loaded
+            self.degraded_serving = Serving(
+                d.name,
+                d.weights_label,
+                True,
+                self.degraded_out_ring,
+                make_reader(d.output, d.categories),
+                self._degraded_step,
+            )
+            self.degrade_switch = DegradeSwitch(
+                after_s=cfg.degrade_after_s, on_change=self._degrade_changed
+            )
         self.watcher = CompletionWatcher(
             self.out_ring,
             self.writer.put,
-            reader=make_reader(self.loaded.output, self.loaded.categories),
+            reader=reader,
             on_batch_done=self._on_batch_done,
         )
         # `url` jobs: their bytes arrive here, then they join the jobs queue like the rest.
@@ -416,6 +489,13 @@ class Worker:
                 self.health.probe_redis(self.redis), name="redis_probe"
             ),
         }
+        if self.degrade_switch is not None:
+            self._tasks["degrade"] = asyncio.create_task(
+                self.degrade_switch.run(
+                    self.redis, streams=[self.config.stream], group=self.config.group
+                ),
+                name="degrade",
+            )
         stop = asyncio.create_task(self.should_exit.wait(), name="should_exit")
         waiting: set[asyncio.Task[Any]] = {stop, *self._tasks.values()}
         try:
@@ -470,9 +550,11 @@ class Worker:
                     ]
                 )
                 continue
-            out = await self.out_ring.acquire()
+            # Chosen once per batch: a batch runs whole on one step.
+            serving = self._serving()
+            out = await serving.out_ring.acquire()
             try:
-                launched = await self.runner.launch(batch, out)
+                launched = await self.runner.launch(batch, out, serving)
             except Exception as exc:  # noqa: BLE001 - the batch fails, the worker goes on
                 log.error(
                     "batch_failed",
@@ -480,7 +562,7 @@ class Worker:
                     error=repr(exc),
                     job_ids=[j.job_id for j in batch.jobs],
                 )
-                self.out_ring.release(out)
+                serving.out_ring.release(out)
                 if isinstance(exc, LaunchFailed):
                     # Device work queued before the failure may still read the slot.
                     batch.slot.copy_done = exc.fence
@@ -491,7 +573,9 @@ class Worker:
                     [
                         Outcome.failure(job, r.error.code, r.error.message)
                         if r.error is not None
-                        else Outcome.failure(job, ErrorCode.INFERENCE_ERROR, f"{exc}")
+                        else _failed_on(
+                            serving, Outcome.failure(job, ErrorCode.INFERENCE_ERROR, f"{exc}")
+                        )
                         for job, r in zip(batch.jobs, results, strict=True)
                     ]
                 )
@@ -500,6 +584,18 @@ class Worker:
             batch.slot.copy_done = launched.copied
             self.ring.release_after_copy(batch.slot)
             self.watcher.track(launched)
+
+    def _serving(self) -> Serving:
+        """The step the next batch runs on: the degraded one while the switch is on."""
+        switch = self.degrade_switch
+        if switch is not None and switch.on and self.degraded_serving is not None:
+            return self.degraded_serving
+        return self.serving
+
+    def _degrade_changed(self, on: bool, age_s: float) -> None:
+        metrics = self.observer.metrics
+        metrics.degraded.set(1 if on else 0)
+        metrics.degrade_switches.labels("on" if on else "off").inc()
 
     def _on_batch_done(self, launched: Launched, gpu_ms: float) -> None:
         self.observer.batch_done(launched, gpu_ms)
@@ -519,7 +615,7 @@ class Worker:
         )
         tasks = self._tasks
         # 0. No more reclaiming or trimming; the keep-alive goes on while we drain.
-        for name in ("reclaim", "trim", "stats", "redis_probe"):
+        for name in ("reclaim", "trim", "stats", "redis_probe", "degrade"):
             if name in tasks:
                 tasks[name].cancel()
         # 1. Stop reading: nothing new is taken from the stream.
@@ -618,6 +714,13 @@ class Worker:
                 await self.main_loop()
         finally:
             await self.shutdown()
+
+
+def _failed_on(serving: Serving, outcome: Outcome) -> Outcome:
+    """An inference_error of the degraded step names that step, as its results would."""
+    if serving.degraded:
+        outcome.extra["degraded"] = True
+    return outcome
 
 
 def expire_rows(batch: Batch) -> None:

@@ -63,6 +63,20 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "start in eager mode, with an error in the log, instead of refusing when the compiled "
         "step has graph breaks or recompiles",
     ),
+    "GPUFEED_DEGRADE_AFTER_S": (
+        "`0` (off)",
+        "switch to the cheaper degraded step while the oldest job waiting in the stream is "
+        "older than this; back once it has been under half of it for as long (see "
+        "[Degrade under backlog](#degrade-under-backlog))",
+    ),
+    "GPUFEED_DEGRADE_INPUT_SIZE": (
+        "`0`",
+        "the degraded step: the same model at this smaller input side",
+    ),
+    "GPUFEED_DEGRADE_MODEL": (
+        "unset",
+        "the degraded step: a smaller model directory (same output kind and resize mode)",
+    ),
     "GPUFEED_MAX_WAIT_MS": ("`10`", "how long a batch waits to fill before it runs padded"),
     "GPUFEED_DECODE_THREADS": ("`0`", "decode threads; 0: one per CPU core, at most 16"),
     "GPUFEED_DECODE": (

@@ -49,6 +49,17 @@ class WriterSettings:
     device: str = "cpu"
     dead_stream: str = wire.DEFAULT_DEAD_STREAM
     default_reply_to: str = wire.DEFAULT_RESULTS_STREAM
+    # The degraded step's model and weights (worker/degrade.py), for outcomes it served.
+    degraded_model: str = ""
+    degraded_weights: str = ""
+
+
+def served_by(outcome: Outcome, settings: WriterSettings) -> tuple[str, str]:
+    """The model and weights that served `outcome`: the degraded step's when its batch ran
+    on it (the completion watcher marks those `degraded`)."""
+    if outcome.extra.get("degraded"):
+        return settings.degraded_model, settings.degraded_weights
+    return settings.model_name, settings.weights
 
 
 class PublishState:
@@ -82,8 +93,9 @@ REPLY_PROBLEMS = {
 def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | str]:
     """The contract's result fields for one outcome, as a flat field/value list."""
     job = outcome.job
+    model, weights = served_by(outcome, settings)
     details: dict[str, Any] = {
-        "model": settings.model_name,
+        "model": model,
         "worker": settings.worker_name,
         "device": settings.device,
         "timings_ms": {k: round(v, 3) for k, v in job.timings_ms.items()},
@@ -92,9 +104,11 @@ def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | st
         wire.RES_ID, job.job_id,
         wire.RES_ENTRY, job.entry_id,
         wire.RES_STATUS, wire.STATUS_OK if outcome.ok else wire.STATUS_ERROR,
-        wire.RES_MODEL, settings.model_name,
-        wire.RES_WEIGHTS, settings.weights,
+        wire.RES_MODEL, model,
+        wire.RES_WEIGHTS, weights,
     ]  # fmt: skip
+    if outcome.extra.get("degraded"):
+        out += [wire.RES_DEGRADED, "1"]
     if outcome.ok:
         if outcome.answer is not None:
             # The kind's own fields: top1/label/score (classify), embedding/dim/dtype (embed),
@@ -274,8 +288,7 @@ class ResultWriter:
                     s.results_maxlen,
                     s.result_prefix,
                     "1" if job.has_own_id else "0",
-                    s.model_name,
-                    s.weights,
+                    *served_by(outcome, s),
                     s.default_reply_to,
                     len(dead),
                     *dead,

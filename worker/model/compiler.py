@@ -270,18 +270,29 @@ def compile_step(
     allow_eager_fallback: bool,
     warmup_iters: int = 3,
     inductor_overrides: dict[str, Any] | None = None,
+    reset: bool = True,
 ) -> tuple[StepFn, CompileReport]:
     """Returns the function to launch and a report. Runs the step `1 + warmup_iters` times on
     `example` (which must have the production shape, dtype and device, and like the
     production buffers must not be an inference tensor: guards check that), on the calling
     thread: with CUDA graphs that must be the thread that launches later (graph trees are
     per thread), under the stream it will launch on. `inductor_overrides` (tests) change
-    the inductor options the step is compiled with."""
+    the inductor options the step is compiled with.
+
+    `reset=False` compiles a second step beside one already compiled (the degraded step):
+    dynamo's caches and counters are kept, since resetting them would throw away the first
+    step's graphs, and the report counts what changed during this compile only. A refused
+    second step is then never explained or replaced by eager (both reset dynamo): it raises.
+    """
     if mode == "off":
         return _eager(step, example, warmup_iters)
 
-    torch._dynamo.reset()
-    _counters().clear()
+    if reset:
+        torch._dynamo.reset()
+        _counters().clear()
+    else:
+        allow_eager_fallback = False
+    before = snapshot() if not reset else CompileBaseline(0, 0, 0, 0, 0)
     options = {**step_inductor_options(mode), **(inductor_overrides or {})}
     report = CompileReport(mode=mode, compiled=True, inductor_options=options)
     # fullgraph=True turns any graph break into an exception right here, at start-up,
@@ -301,7 +312,8 @@ def compile_step(
             _sync(out[0])
         except Exception as exc:  # noqa: BLE001 - dynamo raises many kinds; all mean "not compiled"
             report.compiled = False
-            report.graph_breaks = max(1, _graph_break_count(), _explain_breaks(step, example))
+            explained = _explain_breaks(step, example) if reset else 0
+            report.graph_breaks = max(1, _graph_break_count() - before.graph_breaks, explained)
             report.reason = f"{report.graph_breaks} graph break(s): {_first_line(exc)}"
             return _refuse_or_fall_back(step, example, report, allow_eager_fallback, warmup_iters)
         report.compile_s = time.perf_counter() - t0
@@ -316,12 +328,12 @@ def compile_step(
         _sync(out[0])
         report.warmup_s = time.perf_counter() - t1
     changes = changes_since(baseline)
-    report.graph_breaks = _graph_break_count()
+    report.graph_breaks = _graph_break_count() - before.graph_breaks
     report.recompiles = changes["recompiles"]
     report.cudagraph_replays = replays.count
-    report.graph_partitions = _count("inductor", "cudagraph_partitions")
+    report.graph_partitions = _count("inductor", "cudagraph_partitions") - before.graph_partitions
     if cudagraphs:
-        n_skips = _count("inductor", "cudagraph_skips")
+        n_skips = _count("inductor", "cudagraph_skips") - before.cudagraph_skips
         report.cudagraph_skips = list(dict.fromkeys(skips.reasons))
         if n_skips and not report.cudagraph_skips:
             report.cudagraph_skips = [f"{n_skips} cudagraph skip(s) reported by inductor"]

@@ -64,7 +64,7 @@ def precision_check(
     reference = reference_copy(step)
     run = fn or step
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    s = step.staging_size
+    s = step.input_side
     agree = total = confident = confident_agree = 0
     max_diff = 0.0
     # x: [B, S, S, 3] uint8, random pixels. Made outside inference mode, like the
@@ -143,7 +143,7 @@ def output_agreement(
     reference = reference_copy(step)
     run = fn or step
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    s = step.staging_size
+    s = step.input_side
     inputs = [
         torch.randint(0, 256, (batch, s, s, 3), dtype=torch.uint8, generator=gen).to(device)
         for _ in range(batches)

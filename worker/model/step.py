@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from worker.model.heads import ClassifyHead, Head, make_head
@@ -34,7 +35,13 @@ def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
 
 class InferenceStep(nn.Module):
     """x: [B, S, S, 3] uint8 -> the head's outputs; by default the softmax classifier's
-    (indices [B, K] int32, scores [B, K] float32)."""
+    (indices [B, K] int32, scores [B, K] float32).
+
+    `input_side` (default: `staging_size`) is the side of the batches it is given. A step
+    given larger batches than its own staging side (the degraded step, fed the main step's
+    staging ring) first resizes them to it, antialiased like the decoder's downscale, inside
+    the same graph: the staged square is the image already fitted to a square, so resizing
+    it is fitting the image to the smaller square, with no second decode."""
 
     def __init__(
         self,
@@ -47,10 +54,22 @@ class InferenceStep(nn.Module):
         top_k: int = 5,
         dtype: torch.dtype,
         head: Head | None = None,
+        input_side: int = 0,
     ) -> None:
         super().__init__()
         if crop_size > staging_size:
             raise ValueError(f"crop {crop_size} is larger than the staging size {staging_size}")
+        if input_side and input_side < staging_size:
+            raise ValueError(
+                f"input side {input_side} is smaller than the staging size {staging_size}"
+            )
+        self.input_side = input_side or staging_size
+        self.resample: torch.Tensor
+        self.register_buffer(
+            "resample",
+            resample_matrix(self.input_side, staging_size, crop_size),
+            persistent=False,
+        )
         self.model = model
         self.staging_size = staging_size
         self.crop_size = crop_size
@@ -81,9 +100,16 @@ class InferenceStep(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         off = self.crop_offset
-        x = x[:, off : off + self.crop_size, off : off + self.crop_size, :]
-        # NHWC uint8 viewed as NCHW is already channels_last in memory: no transpose copy.
-        x = x.permute(0, 3, 1, 2).to(self.dtype)
+        if self.input_side != self.staging_size:
+            # [B, S_in, S_in, 3] uint8 -> [B, 3, C, C] in `dtype`: resized and cropped as two
+            # matrix products with the rows of the resampling matrix that survive the crop,
+            # in fp32 (weights rounded to bf16 would shift the brightness of whole rows).
+            x = x.permute(0, 3, 1, 2).float()
+            x = (self.resample @ x @ self.resample.transpose(0, 1)).to(self.dtype)
+        else:
+            x = x[:, off : off + self.crop_size, off : off + self.crop_size, :]
+            # NHWC uint8 viewed as NCHW is already channels_last in memory: no transpose copy.
+            x = x.permute(0, 3, 1, 2).to(self.dtype)
         x = x * self.scale + self.shift
         x = x.contiguous(memory_format=torch.channels_last)
         out: tuple[torch.Tensor, ...] = self.head(self.model(x))
@@ -116,6 +142,22 @@ def layout_problems(
     if len(devices) > 1:
         problems.append(f"outputs on several devices: {', '.join(map(str, devices))}")
     return problems
+
+
+def resample_matrix(input_side: int, staging_size: int, crop_size: int) -> torch.Tensor:
+    """[C, S_in]: row i holds the weights of the input pixels for output row i of an
+    antialiased bilinear resize from S_in to S (the triangle filter widened by the scale,
+    as PIL and torchvision resize down), cropped to the C central rows. Resizing is
+    separable, so `R @ x @ R.T` resizes and crops a [.., S_in, S_in] square; the weights
+    are those of `F.interpolate(antialias=True)`, read off an identity matrix."""
+    if input_side == staging_size:
+        return torch.empty((0, 0))  # not resized: the step crops the uint8 batch instead
+    eye = torch.eye(input_side).view(1, 1, input_side, input_side)
+    rows = F.interpolate(
+        eye, size=(staging_size, input_side), mode="bilinear", antialias=True
+    ).view(staging_size, input_side)
+    off = crop_offset(staging_size, crop_size)
+    return rows[off : off + crop_size].contiguous()
 
 
 def crop_offset(staging_size: int, crop_size: int) -> int:
@@ -170,6 +212,7 @@ def reference_copy(step: InferenceStep) -> InferenceStep:
             top_k=step.top_k,
             dtype=torch.float32,
             head=copy.deepcopy(step.head).float(),
+            input_side=step.input_side,
         ).to(device)
     else:
         ref = copy.deepcopy(step).float()
@@ -178,8 +221,15 @@ def reference_copy(step: InferenceStep) -> InferenceStep:
 
 
 def build_step(
-    loaded: LoadedModel, *, device: torch.device, dtype: torch.dtype, top_k: int
+    loaded: LoadedModel,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    top_k: int,
+    input_side: int = 0,
 ) -> InferenceStep:
+    """`input_side`: the side of the staged batches when they are larger than the model's
+    own staging side (the degraded step; see InferenceStep)."""
     if dtype == torch.float32:
         # Module.to casts in place; in fp32 nothing is rounded, so the loaded module is used.
         model = loaded.module.to(device=device)
@@ -204,6 +254,7 @@ def build_step(
         top_k=min(top_k, loaded.num_classes) if loaded.num_classes else top_k,
         dtype=dtype,
         head=head,
+        input_side=input_side,
     )
     step.fp32_weights = fp32_weights
     return step.to(device).eval()
