@@ -12,10 +12,13 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psutil
@@ -41,6 +44,7 @@ from tests.redis_server import RedisServer
 from worker.config import WorkerConfig
 from worker.supervisor import Supervisor, child_env
 
+HEALTHCHECK = ROOT / "deploy" / "container" / "healthcheck.py"
 IMAGES = [jpeg_bytes(64, 64, seed=i) for i in range(8)]
 
 NULL_ENV = {
@@ -300,3 +304,45 @@ def test_a_start_up_failure_stops_the_others_and_keeps_its_exit_code(tmp_path: P
     assert sup.children[1].restarts == 0  # not restarted: it would fail the same way
     assert sup.children[0].exit_code == 0  # stopped by the supervisor's SIGTERM
     assert sup.exit_code() == 2
+
+
+# ------------------------------------------------------------------ container health check
+class _Live(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return
+
+
+@pytest.fixture
+def two_live_ports() -> Iterator[int]:
+    """Two HTTP servers answering /live 200 on consecutive ports; yields the first."""
+    for _ in range(20):
+        first = HTTPServer(("127.0.0.1", 0), _Live)
+        try:
+            second = HTTPServer(("127.0.0.1", first.server_address[1] + 1), _Live)
+        except OSError:
+            first.server_close()
+            continue
+        servers = [first, second]
+        threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+        for t in threads:
+            t.start()
+        yield first.server_address[1]
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+        return
+    pytest.skip("no two consecutive free ports")
+
+
+def test_the_container_health_check_asks_every_process(two_live_ports: int) -> None:
+    module = ModuleType("gpufeed_healthcheck")
+    exec(compile(HEALTHCHECK.read_text(), str(HEALTHCHECK), "exec"), module.__dict__)
+    base = str(two_live_ports)
+    assert module.check({"GPUFEED_METRICS_PORT": base, "GPUFEED_PROCESSES": "2"})[0] is True
+    # A third process whose port does not answer fails the check.
+    ok, message = module.check({"GPUFEED_METRICS_PORT": base, "GPUFEED_PROCESSES": "3"})
+    assert ok is False and str(two_live_ports + 2) in message
