@@ -111,11 +111,9 @@ def cli() -> None:
     help="Retry until Redis answers (default), or exit at once with --no-wait.",
 )
 def run(wait_for_redis: bool, **options: Any) -> None:
-    """Run the worker until SIGTERM or SIGINT (a second one skips the drain)."""
+    """Run the worker until SIGTERM or SIGINT (a second one skips the drain); with
+    GPUFEED_PROCESSES > 1, a supervisor of that many worker processes."""
     from worker.logs import configure_logging
-    from worker.model.compiler import CompileRefused
-    from worker.model.loader import WeightsUnavailable
-    from worker.service import RedisUnavailable, Worker
 
     try:
         config = load_config(options)
@@ -123,6 +121,16 @@ def run(wait_for_redis: bool, **options: Any) -> None:
         fail(str(exc), EXIT_CONFIG)
         return
     configure_logging(config.log_format, config.log_level)
+    if config.processes > 1:
+        # The supervisor never imports torch: its children are fresh interpreters.
+        from worker.supervisor import run_supervisor
+
+        sys.exit(run_supervisor(config, wait_for_redis=wait_for_redis))
+
+    from worker.model.compiler import CompileRefused
+    from worker.model.loader import WeightsUnavailable
+    from worker.service import RedisUnavailable, Worker
+
     worker = Worker(config)
     try:
         run_async(worker.serve(wait_for_redis=wait_for_redis))

@@ -29,6 +29,7 @@ PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DECODE_MODES = ("cpu", "gpu", "auto")
 LOG_FORMATS = ("auto", "console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+MAX_PROCESSES = 64
 
 
 class ConfigError(ValueError):
@@ -62,6 +63,7 @@ class WorkerConfig:
     model: str = field(default="resnet50", metadata={"env": "GPUFEED_MODEL"})
     weights: str = field(default="DEFAULT", metadata={"env": "GPUFEED_WEIGHTS"})
     device: str = field(default="auto", metadata={"env": "GPUFEED_DEVICE"})
+    processes: int = field(default=1, metadata={"env": "GPUFEED_PROCESSES"})
     batch_size: int = field(default=0, metadata={"env": "GPUFEED_BATCH_SIZE"})
     compile: str = field(default="auto", metadata={"env": "GPUFEED_COMPILE"})
     precision: str = field(default="auto", metadata={"env": "GPUFEED_PRECISION"})
@@ -192,6 +194,11 @@ class WorkerConfig:
             f"must be auto, cpu, cuda or cuda:N (got {dev!r})",
         )
         need(
+            1 <= self.processes <= MAX_PROCESSES,
+            "GPUFEED_PROCESSES",
+            f"must be between 1 and {MAX_PROCESSES} (worker processes on the one device)",
+        )
+        need(
             0 <= self.batch_size <= 4096,
             "GPUFEED_BATCH_SIZE",
             "must be between 1 and 4096 (0 picks 64 on CUDA, 8 on CPU)",
@@ -296,6 +303,12 @@ class WorkerConfig:
             0 <= self.metrics_port <= 65535,
             "GPUFEED_METRICS_PORT",
             "must be a TCP port (0 turns metrics off)",
+        )
+        need(
+            self.metrics_port == 0 or self.metrics_port + self.processes - 1 <= 65535,
+            "GPUFEED_METRICS_PORT",
+            f"with GPUFEED_PROCESSES={self.processes} the processes take ports "
+            f"{self.metrics_port}..{self.metrics_port + self.processes - 1}: past 65535",
         )
         for name in ("live_loop_stall_s", "live_launch_stall_s"):
             value = getattr(self, name)

@@ -43,6 +43,13 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`weights_only=True`), or `none` for random init",
     ),
     "GPUFEED_DEVICE": ("`auto`", "`auto`, `cpu`, `cuda` or `cuda:N`"),
+    "GPUFEED_PROCESSES": (
+        "`1`",
+        "worker processes on the one device, each its own consumer "
+        "(`<GPUFEED_WORKER_NAME>-<i>`, metrics on `GPUFEED_METRICS_PORT` + i), under a "
+        "supervisor that forwards signals and restarts a process that dies; see "
+        "[Several processes per GPU](#several-processes-per-gpu)",
+    ),
     "GPUFEED_BATCH_SIZE": ("`0` (auto)", "the one fixed batch shape; auto: 64 on CUDA, 8 on CPU"),
     "GPUFEED_COMPILE": (
         "`auto`",

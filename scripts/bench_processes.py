@@ -1,0 +1,143 @@
+"""Jobs/s of one worker process and of several (GPUFEED_PROCESSES) on the same backlog.
+
+The overhead section's jobs (64x64 JPEGs, 64 distinct images repeated, the decode cache
+hitting; `--every-job-decoded` for unique bytes), the null model, batch 256, on a private
+redis-server. Each run starts `python -m worker --processes N`, waits until every process
+has joined the group, queues the backlog, and times it from the first XADD to the last
+result. The runs alternate (1, 2, 1, 2 with the defaults) so that what else the machine is
+doing weighs on both alike.
+
+    python scripts/bench_processes.py --jobs 20000 --processes 1,2 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402
+import redis  # noqa: E402
+
+from tests.images import jpeg_bytes  # noqa: E402
+from tests.process_harness import RESULTS, WorkerProcess, submit, worker_env  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+
+def backlog(n: int, *, unique: bool) -> list[dict[str, bytes | str]]:
+    images = [jpeg_bytes(64, 64, seed=i) for i in range(64)]
+    jobs: list[dict[str, bytes | str]] = []
+    for i in range(n):
+        image = images[i % len(images)]
+        # A trailer after the JPEG's end marker changes the bytes (and the cache key), not
+        # the picture.
+        jobs.append({"id": f"j{i}", "image": image + i.to_bytes(4, "big") if unique else image})
+    return jobs
+
+
+def worker_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of the worker processes: the process `pid` and its
+    children (the supervisor's worker processes)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def one_run(
+    server: RedisServer, processes: int, jobs: list[dict[str, bytes | str]], log_path: Path
+) -> dict[str, Any]:
+    client = redis.Redis.from_url(server.url)
+    client.flushall()
+    env = worker_env(
+        server.url,
+        "none",
+        GPUFEED_MODEL="null",
+        GPUFEED_BATCH_SIZE="256",
+        GPUFEED_PROCESSES=str(processes),
+        GPUFEED_STATS_INTERVAL_S="600",
+    )
+    env.pop("GPUFEED_DECODE_THREADS")  # the worker's default
+    env.pop("GPUFEED_INPUT_SIZE")
+    # A log of its own: readiness is counted in it.
+    worker = WorkerProcess(f"bench-p{processes}", env, log_path).start()
+    try:
+        started = time.monotonic()
+        deadline = started + 300
+        while worker.event_count("worker_ready") < processes:
+            worker.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError("the worker processes did not all join the group")
+            time.sleep(0.2)
+        ready_s = time.monotonic() - started
+        time.sleep(2)  # every process blocked in its XREADGROUP
+        cpu0 = worker_cpu_s(worker.pid)
+        host0 = psutil.cpu_times()
+        t0 = time.monotonic()
+        submit(client, jobs)
+        while client.xlen(RESULTS) < len(jobs):
+            worker.check_alive()
+            time.sleep(0.02)
+        elapsed = time.monotonic() - t0
+        cpu_s = worker_cpu_s(worker.pid) - cpu0
+        host1 = psutil.cpu_times()
+        host_busy = (sum(host1) - host1.idle - host1.iowait) - (
+            sum(host0) - host0.idle - host0.iowait
+        )
+        code = worker.terminate(timeout_s=120)
+    finally:
+        if worker.alive:
+            worker.kill()
+    return {
+        "processes": processes,
+        "jobs": len(jobs),
+        "seconds": round(elapsed, 2),
+        "jobs_per_s": round(len(jobs) / elapsed),
+        "worker_cpu_us_per_job": round(cpu_s * 1e6 / len(jobs)),
+        # Of all the host's cores, busy with anything (the worker, Redis, other work).
+        "host_busy": round(host_busy / (elapsed * (os.cpu_count() or 1)), 2),
+        "ready_s": round(ready_s, 1),
+        "exit_code": code,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=20_000)
+    parser.add_argument("--processes", default="1,2", help="comma-separated, run in turn")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--every-job-decoded", action="store_true")
+    args = parser.parse_args()
+    counts = [int(p) for p in args.processes.split(",")]
+    jobs = backlog(args.jobs, unique=args.every_job_decoded)
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="gpufeed-procs-") as tmp:
+        server = RedisServer(Path(tmp) / "redis").start()
+        try:
+            for r in range(args.rounds):
+                for n in counts:
+                    run = one_run(server, n, jobs, Path(tmp) / f"round{r}-p{n}.log")
+                    runs.append(run)
+                    print(json.dumps(run), flush=True)
+        finally:
+            server.stop()
+    print(json.dumps({"cores": os.cpu_count(), "runs": runs}))
+    return 0 if all(r["exit_code"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
