@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import signal
 import time
@@ -412,6 +413,10 @@ class Worker:
             "group": cfg.group,
         }
         self.observer.compile_check = lambda: still_compiled(report)
+        # torch, its compiler and the model leave some million long-lived objects: a full
+        # collection walks them all (about half a second here), stalling the event loop
+        # mid-batch and the process's exit. What exists now lives as long as the worker.
+        gc.freeze()
         self.health.warm = True
         self.ready = True
         log.info(
