@@ -47,11 +47,18 @@ def level_stream(stream: str, level: str) -> str:
     return f"{stream}:{level}" if level else stream
 
 
-def stream_for(stream: str, levels: Sequence[str], priority: str | None) -> str:
-    """Where a job of `priority` goes: None picks the lowest level (a job must ask to
-    pass others); an unknown level raises UnknownPriority."""
+def pick_level(levels: Sequence[str], priority: str | None) -> str:
+    """The level a job of `priority` goes to ("" without levels): None picks the lowest (a
+    job must ask to pass others); an unknown level raises UnknownPriority."""
     if priority is None:
-        return level_stream(stream, levels[-1]) if levels else stream
+        return levels[-1] if levels else ""
     if priority not in levels:
         raise UnknownPriority(priority, levels)
-    return level_stream(stream, priority)
+    return priority
+
+
+def entry_ref(level: str, entry_id: str) -> str:
+    """How results name a job entry: `<level>:<entry ID>` on a level's stream (two level
+    streams may hand out the same entry ID), the entry ID alone without levels. A job
+    without its own `id` is known by this reference."""
+    return f"{level}:{entry_id}" if level else entry_id

@@ -179,13 +179,13 @@ class Reader:
         if not reply:
             return
         # Highest level first: its jobs join the batches ahead of the others'.
-        for stream in self.lanes.streams:
-            for entry_id, fields in reply.get(stream, []):
+        for lane in self.lanes:
+            for entry_id, fields in reply.get(lane.stream, []):
                 if fields is None:
                     job = deleted_entry_job(entry_id, self.default_reply_to)
                 else:
                     job = parse_job(entry_id, fields, self.default_reply_to)
-                job.stream = stream
+                job.read_from(lane.stream, lane.level)
                 self.in_flight.take(1)
                 await self._deliver(job)
 

@@ -174,12 +174,12 @@ class Reclaimer:
             times = int(p["times_delivered"])
             if not entries:
                 gone = deleted_entry_job(entry_id, self.cfg.results_stream)
-                gone.stream = stream
+                gone.read_from(stream, self._levels[stream])
                 outcomes.append(_failure(gone))
                 continue
             fields: dict[Any, Any] = entries[0][1] or {}
             job = parse_job(entry_id, fields, self.cfg.results_stream)
-            job.stream = stream
+            job.read_from(stream, self._levels[stream])
             job.deliveries = times
             outcome = Outcome.failure(
                 job,
@@ -240,7 +240,7 @@ class Reclaimer:
             if not fields:
                 continue
             job = parse_job(entry_id, fields, self.cfg.results_stream)
-            job.stream = stream
+            job.read_from(stream, self._levels[stream])
             job.deliveries = 2  # at least; the exact count is in XPENDING
             self.in_flight.take(1)
             await self._deliver(job)
@@ -248,7 +248,7 @@ class Reclaimer:
         gone: list[Outcome] = []
         for raw_id in deleted:
             job = deleted_entry_job(_s(raw_id), self.cfg.results_stream)
-            job.stream = stream
+            job.read_from(stream, self._levels[stream])
             o = _failure(job)
             self.in_flight.take(1)
             gone.append(o)
