@@ -52,8 +52,8 @@ class DeadLetter:
     under (its `id` field, or its entry reference where it has none: `entry`, or
     `<level>:<entry>` on a priority level). `level` is the priority level whose stream it
     came from (None without priorities); a replay puts it back there. Exactly one of
-    `image_bytes` (the size of the encoded image) and `path` is set for a well-formed job. `fields` names the
-    job's own fields, in order, as `replay_dead` would enqueue them again.
+    `image_bytes` (the size of the encoded image) and `path` is set for a well-formed job.
+    `fields` names the job's own fields, in order, as `replay_dead` would enqueue them again.
     """
 
     dead_id: str
