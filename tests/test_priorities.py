@@ -116,7 +116,7 @@ def test_the_producer_puts_each_job_on_its_level(redis_url: str, redis_client: r
         p.submit(IMAGE, id="h", priority="high")
         p.submit_many([Job(image=IMAGE, id=f"n{i}") for i in range(2)], priority="normal")
         anonymous = p.submit(IMAGE)  # no priority: the lowest level
-        with pytest.raises(UnknownPriority, match="'urgent'.*high, normal, low"):
+        with pytest.raises(UnknownPriority, match=r"'urgent'.*high, normal, low"):
             p.submit(IMAGE, id="u", priority="urgent")
     assert [redis_client.xlen(s) for s in (HIGH, NORMAL, LOW)] == [1, 2, 1]
     assert not redis_client.exists("gpufeed:jobs")
