@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import redis
+from click.testing import CliRunner
 
 from producer import AsyncProducer, BacklogFull, Job, Producer, UnknownPriority
 from producer.wire import JobResult
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
+from worker.cli import cli
 from worker.config import ConfigError, WorkerConfig
 from worker.lanes import Lanes
 
@@ -260,3 +262,16 @@ async def test_reclaim_and_dead_letters_on_a_lower_level(
     (entry,) = redis_client.xrange(LOW, replayed.split(":")[1], replayed.split(":")[1])
     assert entry[1] == {b"image": IMAGE, b"id": b"poison"}
     assert redis_client.xlen(HIGH) == 0
+
+
+def test_top_shows_each_level_backlog(redis_url: str, redis_client: redis.Redis) -> None:
+    with Producer(redis_url, priorities="high,low") as p:
+        p.submit_many([Job(image=IMAGE) for _ in range(3)], priority="low")
+    redis_client.xgroup_create(LOW, "gpufeed", id="0")
+    redis_client.xreadgroup("gpufeed", "w", {LOW: ">"}, count=1)
+    args = ["top", "--once", "--redis-url", redis_url, "--priorities", "high,low"]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    head = result.output.splitlines()[0]
+    assert "high: length no such stream, no group yet" in head
+    assert "low: length 3, lag 2, pending 1" in head
