@@ -53,6 +53,8 @@ class Bench:
     queue_ceilings: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     # The overhead section (overhead.py), when the profile has one.
     overhead: dict[str, Any] | None = None
+    # The priority section (priority.py), when the profile has one.
+    priority: dict[str, Any] | None = None
 
     @property
     def is_cuda(self) -> bool:
