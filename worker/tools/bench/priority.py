@@ -1,19 +1,25 @@
 """The priority section: urgent jobs behind a bulk burst, with and without priority levels.
 
-One model (the profile's first) on small JPEGs (64x64: the model, not decode, sets the
-pace), two runs through a real Worker, identical but for GPUFEED_PRIORITIES:
+One model (the profile's last, its lighter one) on small JPEGs (64x64: the model, not
+decode, sets the pace), two runs through a real Worker, identical but for
+GPUFEED_PRIORITIES:
 
 - `fifo`: one job stream, as without priorities: the urgent jobs queue behind the burst;
 - `priorities`: `high,low` (default weights, 2:1): the burst on `low`, the urgent jobs on
   `high`.
 
-Each run warms up and measures the worker's capacity C (jobs/s) on a short probe (the
-first run's C sizes both runs), then adds a burst of 3 * C * `seconds` low jobs at once,
-three times what the worker can serve while the urgent ones arrive, and a steady trickle
-of high jobs for `seconds` (a tenth of C, at least 2 per second). Latency is Redis time
-from a job's entry to its result's. Reported: the high jobs' p50/p99 in each run, the low
-jobs' too, and how many low jobs were answered while the high ones arrived (the low level
-still progresses).
+Each run warms up, then measures the worker's capacity C (jobs/s) on a probe of twice its
+in-flight limit (the first run's C sizes both runs), then adds a burst of low jobs at once,
+three times what the worker serves in `seconds` and at least three times what it holds in
+flight (a smaller burst would be read whole before the first urgent job arrives, and no
+order of reading could matter), and a steady trickle of high jobs for `seconds` (a tenth
+of C, at least 2 per second). Latency is Redis time from a job's entry to its result's.
+Reported: the high jobs' p50/p99 in each run, the low jobs' too, and how many low jobs
+were answered while the high ones arrived (the low level still progresses).
+
+With levels a high job still waits for the jobs already read (the in-flight limit, about
+`batch_size * (ring_slots + 2)`): its latency is about that many jobs' service time, where
+without levels it is the whole burst's.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ async def priority_section(b: Bench, plan: PriorityPlan) -> dict[str, Any]:
     if spec.name not in b.sets:
         b.sets[spec.name] = load_image_set(spec)
     images = b.sets[spec.name].images
-    model = b.profile.models[0]
+    model = b.profile.models[-1]
     runs: dict[str, dict[str, Any]] = {}
     capacity: float | None = None
     for mode in ("fifo", "priorities"):
@@ -102,15 +108,20 @@ async def _run(
                 main.result()
                 raise BenchError(f"{keys.run_id}: the worker stopped before all results were in")
 
-        probe = worker.batch_size * (cfg.ring_slots + 2) * 2
-        t0 = time.perf_counter()
-        await asyncio.to_thread(push_jobs, b.client, low, images, probe, "warm")
+        holds = worker.in_flight.limit
+        warm, probe = worker.batch_size * 2, holds * 2
+        await asyncio.to_thread(push_jobs, b.client, low, images, warm, "warm")
         await wait_for_results(
-            b.aclient, keys.results, probe, alive=alive, timeout_s=b.timeout_s(probe)
+            b.aclient, keys.results, warm, alive=alive, timeout_s=b.timeout_s(warm)
+        )
+        t0 = time.perf_counter()
+        await asyncio.to_thread(push_jobs, b.client, low, images, probe, "probe")
+        await wait_for_results(
+            b.aclient, keys.results, warm + probe, alive=alive, timeout_s=b.timeout_s(probe)
         )
         measured = probe / max(time.perf_counter() - t0, 1e-6)
         sized = capacity or measured
-        burst = max(1, round(BURST_FACTOR * sized * plan.seconds))
+        burst = round(BURST_FACTOR * max(sized * plan.seconds, holds))
         rate = max(2.0, HIGH_SHARE * sized)
         highs = max(2, round(rate * plan.seconds))
         trickle_start_ms = time.time() * 1000
@@ -125,7 +136,7 @@ async def _run(
             id_prefix="hi",
         )
         trickle_end_ms = time.time() * 1000
-        total = probe + burst + highs
+        total = warm + probe + burst + highs
         await wait_for_results(
             b.aclient, keys.results, total, alive=alive, timeout_s=b.timeout_s(total)
         )
@@ -151,7 +162,7 @@ async def _run(
             "settings": {
                 "batch_size": worker.batch_size,
                 "ring_slots": cfg.ring_slots,
-                "in_flight_limit": worker.in_flight.limit,
+                "in_flight_limit": holds,
                 "priorities": cfg.priorities,
                 "priority_weights": ",".join(str(lane.weight) for lane in worker.lanes)
                 if prio
