@@ -92,6 +92,9 @@ class Bench:
             metrics_port=0,
             result_ttl_s=3600,
             results_maxlen=max(self.base.results_maxlen, 1_000_000),
+            # Runs feed one stream; the priority section asks for levels in `extra`.
+            priorities="",
+            priority_weights="",
         )
         values.update(variant.settings())
         values.update(extra)
