@@ -275,3 +275,24 @@ def test_top_shows_each_level_backlog(redis_url: str, redis_client: redis.Redis)
     head = result.output.splitlines()[0]
     assert "high: length no such stream, no group yet" in head
     assert "low: length 3, lag 2, pending 1" in head
+
+
+async def test_the_backlog_gauges_are_per_level_and_summed(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    with Producer(redis_url, priorities="high,low") as p:
+        p.submit_many([Job(image=IMAGE) for _ in range(3)], priority="low")
+        p.submit_many([Job(image=IMAGE) for _ in range(2)], priority="high")
+    for stream in (HIGH, LOW):
+        redis_client.xgroup_create(stream, "gpufeed", id="0")
+        redis_client.xreadgroup("gpufeed", "ghost", {stream: ">"})  # held by a dead worker
+    async with running_worker(redis_url, tiny_weights, priorities="high,low", **NULL) as worker:
+        for _ in range(200):  # the first heartbeat reads the backlog (every 2 s)
+            if worker.observer.pending is not None:
+                break
+            await asyncio.sleep(0.1)
+        text = worker.observer.metrics.render().decode()
+    assert 'gpufeed_level_pending{level="low"} 3.0' in text
+    assert 'gpufeed_level_pending{level="high"} 2.0' in text
+    assert "gpufeed_stream_pending 5.0" in text  # the old name: all levels together
+    assert 'gpufeed_level_lag{level="low"} 0.0' in text
