@@ -11,6 +11,7 @@ from producer.client import (
     file_job_ids,
     jobs_from_files,
 )
+from producer.priorities import UnknownPriority
 from producer.stats import collect_stats
 from producer.wire import ErrorCode, JobResult
 
@@ -26,6 +27,7 @@ __all__ = [
     "Producer",
     "RedisMemoryFull",
     "ResultsTimeout",
+    "UnknownPriority",
     "collect_stats",
     "file_job_ids",
     "jobs_from_files",

@@ -54,11 +54,12 @@ class AsyncProducer(ProducerBase[aioredis.Redis]):
         meta: bytes | None = None,
         reply_to: str | None = None,
         deadline_ms: int | None = None,
+        priority: str | None = None,
     ) -> str:
         job = Job(
             image=image, path=path, id=id, meta=meta, reply_to=reply_to, deadline_ms=deadline_ms
         )
-        return await self._run(self._submit(job))
+        return await self._run(self._submit(job, priority))
 
     async def submit_url(
         self,
@@ -68,12 +69,13 @@ class AsyncProducer(ProducerBase[aioredis.Redis]):
         meta: bytes | None = None,
         reply_to: str | None = None,
         deadline_ms: int | None = None,
+        priority: str | None = None,
     ) -> str:
         job = Job(url=url, id=id, meta=meta, reply_to=reply_to, deadline_ms=deadline_ms)
-        return await self._run(self._submit(job))
+        return await self._run(self._submit(job, priority))
 
-    async def submit_many(self, jobs: Iterable[Job]) -> list[str]:
-        return await self._run(self._submit_many(jobs))
+    async def submit_many(self, jobs: Iterable[Job], *, priority: str | None = None) -> list[str]:
+        return await self._run(self._submit_many(jobs, priority))
 
     async def get_result(self, id: str) -> wire.JobResult | None:
         return await self._run(self._get_result(id))

@@ -30,6 +30,7 @@ from producer.client import Producer
 from producer.core import DEFAULT_REDIS_URL
 from producer.dead_letters import DeadLetter, DeadLetterNotFound, iso_utc
 from producer.jobs import Job, file_job_ids, read_url_list, url_job_ids
+from producer.priorities import UnknownPriority, level_stream, pick_level
 from producer.stats import collect_stats
 
 EXIT_OK = 0
@@ -62,6 +63,7 @@ class Settings:
     results_stream: str = wire.DEFAULT_RESULTS_STREAM
     result_prefix: str = wire.DEFAULT_RESULT_PREFIX
     dead_stream: str = wire.DEFAULT_DEAD_STREAM
+    priorities: str = ""
 
     def merged(self, **given: str | None) -> Settings:
         return Settings(**{**self.__dict__, **{k: v for k, v in given.items() if v is not None}})
@@ -77,6 +79,7 @@ _CONNECTION_HELP = {
     "results_stream": ("GPUFEED_RESULTS_STREAM", "default results stream"),
     "result_prefix": ("GPUFEED_RESULT_PREFIX", "prefix of result hashes"),
     "dead_stream": ("GPUFEED_DEAD_STREAM", "dead-letter stream"),
+    "priorities": ("GPUFEED_PRIORITIES", "priority levels, highest first, as the workers'"),
 }
 _CONNECTION_OPTIONS: dict[str, Any] = {
     name: Annotated[
@@ -125,8 +128,11 @@ def _session(settings: Settings) -> Iterator[Producer]:
             results_stream=settings.results_stream,
             result_prefix=settings.result_prefix,
             dead_stream=settings.dead_stream,
+            priorities=settings.priorities,
         )
     except ValueError as exc:
+        if "priorit" in str(exc):
+            raise _fail(f"GPUFEED_PRIORITIES: {exc}", EXIT_USAGE) from None
         # redis-py rejects a malformed URL (unknown scheme, bad port) with ValueError.
         raise _fail(f"invalid Redis URL {redact(url)}: {exc}", EXIT_USAGE) from None
     password = urlsplit(url).password
@@ -289,7 +295,7 @@ def _print_json(obj: Any) -> None:
 
 
 @app.command()
-@_connection("stream", "results_stream", "result_prefix")
+@_connection("stream", "results_stream", "result_prefix", "priorities")
 def submit(
     settings: Settings,
     *,
@@ -314,6 +320,12 @@ def submit(
     meta: Annotated[str | None, typer.Option(help="text echoed back with each result")] = None,
     id_prefix: Annotated[str, typer.Option(help="prepended to each job id")] = "",
     batch: Annotated[int, typer.Option(min=1, help="jobs per pipelined round trip")] = 256,
+    priority: Annotated[
+        str | None,
+        typer.Option(
+            help="the jobs' priority level, one of GPUFEED_PRIORITIES (default: the lowest)"
+        ),
+    ] = None,
     max_backlog: Annotated[
         int,
         typer.Option(
@@ -354,11 +366,16 @@ def submit(
     with _session(settings) as producer:
         producer.max_backlog = max_backlog
         producer.max_memory_share = max_memory_share
+        try:
+            level = pick_level(producer.levels, priority)
+        except UnknownPriority as exc:
+            raise _fail(str(exc), EXIT_USAGE) from None
+        target = level_stream(settings.stream, level)
         with _progress("submitting", len(ids)) as progress:
             for start in range(0, len(ids), batch):
                 chunk = range(start, min(start + batch, len(ids)))
                 try:
-                    producer.submit_many(job(i) for i in chunk)
+                    producer.submit_many((job(i) for i in chunk), priority=priority)
                 except OSError as exc:
                     raise _fail(
                         f"cannot read {exc.filename}: {exc.strerror} ({start} jobs were submitted)",
@@ -376,7 +393,7 @@ def submit(
                 for job_id, source in zip(ids, sources, strict=True):
                     _print_json({"id": job_id, key: source})
             else:
-                out.print(f"submitted {len(ids)} job(s) to {settings.stream}", soft_wrap=True)
+                out.print(f"submitted {len(ids)} job(s) to {target}", soft_wrap=True)
             return
         with _progress("waiting", len(ids)) as progress:
             results = producer.wait(
@@ -404,7 +421,7 @@ def _report(
 
 
 @app.command()
-@_connection("stream", "group", "results_stream", "dead_stream")
+@_connection("stream", "group", "results_stream", "dead_stream", "priorities")
 def stats(settings: Settings, *, json_out: JsonFlag = False) -> None:
     """Show the job backlog, the consumer group, its consumers and live workers."""
     with _session(settings) as producer:
@@ -414,6 +431,7 @@ def stats(settings: Settings, *, json_out: JsonFlag = False) -> None:
             settings.group,
             settings.results_stream,
             dead_stream=settings.dead_stream,
+            priorities=settings.priorities,
         )
     if json_out:
         _print_json(snapshot)
@@ -429,28 +447,50 @@ def _length(info: dict[str, Any]) -> str:
     return f"{info['length']} entries"
 
 
+def _render_levels(levels: list[dict[str, Any]]) -> None:
+    table = Table("level", "stream", "length", "lag", "pending", "consumers", title="levels")
+    for lv in levels:
+        g = lv["group"]
+        lag = "-" if g is None else "unknown" if g["lag"] is None else str(g["lag"])
+        table.add_row(
+            lv["level"],
+            lv["stream"]["name"],
+            _length(lv["stream"]),
+            lag,
+            "-" if g is None else str(g["pending"]),
+            "-" if g is None else str(g["consumers"]),
+        )
+    out.print(table)
+
+
 def _render_stats(snapshot: dict[str, Any]) -> None:
     jobs, group = snapshot["stream"], snapshot["group"]
     overview = Table("", "", show_header=False, box=None)
-    overview.add_row("job stream", f"{jobs['name']}: {_length(jobs)}")
-    if group is None:
-        overview.add_row("group", "none yet (no worker has started on this stream)")
+    if snapshot["levels"]:
+        # The plain stream is not read while there are levels: each level's row instead.
+        _render_levels(snapshot["levels"])
     else:
-        lag = "unknown" if group["lag"] is None else str(group["lag"])
-        overview.add_row("group", group["name"])
-        overview.add_row("  pending", str(group["pending"]))
-        overview.add_row("  lag (not yet delivered)", lag)
-        overview.add_row("  last delivered id", str(group["last_delivered_id"]))
-        overview.add_row("  consumers", str(group["consumers"]))
+        overview.add_row("job stream", f"{jobs['name']}: {_length(jobs)}")
+        if group is None:
+            overview.add_row("group", "none yet (no worker has started on this stream)")
+        else:
+            lag = "unknown" if group["lag"] is None else str(group["lag"])
+            overview.add_row("group", group["name"])
+            overview.add_row("  pending", str(group["pending"]))
+            overview.add_row("  lag (not yet delivered)", lag)
+            overview.add_row("  last delivered id", str(group["last_delivered_id"]))
+            overview.add_row("  consumers", str(group["consumers"]))
     for key, title in (("results_stream", "results stream"), ("dead_stream", "dead letters")):
         info = snapshot[key]
         overview.add_row(title, f"{info['name']}: {_length(info)}")
     out.print(overview)
-    if snapshot["consumers"]:
-        consumers = Table("consumer", "pending", "idle ms", title="consumers")
-        for c in snapshot["consumers"]:
-            consumers.add_row(c["name"], str(c["pending"]), str(c["idle_ms"]))
-        out.print(consumers)
+    for lv in snapshot["levels"] or [snapshot]:
+        if lv["consumers"]:
+            title = f"consumers of {lv['level']}" if lv.get("level") else "consumers"
+            consumers = Table("consumer", "pending", "idle ms", title=title)
+            for c in lv["consumers"]:
+                consumers.add_row(c["name"], str(c["pending"]), str(c["idle_ms"]))
+            out.print(consumers)
     # The heartbeat's compact figures; the full snapshot is in `stats --json`.
     columns = (
         ("worker", "name"), ("model", "model"), ("jobs/s", "jobs_per_s"),
@@ -609,7 +649,9 @@ def replay_dead(
         _print_json({"replayed": len(added), "stream": settings.stream, "entries": added})
         return
     kept = f", kept in {settings.dead_stream}" if keep else ""
-    out.print(f"re-enqueued {len(added)} dead letter(s) to {settings.stream}{kept}", soft_wrap=True)
+    # A dead letter of a priority level goes back to that level's stream (`<level>:<id>`).
+    where = f"{settings.stream}:<level>" if any(":" in e for e in added) else settings.stream
+    out.print(f"re-enqueued {len(added)} dead letter(s) to {where}{kept}", soft_wrap=True)
     for entry_id in added:
         out.print(entry_id, soft_wrap=True)
 

@@ -88,12 +88,17 @@ class Producer(ProducerBase[redis.Redis]):
         meta: bytes | None = None,
         reply_to: str | None = None,
         deadline_ms: int | None = None,
+        priority: str | None = None,
     ) -> str:
-        """Enqueue one job; returns its id (`id`, or the stream entry ID the worker will use)."""
+        """Enqueue one job; returns its id (`id`, or the entry reference the worker will use:
+        the stream entry ID, `<level>:<entry ID>` with priorities).
+
+        `priority`: one of this producer's `priorities` (UnknownPriority otherwise); None:
+        the lowest level. The job goes to that level's stream, `<stream>:<level>`."""
         job = Job(
             image=image, path=path, id=id, meta=meta, reply_to=reply_to, deadline_ms=deadline_ms
         )
-        return self._run(self._submit(job))
+        return self._run(self._submit(job, priority))
 
     def submit_url(
         self,
@@ -103,15 +108,17 @@ class Producer(ProducerBase[redis.Redis]):
         meta: bytes | None = None,
         reply_to: str | None = None,
         deadline_ms: int | None = None,
+        priority: str | None = None,
     ) -> str:
         """Enqueue a job whose image the worker fetches from `url` (http://, https://, s3://,
         gs:// or az://, as the worker's settings allow); returns its id."""
         job = Job(url=url, id=id, meta=meta, reply_to=reply_to, deadline_ms=deadline_ms)
-        return self._run(self._submit(job))
+        return self._run(self._submit(job, priority))
 
-    def submit_many(self, jobs: Iterable[Job]) -> list[str]:
-        """Enqueue all `jobs` in one pipelined round trip, or none if any is invalid."""
-        return self._run(self._submit_many(jobs))
+    def submit_many(self, jobs: Iterable[Job], *, priority: str | None = None) -> list[str]:
+        """Enqueue all `jobs`, all of one `priority`, in one pipelined round trip, or none if
+        any is invalid."""
+        return self._run(self._submit_many(jobs, priority))
 
     def get_result(self, id: str) -> wire.JobResult | None:
         return self._run(self._get_result(id))

@@ -26,6 +26,7 @@ from producer.dead_letters import (
     replay_selection,
 )
 from producer.jobs import Job
+from producer.priorities import entry_ref, level_stream, parse_levels, pick_level
 from producer.replies import (
     last_id,
     newest_results,
@@ -65,10 +66,14 @@ class ProducerBase(Generic[C]):
         group: str = wire.DEFAULT_GROUP,
         max_backlog: int = 0,
         max_memory_share: float = 0.0,
+        priorities: str | Sequence[str] | None = None,
     ) -> None:
         if max_backlog < 0 or not 0.0 <= max_memory_share <= 1.0:
             raise ValueError("max_backlog must be >= 0 and max_memory_share in 0..1")
         self.stream = stream
+        # The workers' GPUFEED_PRIORITIES, highest first; () without levels. A job goes to
+        # the stream of its level (producer/priorities.py).
+        self.levels = parse_levels(priorities)
         self.group = group
         # Admission control (producer/admission.py): 0 turns each check off.
         self.max_backlog = max_backlog
@@ -101,26 +106,31 @@ class ProducerBase(Generic[C]):
         return list(self._reply_streams if streams is None else dict.fromkeys(streams))
 
     # ------------------------------------------------------------------ jobs and results
-    def _remember(self, job: Job, entry_id: bytes | str) -> str:
+    def _remember(self, job: Job, entry_id: bytes | str, level: str) -> str:
+        ref = entry_ref(level, text(entry_id))
         if job.id is None:
-            return text(entry_id)
-        self._entries[job.id] = text(entry_id)
+            return ref
+        self._entries[job.id] = ref
         self._entries.move_to_end(job.id)
         while len(self._entries) > REMEMBERED_ENTRIES:
             self._entries.popitem(last=False)
         return job.id
 
-    def _submit(self, job: Job) -> Steps[str]:
-        return (yield from self._submit_many([job]))[0]
+    def _submit(self, job: Job, priority: str | None) -> Steps[str]:
+        return (yield from self._submit_many([job], priority))[0]
 
-    def _submit_many(self, jobs: Iterable[Job]) -> Steps[list[str]]:
+    def _submit_many(self, jobs: Iterable[Job], priority: str | None) -> Steps[list[str]]:
+        level = pick_level(self.levels, priority)
+        stream = level_stream(self.stream, level)
         prepared = [(job, self._fields(job)) for job in jobs]
         if not prepared:
             return []
         if self.max_backlog or self.max_memory_share:
+            # The backlog counted is the level's own: a full low level refuses bulk work
+            # while urgent jobs are still taken.
             fields = [f for _, f in prepared]
             args = admit_args(self.group, self.max_backlog, self.max_memory_share, fields)
-            reply = yield call("eval", ADMIT, 1, self.stream, *args)
+            reply = yield call("eval", ADMIT, 1, stream, *args)
             entry_ids = admitted(
                 reply,
                 max_backlog=self.max_backlog,
@@ -128,10 +138,12 @@ class ProducerBase(Generic[C]):
                 jobs=len(fields),
             )
         elif len(prepared) == 1:
-            entry_ids = [(yield call("xadd", self.stream, prepared[0][1]))]
+            entry_ids = [(yield call("xadd", stream, prepared[0][1]))]
         else:
-            entry_ids = yield Batch(tuple(call("xadd", self.stream, f) for _, f in prepared))
-        return [self._remember(job, e) for (job, _), e in zip(prepared, entry_ids, strict=True)]
+            entry_ids = yield Batch(tuple(call("xadd", stream, f) for _, f in prepared))
+        return [
+            self._remember(job, e, level) for (job, _), e in zip(prepared, entry_ids, strict=True)
+        ]
 
     def _get_result(self, id: str) -> Steps[wire.JobResult | None]:
         return stored_result((yield call("hgetall", wire.result_key(id, self.result_prefix))))

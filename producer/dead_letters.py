@@ -13,6 +13,7 @@ from typing import Any
 
 from producer import wire
 from producer.commands import Call, call
+from producer.priorities import entry_ref, level_stream
 from producer.replies import raw, text
 
 # Dead letters replayed by `replay_dead(all=True)` per transaction: each holds its image.
@@ -26,7 +27,8 @@ DEAD_ENTRY = b"dead_entry"  # the job's entry ID in the job stream
 DEAD_DELIVERIES = b"dead_deliveries"  # how many times it was delivered
 DEAD_CONSUMER = b"dead_consumer"  # the consumer that had it last
 DEAD_AT_MS = b"dead_at_ms"  # when it was dead-lettered, epoch milliseconds
-DEAD_FIELDS = (DEAD_ENTRY, DEAD_DELIVERIES, DEAD_CONSUMER, DEAD_AT_MS)
+DEAD_LEVEL = b"dead_level"  # its priority level (absent without priorities): replayed there
+DEAD_FIELDS = (DEAD_ENTRY, DEAD_DELIVERIES, DEAD_CONSUMER, DEAD_AT_MS, DEAD_LEVEL)
 
 _ENTRY_ID = re.compile(r"[0-9]+-[0-9]+")
 
@@ -47,9 +49,11 @@ class DeadLetter:
 
     `dead_id` is the entry's ID in the dead-letter stream (what `replay_dead` takes), `entry`
     the job's original entry ID in the job stream, and `id` the job id its results are stored
-    under (its `id` field, or `entry` where it has none). Exactly one of `image_bytes` (the
-    size of the encoded image) and `path` is set for a well-formed job. `fields` names the
-    job's own fields, in order, as `replay_dead` would enqueue them again.
+    under (its `id` field, or its entry reference where it has none: `entry`, or
+    `<level>:<entry>` on a priority level). `level` is the priority level whose stream it
+    came from (None without priorities); a replay puts it back there. Exactly one of
+    `image_bytes` (the size of the encoded image) and `path` is set for a well-formed job.
+    `fields` names the job's own fields, in order, as `replay_dead` would enqueue them again.
     """
 
     dead_id: str
@@ -63,6 +67,7 @@ class DeadLetter:
     reply_to: str | None
     has_meta: bool
     fields: tuple[bytes, ...] = field(default=(), repr=False)
+    level: str | None = None
 
     @property
     def dead_at(self) -> datetime | None:
@@ -86,6 +91,7 @@ class DeadLetter:
             "path": self.path,
             "reply_to": self.reply_to,
             "has_meta": self.has_meta,
+            "level": self.level,
             "fields": [f.decode("utf-8", "backslashreplace") for f in self.fields],
         }
 
@@ -131,10 +137,12 @@ def dead_letter(dead_id: str, raw_fields: Mapping[Any, Any]) -> DeadLetter:
     """The dead letter in the dead-letter stream's entry `dead_id`."""
     fields = _norm(raw_fields)
     entry = _opt_text(fields.get(DEAD_ENTRY)) or ""
+    level = _opt_text(fields.get(DEAD_LEVEL))
     image = fields.get(wire.JOB_IMAGE)
     return DeadLetter(
         dead_id=dead_id,
-        id=_own_id(fields) or entry,
+        id=_own_id(fields) or entry_ref(level or "", entry),
+        level=level,
         entry=entry,
         deliveries=_opt_int(fields.get(DEAD_DELIVERIES)),
         consumer=_opt_text(fields.get(DEAD_CONSUMER)),
@@ -170,6 +178,8 @@ class Replay:
 
     dead_ids: list[str] = field(default_factory=list)
     jobs: list[dict[bytes, bytes]] = field(default_factory=list)
+    # Each job's priority level ("" without priorities): it goes back to that stream.
+    levels: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
     reply_to: list[str] = field(default_factory=list)
 
@@ -180,12 +190,14 @@ class Replay:
         """The plan for `entries`, and the IDs of those with no job fields to replay."""
         plan, empty = cls(), []
         for dead_id, raw_fields in entries:
-            job = _job_fields(_norm(raw_fields))
+            fields = _norm(raw_fields)
+            job = _job_fields(fields)
             if not job:
                 empty.append(dead_id)
                 continue
             plan.dead_ids.append(dead_id)
             plan.jobs.append(job)
+            plan.levels.append(_opt_text(fields.get(DEAD_LEVEL)) or "")
             own_id = _own_id(job)
             if own_id is not None:
                 # The dead_letter error result under this id would make workers answer the
@@ -201,12 +213,17 @@ class Replay:
         out: list[Call] = []
         if self.stale:
             out.append(call("delete", *dict.fromkeys(self.stale)))
-        out += [call("xadd", stream, job) for job in self.jobs]
+        out += [
+            call("xadd", level_stream(stream, level), job)
+            for job, level in zip(self.jobs, self.levels, strict=True)
+        ]
         if not keep and self.dead_ids:
             out.append(call("xdel", dead_stream, *self.dead_ids))
         return tuple(out)
 
     def added(self, replies: list[Any]) -> list[str]:
-        """The new job entry IDs, from the transaction's replies."""
+        """The new job entry references (`<level>:<entry ID>` on a level), from the
+        transaction's replies."""
         first = 1 if self.stale else 0
-        return [text(r) for r in replies[first : first + len(self.jobs)]]
+        added = replies[first : first + len(self.jobs)]
+        return [entry_ref(lv, text(r)) for lv, r in zip(self.levels, added, strict=True)]

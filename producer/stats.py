@@ -6,12 +6,14 @@ it is safe to run against a busy production Redis.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 import redis
 
 from producer import wire
+from producer.priorities import level_stream, parse_levels
 
 _SNAPSHOT_FIELD = "snapshot"
 
@@ -101,9 +103,26 @@ def collect_stats(
     *,
     dead_stream: str = wire.DEFAULT_DEAD_STREAM,
     worker_prefix: str = wire.DEFAULT_WORKER_PREFIX,
+    priorities: str | Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """A JSON-serialisable snapshot. A missing stream reports `exists: False` and length 0;
-    a missing group reports `group: None` and no consumers; an unknown lag is None."""
+    a missing group reports `group: None` and no consumers; an unknown lag is None.
+
+    With `priorities` (GPUFEED_PRIORITIES), `levels` lists each level's stream, group and
+    consumers, highest first; `stream`, `group` and `consumers` still describe the plain
+    `stream`, which workers do not read while there are levels. Without, `levels` is []."""
+    snapshot = _backlog(client, stream, group)
+    snapshot["levels"] = [
+        {"level": level, **_backlog(client, level_stream(stream, level), group)}
+        for level in parse_levels(priorities)
+    ]
+    snapshot["results_stream"] = _stream_length(client, results_stream)
+    snapshot["dead_stream"] = _stream_length(client, dead_stream)
+    snapshot["workers"] = _workers(client, worker_prefix)
+    return snapshot
+
+
+def _backlog(client: redis.Redis, stream: str, group: str) -> dict[str, Any]:
     jobs = _stream_length(client, stream)
     group_info = (
         _group(client, stream, group) if jobs["length"] is not None and jobs["exists"] else None
@@ -112,7 +131,4 @@ def collect_stats(
         "stream": jobs,
         "group": group_info,
         "consumers": _consumers(client, stream, group) if group_info else [],
-        "results_stream": _stream_length(client, results_stream),
-        "dead_stream": _stream_length(client, dead_stream),
-        "workers": _workers(client, worker_prefix),
     }

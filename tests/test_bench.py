@@ -235,6 +235,26 @@ def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
     assert any("overhead.queue_ceiling" in p for p in problems)
 
 
+def test_the_priority_section_measures_high_jobs_behind_a_burst(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, out = tiny
+    p = report["priority"]
+    assert set(p["runs"]) == {"fifo", "priorities"}
+    fifo, prio = p["runs"]["fifo"], p["runs"]["priorities"]
+    for r in (fifo, prio):
+        assert r["results"] == r["jobs"] > r["burst_low_jobs"] > 0
+        assert r["high"]["jobs"] == r["high_jobs"] >= 2
+        assert 0 < r["high"]["p50_ms"] <= r["high"]["p99_ms"] <= r["high"]["max_ms"]
+    # Both runs carry the same load; only the levels differ.
+    assert fifo["burst_low_jobs"] == prio["burst_low_jobs"]
+    assert fifo["settings"]["priorities"] == "" and prio["settings"]["priorities"] == "high,low"
+    assert "## Priorities:" in (out / "report.md").read_text()
+    bad = copy.deepcopy(report)
+    bad["priority"]["runs"]["fifo"]["results"] -= 1
+    assert any("priority.runs.fifo" in p for p in validate_report(bad))
+
+
 def test_the_per_job_trailer_keeps_the_pixels_and_makes_every_job_unique() -> None:
     data = load_image_set(ImageSetSpec("u", 1600, 1200, 2, quality=90, seed=4), None).images
     jobs = [job_image(data, i, f"run-{i}", unique=True) for i in range(6)]

@@ -16,6 +16,8 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from producer import wire
+from producer.priorities import parse_levels
+from worker.lanes import Lanes
 
 COMPILE_MODES = (
     "off",
@@ -46,6 +48,8 @@ class WorkerConfig:
     redis_url: str = field(default="redis://localhost:6379/0", metadata={"env": "REDIS_URL"})
     stream: str = field(default=wire.DEFAULT_STREAM, metadata={"env": "GPUFEED_STREAM"})
     group: str = field(default=wire.DEFAULT_GROUP, metadata={"env": "GPUFEED_GROUP"})
+    priorities: str = field(default="", metadata={"env": "GPUFEED_PRIORITIES"})
+    priority_weights: str = field(default="", metadata={"env": "GPUFEED_PRIORITY_WEIGHTS"})
     results_stream: str = field(
         default=wire.DEFAULT_RESULTS_STREAM, metadata={"env": "GPUFEED_RESULTS_STREAM"}
     )
@@ -175,6 +179,20 @@ class WorkerConfig:
             "GPUFEED_RESULTS_STREAM",
             "must differ from GPUFEED_STREAM",
         )
+        try:
+            levels = parse_levels(self.priorities)
+        except ValueError as exc:
+            raise ConfigError(f"GPUFEED_PRIORITIES: {exc}") from None
+        try:
+            weights = parse_weights(self.priority_weights, len(levels))
+        except ValueError as exc:
+            raise ConfigError(f"GPUFEED_PRIORITY_WEIGHTS: {exc}") from None
+        for lane in Lanes.of(self.stream, levels, weights):
+            need(
+                lane.stream not in (self.results_stream, self.dead_stream),
+                "GPUFEED_PRIORITIES",
+                f"level {lane.level!r}'s stream {lane.stream} is the results or dead-letter stream",
+            )
         need(
             self.model.strip() != "",
             "GPUFEED_MODEL",
@@ -326,6 +344,13 @@ class WorkerConfig:
             f"must be one of {', '.join(LOG_LEVELS)}",
         )
 
+    @property
+    def lanes(self) -> Lanes:
+        """The job streams this worker reads: one per priority level, or the one stream.
+        A new object each time: it carries the reader's share credits."""
+        levels = parse_levels(self.priorities)
+        return Lanes.of(self.stream, levels, parse_weights(self.priority_weights, len(levels)))
+
     def _validate_degrade(self, need: Callable[[bool, str, str], None]) -> None:
         """The degraded step's settings; whether its input is smaller than the main step's
         is known only once the model is loaded (worker/model/degraded.py)."""
@@ -392,6 +417,26 @@ class WorkerConfig:
         out["redis_url"] = self.redacted_url()
         out["path_root"] = str(self.path_root) if self.path_root else None
         return out
+
+
+def parse_weights(raw: str, levels: int) -> tuple[int, ...]:
+    """GPUFEED_PRIORITY_WEIGHTS for `levels` levels; unset: 1 each but twice the next
+    level's for each level up (4,2,1 for three)."""
+    if not raw.strip():
+        return tuple(2 ** (levels - 1 - i) for i in range(levels))
+    if levels == 0:
+        raise ValueError("weights need GPUFEED_PRIORITIES with two levels or more")
+    try:
+        weights = tuple(int(p) for p in raw.split(","))
+    except ValueError:
+        raise ValueError(f"expected whole numbers separated by commas, got {raw!r}") from None
+    if len(weights) != levels:
+        raise ValueError(
+            f"{len(weights)} weights for {levels} levels: give one per level, highest first"
+        )
+    if any(not 1 <= w <= 1000 for w in weights):
+        raise ValueError("each weight must be between 1 and 1000")
+    return weights
 
 
 def host_list_problem(raw: str) -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producer import wire
+from producer.priorities import entry_ref
 from producer.wire import ErrorCode
 from worker.model.answers import Answer
 
@@ -45,6 +46,22 @@ class Job:
     # worker that reads several streams (priority levels, shards) acknowledges each entry
     # on its own stream.
     stream: str = ""
+    # The priority level of that stream; "" without priorities.
+    level: str = ""
+
+    @property
+    def entry_ref(self) -> str:
+        """The entry as results name it: its ID, qualified by its level where there are
+        levels, since two level streams may hand out the same entry ID."""
+        return entry_ref(self.level, self.entry_id)
+
+    def read_from(self, stream: str, level: str) -> Job:
+        """Note the stream (and level) the entry was read from; a job without its own id is
+        known by its entry reference."""
+        self.stream, self.level = stream, level
+        if not self.has_own_id:
+            self.job_id = self.entry_ref
+        return self
 
     @property
     def enqueued_ms(self) -> int:

@@ -125,6 +125,19 @@ class WorkerMetrics:
             "Entries delivered to the group's workers and not yet answered (all workers).",
             registry=r,
         )
+        # With GPUFEED_PRIORITIES the two above are the sums over the levels' streams.
+        self.level_lag = Gauge(
+            "gpufeed_level_lag",
+            "A priority level's entries not yet delivered to the group (-1: unknown).",
+            ["level"],
+            registry=r,
+        )
+        self.level_pending = Gauge(
+            "gpufeed_level_pending",
+            "A priority level's entries delivered and not yet answered (all workers).",
+            ["level"],
+            registry=r,
+        )
 
         self.degraded = Gauge(
             "gpufeed_degraded",

@@ -28,6 +28,7 @@ from producer import wire
 from worker.gpu_sampler import GpuSampler
 from worker.health import Health, HealthServer
 from worker.jobs import Outcome
+from worker.lanes import Lanes
 from worker.metrics import STAGES, RateMeter, Rolling, WorkerMetrics
 from worker.runner import Launched
 from worker.writer import PublishState
@@ -228,7 +229,7 @@ class Observer:
         client: aioredis.Redis,
         *,
         key: str,
-        stream: str,
+        lanes: Lanes,
         group: str,
         in_flight: Callable[[], int],
     ) -> None:
@@ -242,7 +243,7 @@ class Observer:
                 if metric != "t":
                     self.metrics.gpu.labels(metric).set(value)
             try:
-                self.lag, self.pending = await _group_backlog(client, stream, group)
+                self.lag, self.pending = await self._backlog(client, lanes, group)
                 self.metrics.stream_lag.set(-1 if self.lag is None else self.lag)
                 if self.pending is not None:
                     self.metrics.stream_pending.set(self.pending)
@@ -280,6 +281,23 @@ class Observer:
                     lag="unknown" if self.lag is None else self.lag,
                 )
 
+    async def _backlog(
+        self, client: aioredis.Redis, lanes: Lanes, group: str
+    ) -> tuple[int | None, int | None]:
+        """The lag and pending count of all the worker's job streams together (None where
+        Redis does not know one); with priority levels, each level's own as well."""
+        per_level = await _lanes_backlog(client, lanes, group)
+        lag: int | None = 0
+        pending: int | None = 0
+        for level, lv_lag, lv_pending in per_level:
+            lag = None if lag is None or lv_lag is None else lag + lv_lag
+            pending = None if pending is None or lv_pending is None else pending + lv_pending
+            if level:
+                self.metrics.level_lag.labels(level).set(-1 if lv_lag is None else lv_lag)
+                if lv_pending is not None:
+                    self.metrics.level_pending.labels(level).set(lv_pending)
+        return lag, pending
+
     def close(self) -> None:
         if self.sampler is not None:
             self.sampler.close()
@@ -300,6 +318,12 @@ async def write_heartbeat(
     pipe.hset(key, mapping=plain)  # type: ignore[arg-type]
     pipe.expire(key, ttl_s)
     await pipe.execute()
+
+
+async def _lanes_backlog(
+    client: aioredis.Redis, lanes: Lanes, group: str
+) -> list[tuple[str, int | None, int | None]]:
+    return [(lane.level, *await _group_backlog(client, lane.stream, group)) for lane in lanes]
 
 
 async def _group_backlog(

@@ -19,6 +19,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.jobs import Job, deleted_entry_job, parse_job
+from worker.lanes import Lanes
 
 log = structlog.get_logger("gpufeed.reader")
 
@@ -84,11 +85,13 @@ async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
 
 
 class Reader:
+    """Reads the worker's lanes (worker/lanes.py): its one job stream, or one per level."""
+
     def __init__(
         self,
         client: aioredis.Redis,
         *,
-        stream: str,
+        lanes: Lanes,
         group: str,
         consumer: str,
         default_reply_to: str,
@@ -98,7 +101,7 @@ class Reader:
         block_ms: int = 1000,
     ) -> None:
         self.client = client
-        self.stream = stream
+        self.lanes = lanes
         self.group = group
         self.consumer = consumer
         self.default_reply_to = default_reply_to
@@ -107,6 +110,8 @@ class Reader:
         self.max_per_read = max_per_read
         self.block_ms = block_ms
         self._stop = asyncio.Event()
+        self._outage_logged = False
+        self._backoff_s = 0.1
 
     def stop(self) -> None:
         """Stop reading after the current XREADGROUP returns (at most block_ms)."""
@@ -114,63 +119,148 @@ class Reader:
 
     async def run(self) -> None:
         # Entries this consumer name already holds (a restart under the same name) first.
-        backlog_id = "0"
-        outage_logged = False
-        backoff_s = 0.1
+        for lane in self.lanes:
+            await self._read_history(lane.stream)
         while not self._stop.is_set():
             await self.in_flight.wait_for_room()
             if self._stop.is_set():
                 break
-            count = min(self.in_flight.room(), self.max_per_read)
-            try:
-                reply = await self.client.xreadgroup(
-                    self.group,
-                    self.consumer,
-                    {self.stream: backlog_id},
-                    count=count,
-                    block=None if backlog_id != ">" else self.block_ms,
-                )
-            except ResponseError as exc:
-                # The stream or the group was deleted under us (before the read, or while it
-                # blocked: UNBLOCKED): recreate them and carry on.
-                if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
-                    log.warning("group_missing_recreating", stream=self.stream, group=self.group)
-                    await ensure_group(self.client, self.stream, self.group)
-                    continue
-                raise
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-                if not outage_logged:
-                    log.warning("redis_unavailable_for_reads", error=str(exc))
-                    outage_logged = True
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
+            budget = min(self.in_flight.room(), self.max_per_read)
+            if len(self.lanes) > 1 and await self._read_shared(budget):
                 continue
-            if outage_logged:
-                log.info("redis_back_reading")
-                outage_logged = False
-                backoff_s = 0.1
-            entries = _entries(reply)
-            if backlog_id != ">":
-                if len(entries) < count:
-                    backlog_id = ">"
-                elif entries:
-                    backlog_id = entries[-1][0]
-            for entry_id, fields in entries:
+            # Nothing waits anywhere: block on every lane in one XREADGROUP. COUNT applies
+            # per stream, so each may bring its part of the budget.
+            per_stream = max(1, budget // len(self.lanes))
+            reply = await self._xread(
+                {s: ">" for s in self.lanes.streams}, per_stream, self.block_ms
+            )
+            await self._hand_over(reply)
+
+    async def _read_history(self, stream: str) -> None:
+        backlog_id = "0"
+        while not self._stop.is_set():
+            await self.in_flight.wait_for_room()
+            count = min(self.in_flight.room(), self.max_per_read)
+            reply = await self._xread({stream: backlog_id}, count, None)
+            if reply is None:
+                continue
+            entries = reply.get(stream, [])
+            await self._hand_over(reply)
+            if len(entries) < count:
+                return
+            backlog_id = entries[-1][0]
+
+    async def _read_shared(self, budget: int) -> int:
+        """One read of every level, shared by the weights (worker/lanes.py); how many
+        entries it brought. Highest level first, then the places left unused flow down."""
+        lanes = list(self.lanes)
+        asked = self.lanes.shares(budget)
+        reads = [(lane.stream, n) for lane, n in zip(lanes, asked, strict=True) if n > 0]
+        replies = await self._xread_each(reads)
+        if replies is None:
+            return 0
+        got = [len(replies.get(lane.stream, [])) for lane in lanes]
+        self.lanes.settle(asked, got)
+        await self._hand_over(replies)
+        spare = budget - sum(got)
+        for lane, a, g in zip(lanes, asked, got, strict=True):
+            if spare <= 0:
+                break
+            if g < a:
+                continue  # it had less than its share: nothing more waits there
+            reply = await self._xread({lane.stream: ">"}, spare, None)
+            if reply is None:
+                break
+            spare -= len(reply.get(lane.stream, []))
+            await self._hand_over(reply)
+        return budget - spare
+
+    async def _hand_over(self, reply: dict[str, Entries] | None) -> None:
+        if not reply:
+            return
+        # Highest level first: its jobs join the batches ahead of the others'.
+        for lane in self.lanes:
+            for entry_id, fields in reply.get(lane.stream, []):
                 if fields is None:
                     job = deleted_entry_job(entry_id, self.default_reply_to)
                 else:
                     job = parse_job(entry_id, fields, self.default_reply_to)
+                job.read_from(lane.stream, lane.level)
                 self.in_flight.take(1)
                 await self._deliver(job)
 
+    async def _xread(
+        self, streams: dict[str, str], count: int, block: int | None
+    ) -> dict[str, Entries] | None:
+        """XREADGROUP; None when it failed (Redis away, the group recreated): read again."""
+        try:
+            wanted: dict[Any, Any] = dict(streams)
+            reply = await self.client.xreadgroup(
+                self.group, self.consumer, wanted, count=count, block=block
+            )
+        except Exception as exc:  # noqa: BLE001 - _failed re-raises what it cannot handle
+            await self._failed(exc)
+            return None
+        self._back()
+        return _by_stream(reply)
 
-def _entries(reply: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:
-    """XREADGROUP's reply for one stream as (entry id, fields); fields None for an entry
-    that is pending but was deleted."""
+    async def _xread_each(self, reads: list[tuple[str, int]]) -> dict[str, Entries] | None:
+        """Non-blocking XREADGROUPs with a count each, in one round trip."""
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for stream, n in reads:
+                    pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=n)
+                replies = await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - _failed re-raises what it cannot handle
+            await self._failed(exc)
+            return None
+        self._back()
+        out: dict[str, Entries] = {}
+        for reply in replies:
+            out.update(_by_stream(reply))
+        return out
+
+    async def _failed(self, exc: Exception) -> None:
+        if isinstance(exc, ResponseError):
+            # A stream or the group was deleted under us (before the read, or while it
+            # blocked: UNBLOCKED): recreate them and carry on.
+            if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
+                for stream in self.lanes.streams:
+                    log.warning("group_missing_recreating", stream=stream, group=self.group)
+                    await ensure_group(self.client, stream, self.group)
+                return
+            raise exc
+        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
+            if not self._outage_logged:
+                log.warning("redis_unavailable_for_reads", error=str(exc))
+                self._outage_logged = True
+            await asyncio.sleep(self._backoff_s)
+            self._backoff_s = min(self._backoff_s * 2, 5.0)
+            return
+        raise exc
+
+    def _back(self) -> None:
+        if self._outage_logged:
+            log.info("redis_back_reading")
+            self._outage_logged = False
+            self._backoff_s = 0.1
+
+
+Entries = list[tuple[str, dict[bytes, bytes] | None]]
+
+
+def _by_stream(reply: Any) -> dict[str, Entries]:
+    """XREADGROUP's reply as {stream: [(entry id, fields)]}; fields None for an entry that
+    is pending but was deleted."""
+    out: dict[str, Entries] = {}
     if not reply:
-        return []
-    out: list[tuple[str, dict[bytes, bytes] | None]] = []
-    for raw_id, fields in reply[0][1]:
-        entry_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
-        out.append((entry_id, fields or None))
+        return out
+    items = reply.items() if isinstance(reply, dict) else reply
+    for raw_stream, raw_entries in items:
+        stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
+        rows = raw_entries[0] if isinstance(reply, dict) else raw_entries
+        out[stream] = [
+            (raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id), fields or None)
+            for raw_id, fields in rows
+        ]
     return out

@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from producer.wire import ErrorCode
 from worker.config import WorkerConfig
 from worker.jobs import Job, Outcome, deleted_entry_job, parse_job
+from worker.lanes import Lanes
 from worker.reader import InFlight, ensure_group
 from worker.redis_scripts import DELETE_IDLE_CONSUMER, REFRESH_OWNED
 
@@ -57,7 +58,8 @@ class Reclaimer:
         config: WorkerConfig,
         *,
         in_flight: InFlight,
-        held: Mapping[str, Job],
+        lanes: Lanes,
+        held: Mapping[tuple[str, str], Job],
         deliver: Callable[[Job], Awaitable[None]],
         publish_now: Callable[[list[Outcome]], Awaitable[None]],
         on_event: Callable[[str, int], None],
@@ -66,6 +68,10 @@ class Reclaimer:
         self.cfg = config
         self.consumer = config.worker_name
         self.in_flight = in_flight
+        # Every duty runs on each job stream (priority level) in turn, highest first.
+        self.streams = lanes.streams
+        self._levels = {lane.stream: lane.level for lane in lanes}
+        # Entries read and not yet answered, by (job stream, entry ID).
         self._held = held
         self._deliver = deliver
         # Publishes and returns only once Redis took the results: a dead letter must be
@@ -73,7 +79,7 @@ class Reclaimer:
         self._publish = publish_now
         self._refresh = client.register_script(REFRESH_OWNED)
         self._delete_consumer = client.register_script(DELETE_IDLE_CONSUMER)
-        self._claim_cursor = "0-0"
+        self._claim_cursor = dict.fromkeys(self.streams, "0-0")
         self._event = on_event
 
     # ------------------------------------------------------------------ the loops
@@ -104,26 +110,30 @@ class Reclaimer:
                     outage = True
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):
-                    await ensure_group(self.client, self.cfg.stream, self.cfg.group)
+                    for stream in self.streams:
+                        await ensure_group(self.client, stream, self.cfg.group)
                 else:
                     log.error("housekeeping_failed", duty=what, error=str(exc))
 
     # ------------------------------------------------------------------ keep-alive
     async def keepalive(self) -> int:
-        ids = list(self._held)
+        by_stream: dict[str, list[str]] = {}
+        for stream, entry_id in list(self._held):
+            by_stream.setdefault(stream or self.cfg.stream, []).append(entry_id)
         refreshed = 0
-        for i in range(0, len(ids), 500):
-            chunk = ids[i : i + 500]
-            refreshed += int(
-                await self._refresh(
-                    keys=[self.cfg.stream], args=[self.cfg.group, self.consumer, *chunk]
+        for stream, ids in by_stream.items():
+            for i in range(0, len(ids), 500):
+                chunk = ids[i : i + 500]
+                refreshed += int(
+                    await self._refresh(keys=[stream], args=[self.cfg.group, self.consumer, *chunk])
                 )
-            )
         return refreshed
 
     # ------------------------------------------------------------------ reclaim
     async def reclaim_and_tidy(self) -> None:
-        stale = await self.dead_letter_poison()
+        stale = 0
+        for stream in self.streams:
+            stale += await self.dead_letter_poison(stream)
         if stale:
             # Set places aside so that new reads do not take them all, then wait (briefly)
             # for in-flight work to free them.
@@ -132,39 +142,44 @@ class Reclaimer:
                 min(stale, self.in_flight.limit), max(1.0, self.cfg.claim_interval_s)
             )
         try:
-            await self.reclaim_stale()
+            for stream in self.streams:
+                await self.reclaim_stale(stream)
         finally:
             self.in_flight.reserve(0)
-        await self.remove_dead_consumers()
+        for stream in self.streams:
+            await self.remove_dead_consumers(stream)
 
-    async def dead_letter_poison(self) -> int:
+    async def dead_letter_poison(self, stream: str) -> int:
         """Entries idle past the visibility timeout that were already delivered the maximum
         number of times: they keep killing or stalling workers, so they stop here.
 
         Returns how many other stale entries there are (up to 100), to be reclaimed."""
         idle_ms = int(self.cfg.visibility_timeout_s * 1000)
         pending = await self.client.xpending_range(
-            self.cfg.stream, self.cfg.group, min="-", max="+", count=100, idle=idle_ms
+            stream, self.cfg.group, min="-", max="+", count=100, idle=idle_ms
         )
         poison = [p for p in pending if int(p["times_delivered"]) >= self.cfg.max_deliveries]
         stale = sum(
             1
             for p in pending
             if int(p["times_delivered"]) < self.cfg.max_deliveries
-            and _s(p["message_id"]) not in self._held
+            and (stream, _s(p["message_id"])) not in self._held
         )
         outcomes: list[Outcome] = []
         for p in poison:
             entry_id = _s(p["message_id"])
-            if entry_id in self._held:
+            if (stream, entry_id) in self._held:
                 continue
-            entries = await self.client.xrange(self.cfg.stream, entry_id, entry_id)
+            entries = await self.client.xrange(stream, entry_id, entry_id)
             times = int(p["times_delivered"])
             if not entries:
-                outcomes.append(_failure(deleted_entry_job(entry_id, self.cfg.results_stream)))
+                gone = deleted_entry_job(entry_id, self.cfg.results_stream)
+                gone.read_from(stream, self._levels[stream])
+                outcomes.append(_failure(gone))
                 continue
             fields: dict[Any, Any] = entries[0][1] or {}
             job = parse_job(entry_id, fields, self.cfg.results_stream)
+            job.read_from(stream, self._levels[stream])
             job.deliveries = times
             outcome = Outcome.failure(
                 job,
@@ -185,6 +200,9 @@ class Reclaimer:
                 "dead_at_ms",
                 str(int(time.time() * 1000)),
             ]
+            if level := self._levels.get(stream, ""):
+                # `producer dead replay` puts the job back on its own level.
+                dead += ["dead_level", level]
             outcome.dead_fields = dead
             outcomes.append(outcome)
         if outcomes:
@@ -199,35 +217,39 @@ class Reclaimer:
             await self._publish(outcomes)
         return stale
 
-    async def reclaim_stale(self) -> int:
-        """XAUTOCLAIM entries idle past the visibility timeout, as far as there is room."""
+    async def reclaim_stale(self, stream: str) -> int:
+        """XAUTOCLAIM entries of `stream` idle past the visibility timeout, as far as there
+        is room."""
         room = self.in_flight.room_for_reclaim()
         if room <= 0:
             return 0
         reply = await self.client.xautoclaim(
-            self.cfg.stream,
+            stream,
             self.cfg.group,
             self.consumer,
             min_idle_time=int(self.cfg.visibility_timeout_s * 1000),
-            start_id=self._claim_cursor,
+            start_id=self._claim_cursor[stream],
             count=room,
         )
         cursor, entries = reply[0], reply[1]
         deleted = reply[2] if len(reply) > 2 else []
-        self._claim_cursor = _s(cursor)
+        self._claim_cursor[stream] = _s(cursor)
         claimed = 0
         for raw_id, fields in entries:
             entry_id = _s(raw_id)
             if not fields:
                 continue
             job = parse_job(entry_id, fields, self.cfg.results_stream)
+            job.read_from(stream, self._levels[stream])
             job.deliveries = 2  # at least; the exact count is in XPENDING
             self.in_flight.take(1)
             await self._deliver(job)
             claimed += 1
         gone: list[Outcome] = []
         for raw_id in deleted:
-            o = _failure(deleted_entry_job(_s(raw_id), self.cfg.results_stream))
+            job = deleted_entry_job(_s(raw_id), self.cfg.results_stream)
+            job.read_from(stream, self._levels[stream])
+            o = _failure(job)
             self.in_flight.take(1)
             gone.append(o)
         if gone:
@@ -235,12 +257,12 @@ class Reclaimer:
             await self._publish(gone)
         if claimed:
             self._event("reclaimed", claimed)
-            log.info("reclaimed_stale_jobs", count=claimed)
+            log.info("reclaimed_stale_jobs", count=claimed, stream=stream)
         return claimed
 
     # ------------------------------------------------------------------ consumers
-    async def remove_dead_consumers(self) -> int:
-        consumers = await self.client.xinfo_consumers(self.cfg.stream, self.cfg.group)
+    async def remove_dead_consumers(self, stream: str) -> int:
+        consumers = await self.client.xinfo_consumers(stream, self.cfg.group)
         expiry_ms = self.cfg.consumer_expiry_s * 1000
         removed = 0
         for c in consumers:
@@ -248,28 +270,44 @@ class Reclaimer:
             idle = int(c.get("inactive", c.get("idle", 0)) or 0)
             if name == self.consumer or int(c["pending"]) > 0 or idle < expiry_ms:
                 continue
-            if await self.delete_consumer(name) >= 0:
+            if await self.delete_consumer(name, stream) >= 0:
                 removed += 1
         if removed:
             self._event("consumer_removed", removed)
-            log.info("removed_dead_consumers", count=removed)
+            log.info("removed_dead_consumers", count=removed, stream=stream)
         return removed
 
-    async def delete_consumer(self, name: str) -> int:
-        """Delete `name` if it holds no pending entry; -1 if it still does."""
-        return int(await self._delete_consumer(keys=[self.cfg.stream], args=[self.cfg.group, name]))
+    async def delete_consumer(self, name: str, stream: str) -> int:
+        """Delete `name` from `stream`'s group if it holds no pending entry there; -1 if it
+        still does."""
+        return int(await self._delete_consumer(keys=[stream], args=[self.cfg.group, name]))
+
+    async def leave(self, name: str) -> int:
+        """Delete `name` from every stream's group where it holds nothing; how many streams
+        it still holds entries on (-1 each from delete_consumer)."""
+        held = 0
+        for stream in self.streams:
+            if await self.delete_consumer(name, stream) < 0:
+                held += 1
+        return held
 
     # ------------------------------------------------------------------ trim
     async def trim(self) -> int:
+        trimmed = 0
+        for stream in self.streams:
+            trimmed += await self.trim_stream(stream)
+        return trimmed
+
+    async def trim_stream(self, stream: str) -> int:
         """XTRIM MINID below the oldest entry any group still needs."""
-        groups = await self.client.xinfo_groups(self.cfg.stream)
+        groups = await self.client.xinfo_groups(stream)
         if not groups:
             return 0
         floor: str | None = None
         for g in groups:
             name = _s(g["name"])
             candidates = [next_id(_s(g["last-delivered-id"]))]
-            summary = await self.client.xpending(self.cfg.stream, name)
+            summary = await self.client.xpending(stream, name)
             if summary and summary.get("pending"):
                 candidates.append(_s(summary["min"]))
             low = min(candidates, key=id_key)
@@ -277,10 +315,10 @@ class Reclaimer:
                 floor = low
         if floor is None:
             return 0
-        trimmed = int(await self.client.xtrim(self.cfg.stream, minid=floor, approximate=False))
+        trimmed = int(await self.client.xtrim(stream, minid=floor, approximate=False))
         if trimmed:
             self._event("trimmed", trimmed)
-            log.debug("trimmed_job_stream", entries=trimmed, below=floor)
+            log.debug("trimmed_job_stream", entries=trimmed, below=floor, stream=stream)
         return trimmed
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 # Publish one result, acknowledging its job in the same step.
 # KEYS: [1] job stream, [2] reply stream, [3] result hash (by job id), [4] dead-letter
-#       stream, [5] the entry's own answer hash (by entry ID; the same key as [3] for a job
-#       without its own id)
-# ARGV: [1] group, [2] entry id, [3] result TTL s, [4] reply stream MAXLEN (approximate),
+#       stream, [5] the entry's own answer hash (by entry reference; the same key as [3]
+#       for a job without its own id)
+# ARGV: [1] group, [2] entry reference (the entry ID, or `<level>:<entry ID>` on a priority
+#       level's stream: the result's `entry`; XACK takes the ID after the last ':'),
+#       [3] result TTL s, [4] reply stream MAXLEN (approximate),
 #       [5] result prefix, [6] '1' when the job has its own id (idempotent ids),
 #       [7] model, [8] weights (a job is a duplicate only of a result served by the same
 #           model and weights), [9] the worker's default results stream,
@@ -50,6 +52,7 @@ local function may(...)
   return not redis.acl_check_cmd or redis.acl_check_cmd(...)
 end
 local entry, prefix, reply = ARGV[2], ARGV[5], KEYS[2]
+local entry_id = string.match(entry, '[^:]*$')
 if not may('TYPE', reply) or not may('XADD', reply, '*', 'f', 'v')
     or not may('XINFO', 'GROUPS', reply) then
   return -5
@@ -80,7 +83,7 @@ if not may('HSET', KEYS[3], 'f', 'v') or not may('HSET', KEYS[5], 'f', 'v') then
 end
 local acked = 0
 if kind(KEYS[1]) == 'stream' then
-  acked = redis.call('XACK', KEYS[1], ARGV[1], entry)
+  acked = redis.call('XACK', KEYS[1], ARGV[1], entry_id)
 end
 if answered_by(KEYS[3]) == entry or answered_by(KEYS[5]) == entry then
   if acked == 1 then

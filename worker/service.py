@@ -104,8 +104,11 @@ class Worker:
         self.compile_report: CompileReport | None = None
         self.precision: PrecisionReport | AgreementReport | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
-        # Entries read and not yet answered, by entry ID: the keep-alive refreshes them.
-        self._held: dict[str, Job] = {}
+        # Entries read and not yet answered, by (job stream, entry ID): the keep-alive
+        # refreshes them. Two streams (priority levels) may hold the same entry ID.
+        self._held: dict[tuple[str, str], Job] = {}
+        # The job streams this worker reads: one per priority level, or the one stream.
+        self.lanes = config.lanes
         # Degrade under backlog (GPUFEED_DEGRADE_AFTER_S): the cheaper step and its switch.
         self.degraded: DegradedModel | None = None
         self.degrade_switch: DegradeSwitch | None = None
@@ -140,7 +143,8 @@ class Worker:
         self._prepare_decode(device)
         await self._wait_for_redis(wait_for_redis)
         await self._check_keys()
-        await ensure_group(self.redis, cfg.stream, cfg.group)
+        for stream in self.lanes.streams:
+            await ensure_group(self.redis, stream, cfg.group)
         self._build_stages(device)
         self._announce_ready(device)
 
@@ -371,7 +375,7 @@ class Worker:
         )
         self.reader = Reader(
             self.redis,
-            stream=cfg.stream,
+            lanes=self.lanes,
             group=cfg.group,
             consumer=cfg.worker_name,
             default_reply_to=cfg.results_stream,
@@ -383,6 +387,7 @@ class Worker:
             self.redis,
             cfg,
             in_flight=self.in_flight,
+            lanes=self.lanes,
             held=self._held,
             deliver=self._deliver,
             publish_now=self.writer.publish_now,
@@ -411,6 +416,7 @@ class Worker:
             "compiled": report.compiled,
             "stream": cfg.stream,
             "group": cfg.group,
+            "priorities": ",".join(lane.level for lane in self.lanes),
         }
         self.observer.compile_check = lambda: still_compiled(report)
         # torch, its compiler and the model leave some million long-lived objects: a full
@@ -422,7 +428,7 @@ class Worker:
         log.info(
             "worker_ready",
             worker=cfg.worker_name,
-            stream=cfg.stream,
+            streams=self.lanes.streams,
             group=cfg.group,
             decode_threads=self.decode_threads,
             in_flight_limit=self.in_flight.limit,
@@ -433,15 +439,29 @@ class Worker:
         would stay pending otherwise."""
         cfg = self.config
         check = self.redis.register_script(CHECK_KEYS)
-        problems = await check(
-            keys=[
-                cfg.stream,
-                cfg.results_stream,
-                cfg.dead_stream,
-                wire.result_key("start-up-check", cfg.result_prefix),
-                heartbeat_key(cfg.worker_name),
-            ]
-        )
+        problems: list[Any] = []
+        for stream in self.lanes.streams:
+            for problem in await check(
+                keys=[
+                    stream,
+                    cfg.results_stream,
+                    cfg.dead_stream,
+                    wire.result_key("start-up-check", cfg.result_prefix),
+                    heartbeat_key(cfg.worker_name),
+                ]
+            ):
+                if problem not in problems:
+                    problems.append(problem)
+        if len(self.lanes) > 1 and await self.redis.type(cfg.stream) == b"stream":
+            # Jobs XADDed to the plain stream (a producer without GPUFEED_PRIORITIES) are
+            # never read while there are levels: say so at start-up.
+            log.warning(
+                "plain_stream_not_read",
+                stream=cfg.stream,
+                length=await self.redis.xlen(cfg.stream),
+                read=self.lanes.streams,
+                note="with GPUFEED_PRIORITIES set, jobs go to <GPUFEED_STREAM>:<level>",
+            )
         if problems:
             listed = "; ".join(p.decode() if isinstance(p, bytes) else str(p) for p in problems)
             raise ConfigError(f"Redis keys this worker must write are unusable: {listed}")
@@ -479,7 +499,7 @@ class Worker:
                 self.observer.run(
                     self.redis,
                     key=heartbeat_key(self.config.worker_name),
-                    stream=self.config.stream,
+                    lanes=self.lanes,
                     group=self.config.group,
                     in_flight=lambda: self.in_flight.count,
                 ),
@@ -497,7 +517,7 @@ class Worker:
         if self.degrade_switch is not None:
             self._tasks["degrade"] = asyncio.create_task(
                 self.degrade_switch.run(
-                    self.redis, streams=[self.config.stream], group=self.config.group
+                    self.redis, streams=self.lanes.streams, group=self.config.group
                 ),
                 name="degrade",
             )
@@ -518,7 +538,7 @@ class Worker:
             stop.cancel()
 
     async def _deliver(self, job: Job) -> None:
-        self._held[job.entry_id] = job
+        self._held[(job.stream, job.entry_id)] = job
         if job.enqueued_ms:
             # Time in Redis before this worker read it (server and worker clocks may differ
             # a little; never negative).
@@ -607,7 +627,7 @@ class Worker:
 
     def _on_published(self, outcomes: list[Outcome], states: list[int]) -> None:
         for outcome in outcomes:
-            self._held.pop(outcome.job.entry_id, None)
+            self._held.pop((outcome.job.stream, outcome.job.entry_id), None)
         self.observer.published(outcomes, states)
         self.in_flight.give_back(len(outcomes))
 
@@ -667,10 +687,10 @@ class Worker:
         #    entries stay pending for others to reclaim, and it is removed after that).
         if tasks and hasattr(self, "reclaimer"):
             try:
-                removed = await asyncio.wait_for(
-                    self.reclaimer.delete_consumer(self.config.worker_name), 5
+                still_held = await asyncio.wait_for(
+                    self.reclaimer.leave(self.config.worker_name), 5
                 )
-                if removed < 0:
+                if still_held:
                     log.warning(
                         "left_pending_jobs",
                         note="they will be reclaimed after "

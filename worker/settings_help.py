@@ -20,6 +20,17 @@ SETTINGS: dict[str, tuple[str, str]] = {
     ),
     "GPUFEED_STREAM": ("`gpufeed:jobs`", "the job stream"),
     "GPUFEED_GROUP": ("`gpufeed`", "the consumer group"),
+    "GPUFEED_PRIORITIES": (
+        "unset",
+        "priority levels, highest first (e.g. `high,normal,low`): one job stream per level, "
+        "`<GPUFEED_STREAM>:<level>`; unset or one level: the one job stream. See "
+        "[Priorities](#priorities)",
+    ),
+    "GPUFEED_PRIORITY_WEIGHTS": (
+        "unset (`4,2,1` for three levels)",
+        "each level's share of the read budget, highest first, one per level (e.g. `8,3,1`); "
+        "unset: each level twice the next one's",
+    ),
     "GPUFEED_RESULTS_STREAM": ("`gpufeed:results`", "results of jobs without `reply_to`"),
     "GPUFEED_RESULT_PREFIX": ("`gpufeed:result:`", "prefix of the result hashes"),
     "GPUFEED_DEAD_STREAM": ("`gpufeed:dead`", "the dead-letter stream"),

@@ -102,7 +102,7 @@ def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | st
     }
     out: list[bytes | str] = [
         wire.RES_ID, job.job_id,
-        wire.RES_ENTRY, job.entry_id,
+        wire.RES_ENTRY, job.entry_ref,
         wire.RES_STATUS, wire.STATUS_OK if outcome.ok else wire.STATUS_ERROR,
         wire.RES_MODEL, model,
         wire.RES_WEIGHTS, weights,
@@ -279,11 +279,11 @@ class ResultWriter:
                     job.reply_to,
                     wire.result_key(job.job_id, s.result_prefix),
                     s.dead_stream,
-                    wire.result_key(job.entry_id, s.result_prefix),
+                    wire.result_key(job.entry_ref, s.result_prefix),
                 ],
                 args=[
                     s.group,
-                    job.entry_id,
+                    job.entry_ref,
                     s.result_ttl_s,
                     s.results_maxlen,
                     s.result_prefix,

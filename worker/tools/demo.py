@@ -184,6 +184,9 @@ def run_demo(count: int = 48) -> int:
             "GPUFEED_MODEL": model,
             "GPUFEED_WEIGHTS": weights,
             "GPUFEED_STREAM": stream,
+            # The demo feeds one stream: no priority levels, whatever the environment says.
+            "GPUFEED_PRIORITIES": "",
+            "GPUFEED_PRIORITY_WEIGHTS": "",
             "GPUFEED_RESULTS_STREAM": results_stream,
             "GPUFEED_WORKER_NAME": f"demo-{os.getpid()}",
             "GPUFEED_LOG_FORMAT": "console",

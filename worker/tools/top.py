@@ -7,7 +7,8 @@ deployment from any host that reaches Redis, without touching the workers.
 Per worker (from its heartbeat, refreshed every 2 s): jobs/s, p50/p99 latency, the mean time
 per stage, GPU and CPU utilisation, batch fill, errors. Above them: the stream's length, the
 group's lag (`unknown` where Redis cannot tell, never a made-up 0) and pending count, the
-consumers, and the group's total jobs/s.
+consumers, and the group's total jobs/s; with GPUFEED_PRIORITIES, each level's length, lag
+and pending count instead of the one stream's.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def collect(client: redis.Redis, config: WorkerConfig) -> dict[str, Any]:
         config.group,
         config.results_stream,
         dead_stream=config.dead_stream,
+        priorities=config.priorities,
     )
     rows = []
     for w in stats["workers"]:
@@ -88,6 +90,7 @@ def collect(client: redis.Redis, config: WorkerConfig) -> dict[str, Any]:
     return {
         "stream": stats["stream"],
         "group": group,
+        "levels": stats["levels"],
         "dead_length": stats["dead_stream"]["length"],
         "workers": rows,
         "jobs_per_s": sum(r["jobs_per_s"] for r in rows),
@@ -115,21 +118,36 @@ def shown_stages(workers: list[Mapping[str, Any]]) -> tuple[str, ...]:
     return tuple(s for s in STAGES if fetched or s != "fetch")
 
 
+def _length(stream: Mapping[str, Any]) -> str:
+    if not stream["exists"]:
+        return "no such stream"
+    if stream["length"] is None:
+        return str(stream.get("error", "not a stream"))
+    return f"{stream['length']:,}"
+
+
+def _backlog(group: Mapping[str, Any]) -> str:
+    lag = "unknown" if group["lag"] is None else f"{group['lag']:,}"
+    return f"lag {lag}, pending {group['pending']:,}"
+
+
 def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
     stream, group = view["stream"], view["group"]
-    if not stream["exists"]:
-        length = "no such stream"
-    elif stream["length"] is None:
-        length = str(stream.get("error", "not a stream"))
+    parts: list[str] = []
+    if view.get("levels"):
+        # One part per priority level, highest first: which backlog is growing.
+        for lv in view["levels"]:
+            g = lv["group"]
+            backlog = _backlog(g) if g is not None else "no group yet"
+            parts.append(f"{lv['level']}: length {_length(lv['stream'])}, {backlog}")
+        parts.append(f"group {config.group}")
     else:
-        length = f"{stream['length']:,}"
-    parts = [f"stream {config.stream}: length {length}"]
-    if group is None:
-        parts.append(f"group {config.group}: none yet")
-    else:
-        lag = "unknown" if group["lag"] is None else f"{group['lag']:,}"
-        parts.append(f"group {group['name']}: lag {lag}, pending {group['pending']:,}")
-        parts.append(f"consumers {group['consumers']}")
+        parts.append(f"stream {config.stream}: length {_length(stream)}")
+        if group is None:
+            parts.append(f"group {config.group}: none yet")
+        else:
+            parts.append(f"group {group['name']}: {_backlog(group)}")
+            parts.append(f"consumers {group['consumers']}")
     parts.append(f"workers {len(view['workers'])}")
     parts.append(f"{view['jobs_per_s']:,.1f} jobs/s")
     if view.get("dead_length"):

@@ -53,6 +53,8 @@ class Bench:
     queue_ceilings: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     # The overhead section (overhead.py), when the profile has one.
     overhead: dict[str, Any] | None = None
+    # The priority section (priority.py), when the profile has one.
+    priority: dict[str, Any] | None = None
 
     @property
     def is_cuda(self) -> bool:
@@ -90,6 +92,9 @@ class Bench:
             metrics_port=0,
             result_ttl_s=3600,
             results_maxlen=max(self.base.results_maxlen, 1_000_000),
+            # Runs feed one stream; the priority section asks for levels in `extra`.
+            priorities="",
+            priority_weights="",
         )
         values.update(variant.settings())
         values.update(extra)

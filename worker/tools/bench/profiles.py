@@ -8,6 +8,9 @@
 - every profile: the overhead section (worker/tools/bench/overhead.py): 64x64 JPEGs, the
   null model at batch 256 (32 in tiny), cache hitting and every job decoded, beside the
   queue ceiling; 10,000 jobs per run in quick on the CPU, 20,000 otherwise (192 in tiny).
+- every profile: the priority section (worker/tools/bench/priority.py): the first model,
+  a burst of low-priority jobs three times what it serves while a trickle of high-priority
+  ones arrives for 0.5 s (tiny), 2 s (quick) or 5 s (full), with and without levels.
 - `full`: more jobs, the compile variant on the CPU too, the decode-cache pair on both
   sets, and the latency/throughput curve for three batcher max waits; the default on CUDA
   hosts.
@@ -62,6 +65,13 @@ class OverheadPlan:
 
 
 @dataclass(frozen=True)
+class PriorityPlan:
+    """The priority section (worker/tools/bench/priority.py): urgent jobs behind a burst."""
+
+    seconds: float  # how long the high-priority trickle lasts; the burst is 3x that much work
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     models: tuple[ModelPlan, ...]
@@ -77,6 +87,7 @@ class Profile:
     # repeating the distinct images, cache on and off), for every model.
     cache_roles: tuple[str, ...] = ()
     overhead: OverheadPlan | None = None
+    priority: PriorityPlan | None = None
 
     def with_models(self, models: tuple[ModelPlan, ...]) -> Profile:
         return replace(self, models=models)
@@ -115,6 +126,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             timeline_bin_s=0.25,
             cache_roles=("large",),
             overhead=OverheadPlan(jobs=192, batch_size=32, distinct=8),
+            priority=PriorityPlan(seconds=0.5),
         )
     if cuda:
         models = (
@@ -142,6 +154,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             # Where decode dominates; the photo set too would push it over 5 min on 2 cores.
             cache_roles=("large",),
             overhead=OverheadPlan(jobs=20_000 if cuda else 10_000),
+            priority=PriorityPlan(seconds=2.0),
         )
     sets = (
         (photo_set(256, 4096), large_set(64, 512))
@@ -159,4 +172,5 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         stage_images=16,
         cache_roles=("photo", "large"),
         overhead=OverheadPlan(jobs=20_000),
+        priority=PriorityPlan(seconds=5.0),
     )

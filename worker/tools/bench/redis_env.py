@@ -56,7 +56,8 @@ class Answer:
 
 def _entry_ms(entry_id: bytes | str) -> int:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(text.split("-", 1)[0])
+    # A result names an entry of a priority level's stream `<level>:<entry ID>`.
+    return int(text.rsplit(":", 1)[-1].split("-", 1)[0])
 
 
 def parse_answer(entry_id: bytes, fields_: Mapping[bytes, bytes]) -> Answer:

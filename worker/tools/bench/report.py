@@ -193,6 +193,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out += _cache_lines(report)
     out += _url_lines(report)
     out += overhead_lines(report)
+    out += priority_lines(report)
     out += _stage_rate_lines(report)
     out += _target_lines(report)
     if report.get("curves"):
@@ -278,6 +279,74 @@ def overhead_lines(report: Mapping[str, Any]) -> list[str]:
             line += f"missed; busiest stage {t['binds']} (busy fractions: {busy})"
         out.append(line)
     return out
+
+
+def priority_lines(report: Mapping[str, Any]) -> list[str]:
+    """The priority section (worker/tools/bench/priority.py): high-priority latency behind a
+    low-priority burst, with and without levels."""
+    p = report.get("priority")
+    if not p:
+        return []
+    fifo = p["runs"]["fifo"]
+    out = [
+        "",
+        f"## Priorities: {p['model']}, a burst of {fifo['burst_low_jobs']} low jobs (3x what "
+        f"the worker serves in {_fmt(p['seconds'], 1)} s) and {fifo['high_jobs']} high jobs "
+        f"at {_fmt(fifo['high_per_s'], 1)}/s",
+        "",
+        "Latency: Redis time from a job's entry to its result. `fifo`: one stream, "
+        f"as without priorities; `priorities`: levels {p['levels']}, weights {p['weights']}.",
+        "",
+    ]
+    rows = [
+        [
+            mode,
+            _fmt(r["capacity_jobs_per_s"]),
+            _fmt(r["high"]["p50_ms"], 0),
+            _fmt(r["high"]["p99_ms"], 0),
+            _fmt(r["low"]["p50_ms"], 0),
+            _fmt(r["low"]["p99_ms"], 0),
+            str(r["low_answered_during_trickle"]),
+        ]
+        for mode, r in p["runs"].items()
+    ]
+    out += _table(
+        [
+            "run",
+            "capacity jobs/s",
+            "high p50 ms",
+            "high p99 ms",
+            "low p50 ms",
+            "low p99 ms",
+            "low answered meanwhile",
+        ],
+        rows,
+        "l" + "r" * 6,
+    )
+    out += [
+        "",
+        f"High-priority p50 {_fmt(p['high_p50_speedup'], 2)}x and p99 "
+        f"{_fmt(p['high_p99_speedup'], 2)}x lower with levels.",
+    ]
+    return out
+
+
+def _priority_problems(p: Any) -> list[str]:
+    if p is None:
+        return []
+    if not isinstance(p, Mapping):
+        return ["priority must be an object or null"]
+    problems = []
+    runs = p.get("runs") or {}
+    if set(runs) != {"fifo", "priorities"}:
+        problems.append("priority.runs must be fifo and priorities")
+    for name, r in runs.items():
+        if r.get("results") != r.get("jobs"):
+            problems.append(f"priority.runs.{name}: {r.get('results')} results for {r.get('jobs')}")
+        for key in ("p50_ms", "p99_ms"):
+            if not _positive((r.get("high") or {}).get(key)):
+                problems.append(f"priority.runs.{name}.high.{key} must be a positive number")
+    return problems
 
 
 def _overhead_problems(o: Any) -> list[str]:
@@ -709,6 +778,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
         if not _positive(d.get("images_per_s")):
             problems.append(f"stage rate {d} is not a positive number")
     problems += _overhead_problems(report.get("overhead"))
+    problems += _priority_problems(report.get("priority"))
     for c in report.get("curves") or []:
         for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms"):
             if not _positive(c.get(key)):

@@ -69,6 +69,7 @@ from worker.tools.bench.images import ImageSet, load_image_set
 from worker.tools.bench.latency_curve import curve_runs
 from worker.tools.bench.naive_run import naive_run
 from worker.tools.bench.overhead import overhead_section
+from worker.tools.bench.priority import priority_section
 from worker.tools.bench.profiles import ModelPlan, Profile, SetPlan
 from worker.tools.bench.rate_table import RateTable, stage_rates
 from worker.tools.bench.redis_env import bench_redis
@@ -176,6 +177,9 @@ async def _bench(b: Bench) -> RateTable:
     if b.profile.overhead is not None:
         b.echo("overhead: the null model on 64x64 JPEGs, with the queue ceiling")
         b.overhead = await overhead_section(b, b.profile.overhead)
+    if b.profile.priority is not None:
+        b.echo("priority: high-priority jobs behind a low-priority burst, with and without levels")
+        b.priority = await priority_section(b, b.profile.priority)
     return await asyncio.to_thread(stage_rates, b)
 
 
@@ -331,6 +335,7 @@ def run_bench(
         "url_runs": b.url_runs,
         "curves": b.curves,
         "overhead": b.overhead,
+        "priority": b.priority,
         "summary": summary,
         "targets": targets,
         "skipped": b.skipped,

@@ -17,6 +17,9 @@ def doctor_config(config: WorkerConfig, redis_url: str, base: str, name: str) ->
         config,
         redis_url=redis_url,
         stream=f"{base}:jobs",
+        # The run feeds one stream: priority levels would leave its jobs unread.
+        priorities="",
+        priority_weights="",
         group=_GROUP,
         results_stream=f"{base}:results",
         result_prefix=f"{base}:result:",
