@@ -170,3 +170,36 @@ def test_a_real_worker_process_answers_and_drains_on_sigterm(
     unread = group["lag"] if group["lag"] is not None else 0
     assert pending == 0
     assert answered + unread == 13
+
+
+def test_sigterm_while_starting_exits_cleanly(redis_url: str, tiny_weights: Path) -> None:
+    """A worker stopped while it still imports torch and loads its model (a scale-down
+    right after a scale-up) exits 0 like a drained one, not killed by the signal."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
+    env.update(
+        {
+            "REDIS_URL": redis_url,
+            "GPUFEED_MODEL": "mobilenet_v3_small",
+            "GPUFEED_WEIGHTS": str(tiny_weights),
+            "GPUFEED_LOG_FORMAT": "json",
+        }
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Importing torch alone takes seconds: the signal arrives long before serving.
+        time.sleep(0.8)
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert "Traceback" not in stderr

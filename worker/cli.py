@@ -8,10 +8,12 @@ the config's own fields so the two never drift, with its meaning from worker/set
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import fields
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import click
@@ -127,6 +129,11 @@ def run(wait_for_redis: bool, **options: Any) -> None:
 
         sys.exit(run_supervisor(config, wait_for_redis=wait_for_redis))
 
+    # Until the worker's own handlers take over (its event loop, once torch is imported and
+    # the service built: seconds, more on a busy host), SIGTERM would kill the process with
+    # -15. Nothing has been read from the stream yet, so stopping is simply exiting.
+    signal.signal(signal.SIGTERM, _exit_before_serving)
+
     from worker.model.compiler import CompileRefused
     from worker.model.loader import WeightsUnavailable
     from worker.service import RedisUnavailable, Worker
@@ -142,6 +149,15 @@ def run(wait_for_redis: bool, **options: Any) -> None:
         fail(str(exc), EXIT_REDIS)
     except CompileRefused as exc:
         fail(str(exc), EXIT_COMPILE)
+
+
+def _exit_before_serving(signum: int, frame: FrameType | None) -> None:
+    import structlog
+
+    structlog.get_logger("gpufeed.worker").info(
+        "stopped_while_starting", signal=signal.Signals(signum).name
+    )
+    sys.exit(0)
 
 
 @cli.command()
