@@ -220,6 +220,7 @@ class ResultWriter:
     async def _publish_until_done(self, outcomes: list[Outcome]) -> None:
         backoff_s = 0.05
         outage_logged = False
+        states: list[int] = []
         while True:
             try:
                 states = await self.publish(outcomes)
