@@ -175,26 +175,37 @@ async def test_jobs_of_several_streams_are_acknowledged_each_on_its_own(
     high = read_jobs(redis_client, "{q}:high", [{"id": f"h{i}"} for i in range(3)])
     low = read_jobs(redis_client, "gpufeed:jobs", [{"id": f"l{i}"} for i in range(4)])
     mixed = [high[0], low[0], low[1], high[1], low[2], high[2], low[3]]
-    client = aioredis.from_url(redis_url)
     call = PublishCall(settings(), max_jobs=3)
-    outcomes = [Outcome(job=j, ok=True, answer=ANSWER) for j in mixed]
     # By stream, in order, at most 3 jobs a call.
-    assert [[o.job.job_id for o in c] for c in call.split(outcomes)] == [
+    outcomes = [Outcome(job=j, ok=True, answer=ANSWER) for j in mixed]
+    assert [[outcomes[i].job.job_id for i in c] for c in call.split(outcomes)] == [
         ["h0", "h1", "h2"],
         ["l0", "l1", "l2"],
         ["l3"],
     ]
+    client = aioredis.from_url(redis_url)
     writer = ResultWriter(client, settings(), max_queued=4)
     writer._call = call
     try:
+        # h1 and l2 were answered already: their states must come back in their places.
+        early = [Outcome(job=j, ok=True, answer=ANSWER) for j in (high[1], low[2])]
+        assert await writer.publish(early) == [PublishState.PUBLISHED] * 2
         states = await writer.publish(outcomes)
     finally:
         await client.aclose()
-    assert states == [PublishState.PUBLISHED] * 7
+    assert {o.job.job_id: st for o, st in zip(outcomes, states, strict=True)} == {
+        "h0": PublishState.PUBLISHED,
+        "l0": PublishState.PUBLISHED,
+        "l1": PublishState.PUBLISHED,
+        "h1": PublishState.NOT_OURS,
+        "l2": PublishState.NOT_OURS,
+        "h2": PublishState.PUBLISHED,
+        "l3": PublishState.PUBLISHED,
+    }
     assert redis_client.xpending("{q}:high", "gpufeed")["pending"] == 0
     assert redis_client.xpending("gpufeed:jobs", "gpufeed")["pending"] == 0
-    answers = results_on(redis_client, "gpufeed:results")
-    assert sorted(r.id for r in answers.values()) == sorted(j.job_id for j in mixed)
+    answered = [JobResult.from_fields(f).id for _, f in redis_client.xrange("gpufeed:results")]
+    assert sorted(answered) == sorted(j.job_id for j in mixed)
 
 
 async def test_a_call_refused_under_maxmemory_wrote_nothing_for_any_of_its_jobs(

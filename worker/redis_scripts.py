@@ -114,14 +114,16 @@ local function publish(job)
       return state
     end
   end
-  if not may('HSET', hash, 'f', 'v') or not may('HSET', entry_hash, 'f', 'v') then
+  if not may('HSET', hash, 'f', 'v')
+      or (entry_hash ~= hash and not may('HSET', entry_hash, 'f', 'v')) then
     return -7
   end
   local acked = 0
   if jobs_is_stream then
     acked = redis.call('XACK', jobs_key, group, entry)
   end
-  if answered_by(hash) == entry or answered_by(entry_hash) == entry then
+  local existing = answered_by(hash)
+  if existing == entry or (entry_hash ~= hash and answered_by(entry_hash) == entry) then
     if acked == 1 then
       return 3
     end
@@ -129,7 +131,6 @@ local function publish(job)
   end
   local duplicate_of = false
   if job[5] then
-    local existing = answered_by(hash)
     if existing then
       local served = redis.call('HMGET', hash, 'model', 'weights')
       if served[1] == model and served[2] == weights then

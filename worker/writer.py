@@ -288,19 +288,23 @@ class ResultWriter:
 
     async def _publish_once(self, outcomes: list[Outcome]) -> list[int]:
         start = time.perf_counter()
-        calls = self._call.split(outcomes)
+        positions = self._call.split(outcomes)
+        calls = [[outcomes[i] for i in call] for call in positions]
         replies = await self._run_calls([self._call.args(c) for c in calls])
-        states: list[int] = []
-        for call, reply in zip(calls, replies, strict=True):
+        states = [PublishState.REFUSED] * len(outcomes)
+        for where, call, reply in zip(positions, calls, replies, strict=True):
             if isinstance(reply, NoPermissionError):
                 # Redis checks a call's keys against the ACL before running it, so one job's
                 # reply_to the worker's user may not write refuses the whole call: publish
                 # its jobs one by one, so that only that job is refused (rare).
                 alone = await self._run_calls([self._call.args([o]) for o in call])
-                for outcome, one in zip(call, alone, strict=True):
-                    states += self._states([outcome], one)
+                got = [
+                    st for o, one in zip(call, alone, strict=True) for st in self._states([o], one)
+                ]
             else:
-                states += self._states(call, reply)
+                got = self._states(call, reply)
+            for i, state in zip(where, got, strict=True):
+                states[i] = state
         write_ms = (time.perf_counter() - start) * 1000
         for outcome in outcomes:
             outcome.job.timings_ms["write"] = write_ms
@@ -413,17 +417,18 @@ class PublishCall:
         )
         self._pack = msgpack.Packer(use_bin_type=False).pack
 
-    def split(self, outcomes: list[Outcome]) -> list[list[Outcome]]:
-        """The calls for `outcomes`: by job stream, in order, at most max_jobs each."""
+    def split(self, outcomes: list[Outcome]) -> list[list[int]]:
+        """The calls for `outcomes`, as positions in it: by job stream, in order, at most
+        max_jobs each."""
         default = self.settings.stream
-        by_stream: dict[str, list[Outcome]] = {}
-        for outcome in outcomes:
+        by_stream: dict[str, list[int]] = {}
+        for i, outcome in enumerate(outcomes):
             stream = outcome.job.stream or default
             group = by_stream.get(stream)
             if group is None:
-                by_stream[stream] = [outcome]
+                by_stream[stream] = [i]
             else:
-                group.append(outcome)
+                group.append(i)
         n = self.max_jobs
         return [g[i : i + n] for g in by_stream.values() for i in range(0, len(g), n)]
 
