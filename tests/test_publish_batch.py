@@ -221,12 +221,21 @@ async def test_a_call_refused_under_maxmemory_wrote_nothing_for_any_of_its_jobs(
         for i in range(20)
     ]  # fmt: skip
     outcomes = [Outcome(job=j, ok=True, answer=ANSWER) for j in jobs]
+    calls: list[int] = []
+    original = writer._call.args
+
+    def counted(batch: list[Outcome]) -> list[object]:
+        calls.append(len(batch))
+        return original(batch)
+
+    writer._call.args = counted  # type: ignore[method-assign]
     redis_client.set("filler", b"x" * 2_000_000)
     used = int(redis_client.info("memory")["used_memory"])
     redis_client.config_set("maxmemory", str(used - 1_000_000))
     try:
         states = await writer.publish(outcomes)
         assert states == [PublishState.REFUSED] * 20
+        assert calls == [20]  # refused as a whole, not tried job by job
         assert redis_client.xlen("gpufeed:results") == 0
         assert redis_client.keys("gpufeed:result:*") == []
     finally:
@@ -307,3 +316,25 @@ def test_metrics_count_a_flush_once_per_label_set() -> None:
     assert 'gpufeed_delivery_events_total{event="not_ours"} 1.0' in text
     assert 'gpufeed_stage_seconds_count{stage="decode"} 4.0' in text
     assert "gpufeed_job_seconds_count 4.0" in text
+
+
+async def test_a_job_whose_commands_fail_in_a_call_does_not_hold_back_its_batch_mates(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # A dead letter with more fields than a script can pass to one command: its XADD fails
+    # in the middle of the call, after the jobs before it were answered.
+    jobs = read_jobs(redis_client, "gpufeed:jobs", [{"id": f"j{i}"} for i in range(5)])
+    outcomes = [Outcome(job=j, ok=True, answer=ANSWER) for j in jobs]
+    outcomes[2] = Outcome.failure(jobs[2], ErrorCode.DEAD_LETTER, DEAD_MESSAGE)
+    outcomes[2].dead_fields = [f"f{i}" for i in range(20_000)]
+    client = aioredis.from_url(redis_url)
+    writer = ResultWriter(client, settings(), max_queued=4)
+    try:
+        states = await writer.publish(outcomes)
+    finally:
+        await client.aclose()
+    assert states[2] == PublishState.REFUSED  # kept, tried again; nothing written for it
+    assert states[3:] == [PublishState.PUBLISHED] * 2
+    answered = [JobResult.from_fields(f).id for _, f in redis_client.xrange("gpufeed:results")]
+    assert sorted(answered) == ["j0", "j1", "j3", "j4"]
+    assert redis_client.xlen("gpufeed:dead") == 0

@@ -26,7 +26,7 @@ import msgpack
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, RedisError
+from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import wire
@@ -56,6 +56,11 @@ class WriterSettings:
     device: str = "cpu"
     dead_stream: str = wire.DEFAULT_DEAD_STREAM
     default_reply_to: str = wire.DEFAULT_RESULTS_STREAM
+
+
+# Errors that concern a whole call, not one of its jobs: Redis unreachable, the script not
+# loaded, or refused under maxmemory (at the call's first write: nothing was written).
+_CALL_WIDE = (RedisConnectionError, RedisTimeoutError, NoScriptError, OutOfMemoryError)
 
 
 class PublishState:
@@ -293,10 +298,16 @@ class ResultWriter:
         replies = await self._run_calls([self._call.args(c) for c in calls])
         states = [PublishState.REFUSED] * len(outcomes)
         for where, call, reply in zip(positions, calls, replies, strict=True):
-            if isinstance(reply, NoPermissionError):
+            if (
+                len(call) > 1
+                and isinstance(reply, RedisError)
+                and not isinstance(reply, _CALL_WIDE)
+            ):
                 # Redis checks a call's keys against the ACL before running it, so one job's
-                # reply_to the worker's user may not write refuses the whole call: publish
-                # its jobs one by one, so that only that job is refused (rare).
+                # reply_to the worker's user may not write refuses the whole call; and a
+                # command that failed for one job ended the call there. Publish its jobs one
+                # by one, so that only that job is refused (rare; the jobs the call already
+                # answered are then found answered).
                 alone = await self._run_calls([self._call.args([o]) for o in call])
                 got = [
                     st for o, one in zip(call, alone, strict=True) for st in self._states([o], one)
