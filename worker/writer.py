@@ -365,8 +365,9 @@ class ResultWriter:
             )
             self._log_state(outcome, state)
             return [state]
-        # Refused (maxmemory: Redis refuses a script's first write), so nothing was written
-        # for any job of the call; tried again.
+        # Refused: under maxmemory Redis refuses a script's first write, so nothing was
+        # written for any job of the call; or a command failed for this call's one job.
+        # Tried again.
         for outcome in outcomes:
             if not outcome.refused_logged:
                 log.error(
