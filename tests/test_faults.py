@@ -264,24 +264,22 @@ def test_a_job_whose_reply_to_is_not_a_stream_still_gets_exactly_one_result(
 
 
 async def test_a_publish_that_meets_a_restarted_redis_is_retried_not_refused(
-    redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+    redis_url: str, redis_client: redis.Redis
 ) -> None:
-    """Redis restarts while a result pipeline is in flight: redis-py loaded the scripts
-    (SCRIPT EXISTS / LOAD) on the old server, its own connection retry then sends the
-    EVALSHAs to the new one, whose script cache is empty (Redis 7 does not persist it).
+    """Redis restarts between two flushes: the writer's script was loaded on the old server,
+    the new one's script cache is empty (Redis 7 does not persist it), so the EVALSHA is
+    answered NOSCRIPT.
 
-    The NOSCRIPT reply is not a refusal of the job: the writer must publish again (a new
-    pipeline reloads the script), and the job gets its real result on its reply stream.
-    Fails today: ResultWriter._publish_once treats NoScriptError like any other refusal
-    (REFUSED, "result_publish_refused"), so a job with its own reply_to is answered on the
-    default stream with "invalid_job: reply_to ... cannot receive results (not a stream)",
-    and a job without one stays unanswered until it is reclaimed.
+    The NOSCRIPT reply is not a refusal of the job: the script did not run, so the writer
+    loads it and publishes again, and the job gets its real result on its reply stream (not
+    "invalid_job: reply_to ... cannot receive results" on the default stream, nor no answer
+    until it is reclaimed).
     """
     import redis.asyncio as aioredis
-    from redis.asyncio.client import Pipeline
 
     from worker.jobs import Job, Outcome
     from worker.model.answers import Classification
+    from worker.redis_scripts import PUBLISH_RESULTS
     from worker.writer import ResultWriter, WriterSettings
 
     redis_client.xgroup_create("gpufeed:jobs", "gpufeed", id="0", mkstream=True)
@@ -289,17 +287,8 @@ async def test_a_publish_that_meets_a_restarted_redis_is_retried_not_refused(
         "gpufeed:jobs", {"id": "r1", "image": IMAGES[0], "reply_to": "team:results"}
     ).decode()
     redis_client.xreadgroup("gpufeed", "w1", {"gpufeed:jobs": ">"})
-
-    original = Pipeline.load_scripts
-    restarts: list[int] = []
-
-    async def load_then_restart(self: Pipeline) -> None:
-        await original(self)
-        if not restarts:  # one restart, right after the scripts were checked
-            restarts.append(1)
-            await self.immediate_execute_command("SCRIPT", "FLUSH")
-
-    monkeypatch.setattr(Pipeline, "load_scripts", load_then_restart)
+    redis_client.script_load(PUBLISH_RESULTS)
+    redis_client.script_flush()  # the restart: the script cache is empty again
     client = aioredis.from_url(redis_url)
     writer = ResultWriter(
         client,
@@ -328,7 +317,6 @@ async def test_a_publish_that_meets_a_restarted_redis_is_retried_not_refused(
         await writer.publish_now([Outcome(job=job, ok=True, answer=answer)])
     finally:
         await client.aclose()
-    assert restarts
     team = redis_client.xrange("team:results")
     default = redis_client.xrange("gpufeed:results")
     assert [JobResult.from_fields(f).status for _, f in team] == ["ok"], (team, default)

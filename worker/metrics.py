@@ -164,6 +164,9 @@ class Rolling:
     def add(self, value: float) -> None:
         self._values.append(value)
 
+    def extend(self, values: list[float]) -> None:
+        self._values.extend(values)
+
     def percentiles(self, *qs: float) -> list[float | None]:
         if not self._values:
             return [None for _ in qs]

@@ -22,6 +22,7 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 import structlog
+from prometheus_client import Counter
 from redis.exceptions import RedisError
 
 from producer import wire
@@ -36,6 +37,14 @@ from worker.writer import PublishState
 log = structlog.get_logger("gpufeed.observer")
 
 HEARTBEAT_INTERVAL_S = 2.0
+
+# The delivery event counted for a PublishState other than PUBLISHED (states below 0 not
+# listed here count as "refused").
+_EVENT_OF_STATE = {
+    PublishState.NOT_OURS: "not_ours",
+    PublishState.ALREADY_ANSWERED: "already_answered",
+    PublishState.DUPLICATE_ID: "duplicate_id",
+}
 
 
 @dataclass
@@ -78,6 +87,11 @@ class Observer:
         # Returns problems that appeared since start-up (graph breaks, recompiles...).
         self.compile_check: Callable[[], list[str]] = list
         self._compile_problems: list[str] = []
+        # Labelled children, looked up once.
+        self._results_ok = self.metrics.results.labels("ok", "")
+        self._results_error: dict[str, Counter] = {}
+        self._events: dict[str, Counter] = {}
+        self._stage_seconds = {s: self.metrics.stage_seconds.labels(s) for s in STAGES}
 
     # ------------------------------------------------------------------ set-up
     def serve_http(self, port: int, health: Health) -> None:
@@ -140,46 +154,75 @@ class Observer:
         m.decode_cache.labels("miss").inc(real - hits)
 
     def published(self, outcomes: list[Outcome], states: list[int]) -> None:
+        """Count a flush's published outcomes: tallied here, then each counter incremented
+        once per label set (the labelled children cached), histograms fed in a loop."""
         c = self.counters
-        m = self.metrics
         now_ms = time.time() * 1000
+        ok = 0
+        errors: dict[str, int] = {}
+        events: dict[str, int] = {}
+        stage_values: dict[str, list[float]] = {stage: [] for stage in STAGES}
+        latencies: list[float] = []
         for outcome, state in zip(outcomes, states, strict=True):
-            if state == PublishState.NOT_OURS:
-                self.delivery_event("not_ours")
-                continue
-            if state == PublishState.ALREADY_ANSWERED:
-                self.delivery_event("already_answered")
-                continue
-            if state < 0:  # the keys were unusable: nothing was written, the job stays pending
-                self.delivery_event("refused")
-                continue
-            if state == PublishState.DUPLICATE_ID:
-                self.delivery_event("duplicate_id")
+            if state != PublishState.PUBLISHED:
+                event = _EVENT_OF_STATE.get(state)
+                if event is None and state < 0:
+                    # The keys were unusable: nothing was written, the job stays pending.
+                    event = "refused"
+                if event is not None:
+                    events[event] = events.get(event, 0) + 1
+                if state != PublishState.DUPLICATE_ID:
+                    continue
             job = outcome.job
             if outcome.ok:
-                c.results_ok += 1
-                m.results.labels("ok", "").inc()
+                ok += 1
             else:
-                c.results_error += 1
                 code = outcome.error_code.value if outcome.error_code else "unknown"
-                c.errors_by_code[code] = c.errors_by_code.get(code, 0) + 1
-                m.results.labels("error", code).inc()
-            for stage in STAGES:
-                value = job.timings_ms.get(stage)
+                errors[code] = errors.get(code, 0) + 1
+            timings = job.timings_ms
+            for stage, values in stage_values.items():
+                value = timings.get(stage)
                 if value is not None:
-                    m.stage_seconds.labels(stage).observe(value / 1000)
-                    self.stage_ms[stage].add(value)
-            if job.enqueued_ms:
-                total = max(0.0, now_ms - job.enqueued_ms)
-                m.job_seconds.observe(total / 1000)
-                self.latency_ms.add(total)
+                    values.append(value)
+            enqueued_ms = job.enqueued_ms
+            if enqueued_ms:
+                latencies.append(max(0.0, now_ms - enqueued_ms))
+        for event, count in events.items():
+            self.delivery_event(event, count)
+        if ok:
+            c.results_ok += ok
+            self._results_ok.inc(ok)
+        for code, count in errors.items():
+            c.results_error += count
+            c.errors_by_code[code] = c.errors_by_code.get(code, 0) + count
+            self._child(self._results_error, code, self.metrics.results, "error", code).inc(count)
+        for stage, values in stage_values.items():
+            if values:
+                observe = self._stage_seconds[stage].observe
+                for value in values:
+                    observe(value / 1000)
+                self.stage_ms[stage].extend(values)
+        if latencies:
+            observe = self.metrics.job_seconds.observe
+            for total in latencies:
+                observe(total / 1000)
+            self.latency_ms.extend(latencies)
 
     def delivery_event(self, event: str, count: int = 1) -> None:
         """Count `count` occurrences of a delivery event (one of worker.metrics.DELIVERY_EVENTS)."""
         if count:
             events = self.counters.events
             events[event] = events.get(event, 0) + count
-            self.metrics.events.labels(event).inc(count)
+            self._child(self._events, event, self.metrics.events, event).inc(count)
+
+    @staticmethod
+    def _child(cache: dict[str, Counter], key: str, metric: Counter, *labels: str) -> Counter:
+        """The labelled child of `metric`, looked up once (.labels() costs a lock and a
+        dict look-up per call)."""
+        child = cache.get(key)
+        if child is None:
+            child = cache[key] = metric.labels(*labels)
+        return child
 
     # ------------------------------------------------------------------ reporting
     def snapshot(self, in_flight: int) -> dict[str, Any]:

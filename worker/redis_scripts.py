@@ -7,38 +7,51 @@ result streams, the result prefix and the dead-letter stream one hash tag
 
 from __future__ import annotations
 
-# Publish one result, acknowledging its job in the same step.
-# KEYS: [1] job stream, [2] reply stream, [3] result hash (by job id), [4] dead-letter
-#       stream, [5] the entry's own answer hash (by entry reference; the same key as [3]
-#       for a job without its own id)
-# ARGV: [1] group, [2] entry reference (the entry ID, or `<level>:<entry ID>` on a priority
-#       level's stream: the result's `entry`; XACK takes the ID after the last ':'),
-#       [3] result TTL s, [4] reply stream MAXLEN (approximate),
-#       [5] result prefix, [6] '1' when the job has its own id (idempotent ids),
-#       [7] model, [8] weights (a job is a duplicate only of a result served by the same
-#           model and weights), [9] the worker's default results stream,
-#       [10] n: how many dead-letter field/value args follow (0: not a dead letter),
-#       [11 .. 10+n] the dead-letter entry, [11+n ..] the result's field/value pairs.
-# Returns a PublishState (worker/writer.py):
+# Publish results, acknowledging each job in the same step: one call for many jobs of one
+# job stream (the writer groups a flush by stream: in Redis Cluster every key of a call must
+# be in one slot), each job handled exactly as if it had a call of its own, in order.
+# KEYS: [1] job stream, [2] dead-letter stream, [3 ..] the jobs' reply streams and result
+#       hashes, each declared once (the records below name them by index).
+# ARGV: [1] group, [2] result TTL s, [3] reply stream MAXLEN (approximate), [4] result
+#       prefix, [5] model, [6] weights (a job is a duplicate only of a result served by the
+#       same model and weights), [7] the worker's default results stream,
+#       [8] the jobs: a msgpack array (raw strings, no bin type: Redis's cmsgpack reads
+#       only those) of records [entry reference (the entry ID, or `<level>:<entry ID>` on a
+#       priority level's stream: the result's `entry`; XACK takes the ID after the last
+#       ':'), reply stream key index, result hash key index (by job id), answer hash key
+#       index (by entry reference; the same index for a job without its own id), own id
+#       (bool: idempotent ids), dead-letter field/value list (empty: not a dead letter),
+#       the result's field/value list]. The jobs of one call were served by one model and
+#       weights (ARGV[5], ARGV[6]: the main step's, or the degraded step's).
+# Returns one PublishState (worker/writer.py) per record, in order:
 #   1 published; 2 published as a duplicate (its id already had a result, which stands:
-#   this answer goes to the reply stream with `duplicate_of` and to hash [5]);
+#   this answer goes to the reply stream with `duplicate_of` and to the answer hash);
 #   0 not acknowledged here and already answered (by another worker, or an earlier try);
 #   3 acknowledged here but already answered (a recreated group served the entry again);
 #   -2 .. -5 the reply stream cannot take results: -2 it holds another type, -3 it is a
 #   key of gpufeed's own (the job stream, the dead-letter stream, a result hash), -4 a
 #   consumer group reads it (a job queue), -5 this Redis user may not write it;
 #   -6 the dead-letter stream holds another type; -7 this Redis user may not write
-#   gpufeed's own result or dead-letter keys. Whenever it returns below 0, nothing was done.
+#   gpufeed's own result or dead-letter keys. Whenever a job's state is below 0, nothing
+#   was done for it.
 #
 # An entry that left the pending list without an answer (XDEL or XTRIM and then a claim,
 # XGROUP DESTROY, DEL of the stream) acknowledges 0 but has no answer yet: it is published
 # anyway, so the job still ends with exactly one result. An answer is recognised by the
-# `entry` field of hash [3] or [5].
+# `entry` field of its result or answer hash.
 #
 # Redis does not roll a script back when a command in it fails, so everything that could
-# fail is checked before the first write. Under maxmemory Redis refuses only a script's
-# first write, so a refusal (an error reply) means nothing was done either.
-PUBLISH_RESULT = """
+# fail for a job is checked before its first write. Under maxmemory Redis refuses only a
+# script's first write (once a script wrote, it may go on), so a refusal (an error reply)
+# means nothing was done for any job of the call: the first job that writes XACKs first
+# when its stream exists, and where it does not, the call's first write is that job's XADD.
+#
+# What the checks find about a reply stream or the dead-letter stream is kept for the rest
+# of the call: the call's own writes (XADDs to a stream without groups) cannot change it.
+PUBLISH_RESULTS = """
+local group, ttl, maxlen, prefix = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local model, weights, default_reply = ARGV[5], ARGV[6], ARGV[7]
+local jobs_key, dead_key = KEYS[1], KEYS[2]
 local function kind(key)
   return redis.call('TYPE', key)['ok']
 end
@@ -51,74 +64,105 @@ end
 local function may(...)
   return not redis.acl_check_cmd or redis.acl_check_cmd(...)
 end
-local entry, prefix, reply = ARGV[2], ARGV[5], KEYS[2]
-local entry_id = string.match(entry, '[^:]*$')
-if not may('TYPE', reply) or not may('XADD', reply, '*', 'f', 'v')
-    or not may('XINFO', 'GROUPS', reply) then
-  return -5
-end
-if reply == KEYS[1] or reply == KEYS[4] or string.sub(reply, 1, #prefix) == prefix then
-  return -3
-end
-local reply_type = kind(reply)
-if reply_type ~= 'stream' and reply_type ~= 'none' then
-  return -2
-end
-if reply_type == 'stream' and reply ~= ARGV[9]
-    and #redis.call('XINFO', 'GROUPS', reply) > 0 then
-  return -4
-end
-local n = tonumber(ARGV[10])
-if n > 0 then
-  local dead_type = kind(KEYS[4])
-  if dead_type ~= 'stream' and dead_type ~= 'none' then
-    return -6
+local reply_checked = {}
+local function check_reply(reply)
+  local state = reply_checked[reply]
+  if state then
+    return state
   end
-  if not may('XADD', KEYS[4], '*', 'f', 'v') then
-    return -7
-  end
-end
-if not may('HSET', KEYS[3], 'f', 'v') or not may('HSET', KEYS[5], 'f', 'v') then
-  return -7
-end
-local acked = 0
-if kind(KEYS[1]) == 'stream' then
-  acked = redis.call('XACK', KEYS[1], ARGV[1], entry_id)
-end
-if answered_by(KEYS[3]) == entry or answered_by(KEYS[5]) == entry then
-  if acked == 1 then
-    return 3
-  end
-  return 0
-end
-local hash = KEYS[3]
-local duplicate_of = false
-if ARGV[6] == '1' then
-  local existing = answered_by(KEYS[3])
-  if existing then
-    local served = redis.call('HMGET', KEYS[3], 'model', 'weights')
-    if served[1] == ARGV[7] and served[2] == ARGV[8] then
-      duplicate_of = existing
-      hash = KEYS[5]
+  if not may('TYPE', reply) or not may('XADD', reply, '*', 'f', 'v')
+      or not may('XINFO', 'GROUPS', reply) then
+    state = -5
+  elseif reply == jobs_key or reply == dead_key or string.sub(reply, 1, #prefix) == prefix then
+    state = -3
+  else
+    local reply_type = kind(reply)
+    if reply_type ~= 'stream' and reply_type ~= 'none' then
+      state = -2
+    elseif reply_type == 'stream' and reply ~= default_reply
+        and #redis.call('XINFO', 'GROUPS', reply) > 0 then
+      state = -4
+    else
+      state = 0
     end
   end
+  reply_checked[reply] = state
+  return state
 end
-if n > 0 then
-  redis.call('XADD', KEYS[4], '*', unpack(ARGV, 11, 10 + n))
+local dead_checked = false
+local function check_dead()
+  if not dead_checked then
+    local dead_type = kind(dead_key)
+    if dead_type ~= 'stream' and dead_type ~= 'none' then
+      dead_checked = -6
+    elseif not may('XADD', dead_key, '*', 'f', 'v') then
+      dead_checked = -7
+    else
+      dead_checked = 0
+    end
+  end
+  return dead_checked
 end
-local fields = {unpack(ARGV, 11 + n)}
-if duplicate_of then
-  table.insert(fields, 'duplicate_of')
-  table.insert(fields, duplicate_of)
+local jobs_is_stream = kind(jobs_key) == 'stream'
+local function publish(job)
+  local entry, reply, hash, entry_hash = job[1], KEYS[job[2]], KEYS[job[3]], KEYS[job[4]]
+  local dead, fields = job[6], job[7]
+  local state = check_reply(reply)
+  if state < 0 then
+    return state
+  end
+  if #dead > 0 then
+    state = check_dead()
+    if state < 0 then
+      return state
+    end
+  end
+  if not may('HSET', hash, 'f', 'v')
+      or (entry_hash ~= hash and not may('HSET', entry_hash, 'f', 'v')) then
+    return -7
+  end
+  local acked = 0
+  if jobs_is_stream then
+    acked = redis.call('XACK', jobs_key, group, string.match(entry, '[^:]*$'))
+  end
+  local existing = answered_by(hash)
+  if existing == entry or (entry_hash ~= hash and answered_by(entry_hash) == entry) then
+    if acked == 1 then
+      return 3
+    end
+    return 0
+  end
+  local duplicate_of = false
+  if job[5] then
+    if existing then
+      local served = redis.call('HMGET', hash, 'model', 'weights')
+      if served[1] == model and served[2] == weights then
+        duplicate_of = existing
+        hash = entry_hash
+      end
+    end
+  end
+  if #dead > 0 then
+    redis.call('XADD', dead_key, '*', unpack(dead))
+  end
+  if duplicate_of then
+    table.insert(fields, 'duplicate_of')
+    table.insert(fields, duplicate_of)
+  end
+  redis.call('XADD', reply, 'MAXLEN', '~', maxlen, '*', unpack(fields))
+  redis.call('DEL', hash)
+  redis.call('HSET', hash, unpack(fields))
+  redis.call('EXPIRE', hash, ttl)
+  if duplicate_of then
+    return 2
+  end
+  return 1
 end
-redis.call('XADD', reply, 'MAXLEN', '~', ARGV[4], '*', unpack(fields))
-redis.call('DEL', hash)
-redis.call('HSET', hash, unpack(fields))
-redis.call('EXPIRE', hash, ARGV[3])
-if duplicate_of then
-  return 2
+local states = {}
+for i, job in ipairs(cmsgpack.unpack(ARGV[8])) do
+  states[i] = publish(job)
 end
-return 1
+return states
 """
 
 # Reset the idle time of entries this consumer still owns, so a slow but live batch is not

@@ -1,11 +1,14 @@
 """The result writer: publishes outcomes and acknowledges their jobs, atomically per job.
 
-A server-side script does, for one job: XACK the entry, and only if that acknowledged it,
+A server-side script does, for each job: XACK the entry, and only if that acknowledged it,
 XADD the result to the reply stream and store it in the result hash with a TTL. If another
 worker already published a result for a reclaimed entry, the XACK returns 0 and nothing is
 written: every job gets exactly one result even when two workers processed it.
 
-All scripts of one flush go out in one pipelined round trip. The writer runs as its own task,
+One script call carries up to MAX_JOBS_PER_CALL jobs of one job stream (so a call's keys
+share a Cluster slot, and no call keeps Redis busy for long), the jobs packed as one msgpack
+argument: the Python work per job is building its result fields, not packing commands. All
+calls of one flush go out in one pipelined round trip. The writer runs as its own task,
 so Redis latency never stalls the batches behind it, and it keeps outcomes it could not
 publish (Redis down) and retries them: a job is never acknowledged without its result.
 """
@@ -13,27 +16,31 @@ publish (Redis down) and retries them: a job is never acknowledged without its r
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, RedisError
+from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import wire
 from producer.wire import ErrorCode
 from worker.jobs import Outcome
-from worker.redis_scripts import PUBLISH_RESULT
+from worker.redis_scripts import PUBLISH_RESULTS
 
 log = structlog.get_logger("gpufeed.writer")
 
 REFUSED_BACKOFF_MIN_S = 0.1
 REFUSED_BACKOFF_MAX_S = 5.0
+# Jobs per script call: a call runs atomically, so this bounds how long one call keeps Redis
+# from serving anyone else (a few ms for 512 jobs).
+MAX_JOBS_PER_CALL = 512
 
 
 @dataclass(frozen=True)
@@ -54,12 +61,9 @@ class WriterSettings:
     degraded_weights: str = ""
 
 
-def served_by(outcome: Outcome, settings: WriterSettings) -> tuple[str, str]:
-    """The model and weights that served `outcome`: the degraded step's when its batch ran
-    on it (the completion watcher marks those `degraded`)."""
-    if outcome.extra.get("degraded"):
-        return settings.degraded_model, settings.degraded_weights
-    return settings.model_name, settings.weights
+# Errors that concern a whole call, not one of its jobs: Redis unreachable, the script not
+# loaded, or refused under maxmemory (at the call's first write: nothing was written).
+_CALL_WIDE = (RedisConnectionError, RedisTimeoutError, NoScriptError, OutOfMemoryError)
 
 
 class PublishState:
@@ -92,39 +96,63 @@ REPLY_PROBLEMS = {
 
 def result_fields(outcome: Outcome, settings: WriterSettings) -> list[bytes | str]:
     """The contract's result fields for one outcome, as a flat field/value list."""
-    job = outcome.job
-    model, weights = served_by(outcome, settings)
-    details: dict[str, Any] = {
-        "model": model,
-        "worker": settings.worker_name,
-        "device": settings.device,
-        "timings_ms": {k: round(v, 3) for k, v in job.timings_ms.items()},
-    }
-    out: list[bytes | str] = [
-        wire.RES_ID, job.job_id,
-        wire.RES_ENTRY, job.entry_ref,
-        wire.RES_STATUS, wire.STATUS_OK if outcome.ok else wire.STATUS_ERROR,
-        wire.RES_MODEL, model,
-        wire.RES_WEIGHTS, weights,
-    ]  # fmt: skip
-    if outcome.extra.get("degraded"):
-        out += [wire.RES_DEGRADED, "1"]
-    if outcome.ok:
-        if outcome.answer is not None:
-            # The kind's own fields: top1/label/score (classify), embedding/dim/dtype (embed),
-            # output/shape/dtype (raw).
-            details.update(outcome.answer.details())
-            out += outcome.answer.hash_fields()
-        details.update(outcome.extra)
-    else:
-        details["error_code"] = outcome.error_code.value if outcome.error_code else ""
-        if outcome.extra:
-            details.update(outcome.extra)
-        out += [wire.RES_ERROR, outcome.error_text]
-    out += [wire.RES_RESULT, msgpack.packb(details, use_bin_type=True)]
-    if job.meta is not None:
-        out += [wire.RES_META, job.meta]
-    return out
+    return ResultFields(settings)(outcome)
+
+
+class ResultFields:
+    """Builds result fields with the parts every result of a writer shares made once."""
+
+    def __init__(self, settings: WriterSettings) -> None:
+        self.settings = settings
+        # By (ok, degraded): the status, model and weights fields, and the details' model.
+        self._heads: dict[tuple[bool, bool], tuple[tuple[bytes | str, ...], dict[str, str]]] = {}
+        for ok in (True, False):
+            for degraded in (False, True):
+                model, weights = (
+                    (settings.degraded_model, settings.degraded_weights)
+                    if degraded
+                    else (settings.model_name, settings.weights)
+                )
+                head: tuple[bytes | str, ...] = (
+                    wire.RES_STATUS, wire.STATUS_OK if ok else wire.STATUS_ERROR,
+                    wire.RES_MODEL, model,
+                    wire.RES_WEIGHTS, weights,
+                )  # fmt: skip
+                if degraded:
+                    head += (wire.RES_DEGRADED, "1")
+                details = {
+                    "model": model,
+                    "worker": settings.worker_name,
+                    "device": settings.device,
+                }
+                self._heads[ok, degraded] = head, details
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+
+    def __call__(self, outcome: Outcome) -> list[bytes | str]:
+        job = outcome.job
+        head, shared = self._heads[outcome.ok, bool(outcome.extra.get("degraded"))]
+        details: dict[str, Any] = {
+            **shared,
+            "timings_ms": {k: round(v, 3) for k, v in job.timings_ms.items()},
+        }
+        out: list[bytes | str] = [wire.RES_ID, job.job_id, wire.RES_ENTRY, job.entry_ref, *head]
+        if outcome.ok:
+            if outcome.answer is not None:
+                # The kind's own fields: top1/label/score (classify), embedding/dim/dtype
+                # (embed), output/shape/dtype (raw).
+                details.update(outcome.answer.details())
+                out += outcome.answer.hash_fields()
+            if outcome.extra:
+                details.update(outcome.extra)
+        else:
+            details["error_code"] = outcome.error_code.value if outcome.error_code else ""
+            if outcome.extra:
+                details.update(outcome.extra)
+            out += [wire.RES_ERROR, outcome.error_text]
+        out += [wire.RES_RESULT, self._pack(details)]
+        if job.meta is not None:
+            out += [wire.RES_META, job.meta]
+        return out
 
 
 class ResultWriter:
@@ -139,7 +167,8 @@ class ResultWriter:
         self.client = client
         self.settings = settings
         self._queue: asyncio.Queue[list[Outcome] | None] = asyncio.Queue(max_queued)
-        self._script = client.register_script(PUBLISH_RESULT)
+        self._call = PublishCall(settings)
+        self._sha = script_sha(PUBLISH_RESULTS)
         self._on_published = on_published
         # Outcomes Redis refused (maxmemory): nothing was written for them, and for an entry
         # that already left the pending list nobody else would answer, so they are tried
@@ -206,6 +235,7 @@ class ResultWriter:
     async def _publish_until_done(self, outcomes: list[Outcome]) -> None:
         backoff_s = 0.05
         outage_logged = False
+        states: list[int] = []
         while True:
             try:
                 states = await self.publish(outcomes)
@@ -217,14 +247,18 @@ class ResultWriter:
                 backoff_s = min(backoff_s * 2, 2.0)
                 continue
             break
-        pairs = list(zip(outcomes, states, strict=True))
-        done = [(o, st) for o, st in pairs if st != PublishState.REFUSED]
-        refused = [o for o, st in pairs if st == PublishState.REFUSED]
+        refused: list[Outcome] = []
+        if PublishState.REFUSED in states:
+            pairs = list(zip(outcomes, states, strict=True))
+            refused = [o for o, st in pairs if st == PublishState.REFUSED]
+            outcomes = [o for o, st in pairs if st != PublishState.REFUSED]
+            states = [st for st in states if st != PublishState.REFUSED]
         if outage_logged:
+            written = sum(1 for st in states if st in PublishState.WRITTEN)
             log.info(
                 "redis_back_results_written",
-                written=sum(1 for _, st in done if st in PublishState.WRITTEN),
-                already_answered=sum(1 for _, st in done if st not in PublishState.WRITTEN),
+                written=written,
+                already_answered=len(states) - written,
                 refused=len(refused),
             )
         self._refused.extend(refused)
@@ -233,8 +267,8 @@ class ResultWriter:
             if refused
             else REFUSED_BACKOFF_MIN_S
         )
-        if done and self._on_published is not None:
-            self._on_published([o for o, _ in done], [st for _, st in done])
+        if outcomes and self._on_published is not None:
+            self._on_published(outcomes, states)
 
     async def publish(self, outcomes: list[Outcome]) -> list[int]:
         """One pipelined round trip; returns a PublishState per outcome."""
@@ -245,20 +279,22 @@ class ResultWriter:
         retry = [
             (i, self._fallback(outcomes[i], REPLY_PROBLEMS[state]))
             for i, state in enumerate(states)
-            if state in REPLY_PROBLEMS and outcomes[i].job.reply_to != default
+            if state < 0 and state in REPLY_PROBLEMS and outcomes[i].job.reply_to != default
         ]
         if retry:
             again = await self._publish_once([o for _, o in retry])
             for (i, _), state in zip(retry, again, strict=True):
                 states[i] = state
-        self.published += sum(1 for st in states if st in PublishState.WRITTEN)
-        self.duplicates += sum(1 for st in states if st == PublishState.DUPLICATE_ID)
+        duplicates = states.count(PublishState.DUPLICATE_ID)
+        self.published += states.count(PublishState.PUBLISHED) + duplicates
+        self.duplicates += duplicates
         return states
 
     def _fallback(self, outcome: Outcome, problem: str) -> Outcome:
-        job = outcome.job
-        bad = job.reply_to
-        job.reply_to = self.settings.default_reply_to
+        # A copy: should Redis drop out before this answer is written, `publish` runs the
+        # original outcome again, and it must still meet its own reply_to, not the default.
+        job = replace(outcome.job, reply_to=self.settings.default_reply_to)
+        bad = outcome.job.reply_to
         message = f"reply_to {bad!r} cannot receive results: it {problem}"
         if not outcome.ok:
             message += f" (the job's own error: {outcome.error_text})"
@@ -267,74 +303,93 @@ class ResultWriter:
         return answer
 
     async def _publish_once(self, outcomes: list[Outcome]) -> list[int]:
-        s = self.settings
         start = time.perf_counter()
-        pipe = self.client.pipeline(transaction=False)
-        for outcome in outcomes:
-            job = outcome.job
-            dead = outcome.dead_fields or []
-            await self._script(
-                keys=[
-                    job.stream or s.stream,
-                    job.reply_to,
-                    wire.result_key(job.job_id, s.result_prefix),
-                    s.dead_stream,
-                    wire.result_key(job.entry_ref, s.result_prefix),
-                ],
-                args=[
-                    s.group,
-                    job.entry_ref,
-                    s.result_ttl_s,
-                    s.results_maxlen,
-                    s.result_prefix,
-                    "1" if job.has_own_id else "0",
-                    *served_by(outcome, s),
-                    s.default_reply_to,
-                    len(dead),
-                    *dead,
-                    *result_fields(outcome, s),
-                ],
-                client=pipe,
-            )
-        try:
-            replies = await pipe.execute(raise_on_error=False)
-        finally:
-            await pipe.reset()  # type: ignore[no-untyped-call]
-        states: list[int] = []
-        for outcome, reply in zip(outcomes, replies, strict=True):
-            if isinstance(reply, RedisError):
-                # NOSCRIPT: Redis restarted between loading the script and running it. The
-                # script did not run, so trying again (which reloads it) is safe.
-                if isinstance(reply, RedisConnectionError | RedisTimeoutError | NoScriptError):
-                    raise reply
-                if isinstance(reply, NoPermissionError):
-                    # Redis checks a script's keys against the ACL before running it. The
-                    # start-up check showed gpufeed's own keys writable, so it is reply_to.
-                    mine = outcome.job.reply_to == s.default_reply_to
-                    states.append(
-                        PublishState.OWN_KEYS_NOT_PERMITTED
-                        if mine
-                        else PublishState.REPLY_NOT_PERMITTED
-                    )
-                    self._log_state(outcome, states[-1])
-                    continue
-                if not outcome.refused_logged:
-                    log.error(
-                        "result_publish_refused",
-                        job_id=outcome.job.job_id,
-                        entry=outcome.job.entry_id,
-                        error=str(reply),
-                        note="nothing was written; it is tried again",
-                    )
-                    outcome.refused_logged = True
-                states.append(PublishState.REFUSED)
-                continue
-            states.append(int(reply))
-            self._log_state(outcome, states[-1])
+        positions = self._call.split(outcomes)
+        calls = [[outcomes[i] for i in call] for call in positions]
+        replies = await self._run_calls([self._call.args(c) for c in calls])
+        states = [PublishState.REFUSED] * len(outcomes)
+        for where, call, reply in zip(positions, calls, replies, strict=True):
+            if (
+                len(call) > 1
+                and isinstance(reply, RedisError)
+                and not isinstance(reply, _CALL_WIDE)
+            ):
+                # Redis checks a call's keys against the ACL before running it, so one job's
+                # reply_to the worker's user may not write refuses the whole call; and a
+                # command that failed for one job ended the call there. Publish its jobs one
+                # by one, so that only that job is refused (rare; the jobs the call already
+                # answered are then found answered).
+                alone = await self._run_calls([self._call.args([o]) for o in call])
+                got = [
+                    st for o, one in zip(call, alone, strict=True) for st in self._states([o], one)
+                ]
+            else:
+                got = self._states(call, reply)
+            for i, state in zip(where, got, strict=True):
+                states[i] = state
         write_ms = (time.perf_counter() - start) * 1000
         for outcome in outcomes:
             outcome.job.timings_ms["write"] = write_ms
         return states
+
+    async def _run_calls(self, calls: list[list[Any]]) -> list[Any]:
+        """Run script calls in one pipelined round trip; a reply per call (a list of states,
+        or the error Redis answered)."""
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for i in todo:
+                pipe.execute_command("EVALSHA", self._sha, *calls[i])
+            try:
+                got = await pipe.execute(raise_on_error=False)
+            finally:
+                await pipe.reset()  # type: ignore[no-untyped-call]
+            for i, reply in zip(todo, got, strict=True):
+                replies[i] = reply
+            # NOSCRIPT: the script is not loaded (first use, or Redis restarted and lost its
+            # script cache). Such a call did not run, so loading and running it again is safe.
+            todo = [i for i in todo if isinstance(replies[i], NoScriptError)]
+            if not todo:
+                break
+            if attempt == 0:
+                await self.client.script_load(PUBLISH_RESULTS)
+        return replies
+
+    def _states(self, outcomes: list[Outcome], reply: Any) -> list[int]:
+        """The PublishState of each outcome of one call, from its reply."""
+        if not isinstance(reply, RedisError):
+            states = [int(st) for st in reply]
+            if min(states) < 0:
+                for outcome, state in zip(outcomes, states, strict=True):
+                    self._log_state(outcome, state)
+            return states
+        if isinstance(reply, RedisConnectionError | RedisTimeoutError | NoScriptError):
+            raise reply
+        if isinstance(reply, NoPermissionError):
+            # The call had this one job (see _publish_once). The start-up check showed
+            # gpufeed's own keys writable, so it is reply_to.
+            (outcome,) = outcomes
+            mine = outcome.job.reply_to == self.settings.default_reply_to
+            state = (
+                PublishState.OWN_KEYS_NOT_PERMITTED if mine else PublishState.REPLY_NOT_PERMITTED
+            )
+            self._log_state(outcome, state)
+            return [state]
+        # Refused: under maxmemory Redis refuses a script's first write, so nothing was
+        # written for any job of the call; or a command failed for this call's one job.
+        # Tried again.
+        for outcome in outcomes:
+            if not outcome.refused_logged:
+                log.error(
+                    "result_publish_refused",
+                    job_id=outcome.job.job_id,
+                    entry=outcome.job.entry_id,
+                    error=str(reply),
+                    note="nothing was written; it is tried again",
+                )
+                outcome.refused_logged = True
+        return [PublishState.REFUSED] * len(outcomes)
 
     def _log_state(self, outcome: Outcome, state: int) -> None:
         job = outcome.job
@@ -358,3 +413,85 @@ class ResultWriter:
                 else "the worker's Redis user may not write its result keys",
                 note="the job stays pending until an operator fixes this",
             )
+
+
+def script_sha(script: str) -> str:
+    """The SHA1 Redis names a script by (EVALSHA)."""
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+class PublishCall:
+    """The arguments of PUBLISH_RESULTS calls (worker/redis_scripts.py) for a writer's
+    settings: one call per job stream and MAX_JOBS_PER_CALL jobs."""
+
+    def __init__(self, settings: WriterSettings, max_jobs: int = MAX_JOBS_PER_CALL) -> None:
+        self.settings = settings
+        self.max_jobs = max_jobs
+        self.fields = ResultFields(settings)
+        s = settings
+        self._argv = {
+            degraded: (
+                s.group,
+                s.result_ttl_s,
+                s.results_maxlen,
+                s.result_prefix,
+                *(
+                    (s.degraded_model, s.degraded_weights)
+                    if degraded
+                    else (s.model_name, s.weights)
+                ),
+                s.default_reply_to,
+            )
+            for degraded in (False, True)
+        }
+        self._pack = msgpack.Packer(use_bin_type=False).pack
+
+    def split(self, outcomes: list[Outcome]) -> list[list[int]]:
+        """The calls for `outcomes`, as positions in it: by job stream and by the step that
+        served them (main or degraded: a call names one model), in order, at most max_jobs
+        each."""
+        default = self.settings.stream
+        by_stream: dict[tuple[str, bool], list[int]] = {}
+        for i, outcome in enumerate(outcomes):
+            stream = (outcome.job.stream or default, bool(outcome.extra.get("degraded")))
+            group = by_stream.get(stream)
+            if group is None:
+                by_stream[stream] = [i]
+            else:
+                group.append(i)
+        n = self.max_jobs
+        return [g[i : i + n] for g in by_stream.values() for i in range(0, len(g), n)]
+
+    def args(self, outcomes: list[Outcome]) -> list[Any]:
+        """numkeys, KEYS and ARGV of one call; the outcomes share a job stream and the step
+        that served them."""
+        s = self.settings
+        prefix = s.result_prefix
+        keys: list[str] = [outcomes[0].job.stream or s.stream, s.dead_stream]
+        index: dict[str, int] = {}
+
+        def key(name: str) -> int:
+            i = index.get(name)
+            if i is None:
+                keys.append(name)
+                i = index[name] = len(keys)
+            return i
+
+        fields = self.fields
+        records = []
+        for outcome in outcomes:
+            job = outcome.job
+            by_id = key(prefix + job.job_id)
+            records.append(
+                (
+                    job.entry_ref,
+                    key(job.reply_to),
+                    by_id,
+                    key(prefix + job.entry_ref) if job.has_own_id else by_id,
+                    job.has_own_id,
+                    outcome.dead_fields or (),
+                    fields(outcome),
+                )
+            )
+        degraded = bool(outcomes[0].extra.get("degraded"))
+        return [len(keys), *keys, *self._argv[degraded], self._pack(records)]

@@ -2,11 +2,11 @@
 with nothing else in the way (no decode, no model, no batcher).
 
 A minimal consumer on its own streams: XREADGROUP COUNT = batch, each entry parsed into a
-Job as the reader does (worker/jobs.py), then one pipelined round trip with one
-PUBLISH_RESULT script call per job (worker/redis_scripts.py) carrying the fields the writer
-sends (worker/writer.py `result_fields`, a classify answer): XACK, XADD to the reply stream,
-HSET and EXPIRE of the result hash, all with the worker's key layout. The jobs are queued
-before the timed window, as in the benchmark's runs.
+Job as the reader does (worker/jobs.py), then the writer's own publish (worker/writer.py
+ResultWriter.publish: one PUBLISH_RESULTS script call per batch, worker/redis_scripts.py,
+carrying the fields the writer sends, a classify answer): for each job XACK, XADD to the
+reply stream, HSET and EXPIRE of the result hash, all with the worker's key layout. The
+jobs are queued before the timed window, as in the benchmark's runs.
 
 It is the third isolated stage beside the model (direct-feed) and decode ceilings: a worker
 can go no faster than this on the same Redis and the same host, and the ratio of a worker's
@@ -25,8 +25,8 @@ from redis.exceptions import ResponseError
 from producer import wire
 from worker.jobs import Outcome, parse_job
 from worker.model.answers import Classification
-from worker.redis_scripts import PUBLISH_RESULT
-from worker.writer import WriterSettings, result_fields
+from worker.redis_scripts import PUBLISH_RESULTS
+from worker.writer import PublishState, ResultWriter, WriterSettings
 
 _GROUP = "gpufeed-queue-ceiling"
 _PUSH_CHUNK = 512
@@ -124,7 +124,7 @@ async def queue_ceiling(
         dead_stream=keys.dead,
         default_reply_to=keys.results,
     )
-    script = client.register_script(PUBLISH_RESULT)
+    writer = ResultWriter(client, settings, max_queued=1)
     answer = _answer(top_k)
     await delete_queue_keys(client, keys)
     try:
@@ -135,7 +135,7 @@ async def queue_ceiling(
             if "BUSYGROUP" not in str(exc):
                 raise
         # Load the script outside the window (the writer's first flush does it once too).
-        await client.script_load(PUBLISH_RESULT)
+        await client.script_load(PUBLISH_RESULTS)
         done = 0
         batches = 0
         published = 0
@@ -148,38 +148,14 @@ async def queue_ceiling(
             if not reply:
                 break
             entries = reply[0][1]
-            pipe = client.pipeline(transaction=False)
+            outcomes = []
             for raw_id, fields in entries:
-                entry_id = raw_id.decode()
-                job = parse_job(entry_id, fields, keys.results)
+                job = parse_job(raw_id.decode(), fields, keys.results)
                 # The stages a worker's result reports, so the result is as large.
                 job.timings_ms.update(_TIMINGS)
-                outcome = Outcome(job=job, ok=True, answer=answer)
-                await script(
-                    keys=[
-                        keys.jobs,
-                        job.reply_to,
-                        wire.result_key(job.job_id, keys.result_prefix),
-                        keys.dead,
-                        wire.result_key(job.entry_id, keys.result_prefix),
-                    ],
-                    args=[
-                        _GROUP,
-                        job.entry_id,
-                        settings.result_ttl_s,
-                        settings.results_maxlen,
-                        keys.result_prefix,
-                        "1" if job.has_own_id else "0",
-                        model,
-                        weights,
-                        keys.results,
-                        0,
-                        *result_fields(outcome, settings),
-                    ],
-                    client=pipe,
-                )
-            states = await pipe.execute()
-            published += sum(1 for s in states if int(s) == 1)
+                outcomes.append(Outcome(job=job, ok=True, answer=answer))
+            states = await writer.publish(outcomes)
+            published += states.count(PublishState.PUBLISHED)
             done += len(entries)
             batches += 1
         wall_s = time.perf_counter() - t0
@@ -197,6 +173,6 @@ async def queue_ceiling(
         "seconds": round(wall_s, 4),
         "jobs_per_s": round(done / wall, 1),
         "loop_cpu_us_per_job": round(1e6 * cpu_s / max(done, 1), 1),
-        "method": "XREADGROUP COUNT batch; one pipelined PUBLISH_RESULT call per job "
-        "(XACK, XADD, HSET, EXPIRE) with the writer's result fields",
+        "method": "XREADGROUP COUNT batch; the writer's publish: one PUBLISH_RESULTS call per "
+        "batch (per job XACK, XADD, HSET, EXPIRE) with the writer's result fields",
     }
