@@ -93,7 +93,7 @@ class Reader:
         consumer: str,
         default_reply_to: str,
         in_flight: InFlight,
-        deliver: Callable[[Job], Awaitable[None]],
+        deliver: Callable[[list[Job]], Awaitable[None]],
         max_per_read: int,
         block_ms: int = 1000,
     ) -> None:
@@ -155,13 +155,17 @@ class Reader:
                     backlog_id = ">"
                 elif entries:
                     backlog_id = entries[-1][0]
-            for entry_id, fields in entries:
-                if fields is None:
-                    job = deleted_entry_job(entry_id, self.default_reply_to)
-                else:
-                    job = parse_job(entry_id, fields, self.default_reply_to)
-                self.in_flight.take(1)
-                await self._deliver(job)
+            if not entries:
+                continue
+            jobs = [
+                deleted_entry_job(entry_id, self.default_reply_to)
+                if fields is None
+                else parse_job(entry_id, fields, self.default_reply_to)
+                for entry_id, fields in entries
+            ]
+            self.in_flight.take(len(jobs))
+            # What one read returned goes on as one unit: one hand-over, not one per job.
+            await self._deliver(jobs)
 
 
 def _entries(reply: Any) -> list[tuple[str, dict[bytes, bytes] | None]]:

@@ -58,7 +58,7 @@ class Reclaimer:
         *,
         in_flight: InFlight,
         held: Mapping[str, Job],
-        deliver: Callable[[Job], Awaitable[None]],
+        deliver: Callable[[list[Job]], Awaitable[None]],
         publish_now: Callable[[list[Outcome]], Awaitable[None]],
         on_event: Callable[[str, int], None],
     ) -> None:
@@ -215,16 +215,17 @@ class Reclaimer:
         cursor, entries = reply[0], reply[1]
         deleted = reply[2] if len(reply) > 2 else []
         self._claim_cursor = _s(cursor)
-        claimed = 0
+        jobs = []
         for raw_id, fields in entries:
-            entry_id = _s(raw_id)
             if not fields:
                 continue
-            job = parse_job(entry_id, fields, self.cfg.results_stream)
+            job = parse_job(_s(raw_id), fields, self.cfg.results_stream)
             job.deliveries = 2  # at least; the exact count is in XPENDING
-            self.in_flight.take(1)
-            await self._deliver(job)
-            claimed += 1
+            jobs.append(job)
+        claimed = len(jobs)
+        if jobs:
+            self.in_flight.take(claimed)
+            await self._deliver(jobs)
         gone: list[Outcome] = []
         for raw_id in deleted:
             o = _failure(deleted_entry_job(_s(raw_id), self.cfg.results_stream))
