@@ -84,6 +84,8 @@ class Batcher:
         # The open batch's one timer: it wakes the queue's `get` when max wait has passed.
         self._timer: asyncio.TimerHandle | None = None
         self._seq = 0
+        # Called with each batch as it is sealed (the benchmark counts batch fill with it).
+        self.on_sealed: Callable[[Batch], None] | None = None
 
     async def run(self) -> None:
         """Consume lists of jobs until a None sentinel arrives; then seal the open batch and
@@ -97,11 +99,16 @@ class Batcher:
                     return
                 if isinstance(item, list):
                     await self._add(item)
-                elif self._open is not None and time.monotonic() >= self._deadline_s:
-                    # Max wait passed and nothing is queued: the stream has nothing more
-                    # to give right now. (A wake-up left over from a batch sealed full
-                    # finds the next batch's deadline ahead, and is ignored.)
-                    await self._seal()
+                elif self._open is not None:
+                    remaining = self._deadline_s - time.monotonic()
+                    if remaining <= 0:
+                        # Max wait passed and nothing is queued: the stream has nothing
+                        # more to give right now.
+                        await self._seal()
+                    else:
+                        # A wake-up left over from a batch sealed full, or a timer that
+                        # fired a hair early: wait out the rest of this batch's max wait.
+                        self._arm_timer(remaining)
         finally:
             self._cancel_timer()
 
@@ -139,8 +146,12 @@ class Batcher:
         )
         self._open = batch
         self._deadline_s = batch.opened_s + self.max_wait_s
-        self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._jobs.wake)
+        self._arm_timer(self.max_wait_s)
         return batch
+
+    def _arm_timer(self, delay_s: float) -> None:
+        self._cancel_timer()
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._jobs.wake)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -153,4 +164,6 @@ class Batcher:
         if batch is None:
             return
         batch.sealed_s = time.monotonic()
+        if self.on_sealed is not None:
+            self.on_sealed(batch)
         await self._sealed.put(batch)
