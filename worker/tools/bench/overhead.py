@@ -107,8 +107,8 @@ async def overhead_section(b: Bench, plan: OverheadPlan) -> dict[str, Any]:
     )
     b.echo(
         f"overhead live producer: {live['offered_per_s']} jobs/s offered, batch fill "
-        f"{live['batch_fill_with_backlog']} over {live['backlog_batches']} batches with a "
-        f"backlog ({live['backlog_at_start']} -> {live['backlog_at_end']} jobs)"
+        f"{live['batch_fill_with_backlog']} over the {live['backlog_batches']} of "
+        f"{live['batches']} batches sealed with a backlog (at most {live['max_backlog']} jobs)"
     )
     return {
         "model": "null",

@@ -275,9 +275,9 @@ def overhead_lines(report: Mapping[str, Any]) -> list[str]:
             f"({_fmt(live['pushed_per_s'])} pushed) into a running worker that answers about "
             f"{_fmt(live['capacity_per_s'])}, every job decoded, {live['jobs']} jobs: batch "
             f"fill {_fmt(live['batch_fill_with_backlog'], 3)} over the "
-            f"{live['backlog_batches']} batches done while the stream held a backlog "
-            f"({live['backlog_at_start']} jobs unread when counting began, "
-            f"{live['backlog_at_end']} when the producer stopped).",
+            f"{live['backlog_batches']} of {live['batches']} batches sealed while the stream "
+            f"held at least a batch unread (at most {live['max_backlog']} jobs); "
+            f"{_fmt(live['batch_fill_overall'], 3)} over all of them.",
         ]
     out += [""]
     for t in o["targets"]:
