@@ -214,7 +214,17 @@ def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
         assert r["binds"] in (*r["busy"], "host CPU, shared with other processes")
     # Repeats of 8 images with the cache on hit after the first round; unique bytes never do.
     assert hits["cache_hit_ratio"] > 0.5 and every["cache_hit_ratio"] == 0
-    assert len(o["targets"]) == 4
+    assert len(o["targets"]) == 5
+    # Jobs pushed into a running worker faster than it answers them: every one answered,
+    # and the batches sealed while the stream held a backlog counted apart.
+    live = o["live_producer"]
+    assert live["results"] == live["jobs"] > 0 and live["model"] == "null"
+    assert live["offered_per_s"] == pytest.approx(3 * every["jobs_per_s"], rel=0.01)
+    assert 0 <= live["backlog_batches"] <= live["batches"]
+    fill = live["batch_fill_with_backlog"]
+    assert (fill is None) == (live["backlog_batches"] == 0)
+    assert fill is None or 0 < fill <= 1
+    assert live["met"] == (fill is not None and fill >= 0.97)
     # The queue ceiling per image set is a bound of every comparable gpufeed run's ideal.
     queue = {q["image_set"]: q for q in report["stage_rates"]["queue"]}
     assert set(queue) == {s["name"] for s in report["image_sets"]}
@@ -227,12 +237,15 @@ def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
         assert t["met"] or t["binds"]
     markdown = (out / "report.md").read_text()
     assert "## Overhead: the null model" in markdown and "Queue ceiling" in markdown
+    assert "Live producer:" in markdown
     bad = copy.deepcopy(report)
     bad["overhead"]["runs"]["cache_hits"]["results"] -= 1
     bad["overhead"]["queue_ceiling"]["jobs_per_s"] = 0
+    bad["overhead"]["live_producer"]["results"] -= 1
     problems = validate_report(bad)
     assert any("overhead.runs.cache_hits" in p for p in problems)
     assert any("overhead.queue_ceiling" in p for p in problems)
+    assert any("overhead.live_producer" in p for p in problems)
 
 
 def test_the_priority_section_measures_high_jobs_behind_a_burst(

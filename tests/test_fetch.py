@@ -412,8 +412,8 @@ def stage_with(fake: FakeFetcher, cache: Any = None, **settings: Any) -> tuple[A
 
     ready: list[Any] = []
 
-    async def on_ready(job: Any) -> None:
-        ready.append(job)
+    async def on_ready(jobs: list[Any]) -> None:
+        ready.extend(jobs)
 
     async def on_fail(outcomes: list[Any]) -> None:
         ready.extend(outcomes)

@@ -96,7 +96,7 @@ class Reader:
         consumer: str,
         default_reply_to: str,
         in_flight: InFlight,
-        deliver: Callable[[Job], Awaitable[None]],
+        deliver: Callable[[list[Job]], Awaitable[None]],
         max_per_read: int,
         block_ms: int = 1000,
     ) -> None:
@@ -179,6 +179,7 @@ class Reader:
         if not reply:
             return
         # Highest level first: its jobs join the batches ahead of the others'.
+        jobs: list[Job] = []
         for lane in self.lanes:
             for entry_id, fields in reply.get(lane.stream, []):
                 if fields is None:
@@ -186,8 +187,11 @@ class Reader:
                 else:
                     job = parse_job(entry_id, fields, self.default_reply_to)
                 job.read_from(lane.stream, lane.level)
-                self.in_flight.take(1)
-                await self._deliver(job)
+                jobs.append(job)
+        if jobs:
+            self.in_flight.take(len(jobs))
+            # What one read returned goes on as one unit: one hand-over, not one per job.
+            await self._deliver(jobs)
 
     async def _xread(
         self, streams: dict[str, str], count: int, block: int | None

@@ -60,7 +60,7 @@ class Reclaimer:
         in_flight: InFlight,
         lanes: Lanes,
         held: Mapping[tuple[str, str], Job],
-        deliver: Callable[[Job], Awaitable[None]],
+        deliver: Callable[[list[Job]], Awaitable[None]],
         publish_now: Callable[[list[Outcome]], Awaitable[None]],
         on_event: Callable[[str, int], None],
     ) -> None:
@@ -234,17 +234,18 @@ class Reclaimer:
         cursor, entries = reply[0], reply[1]
         deleted = reply[2] if len(reply) > 2 else []
         self._claim_cursor[stream] = _s(cursor)
-        claimed = 0
+        jobs = []
         for raw_id, fields in entries:
-            entry_id = _s(raw_id)
             if not fields:
                 continue
-            job = parse_job(entry_id, fields, self.cfg.results_stream)
+            job = parse_job(_s(raw_id), fields, self.cfg.results_stream)
             job.read_from(stream, self._levels[stream])
             job.deliveries = 2  # at least; the exact count is in XPENDING
-            self.in_flight.take(1)
-            await self._deliver(job)
-            claimed += 1
+            jobs.append(job)
+        claimed = len(jobs)
+        if jobs:
+            self.in_flight.take(claimed)
+            await self._deliver(jobs)
         gone: list[Outcome] = []
         for raw_id in deleted:
             job = deleted_entry_job(_s(raw_id), self.cfg.results_stream)

@@ -41,6 +41,7 @@ from worker.degrade import DegradeSwitch, Serving
 from worker.device import DeviceContext, make_context, resolve_device
 from worker.fetch.stage import FetchSettings, FetchStage
 from worker.health import Health
+from worker.job_queue import JobQueue
 from worker.jobs import Job, Outcome, past_deadline
 from worker.model.compiler import CompileReport, compile_step, still_compiled
 from worker.model.degraded import DegradedModel, build_degraded
@@ -311,7 +312,8 @@ class Worker:
         """The bounded queues and the stages between them."""
         cfg = self.config
         self.in_flight = InFlight(self.batch_size * (cfg.ring_slots + 2))
-        self.jobs_q: asyncio.Queue[Job | None] = asyncio.Queue(self.batch_size)
+        # Lists of jobs (one per read), bounded by the jobs they hold.
+        self.jobs_q = JobQueue(self.batch_size)
         self.sealed_q: asyncio.Queue[Batch | None] = asyncio.Queue(cfg.ring_slots)
         self.writer = ResultWriter(
             self.redis,
@@ -537,25 +539,33 @@ class Worker:
         finally:
             stop.cancel()
 
-    async def _deliver(self, job: Job) -> None:
-        self._held[(job.stream, job.entry_id)] = job
-        if job.enqueued_ms:
-            # Time in Redis before this worker read it (server and worker clocks may differ
-            # a little; never negative).
-            job.timings_ms["redis_wait"] = max(0.0, time.time() * 1000 - job.enqueued_ms)
-        if job.rejected is not None:
-            code, message = job.rejected
-            await self.writer.put([Outcome.failure(job, code, message)])
-            return
-        if (late := past_deadline(job, time.time() * 1000)) is not None:
-            await self.writer.put([late])
-            return
-        if job.url is not None:
-            # Fetched in the background: the reader goes on, and the job joins a batch
-            # only once its bytes are here.
-            self.fetcher.submit(job)
-            return
-        await self.jobs_q.put(job)
+    async def _deliver(self, jobs: list[Job]) -> None:
+        """What one read (or one reclaim) returned: answered at once (rejected, late), to the
+        fetch stage (`url` jobs), or to the batcher as one queue item."""
+        now_ms = time.time() * 1000
+        answered: list[Outcome] = []
+        ready: list[Job] = []
+        for job in jobs:
+            self._held[(job.stream, job.entry_id)] = job
+            if job.enqueued_ms:
+                # Time in Redis before this worker read it (server and worker clocks may
+                # differ a little; never negative).
+                job.timings_ms["redis_wait"] = max(0.0, now_ms - job.enqueued_ms)
+            if job.rejected is not None:
+                code, message = job.rejected
+                answered.append(Outcome.failure(job, code, message))
+            elif (late := past_deadline(job, now_ms)) is not None:
+                answered.append(late)
+            elif job.url is not None:
+                # Fetched in the background: the reader goes on, and the job joins a batch
+                # only once its bytes are here.
+                self.fetcher.submit(job)
+            else:
+                ready.append(job)
+        if answered:
+            await self.writer.put(answered)
+        if ready:
+            await self.jobs_q.put(ready)
 
     async def _dispatch(self) -> None:
         while True:

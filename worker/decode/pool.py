@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -76,25 +77,18 @@ class _Row(enum.Enum):
 class RowTicket:
     """Who may still write one staging row: its decode thread, until the batch gives it up.
 
-    The thread's final copy into the row and the batch's give-up take the same lock, so
-    either the copy happened before the batch went on, or it never happens.
+    The thread's final copy into the row and the batch's give-up take the same lock (its
+    group's), so either the copy happened before the batch went on, or it never happens.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    __slots__ = ("_lock", "replaced", "started_s", "state")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
         self.state = _Row.QUEUED
         self.started_s: float | None = None
         # A spare thread took the place of the thread running this decode.
         self.replaced = False
-
-    def start(self) -> bool:
-        """Called by the thread taking the row; False if the row was given up meanwhile."""
-        with self._lock:
-            if self.state is not _Row.QUEUED:
-                return False
-            self.state = _Row.RUNNING
-            self.started_s = time.monotonic()
-            return True
 
     def write(self, out: npt.NDArray[np.uint8], pixels: npt.NDArray[np.uint8]) -> bool:
         """Copy `pixels` into the row and mark it done, unless it was given up."""
@@ -105,40 +99,120 @@ class RowTicket:
             self.state = _Row.DONE
             return True
 
-    def finish(self) -> tuple[bool, bool]:
-        """The thread is done with the row: (given up, thread replaced)."""
-        with self._lock:
-            if self.state is _Row.RUNNING:
-                self.state = _Row.DONE
-            return self.state is _Row.GIVEN_UP, self.replaced
 
-    def give_up(self, reserve_spare: Callable[[], bool]) -> bool:
-        """Called by the batch; False if the decode finished first (its result is on its
-        way). `reserve_spare` runs under the lock, so the thread sees `replaced` settled."""
-        with self._lock:
-            if self.state is _Row.DONE:
+class RowGroup:
+    """Rows of one batch that went to the pool together (what one read gave the batch).
+
+    The group is queued once per thread that may work on it; each thread claims the next
+    row not yet started, so the rows still decode in parallel, and a thread stuck on one
+    row holds up only that row. The thread that ends the last row wakes the event loop,
+    once per group, not once per row.
+    """
+
+    def __init__(
+        self,
+        future: asyncio.Future[Any],
+        jobs: Sequence[Job],
+        outs: Sequence[npt.NDArray[np.uint8]] | npt.NDArray[np.uint8],
+        *,
+        may_defer: bool,
+    ) -> None:
+        self.future = future  # resolved by `resolve()` once every row has its result
+        self.jobs = jobs
+        self.outs = outs  # outs[i]: row i's staging row
+        self.may_defer = may_defer
+        self.lock = threading.Lock()
+        self.tickets = [RowTicket(self.lock) for _ in jobs]
+        self.results: list[DecodeResult | None] = [None] * len(jobs)
+        self.left = len(jobs)  # rows without a result yet
+        self._next = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.left == 0 or self.future.done()
+
+    def claim(self) -> int | None:
+        """The next row still queued, now running on the calling thread; None when none."""
+        with self.lock:
+            while self._next < len(self.tickets):
+                row = self._next
+                self._next += 1
+                ticket = self.tickets[row]
+                if ticket.state is _Row.QUEUED:
+                    ticket.state = _Row.RUNNING
+                    ticket.started_s = time.monotonic()
+                    return row
+            return None
+
+    def finish(self, row: int, result: DecodeResult) -> tuple[bool, bool]:
+        """The thread is done with `row`: keep its result unless the row was given up.
+        Returns (the thread was replaced by a spare, this was the group's last row)."""
+        with self.lock:
+            ticket = self.tickets[row]
+            if ticket.state is _Row.RUNNING:
+                ticket.state = _Row.DONE
+            if ticket.state is _Row.GIVEN_UP:
+                return ticket.replaced, False
+            self.results[row] = result
+            self.left -= 1
+            return ticket.replaced, self.left == 0
+
+    def give_up(self, row: int, reserve_spare: Callable[[], bool], result: DecodeResult) -> bool:
+        """Called by the batch; False if the decode finished first (its result is kept).
+        `reserve_spare` runs under the lock, so the thread sees `replaced` settled."""
+        with self.lock:
+            ticket = self.tickets[row]
+            if ticket.state is _Row.DONE or ticket.state is _Row.GIVEN_UP:
                 return False
-            if self.state is _Row.RUNNING:
-                self.replaced = reserve_spare()
-            self.state = _Row.GIVEN_UP
+            if ticket.state is _Row.RUNNING:
+                ticket.replaced = reserve_spare()
+            ticket.state = _Row.GIVEN_UP
+            self.results[row] = result
+            self.left -= 1
             return True
+
+    def drop_queued(self) -> None:
+        """Shutdown: rows not started are never decoded."""
+        with self.lock:
+            for ticket in self.tickets:
+                if ticket.state is _Row.QUEUED:
+                    ticket.state = _Row.GIVEN_UP
+
+    def deadline(self, now: float, budget_s: float) -> float:
+        """When the next running row goes over budget (rows not started: a budget from now;
+        they cannot be over budget before)."""
+        soonest = now + budget_s
+        for ticket in self.tickets:
+            started = ticket.started_s
+            if ticket.state is _Row.RUNNING and started is not None:
+                soonest = min(soonest, started + budget_s)
+        return soonest
+
+    def overdue(self, now: float, budget_s: float) -> list[int]:
+        return [
+            row
+            for row, ticket in enumerate(self.tickets)
+            if ticket.state is _Row.RUNNING
+            and ticket.started_s is not None
+            and now - ticket.started_s >= budget_s
+        ]
+
+    def resolve(self) -> None:
+        """On the event loop: every row has its result."""
+        if self.future.done():
+            return
+        if isinstance(self.future, RowFuture):
+            result = self.results[0]
+            assert result is not None
+            self.future.set_result(result)
+        else:
+            self.future.set_result(None)
 
 
 class RowFuture(asyncio.Future[DecodeResult]):
-    """A row's decode as the event loop sees it, with the ticket that guards the row."""
+    """One row submitted alone (`submit`), as the event loop sees it; `group` holds it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, job: Job) -> None:
-        super().__init__(loop=loop)
-        self.ticket = RowTicket()
-        self.job = job
-
-
-@dataclass(frozen=True)
-class _Work:
-    job: Job
-    out: npt.NDArray[np.uint8]
-    may_defer: bool
-    future: RowFuture
+    group: RowGroup
 
 
 class DecodePool:
@@ -163,7 +237,7 @@ class DecodePool:
         self._delay_hook = delay_hook
         self.gpu_router = gpu_router
         self.cache = cache if cache is not None and cache.enabled else None
-        self._work: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[RowGroup | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._spares = 0  # spare threads standing in for threads held by given-up decodes
         self._closed = False
@@ -179,46 +253,74 @@ class DecodePool:
         return self._spares
 
     def submit(self, job: Job, out: npt.NDArray[np.uint8]) -> asyncio.Future[DecodeResult]:
-        """Queue `job` for decoding into the staging row `out`; `settle` waits for it."""
-        future = RowFuture(asyncio.get_running_loop(), job)
-        self._work.put(_Work(job, out, True, future))
+        """Queue `job` alone for decoding into the staging row `out`; `settle` waits for it."""
+        return self._submit_one(job, out, may_defer=True)
+
+    def submit_rows(
+        self, jobs: Sequence[Job], rows: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]]
+    ) -> RowGroup:
+        """Queue `jobs` for decoding into `rows` (rows[i] for jobs[i]) as one group; `settle`
+        waits for it."""
+        group = RowGroup(asyncio.get_running_loop().create_future(), jobs, rows, may_defer=True)
+        self._queue(group)
+        return group
+
+    def _submit_one(
+        self, job: Job, out: npt.NDArray[np.uint8], *, may_defer: bool
+    ) -> asyncio.Future[DecodeResult]:
+        future = RowFuture(loop=asyncio.get_running_loop())
+        future.group = RowGroup(future, [job], [out], may_defer=may_defer)
+        self._queue(future.group)
         return future
+
+    def _queue(self, group: RowGroup) -> None:
+        # Once per thread that may take part: each copy lets one more thread claim rows.
+        for _ in range(min(len(group.jobs), self.threads)):
+            self._work.put(group)
 
     async def decode_on_cpu(self, job: Job, out: npt.NDArray[np.uint8]) -> DecodeResult:
         """Decode on a CPU thread whatever the router says (the GPU fallback)."""
-        future = RowFuture(asyncio.get_running_loop(), job)
-        self._work.put(_Work(job, out, False, future))
-        return (await self.settle([future]))[0]
+        return (await self.settle([self._submit_one(job, out, may_defer=False)]))[0]
 
-    async def settle(self, futures: Sequence[asyncio.Future[DecodeResult]]) -> list[DecodeResult]:
-        """The results of a batch's rows, giving up each row still decoding `budget_s` after
-        its thread started on it. Rows not yet started are waited for: with spare threads
-        standing in for stuck ones, they start as soon as the decodes ahead of them end."""
-        pending = {f for f in futures if not f.done()}
-        while pending:
+    async def settle(
+        self, rows: Sequence[RowGroup | asyncio.Future[DecodeResult]]
+    ) -> list[DecodeResult]:
+        """The results of a batch's rows in order, giving up each row still decoding
+        `budget_s` after its thread started on it. Rows not yet started are waited for: with
+        spare threads standing in for stuck ones, they start as soon as the decodes ahead of
+        them end. `rows`: what `submit_rows` and `submit` returned (or any futures)."""
+        parts = [r.group if isinstance(r, RowFuture) else r for r in rows]
+        groups = [p for p in parts if isinstance(p, RowGroup)]
+        while True:
+            waiting = [
+                p.future if isinstance(p, RowGroup) else p
+                for p in parts
+                if not (p.complete if isinstance(p, RowGroup) else p.done())
+            ]
+            if not waiting:
+                break
             now = time.monotonic()
-            deadlines = [self._deadline(f, now) for f in pending if isinstance(f, RowFuture)]
-            timeout = max(0.0, min(deadlines) - now) if deadlines else None
-            _, pending = await asyncio.wait(pending, timeout=timeout)
+            open_groups = [g for g in groups if not g.complete]
+            deadline = min((g.deadline(now, self.budget_s) for g in open_groups), default=None)
+            timeout = None if deadline is None else max(0.0, deadline - now)
+            await asyncio.wait(waiting, timeout=timeout)
             now = time.monotonic()
-            for f in list(pending):
-                if not isinstance(f, RowFuture):
-                    continue
-                started = f.ticket.started_s
-                if started is not None and now - started >= self.budget_s and self._give_up(f):
-                    pending.discard(f)
-        return [f.result() for f in futures]
+            for group in open_groups:
+                for row in group.overdue(now, self.budget_s):
+                    self._give_up(group, row)
+        results: list[DecodeResult] = []
+        for part in parts:
+            if isinstance(part, RowGroup):
+                if part.future.cancelled():
+                    raise asyncio.CancelledError
+                results.extend(r for r in part.results if r is not None)
+            else:
+                results.append(part.result())
+        return results
 
-    def _deadline(self, future: RowFuture, now: float) -> float:
-        started = future.ticket.started_s
-        # Not started yet: look again a budget from now (it cannot be over budget before).
-        return (now if started is None else started) + self.budget_s
-
-    def _give_up(self, future: RowFuture) -> bool:
+    def _give_up(self, group: RowGroup, row: int) -> bool:
         """Answer a row over budget with decode_timeout, and replace its thread."""
-        ticket = future.ticket
-        if not ticket.give_up(self._reserve_spare):
-            return False
+        ticket = group.tickets[row]
         started = ticket.started_s if ticket.started_s is not None else time.monotonic()
         elapsed_ms = (time.monotonic() - started) * 1000
         budget_ms = round(self.budget_s * 1000)
@@ -227,15 +329,20 @@ class DecodePool:
             f"decoding took longer than the budget of {budget_ms} ms; "
             "the batch went on without this image",
         )
-        if not future.done():
-            future.set_result(DecodeResult(None, error, elapsed_ms))
+        if not group.give_up(row, self._reserve_spare, DecodeResult(None, error, elapsed_ms)):
+            return False
         self.given_up += 1
         if ticket.replaced:
             self._start_thread()
+            # The stuck thread may have held the group's only place in the work queue.
+            self._work.put(group)
+        if group.left == 0:
+            group.resolve()
+        job = group.jobs[row]
         log.warning(
             "decode_over_budget",
-            job_id=future.job.job_id,
-            entry=future.job.entry_id,
+            job_id=job.job_id,
+            entry=job.entry_id,
             budget_ms=budget_ms,
             spare_thread=ticket.replaced,
             spare_threads=self._spares,
@@ -261,21 +368,21 @@ class DecodePool:
 
     def _serve(self) -> None:
         while True:
-            work = self._work.get()
-            if work is None:
+            group = self._work.get()
+            if group is None:
                 return
-            ticket = work.future.ticket
-            if not ticket.start():
-                continue
-            result = self._decode(work.job, work.out, work.may_defer, ticket)
-            given_up, replaced = ticket.finish()
-            if not given_up:
-                _deliver(work.future, result)
-            if replaced:
-                # A spare took this thread's place while it was stuck: retire.
-                with self._lock:
-                    self._spares -= 1
-                return
+            while not self._closed and (row := group.claim()) is not None:
+                result = self._decode(
+                    group.jobs[row], group.outs[row], group.may_defer, group.tickets[row]
+                )
+                replaced, last = group.finish(row, result)
+                if last:
+                    _wake(group)
+                if replaced:
+                    # A spare took this thread's place while it was stuck: retire.
+                    with self._lock:
+                        self._spares -= 1
+                    return
 
     def _decode(
         self, job: Job, out: npt.NDArray[np.uint8], may_defer: bool, ticket: RowTicket
@@ -331,12 +438,12 @@ class DecodePool:
             self._closed = True
         while True:
             try:
-                work = self._work.get_nowait()
+                group = self._work.get_nowait()
             except queue.Empty:
                 break
-            if work is not None:
-                work.future.ticket.give_up(lambda: False)
-                _cancel(work.future)
+            if group is not None:
+                group.drop_queued()
+                _cancel(group)
         for _ in range(self.threads):
             self._work.put(None)
         deadline = time.monotonic() + self.budget_s
@@ -344,16 +451,12 @@ class DecodePool:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _deliver(future: RowFuture, result: DecodeResult) -> None:
-    def resolve() -> None:
-        if not future.done():
-            future.set_result(result)
-
+def _wake(group: RowGroup) -> None:
     # The loop may be gone when a decode ends after shutdown: nobody waits for it then.
     with contextlib.suppress(RuntimeError):
-        future.get_loop().call_soon_threadsafe(resolve)
+        group.future.get_loop().call_soon_threadsafe(group.resolve)
 
 
-def _cancel(future: RowFuture) -> None:
+def _cancel(group: RowGroup) -> None:
     with contextlib.suppress(RuntimeError):
-        future.get_loop().call_soon_threadsafe(future.cancel)
+        group.future.get_loop().call_soon_threadsafe(group.future.cancel)

@@ -122,7 +122,7 @@ class FetchStage:
         self,
         settings: FetchSettings,
         *,
-        ready: Callable[[Job], Awaitable[None]],
+        ready: Callable[[list[Job]], Awaitable[None]],
         fail: Callable[[list[Outcome]], Awaitable[None]],
         cache: DecodeCache | None = None,
         metrics: WorkerMetrics | None = None,
@@ -248,7 +248,7 @@ class FetchStage:
             )
             await self._fail([outcome])
             return
-        await self._ready(job)
+        await self._ready([job])
 
     async def _fetch(
         self, source: str, host: str, url: str, namespace: str

@@ -15,10 +15,8 @@ preprocessing is worth; the stage-rate table measures its per-image cost in isol
 
 from __future__ import annotations
 
-import asyncio
 import io
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +29,7 @@ from PIL import Image
 from producer.wire import ErrorCode
 from worker.config import WorkerConfig
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, sniff_format
-from worker.decode.pool import DecodePool, DecodeResult
+from worker.decode.pool import DecodePool, DecodeResult, RowTicket
 from worker.jobs import Job
 from worker.tools.bench.naive import NaivePreprocess
 
@@ -163,7 +161,8 @@ class CpuPreprocess:
 
 
 class CpuPreprocessPool(DecodePool):
-    """A decode pool whose threads run `CpuPreprocess` instead of gpufeed's decode."""
+    """A decode pool whose threads run `CpuPreprocess` instead of gpufeed's decode (the same
+    threads, groups of rows and decode budget as the real pool)."""
 
     def __init__(
         self,
@@ -177,27 +176,20 @@ class CpuPreprocessPool(DecodePool):
     ) -> None:
         super().__init__(spec, threads, path_root)
         self.preprocess = CpuPreprocess(spec, crop=crop, mean=mean, std=std)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="bench-cpu-preprocess")
 
-    def submit(self, job: Job, out: npt.NDArray[np.uint8]) -> asyncio.Future[DecodeResult]:
-        return asyncio.get_running_loop().run_in_executor(self._pool, self._run, job, out)
-
-    async def decode_on_cpu(self, job: Job, out: npt.NDArray[np.uint8]) -> DecodeResult:
-        return await self.submit(job, out)
-
-    def _run(self, job: Job, out: npt.NDArray[np.uint8]) -> DecodeResult:
+    def _decode(
+        self, job: Job, out: npt.NDArray[np.uint8], may_defer: bool, ticket: RowTicket
+    ) -> DecodeResult:
         start = time.perf_counter()
         try:
             if job.image is None:
                 raise DecodeError(ErrorCode.INVALID_JOB, "the benchmark sends image jobs only")
-            info = self.preprocess.into(job.image, out)
+            row = np.zeros_like(out)
+            info = self.preprocess.into(job.image, row)
+            ticket.write(out, row)
             return DecodeResult(info, None, (time.perf_counter() - start) * 1000)
         except DecodeError as exc:
             return DecodeResult(None, exc, (time.perf_counter() - start) * 1000)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        super().shutdown()
 
 
 # `url` jobs (worker/fetch/): the same images served by a loopback HTTP server. The first

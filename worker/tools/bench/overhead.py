@@ -9,8 +9,10 @@ completion, results, metrics. Two runs through a real Worker:
 - `every_job_decoded`: each job's bytes unique (the trailer of the other runs): every job
   is decoded, with the worker's defaults;
 
-and, before them, the queue ceiling (worker/tools/queue_ceiling.py) for the same jobs and
-batch on the same Redis: gpufeed's own Redis work alone. Per run: jobs/s, the event loop's
+then the live-producer run (live_producer.py): jobs pushed into a running worker at three
+times the `every_job_decoded` rate, with the batch fill while the backlog lasts; and, before them,
+the queue ceiling (worker/tools/queue_ceiling.py) for the same jobs and batch on the same
+Redis: gpufeed's own Redis work alone. Per run: jobs/s, the event loop's
 CPU per job (the loop thread's CPU time, read per thread by probe.py), the worker process's
 CPU per job (all its threads), redis-server's, the ratio to the queue ceiling, and which
 stage was the busiest (the one that binds).
@@ -25,6 +27,7 @@ from worker.tools.bench.ablations import Variant
 from worker.tools.bench.context import Bench
 from worker.tools.bench.gpufeed_run import gpufeed_run
 from worker.tools.bench.images import ImageSetSpec, load_image_set
+from worker.tools.bench.live_producer import live_producer_run
 from worker.tools.bench.probe import GROUPS
 from worker.tools.bench.profiles import ModelPlan, OverheadPlan, SetPlan
 from worker.tools.queue_ceiling import queue_ceiling
@@ -94,13 +97,27 @@ async def overhead_section(b: Bench, plan: OverheadPlan) -> dict[str, Any]:
             f"{runs[workload]['worker_cpu_us_per_job']} µs/job, "
             f"{runs[workload]['vs_queue_ceiling']} of the queue ceiling"
         )
+    live = await live_producer_run(
+        b,
+        model,
+        EVERY_JOB_DECODED,
+        images,
+        capacity_per_s=float(runs["every_job_decoded"]["jobs_per_s"]),
+        seconds=plan.live_s,
+    )
+    b.echo(
+        f"overhead live producer: {live['offered_per_s']} jobs/s offered, batch fill "
+        f"{live['batch_fill_with_backlog']} over the {live['backlog_batches']} of "
+        f"{live['batches']} batches sealed with a backlog (at most {live['max_backlog']} jobs)"
+    )
     return {
         "model": "null",
         "image_set": {**b.sets[spec.name].describe(), "jobs": plan.jobs},
         "batch_size": batch,
         "queue_ceiling": queue,
         "runs": runs,
-        "targets": overhead_targets(runs),
+        "live_producer": live,
+        "targets": overhead_targets(runs, live),
     }
 
 
@@ -151,7 +168,9 @@ def overhead_figures(run: dict[str, Any], queue: dict[str, Any], cores: int) -> 
     }
 
 
-def overhead_targets(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def overhead_targets(
+    runs: dict[str, dict[str, Any]], live: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     hits, every = runs["cache_hits"], runs["every_job_decoded"]
     checks = [
         ("cache hits: jobs/s", hits, hits["jobs_per_s"], TARGETS["cache_hits_jobs_per_s"], True),
@@ -178,6 +197,20 @@ def overhead_targets(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         ),
     ]
     out = []
+    if live is not None:
+        fill = live["batch_fill_with_backlog"]
+        out.append(
+            {
+                "target": "live producer: batch fill with a backlog",
+                "measured": fill,
+                "threshold": live["target"],
+                "at_least": True,
+                "met": live["met"],
+                # A short batch with jobs waiting in the stream is the batcher's doing.
+                "binds": None if live["met"] else "batcher",
+                "busy": None if live["met"] else {},
+            }
+        )
     for name, run, measured, threshold, at_least in checks:
         met = measured >= threshold if at_least else measured <= threshold
         out.append(

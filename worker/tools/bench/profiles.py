@@ -62,6 +62,8 @@ class OverheadPlan:
     batch_size: int = 256
     distinct: int = 64  # distinct images (the cache-hit run repeats them)
     side: int = 64
+    # How long the live-producer run's producer pushes (live_producer.py).
+    live_s: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +127,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             stage_images=4,
             timeline_bin_s=0.25,
             cache_roles=("large",),
-            overhead=OverheadPlan(jobs=192, batch_size=32, distinct=8),
+            overhead=OverheadPlan(jobs=192, batch_size=32, distinct=8, live_s=1.0),
             priority=PriorityPlan(seconds=0.5),
         )
     if cuda:
@@ -171,6 +173,6 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         stage_min_s=2.0,
         stage_images=16,
         cache_roles=("photo", "large"),
-        overhead=OverheadPlan(jobs=20_000),
+        overhead=OverheadPlan(jobs=20_000, live_s=8.0),
         priority=PriorityPlan(seconds=5.0),
     )

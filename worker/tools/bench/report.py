@@ -268,6 +268,18 @@ def overhead_lines(report: Mapping[str, Any]) -> list[str]:
         rows,
         "l" + "r" * 7 + "l",
     )
+    live = o.get("live_producer")
+    if live:
+        out += [
+            "",
+            f"Live producer: {_fmt(live['offered_per_s'])} jobs/s offered "
+            f"({_fmt(live['pushed_per_s'])} pushed) into a running worker that answers about "
+            f"{_fmt(live['capacity_per_s'])}, every job decoded, {live['jobs']} jobs: batch "
+            f"fill {_fmt(live['batch_fill_with_backlog'], 3)} over the "
+            f"{live['backlog_batches']} of {live['batches']} batches sealed while the stream "
+            f"held at least a batch unread (at most {live['max_backlog']} jobs); "
+            f"{_fmt(live['batch_fill_overall'], 3)} over all of them.",
+        ]
     out += [""]
     for t in o["targets"]:
         sign = ">=" if t["at_least"] else "<="
@@ -366,6 +378,15 @@ def _overhead_problems(o: Any) -> list[str]:
                 problems.append(f"overhead.runs.{name}.{key} must be a positive number")
         if r.get("results") != r.get("jobs") or r.get("results_ok") != r.get("jobs"):
             problems.append(f"overhead.runs.{name}: {r.get('results')} results for {r.get('jobs')}")
+    live = o.get("live_producer")
+    if live is not None:
+        if live.get("results") != live.get("jobs"):
+            problems.append(
+                f"overhead.live_producer: {live.get('results')} results for {live.get('jobs')}"
+            )
+        fill = live.get("batch_fill_with_backlog")
+        if fill is not None and not (_positive(fill) and fill <= 1):
+            problems.append("overhead.live_producer.batch_fill_with_backlog must be in (0, 1]")
     return problems
 
 
