@@ -116,11 +116,13 @@ class RedisCluster:
     @staticmethod
     def _state_ok(node: RedisServer) -> bool:
         try:
-            info = redis.Redis(port=node.port, socket_timeout=2).execute_command("CLUSTER", "INFO")
+            info = redis.Redis(port=node.port, socket_timeout=2).cluster("INFO")
         except (redis.RedisError, OSError):
             return False
-        text = info.decode() if isinstance(info, bytes) else str(info)
-        return "cluster_state:ok" in text and "cluster_slots_ok:16384" in text
+        # redis-py parses CLUSTER INFO into a dict of strings.
+        return bool(
+            info.get("cluster_state") == "ok" and str(info.get("cluster_slots_ok")) == "16384"
+        )
 
     def master_of(self, key: str) -> RedisServer:
         """The running node that serves `key`'s slot as a master."""
@@ -130,12 +132,12 @@ class RedisCluster:
                 continue
             client = redis.Redis(port=node.port, socket_timeout=2)
             try:
-                role = client.execute_command("ROLE")[0]
+                role = client.role()[0]
             except (redis.RedisError, OSError):
                 continue
             if role not in (b"master", "master"):
                 continue
-            for start, end, *_ in client.execute_command("CLUSTER", "SLOTS"):
+            for start, end, *_ in client.cluster("SLOTS"):
                 if start <= int(slot) <= end and _port(_) == node.port:
                     return node
         raise LookupError(f"no running master serves {key!r}")
