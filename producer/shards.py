@@ -30,6 +30,7 @@ from functools import lru_cache
 import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
+from redis.exceptions import NoPermissionError
 
 from producer import wire
 
@@ -177,6 +178,9 @@ def is_cluster(url: str, mode: str) -> bool:
     client = redis.Redis.from_url(url)
     try:
         return _enabled(client.info("cluster"))
+    except NoPermissionError:
+        # An ACL user without INFO: a single Redis unless told otherwise (mode "on").
+        return False
     finally:
         client.close()
 
@@ -187,6 +191,8 @@ async def is_cluster_async(url: str, mode: str) -> bool:
     client = aioredis.Redis.from_url(url)
     try:
         return _enabled(await client.info("cluster"))
+    except NoPermissionError:
+        return False
     finally:
         await client.aclose()
 

@@ -16,20 +16,23 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 import structlog
 import torch
 from PIL import Image
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError, RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import wire
+from producer import shards, wire
 from producer.wire import ErrorCode
 from worker.batcher import Batch, Batcher
+from worker.cluster_node import ShardNodeClient
 from worker.completion import CompletionWatcher
 from worker.config import ConfigError, WorkerConfig
 from worker.decode.cache import DecodeCache
@@ -54,7 +57,9 @@ from worker.observer import Observer, heartbeat_key
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
 from worker.redis_scripts import CHECK_KEYS
+from worker.replicas import ReplicaWait
 from worker.runner import Launched, LaunchFailed, ModelRunner
+from worker.sharding import HeldKey, ShardedWriter, ShardHeld, reply_to_problem
 from worker.staging import InputRing, OutputRing
 from worker.transfer import DeviceTransfer
 from worker.writer import ResultWriter, WriterSettings
@@ -101,8 +106,14 @@ class Worker:
         self.compile_report: CompileReport | None = None
         self.precision: PrecisionReport | AgreementReport | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
-        # Entries read and not yet answered, by entry ID: the keep-alive refreshes them.
-        self._held: dict[str, Job] = {}
+        # Entries read and not yet answered, by stream and entry ID: the keep-alive
+        # refreshes them.
+        self._held: dict[HeldKey, Job] = {}
+        self._node_clients: list[ShardNodeClient] = []
+        self.shards = config.shard_layout()
+        # Redis Cluster: decided by GPUFEED_REDIS_CLUSTER, or asked once (auto).
+        self.cluster = config.redis_cluster == "on"
+        self._cluster_known = config.redis_cluster != "auto"
 
     # ----------------------------------------------------------------------- startup
     async def startup(self, *, wait_for_redis: bool = True, redis_first: bool = False) -> None:
@@ -113,12 +124,11 @@ class Worker:
         log.info("starting", **cfg.summary())
         # /live answers from here on; /ready only once the worker reads.
         self.observer.serve_http(cfg.metrics_port, self.health)
-        self.redis = aioredis.from_url(
-            cfg.redis_url, socket_keepalive=True, health_check_interval=30
-        )
+        self.redis = self._client()
         if redis_first:
             # Fail in a second, not after minutes of loading and compiling the model.
             await self._wait_for_redis(False)
+            await self._find_cluster()
             await self._check_keys()
         # GPUFEED_MAX_IMAGE_PIXELS, checked from the header before any pixel is decoded, is
         # the decompression-bomb guard; PIL's own would refuse or warn below an operator's
@@ -132,10 +142,45 @@ class Worker:
         await self._prepare_model(device)
         self._prepare_decode(device)
         await self._wait_for_redis(wait_for_redis)
+        await self._find_cluster()
         await self._check_keys()
-        await ensure_group(self.redis, cfg.stream, cfg.group)
+        for shard in self.shards:
+            await ensure_group(self.redis, shard.stream, cfg.group)
         self._build_stages(device)
         self._announce_ready(device)
+
+    def _client(self) -> aioredis.Redis:
+        if not self.cluster:
+            return aioredis.from_url(
+                self.config.redis_url, socket_keepalive=True, health_check_interval=30
+            )
+        # RedisCluster speaks the same commands, each routed to the node of its key's slot
+        # (MOVED and failovers followed); the stages take it where they take a Redis.
+        cluster = RedisCluster.from_url(self.config.redis_url, socket_keepalive=True)
+        return cast(aioredis.Redis, cluster)
+
+    async def _find_cluster(self) -> None:
+        """GPUFEED_REDIS_CLUSTER=auto: ask the node once whether it is a cluster node, and
+        switch to the cluster client if so. A cluster with one shard needs its four key
+        names in one slot."""
+        cfg = self.config
+        if not self._cluster_known:
+            try:
+                info = await self.redis.info("cluster")
+            except NoPermissionError:
+                # An ACL user without INFO: a single Redis unless told otherwise.
+                log.info(
+                    "cluster_mode_unknown", note="INFO not permitted; set GPUFEED_REDIS_CLUSTER"
+                )
+                info = {}
+            self._cluster_known = True
+            if str(info.get("cluster_enabled", 0)) == "1":
+                await self.redis.aclose()
+                self.cluster = True
+                self.redis = self._client()
+        if self.cluster:
+            cfg.check_cluster_keys()
+            log.info("redis_cluster", shards=[s.stream for s in self.shards])
 
     async def _prepare_model(self, device: torch.device) -> None:
         """Load the model, allocate the rings, compile and warm up the one batch shape."""
@@ -255,23 +300,40 @@ class Worker:
         self.in_flight = InFlight(self.batch_size * (cfg.ring_slots + 2))
         self.jobs_q: asyncio.Queue[Job | None] = asyncio.Queue(self.batch_size)
         self.sealed_q: asyncio.Queue[Batch | None] = asyncio.Queue(cfg.ring_slots)
-        self.writer = ResultWriter(
-            self.redis,
-            WriterSettings(
-                stream=cfg.stream,
-                group=cfg.group,
-                result_prefix=cfg.result_prefix,
-                result_ttl_s=cfg.result_ttl_s,
-                results_maxlen=cfg.results_maxlen,
-                worker_name=cfg.worker_name,
-                model_name=self.loaded.name,
-                weights=self.loaded.weights_label,
-                device=str(device),
-                dead_stream=cfg.dead_stream,
-                default_reply_to=cfg.results_stream,
-            ),
-            max_queued=cfg.ring_slots * 2,
-            on_published=self._on_published,
+        self.replica_wait = (
+            ReplicaWait(
+                cfg.wait_replicas,
+                cfg.wait_replicas_timeout_ms,
+                on_short=lambda n: self.observer.delivery_event("replica_wait_timeout", n),
+            )
+            if cfg.wait_replicas
+            else None
+        )
+        writers = {
+            shard.stream: ResultWriter(
+                self._writer_client(shard),
+                WriterSettings(
+                    stream=shard.stream,
+                    group=cfg.group,
+                    result_prefix=shard.result_prefix,
+                    result_ttl_s=cfg.result_ttl_s,
+                    results_maxlen=cfg.results_maxlen,
+                    worker_name=cfg.worker_name,
+                    model_name=self.loaded.name,
+                    weights=self.loaded.weights_label,
+                    device=str(device),
+                    dead_stream=shard.dead_stream,
+                    default_reply_to=shard.results_stream,
+                ),
+                max_queued=cfg.ring_slots * 2,
+                on_published=self._on_published,
+                replicas=self.replica_wait,
+            )
+            for shard in self.shards
+        }
+        # One shard: its writer as it is; several: the router in front of theirs.
+        self.writer: ResultWriter | ShardedWriter = (
+            ShardedWriter(writers) if len(writers) > 1 else next(iter(writers.values()))
         )
         self.batcher = Batcher(
             self.ring,
@@ -295,25 +357,65 @@ class Worker:
             cache=self.decode_cache,
             metrics=self.observer.metrics,
         )
-        self.reader = Reader(
-            self.redis,
-            stream=cfg.stream,
-            group=cfg.group,
-            consumer=cfg.worker_name,
-            default_reply_to=cfg.results_stream,
-            in_flight=self.in_flight,
-            deliver=self._deliver,
-            max_per_read=self.batch_size * 2,
-        )
-        self.reclaimer = Reclaimer(
-            self.redis,
-            cfg,
-            in_flight=self.in_flight,
-            held=self._held,
-            deliver=self._deliver,
-            publish_now=self.writer.publish_now,
-            on_event=self.observer.delivery_event,
-        )
+        self.readers: list[Reader] = []
+        self.reclaimers: list[Reclaimer] = []
+        for shard in self.shards:
+            deliver = self._shard_deliver(shard)
+            self.readers.append(
+                Reader(
+                    self.redis,
+                    stream=shard.stream,
+                    group=cfg.group,
+                    consumer=cfg.worker_name,
+                    default_reply_to=shard.results_stream,
+                    in_flight=self.in_flight,
+                    deliver=deliver,
+                    max_per_read=self.batch_size * 2,
+                )
+            )
+            self.reclaimers.append(
+                Reclaimer(
+                    self.redis,
+                    replace(
+                        cfg,
+                        stream=shard.stream,
+                        results_stream=shard.results_stream,
+                        result_prefix=shard.result_prefix,
+                        dead_stream=shard.dead_stream,
+                    ),
+                    in_flight=self.in_flight,
+                    held=ShardHeld(self._held, shard.stream),
+                    deliver=deliver,
+                    publish_now=writers[shard.stream].publish_now,
+                    on_event=self.observer.delivery_event,
+                )
+            )
+        self.reader = self.readers[0]
+        self.reclaimer = self.reclaimers[0]
+
+    def _writer_client(self, shard: shards.Shard) -> aioredis.Redis:
+        """The client a shard's writer publishes with: on a cluster, the shard's master
+        itself (a cluster pipeline takes no scripts, and WAIT needs the writes' connection)."""
+        if not self.cluster:
+            return self.redis
+        node = ShardNodeClient(cast(RedisCluster, self.redis), self.config.redis_url, shard.stream)
+        self._node_clients.append(node)
+        return cast(aioredis.Redis, node)
+
+    def _shard_deliver(self, shard: shards.Shard) -> Callable[[Job], Awaitable[None]]:
+        """The hand-over of one shard's reader and reclaimer: each job is tagged with its
+        stream (acknowledged there, answered by that shard's writer)."""
+
+        async def deliver(job: Job) -> None:
+            job.stream = shard.stream
+            if self.cluster and job.rejected is None:
+                problem = reply_to_problem(job, shard)
+                if problem is not None:
+                    job.reply_to = shard.results_stream
+                    job.rejected = (ErrorCode.INVALID_JOB, problem)
+            await self._deliver(job)
+
+        return deliver
 
     def _announce_ready(self, device: torch.device) -> None:
         cfg = self.config
@@ -337,6 +439,7 @@ class Worker:
             "compiled": report.compiled,
             "stream": cfg.stream,
             "group": cfg.group,
+            "shards": len(self.shards),
         }
         self.observer.compile_check = lambda: still_compiled(report)
         self.health.warm = True
@@ -355,15 +458,19 @@ class Worker:
         would stay pending otherwise."""
         cfg = self.config
         check = self.redis.register_script(CHECK_KEYS)
-        problems = await check(
-            keys=[
-                cfg.stream,
-                cfg.results_stream,
-                cfg.dead_stream,
-                wire.result_key("start-up-check", cfg.result_prefix),
-                heartbeat_key(cfg.worker_name),
-            ]
-        )
+        problems: list[Any] = []
+        for shard in self.shards:
+            result_key = wire.result_key("start-up-check", shard.result_prefix)
+            problems += await check(
+                keys=[
+                    shard.stream,
+                    shard.results_stream,
+                    shard.dead_stream,
+                    result_key,
+                    # A script's keys share one slot on a cluster: the heartbeat has its own.
+                    result_key if self.cluster else heartbeat_key(cfg.worker_name),
+                ]
+            )
         if problems:
             listed = "; ".join(p.decode() if isinstance(p, bytes) else str(p) for p in problems)
             raise ConfigError(f"Redis keys this worker must write are unusable: {listed}")
@@ -377,7 +484,7 @@ class Worker:
                 if logged:
                     log.info("redis_reachable", url=self.config.redacted_url())
                 return
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError) as exc:
                 message = f"cannot reach Redis at {self.config.redacted_url()}: {exc}"
                 if not wait:
                     raise RedisUnavailable(message) from None
@@ -396,20 +503,31 @@ class Worker:
             "watcher": asyncio.create_task(self.watcher.run(), name="watcher"),
             "dispatcher": asyncio.create_task(self._dispatch(), name="dispatcher"),
             "batcher": asyncio.create_task(self.batcher.run(), name="batcher"),
-            "reader": asyncio.create_task(self.reader.run(), name="reader"),
+            **{
+                _shard_task("reader", i): asyncio.create_task(
+                    r.run(), name=_shard_task("reader", i)
+                )
+                for i, r in enumerate(self.readers)
+            },
             "stats": asyncio.create_task(
                 self.observer.run(
                     self.redis,
                     key=heartbeat_key(self.config.worker_name),
-                    stream=self.config.stream,
+                    stream=self.shards[0].stream,
                     group=self.config.group,
                     in_flight=lambda: self.in_flight.count,
                 ),
                 name="stats",
             ),
-            "keepalive": asyncio.create_task(self.reclaimer.run_keepalive(), name="keepalive"),
-            "reclaim": asyncio.create_task(self.reclaimer.run_reclaim(), name="reclaim"),
-            "trim": asyncio.create_task(self.reclaimer.run_trim(), name="trim"),
+            **{
+                _shard_task(duty, i): asyncio.create_task(run(), name=_shard_task(duty, i))
+                for i, rc in enumerate(self.reclaimers)
+                for duty, run in (
+                    ("keepalive", rc.run_keepalive),
+                    ("reclaim", rc.run_reclaim),
+                    ("trim", rc.run_trim),
+                )
+            },
             # /live and /ready: proof that the loop runs, and whether Redis answers.
             "beat": asyncio.create_task(self.health.beat(), name="beat"),
             "redis_probe": asyncio.create_task(
@@ -433,7 +551,7 @@ class Worker:
             stop.cancel()
 
     async def _deliver(self, job: Job) -> None:
-        self._held[job.entry_id] = job
+        self._held[HeldKey(job.stream, job.entry_id)] = job
         if job.enqueued_ms:
             # Time in Redis before this worker read it (server and worker clocks may differ
             # a little; never negative).
@@ -506,7 +624,7 @@ class Worker:
 
     def _on_published(self, outcomes: list[Outcome], states: list[int]) -> None:
         for outcome in outcomes:
-            self._held.pop(outcome.job.entry_id, None)
+            self._held.pop(HeldKey(outcome.job.stream, outcome.job.entry_id), None)
         self.observer.published(outcomes, states)
         self.in_flight.give_back(len(outcomes))
 
@@ -519,17 +637,20 @@ class Worker:
         )
         tasks = self._tasks
         # 0. No more reclaiming or trimming; the keep-alive goes on while we drain.
-        for name in ("reclaim", "trim", "stats", "redis_probe"):
-            if name in tasks:
-                tasks[name].cancel()
-        # 1. Stop reading: nothing new is taken from the stream.
-        if "reader" in tasks:
-            self.reader.stop()
-            # The reader hands over what its last XREADGROUP returned before it exits.
+        for name, task in tasks.items():
+            if name.partition("-")[0] in ("reclaim", "trim", "stats", "redis_probe"):
+                task.cancel()
+        # 1. Stop reading: nothing new is taken from the streams.
+        readers = [t for name, t in tasks.items() if name.partition("-")[0] == "reader"]
+        if readers:
+            for reader in self.readers:
+                reader.stop()
+            # A reader hands over what its last XREADGROUP returned before it exits.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(tasks["reader"]), grace)
-            if not tasks["reader"].done():
-                tasks["reader"].cancel()
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*readers)), grace)
+            for task in readers:
+                if not task.done():
+                    task.cancel()
         # 2. Drain: fetches in progress hand their jobs on (or fail them), then the
         #    sentinel flows batcher -> dispatcher -> watcher; then the writer publishes
         #    what is left.
@@ -564,10 +685,13 @@ class Worker:
             await self.fetcher.close()
         # 4. Leave the group tidy: this consumer goes if it holds nothing (otherwise its
         #    entries stay pending for others to reclaim, and it is removed after that).
-        if tasks and hasattr(self, "reclaimer"):
+        if tasks and hasattr(self, "reclaimers"):
             try:
-                removed = await asyncio.wait_for(
-                    self.reclaimer.delete_consumer(self.config.worker_name), 5
+                removed = min(
+                    [
+                        await asyncio.wait_for(rc.delete_consumer(self.config.worker_name), 5)
+                        for rc in self.reclaimers
+                    ]
                 )
                 if removed < 0:
                     log.warning(
@@ -585,6 +709,8 @@ class Worker:
             with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
                 await asyncio.wait_for(self.redis.delete(heartbeat_key(self.config.worker_name)), 2)
             await self.redis.aclose()
+        for node in self._node_clients:
+            await node.aclose()
         self.observer.close()
         log.info(
             "stopped",
@@ -618,6 +744,11 @@ class Worker:
                 await self.main_loop()
         finally:
             await self.shutdown()
+
+
+def _shard_task(name: str, shard: int) -> str:
+    """Task names: `reader`, `trim`, ... for the first shard, `reader-1`, ... after it."""
+    return name if shard == 0 else f"{name}-{shard}"
 
 
 def expire_rows(batch: Batch) -> None:

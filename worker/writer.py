@@ -13,6 +13,7 @@ publish (Redis down) and retries them: a job is never acknowledged without its r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from producer import wire
 from producer.wire import ErrorCode
 from worker.jobs import Outcome
 from worker.redis_scripts import PUBLISH_RESULT
+from worker.replicas import ReplicaWait
 
 log = structlog.get_logger("gpufeed.writer")
 
@@ -121,8 +123,10 @@ class ResultWriter:
         *,
         max_queued: int,
         on_published: Callable[[list[Outcome], list[int]], None] | None = None,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.client = client
+        self._replicas = replicas
         self.settings = settings
         self._queue: asyncio.Queue[list[Outcome] | None] = asyncio.Queue(max_queued)
         self._script = client.register_script(PUBLISH_RESULT)
@@ -196,6 +200,11 @@ class ResultWriter:
             try:
                 states = await self.publish(outcomes)
             except (RedisConnectionError, RedisTimeoutError, NoScriptError, OSError) as exc:
+                if isinstance(exc, NoScriptError):
+                    # A cluster pipeline does not load scripts itself (a promoted replica
+                    # has none): load it on every master before trying again.
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.client.script_load(PUBLISH_RESULT)
                 if not outage_logged:
                     log.warning("redis_unavailable_for_results", error=str(exc), held=len(outcomes))
                     outage_logged = True
@@ -283,10 +292,15 @@ class ResultWriter:
                 ],
                 client=pipe,
             )
+        # WAIT (GPUFEED_WAIT_REPLICAS) rides on the scripts' connection, after them.
+        waits = self._replicas.queue(pipe) if self._replicas else 0
         try:
             replies = await pipe.execute(raise_on_error=False)
         finally:
             await pipe.reset()  # type: ignore[no-untyped-call]
+        if self._replicas and waits:
+            self._replicas.check(replies[-1], jobs=len(outcomes), key=s.stream)
+            replies = replies[: len(outcomes)]
         states: list[int] = []
         for outcome, reply in zip(outcomes, replies, strict=True):
             if isinstance(reply, RedisError):

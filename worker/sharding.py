@@ -1,0 +1,104 @@
+"""A worker over several job streams (GPUFEED_SHARDS): one reader, reclaimer and result
+writer per shard, sharing the one in-flight budget and the pipeline between them.
+
+Each shard's keys live in one hash slot (producer/shards.py), so each shard's writer runs the
+ack-and-publish script on one node, and each reader blocks on its own shard's node. Jobs
+carry the stream they were read from (`Job.stream`); their outcomes are routed back to the
+writer of that stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from producer.shards import Shard, hash_tag, slot_of
+from worker.jobs import Job, Outcome
+from worker.writer import ResultWriter
+
+
+@dataclass(frozen=True)
+class HeldKey:
+    stream: str
+    entry_id: str
+
+
+class ShardHeld(Mapping[str, Job]):
+    """The held jobs (by stream and entry ID) of one stream, by entry ID: what a shard's
+    reclaimer keeps alive and leaves alone. Entry IDs of two streams may be equal."""
+
+    def __init__(self, held: Mapping[HeldKey, Job], stream: str) -> None:
+        self._held = held
+        self._stream = stream
+
+    def __getitem__(self, entry_id: str) -> Job:
+        return self._held[HeldKey(self._stream, entry_id)]
+
+    def __contains__(self, entry_id: object) -> bool:
+        return isinstance(entry_id, str) and HeldKey(self._stream, entry_id) in self._held
+
+    def __iter__(self) -> Iterator[str]:
+        return (k.entry_id for k in list(self._held) if k.stream == self._stream)
+
+    def __len__(self) -> int:
+        return sum(1 for k in self._held if k.stream == self._stream)
+
+
+class ShardedWriter:
+    """The per-shard writers behind the one `put` the pipeline calls."""
+
+    def __init__(self, writers: Mapping[str, ResultWriter]) -> None:
+        self.writers = dict(writers)
+        self._first = next(iter(self.writers.values()))
+
+    def _split(self, outcomes: list[Outcome]) -> dict[str, list[Outcome]]:
+        groups: dict[str, list[Outcome]] = {}
+        for outcome in outcomes:
+            groups.setdefault(outcome.job.stream, []).append(outcome)
+        return groups
+
+    def _writer(self, stream: str) -> ResultWriter:
+        return self.writers.get(stream, self._first)
+
+    @property
+    def queued(self) -> int:
+        return sum(w.queued for w in self.writers.values())
+
+    @property
+    def published(self) -> int:
+        return sum(w.published for w in self.writers.values())
+
+    async def put(self, outcomes: list[Outcome]) -> None:
+        for stream, group in self._split(outcomes).items():
+            await self._writer(stream).put(group)
+
+    async def publish_now(self, outcomes: list[Outcome]) -> None:
+        for stream, group in self._split(outcomes).items():
+            await self._writer(stream).publish_now(group)
+
+    async def close(self) -> None:
+        for writer in self.writers.values():
+            await writer.close()
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(w.run(), name="writer") for w in self.writers.values()]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def reply_to_problem(job: Job, shard: Shard) -> str | None:
+    """On a cluster: why the job's reply_to cannot be written by the shard's publish script
+    (another slot: Redis refuses a script over keys of two slots); None when it can."""
+    if job.reply_to == shard.results_stream or slot_of(job.reply_to) == slot_of(shard.stream):
+        return None
+    tag = hash_tag(shard.stream)
+    where = f"end in ':{{{tag}}}'" if tag else "share the job stream's hash tag"
+    return (
+        f"reply_to {job.reply_to!r} is in another cluster slot than the job stream "
+        f"{shard.stream!r}: it must {where}"
+    )
