@@ -62,6 +62,8 @@ class Settings:
     results_stream: str = wire.DEFAULT_RESULTS_STREAM
     result_prefix: str = wire.DEFAULT_RESULT_PREFIX
     dead_stream: str = wire.DEFAULT_DEAD_STREAM
+    redis_cluster: str = "auto"
+    shards: str = "1"
 
     def merged(self, **given: str | None) -> Settings:
         return Settings(**{**self.__dict__, **{k: v for k, v in given.items() if v is not None}})
@@ -77,6 +79,8 @@ _CONNECTION_HELP = {
     "results_stream": ("GPUFEED_RESULTS_STREAM", "default results stream"),
     "result_prefix": ("GPUFEED_RESULT_PREFIX", "prefix of result hashes"),
     "dead_stream": ("GPUFEED_DEAD_STREAM", "dead-letter stream"),
+    "redis_cluster": ("GPUFEED_REDIS_CLUSTER", "Redis Cluster: auto, on or off"),
+    "shards": ("GPUFEED_SHARDS", "job streams, one per hash tag"),
 }
 _CONNECTION_OPTIONS: dict[str, Any] = {
     name: Annotated[
@@ -119,13 +123,23 @@ def _session(settings: Settings) -> Iterator[Producer]:
     """A producer for the command; the ways Redis can fail become one line and an exit code."""
     url = settings.redis_url
     try:
+        shard_count = int(settings.shards)
+    except ValueError:
+        message = f"GPUFEED_SHARDS: expected an integer, got {settings.shards!r}"
+        raise _fail(message, EXIT_USAGE) from None
+    try:
         producer = Producer(
             url,
             stream=settings.stream,
             results_stream=settings.results_stream,
             result_prefix=settings.result_prefix,
             dead_stream=settings.dead_stream,
+            shard_count=shard_count,
+            cluster=settings.redis_cluster,
         )
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # GPUFEED_REDIS_CLUSTER=auto asks the node at once.
+        raise _fail(f"cannot reach Redis at {redact(url)}: {exc}", EXIT_UNREACHABLE) from None
     except ValueError as exc:
         # redis-py rejects a malformed URL (unknown scheme, bad port) with ValueError.
         raise _fail(f"invalid Redis URL {redact(url)}: {exc}", EXIT_USAGE) from None
@@ -408,17 +422,24 @@ def _report(
 def stats(settings: Settings, *, json_out: JsonFlag = False) -> None:
     """Show the job backlog, the consumer group, its consumers and live workers."""
     with _session(settings) as producer:
-        snapshot = collect_stats(
-            producer.client,
-            settings.stream,
-            settings.group,
-            settings.results_stream,
-            dead_stream=settings.dead_stream,
-        )
+        snapshots = [
+            collect_stats(
+                producer.client,
+                shard.stream,
+                settings.group,
+                shard.results_stream,
+                dead_stream=shard.dead_stream,
+            )
+            for shard in producer.shards
+        ]
     if json_out:
-        _print_json(snapshot)
+        _print_json(snapshots[0] if len(snapshots) == 1 else {"shards": snapshots})
     else:
-        _render_stats(snapshot)
+        for i, snapshot in enumerate(snapshots):
+            if len(snapshots) > 1:
+                out.print(f"[bold]shard {i}[/bold]")
+            # The live workers (the same for every shard) once, after the last shard.
+            _render_stats(snapshot, with_workers=i == len(snapshots) - 1)
 
 
 def _length(info: dict[str, Any]) -> str:
@@ -429,7 +450,7 @@ def _length(info: dict[str, Any]) -> str:
     return f"{info['length']} entries"
 
 
-def _render_stats(snapshot: dict[str, Any]) -> None:
+def _render_stats(snapshot: dict[str, Any], *, with_workers: bool = True) -> None:
     jobs, group = snapshot["stream"], snapshot["group"]
     overview = Table("", "", show_header=False, box=None)
     overview.add_row("job stream", f"{jobs['name']}: {_length(jobs)}")
@@ -451,6 +472,8 @@ def _render_stats(snapshot: dict[str, Any]) -> None:
         for c in snapshot["consumers"]:
             consumers.add_row(c["name"], str(c["pending"]), str(c["idle_ms"]))
         out.print(consumers)
+    if not with_workers:
+        return
     # The heartbeat's compact figures; the full snapshot is in `stats --json`.
     columns = (
         ("worker", "name"), ("model", "model"), ("jobs/s", "jobs_per_s"),

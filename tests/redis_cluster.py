@@ -11,10 +11,13 @@ import random
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
+from redis.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 
 from tests.redis_server import RedisServer
@@ -190,3 +193,54 @@ def _free(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def results_by_id(client: ClusterClient, streams: list[str]) -> dict[str, list[str]]:
+    """Every result entry of the results streams, by job id."""
+    out: dict[str, list[str]] = {}
+    for stream in streams:
+        entries: Any = client.xrange(stream)
+        for entry_id, fields in entries:
+            out.setdefault(fields[b"id"].decode(), []).append(f"{stream}/{entry_id.decode()}")
+    return out
+
+
+class ResultWatcher:
+    """Reads the results streams every few ms during a run, as a client would, and keeps
+    every result entry it saw: a result seen once and gone at the end was lost (written on a
+    master that died before replicating it); an id seen with two entries was answered twice.
+    """
+
+    def __init__(self, url: str, streams: list[str]) -> None:
+        self.client = ClusterClient.from_url(url)
+        self.streams = streams
+        self.seen: dict[str, set[str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ResultWatcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for job_id, entries in results_by_id(self.client, self.streams).items():
+                    self.seen.setdefault(job_id, set()).update(entries)
+            except (redis.RedisError, OSError):
+                pass  # the failover: read again
+            time.sleep(0.02)
+
+    def report(self) -> dict[str, int]:
+        final = results_by_id(self.client, self.streams)
+        kept = {e for entries in final.values() for e in entries}
+        return {
+            "results": sum(len(v) for v in final.values()),
+            "duplicates": sum(1 for v in self.seen.values() if len(v) > 1),
+            "lost": sum(1 for v in self.seen.values() for e in v if e not in kept),
+            "ids_answered_twice_at_the_end": sum(1 for v in final.values() if len(v) > 1),
+        }

@@ -8,7 +8,6 @@ the null model, so the time goes to Redis and to gpufeed itself.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -22,7 +21,7 @@ from redis.cluster import RedisCluster as SyncCluster
 from producer.client import Job, Producer
 from producer.shards import SLOTS, layout, shard_of_id, slot_of
 from tests.images import jpeg_bytes
-from tests.redis_cluster import RedisCluster
+from tests.redis_cluster import RedisCluster, ResultWatcher, results_by_id
 from worker.config import ConfigError, WorkerConfig
 from worker.service import Worker
 
@@ -90,15 +89,6 @@ async def running(config: WorkerConfig) -> AsyncIterator[Worker]:
 def node_url(cluster: RedisCluster) -> str:
     """A running node (the first may be the one a test killed)."""
     return next(n for n in cluster.nodes if n.running).url
-
-
-def results_by_id(client: SyncCluster, streams: list[str]) -> dict[str, list[str]]:
-    """Every result entry of the results streams, by job id."""
-    out: dict[str, list[str]] = {}
-    for stream in streams:
-        for entry_id, fields in client.xrange(stream):
-            out.setdefault(fields[b"id"].decode(), []).append(f"{stream}/{entry_id.decode()}")
-    return out
 
 
 def wait_for_results(client: SyncCluster, stream: str, count: int) -> None:
@@ -199,47 +189,6 @@ async def test_a_reply_to_in_another_slot_is_answered_invalid_job(cluster: Redis
     client.close()
 
 
-class ResultWatcher:
-    """Reads the results streams every few ms during a run, as a client would, and keeps
-    every result entry it saw: a result seen once and gone at the end was lost (written on a
-    master that died before replicating it); an id seen with two entries was answered twice.
-    """
-
-    def __init__(self, url: str, streams: list[str]) -> None:
-        self.client = SyncCluster.from_url(url)
-        self.streams = streams
-        self.seen: dict[str, set[str]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ResultWatcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                for job_id, entries in results_by_id(self.client, self.streams).items():
-                    self.seen.setdefault(job_id, set()).update(entries)
-            except (redis.RedisError, OSError):
-                pass  # the failover: read again
-            time.sleep(0.02)
-
-    def report(self) -> dict[str, int]:
-        final = results_by_id(self.client, self.streams)
-        kept = {e for entries in final.values() for e in entries}
-        return {
-            "results": sum(len(v) for v in final.values()),
-            "duplicates": sum(1 for v in self.seen.values() if len(v) > 1),
-            "lost": sum(1 for v in self.seen.values() for e in v if e not in kept),
-            "ids_answered_twice_at_the_end": sum(1 for v in final.values() if len(v) > 1),
-        }
-
-
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 async def test_a_master_killed_mid_run_every_job_ends_with_a_result(
     cluster: RedisCluster, wait_replicas: int, capsys: pytest.CaptureFixture[str]
@@ -282,3 +231,20 @@ async def test_a_master_killed_mid_run_every_job_ends_with_a_result(
     cluster.wait_ok()
     cluster.wait_replicas_online()
     client.close()
+
+
+def test_keda_has_a_trigger_per_shard_on_the_contract_s_stream_names() -> None:
+    from tests.test_deploy import ROOT, k8s, load_all
+
+    (scaled,) = load_all(ROOT / "deploy" / "k8s-cluster" / "keda.yaml")
+    triggers = scaled["spec"]["triggers"]
+    assert scaled["spec"]["scaleTargetRef"] == k8s("ScaledObject")["spec"]["scaleTargetRef"]
+    assert {t["type"] for t in triggers} == {"redis-cluster-streams"}
+    streams = [s.stream for s in layout(3)]
+    backlog = [t["metadata"] for t in triggers if "lagCount" in t["metadata"]]
+    assert sorted(m["stream"] for m in backlog) == sorted(streams)
+    assert all(m["consumerGroup"] == "gpufeed" for m in backlog)
+    lengths = [t["metadata"]["stream"] for t in triggers if "streamLength" in t["metadata"]]
+    assert sorted(lengths) == sorted(streams)
+    auth = k8s("TriggerAuthentication")["metadata"]["name"]
+    assert all(t["authenticationRef"]["name"] == auth for t in triggers)
