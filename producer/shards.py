@@ -26,6 +26,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -195,6 +196,14 @@ async def is_cluster_async(url: str, mode: str) -> bool:
         return False
     finally:
         await client.aclose()
+
+
+async def connect_async(url: str, mode: str = "auto", **kwargs: Any) -> aioredis.Redis:
+    """A client for `url`: redis-py's cluster client when it names a cluster node (it takes
+    the same commands, each routed to its key's slot), else a plain one."""
+    if await is_cluster_async(url, mode):
+        return cast(aioredis.Redis, aioredis.RedisCluster.from_url(url, **kwargs))
+    return aioredis.Redis.from_url(url, **kwargs)
 
 
 def _enabled(info: dict[str, object]) -> bool:
