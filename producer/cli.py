@@ -504,6 +504,9 @@ def results(
 ) -> None:
     """Print the latest results from the results stream, and with --follow, new ones."""
     with _session(settings) as producer:
+        if follow and producer.sharded:
+            names = ", ".join(shard.results_stream for shard in producer.shards)
+            raise _fail(f"--follow reads one results stream; the shards have {names}", EXIT_USAGE)
         recent = producer.recent_results(count)
         if json_out:
             for _, result in recent:

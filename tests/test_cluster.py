@@ -8,10 +8,12 @@ the null model, so the time goes to Redis and to gpufeed itself.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from redis.cluster import RedisCluster as SyncCluster
 
 from producer.client import Job, Producer
 from producer.shards import SLOTS, layout, shard_of_id, slot_of
+from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.redis_cluster import RedisCluster, ResultWatcher, results_by_id
 from worker.config import ConfigError, WorkerConfig
@@ -248,3 +251,32 @@ def test_keda_has_a_trigger_per_shard_on_the_contract_s_stream_names() -> None:
     assert sorted(lengths) == sorted(streams)
     auth = k8s("TriggerAuthentication")["metadata"]["name"]
     assert all(t["authenticationRef"]["name"] == auth for t in triggers)
+
+
+async def test_the_producer_cli_submits_waits_and_shows_stats_per_shard(
+    cluster: RedisCluster, tmp_path: Path
+) -> None:
+    prefix = "cli"
+    for i in range(6):
+        (tmp_path / f"img{i}.jpg").write_bytes(jpeg_bytes(32, 32, seed=i))
+    env = {
+        "REDIS_URL": cluster.url,
+        "GPUFEED_SHARDS": "3",
+        "GPUFEED_STREAM": f"{prefix}:jobs",
+        "GPUFEED_RESULTS_STREAM": f"{prefix}:results",
+        "GPUFEED_RESULT_PREFIX": f"{prefix}:result:",
+        "GPUFEED_DEAD_STREAM": f"{prefix}:dead",
+    }
+    async with running(null_config(cluster.url, prefix, "w-cli")):
+        submitted = await asyncio.to_thread(
+            run_module, "producer", "submit", str(tmp_path), "--wait", "--json", env=env
+        )
+    assert submitted.returncode == 0, submitted.stderr
+    answers = [json.loads(line) for line in submitted.stdout.splitlines() if line.strip()]
+    assert sorted(a["id"] for a in answers) == [f"img{i}.jpg" for i in range(6)]
+    assert all(a["status"] == "ok" for a in answers)
+    stats = run_module("producer", "stats", "--json", env=env)
+    assert stats.returncode == 0, stats.stderr
+    shards = json.loads(stats.stdout)["shards"]
+    assert [s["stream"]["name"] for s in shards] == [s.stream for s in layout(3, **names(prefix))]
+    assert sum(s["stream"]["length"] for s in shards) == 6
