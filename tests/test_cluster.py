@@ -25,6 +25,7 @@ from producer.shards import SLOTS, layout, shard_of_id, slot_of
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.redis_cluster import RedisCluster, ResultWatcher, results_by_id
+from tests.redis_server import RedisServer
 from worker.config import ConfigError, WorkerConfig
 from worker.service import Worker
 
@@ -280,3 +281,29 @@ async def test_the_producer_cli_submits_waits_and_shows_stats_per_shard(
     shards = json.loads(stats.stdout)["shards"]
     assert [s["stream"]["name"] for s in shards] == [s.stream for s in layout(3, **names(prefix))]
     assert sum(s["stream"]["length"] for s in shards) == 6
+
+
+async def test_a_wait_for_replicas_that_times_out_leaves_the_results_and_counts_them(
+    tmp_path: Path,
+) -> None:
+    # A single Redis with no replica: every WAIT 1 times out.
+    server = RedisServer(tmp_path / "single").start()
+    try:
+        config = null_config(
+            server.url,
+            "solo",
+            "w-solo",
+            shards=1,
+            wait_replicas=1,
+            wait_replicas_timeout_ms=20,
+        )
+        producer = Producer(server.url, **names("solo"))
+        async with running(config) as worker:
+            jobs = [Job(image=jpeg_bytes(32, 32), id=f"s{i}") for i in range(5)]
+            ids = producer.submit_many(jobs)
+            results = await asyncio.to_thread(producer.wait, ids, 30.0)
+        assert {i: r.status for i, r in results.items()} == {i: "ok" for i in ids}
+        assert worker.counters.events.get("replica_wait_timeout") == 5
+        producer.close()
+    finally:
+        server.stop()
