@@ -18,13 +18,15 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 from redis.commands.core import AsyncScript
-from redis.exceptions import AskError, MovedError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, MasterDownError, MovedError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = structlog.get_logger("gpufeed.cluster")
 
-_REDIRECTS = (MovedError, AskError, TryAgainError)
+# Answers given before a command runs: the slot is elsewhere, or the cluster is failing
+# over. Nothing was done; the writer tries again (after the slot map is read again).
+_REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError, MasterDownError)
 
 
 class SlotMoved(RedisConnectionError):
@@ -88,7 +90,6 @@ class NodePipeline(Pipeline):
             await self._owner.refresh()
             raise
         if any(isinstance(r, _REDIRECTS) for r in replies):
-            # MOVED is answered before a command runs: none of these scripts ran there.
             await self._owner.refresh()
-            raise SlotMoved(f"the slot of {self._owner.key!r} moved to another node")
+            raise SlotMoved(f"the slot of {self._owner.key!r} is moving (failover)")
         return replies

@@ -245,7 +245,15 @@ def _error_frame(config: WorkerConfig, exc: Exception) -> RenderableType:
 
 def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False) -> int:
     """Draw the dashboard until Ctrl+C (or one frame with `once`); returns the exit code."""
-    client = connect(config)
+    try:
+        client = connect(config)
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        if once:
+            print(f"gpufeed: cannot reach Redis at {config.redacted_url()}: {exc}", file=sys.stderr)
+            return EXIT_REDIS
+        # Not there yet: the frames say so and retry (as a single Redis: GPUFEED_REDIS_CLUSTER
+        # =on for a cluster that is still starting).
+        client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_timeout=5)
     # A frame for a file or a README is not cut to a narrow default width.
     width = None if sys.stdout.isatty() else max(130, shutil.get_terminal_size((130, 40)).columns)
     console = Console(width=width, highlight=False)
