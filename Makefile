@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 REDIS_PORT ?= 6379
 
-.PHONY: help setup redis-server promtool test lint demo run-worker run-redis bench soak \
+.PHONY: help setup redis-server promtool test lint demo run-worker run-redis bench soak soak-cluster \
 	gpu-check gpu-check-prepare clean
 
 help: ## this list
@@ -76,6 +76,13 @@ bench: setup ## the benchmark report (bench/out/); MODEL=DIR for a model directo
 # --help for --jobs, --workers, --out). Fails if a job is missing or answered twice.
 soak: setup ## 20,000 jobs with a worker killed and Redis restarted (.soak/report.json)
 	$(PY) scripts/soak.py
+
+# The cluster variant: a private Redis Cluster (3 masters, 1 replica each), 3 shards, 2
+# workers on the null model, a master SIGKILLed at 50% answered; reports duplicates, lost
+# results and jobs/s (.soak/cluster-report.json). SOAK_WAIT_REPLICAS=1 to WAIT for replicas.
+soak-cluster: setup ## 3,000 jobs on a Redis Cluster with a master killed (.soak/cluster-report.json)
+	$(PY) scripts/soak.py --cluster --jobs 3000 --out .soak/cluster-report.json \
+	  --wait-replicas $(or $(SOAK_WAIT_REPLICAS),0)
 
 # The CUDA tests and a short benchmark on a GPU host without network; writes
 # $$GPU_CHECK_OUT/report.json. Uses the host's python3 and PyTorch: no setup here.

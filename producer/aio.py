@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -28,6 +28,9 @@ class AsyncProducer(ProducerBase[aioredis.Redis]):
     """The asyncio twin of `Producer`: the same methods, awaited."""
 
     def _connect(self, url: str) -> aioredis.Redis:
+        if self.cluster:
+            # RedisCluster takes the same commands, each routed by its key's slot.
+            return cast(aioredis.Redis, aioredis.RedisCluster.from_url(url))
         return aioredis.Redis.from_url(url)
 
     async def aclose(self) -> None:

@@ -64,6 +64,8 @@ class Settings:
     result_prefix: str = wire.DEFAULT_RESULT_PREFIX
     dead_stream: str = wire.DEFAULT_DEAD_STREAM
     priorities: str = ""
+    redis_cluster: str = "auto"
+    shards: str = "1"
 
     def merged(self, **given: str | None) -> Settings:
         return Settings(**{**self.__dict__, **{k: v for k, v in given.items() if v is not None}})
@@ -80,6 +82,8 @@ _CONNECTION_HELP = {
     "result_prefix": ("GPUFEED_RESULT_PREFIX", "prefix of result hashes"),
     "dead_stream": ("GPUFEED_DEAD_STREAM", "dead-letter stream"),
     "priorities": ("GPUFEED_PRIORITIES", "priority levels, highest first, as the workers'"),
+    "redis_cluster": ("GPUFEED_REDIS_CLUSTER", "Redis Cluster: auto, on or off"),
+    "shards": ("GPUFEED_SHARDS", "job streams, one per hash tag"),
 }
 _CONNECTION_OPTIONS: dict[str, Any] = {
     name: Annotated[
@@ -122,6 +126,11 @@ def _session(settings: Settings) -> Iterator[Producer]:
     """A producer for the command; the ways Redis can fail become one line and an exit code."""
     url = settings.redis_url
     try:
+        shard_count = int(settings.shards)
+    except ValueError:
+        message = f"GPUFEED_SHARDS: expected an integer, got {settings.shards!r}"
+        raise _fail(message, EXIT_USAGE) from None
+    try:
         producer = Producer(
             url,
             stream=settings.stream,
@@ -129,7 +138,12 @@ def _session(settings: Settings) -> Iterator[Producer]:
             result_prefix=settings.result_prefix,
             dead_stream=settings.dead_stream,
             priorities=settings.priorities,
+            shard_count=shard_count,
+            cluster=settings.redis_cluster,
         )
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # GPUFEED_REDIS_CLUSTER=auto asks the node at once.
+        raise _fail(f"cannot reach Redis at {redact(url)}: {exc}", EXIT_UNREACHABLE) from None
     except ValueError as exc:
         if "priorit" in str(exc):
             raise _fail(f"GPUFEED_PRIORITIES: {exc}", EXIT_USAGE) from None
@@ -425,18 +439,25 @@ def _report(
 def stats(settings: Settings, *, json_out: JsonFlag = False) -> None:
     """Show the job backlog, the consumer group, its consumers and live workers."""
     with _session(settings) as producer:
-        snapshot = collect_stats(
-            producer.client,
-            settings.stream,
-            settings.group,
-            settings.results_stream,
-            dead_stream=settings.dead_stream,
-            priorities=settings.priorities,
-        )
+        snapshots = [
+            collect_stats(
+                producer.client,
+                shard.stream,
+                settings.group,
+                shard.results_stream,
+                dead_stream=shard.dead_stream,
+                priorities=settings.priorities,
+            )
+            for shard in producer.shards
+        ]
     if json_out:
-        _print_json(snapshot)
+        _print_json(snapshots[0] if len(snapshots) == 1 else {"shards": snapshots})
     else:
-        _render_stats(snapshot)
+        for i, snapshot in enumerate(snapshots):
+            if len(snapshots) > 1:
+                out.print(f"[bold]shard {i}[/bold]")
+            # The live workers (the same for every shard) once, after the last shard.
+            _render_stats(snapshot, with_workers=i == len(snapshots) - 1)
 
 
 def _length(info: dict[str, Any]) -> str:
@@ -463,7 +484,7 @@ def _render_levels(levels: list[dict[str, Any]]) -> None:
     out.print(table)
 
 
-def _render_stats(snapshot: dict[str, Any]) -> None:
+def _render_stats(snapshot: dict[str, Any], *, with_workers: bool = True) -> None:
     jobs, group = snapshot["stream"], snapshot["group"]
     overview = Table("", "", show_header=False, box=None)
     if snapshot["levels"]:
@@ -491,6 +512,8 @@ def _render_stats(snapshot: dict[str, Any]) -> None:
             for c in lv["consumers"]:
                 consumers.add_row(c["name"], str(c["pending"]), str(c["idle_ms"]))
             out.print(consumers)
+    if not with_workers:
+        return
     # The heartbeat's compact figures; the full snapshot is in `stats --json`.
     columns = (
         ("worker", "name"), ("model", "model"), ("jobs/s", "jobs_per_s"),
@@ -521,6 +544,9 @@ def results(
 ) -> None:
     """Print the latest results from the results stream, and with --follow, new ones."""
     with _session(settings) as producer:
+        if follow and producer.sharded:
+            names = ", ".join(shard.results_stream for shard in producer.shards)
+            raise _fail(f"--follow reads one results stream; the shards have {names}", EXIT_USAGE)
         recent = producer.recent_results(count)
         if json_out:
             for _, result in recent:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from redis.client import Pipeline
@@ -62,6 +62,9 @@ class Producer(ProducerBase[redis.Redis]):
     """A synchronous gpufeed client. Closes the Redis client only if it created it."""
 
     def _connect(self, url: str) -> redis.Redis:
+        if self.cluster:
+            # RedisCluster takes the same commands, each routed by its key's slot.
+            return cast(redis.Redis, redis.RedisCluster.from_url(url))
         return redis.Redis.from_url(url)
 
     def close(self) -> None:

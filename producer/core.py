@@ -5,6 +5,8 @@ execute the requests, one on a `redis.Redis`, the other on a `redis.asyncio.Redi
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar, cast
@@ -13,7 +15,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from producer import wire
+from producer import shards, wire
 from producer.admission import ADMIT, admit_args, admitted
 from producer.commands import Batch, Exec, Steps, Transaction, Unwatch, call
 from producer.dead_letters import (
@@ -35,7 +37,7 @@ from producer.replies import (
     stream_entries,
     text,
 )
-from producer.waiting import OnResult, ResultsFeed, Waiter
+from producer.waiting import OnResult, ResultsFeed, ResultsTimeout, Waiter
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 REMEMBERED_ENTRIES = 100_000
@@ -67,9 +69,21 @@ class ProducerBase(Generic[C]):
         max_backlog: int = 0,
         max_memory_share: float = 0.0,
         priorities: str | Sequence[str] | None = None,
+        shard_count: int = 1,
+        cluster: str = "auto",
     ) -> None:
         if max_backlog < 0 or not 0.0 <= max_memory_share <= 1.0:
             raise ValueError("max_backlog must be >= 0 and max_memory_share in 0..1")
+        shards.check_cluster_mode(cluster)
+        # The keys of each shard (producer/shards.py); one shard: the names as given.
+        self.shards = shards.layout(
+            shard_count,
+            stream=stream,
+            results_stream=results_stream,
+            result_prefix=result_prefix,
+            dead_stream=dead_stream,
+        )
+        self._cluster_mode = cluster
         self.stream = stream
         # The workers' GPUFEED_PRIORITIES, highest first; () without levels. A job goes to
         # the stream of its level (producer/priorities.py).
@@ -83,14 +97,37 @@ class ProducerBase(Generic[C]):
         self.dead_stream = dead_stream
         # Every reply_to used here is watched by wait(); a handful of names, not one per job.
         self._reply_streams: dict[str, None] = {results_stream: None}
+        # With shards: the reply streams watched for each shard, and the shard of each
+        # recent job (an id without its own id is its entry ID: not hashed, remembered).
+        self._shard_replies: list[dict[str, None]] = [
+            {shard.results_stream: None} for shard in self.shards
+        ]
+        self._shard_of: OrderedDict[str, int] = OrderedDict()
+        self._next_shard = 0
         # The entry of each recent job submitted with its own id, so that wait() tells its
         # result from another job's with the same id. Bounded: the oldest are forgotten.
         self._entries: OrderedDict[str, str] = OrderedDict()
         self._owns_client = isinstance(url_or_client, str)
+        self.cluster = self._is_cluster(url_or_client)
         self.client: C = (
             self._connect(url_or_client) if isinstance(url_or_client, str) else url_or_client
         )
         check_client(self.client)
+        if self.cluster and len(self.shards) == 1:
+            shards.check_one_slot(
+                stream=stream,
+                results_stream=results_stream,
+                result_prefix=result_prefix,
+                dead_stream=dead_stream,
+            )
+            # Custom reply streams get the names' common tag.
+            tag = shards.hash_tag(stream) or ""
+            self.shards = [dataclasses.replace(self.shards[0], tag=tag)]
+
+    def _is_cluster(self, url_or_client: str | C) -> bool:
+        if not isinstance(url_or_client, str):
+            return not isinstance(url_or_client, redis.Redis | aioredis.Redis)
+        return shards.is_cluster(url_or_client, self._cluster_mode)
 
     def _connect(self, url: str) -> C:
         """A client for `url`, which the producer then owns (and closes)."""
@@ -102,13 +139,41 @@ class ProducerBase(Generic[C]):
             self._reply_streams[job.reply_to] = None
         return fields
 
+    @property
+    def sharded(self) -> bool:
+        return len(self.shards) > 1
+
+    def _place(self, job: Job) -> tuple[int, Job]:
+        """The shard a job goes to (its id's hash, or round-robin), and the job with its
+        reply_to moved into that shard's slot."""
+        if job.id is not None:
+            index = shards.shard_of_id(job.id, len(self.shards))
+        else:
+            index = self._next_shard % len(self.shards)
+            self._next_shard += 1
+        shard = self.shards[index]
+        if job.reply_to is not None and (self.sharded or self.cluster):
+            reply_to = shard.reply_stream(job.reply_to)
+            job = dataclasses.replace(job, reply_to=reply_to)
+            self._shard_replies[index][reply_to] = None
+        return index, job
+
+    def shard_of(self, id: str) -> int:
+        """The shard of a job id: remembered for jobs submitted here, else the id's hash."""
+        known = self._shard_of.get(id)
+        return known if known is not None else shards.shard_of_id(id, len(self.shards))
+
     def _watched(self, streams: Iterable[str] | None) -> list[str]:
         return list(self._reply_streams if streams is None else dict.fromkeys(streams))
 
     # ------------------------------------------------------------------ jobs and results
-    def _remember(self, job: Job, entry_id: bytes | str, level: str) -> str:
+    def _remember(self, job: Job, entry_id: bytes | str, level: str, shard: int = 0) -> str:
         ref = entry_ref(level, text(entry_id))
         if job.id is None:
+            if self.sharded:
+                self._shard_of[ref] = shard
+                while len(self._shard_of) > REMEMBERED_ENTRIES:
+                    self._shard_of.popitem(last=False)
             return ref
         self._entries[job.id] = ref
         self._entries.move_to_end(job.id)
@@ -121,7 +186,23 @@ class ProducerBase(Generic[C]):
 
     def _submit_many(self, jobs: Iterable[Job], priority: str | None) -> Steps[list[str]]:
         level = pick_level(self.levels, priority)
-        stream = level_stream(self.stream, level)
+        if not self.sharded and not self.cluster:
+            stream = level_stream(self.stream, level)
+            return (yield from self._submit_to(stream, 0, level, list(jobs)))
+        placed = [self._place(job) for job in jobs]
+        ids: list[str | None] = [None] * len(placed)
+        for index, shard in enumerate(self.shards):
+            mine = [i for i, (s, _) in enumerate(placed) if s == index]
+            if not mine:
+                continue
+            got = yield from self._submit_to(
+                level_stream(shard.stream, level), index, level, [placed[i][1] for i in mine]
+            )
+            for i, job_id in zip(mine, got, strict=True):
+                ids[i] = job_id
+        return [i for i in ids if i is not None]
+
+    def _submit_to(self, stream: str, shard: int, level: str, jobs: list[Job]) -> Steps[list[str]]:
         prepared = [(job, self._fields(job)) for job in jobs]
         if not prepared:
             return []
@@ -142,11 +223,13 @@ class ProducerBase(Generic[C]):
         else:
             entry_ids = yield Batch(tuple(call("xadd", stream, f) for _, f in prepared))
         return [
-            self._remember(job, e, level) for (job, _), e in zip(prepared, entry_ids, strict=True)
+            self._remember(job, e, level, shard)
+            for (job, _), e in zip(prepared, entry_ids, strict=True)
         ]
 
     def _get_result(self, id: str) -> Steps[wire.JobResult | None]:
-        return stored_result((yield call("hgetall", wire.result_key(id, self.result_prefix))))
+        key = self.shards[self.shard_of(id)].result_key(id)
+        return stored_result((yield call("hgetall", key)))
 
     def _wait(
         self,
@@ -156,29 +239,77 @@ class ProducerBase(Generic[C]):
         on_result: OnResult | None,
         streams: Iterable[str] | None,
     ) -> Steps[dict[str, wire.JobResult]]:
+        if self.sharded or self.cluster:
+            return (yield from self._wait_shards(ids, timeout_s, raise_on_timeout, on_result))
         w = Waiter(ids, timeout_s, on_result, self._entries)
         if not w.pending:
             return {}
         return (yield from w.steps(self._watched(streams), self.result_prefix, raise_on_timeout))
 
+    def _wait_shards(
+        self,
+        ids: Iterable[str],
+        timeout_s: float | None,
+        raise_on_timeout: bool,
+        on_result: OnResult | None,
+    ) -> Steps[dict[str, wire.JobResult]]:
+        """One shard after the other (a cluster reads one slot per XREAD): the results of
+        later shards are in their hashes by the time their turn comes, so the wait takes
+        about as long as the slowest shard, not the sum."""
+        wanted = list(dict.fromkeys(ids))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        found: dict[str, wire.JobResult] = {}
+        for index, shard in enumerate(self.shards):
+            mine = [i for i in wanted if self.shard_of(i) == index]
+            if not mine:
+                continue
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            w = Waiter(mine, left, on_result, self._entries)
+            watched = list(self._shard_replies[index])
+            found.update((yield from w.steps(watched, shard.result_prefix, False)))
+        results = {i: found[i] for i in wanted if i in found}
+        if raise_on_timeout and len(results) < len(wanted):
+            raise ResultsTimeout(results, [i for i in wanted if i not in found])
+        return results
+
     def _recent_results(
         self, count: int, stream: str | None
     ) -> Steps[list[tuple[str, wire.JobResult]]]:
+        if stream is None and self.sharded:
+            replies = yield Batch(
+                tuple(call("xrevrange", s.results_stream, count=count) for s in self.shards)
+            )
+            merged = [r for reply in replies for r in newest_results(reply)]
+            merged.sort(key=lambda pair: tuple(int(p) for p in pair[0].split("-")))
+            return merged[-count:]
         return newest_results((yield call("xrevrange", stream or self.results_stream, count=count)))
 
     def _results_feed(
         self, start: str, block_ms: int | None, count: int, stream: str | None
     ) -> ResultsFeed:
+        if stream is None and self.sharded:
+            names = ", ".join(s.results_stream for s in self.shards)
+            raise ValueError(f"with shards, name one results stream to follow: {names}")
         return ResultsFeed(stream or self.results_stream, start, block_ms, count)
 
     # ------------------------------------------------------------------ dead letters
     def _dead_letters(self, count: int, start: str) -> Steps[list[DeadLetter]]:
+        if self.sharded:
+            replies = yield Batch(
+                tuple(call("xrange", s.dead_stream, start, count=count) for s in self.shards)
+            )
+            return [dead_letter(eid, f) for r in replies for eid, f in stream_entries(r or [])]
         reply = yield call("xrange", self.dead_stream, start, count=count)
         return [dead_letter(eid, f) for eid, f in stream_entries(reply or [])]
 
     def _replay_dead(
         self, entry_ids: Sequence[str] | None, all: bool, keep: bool
     ) -> Steps[list[str]]:
+        if self.sharded:
+            raise ValueError(
+                "replaying dead letters works on one shard's keys: run it with GPUFEED_SHARDS=1 "
+                "and the shard's names (e.g. GPUFEED_STREAM='gpufeed:jobs:{s0-1}')"
+            )
         ids = replay_selection(entry_ids, all)
         if ids is None:
             return (yield from self._replay_all(keep))

@@ -333,6 +333,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=3.0, help="wait for late duplicates")
     p.add_argument("--timeout-s", type=float, default=0.0, help="0: 300 s + 20 ms per job")
     p.add_argument("--seed", type=int, default=1)
+    cluster = p.add_argument_group("cluster variant (--cluster)")
+    cluster.add_argument(
+        "--cluster",
+        action="store_true",
+        help="a private Redis Cluster (3 masters, 1 replica each), the null model, good jobs "
+        "only, a master SIGKILLed at 50%% answered (not with --no-faults); reports "
+        "duplicates, lost results and jobs/s",
+    )
+    cluster.add_argument("--shards", type=int, default=3, help="GPUFEED_SHARDS (default 3)")
+    cluster.add_argument("--wait-replicas", type=int, default=0, help="GPUFEED_WAIT_REPLICAS")
     args = p.parse_args(argv)
     if args.jobs < 1 or args.workers < 1:
         p.error("--jobs and --workers must be at least 1")
@@ -341,6 +351,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cluster:
+        return cluster_main(args)
     work = args.workdir.resolve()
     if (work / "redis").exists():
         shutil.rmtree(work / "redis")
@@ -780,6 +792,118 @@ def print_report(r: dict[str, Any]) -> None:
         f"\n{verdict}: {r['answered']} of {r['jobs_in']} jobs answered, "
         f"{r['duplicates']} duplicated, {r['missing']} missing, {r['unexpected']} unexpected"
     )
+
+
+# ----------------------------------------------------------------------------- cluster
+def cluster_main(args: argparse.Namespace) -> int:
+    """The cluster variant: sharded job streams on a real cluster, a master killed."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    from producer.client import Job, Producer
+    from tests.redis_cluster import RedisCluster, ResultWatcher
+
+    work = args.workdir.resolve() / "cluster"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    (work.parent / ".gitignore").write_text("*\n")
+    print("starting a Redis Cluster (3 masters, 1 replica each) ...", flush=True)
+    cluster = RedisCluster(work / "redis").start()
+    procs: list[WorkerProcess] = []
+    try:
+        env = worker_env(
+            cluster.url,
+            "none",
+            GPUFEED_MODEL="null",
+            GPUFEED_WEIGHTS="none",
+            GPUFEED_BATCH_SIZE=str(args.batch_size),
+            GPUFEED_DEVICE="cpu",
+            GPUFEED_SHARDS=str(args.shards),
+            GPUFEED_WAIT_REPLICAS=str(args.wait_replicas),
+            GPUFEED_VISIBILITY_TIMEOUT_S=str(args.visibility_timeout),
+            GPUFEED_CLAIM_INTERVAL_S="1",
+            GPUFEED_CONSUMER_EXPIRY_S=str(max(30.0, args.visibility_timeout)),
+        )
+        if args.shards == 1:
+            # One shard on a cluster: the four names in one slot.
+            env.update(
+                GPUFEED_STREAM="{gpufeed}:jobs",
+                GPUFEED_RESULTS_STREAM="{gpufeed}:results",
+                GPUFEED_RESULT_PREFIX="{gpufeed}:result:",
+                GPUFEED_DEAD_STREAM="{gpufeed}:dead",
+            )
+        names = {
+            "stream": env.get("GPUFEED_STREAM", "gpufeed:jobs"),
+            "results_stream": env.get("GPUFEED_RESULTS_STREAM", "gpufeed:results"),
+            "result_prefix": env.get("GPUFEED_RESULT_PREFIX", "gpufeed:result:"),
+            "dead_stream": env.get("GPUFEED_DEAD_STREAM", "gpufeed:dead"),
+        }
+        print(f"starting {args.workers} workers ...", flush=True)
+        procs = [
+            WorkerProcess(f"soak-c{i}", env, work / "logs" / f"soak-c{i}.log").start()
+            for i in range(args.workers)
+        ]
+        wait_ready(procs, timeout_s=180)
+        client = ClusterClient.from_url(cluster.url)
+        producer = Producer(client, shard_count=args.shards, **names)
+        streams = [s.results_stream for s in producer.shards]
+        image = jpeg_bytes(64, 48, seed=args.seed)
+        ids = [f"c{i}" for i in range(args.jobs)]
+        failover: dict[str, Any] = {}
+        with ResultWatcher(cluster.url, streams) as watcher:
+            t0 = time.monotonic()
+            for i in range(0, len(ids), 500):
+                producer.submit_many([Job(image=image, id=j) for j in ids[i : i + 500]])
+            print(f"submitted {len(ids)} jobs over {args.shards} shard(s)", flush=True)
+            if not args.no_faults:
+                while len(watcher.seen) < len(ids) // 2:
+                    time.sleep(0.01)
+                failover["at_s"] = round(time.monotonic() - t0, 2)
+                failover["answered_before"] = len(watcher.seen)
+                started = time.monotonic()
+                victim = cluster.kill_master_of(producer.shards[0].stream)
+                failover["killed_port"] = victim.port
+                failover["took_s"] = round(time.monotonic() - started, 2)
+                print(f"killed the master of {producer.shards[0].stream}", flush=True)
+            url = next(n for n in cluster.nodes if n.running).url
+            after = Producer(ClusterClient.from_url(url), shard_count=args.shards, **names)
+            timeout_s = args.timeout_s or 300 + 0.02 * args.jobs
+            results = after.wait(ids, timeout_s=timeout_s, raise_on_timeout=False)
+            elapsed = time.monotonic() - t0
+            time.sleep(args.settle_s)
+            tally = watcher.report()
+        exit_codes = stop_all(procs)
+    finally:
+        for proc in procs:
+            if proc.alive:
+                proc.kill()
+        cluster.stop()
+    report = {
+        "variant": "cluster",
+        "shards": args.shards,
+        "workers": args.workers,
+        "wait_replicas": args.wait_replicas,
+        "jobs_in": len(ids),
+        "answered": len(results),
+        "ok": sum(1 for r in results.values() if r.ok),
+        "missing": len(ids) - len(results),
+        **tally,
+        "failover": failover or None,
+        "elapsed_s": round(elapsed, 2),
+        "jobs_per_s": round(len(results) / elapsed, 1),
+        "worker_exit_codes": exit_codes,
+    }
+    report["passed"] = report["missing"] == 0 and report["ok"] == len(ids)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    verdict = "PASS" if report["passed"] else "FAIL"
+    print(
+        f"\n{verdict}: {report['answered']} of {report['jobs_in']} jobs answered, "
+        f"{report['duplicates']} answered twice, {report['lost']} results lost in the "
+        f"failover, {report['jobs_per_s']} jobs/s"
+    )
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from producer import wire
+from producer import shards, wire
 from producer.priorities import parse_levels
+from producer.shards import Shard
 from worker.lanes import Lanes
 
 COMPILE_MODES = (
@@ -62,6 +63,13 @@ class WorkerConfig:
     result_ttl_s: int = field(default=86_400, metadata={"env": "GPUFEED_RESULT_TTL_S"})
     results_maxlen: int = field(default=1_000_000, metadata={"env": "GPUFEED_RESULTS_MAXLEN"})
     worker_name: str = field(default="", metadata={"env": "GPUFEED_WORKER_NAME"})
+    # Redis Cluster (producer/shards.py): job streams split by hash tag, durable publishes.
+    redis_cluster: str = field(default="auto", metadata={"env": "GPUFEED_REDIS_CLUSTER"})
+    shards: int = field(default=1, metadata={"env": "GPUFEED_SHARDS"})
+    wait_replicas: int = field(default=0, metadata={"env": "GPUFEED_WAIT_REPLICAS"})
+    wait_replicas_timeout_ms: int = field(
+        default=1000, metadata={"env": "GPUFEED_WAIT_REPLICAS_TIMEOUT_MS"}
+    )
 
     # Model and device
     model: str = field(default="resnet50", metadata={"env": "GPUFEED_MODEL"})
@@ -193,6 +201,21 @@ class WorkerConfig:
                 "GPUFEED_PRIORITIES",
                 f"level {lane.level!r}'s stream {lane.stream} is the results or dead-letter stream",
             )
+        try:
+            shards.check_cluster_mode(self.redis_cluster)
+            self.shard_layout()
+        except shards.ShardLayoutError as exc:
+            raise ConfigError(str(exc)) from None
+        need(
+            0 <= self.wait_replicas <= 16,
+            "GPUFEED_WAIT_REPLICAS",
+            "must be between 0 (do not wait) and 16",
+        )
+        need(
+            1 <= self.wait_replicas_timeout_ms <= 60_000,
+            "GPUFEED_WAIT_REPLICAS_TIMEOUT_MS",
+            "must be between 1 and 60000",
+        )
         need(
             self.model.strip() != "",
             "GPUFEED_MODEL",
@@ -348,8 +371,13 @@ class WorkerConfig:
     def lanes(self) -> Lanes:
         """The job streams this worker reads: one per priority level, or the one stream.
         A new object each time: it carries the reader's share credits."""
+        return self.lanes_of(self.stream)
+
+    def lanes_of(self, stream: str) -> Lanes:
+        """The lanes of one job stream (a shard's): its priority levels' streams, which keep
+        its hash tag, or the stream itself."""
         levels = parse_levels(self.priorities)
-        return Lanes.of(self.stream, levels, parse_weights(self.priority_weights, len(levels)))
+        return Lanes.of(stream, levels, parse_weights(self.priority_weights, len(levels)))
 
     def _validate_degrade(self, need: Callable[[bool, str, str], None]) -> None:
         """The degraded step's settings; whether its input is smaller than the main step's
@@ -406,6 +434,30 @@ class WorkerConfig:
             except ConfigError as exc:
                 reason = str(exc).removeprefix("GPUFEED_MODEL: ")
                 raise ConfigError(f"GPUFEED_DEGRADE_MODEL: {reason}") from None
+
+    def shard_layout(self) -> list[Shard]:
+        """The keys of each shard this worker reads (one, the names as set, by default)."""
+        return shards.layout(
+            self.shards,
+            stream=self.stream,
+            results_stream=self.results_stream,
+            result_prefix=self.result_prefix,
+            dead_stream=self.dead_stream,
+        )
+
+    def check_cluster_keys(self) -> None:
+        """On a cluster with one shard, the four key names must share a hash tag."""
+        if self.shards > 1:
+            return
+        try:
+            shards.check_one_slot(
+                stream=self.stream,
+                results_stream=self.results_stream,
+                result_prefix=self.result_prefix,
+                dead_stream=self.dead_stream,
+            )
+        except shards.ShardLayoutError as exc:
+            raise ConfigError(str(exc)) from None
 
     def redacted_url(self) -> str:
         """REDIS_URL with any password replaced, safe for logs."""

@@ -20,7 +20,7 @@ STAGES = ("redis_wait", "fetch", "queue", "decode", "batch_wait", "compute", "wr
 # answered by another worker first, refused by Redis; and consumers of dead workers removed.
 DELIVERY_EVENTS = (
     "reclaimed", "dead_lettered", "entry_deleted", "duplicate_id", "not_ours",
-    "already_answered", "refused", "consumer_removed", "trimmed",
+    "already_answered", "refused", "consumer_removed", "trimmed", "replica_wait_timeout",
 )  # fmt: skip
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _FILL = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)

@@ -17,20 +17,23 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 import structlog
 import torch
 from PIL import Image
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError, RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import wire
+from producer import shards, wire
 from producer.wire import ErrorCode
 from worker.batcher import Batch, Batcher
+from worker.cluster_node import ShardNodeClient
 from worker.completion import CompletionWatcher
 from worker.config import ConfigError, WorkerConfig
 from worker.decode.cache import DecodeCache
@@ -58,7 +61,9 @@ from worker.observer import Observer, heartbeat_key
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
 from worker.redis_scripts import CHECK_KEYS
+from worker.replicas import ReplicaWait
 from worker.runner import Launched, LaunchFailed, ModelRunner
+from worker.sharding import ShardedWriter, ShardHeld, reply_to_problem
 from worker.staging import InputRing, OutputRing
 from worker.transfer import DeviceTransfer
 from worker.writer import ResultWriter, WriterSettings
@@ -106,10 +111,18 @@ class Worker:
         self.precision: PrecisionReport | AgreementReport | None = None
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         # Entries read and not yet answered, by (job stream, entry ID): the keep-alive
-        # refreshes them. Two streams (priority levels) may hold the same entry ID.
+        # refreshes them. Two streams (priority levels, shards) may hold the same entry ID.
         self._held: dict[tuple[str, str], Job] = {}
-        # The job streams this worker reads: one per priority level, or the one stream.
-        self.lanes = config.lanes
+        self._node_clients: list[ShardNodeClient] = []
+        # The keys of each shard (GPUFEED_SHARDS; one: the names as set).
+        self.shards = config.shard_layout()
+        # The job streams each shard's reader reads: one per priority level, or the shard's
+        # stream. `lanes` is the first shard's (the stats task reports on it).
+        self.lanes = config.lanes_of(self.shards[0].stream)
+        self.streams = [st for sh in self.shards for st in config.lanes_of(sh.stream).streams]
+        # Redis Cluster: decided by GPUFEED_REDIS_CLUSTER, or asked once (auto).
+        self.cluster = config.redis_cluster == "on"
+        self._cluster_known = config.redis_cluster != "auto"
         # Degrade under backlog (GPUFEED_DEGRADE_AFTER_S): the cheaper step and its switch.
         self.degraded: DegradedModel | None = None
         self.degrade_switch: DegradeSwitch | None = None
@@ -124,12 +137,11 @@ class Worker:
         log.info("starting", **cfg.summary())
         # /live answers from here on; /ready only once the worker reads.
         self.observer.serve_http(cfg.metrics_port, self.health)
-        self.redis = aioredis.from_url(
-            cfg.redis_url, socket_keepalive=True, health_check_interval=30
-        )
+        self.redis = self._client()
         if redis_first:
             # Fail in a second, not after minutes of loading and compiling the model.
             await self._wait_for_redis(False)
+            await self._find_cluster()
             await self._check_keys()
         # GPUFEED_MAX_IMAGE_PIXELS, checked from the header before any pixel is decoded, is
         # the decompression-bomb guard; PIL's own would refuse or warn below an operator's
@@ -143,11 +155,45 @@ class Worker:
         await self._prepare_model(device)
         self._prepare_decode(device)
         await self._wait_for_redis(wait_for_redis)
+        await self._find_cluster()
         await self._check_keys()
-        for stream in self.lanes.streams:
+        for stream in self.streams:
             await ensure_group(self.redis, stream, cfg.group)
         self._build_stages(device)
         self._announce_ready(device)
+
+    def _client(self) -> aioredis.Redis:
+        if not self.cluster:
+            return aioredis.from_url(
+                self.config.redis_url, socket_keepalive=True, health_check_interval=30
+            )
+        # RedisCluster speaks the same commands, each routed to the node of its key's slot
+        # (MOVED and failovers followed); the stages take it where they take a Redis.
+        cluster = RedisCluster.from_url(self.config.redis_url, socket_keepalive=True)
+        return cast(aioredis.Redis, cluster)
+
+    async def _find_cluster(self) -> None:
+        """GPUFEED_REDIS_CLUSTER=auto: ask the node once whether it is a cluster node, and
+        switch to the cluster client if so. A cluster with one shard needs its four key
+        names in one slot."""
+        cfg = self.config
+        if not self._cluster_known:
+            try:
+                info = await self.redis.info("cluster")
+            except NoPermissionError:
+                # An ACL user without INFO: a single Redis unless told otherwise.
+                log.info(
+                    "cluster_mode_unknown", note="INFO not permitted; set GPUFEED_REDIS_CLUSTER"
+                )
+                info = {}
+            self._cluster_known = True
+            if str(info.get("cluster_enabled", 0)) == "1":
+                await self.redis.aclose()
+                self.cluster = True
+                self.redis = self._client()
+        if self.cluster:
+            cfg.check_cluster_keys()
+            log.info("redis_cluster", shards=[s.stream for s in self.shards])
 
     async def _prepare_model(self, device: torch.device) -> None:
         """Load the model, allocate the rings, compile and warm up the one batch shape."""
@@ -315,25 +361,51 @@ class Worker:
         # Lists of jobs (one per read), bounded by the jobs they hold.
         self.jobs_q = JobQueue(self.batch_size)
         self.sealed_q: asyncio.Queue[Batch | None] = asyncio.Queue(cfg.ring_slots)
-        self.writer = ResultWriter(
-            self.redis,
-            WriterSettings(
-                stream=cfg.stream,
-                group=cfg.group,
-                result_prefix=cfg.result_prefix,
-                result_ttl_s=cfg.result_ttl_s,
-                results_maxlen=cfg.results_maxlen,
-                worker_name=cfg.worker_name,
-                model_name=self.loaded.name,
-                weights=self.loaded.weights_label,
-                device=str(device),
-                dead_stream=cfg.dead_stream,
-                default_reply_to=cfg.results_stream,
-                degraded_model=self.degraded.loaded.name if self.degraded else "",
-                degraded_weights=self.degraded.loaded.weights_label if self.degraded else "",
-            ),
-            max_queued=cfg.ring_slots * 2,
-            on_published=self._on_published,
+        self.replica_wait = (
+            ReplicaWait(
+                cfg.wait_replicas,
+                cfg.wait_replicas_timeout_ms,
+                on_short=lambda n: self.observer.delivery_event("replica_wait_timeout", n),
+            )
+            if cfg.wait_replicas
+            else None
+        )
+        writers = {
+            shard.stream: ResultWriter(
+                self._writer_client(shard),
+                WriterSettings(
+                    stream=shard.stream,
+                    group=cfg.group,
+                    result_prefix=shard.result_prefix,
+                    result_ttl_s=cfg.result_ttl_s,
+                    results_maxlen=cfg.results_maxlen,
+                    worker_name=cfg.worker_name,
+                    model_name=self.loaded.name,
+                    weights=self.loaded.weights_label,
+                    device=str(device),
+                    dead_stream=shard.dead_stream,
+                    default_reply_to=shard.results_stream,
+                    degraded_model=self.degraded.loaded.name if self.degraded else "",
+                    degraded_weights=(self.degraded.loaded.weights_label if self.degraded else ""),
+                ),
+                max_queued=cfg.ring_slots * 2,
+                on_published=self._on_published,
+                replicas=self.replica_wait,
+            )
+            for shard in self.shards
+        }
+        # One shard: its writer as it is; several: the router in front of theirs, which
+        # knows each shard's level streams.
+        self.writer: ResultWriter | ShardedWriter = (
+            ShardedWriter(
+                {
+                    stream: writers[shard.stream]
+                    for shard in self.shards
+                    for stream in cfg.lanes_of(shard.stream).streams
+                }
+            )
+            if len(writers) > 1
+            else next(iter(writers.values()))
         )
         self.batcher = Batcher(
             self.ring,
@@ -375,26 +447,69 @@ class Worker:
             cache=self.decode_cache,
             metrics=self.observer.metrics,
         )
-        self.reader = Reader(
-            self.redis,
-            lanes=self.lanes,
-            group=cfg.group,
-            consumer=cfg.worker_name,
-            default_reply_to=cfg.results_stream,
-            in_flight=self.in_flight,
-            deliver=self._deliver,
-            max_per_read=self.batch_size * 2,
-        )
-        self.reclaimer = Reclaimer(
-            self.redis,
-            cfg,
-            in_flight=self.in_flight,
-            lanes=self.lanes,
-            held=self._held,
-            deliver=self._deliver,
-            publish_now=self.writer.publish_now,
-            on_event=self.observer.delivery_event,
-        )
+        self.readers: list[Reader] = []
+        self.reclaimers: list[Reclaimer] = []
+        for shard in self.shards:
+            deliver = self._shard_deliver(shard)
+            self.readers.append(
+                Reader(
+                    self.redis,
+                    lanes=cfg.lanes_of(shard.stream),
+                    group=cfg.group,
+                    consumer=cfg.worker_name,
+                    default_reply_to=shard.results_stream,
+                    in_flight=self.in_flight,
+                    deliver=deliver,
+                    max_per_read=self.batch_size * 2,
+                )
+            )
+            lanes = cfg.lanes_of(shard.stream)
+            self.reclaimers.append(
+                Reclaimer(
+                    self.redis,
+                    replace(
+                        cfg,
+                        stream=shard.stream,
+                        results_stream=shard.results_stream,
+                        result_prefix=shard.result_prefix,
+                        dead_stream=shard.dead_stream,
+                    ),
+                    in_flight=self.in_flight,
+                    lanes=lanes,
+                    held=ShardHeld(self._held, lanes.streams),
+                    deliver=deliver,
+                    publish_now=writers[shard.stream].publish_now,
+                    on_event=self.observer.delivery_event,
+                )
+            )
+        self.reader = self.readers[0]
+        self.reclaimer = self.reclaimers[0]
+
+    def _writer_client(self, shard: shards.Shard) -> aioredis.Redis:
+        """The client a shard's writer publishes with: on a cluster, the shard's master
+        itself (a cluster pipeline takes no scripts, and WAIT needs the writes' connection)."""
+        if not self.cluster:
+            return self.redis
+        node = ShardNodeClient(cast(RedisCluster, self.redis), self.config.redis_url, shard.stream)
+        self._node_clients.append(node)
+        return cast(aioredis.Redis, node)
+
+    def _shard_deliver(self, shard: shards.Shard) -> Callable[[list[Job]], Awaitable[None]]:
+        """The hand-over of one shard's reader and reclaimer. On a cluster, a reply_to in
+        another slot than the shard's cannot be written by its publish script: such a job is
+        answered `invalid_job` on the shard's results stream."""
+
+        async def deliver(jobs: list[Job]) -> None:
+            if self.cluster:
+                for job in jobs:
+                    if job.rejected is None:
+                        problem = reply_to_problem(job, shard)
+                        if problem is not None:
+                            job.reply_to = shard.results_stream
+                            job.rejected = (ErrorCode.INVALID_JOB, problem)
+            await self._deliver(jobs)
+
+        return deliver
 
     def _announce_ready(self, device: torch.device) -> None:
         cfg = self.config
@@ -419,6 +534,7 @@ class Worker:
             "stream": cfg.stream,
             "group": cfg.group,
             "priorities": ",".join(lane.level for lane in self.lanes),
+            "shards": len(self.shards),
         }
         self.observer.compile_check = lambda: still_compiled(report)
         # torch, its compiler and the model leave some million long-lived objects: a full
@@ -430,7 +546,7 @@ class Worker:
         log.info(
             "worker_ready",
             worker=cfg.worker_name,
-            streams=self.lanes.streams,
+            streams=self.streams,
             group=cfg.group,
             decode_threads=self.decode_threads,
             in_flight_limit=self.in_flight.limit,
@@ -442,19 +558,23 @@ class Worker:
         cfg = self.config
         check = self.redis.register_script(CHECK_KEYS)
         problems: list[Any] = []
-        for stream in self.lanes.streams:
-            for problem in await check(
-                keys=[
-                    stream,
-                    cfg.results_stream,
-                    cfg.dead_stream,
-                    wire.result_key("start-up-check", cfg.result_prefix),
-                    heartbeat_key(cfg.worker_name),
-                ]
-            ):
-                if problem not in problems:
-                    problems.append(problem)
-        if len(self.lanes) > 1 and await self.redis.type(cfg.stream) == b"stream":
+        for shard in self.shards:
+            result_key = wire.result_key("start-up-check", shard.result_prefix)
+            for stream in self.config.lanes_of(shard.stream).streams:
+                for problem in await check(
+                    keys=[
+                        stream,
+                        shard.results_stream,
+                        shard.dead_stream,
+                        result_key,
+                        # A script's keys share one slot on a cluster: the heartbeat has its own.
+                        result_key if self.cluster else heartbeat_key(cfg.worker_name),
+                    ]
+                ):
+                    if problem not in problems:
+                        problems.append(problem)
+        plain = len(self.lanes) > 1 and len(self.shards) == 1
+        if plain and await self.redis.type(cfg.stream) == b"stream":
             # Jobs XADDed to the plain stream (a producer without GPUFEED_PRIORITIES) are
             # never read while there are levels: say so at start-up.
             log.warning(
@@ -477,7 +597,7 @@ class Worker:
                 if logged:
                     log.info("redis_reachable", url=self.config.redacted_url())
                 return
-            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError) as exc:
                 message = f"cannot reach Redis at {self.config.redacted_url()}: {exc}"
                 if not wait:
                     raise RedisUnavailable(message) from None
@@ -496,7 +616,12 @@ class Worker:
             "watcher": asyncio.create_task(self.watcher.run(), name="watcher"),
             "dispatcher": asyncio.create_task(self._dispatch(), name="dispatcher"),
             "batcher": asyncio.create_task(self.batcher.run(), name="batcher"),
-            "reader": asyncio.create_task(self.reader.run(), name="reader"),
+            **{
+                _shard_task("reader", i): asyncio.create_task(
+                    r.run(), name=_shard_task("reader", i)
+                )
+                for i, r in enumerate(self.readers)
+            },
             "stats": asyncio.create_task(
                 self.observer.run(
                     self.redis,
@@ -507,9 +632,15 @@ class Worker:
                 ),
                 name="stats",
             ),
-            "keepalive": asyncio.create_task(self.reclaimer.run_keepalive(), name="keepalive"),
-            "reclaim": asyncio.create_task(self.reclaimer.run_reclaim(), name="reclaim"),
-            "trim": asyncio.create_task(self.reclaimer.run_trim(), name="trim"),
+            **{
+                _shard_task(duty, i): asyncio.create_task(run(), name=_shard_task(duty, i))
+                for i, rc in enumerate(self.reclaimers)
+                for duty, run in (
+                    ("keepalive", rc.run_keepalive),
+                    ("reclaim", rc.run_reclaim),
+                    ("trim", rc.run_trim),
+                )
+            },
             # /live and /ready: proof that the loop runs, and whether Redis answers.
             "beat": asyncio.create_task(self.health.beat(), name="beat"),
             "redis_probe": asyncio.create_task(
@@ -518,9 +649,7 @@ class Worker:
         }
         if self.degrade_switch is not None:
             self._tasks["degrade"] = asyncio.create_task(
-                self.degrade_switch.run(
-                    self.redis, streams=self.lanes.streams, group=self.config.group
-                ),
+                self.degrade_switch.run(self.redis, streams=self.streams, group=self.config.group),
                 name="degrade",
             )
         stop = asyncio.create_task(self.should_exit.wait(), name="should_exit")
@@ -650,17 +779,20 @@ class Worker:
         )
         tasks = self._tasks
         # 0. No more reclaiming or trimming; the keep-alive goes on while we drain.
-        for name in ("reclaim", "trim", "stats", "redis_probe", "degrade"):
-            if name in tasks:
-                tasks[name].cancel()
-        # 1. Stop reading: nothing new is taken from the stream.
-        if "reader" in tasks:
-            self.reader.stop()
-            # The reader hands over what its last XREADGROUP returned before it exits.
+        for name, task in tasks.items():
+            if name.partition("-")[0] in ("reclaim", "trim", "stats", "redis_probe", "degrade"):
+                task.cancel()
+        # 1. Stop reading: nothing new is taken from the streams.
+        readers = [t for name, t in tasks.items() if name.partition("-")[0] == "reader"]
+        if readers:
+            for reader in self.readers:
+                reader.stop()
+            # A reader hands over what its last XREADGROUP returned before it exits.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(tasks["reader"]), grace)
-            if not tasks["reader"].done():
-                tasks["reader"].cancel()
+                await asyncio.wait_for(asyncio.shield(asyncio.gather(*readers)), grace)
+            for task in readers:
+                if not task.done():
+                    task.cancel()
         # 2. Drain: fetches in progress hand their jobs on (or fail them), then the
         #    sentinel flows batcher -> dispatcher -> watcher; then the writer publishes
         #    what is left.
@@ -695,10 +827,13 @@ class Worker:
             await self.fetcher.close()
         # 4. Leave the group tidy: this consumer goes if it holds nothing (otherwise its
         #    entries stay pending for others to reclaim, and it is removed after that).
-        if tasks and hasattr(self, "reclaimer"):
+        if tasks and hasattr(self, "reclaimers"):
             try:
-                still_held = await asyncio.wait_for(
-                    self.reclaimer.leave(self.config.worker_name), 5
+                still_held = sum(
+                    [
+                        await asyncio.wait_for(rc.leave(self.config.worker_name), 5)
+                        for rc in self.reclaimers
+                    ]
                 )
                 if still_held:
                     log.warning(
@@ -716,6 +851,8 @@ class Worker:
             with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
                 await asyncio.wait_for(self.redis.delete(heartbeat_key(self.config.worker_name)), 2)
             await self.redis.aclose()
+        for node in self._node_clients:
+            await node.aclose()
         self.observer.close()
         log.info(
             "stopped",
@@ -756,6 +893,11 @@ def _failed_on(serving: Serving, outcome: Outcome) -> Outcome:
     if serving.degraded:
         outcome.extra["degraded"] = True
     return outcome
+
+
+def _shard_task(name: str, shard: int) -> str:
+    """Task names: `reader`, `trim`, ... for the first shard, `reader-1`, ... after it."""
+    return name if shard == 0 else f"{name}-{shard}"
 
 
 def expire_rows(batch: Batch) -> None:

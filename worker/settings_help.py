@@ -40,6 +40,23 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "approximate cap of each results stream (`XADD MAXLEN ~`)",
     ),
     "GPUFEED_WORKER_NAME": ("`<host>-<pid>`", "the consumer name in the group"),
+    "GPUFEED_REDIS_CLUSTER": (
+        "`auto`",
+        "`on`: `REDIS_URL` names a node of a Redis Cluster (any node); `off`: a single Redis; "
+        "`auto`: ask the node once at start-up (`INFO cluster`). See "
+        "[Redis Cluster](#redis-cluster)",
+    ),
+    "GPUFEED_SHARDS": (
+        "`1`",
+        "job streams, one per hash tag (set it to the number of cluster masters); 1 keeps the "
+        "names as set. The four key names must then have no `{`/`}`",
+    ),
+    "GPUFEED_WAIT_REPLICAS": (
+        "`0`",
+        "after each publish, `WAIT` for this many replicas to have the results (0: do not "
+        "wait); on a timeout the results stand, logged and counted",
+    ),
+    "GPUFEED_WAIT_REPLICAS_TIMEOUT_MS": ("`1000`", "how long one `WAIT` may take"),
     "GPUFEED_MODEL": (
         "`resnet50`",
         "a torchvision classification model name, a model directory (a path: see "

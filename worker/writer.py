@@ -16,6 +16,7 @@ publish (Redis down) and retries them: a job is never acknowledged without its r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from producer import wire
 from producer.wire import ErrorCode
 from worker.jobs import Outcome
 from worker.redis_scripts import PUBLISH_RESULTS
+from worker.replicas import ReplicaWait
 
 log = structlog.get_logger("gpufeed.writer")
 
@@ -163,8 +165,10 @@ class ResultWriter:
         *,
         max_queued: int,
         on_published: Callable[[list[Outcome], list[int]], None] | None = None,
+        replicas: ReplicaWait | None = None,
     ) -> None:
         self.client = client
+        self._replicas = replicas
         self.settings = settings
         self._queue: asyncio.Queue[list[Outcome] | None] = asyncio.Queue(max_queued)
         self._call = PublishCall(settings)
@@ -240,6 +244,11 @@ class ResultWriter:
             try:
                 states = await self.publish(outcomes)
             except (RedisConnectionError, RedisTimeoutError, NoScriptError, OSError) as exc:
+                if isinstance(exc, NoScriptError):
+                    # Still not loaded after the reload in _run_calls (a failover in between:
+                    # a promoted replica has no scripts): load it again before the retry.
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.client.script_load(PUBLISH_RESULTS)
                 if not outage_logged:
                     log.warning("redis_unavailable_for_results", error=str(exc), held=len(outcomes))
                     outage_logged = True
@@ -341,10 +350,15 @@ class ResultWriter:
             pipe = self.client.pipeline(transaction=False)
             for i in todo:
                 pipe.execute_command("EVALSHA", self._sha, *calls[i])
+            # WAIT (GPUFEED_WAIT_REPLICAS) rides on the scripts' connection, after them.
+            waits = self._replicas.queue(pipe) if self._replicas else 0
             try:
                 got = await pipe.execute(raise_on_error=False)
             finally:
                 await pipe.reset()  # type: ignore[no-untyped-call]
+            if self._replicas and waits:
+                self._replicas.check(got[-1], jobs=len(todo), key=self.settings.stream)
+                got = got[:-waits]
             for i, reply in zip(todo, got, strict=True):
                 replies[i] = reply
             # NOSCRIPT: the script is not loaded (first use, or Redis restarted and lost its

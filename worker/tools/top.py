@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import redis
 from rich import box
@@ -26,6 +26,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from producer import shards
 from producer.stats import collect_stats
 from worker.config import WorkerConfig
 from worker.metrics import STAGES
@@ -68,16 +69,29 @@ def worker_row(fields: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def connect(config: WorkerConfig) -> redis.Redis:
+    """A client for REDIS_URL; on a Redis Cluster the cluster client (same commands)."""
+    timeouts: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout": 5}
+    if shards.is_cluster(config.redis_url, config.redis_cluster):
+        return cast(redis.Redis, redis.RedisCluster.from_url(config.redis_url, **timeouts))
+    return redis.Redis.from_url(config.redis_url, **timeouts)
+
+
 def collect(client: redis.Redis, config: WorkerConfig) -> dict[str, Any]:
-    """The dashboard's data: the group's backlog and the workers of this stream and group."""
-    stats = collect_stats(
-        client,
-        config.stream,
-        config.group,
-        config.results_stream,
-        dead_stream=config.dead_stream,
-        priorities=config.priorities,
-    )
+    """The dashboard's data: the group's backlog and the workers of this stream and group;
+    with shards, the backlog of all of them."""
+    per_shard = [
+        collect_stats(
+            client,
+            shard.stream,
+            config.group,
+            shard.results_stream,
+            dead_stream=shard.dead_stream,
+            priorities=config.priorities,
+        )
+        for shard in config.shard_layout()
+    ]
+    stats = per_shard[0] if len(per_shard) == 1 else _summed(per_shard)
     rows = []
     for w in stats["workers"]:
         row = worker_row(w["fields"])
@@ -206,6 +220,36 @@ def footer(view: Mapping[str, Any], *, interval_s: float | None = None) -> Text:
     return Text("\n".join(lines), style="dim")
 
 
+def _summed(per_shard: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shards' figures added up: lengths, pending and lag (unknown if one is)."""
+    first = per_shard[0]
+
+    def total(values: list[Any]) -> Any:
+        return None if any(v is None for v in values) else sum(values)
+
+    groups = [s["group"] for s in per_shard]
+    group = None
+    if all(g is not None for g in groups):
+        group = {
+            **groups[0],
+            "pending": total([g["pending"] for g in groups]),
+            "lag": total([g["lag"] for g in groups]),
+        }
+    return {
+        **first,
+        "stream": {
+            **first["stream"],
+            "name": ", ".join(s["stream"]["name"] for s in per_shard),
+            "length": total([s["stream"]["length"] for s in per_shard]),
+        },
+        "group": group,
+        "dead_stream": {
+            **first["dead_stream"],
+            "length": total([s["dead_stream"]["length"] for s in per_shard]),
+        },
+    }
+
+
 def frame(
     client: redis.Redis, config: WorkerConfig, *, interval_s: float | None = None
 ) -> RenderableType:
@@ -219,7 +263,15 @@ def _error_frame(config: WorkerConfig, exc: Exception) -> RenderableType:
 
 def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False) -> int:
     """Draw the dashboard until Ctrl+C (or one frame with `once`); returns the exit code."""
-    client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_timeout=5)
+    try:
+        client = connect(config)
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        if once:
+            print(f"gpufeed: cannot reach Redis at {config.redacted_url()}: {exc}", file=sys.stderr)
+            return EXIT_REDIS
+        # Not there yet: the frames say so and retry (as a single Redis: GPUFEED_REDIS_CLUSTER
+        # =on for a cluster that is still starting).
+        client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_timeout=5)
     # A frame for a file or a README is not cut to a narrow default width.
     width = None if sys.stdout.isatty() else max(130, shutil.get_terminal_size((130, 40)).columns)
     console = Console(width=width, highlight=False)

@@ -176,13 +176,15 @@ async def _queue_ceiling(
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 
+    from producer.shards import connect_async
     from worker.tools.queue_ceiling import queue_ceiling
 
     base = cfg.stream.removesuffix(":jobs") + ":queue"
     # All its jobs are queued at once: at most about 16 MB of images in a production Redis.
     cap = max(2 * batch, (16 << 20) // max(1, len(payload)))
-    client = aioredis.from_url(cfg.redis_url)
+    client: aioredis.Redis | None = None
     try:
+        client = await connect_async(cfg.redis_url)
         return await queue_ceiling(
             client,
             base,
@@ -195,7 +197,8 @@ async def _queue_ceiling(
         out["not_measured"].append(f"queue ceiling: {type(exc).__name__}: {exc}")
         return None
     finally:
-        await client.aclose()
+        if client is not None:
+            await client.aclose()
 
 
 def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:

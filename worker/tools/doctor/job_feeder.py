@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
+from producer.shards import connect_async
 
 
 class Feeder:
@@ -34,7 +34,7 @@ class Feeder:
         room = min(self.jobs - self.pushed, self.ahead - (self.pushed - answered), limit)
         if room <= 0:
             return 0
-        client = aioredis.from_url(self.url)
+        client = await connect_async(self.url)
         try:
             pipe = client.pipeline(transaction=False)
             for i in range(self.pushed, self.pushed + room):

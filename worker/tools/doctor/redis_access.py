@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import redis.asyncio as aioredis
+from producer.shards import connect_async
 
 
 def free_port() -> int:
@@ -27,7 +27,7 @@ async def cleanup(url: str, base: str, worker_name: str) -> None:
     """Delete every key the run made: its streams, result hashes and heartbeat."""
     from worker.observer import heartbeat_key
 
-    client = aioredis.from_url(url, socket_connect_timeout=2)
+    client = await connect_async(url, socket_connect_timeout=2)
     try:
         queue = f"{base}:queue"  # the queue ceiling's (worker/tools/queue_ceiling.py)
         keys = [f"{base}:jobs", f"{base}:results", f"{base}:dead", heartbeat_key(worker_name)]

@@ -25,6 +25,8 @@ def doctor_config(config: WorkerConfig, redis_url: str, base: str, name: str) ->
         result_prefix=f"{base}:result:",
         dead_stream=f"{base}:dead",
         worker_name=name,
+        shards=1,  # one stream, named after the configured first shard's
+        redis_cluster="auto",  # the configured Redis, or a private one
         result_ttl_s=600,  # a safety net: the run deletes its keys itself
         trim_interval_s=1.0,  # processed images leave Redis within a second
         metrics_port=0,  # a production worker may hold the configured port

@@ -44,7 +44,8 @@ async def run_doctor(
     notes: list[str] = []
     config = usable_weights(config, notes)
     run_id = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-    base = f"{config.stream}:doctor:{run_id}"
+    # Under the first shard's stream: on a cluster, its hash tag keeps the run in one slot.
+    base = f"{config.shard_layout()[0].stream}:doctor:{run_id}"
     name = f"doctor-{run_id}"
     e2e = empty_end_to_end(options)
     with contextlib.ExitStack() as stack:

@@ -1,0 +1,210 @@
+"""Where gpufeed's keys live when the job stream is split into shards (Redis Cluster).
+
+Redis Cluster runs a script only on keys of one hash slot, and gpufeed acknowledges a job and
+publishes its result in one script. So every key that script touches for a job (the job
+stream, the reply stream, the result hashes, the dead-letter stream) carries the hash tag of
+the job's shard:
+
+    job stream      <GPUFEED_STREAM>:{T}            gpufeed:jobs:{s0-0}
+    results stream  <GPUFEED_RESULTS_STREAM>:{T}    gpufeed:results:{s0-0}
+    result hash     <GPUFEED_RESULT_PREFIX>{T}:<id> gpufeed:result:{s0-0}:order-77
+    dead letters    <GPUFEED_DEAD_STREAM>:{T}       gpufeed:dead:{s0-0}
+
+Shard i of N has the tag `s<i>-<k>`, with the smallest k >= 0 whose slot falls in the i-th
+N-th of the 16384 slots: on a cluster whose masters each own an equal run of slots (what
+`redis-cli --cluster create` makes), N shards for N masters land on N different masters.
+A job with its own id goes to shard `crc32(id) % N` (zlib's CRC-32 of the UTF-8 bytes, which
+every language has), so its result is found from the id alone.
+
+With one shard (the default) the keys are the configured names, unchanged.
+
+This module is torch-free and small: producers and workers both import it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, cast
+
+import redis
+import redis.asyncio as aioredis
+from redis.crc import key_slot
+from redis.exceptions import NoPermissionError
+
+from producer import wire
+
+SLOTS = 16384
+MAX_SHARDS = 256
+CLUSTER_MODES = ("auto", "on", "off")
+
+
+class ShardLayoutError(ValueError):
+    """The key names cannot be laid out for the asked shards (one line, for the operator)."""
+
+
+def hash_tag(key: str) -> str | None:
+    """The hash tag Redis Cluster hashes `key` by: what lies between the first `{` and the
+    next `}`, when that is not empty; None when the whole key is hashed."""
+    start = key.find("{")
+    if start < 0:
+        return None
+    end = key.find("}", start + 1)
+    if end <= start + 1:
+        return None
+    return key[start + 1 : end]
+
+
+def slot_of(key: str) -> int:
+    return int(key_slot(key.encode()))
+
+
+@lru_cache(maxsize=1024)
+def shard_tag(index: int, shards: int) -> str:
+    """The hash tag of shard `index` of `shards`."""
+    low, high = index * SLOTS // shards, (index + 1) * SLOTS // shards
+    k = 0
+    while True:
+        tag = f"s{index}-{k}"
+        if low <= slot_of(tag) < high:
+            return tag
+        k += 1
+
+
+def shard_of_id(job_id: str, shards: int) -> int:
+    """The shard a job with its own id goes to (and where its result is found)."""
+    if shards <= 1:
+        return 0
+    return zlib.crc32(job_id.encode("utf-8")) % shards
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard's keys. `tag` is "" for the unsharded layout (the names as configured)."""
+
+    index: int
+    tag: str
+    stream: str
+    results_stream: str
+    result_prefix: str
+    dead_stream: str
+
+    def result_key(self, job_id: str) -> str:
+        return wire.result_key(job_id, self.result_prefix)
+
+    def reply_stream(self, reply_to: str) -> str:
+        """A client's own reply stream placed in this shard's slot: `:{T}` appended to a
+        name that has no hash tag; a tagged name is left as it is (the worker refuses it,
+        with `invalid_job`, when its tag is not this shard's slot)."""
+        if not self.tag or hash_tag(reply_to) is not None:
+            return reply_to
+        return f"{reply_to}:{{{self.tag}}}"
+
+
+def layout(
+    shards: int,
+    *,
+    stream: str = wire.DEFAULT_STREAM,
+    results_stream: str = wire.DEFAULT_RESULTS_STREAM,
+    result_prefix: str = wire.DEFAULT_RESULT_PREFIX,
+    dead_stream: str = wire.DEFAULT_DEAD_STREAM,
+) -> list[Shard]:
+    """The keys of every shard; raises ShardLayoutError for names that cannot be sharded."""
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ShardLayoutError(f"GPUFEED_SHARDS: must be between 1 and {MAX_SHARDS}")
+    names = {
+        "GPUFEED_STREAM": stream,
+        "GPUFEED_RESULTS_STREAM": results_stream,
+        "GPUFEED_RESULT_PREFIX": result_prefix,
+        "GPUFEED_DEAD_STREAM": dead_stream,
+    }
+    if shards == 1:
+        return [Shard(0, "", stream, results_stream, result_prefix, dead_stream)]
+    for var, name in names.items():
+        if "{" in name or "}" in name:
+            raise ShardLayoutError(
+                f"{var}: {name!r} must not contain '{{' or '}}' with GPUFEED_SHARDS={shards} "
+                "(each shard adds its own hash tag)"
+            )
+    out = []
+    for i in range(shards):
+        tag = shard_tag(i, shards)
+        out.append(
+            Shard(
+                index=i,
+                tag=tag,
+                stream=f"{stream}:{{{tag}}}",
+                results_stream=f"{results_stream}:{{{tag}}}",
+                result_prefix=f"{result_prefix}{{{tag}}}:",
+                dead_stream=f"{dead_stream}:{{{tag}}}",
+            )
+        )
+    return out
+
+
+def check_one_slot(
+    *, stream: str, results_stream: str, result_prefix: str, dead_stream: str
+) -> None:
+    """On a cluster with one shard, the names must share a hash tag (the publish script
+    touches all of them at once); raises ShardLayoutError otherwise."""
+    names = {
+        "GPUFEED_STREAM": stream,
+        "GPUFEED_RESULTS_STREAM": results_stream,
+        "GPUFEED_RESULT_PREFIX": result_prefix,
+        "GPUFEED_DEAD_STREAM": dead_stream,
+    }
+    tags = {var: hash_tag(name) for var, name in names.items()}
+    if None in tags.values() or len(set(tags.values())) > 1:
+        listed = ", ".join(f"{var}={names[var]!r}" for var in names)
+        raise ShardLayoutError(
+            "on Redis Cluster with GPUFEED_SHARDS=1 the four key names must share one hash "
+            f"tag, e.g. {{gpufeed}}:jobs ({listed}); or set GPUFEED_SHARDS to the number "
+            "of masters and leave the braces out"
+        )
+
+
+def check_cluster_mode(mode: str) -> None:
+    if mode not in CLUSTER_MODES:
+        raise ShardLayoutError(
+            f"GPUFEED_REDIS_CLUSTER: must be one of {', '.join(CLUSTER_MODES)} (got {mode!r})"
+        )
+
+
+def is_cluster(url: str, mode: str) -> bool:
+    """Whether `url` names a Redis Cluster node: asked once (INFO cluster) when `mode` is
+    auto; Redis errors propagate."""
+    if mode != "auto":
+        return mode == "on"
+    client = redis.Redis.from_url(url)
+    try:
+        return _enabled(client.info("cluster"))
+    except NoPermissionError:
+        # An ACL user without INFO: a single Redis unless told otherwise (mode "on").
+        return False
+    finally:
+        client.close()
+
+
+async def is_cluster_async(url: str, mode: str) -> bool:
+    if mode != "auto":
+        return mode == "on"
+    client = aioredis.Redis.from_url(url)
+    try:
+        return _enabled(await client.info("cluster"))
+    except NoPermissionError:
+        return False
+    finally:
+        await client.aclose()
+
+
+async def connect_async(url: str, mode: str = "auto", **kwargs: Any) -> aioredis.Redis:
+    """A client for `url`: redis-py's cluster client when it names a cluster node (it takes
+    the same commands, each routed to its key's slot), else a plain one."""
+    if await is_cluster_async(url, mode):
+        return cast(aioredis.Redis, aioredis.RedisCluster.from_url(url, **kwargs))
+    return aioredis.Redis.from_url(url, **kwargs)
+
+
+def _enabled(info: dict[str, object]) -> bool:
+    return str(info.get("cluster_enabled", 0)) == "1"
