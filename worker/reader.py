@@ -14,14 +14,35 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.jobs import Job, deleted_entry_job, parse_job
 from worker.lanes import Lanes
 
 log = structlog.get_logger("gpufeed.reader")
+
+# Redis away, or a Redis Cluster between a master's failure and its replica's promotion
+# (CLUSTERDOWN, TRYAGAIN, MASTERDOWN, a slot without a master): back off and read again.
+REDIS_AWAY = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+    MasterDownError,
+    SlotNotCoveredError,
+    RedisClusterException,
+)
 
 
 class InFlight:
@@ -101,6 +122,10 @@ class Reader:
         block_ms: int = 1000,
     ) -> None:
         self.client = client
+        # A Redis Cluster client (the service hands one over as a Redis): reads go to the
+        # master of the shard's slot (see _xreadgroup).
+        any_client: object = client
+        self._cluster = any_client if isinstance(any_client, RedisCluster) else None
         self.lanes = lanes
         self.group = group
         self.consumer = consumer
@@ -198,10 +223,7 @@ class Reader:
     ) -> dict[str, Entries] | None:
         """XREADGROUP; None when it failed (Redis away, the group recreated): read again."""
         try:
-            wanted: dict[Any, Any] = dict(streams)
-            reply = await self.client.xreadgroup(
-                self.group, self.consumer, wanted, count=count, block=block
-            )
+            reply = await self._xreadgroup(streams, count, block)
         except Exception as exc:  # noqa: BLE001 - _failed re-raises what it cannot handle
             await self._failed(exc)
             return None
@@ -211,10 +233,15 @@ class Reader:
     async def _xread_each(self, reads: list[tuple[str, int]]) -> dict[str, Entries] | None:
         """Non-blocking XREADGROUPs with a count each, in one round trip."""
         try:
-            async with self.client.pipeline(transaction=False) as pipe:
-                for stream, n in reads:
-                    pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=n)
-                replies = await pipe.execute()
+            if self._cluster is not None:
+                # One node serves a shard's levels; its reads one after the other (a cluster
+                # pipeline would ask for each XREADGROUP's keys, as below).
+                replies = [await self._xreadgroup({st: ">"}, n, None) for st, n in reads]
+            else:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for stream, n in reads:
+                        pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=n)
+                    replies = await pipe.execute()
         except Exception as exc:  # noqa: BLE001 - _failed re-raises what it cannot handle
             await self._failed(exc)
             return None
@@ -224,8 +251,27 @@ class Reader:
             out.update(_by_stream(reply))
         return out
 
+    async def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None) -> Any:
+        cluster = self._cluster
+        if cluster is None:
+            wanted: dict[Any, Any] = dict(streams)
+            return await self.client.xreadgroup(
+                self.group, self.consumer, wanted, count=count, block=block
+            )
+        # redis-py's cluster client asks a node for the keys of every XREADGROUP (COMMAND
+        # GETKEYS), before and outside its failover retries: a round trip more per read, and
+        # reads that fail while that node is down. A shard's streams share one slot, so the
+        # read goes straight to the master serving it; after a failover the client's refreshed
+        # slot map names the new one.
+        node = cluster.get_node_from_key(next(iter(streams)))
+        args: list[Any] = ["XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count]
+        if block is not None:
+            args += ["BLOCK", block]
+        args += ["STREAMS", *streams, *streams.values()]
+        return await cluster.execute_command(*args, target_nodes=node)
+
     async def _failed(self, exc: Exception) -> None:
-        if isinstance(exc, ResponseError):
+        if isinstance(exc, ResponseError) and not isinstance(exc, REDIS_AWAY):
             # A stream or the group was deleted under us (before the read, or while it
             # blocked: UNBLOCKED): recreate them and carry on.
             if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
@@ -234,7 +280,7 @@ class Reader:
                     await ensure_group(self.client, stream, self.group)
                 return
             raise exc
-        if isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError):
+        if isinstance(exc, REDIS_AWAY):
             if not self._outage_logged:
                 log.warning("redis_unavailable_for_reads", error=str(exc))
                 self._outage_logged = True

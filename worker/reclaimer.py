@@ -20,20 +20,16 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer.wire import ErrorCode
 from worker.config import WorkerConfig
 from worker.jobs import Job, Outcome, deleted_entry_job, parse_job
 from worker.lanes import Lanes
-from worker.reader import InFlight, ensure_group
+from worker.reader import REDIS_AWAY, InFlight, ensure_group
 from worker.redis_scripts import DELETE_IDLE_CONSUMER, REFRESH_OWNED
 
 log = structlog.get_logger("gpufeed.reclaimer")
-
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def _s(value: Any) -> str:
@@ -104,7 +100,7 @@ class Reclaimer:
                 if outage:
                     log.info("redis_back", duty=what)
                     outage = False
-            except _REDIS_DOWN as exc:
+            except REDIS_AWAY as exc:
                 if not outage:
                     log.warning("redis_unavailable", duty=what, error=str(exc))
                     outage = True

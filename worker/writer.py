@@ -315,7 +315,9 @@ class ResultWriter:
         start = time.perf_counter()
         positions = self._call.split(outcomes)
         calls = [[outcomes[i] for i in call] for call in positions]
-        replies = await self._run_calls([self._call.args(c) for c in calls])
+        replies = await self._run_calls(
+            [self._call.args(c) for c in calls], [len(c) for c in calls]
+        )
         states = [PublishState.REFUSED] * len(outcomes)
         for where, call, reply in zip(positions, calls, replies, strict=True):
             if (
@@ -328,7 +330,7 @@ class ResultWriter:
                 # command that failed for one job ended the call there. Publish its jobs one
                 # by one, so that only that job is refused (rare; the jobs the call already
                 # answered are then found answered).
-                alone = await self._run_calls([self._call.args([o]) for o in call])
+                alone = await self._run_calls([self._call.args([o]) for o in call], [1] * len(call))
                 got = [
                     st for o, one in zip(call, alone, strict=True) for st in self._states([o], one)
                 ]
@@ -341,9 +343,9 @@ class ResultWriter:
             outcome.job.timings_ms["write"] = write_ms
         return states
 
-    async def _run_calls(self, calls: list[list[Any]]) -> list[Any]:
-        """Run script calls in one pipelined round trip; a reply per call (a list of states,
-        or the error Redis answered)."""
+    async def _run_calls(self, calls: list[list[Any]], jobs: list[int]) -> list[Any]:
+        """Run script calls (of `jobs[i]` jobs each) in one pipelined round trip; a reply per
+        call (a list of states, or the error Redis answered)."""
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for attempt in range(2):
@@ -357,7 +359,14 @@ class ResultWriter:
             finally:
                 await pipe.reset()  # type: ignore[no-untyped-call]
             if self._replicas and waits:
-                self._replicas.check(got[-1], jobs=len(todo), key=self.settings.stream)
+                # Only the calls that ran wrote anything for WAIT to wait on.
+                ran = sum(
+                    jobs[i]
+                    for i, reply in zip(todo, got, strict=False)
+                    if not isinstance(reply, NoScriptError)
+                )
+                if ran:
+                    self._replicas.check(got[-1], jobs=ran, key=self.settings.stream)
                 got = got[:-waits]
             for i, reply in zip(todo, got, strict=True):
                 replies[i] = reply
