@@ -179,6 +179,31 @@ async def test_jobs_over_three_shards_are_answered_exactly_once_by_two_workers(
     client.close()
 
 
+async def test_priority_levels_of_each_shard_share_its_slot_and_are_all_served(
+    cluster: RedisCluster,
+) -> None:
+    """GPUFEED_PRIORITIES with shards: each shard has a stream per level, in the shard's
+    slot, and a worker reads them all."""
+    prefix = "levels"
+    image = jpeg_bytes(48, 48)
+    client = SyncCluster.from_url(node_url(cluster))
+    producer = Producer(client, shard_count=3, priorities="high,low", **names(prefix))
+    config = null_config(node_url(cluster), prefix, "w-levels", priorities="high,low")
+    async with running(config):
+        high = [Job(image=image, id=f"hi-{i}") for i in range(12)]
+        low = [Job(image=image, id=f"lo-{i}") for i in range(12)]
+        ids = await asyncio.to_thread(producer.submit_many, high, priority="high")
+        ids += await asyncio.to_thread(producer.submit_many, low, priority="low")
+        results = await asyncio.to_thread(producer.wait, ids, 60.0)
+    assert {i: r.status for i, r in results.items()} == {i: "ok" for i in ids}
+    for shard in producer.shards:
+        for level in ("high", "low"):
+            stream = f"{shard.stream}:{level}"
+            assert slot_of(stream) == slot_of(shard.stream)
+            assert client.xlen(stream) > 0
+    client.close()
+
+
 async def test_a_reply_to_in_another_slot_is_answered_invalid_job(cluster: RedisCluster) -> None:
     prefix = "slots"
     client = SyncCluster.from_url(cluster.url)
