@@ -6,10 +6,11 @@ published, never from the launch path. worker.health serves them over HTTP.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +32,9 @@ DELIVERY_EVENTS = (
 )  # fmt: skip
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _FILL = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
+
+
+Values = Sequence[float] | npt.NDArray[np.float64]
 
 
 class BatchHistogram(Collector):
@@ -67,19 +71,34 @@ class BatchHistogram(Collector):
         if registry is not None:
             registry.register(self)
 
-    def observe_many(self, values: npt.ArrayLike, key: str = "") -> None:
+    def observe_many(self, values: Values, key: str = "") -> None:
         """Count every value of `values` (seconds) in the series `key` (the label value)."""
-        arr = np.asarray(values, dtype=np.float64)
-        if arr.size == 0:
+        self.observe_series({key: values})
+
+    def observe_series(self, series: Mapping[str, Values], scale: float = 1.0) -> None:
+        """Count each series' values times `scale` (giving seconds) in that series, all of
+        them in one pass: a flush's stages cost a few numpy calls together, not each."""
+        keys = [k for k, v in series.items() if len(v)]
+        if not keys:
             return
-        # side="left": a value equal to a bound counts in that bound's bucket (le).
-        counts = np.bincount(
-            np.searchsorted(self._bounds, arr, side="left"), minlength=len(self._les)
+        lengths = [len(series[k]) for k in keys]
+        arr = np.fromiter(
+            itertools.chain.from_iterable(series[k] for k in keys),
+            dtype=np.float64,
+            count=sum(lengths),
         )
-        total = float(arr.sum())
+        if scale != 1.0:
+            arr *= scale
+        width = len(self._les)
+        which = np.repeat(np.arange(len(keys)), lengths)
+        # side="left": a value equal to a bound counts in that bound's bucket (le).
+        slots = np.searchsorted(self._bounds, arr, side="left") + which * width
+        counts = np.bincount(slots, minlength=len(keys) * width).reshape(len(keys), width)
+        totals = np.bincount(which, weights=arr, minlength=len(keys)).tolist()
         with self._lock:
-            self._counts[key] += counts
-            self._sums[key] += total
+            for i, key in enumerate(keys):
+                self._counts[key] += counts[i]
+                self._sums[key] += totals[i]
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import numpy as np
 import redis.asyncio as aioredis
 import structlog
 from prometheus_client import Counter
@@ -197,13 +196,12 @@ class Observer:
             c.results_error += count
             c.errors_by_code[code] = c.errors_by_code.get(code, 0) + count
             self._child(self._results_error, code, self.metrics.results, "error", code).inc(count)
-        stage_seconds = self.metrics.stage_seconds
+        self.metrics.stage_seconds.observe_series(stage_values, scale=1 / 1000)
         for stage, values in stage_values.items():
             if values:
-                stage_seconds.observe_many(np.asarray(values) / 1000, stage)
                 self.stage_ms[stage].extend(values)
         if latencies:
-            self.metrics.job_seconds.observe_many(np.asarray(latencies) / 1000)
+            self.metrics.job_seconds.observe_series({"": latencies}, scale=1 / 1000)
             self.latency_ms.extend(latencies)
 
     def delivery_event(self, event: str, count: int = 1) -> None:
