@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from producer import wire
 from worker.gpu_sampler import GpuSampler
 from worker.health import Health, HealthServer
-from worker.jobs import Outcome
+from worker.jobs import Job, Outcome
 from worker.lanes import Lanes
 from worker.metrics import STAGES, RateMeter, Rolling, WorkerMetrics
 from worker.runner import Launched
@@ -161,8 +161,7 @@ class Observer:
         ok = 0
         errors: dict[str, int] = {}
         events: dict[str, int] = {}
-        stage_values: dict[str, list[float]] = {stage: [] for stage in STAGES}
-        latencies: list[float] = []
+        jobs: list[Job] = []
         for outcome, state in zip(outcomes, states, strict=True):
             if state != PublishState.PUBLISHED:
                 event = _EVENT_OF_STATE.get(state)
@@ -173,20 +172,18 @@ class Observer:
                     events[event] = events.get(event, 0) + 1
                 if state != PublishState.DUPLICATE_ID:
                     continue
-            job = outcome.job
+            jobs.append(outcome.job)
             if outcome.ok:
                 ok += 1
             else:
                 code = outcome.error_code.value if outcome.error_code else "unknown"
                 errors[code] = errors.get(code, 0) + 1
-            timings = job.timings_ms
-            for stage, values in stage_values.items():
-                value = timings.get(stage)
-                if value is not None:
-                    values.append(value)
-            enqueued_ms = job.enqueued_ms
-            if enqueued_ms:
-                latencies.append(max(0.0, now_ms - enqueued_ms))
+        # Each stage's values gathered by one comprehension over the flush, not per job.
+        timings = [job.timings_ms for job in jobs]
+        stage_values = {
+            stage: [v for t in timings if (v := t.get(stage)) is not None] for stage in STAGES
+        }
+        latencies = [max(0.0, now_ms - e) for job in jobs if (e := job.enqueued_ms)]
         for event, count in events.items():
             self.delivery_event(event, count)
         if ok:

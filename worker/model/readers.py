@@ -63,17 +63,18 @@ class ClassifyReader:
         all_scores = np.round(arrays[1].astype(np.float64), SCORE_DECIMALS).tolist()
         names_of = self._batch_names(arrays[0])
         all_names = names_of.tolist() if names_of is not None else None
-        positive = None
-        if self.threshold is not None:
-            positive = arrays[2] >= self.threshold  # [B, C], one compare for the batch
+        if self.threshold is None:
+            if all_names is None:
+                return [Classification(all_indices[row], all_scores[row]) for row in rows]
+            return [
+                Classification(all_indices[row], all_scores[row], all_names[row]) for row in rows
+            ]
+        positive = arrays[2] >= self.threshold  # [B, C], one compare for the batch
         out: list[Answer] = []
         for row in rows:
             indices: list[int] = all_indices[row]
             scores: list[float] = all_scores[row]
             names = all_names[row] if all_names is not None else None
-            if positive is None:
-                out.append(Classification(indices, scores, names))
-                continue
             probs = arrays[2][row]
             found = np.flatnonzero(positive[row])
             found = found[np.argsort(-probs[found], kind="stable")]
