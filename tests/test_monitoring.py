@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
-from worker.metrics import DELIVERY_EVENTS, STAGES, WorkerMetrics
+from worker.metrics import DELIVERY_EVENTS, STAGES, BatchHistogram, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "gpufeed-alerts.yaml"
@@ -79,10 +79,14 @@ def exported() -> dict[str, set[str]]:
     metrics = WorkerMetrics()
     out: dict[str, set[str]] = {}
     for metric in vars(metrics).values():
-        if not isinstance(metric, MetricWrapperBase):
+        if isinstance(metric, BatchHistogram):
+            name, kind = metric.name, "histogram"
+            labels = {metric.label} if metric.label else set()
+        elif isinstance(metric, MetricWrapperBase):
+            name, kind = metric._name, metric._type
+            labels = set(metric._labelnames)
+        else:
             continue
-        name, kind = metric._name, metric._type
-        labels = set(metric._labelnames)
         if kind == "counter":
             out[f"{name}_total"] = labels
         elif kind == "histogram":

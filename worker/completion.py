@@ -81,25 +81,33 @@ class CompletionWatcher:
         # Only rows holding a decoded image are read; padding and failed rows are not.
         valid = batch.valid_rows
         answers = dict(zip(valid, reader.read(out.arrays, valid), strict=True))
+        batch_wait_ms = (launched.launched_s - batch.sealed_s) * 1000
+        # `degraded`: the writer names the degraded step's model in the result.
+        marks: dict[str, Any] = {"degraded": True} if degraded else {}
+        results = batch.results
         for row, job in enumerate(batch.jobs):
-            result = batch.results[row]
-            job.timings_ms["decode"] = result.decode_ms
-            job.timings_ms["batch_wait"] = (launched.launched_s - batch.sealed_s) * 1000
-            job.timings_ms["compute"] = gpu_ms
-            job.timings_ms["total"] = (now - job.received_s) * 1000
+            result = results[row]
+            timings = job.timings_ms
+            timings["decode"] = result.decode_ms
+            timings["batch_wait"] = batch_wait_ms
+            timings["compute"] = gpu_ms
+            timings["total"] = (now - job.received_s) * 1000
             if result.error is not None:
                 outcomes.append(Outcome.failure(job, result.error.code, result.error.message))
                 continue
-            # `degraded`: the writer names the degraded step's model in the result.
-            extra: dict[str, Any] = {"degraded": True} if degraded else {}
-            if result.info is not None:
-                extra |= {
-                    "format": result.info.format,
-                    "width": result.info.width,
-                    "height": result.info.height,
-                    "draft_scale": result.info.draft_scale,
+            info = result.info
+            extra: dict[str, Any] = (
+                {**marks}
+                if info is None
+                else {
+                    **marks,
+                    "format": info.format,
+                    "width": info.width,
+                    "height": info.height,
+                    "draft_scale": info.draft_scale,
                     "cached": result.cached,
                 }
+            )
             outcomes.append(Outcome(job=job, ok=True, answer=answers[row], extra=extra))
         out_ring.release(out)
         if self._on_batch_done is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from producer import wire
@@ -63,9 +64,10 @@ class Job:
             self.job_id = self.entry_ref
         return self
 
-    @property
+    @cached_property
     def enqueued_ms(self) -> int:
-        """The stream entry's own timestamp (ms since the epoch), when Redis assigned it."""
+        """The stream entry's own timestamp (ms since the epoch), when Redis assigned it.
+        Parsed once: the reader, the deadline check and the metrics all ask for it."""
         try:
             return int(self.entry_id.split("-", 1)[0])
         except ValueError:

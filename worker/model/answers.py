@@ -27,7 +27,8 @@ class Answer(Protocol):
 @dataclass(frozen=True)
 class Classification:
     """Top-k classes; with a sigmoid (multi-label) also every class at or above the
-    threshold, best first."""
+    threshold, best first. Scores as they go on the wire: the reader rounds them to 6
+    decimals, once per batch."""
 
     indices: list[int]
     scores: list[float]
@@ -49,7 +50,7 @@ class Classification:
     def details(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "top_k": self.indices,
-            "scores": [round(s, 6) for s in self.scores],
+            "scores": self.scores,
         }
         if self.threshold is None:
             if self.names is not None:
@@ -58,7 +59,7 @@ class Classification:
         # Multi-label: `labels` are the classes the model assigns, not the top-k names.
         out["labels"] = self.positive_names or []
         out["label_indices"] = self.positives or []
-        out["label_scores"] = [round(s, 6) for s in self.positive_scores or []]
+        out["label_scores"] = self.positive_scores or []
         out["threshold"] = self.threshold
         return out
 

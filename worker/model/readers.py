@@ -26,11 +26,17 @@ class Reader(Protocol):
         ...
 
 
+# Decimals of the scores on the wire: float32 outputs carry about 7 significant digits.
+SCORE_DECIMALS = 6
+
+
 class ClassifyReader:
     def __init__(
         self, categories: Sequence[str] | None = None, *, threshold: float | None = None
     ) -> None:
         self.categories = list(categories) if categories is not None else None
+        # The names as an object array, so a batch's top-k names are one fancy index.
+        self._cats = np.array(self.categories, dtype=object) if self.categories else None
         self.threshold = threshold  # multi-label (sigmoid) only
 
     def _names(self, indices: Sequence[int]) -> list[str] | None:
@@ -39,19 +45,36 @@ class ClassifyReader:
             return None
         return [cats[i] if 0 <= i < len(cats) else str(i) for i in indices]
 
+    def _batch_names(self, indices: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
+        """The names of a batch's top-k indices ([B, k] objects); an index the names do
+        not cover reads as its number."""
+        cats = self._cats
+        if cats is None:
+            return None if self.categories is None else indices.astype(str).astype(object)
+        names: npt.NDArray[Any] = cats[np.clip(indices, 0, len(cats) - 1)]
+        outside = (indices < 0) | (indices >= len(cats))
+        if outside.any():
+            names[outside] = indices[outside].astype(str).astype(object)
+        return names
+
     def read(self, arrays: Arrays, rows: Sequence[int]) -> list[Answer]:
         all_indices = arrays[0].tolist()
-        all_scores = arrays[1].tolist()
-        positive = None
-        if self.threshold is not None:
-            positive = arrays[2] >= self.threshold  # [B, C], one compare for the batch
+        # Rounded for the wire here, once per batch, not per answer.
+        all_scores = np.round(arrays[1].astype(np.float64), SCORE_DECIMALS).tolist()
+        names_of = self._batch_names(arrays[0])
+        all_names = names_of.tolist() if names_of is not None else None
+        if self.threshold is None:
+            if all_names is None:
+                return [Classification(all_indices[row], all_scores[row]) for row in rows]
+            return [
+                Classification(all_indices[row], all_scores[row], all_names[row]) for row in rows
+            ]
+        positive = arrays[2] >= self.threshold  # [B, C], one compare for the batch
         out: list[Answer] = []
         for row in rows:
             indices: list[int] = all_indices[row]
             scores: list[float] = all_scores[row]
-            if positive is None:
-                out.append(Classification(indices, scores, self._names(indices)))
-                continue
+            names = all_names[row] if all_names is not None else None
             probs = arrays[2][row]
             found = np.flatnonzero(positive[row])
             found = found[np.argsort(-probs[found], kind="stable")]
@@ -60,10 +83,12 @@ class ClassifyReader:
                 Classification(
                     indices,
                     scores,
-                    self._names(indices),
+                    names,
                     threshold=self.threshold,
                     positives=chosen,
-                    positive_scores=probs[found].tolist(),
+                    positive_scores=np.round(
+                        probs[found].astype(np.float64), SCORE_DECIMALS
+                    ).tolist(),
                     positive_names=self._names(chosen) or [str(i) for i in chosen],
                 )
             )
