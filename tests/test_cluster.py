@@ -11,8 +11,8 @@ import asyncio
 import json
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.redis_cluster import RedisCluster, ResultWatcher, results_by_id
 from tests.redis_server import RedisServer
+from tests.worker_harness import serving
 from worker.config import ConfigError, WorkerConfig
 from worker.service import Worker
 
@@ -72,22 +73,8 @@ def null_config(url: str, prefix: str, name: str, **overrides: Any) -> WorkerCon
     return WorkerConfig.load(env={}, overrides=values)
 
 
-@asynccontextmanager
-async def running(config: WorkerConfig) -> AsyncIterator[Worker]:
-    worker = Worker(config)
-    task = asyncio.create_task(worker.serve(install_signals=False))
-    deadline = time.monotonic() + 120
-    while not worker.ready:
-        if task.done():
-            task.result()
-        if time.monotonic() > deadline:
-            raise TimeoutError("worker did not become ready")
-        await asyncio.sleep(0.02)
-    try:
-        yield worker
-    finally:
-        worker.handle_exit()
-        await asyncio.wait_for(task, 60)
+def running(config: WorkerConfig) -> AbstractAsyncContextManager[Worker]:
+    return serving(Worker(config))
 
 
 def node_url(cluster: RedisCluster) -> str:

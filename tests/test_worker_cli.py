@@ -119,6 +119,18 @@ def test_config_precedence_flags_over_env_over_defaults() -> None:
         WorkerConfig.load(env={"GPUFEED_TOP_K": "0"})
 
 
+def worker_process(env: dict[str, str]) -> subprocess.Popen[str]:
+    """`python -m worker` with `env`, its output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def test_a_real_worker_process_answers_and_drains_on_sigterm(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
@@ -134,14 +146,7 @@ def test_a_real_worker_process_answers_and_drains_on_sigterm(
             "GPUFEED_WORKER_NAME": "cli-worker",
         }
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = worker_process(env)
     try:
         redis_client.xadd("gpufeed:jobs", {"id": "t1", "image": jpeg_bytes()})
         deadline = time.monotonic() + 90
@@ -184,14 +189,7 @@ def test_sigterm_while_starting_exits_cleanly(redis_url: str, tiny_weights: Path
             "GPUFEED_LOG_FORMAT": "json",
         }
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "worker"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = worker_process(env)
     try:
         # Importing torch alone takes seconds: the signal arrives long before serving.
         time.sleep(0.8)

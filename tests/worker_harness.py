@@ -48,6 +48,13 @@ async def running_worker(
         decode_delay_s=decode_delay_s,
         decode_hook=decode_hook,
     )
+    async with serving(worker):
+        yield worker
+
+
+@asynccontextmanager
+async def serving(worker: Worker) -> AsyncIterator[Worker]:
+    """Run `worker` until it is ready, hand it over, and drain it on the way out."""
     task = asyncio.create_task(worker.serve(install_signals=False))
     deadline = time.monotonic() + 120
     while not worker.ready:
