@@ -170,9 +170,15 @@ async def gpufeed_run(
     finally:
         if server is not None:
             server.stop()
-        worker.handle_exit()
-        if main is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(main, 60)
-        await worker.shutdown()
+        await stop_worker(worker, main)
         await b.cleanup(keys)
+
+
+async def stop_worker(worker: Worker, main: asyncio.Task[Any] | None) -> None:
+    """End a bench run's worker: ask it to drain, let its main loop finish (whatever it
+    raised was reported by the run already), then shut it down."""
+    worker.handle_exit()
+    if main is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(main, 60)
+    await worker.shutdown()

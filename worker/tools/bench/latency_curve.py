@@ -4,14 +4,13 @@ max wait."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 
 from worker.gpu_sampler import percentile
 from worker.service import Worker
 from worker.tools.bench.ablations import DEFAULTS
 from worker.tools.bench.context import Bench
-from worker.tools.bench.gpufeed_run import watch
+from worker.tools.bench.gpufeed_run import stop_worker, watch
 from worker.tools.bench.profiles import ModelPlan, SetPlan
 from worker.tools.bench.redis_env import collect, paced_push, push_jobs
 
@@ -83,9 +82,5 @@ async def curve_runs(b: Bench, plan: ModelPlan, sp: SetPlan, capacity: float) ->
                     f"{b.curves[-1]['achieved_per_s']} images/s, p50 {b.curves[-1]['p50_ms']} ms"
                 )
         finally:
-            worker.handle_exit()
-            if main is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(main, 60)
-            await worker.shutdown()
+            await stop_worker(worker, main)
             await b.cleanup(keys)

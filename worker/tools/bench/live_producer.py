@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import functools
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ import redis.asyncio as aioredis
 from worker.service import Worker
 from worker.tools.bench.ablations import Variant
 from worker.tools.bench.context import Bench, BenchError
-from worker.tools.bench.gpufeed_run import watch
+from worker.tools.bench.gpufeed_run import stop_worker, watch
 from worker.tools.bench.profiles import ModelPlan
 from worker.tools.bench.redis_env import paced_push
 
@@ -123,9 +122,5 @@ async def live_producer_run(
             "met": fill is not None and fill >= FILL_TARGET,
         }
     finally:
-        worker.handle_exit()
-        if main is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(main, 60)
-        await worker.shutdown()
+        await stop_worker(worker, main)
         await b.cleanup(keys)

@@ -25,7 +25,6 @@ without levels it is the whole burst's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,7 @@ from worker.gpu_sampler import percentile
 from worker.service import Worker
 from worker.tools.bench.ablations import Variant
 from worker.tools.bench.context import Bench, BenchError
+from worker.tools.bench.gpufeed_run import stop_worker
 from worker.tools.bench.images import ImageSetSpec, load_image_set
 from worker.tools.bench.profiles import ModelPlan, PriorityPlan
 from worker.tools.bench.redis_env import RunKeys, paced_push, push_jobs, wait_for_results
@@ -170,11 +170,7 @@ async def _run(
             },
         }
     finally:
-        worker.handle_exit()
-        if main is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(main, 60)
-        await worker.shutdown()
+        await stop_worker(worker, main)
         await b.aclient.delete(f"{keys.jobs}:high", f"{keys.jobs}:low")
         await b.cleanup(keys)
 
