@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -119,9 +121,11 @@ def test_config_precedence_flags_over_env_over_defaults() -> None:
         WorkerConfig.load(env={"GPUFEED_TOP_K": "0"})
 
 
-def worker_process(env: dict[str, str]) -> subprocess.Popen[str]:
-    """`python -m worker` with `env`, its output captured."""
-    return subprocess.Popen(
+@contextmanager
+def worker_process(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """`python -m worker` with `env`, its output captured; killed on the way out if a test
+    left it running."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "worker"],
         cwd=ROOT,
         env=env,
@@ -129,6 +133,12 @@ def worker_process(env: dict[str, str]) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_a_real_worker_process_answers_and_drains_on_sigterm(
@@ -146,8 +156,7 @@ def test_a_real_worker_process_answers_and_drains_on_sigterm(
             "GPUFEED_WORKER_NAME": "cli-worker",
         }
     )
-    proc = worker_process(env)
-    try:
+    with worker_process(env) as proc:
         redis_client.xadd("gpufeed:jobs", {"id": "t1", "image": jpeg_bytes()})
         deadline = time.monotonic() + 90
         while not redis_client.exists("gpufeed:result:t1"):
@@ -160,10 +169,6 @@ def test_a_real_worker_process_answers_and_drains_on_sigterm(
         time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, stderr
     assert redis_client.hget("gpufeed:result:t1", "status") == b"ok"
     assert '"event": "stopped"' in stderr
@@ -189,15 +194,10 @@ def test_sigterm_while_starting_exits_cleanly(redis_url: str, tiny_weights: Path
             "GPUFEED_LOG_FORMAT": "json",
         }
     )
-    proc = worker_process(env)
-    try:
+    with worker_process(env) as proc:
         # Importing torch alone takes seconds: the signal arrives long before serving.
         time.sleep(0.8)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
