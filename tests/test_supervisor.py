@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import ModuleType
@@ -261,11 +261,15 @@ def stand_in(tmp_path: Path, script: str) -> list[str]:
 
 
 def supervise(
-    tmp_path: Path, script: str, until: Callable[[Supervisor], bool], timeout_s: float = 30
+    tmp_path: Path,
+    script: str,
+    until: Callable[[Supervisor], bool],
+    timeout_s: float = 30,
+    args: Sequence[str] = (),
 ) -> Supervisor:
     """Two stand-in children under a supervisor, stepped until `until`, then stopped."""
     config = WorkerConfig.load(env={}, overrides={"processes": 2, "worker_name": "s"})
-    sup = Supervisor(config, command=stand_in(tmp_path, script))
+    sup = Supervisor(config, command=[*stand_in(tmp_path, script), *args])
     for child in sup.children:
         sup.start(child)
     deadline = time.monotonic() + timeout_s
@@ -290,6 +294,25 @@ def test_a_crashed_child_is_started_again_and_sigterm_then_stops_all(tmp_path: P
     assert sup.children[0].restarts == 1
     assert [c.exit_code for c in sup.children] == [0, 0]
     assert sup.exit_code() == 0
+
+
+def test_a_restarted_child_waits_for_redis_even_under_no_wait(tmp_path: Path) -> None:
+    # `--no-wait` is for the first start; a child restarted during a Redis blip must wait
+    # for Redis, or the blip would end every process one restart at a time.
+    script = (
+        "(runs / f'{name}.argv{run}').write_text(' '.join(sys.argv[1:]))\n"
+        "if name == 's-0' and run == 0:\n    sys.exit(1)\n"
+    )
+    written = ("s-0.argv1", "s-1.argv0")
+    supervise(
+        tmp_path,
+        script,
+        lambda s: all((tmp_path / n).exists() for n in written),
+        args=["--no-wait"],
+    )
+    assert (tmp_path / "s-0.argv0").read_text() == "--no-wait"
+    assert (tmp_path / "s-0.argv1").read_text() == "--wait"
+    assert (tmp_path / "s-1.argv0").read_text() == "--no-wait"
 
 
 def test_a_start_up_failure_stops_the_others_and_keeps_its_exit_code(tmp_path: Path) -> None:

@@ -132,6 +132,10 @@ class Supervisor:
         self.base_env = dict(os.environ if base_env is None else base_env)
         wait_flag = "--wait" if wait_for_redis else "--no-wait"
         self.command = list(command or [sys.executable, "-m", "worker", "run", wait_flag])
+        # `--no-wait` asks the first start to fail fast when Redis is away. A restart comes
+        # after the fleet already reached Redis once: a Redis blip at that moment must not end
+        # every process, so restarted children always wait for Redis.
+        self.restart_command = [("--wait" if a == "--no-wait" else a) for a in self.command]
         self.clock = clock
         self.children = [
             Child(index=i, name=child_name(config, i)) for i in range(config.processes)
@@ -181,7 +185,7 @@ class Supervisor:
     def start(self, child: Child) -> None:
         child.restart_at_s = None
         child.proc = subprocess.Popen(
-            self.command,
+            self.restart_command if child.restarts else self.command,
             cwd=self._cwd,
             env=child_env(self.config, child.index, self.base_env),
             stdin=subprocess.DEVNULL,
