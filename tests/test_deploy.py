@@ -393,6 +393,8 @@ def test_dockerfile() -> None:
     assert "healthcheck.py" in dockerfile_one("HEALTHCHECK")
     env = dockerfile_env()
     assert dockerfile_one("EXPOSE") == env["GPUFEED_METRICS_PORT"] == "9400"
+    # A published port reaches the container's own interface, not its loopback.
+    assert env["GPUFEED_METRICS_HOST"] == "0.0.0.0"
     (volume,) = json.loads(dockerfile_one("VOLUME"))
     for var in ("TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         assert env[var].startswith(volume + "/"), var
@@ -495,6 +497,8 @@ def test_subset_reader_reads_block_yaml_and_refuses_the_rest() -> None:
 def test_deployment_probes_ports_and_annotations_agree() -> None:
     port = int(configmap_value("GPUFEED_METRICS_PORT"))
     assert port != 0
+    # The kubelet probes the pod's IP: a loopback listener would fail every probe.
+    assert configmap_value("GPUFEED_METRICS_HOST") == "0.0.0.0"
     container = worker_container()
     ports = {p.get("name", str(p["containerPort"])): p["containerPort"] for p in container["ports"]}
     assert list(ports.values()) == [port]

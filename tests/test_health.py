@@ -6,12 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 import urllib.error
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 import torch
@@ -20,8 +23,10 @@ from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer, free_port
 from tests.test_observability import get, metric
 from tests.worker_harness import running_worker, tiny_config, wait_results
+from worker import health as health_mod
 from worker.config import ConfigError, WorkerConfig
-from worker.health import Health
+from worker.health import Health, HealthServer
+from worker.metrics import WorkerMetrics
 from worker.service import Worker
 
 
@@ -219,3 +224,80 @@ async def test_ready_is_503_while_draining_after_sigterm(
             await asyncio.wait_for(task, 60)
     # The drain finished the job it held.
     assert redis_client.hget("gpufeed:result:in-flight", "status") == b"ok"
+
+
+# ------------------------------------------------------------------ the HTTP endpoints
+def idle_health() -> Health:
+    return Health(loop_stall_s=0, launch_stall_s=0)
+
+
+@pytest.fixture
+def health_server() -> Iterator[HealthServer]:
+    server = HealthServer(0, WorkerMetrics(), idle_health()).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def listening_address(port: int) -> str:
+    """The address this process listens on at `port`, as `ss -ltn` would show it."""
+    me = psutil.Process()
+    (conn,) = [
+        c for c in me.net_connections("tcp") if c.status == "LISTEN" and c.laddr.port == port
+    ]
+    return str(conn.laddr.ip)
+
+
+def server_side_connections(port: int) -> int:
+    me = psutil.Process()
+    return sum(1 for c in me.net_connections("tcp") if c.laddr.port == port and c.raddr)
+
+
+def test_the_endpoints_listen_on_loopback_unless_told_otherwise(
+    health_server: HealthServer,
+) -> None:
+    assert listening_address(health_server.port) == "127.0.0.1"
+    assert WorkerConfig.load(env={}).metrics_host == "127.0.0.1"
+    anywhere = HealthServer(0, WorkerMetrics(), idle_health(), host="0.0.0.0").start()
+    try:
+        assert listening_address(anywhere.port) == "0.0.0.0"
+    finally:
+        anywhere.stop()
+    with pytest.raises(ConfigError, match="GPUFEED_METRICS_HOST: must be an IP address"):
+        WorkerConfig.load(env={"GPUFEED_METRICS_HOST": "every-interface"})
+
+
+def test_idle_connections_neither_hold_threads_nor_crowd_out_a_probe(
+    health_server: HealthServer,
+) -> None:
+    threads = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", health_server.port)) for _ in range(100)]
+    try:
+        # Half of a request line, then nothing: a client that trickles.
+        for s in idle[::2]:
+            s.sendall(b"GET /live HT")
+        status, body = get(f"http://127.0.0.1:{health_server.port}/live")
+        assert (status, body) == (200, "live\n")
+        status, text = get(f"http://127.0.0.1:{health_server.port}/metrics")
+        assert status == 200 and "gpufeed_ready" in text
+        assert threading.active_count() == threads
+        # The server keeps at most its bound of them open; the rest it closed.
+        assert server_side_connections(health_server.port) <= health_mod.MAX_CONNECTIONS
+        assert health_server.shed >= 100 - health_mod.MAX_CONNECTIONS
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_request_timeout(
+    health_server: HealthServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(health_mod, "REQUEST_TIMEOUT_S", 0.3)
+    with socket.create_connection(("127.0.0.1", health_server.port)) as s:
+        s.settimeout(5)
+        assert s.recv(1) == b""  # closed by the server, without an answer
+    with socket.create_connection(("127.0.0.1", health_server.port)) as s:
+        s.sendall(b"POST /ready HTTP/1.1\r\n\r\n")
+        s.settimeout(5)
+        assert s.recv(100).startswith(b"HTTP/1.1 405 ")

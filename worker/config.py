@@ -7,6 +7,7 @@ values raise ConfigError with one line that names the variable and what is accep
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -132,6 +133,7 @@ class WorkerConfig:
 
     # Observability
     metrics_port: int = field(default=0, metadata={"env": "GPUFEED_METRICS_PORT"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"env": "GPUFEED_METRICS_HOST"})
     live_loop_stall_s: float = field(default=30.0, metadata={"env": "GPUFEED_LIVE_LOOP_STALL_S"})
     live_launch_stall_s: float = field(
         default=120.0, metadata={"env": "GPUFEED_LIVE_LAUNCH_STALL_S"}
@@ -351,6 +353,12 @@ class WorkerConfig:
             f"with GPUFEED_PROCESSES={self.processes} the processes take ports "
             f"{self.metrics_port}..{self.metrics_port + self.processes - 1}: past 65535",
         )
+        need(
+            _is_ip_address(self.metrics_host),
+            "GPUFEED_METRICS_HOST",
+            f"must be an IP address to listen on, e.g. 127.0.0.1 (this host only), 0.0.0.0 or "
+            f":: (every interface), got {self.metrics_host!r}",
+        )
         for name in ("live_loop_stall_s", "live_launch_stall_s"):
             value = getattr(self, name)
             need(
@@ -501,6 +509,14 @@ def host_list_problem(raw: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def redact_url(url: str) -> str:

@@ -17,12 +17,12 @@ to date:
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Protocol
 
 import redis.asyncio as aioredis
 import structlog
@@ -148,54 +148,136 @@ class Health:
         return True, "live"
 
 
+# How long a client has to send its request line and headers, and then to take the answer.
+REQUEST_TIMEOUT_S = 5.0
+# Connections that have not sent a whole request yet. A new one past this closes the oldest
+# of them: a probe sends its request at once, so idle or trickling clients cannot crowd it
+# out, and they cannot hold more sockets than this.
+MAX_WAITING = 32
+# All connections at once (waiting, or taking an answer); past it a new one is closed.
+MAX_CONNECTIONS = 64
+# Request line and headers; a probe's or a scrape's are a few hundred bytes.
+MAX_HEAD_BYTES = 8192
+
+
 class HealthServer:
-    """/metrics (Prometheus), /live and /ready, on a thread of their own."""
+    """/metrics (Prometheus), /live and /ready, served by an event loop on a thread of its
+    own (never the worker's loop: the endpoints must answer whatever it does), bound to
+    `host` (GPUFEED_METRICS_HOST, loopback by default).
+
+    One thread whatever the number of clients; a connection that sends nothing is closed
+    after REQUEST_TIMEOUT_S, or sooner when newer connections need its place."""
 
     def __init__(
-        self, port: int, metrics: WorkerMetrics, health: Health, host: str = "0.0.0.0"
+        self, port: int, metrics: WorkerMetrics, health: Health, host: str = "127.0.0.1"
     ) -> None:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path == "/metrics":
-                    outer._send(self, 200, metrics.render(), CONTENT_TYPE_LATEST)
-                elif path in ("/live", "/ready"):
-                    ok, reason = health.live() if path == "/live" else health.ready()
-                    outer._send(self, 200 if ok else 503, f"{reason}\n".encode())
-                else:
-                    outer._send(self, 404, b"not found: try /metrics, /live or /ready\n")
-
-            def log_message(self, format: str, *args: Any) -> None:
-                # Scrapes every few seconds would drown the worker's own log.
-                return
-
-        self._server = ThreadingHTTPServer((host, port), Handler)
-        self._server.daemon_threads = True
-        self.port = int(self._server.server_address[1])
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, name="gpufeed-metrics", daemon=True
-        )
-
-    @staticmethod
-    def _send(
-        handler: BaseHTTPRequestHandler,
-        code: int,
-        body: bytes,
-        content_type: str = "text/plain; charset=utf-8",
-    ) -> None:
-        handler.send_response(code)
-        handler.send_header("Content-Type", content_type)
-        handler.send_header("Content-Length", str(len(body)))
-        handler.end_headers()
-        handler.wfile.write(body)
+        self._metrics = metrics
+        self._health = health
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # Bound here, not in the thread: a taken port fails the caller at once.
+        self._sock = socket.create_server((host, port), family=family)
+        self.host = host
+        self.port = int(self._sock.getsockname()[1])
+        self._loop = asyncio.new_event_loop()
+        self._stopped = asyncio.Event()
+        # Insertion-ordered: the oldest waiting connection first.
+        self._waiting: dict[asyncio.StreamWriter, None] = {}
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
+        # Connections closed for want of room (evicted while waiting, or refused at once).
+        self.shed = 0
+        self._thread = threading.Thread(target=self._serve, name="gpufeed-metrics", daemon=True)
 
     def start(self) -> HealthServer:
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stopped.set)
+            self._thread.join(timeout=5)
+        else:
+            self._sock.close()
+
+    # ------------------------------------------------------------------ the thread
+    def _serve(self) -> None:
+        try:
+            self._loop.run_until_complete(self._main())
+        finally:
+            self._loop.close()
+
+    async def _main(self) -> None:
+        server = await asyncio.start_server(self._connection, sock=self._sock, limit=MAX_HEAD_BYTES)
+        async with server:
+            await self._stopped.wait()
+            # Close what is still open, and let each connection's task see it and end.
+            for writer in list(self._writers):
+                writer.transport.abort()
+            if self._tasks:
+                await asyncio.wait(self._tasks, timeout=1)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._writers) >= MAX_CONNECTIONS:
+            self.shed += 1
+            writer.transport.abort()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        self._writers.add(writer)
+        self._tasks.add(task)
+        try:
+            if len(self._waiting) >= MAX_WAITING:
+                oldest = next(iter(self._waiting))
+                del self._waiting[oldest]
+                self.shed += 1
+                oldest.transport.abort()
+            self._waiting[writer] = None
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            except (
+                asyncio.TimeoutError,
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+                OSError,
+            ):
+                return
+            finally:
+                self._waiting.pop(writer, None)
+            if len(head) > MAX_HEAD_BYTES:
+                return
+            writer.write(self._answer(head))
+            await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)
+        except (asyncio.TimeoutError, OSError):
+            return
+        finally:
+            self._writers.discard(writer)
+            self._tasks.discard(task)
+            writer.close()
+
+    def _answer(self, head: bytes) -> bytes:
+        parts = head.split(b"\r\n", 1)[0].split(b" ")
+        if len(parts) != 3 or parts[0] not in (b"GET", b"HEAD"):
+            return _response(405, b"only GET /metrics, /live or /ready\n", head_only=False)
+        path = parts[1].split(b"?", 1)[0]
+        only_head = parts[0] == b"HEAD"
+        if path == b"/metrics":
+            return _response(200, self._metrics.render(), only_head, CONTENT_TYPE_LATEST)
+        if path in (b"/live", b"/ready"):
+            ok, reason = self._health.live() if path == b"/live" else self._health.ready()
+            return _response(200 if ok else 503, f"{reason}\n".encode(), only_head)
+        return _response(404, b"not found: try /metrics, /live or /ready\n", only_head)
+
+
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
+
+
+def _response(
+    code: int, body: bytes, head_only: bool, content_type: str = "text/plain; charset=utf-8"
+) -> bytes:
+    lines = (
+        f"HTTP/1.1 {code} {_REASONS[code]}\r\n"
+        f"Content-Type: {content_type}\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    return lines.encode("latin-1") + (b"" if head_only else body)

@@ -93,13 +93,13 @@ class Observer:
         self._events: dict[str, Counter] = {}
 
     # ------------------------------------------------------------------ set-up
-    def serve_http(self, port: int, health: Health) -> None:
+    def serve_http(self, port: int, health: Health, host: str = "127.0.0.1") -> None:
         """Start /metrics, /live, /ready (before the model loads: /live must answer during a
         long warm-up, and /ready says 503 until the worker reads)."""
         self.metrics.ready.set_function(lambda: 1.0 if health.ready()[0] else 0.0)
         if port:
-            self.http = HealthServer(port, self.metrics, health).start()
-            log.info("metrics_listening", port=self.http.port)
+            self.http = HealthServer(port, self.metrics, health, host=host).start()
+            log.info("metrics_listening", host=host, port=self.http.port)
 
     @property
     def info(self) -> dict[str, Any]:

@@ -136,7 +136,7 @@ class Worker:
         cfg = self.config
         log.info("starting", **cfg.summary())
         # /live answers from here on; /ready only once the worker reads.
-        self.observer.serve_http(cfg.metrics_port, self.health)
+        self.observer.serve_http(cfg.metrics_port, self.health, cfg.metrics_host)
         self.redis = self._client()
         if redis_first:
             # Fail in a second, not after minutes of loading and compiling the model.

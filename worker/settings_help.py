@@ -204,6 +204,12 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`0`",
         "Prometheus metrics and `/ready`, `/live` on this port; 0: off",
     ),
+    "GPUFEED_METRICS_HOST": (
+        "`127.0.0.1`",
+        "the address the metrics port listens on: loopback, so only this host can read it; "
+        "`0.0.0.0` (or `::`) where Prometheus or the kubelet's probes come from elsewhere, "
+        "as in the container image. Unauthenticated: see [Security](#security)",
+    ),
     "GPUFEED_LIVE_LOOP_STALL_S": (
         "`30`",
         "`/live` fails when the event loop has not run for this long (a blocking call, a "
