@@ -6,9 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,35 @@ def test_dead_redis_with_no_wait_exits_with_a_clear_message(tiny_weights: Path) 
     # Redis is checked first: the model was never loaded.
     assert '"event": "starting"' in proc.stderr
     assert '"event": "model_ready"' not in proc.stderr
+
+
+@pytest.fixture
+def not_redis() -> Iterator[int]:
+    """A loopback port where an HTTP server, not Redis, answers."""
+    server = HTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield int(server.server_address[1])
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_port_that_is_not_redis_is_said_so_with_exit_3(not_redis: int) -> None:
+    proc = run_worker(
+        "--no-wait",
+        env={
+            "REDIS_URL": f"redis://127.0.0.1:{not_redis}/0",
+            "GPUFEED_MODEL": "null",
+            "GPUFEED_DEVICE": "cpu",
+            "GPUFEED_LOG_LEVEL": "error",
+        },
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert f"redis://127.0.0.1:{not_redis}/0 is not a Redis server" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_no_wait_checks_redis_before_the_model() -> None:

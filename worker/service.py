@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, RedisClusterException
+from redis.exceptions import InvalidResponse, NoPermissionError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import shards, wire
@@ -597,8 +597,14 @@ class Worker:
                 if logged:
                     log.info("redis_reachable", url=self.config.redacted_url())
                 return
-            except (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError) as exc:
-                message = f"cannot reach Redis at {self.config.redacted_url()}: {exc}"
+            except (
+                RedisConnectionError,
+                RedisTimeoutError,
+                RedisClusterException,
+                InvalidResponse,
+                OSError,
+            ) as exc:
+                message = _unreachable(self.config.redacted_url(), exc)
                 if not wait:
                     raise RedisUnavailable(message) from None
                 if not logged:
@@ -848,7 +854,8 @@ class Worker:
         if hasattr(self, "runner"):
             self.runner.shutdown()
         if hasattr(self, "redis"):
-            with contextlib.suppress(RedisConnectionError, RedisTimeoutError, OSError):
+            # Any Redis error: what answers may not even be a Redis server.
+            with contextlib.suppress(RedisError, TimeoutError, OSError):
                 await asyncio.wait_for(self.redis.delete(heartbeat_key(self.config.worker_name)), 2)
             await self.redis.aclose()
         for node in self._node_clients:
@@ -915,6 +922,14 @@ def expire_rows(batch: Batch) -> None:
                 gpu=None,
                 error=DecodeError(late.error_code, late.error_message),
             )
+
+
+def _unreachable(url: str, exc: Exception) -> str:
+    """One line for a Redis that cannot be used: away, or something else on its port."""
+    if isinstance(exc, InvalidResponse):
+        # An HTTP server, a database, a proxy's banner: it answered, but not in RESP.
+        return f"{url} is not a Redis server (it answered, but not as Redis does: {exc})"
+    return f"cannot reach Redis at {url}: {exc}"
 
 
 __all__ = ["ConfigError", "RedisUnavailable", "Worker"]
