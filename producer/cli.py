@@ -31,6 +31,7 @@ from producer.core import DEFAULT_REDIS_URL
 from producer.dead_letters import DeadLetter, DeadLetterNotFound, iso_utc
 from producer.jobs import Job, file_job_ids, read_url_list, url_job_ids
 from producer.priorities import UnknownPriority, level_stream, pick_level
+from producer.reach import UNREACHABLE, unreachable
 from producer.stats import collect_stats
 
 EXIT_OK = 0
@@ -141,9 +142,9 @@ def _session(settings: Settings) -> Iterator[Producer]:
             shard_count=shard_count,
             cluster=settings.redis_cluster,
         )
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except UNREACHABLE as exc:
         # GPUFEED_REDIS_CLUSTER=auto asks the node at once.
-        raise _fail(f"cannot reach Redis at {redact(url)}: {exc}", EXIT_UNREACHABLE) from None
+        raise _fail(unreachable(redact(url), exc), EXIT_UNREACHABLE) from None
     except ValueError as exc:
         if "priorit" in str(exc):
             raise _fail(f"GPUFEED_PRIORITIES: {exc}", EXIT_USAGE) from None
@@ -153,11 +154,11 @@ def _session(settings: Settings) -> Iterator[Producer]:
     try:
         with producer:
             yield producer
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        reason = str(exc)
+    except UNREACHABLE as exc:
+        reason = unreachable(redact(url), exc)
         for secret in {password, unquote(password or "")} - {None, ""}:
             reason = reason.replace(str(secret), "***")
-        raise _fail(f"cannot reach Redis at {redact(url)}: {reason}", EXIT_UNREACHABLE) from None
+        raise _fail(reason, EXIT_UNREACHABLE) from None
     except redis.RedisError as exc:
         raise _fail(f"Redis at {redact(url)} refused a command: {exc}", EXIT_FAILED) from None
 

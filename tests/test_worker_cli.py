@@ -121,6 +121,12 @@ def test_a_port_that_is_not_redis_is_said_so_with_exit_3(not_redis: int) -> None
     assert f"redis://127.0.0.1:{not_redis}/0 is not a Redis server" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    # The other command-line tools say the same, with their exit 3.
+    env = {"REDIS_URL": f"redis://127.0.0.1:{not_redis}/0"}
+    for module, args in (("producer", ["stats"]), ("worker", ["top", "--once"])):
+        tool = run_module(module, *args, env=env, timeout=60)
+        assert tool.returncode == 3, (module, tool.stderr)
+        assert "is not a Redis server" in tool.stderr and "Traceback" not in tool.stderr
 
 
 def test_no_wait_checks_redis_before_the_model() -> None:

@@ -27,10 +27,11 @@ import torch
 from PIL import Image
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import InvalidResponse, NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import shards, wire
+from producer.reach import UNREACHABLE, unreachable
 from producer.wire import ErrorCode
 from worker.batcher import Batch, Batcher
 from worker.cluster_node import ShardNodeClient
@@ -69,6 +70,10 @@ from worker.transfer import DeviceTransfer
 from worker.writer import ResultWriter, WriterSettings
 
 log = structlog.get_logger("gpufeed.worker")
+
+
+# Redis away (or not Redis at all), and a cluster that cannot serve yet.
+_NO_REDIS: tuple[type[Exception], ...] = (*UNREACHABLE, RedisClusterException)
 
 
 class RedisUnavailable(RuntimeError):
@@ -597,14 +602,8 @@ class Worker:
                 if logged:
                     log.info("redis_reachable", url=self.config.redacted_url())
                 return
-            except (
-                RedisConnectionError,
-                RedisTimeoutError,
-                RedisClusterException,
-                InvalidResponse,
-                OSError,
-            ) as exc:
-                message = _unreachable(self.config.redacted_url(), exc)
+            except _NO_REDIS as exc:
+                message = unreachable(self.config.redacted_url(), exc)
                 if not wait:
                     raise RedisUnavailable(message) from None
                 if not logged:
@@ -922,14 +921,6 @@ def expire_rows(batch: Batch) -> None:
                 gpu=None,
                 error=DecodeError(late.error_code, late.error_message),
             )
-
-
-def _unreachable(url: str, exc: Exception) -> str:
-    """One line for a Redis that cannot be used: away, or something else on its port."""
-    if isinstance(exc, InvalidResponse):
-        # An HTTP server, a database, a proxy's banner: it answered, but not in RESP.
-        return f"{url} is not a Redis server (it answered, but not as Redis does: {exc})"
-    return f"cannot reach Redis at {url}: {exc}"
 
 
 __all__ = ["ConfigError", "RedisUnavailable", "Worker"]

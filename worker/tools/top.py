@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from producer import shards
+from producer.reach import UNREACHABLE, unreachable
 from producer.stats import collect_stats
 from worker.config import WorkerConfig
 from worker.metrics import STAGES
@@ -258,16 +259,16 @@ def frame(
 
 
 def _error_frame(config: WorkerConfig, exc: Exception) -> RenderableType:
-    return Text(f"cannot reach Redis at {config.redacted_url()}: {exc}; retrying", style="red")
+    return Text(f"{unreachable(config.redacted_url(), exc)}; retrying", style="red")
 
 
 def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False) -> int:
     """Draw the dashboard until Ctrl+C (or one frame with `once`); returns the exit code."""
     try:
         client = connect(config)
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+    except UNREACHABLE as exc:
         if once:
-            print(f"gpufeed: cannot reach Redis at {config.redacted_url()}: {exc}", file=sys.stderr)
+            print(f"gpufeed: {unreachable(config.redacted_url(), exc)}", file=sys.stderr)
             return EXIT_REDIS
         # Not there yet: the frames say so and retry (as a single Redis: GPUFEED_REDIS_CLUSTER
         # =on for a cluster that is still starting).
@@ -279,18 +280,15 @@ def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False
         if once:
             try:
                 console.print(frame(client, config))
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                print(
-                    f"gpufeed: cannot reach Redis at {config.redacted_url()}: {exc}",
-                    file=sys.stderr,
-                )
+            except UNREACHABLE as exc:
+                print(f"gpufeed: {unreachable(config.redacted_url(), exc)}", file=sys.stderr)
                 return EXIT_REDIS
             return 0
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
                 try:
                     live.update(frame(client, config, interval_s=interval_s), refresh=True)
-                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                except UNREACHABLE as exc:
                     live.update(_error_frame(config, exc), refresh=True)
                 time.sleep(interval_s)
     except KeyboardInterrupt:
