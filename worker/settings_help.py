@@ -180,6 +180,18 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "unset",
         "host names and CIDRs that `url` jobs may never reach (wins over `GPUFEED_URL_ALLOW`)",
     ),
+    "GPUFEED_FETCH_HOST_QUEUE": (
+        "`1024`",
+        "`url` jobs that may wait for one host's fetch slots (holding no in-flight place); "
+        "one more is answered `fetch_failed` (host busy). All hosts together: 16 times this",
+    ),
+    "GPUFEED_OBJECT_ALLOW": (
+        "unset (no keys)",
+        "the `s3://`, `gs://`, `az://` buckets and key prefixes jobs may read: "
+        "`images-*,catalog/public/`, per reply stream `tenant-a:results=s3://tenant-a`, "
+        "groups separated by `;`. Unset: every key is `object_not_allowed`. See "
+        "[Security](#security)",
+    ),
     "GPUFEED_VISIBILITY_TIMEOUT_S": (
         "`300`",
         "idle time after which another worker may reclaim a pending job; must exceed the "
