@@ -31,9 +31,7 @@ _HOST_RE = re.compile(r"^(\*\.)?[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_
 # NAT64's well-known prefix (RFC 6052: 64:ff9b::7f00:1 is loopback), IPv4-translated
 # (RFC 2765) and IPv4-compatible (::a.b.c.d, deprecated) addresses. IPv4-mapped ones are
 # `ipv4_mapped`, 6to4 (2002::/16, the address in bits 16-47) `sixtofour`.
-_LAST_32 = tuple(
-    ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96")
-)
+_LAST_32 = tuple(ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
 # No IPv4 address to judge them by, and never public: local-use NAT64 (RFC 8215; where its
 # IPv4 address sits depends on the operator's prefix length) and deprecated site-local.
 _NOT_PUBLIC_V6 = {
