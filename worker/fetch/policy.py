@@ -161,9 +161,10 @@ class AddressPolicy:
             return None
         if self.allow.has_name(host) or self.allow.has_address(ip) or self.allow.has_address(plain):
             return None
-        where = str(ip) if _is_literal(host) else f"{_norm_host(host)} resolves to {ip}"
+        # A name's address is not echoed: the job would learn the private network's DNS.
+        where = f"{ip}, a" if _is_literal(host) else f"{_norm_host(host)} resolves to a"
         return (
-            f"{where}, a {kind} address; the worker fetches only from public addresses "
+            f"{where} {kind} address; the worker fetches only from public addresses "
             "unless GPUFEED_URL_ALLOW names the host or its network"
         )
 
