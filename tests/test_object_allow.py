@@ -5,7 +5,9 @@ whether an object it may not read exists, or how large an object is."""
 from __future__ import annotations
 
 import asyncio
+import posixpath
 from pathlib import Path
+from urllib.parse import unquote
 
 import pytest
 import redis
@@ -82,6 +84,7 @@ def test_any_text_either_parses_or_is_refused_with_a_value_error(raw: str) -> No
     [
         "s3://catalog/public/../private/a.jpg",
         "s3://catalog/public/%2e%2e/private/a.jpg",
+        "s3://catalog/public/%252e%252e/private/a.jpg",
         "s3://catalog/public/./a.jpg",
         "s3://catalog/public\\..\\private/a.jpg",
         "s3://catalog/public/a.jpg?versionId=1",
@@ -91,6 +94,30 @@ def test_a_key_cannot_step_out_of_its_prefix(url: str) -> None:
     with pytest.raises(FetchError) as caught:
         split_store_url(url)
     assert caught.value.code.value == "invalid_job"
+
+
+_SEGMENTS = ["a", ".", "..", "%2e", "%2E%2e", "%252e%252e", "%25252e.", ".%2e", "\\", "%5c", ""]
+
+
+@given(
+    st.lists(st.sampled_from(_SEGMENTS), max_size=6),
+    st.sampled_from(["/", "%2f", "%252F"]),
+)
+def test_a_key_the_worker_accepts_never_resolves_outside_its_prefix(
+    segments: list[str], slash: str
+) -> None:
+    # Whatever a layer below does with dot folders or percent escapes (decoding them once,
+    # twice, or until nothing is left), an accepted key stays inside its prefix.
+    try:
+        _, _, key = split_store_url("s3://catalog/public/" + slash.join(segments))
+    except FetchError as exc:
+        assert exc.code.value == "invalid_job"
+        return
+    form = key
+    for _ in range(6):
+        resolved = posixpath.normpath(form.replace("\\", "/"))
+        assert resolved == "public" or resolved.startswith("public/"), key
+        form = unquote(form)
 
 
 async def test_tenants_read_only_what_the_list_gives_their_stream_and_errors_tell_nothing(

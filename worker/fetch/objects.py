@@ -53,7 +53,7 @@ def split_store_url(url: str) -> tuple[str, str, str]:
             status="invalid",
             host_class="store",
         )
-    if parts.query or parts.fragment or _dotted(key) or _dotted(unquote(key)):
+    if parts.query or parts.fragment or _dotted(key):
         raise FetchError(
             ErrorCode.INVALID_JOB,
             f"{scheme}:// keys have no '.' or '..' folders, no '\\', no '?' and no '#'",
@@ -64,7 +64,15 @@ def split_store_url(url: str) -> tuple[str, str, str]:
 
 
 def _dotted(key: str) -> bool:
-    return "\\" in key or any(part in (".", "..") for part in key.split("/"))
+    """A backslash, or a `.` or `..` folder, in the key or in any decoding of its percent
+    escapes (a layer below may decode once, or twice)."""
+    while True:
+        if "\\" in key or any(part in (".", "..") for part in key.split("/")):
+            return True
+        decoded = unquote(key)
+        if decoded == key:
+            return False
+        key = decoded
 
 
 @dataclass(frozen=True)
