@@ -73,49 +73,86 @@ async def test_a_host_that_trickles_does_not_keep_other_jobs_waiting(
     assert left == 0  # every place lent while waiting came back
 
 
-async def test_what_waits_for_a_host_is_bounded_and_waiting_lends_the_place() -> None:
-    fake = FakeFetcher()
-    gated = "http://busy.example/held.jpg"
-    fake.gates[gated] = asyncio.Event()
+class Places:
+    """The in-flight places a stage lends back while its jobs wait, and takes again."""
+
+    def __init__(self) -> None:
+        self.lent = 0
+        self.most_lent = 0
+
+    def give_back(self, n: int) -> None:
+        self.lent += n
+        self.most_lent = max(self.most_lent, self.lent)
+
+    def take(self, n: int) -> None:
+        self.lent -= n
+
+
+def gated_stage(fake: FakeFetcher, places: Places, **settings: Any) -> tuple[FetchStage, list]:
     answered: list[Any] = []
-    places = {"lent": 0, "most_lent": 0}
-
-    def give_back(n: int) -> None:
-        places["lent"] += n
-        places["most_lent"] = max(places["most_lent"], places["lent"])
-
-    def take(n: int) -> None:
-        places["lent"] -= n
 
     async def collect(items: list[Any]) -> None:
         answered.extend(items)
 
     stage = FetchStage(
-        FetchSettings(concurrency=8, per_host=1, host_queue=2),
+        FetchSettings(concurrency=8, per_host=1, host_queue=2, **settings),
         ready=collect,
         fail=collect,
         http=fake,
         store=fake,
-        give_back_place=give_back,
-        take_place=take,
+        give_back_place=places.give_back,
+        take_place=places.take,
     )
+    return stage, answered
+
+
+async def until(check: Any, tries: int = 500) -> None:
+    for _ in range(tries):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_a_busy_host_that_answers_slows_the_reader_and_nothing_is_refused() -> None:
+    fake = FakeFetcher()
+    gated = "http://busy.example/held.jpg"
+    fake.gates[gated] = asyncio.Event()
+    places = Places()
+    stage, answered = gated_stage(fake, places, read_timeout_s=60.0)
     for n in range(6):
         stage.submit(url_job(n, gated))
     stage.submit(url_job(9, "http://other.example/a.jpg"))
-    for _ in range(200):
-        if len(answered) == 4:
-            break
-        await asyncio.sleep(0.01)
-    # One fetching, two waiting (their places lent back), three refused at once; the other
-    # host's job was not held back.
-    busy = [o for o in answered if getattr(o, "error_code", None) is not None]
-    assert len(busy) == 3 and all("host busy" in o.error_message for o in busy)
-    assert {o.error_code.value for o in busy} == {"fetch_failed"}
-    assert [j.url for j in answered if getattr(j, "image", None)] == ["http://other.example/a.jpg"]
-    assert places["lent"] == 2
+    await until(lambda: len(answered) == 1)
+    # The other host's job was not held back; of the busy host's six, one is fetched, two
+    # wait with their places lent back (the queue), three wait holding theirs.
+    assert [j.url for j in answered] == ["http://other.example/a.jpg"]
+    assert places.lent == 2
     fake.gates[gated].set()
     assert await stage.drain(5)
-    assert len(answered) == 7 and places["lent"] == 0 and places["most_lent"] == 2
+    assert len(answered) == 7 and all(getattr(j, "image", None) for j in answered)
+    assert places.lent == 0 and places.most_lent == 2
+
+
+async def test_a_host_that_answers_nothing_gets_its_jobs_past_the_queue_refused() -> None:
+    fake = FakeFetcher()
+    gated = "http://stalled.example/held.jpg"
+    fake.gates[gated] = asyncio.Event()
+    places = Places()
+    # A host that answers nothing for 0.2 s counts as stalled.
+    stage, answered = gated_stage(fake, places, read_timeout_s=0.2)
+    for n in range(6):
+        stage.submit(url_job(n, gated))
+    await until(lambda: len(answered) == 3)
+    # The three holding places gave them up, answered at once as busy; a new one is too.
+    stage.submit(url_job(7, gated))
+    await until(lambda: len(answered) == 4)
+    busy = [o for o in answered if getattr(o, "error_code", None) is not None]
+    assert len(busy) == 4 and {o.error_code.value for o in busy} == {"fetch_failed"}
+    assert all("host busy" in o.error_message for o in busy)
+    assert places.lent == 2  # the queue still waits, without places
+    fake.gates[gated].set()
+    assert await stage.drain(5)
+    assert len(answered) == 7 and places.lent == 0
 
 
 # ------------------------------------------------------------------ idle connections

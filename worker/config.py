@@ -120,7 +120,7 @@ class WorkerConfig:
     fetch_max_redirects: int = field(default=5, metadata={"env": "GPUFEED_FETCH_MAX_REDIRECTS"})
     url_allow: str = field(default="", metadata={"env": "GPUFEED_URL_ALLOW"})
     url_deny: str = field(default="", metadata={"env": "GPUFEED_URL_DENY"})
-    fetch_host_queue: int = field(default=1024, metadata={"env": "GPUFEED_FETCH_HOST_QUEUE"})
+    fetch_host_queue: int = field(default=64, metadata={"env": "GPUFEED_FETCH_HOST_QUEUE"})
     object_allow: str = field(default="", metadata={"env": "GPUFEED_OBJECT_ALLOW"})
 
     # Delivery

@@ -181,9 +181,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "host names and CIDRs that `url` jobs may never reach (wins over `GPUFEED_URL_ALLOW`)",
     ),
     "GPUFEED_FETCH_HOST_QUEUE": (
-        "`1024`",
-        "`url` jobs that may wait for one host's fetch slots (holding no in-flight place); "
-        "one more is answered `fetch_failed` (host busy). All hosts together: 16 times this",
+        "`64`",
+        "`url` jobs of one host that may wait for a fetch slot without holding an in-flight "
+        "place (all hosts together: 16 times this); past it they wait holding one, or, when "
+        "the host has answered nothing for `GPUFEED_FETCH_READ_TIMEOUT_S`, are answered "
+        "`fetch_failed` (host busy)",
     ),
     "GPUFEED_OBJECT_ALLOW": (
         "unset (no keys)",
