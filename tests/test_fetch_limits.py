@@ -73,6 +73,29 @@ async def test_a_host_that_trickles_does_not_keep_other_jobs_waiting(
     assert left == 0  # every place lent while waiting came back
 
 
+async def test_a_large_batch_of_one_hosts_urls_is_served_not_refused(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, server: ImageServer
+) -> None:
+    # Far more jobs of one host than its fetch slots, its queue and the in-flight places
+    # together: the reader slows to the host's pace, and every job is answered ok.
+    jobs = [f"bulk-{i}" for i in range(80)]
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        batch_size=4,
+        ring_slots=2,
+        fetch_per_host=1,
+        fetch_host_queue=2,
+        url_allow="127.0.0.1",
+    ):
+        for job_id in jobs:
+            redis_client.xadd("gpufeed:jobs", {"id": job_id, "url": server.url("/img/a")})
+        entries = await wait_results(redis_client, "gpufeed:results", len(jobs))
+    results = [JobResult.from_fields(f) for _, f in entries]
+    assert sorted(r.id for r in results) == sorted(jobs)
+    assert all(r.ok for r in results), {r.error for r in results if not r.ok}
+
+
 class Places:
     """The in-flight places a stage lends back while its jobs wait, and takes again."""
 
