@@ -59,8 +59,8 @@ VALIDATORS_KEPT = 65_536
 # The longest `url` a job may carry: longer is `invalid_job`, before anything parses it
 # (real URLs, presigned ones included, stay well under 2 KiB).
 MAX_URL_CHARS = 8192
-# Jobs waiting for a fetch slot, all hosts together, in GPUFEED_FETCH_HOST_QUEUE units:
-# with the defaults, 16 x 1024 jobs of at most 8 KiB of URL each.
+# Jobs waiting for a fetch slot without an in-flight place, all hosts together, in
+# GPUFEED_FETCH_HOST_QUEUE units: with the default, 16 x 64 jobs of at most 8 KiB of URL.
 WAITING_HOSTS = 16
 
 
