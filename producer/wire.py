@@ -83,6 +83,9 @@ class ErrorCode(str, enum.Enum):
     FORBIDDEN_URL = "forbidden_url"  # url to an address or host the worker may not fetch from
     FETCH_FAILED = "fetch_failed"  # url answered with an HTTP error, or the network failed
     FETCH_TIMEOUT = "fetch_timeout"  # url did not answer in time, after the retries
+    # s3://, gs://, az:// key outside GPUFEED_OBJECT_ALLOW for the job's reply stream;
+    # refused before any request, so it says nothing of whether the object exists
+    OBJECT_NOT_ALLOWED = "object_not_allowed"
     INFERENCE_ERROR = "inference_error"  # the model failed on the batch holding this job
     DEAD_LETTER = "dead_letter"  # delivered too many times without a result
     ENTRY_DELETED = "entry_deleted"  # the job entry was deleted while still pending

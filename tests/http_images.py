@@ -8,6 +8,10 @@ Routes (GET):
     /endless           200 without a length, then bytes until the client goes away
     /redirect?to=URL   302 to URL
     /held/NAME         waits until the test releases NAME, then the image
+    /trickle           200 announcing 1 MiB, then one byte every TRICKLE_S until the server stops
+
+`keep_alive=True` answers in HTTP/1.1 and keeps connections open between requests, as a
+CDN does (the default, HTTP/1.0, closes each one).
 
 Every request is counted by path; `conditional` counts those answered 304.
 """
@@ -21,10 +25,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 ENDLESS_CAP = 256 * 1024 * 1024  # bounded: even an endless body stops somewhere
+TRICKLE_S = 0.5
+
+
+class _Server(ThreadingHTTPServer):
+    # Above http.server's 5: many connections opened at once would otherwise see their
+    # SYNs dropped and retried a second later.
+    request_queue_size = 128
 
 
 class ImageServer:
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", *, keep_alive: bool = False) -> None:
         self.images: dict[str, bytes] = {}
         self.hits: Counter[str] = Counter()
         self.conditional = 0
@@ -34,13 +45,15 @@ class ImageServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1" if keep_alive else "HTTP/1.0"
+
             def do_GET(self) -> None:
                 outer._handle(self)
 
             def log_message(self, format: str, *args: object) -> None:
                 return
 
-        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self._server = _Server((host, 0), Handler)
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -86,6 +99,8 @@ class ImageServer:
             self.stopping.wait(30)
         elif path == "/endless":
             self._endless(h)
+        elif path == "/trickle":
+            self._trickle(h)
         elif path == "/redirect":
             target = parse_qs(parts.query).get("to", [""])[0]
             h.send_response(302)
@@ -124,6 +139,18 @@ class ImageServer:
         h.send_response(status)
         h.send_header("Content-Length", "0")
         h.end_headers()
+
+    def _trickle(self, h: BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "image/jpeg")
+        h.send_header("Content-Length", str(1024 * 1024))
+        h.end_headers()
+        try:
+            while not self.stopping.wait(TRICKLE_S):
+                h.wfile.write(b"\xff")
+                h.wfile.flush()
+        except OSError:
+            return
 
     def _endless(self, h: BaseHTTPRequestHandler) -> None:
         h.send_response(200)

@@ -293,7 +293,7 @@ async def test_s3_keys_are_fetched_with_credentials_from_the_environment(
 ) -> None:
     image = jpeg_bytes(96, 72, seed=7, quality=80)
     await asyncio.to_thread(put_objects, s3_endpoint, "images", {"cats/1.jpg": image})
-    async with running_worker(redis_url, tiny_weights, **FAST_FETCH):
+    async with running_worker(redis_url, tiny_weights, object_allow="images", **FAST_FETCH):
         redis_client.xadd("gpufeed:jobs", {"id": "s3-ok", "url": "s3://images/cats/1.jpg"})
         redis_client.xadd("gpufeed:jobs", {"id": "s3-missing", "url": "s3://images/cats/2.jpg"})
         redis_client.xadd("gpufeed:jobs", {"id": "s3-bad", "url": "s3://Not_A_Bucket!/x"})
@@ -306,7 +306,7 @@ async def test_s3_keys_are_fetched_with_credentials_from_the_environment(
     assert results["s3-ok"].ok and results["s3-ok"].details["cached"] is False
     assert results["s3-again"].ok and results["s3-again"].details["cached"] is True
     assert results["s3-missing"].error_code == "fetch_failed"
-    assert "no such object" in (results["s3-missing"].error or "")
+    assert "not found, or not readable" in (results["s3-missing"].error or "")
     assert results["s3-bad"].error_code == "invalid_job"
 
 

@@ -120,6 +120,8 @@ class WorkerConfig:
     fetch_max_redirects: int = field(default=5, metadata={"env": "GPUFEED_FETCH_MAX_REDIRECTS"})
     url_allow: str = field(default="", metadata={"env": "GPUFEED_URL_ALLOW"})
     url_deny: str = field(default="", metadata={"env": "GPUFEED_URL_DENY"})
+    fetch_host_queue: int = field(default=64, metadata={"env": "GPUFEED_FETCH_HOST_QUEUE"})
+    object_allow: str = field(default="", metadata={"env": "GPUFEED_OBJECT_ALLOW"})
 
     # Delivery
     visibility_timeout_s: float = field(
@@ -322,6 +324,19 @@ class WorkerConfig:
                 f"{problem}; give host names and CIDRs separated by commas "
                 "(e.g. images.internal,10.0.0.0/8)",
             )
+        need(
+            1 <= self.fetch_host_queue <= 65_536,
+            "GPUFEED_FETCH_HOST_QUEUE",
+            "must be between 1 and 65536",
+        )
+        from worker.fetch.objects import object_allow_problem
+
+        problem = object_allow_problem(self.object_allow)
+        need(
+            problem is None,
+            "GPUFEED_OBJECT_ALLOW",
+            f"{problem}; e.g. images-*,catalog/public/;tenant-a:results=s3://tenant-a",
+        )
         need(
             self.visibility_timeout_s >= 1,
             "GPUFEED_VISIBILITY_TIMEOUT_S",

@@ -74,9 +74,9 @@ def read_job_path(raw_path: bytes, root: Path | None, max_bytes: int) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise DecodeError(ErrorCode.PATH_NOT_FOUND, f"{shown} is not a regular file")
         if st.st_size > max_bytes:
+            # The limit, not the file's size: errors tell no more about a file than that.
             raise DecodeError(
-                ErrorCode.PAYLOAD_TOO_LARGE,
-                f"{shown} is {st.st_size} bytes, over the limit of {max_bytes} bytes",
+                ErrorCode.PAYLOAD_TOO_LARGE, f"{shown} is over the limit of {max_bytes} bytes"
             )
         # One byte past the limit tells a file that grew since the fstat apart from one
         # that is exactly at it.

@@ -451,6 +451,9 @@ class Worker:
             fail=self.writer.put,
             cache=self.decode_cache,
             metrics=self.observer.metrics,
+            # A job waiting for a fetch slot lends its in-flight place back meanwhile.
+            give_back_place=self.in_flight.give_back,
+            take_place=self.in_flight.take,
         )
         self.readers: list[Reader] = []
         self.reclaimers: list[Reclaimer] = []

@@ -180,6 +180,20 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "unset",
         "host names and CIDRs that `url` jobs may never reach (wins over `GPUFEED_URL_ALLOW`)",
     ),
+    "GPUFEED_FETCH_HOST_QUEUE": (
+        "`64`",
+        "`url` jobs of one host that may wait for a fetch slot without holding an in-flight "
+        "place (all hosts together: 16 times this); past it they wait holding one, or, when "
+        "the host has answered nothing for `GPUFEED_FETCH_READ_TIMEOUT_S`, are answered "
+        "`fetch_failed` (host busy)",
+    ),
+    "GPUFEED_OBJECT_ALLOW": (
+        "unset (no keys)",
+        "the `s3://`, `gs://`, `az://` buckets and key prefixes jobs may read: "
+        "`images-*,catalog/public/`, per reply stream `tenant-a:results=s3://tenant-a`, "
+        "groups separated by `;`. Unset: every key is `object_not_allowed`. See "
+        "[Security](#security)",
+    ),
     "GPUFEED_VISIBILITY_TIMEOUT_S": (
         "`300`",
         "idle time after which another worker may reclaim a pending job; must exceed the "

@@ -1,7 +1,8 @@
 """http:// and https:// URLs (presigned S3, GCS and Azure URLs included), with aiohttp.
 
 One ClientSession per worker: its connector pools connections (at most the stage's
-concurrency in all, GPUFEED_FETCH_PER_HOST to one host), and every new connection's address
+concurrency in use, GPUFEED_FETCH_PER_HOST to one host, and as many idle ones kept open for
+reuse, all hosts together), and every new connection's address
 goes through `GuardedResolver`, so the address policy (worker/fetch/policy.py) is checked on
 the address actually connected to, after DNS, with no window for a second lookup to answer
 differently. aiohttp skips the resolver for IP literals, so each hop's host is also checked
@@ -19,6 +20,7 @@ import asyncio
 import ipaddress
 import random
 import socket
+from typing import Any
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -70,6 +72,40 @@ class GuardedResolver(AbstractResolver):
         await self._inner.close()
 
 
+class BoundedPoolConnector(aiohttp.TCPConnector):
+    """aiohttp's connector with a bound on idle keep-alive connections, all hosts together.
+
+    aiohttp's `limit` counts connections in use only: an idle one stays open for
+    `keepalive_timeout` per host, so jobs naming many host names (one wildcard DNS record
+    gives unlimited names) would pile up one open socket per name until file descriptors ran
+    out. Here, a connection handed back beyond `max_idle` idle ones closes the oldest idle
+    connection instead. aiohttp has no public hook for this; `_release` and `_conns` are
+    its pool (tests/test_fetch_limits.py checks the bound against a real server)."""
+
+    def __init__(self, *, max_idle: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_idle = max_idle
+
+    def _release(self, key: Any, protocol: Any, *, should_close: bool = False) -> None:
+        super()._release(key, protocol, should_close=should_close)
+        self._trim_idle()
+
+    def idle_count(self) -> int:
+        return sum(len(conns) for conns in self._conns.values())
+
+    def _trim_idle(self) -> None:
+        pool = self._conns
+        idle = self.idle_count()
+        while idle > self.max_idle:
+            # The oldest idle connection of all: each host's deque is oldest first.
+            key = min((k for k in pool if pool[k]), key=lambda k: pool[k][0][1])
+            proto, _ = pool[key].popleft()
+            if not pool[key]:
+                del pool[key]
+            proto.close()
+            idle -= 1
+
+
 class HttpFetcher:
     def __init__(
         self,
@@ -97,10 +133,13 @@ class HttpFetcher:
     def _get_session(self) -> aiohttp.ClientSession:
         # Created on first use: a ClientSession belongs to the running event loop.
         if self._session is None:
-            connector = aiohttp.TCPConnector(
+            connector = BoundedPoolConnector(
                 resolver=self._resolver,
                 limit=self.concurrency,
                 limit_per_host=self.per_host,
+                # Idle connections kept for reuse: as many as may be in use at once.
+                max_idle=self.concurrency,
+                keepalive_timeout=15.0,
                 ttl_dns_cache=10,
             )
             self._session = aiohttp.ClientSession(
@@ -299,7 +338,7 @@ async def _read_limited(
     resp: aiohttp.ClientResponse, max_bytes: int, where: str, host_class: str
 ) -> bytes:
     if resp.content_length is not None and resp.content_length > max_bytes:
-        raise too_large(resp.content_length, max_bytes, where, host_class)
+        raise too_large(max_bytes, where, host_class)
     buf = bytearray()
     async for chunk in resp.content.iter_chunked(_CHUNK):
         buf += chunk
@@ -307,5 +346,5 @@ async def _read_limited(
             # Close, not release: the rest of the body is never read, and an endless one
             # would hold the connection open for good.
             resp.close()
-            raise too_large(None, max_bytes, where, host_class)
+            raise too_large(max_bytes, where, host_class)
     return bytes(buf)

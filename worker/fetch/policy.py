@@ -8,7 +8,9 @@ may resolve to a private address) and again for every redirect hop.
 
 Refused unless GPUFEED_URL_ALLOW names the host or a CIDR holding the address: loopback,
 private, link-local, shared (100.64.0.0/10), reserved, unspecified and multicast addresses,
-IPv4-mapped and NAT64 forms of them included. GPUFEED_URL_DENY refuses more, and wins over
+and the IPv6 forms that carry one of them (IPv4-mapped, -compatible and -translated, 6to4,
+NAT64), judged by the IPv4 address they carry; local-use NAT64 (64:ff9b:1::/48) and
+site-local (fec0::/10) addresses too. GPUFEED_URL_DENY refuses more, and wins over
 the allow list.
 
 Only stdlib here: the configuration validates the lists without the HTTP client installed.
@@ -25,8 +27,17 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _HOST_RE = re.compile(r"^(\*\.)?[a-z0-9_]([a-z0-9_-]{0,62})(\.[a-z0-9_]([a-z0-9_-]{0,62}))*\.?$")
-# NAT64 (RFC 6052) embeds an IPv4 address in the last 32 bits: 64:ff9b::7f00:1 is loopback.
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# IPv6 forms that carry an IPv4 address in their last 32 bits, and so reach (or name) it:
+# NAT64's well-known prefix (RFC 6052: 64:ff9b::7f00:1 is loopback), IPv4-translated
+# (RFC 2765) and IPv4-compatible (::a.b.c.d, deprecated) addresses. IPv4-mapped ones are
+# `ipv4_mapped`, 6to4 (2002::/16, the address in bits 16-47) `sixtofour`.
+_LAST_32 = tuple(ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
+# No IPv4 address to judge them by, and never public: local-use NAT64 (RFC 8215; where its
+# IPv4 address sits depends on the operator's prefix length) and deprecated site-local.
+_NOT_PUBLIC_V6 = {
+    ipaddress.IPv6Network("64:ff9b:1::/48"): "reserved",
+    ipaddress.IPv6Network("fec0::/10"): "private",
+}
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,14 @@ def _norm_host(host: str) -> str:
 
 def address_class(ip: IPAddress) -> str:
     """`public`, or the kind of address that is refused by default."""
+    if ip.is_unspecified:
+        return "unspecified"
+    if ip.is_loopback:
+        return "loopback"
+    if isinstance(ip, ipaddress.IPv6Address):
+        for network, kind in _NOT_PUBLIC_V6.items():
+            if ip in network:
+                return kind
     ip = _embedded_v4(ip)
     if ip.is_unspecified:
         return "unspecified"
@@ -104,10 +123,13 @@ def address_class(ip: IPAddress) -> str:
 
 
 def _embedded_v4(ip: IPAddress) -> IPAddress:
+    """The IPv4 address an IPv6 one carries (see _LAST_32), else `ip` itself."""
     if isinstance(ip, ipaddress.IPv6Address):
         if ip.ipv4_mapped is not None:
             return ip.ipv4_mapped
-        if ip in _NAT64:
+        if ip.sixtofour is not None:
+            return ip.sixtofour
+        if any(ip in network for network in _LAST_32):
             return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     return ip
 
@@ -139,9 +161,10 @@ class AddressPolicy:
             return None
         if self.allow.has_name(host) or self.allow.has_address(ip) or self.allow.has_address(plain):
             return None
-        where = str(ip) if _is_literal(host) else f"{_norm_host(host)} resolves to {ip}"
+        # A name's address is not echoed: the job would learn the private network's DNS.
+        where = f"{ip}, a" if _is_literal(host) else f"{_norm_host(host)} resolves to a"
         return (
-            f"{where}, a {kind} address; the worker fetches only from public addresses "
+            f"{where} {kind} address; the worker fetches only from public addresses "
             "unless GPUFEED_URL_ALLOW names the host or its network"
         )
 

@@ -10,7 +10,7 @@ from producer.wire import ErrorCode
 # Labels of gpufeed_fetch_total{status}: a small, fixed set (never a host name or URL).
 FETCH_STATUSES = (
     "ok", "not_modified", "4xx", "5xx", "timeout", "forbidden", "too_large", "network",
-    "unresolved", "invalid",
+    "unresolved", "invalid", "busy",
 )  # fmt: skip
 
 
@@ -66,17 +66,12 @@ class FetchError(Exception):
         self.retryable = retryable
 
 
-def too_large(size: int | None, limit: int, where: str, host_class: str) -> FetchError:
-    """`size`: the length the server announced (nothing was read); None: the body passed
-    the limit while it was read, and reading stopped there."""
-    what = (
-        f"announced {size:,} bytes (not read)"
-        if size is not None
-        else f"sent more than {limit:,} bytes (reading stopped there)"
-    )
+def too_large(limit: int, where: str, host_class: str) -> FetchError:
+    """The same words whether the server announced a length over the limit (nothing read)
+    or the body passed it while read: the job learns the limit, never the object's size."""
     return FetchError(
         ErrorCode.PAYLOAD_TOO_LARGE,
-        f"{where} {what}; GPUFEED_MAX_IMAGE_BYTES is {limit:,}",
+        f"{where} is larger than GPUFEED_MAX_IMAGE_BYTES ({limit:,} bytes)",
         status="too_large",
         host_class=host_class,
     )

@@ -11,20 +11,20 @@ use (AWS_PROFILE, or ~/.aws/credentials without AWS_ACCESS_KEY_ID), boto3's chai
 the S3 credentials, so profiles and SSO work as in the AWS CLI.
 
 The endpoint of a store comes from the operator's environment, not from the job, so the
-address policy of http(s) URLs does not apply here; a job chooses only a bucket and a key.
+address policy of http(s) URLs does not apply here. Which buckets and keys a job may name is
+GPUFEED_OBJECT_ALLOW's (worker/fetch/objects.py), checked by the stage before this runs.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections import OrderedDict
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import obstore
+import structlog
 from obstore.exceptions import (
     BaseError,
     NotModifiedError,
@@ -34,31 +34,14 @@ from obstore.exceptions import (
 from obstore.store import ObjectStore, from_url
 
 from producer.wire import ErrorCode
+from worker.fetch.objects import SCHEMES, split_store_url
 from worker.fetch.result import Fetched, FetchError, Validator, too_large
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3CredentialProvider
 
-STORE_SCHEMES = ("s3", "gs", "az")
-# Bucket and container names of the three stores fit this (lower case, digits, dots,
-# hyphens, underscores); anything else is refused before a client is built for it.
-_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
+STORE_SCHEMES = SCHEMES
 _CHUNK = 256 * 1024
-
-
-def split_store_url(url: str) -> tuple[str, str, str]:
-    """`s3://bucket/a/b.jpg` -> ("s3", "bucket", "a/b.jpg"); FetchError(invalid_job) when
-    it is not a store URL with a bucket and a key."""
-    parts = urlsplit(url)
-    bucket, key = parts.netloc, parts.path.lstrip("/")
-    if parts.scheme not in STORE_SCHEMES or not _BUCKET_RE.match(bucket) or not key:
-        raise FetchError(
-            ErrorCode.INVALID_JOB,
-            f"{parts.scheme}:// URLs need a bucket and a key: {parts.scheme}://BUCKET/KEY",
-            status="invalid",
-            host_class="store",
-        )
-    return parts.scheme, bucket, key
 
 
 class StoreFetcher:
@@ -131,35 +114,36 @@ class StoreFetcher:
             result = await obstore.get_async(store, key, options=options or None)  # type: ignore[arg-type]
             meta = result.meta
             if meta["size"] > max_bytes:
-                raise too_large(meta["size"], max_bytes, where, "store")
+                raise too_large(max_bytes, where, "store")
             buf = bytearray()
             async for chunk in result.stream(min_chunk_size=_CHUNK):
                 buf += chunk
                 if len(buf) > max_bytes:
-                    raise too_large(None, max_bytes, where, "store")
+                    raise too_large(max_bytes, where, "store")
         except FetchError:
             raise
         except NotModifiedError:
             assert known is not None
             return Fetched(None, known, "store")
-        except FileNotFoundError:
-            raise FetchError(
-                ErrorCode.FETCH_FAILED, f"{where}: no such object", status="4xx", host_class="store"
-            ) from None
-        except (PermissionDeniedError, UnauthenticatedError) as exc:
+        except (FileNotFoundError, PermissionDeniedError, UnauthenticatedError):
+            # One answer for both: which keys exist is not the job's to learn.
             raise FetchError(
                 ErrorCode.FETCH_FAILED,
-                f"{where}: access denied ({type(exc).__name__}); the worker's credentials "
-                "come from its environment",
+                f"{where}: not found, or not readable with the worker's credentials",
                 status="4xx",
                 host_class="store",
             ) from None
         except (BaseError, OSError, ValueError) as exc:
             text = str(exc)
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+            # The store's own text goes to the operator's log only: it can describe the
+            # object (its size, its bucket's settings), which the job is not to learn.
+            log.warning("store_error", url=where, error=_first_line(text))
             raise FetchError(
                 ErrorCode.FETCH_TIMEOUT if timed_out else ErrorCode.FETCH_FAILED,
-                f"{where}: {_first_line(text) or type(exc).__name__}",
+                f"{where}: the store did not answer in time"
+                if timed_out
+                else f"{where}: the store failed ({type(exc).__name__})",
                 status="timeout" if timed_out else "network",
                 host_class="store",
             ) from None
@@ -168,6 +152,8 @@ class StoreFetcher:
         validator = Validator(etag, modified.isoformat() if modified is not None else None)
         return Fetched(bytes(buf), validator, "store")
 
+
+log = structlog.get_logger("gpufeed.fetch")
 
 _ENV_PREFIX = {"s3": "AWS", "gs": "GOOGLE", "az": "AZURE"}
 

@@ -6,9 +6,20 @@
 A `url` job takes a row of a staging slot only once its bytes have arrived, so one slow
 URL never holds a batch back: it is simply not in one yet. Each job's fetch is a task owned
 here; at most GPUFEED_FETCH_CONCURRENCY run at once, at most GPUFEED_FETCH_PER_HOST on one
-host (a host that stalls fills its own allowance, not everyone's), and each has
-GPUFEED_FETCH_TIMEOUT_S in all, retries included. Memory stays bounded by the reader's
-in-flight limit: a job holds its in-flight place while it is fetched.
+host, and each has GPUFEED_FETCH_TIMEOUT_S in all, retries included.
+
+A host that stalls fills its own allowance, not everyone's: a job being fetched holds its
+in-flight place (its bytes are in memory), but a job waiting for a fetch slot gives its
+place back until it has one, for up to GPUFEED_FETCH_HOST_QUEUE jobs per host (and
+WAITING_HOSTS times that in all; a URL is at most MAX_URL_CHARS long), so a queue behind a
+slow host never keeps the reader from other jobs. Past that queue a job waits holding its
+place, which slows the reader to the host's pace (a large batch of one host's URLs is
+served, not refused), unless the host has answered nothing for GPUFEED_FETCH_READ_TIMEOUT_S:
+then it is answered `fetch_failed` (host busy) at once, and so are the jobs of that host
+that were holding places.
+
+Object-store keys are checked against GPUFEED_OBJECT_ALLOW (worker/fetch/objects.py) for
+the job's reply stream before anything else, so a refused key is never asked for.
 
 Repeated URLs: the validator (ETag, Last-Modified) of each URL fetched is kept in a bounded
 map. A URL seen before is asked for with If-None-Match / If-Modified-Since; a 304 answer
@@ -33,6 +44,7 @@ import structlog
 
 from producer.wire import ErrorCode
 from worker.decode.cache import DecodeCache
+from worker.fetch.objects import ObjectAllow, parse_object_allow, split_store_url
 from worker.fetch.policy import AddressPolicy, loggable_url
 from worker.fetch.result import Fetched, FetchError, Validator
 from worker.jobs import Job, Outcome
@@ -44,6 +56,12 @@ HTTP_SCHEMES = ("http", "https")
 STORE_SOURCES = ("s3", "gs", "az")
 # How many URLs' validators are remembered (about 100 bytes each).
 VALIDATORS_KEPT = 65_536
+# The longest `url` a job may carry: longer is `invalid_job`, before anything parses it
+# (real URLs, presigned ones included, stay well under 2 KiB).
+MAX_URL_CHARS = 8192
+# Jobs waiting for a fetch slot without an in-flight place, all hosts together, in
+# GPUFEED_FETCH_HOST_QUEUE units: with the default, 16 x 64 jobs of at most 8 KiB of URL.
+WAITING_HOSTS = 16
 
 
 class Fetcher(Protocol):
@@ -64,6 +82,8 @@ class FetchSettings:
     max_bytes: int = 50 * 1024 * 1024
     url_allow: str = ""
     url_deny: str = ""
+    host_queue: int = 64
+    object_allow: str = ""
 
     @classmethod
     def from_config(cls, cfg: Any) -> FetchSettings:
@@ -78,6 +98,8 @@ class FetchSettings:
             max_bytes=cfg.max_image_bytes,
             url_allow=cfg.url_allow,
             url_deny=cfg.url_deny,
+            host_queue=cfg.fetch_host_queue,
+            object_allow=cfg.object_allow,
         )
 
 
@@ -94,27 +116,132 @@ class _Unavailable:
         return None
 
 
-class HostLimits:
-    """One semaphore per host, created when first needed and dropped when idle, so the
-    table holds only the hosts being fetched from."""
+class HostBusy(Exception):
+    """A job of a stalled host past its queue: answered at once, never queued."""
+
+
+class _Host:
+    __slots__ = ("answered_at", "lent", "sem", "users")
 
     def __init__(self, per_host: int) -> None:
+        self.sem = asyncio.Semaphore(per_host)
+        self.users = 0  # its jobs in the stage: fetching or waiting
+        self.lent = 0  # its jobs waiting without an in-flight place
+        # When one of its fetches last ended other than by a timeout; a new host starts
+        # with the benefit of the doubt.
+        self.answered_at = time.monotonic()
+
+
+class HostLimits:
+    """Each host's fetch slots and the jobs waiting for them. A host's entry exists only
+    while it has jobs, so the table holds only the hosts being fetched from.
+
+    A job that must wait for a slot waits without its in-flight place while its host has
+    fewer than `queue` such jobs (and the stage fewer than WAITING_HOSTS x `queue`). Past
+    that, it waits holding its place, which slows the reader down to the host's pace, as
+    long as the host answers: once none of the host's fetches has ended for `stall_s`,
+    such a job is refused (HostBusy), and so is every new one past the queue."""
+
+    def __init__(self, per_host: int, queue: int, stall_s: float) -> None:
         self.per_host = per_host
-        self._hosts: dict[str, tuple[asyncio.Semaphore, int]] = {}
+        self.queue = queue
+        self.stall_s = stall_s
+        self.waiting = 0
+        self._hosts: dict[str, _Host] = {}
+
+    def users(self, host: str) -> int:
+        entry = self._hosts.get(host)
+        return entry.users if entry is not None else 0
+
+    def answered(self, host: str) -> None:
+        entry = self._hosts.get(host)
+        if entry is not None:
+            entry.answered_at = time.monotonic()
+
+    def _stalled(self, entry: _Host) -> bool:
+        return time.monotonic() - entry.answered_at > self.stall_s
 
     @asynccontextmanager
-    async def hold(self, host: str) -> AsyncIterator[None]:
-        sem, users = self._hosts.get(host) or (asyncio.Semaphore(self.per_host), 0)
-        self._hosts[host] = (sem, users + 1)
+    async def hold(
+        self, host: str, global_slots: asyncio.Semaphore, places: _Places
+    ) -> AsyncIterator[None]:
+        """A fetch slot of `host` and one of `global_slots` (see the class docstring)."""
+        entry = self._hosts.get(host) or _Host(self.per_host)
+        lend = False
+        if entry.sem.locked() or global_slots.locked():
+            if entry.lent < self.queue and self.waiting < self.queue * WAITING_HOSTS:
+                lend = True
+            elif self._stalled(entry):
+                raise HostBusy
+        entry.users += 1
+        self._hosts[host] = entry
+        if lend:
+            entry.lent += 1
+            self.waiting += 1
+            places.give_back()
         try:
-            async with sem:
+            await self._acquire(entry, global_slots, lend)
+            try:
+                if lend:
+                    lend = False
+                    entry.lent -= 1
+                    self.waiting -= 1
+                    places.take()
                 yield
+            finally:
+                global_slots.release()
+                entry.sem.release()
         finally:
-            sem, users = self._hosts[host]
-            if users <= 1:
+            if lend:
+                # Given up while waiting (the fetch timeout): its answer gives the place back.
+                entry.lent -= 1
+                self.waiting -= 1
+                places.take()
+            entry.users -= 1
+            if entry.users == 0:
                 del self._hosts[host]
-            else:
-                self._hosts[host] = (sem, users - 1)
+
+    async def _acquire(self, entry: _Host, global_slots: asyncio.Semaphore, lent: bool) -> None:
+        if lent or not (entry.sem.locked() or global_slots.locked()):
+            # Free slots are taken before this returns (no task in between), so the next
+            # job's check in `hold` sees them taken.
+            await _both(entry.sem, global_slots)
+            return
+        while True:
+            try:
+                await asyncio.wait_for(_both(entry.sem, global_slots), self.stall_s)
+                return
+            except TimeoutError:
+                # Holding a place while its host answers nothing: give the place up.
+                if self._stalled(entry):
+                    raise HostBusy from None
+
+
+async def _both(first: asyncio.Semaphore, second: asyncio.Semaphore) -> None:
+    await first.acquire()
+    try:
+        await second.acquire()
+    except BaseException:
+        first.release()
+        raise
+
+
+class _Places:
+    """The reader's in-flight places, as the stage lends and takes them back."""
+
+    def __init__(
+        self, give_back: Callable[[int], None] | None, take: Callable[[int], None] | None
+    ) -> None:
+        self._give_back = give_back
+        self._take = take
+
+    def give_back(self) -> None:
+        if self._give_back is not None:
+            self._give_back(1)
+
+    def take(self) -> None:
+        if self._take is not None:
+            self._take(1)
 
 
 class FetchStage:
@@ -128,6 +255,8 @@ class FetchStage:
         metrics: WorkerMetrics | None = None,
         http: Fetcher | None = None,
         store: Fetcher | None = None,
+        give_back_place: Callable[[int], None] | None = None,
+        take_place: Callable[[int], None] | None = None,
     ) -> None:
         self.settings = settings
         self._ready = ready
@@ -137,8 +266,10 @@ class FetchStage:
         self.policy = AddressPolicy.from_settings(settings.url_allow, settings.url_deny)
         self.http = http if http is not None else self._make_http()
         self.store = store if store is not None else self._make_store()
+        self.objects: ObjectAllow = parse_object_allow(settings.object_allow)
         self._slots = asyncio.Semaphore(settings.concurrency)
-        self._hosts = HostLimits(settings.per_host)
+        self._hosts = HostLimits(settings.per_host, settings.host_queue, settings.read_timeout_s)
+        self._places = _Places(give_back_place, take_place)
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -215,6 +346,19 @@ class FetchStage:
         assert job.url is not None
         url = job.url
         start = time.monotonic()
+        if len(url) > MAX_URL_CHARS:
+            job.timings_ms["fetch"] = 0.0
+            job.ready_s = time.monotonic()
+            await self._fail(
+                [
+                    Outcome.failure(
+                        job,
+                        ErrorCode.INVALID_JOB,
+                        f"the url is {len(url):,} characters long; at most {MAX_URL_CHARS:,}",
+                    )
+                ]
+            )
+            return
         source, host = _source_and_host(url)
         try:
             fetched, row = await asyncio.wait_for(
@@ -266,16 +410,29 @@ class FetchStage:
                 status="forbidden",
                 host_class="refused",
             )
+        if source in STORE_SOURCES:
+            self._check_object(url, namespace)
         url_key = _url_key(url)
+        max_bytes = self.settings.max_bytes
         known = self._validators.get(url_key) if self.cache is not None else None
         row = None
-        async with self._hosts.hold(host), self._slots:
-            fetched = await fetcher.fetch(url, self.settings.max_bytes, known)
-            if fetched.data is None:
-                row = self._cached_row(url, fetched.validator, namespace)
-                if row is None:
-                    # 304, but the decoded row has left the cache since: fetch it whole.
-                    fetched = await fetcher.fetch(url, self.settings.max_bytes, None)
+        try:
+            async with self._hosts.hold(host, self._slots, self._places):
+                fetched = await self._answered(host, fetcher.fetch(url, max_bytes, known))
+                if fetched.data is None:
+                    row = self._cached_row(url, fetched.validator, namespace)
+                    if row is None:
+                        # 304, but the decoded row has left the cache since: fetch it whole.
+                        fetched = await self._answered(host, fetcher.fetch(url, max_bytes, None))
+        except HostBusy:
+            raise FetchError(
+                ErrorCode.FETCH_FAILED,
+                f"host busy: the host of {loggable_url(url)} has answered nothing for "
+                f"GPUFEED_FETCH_READ_TIMEOUT_S ({self.settings.read_timeout_s:g} s) and "
+                f"{self._hosts.users(host)} of its jobs are being fetched or wait "
+                "(GPUFEED_FETCH_PER_HOST, GPUFEED_FETCH_HOST_QUEUE); send it again later",
+                status="busy",
+            ) from None
         if self.cache is not None:
             if fetched.validator:
                 self._validators[url_key] = fetched.validator
@@ -285,6 +442,28 @@ class FetchStage:
             else:
                 self._validators.pop(url_key, None)
         return fetched, row
+
+    async def _answered(self, host: str, fetch: Awaitable[Fetched]) -> Fetched:
+        """`fetch`, noting that the host answered unless it timed out."""
+        try:
+            fetched = await fetch
+        except FetchError as exc:
+            if exc.status != "timeout":
+                self._hosts.answered(host)
+            raise
+        self._hosts.answered(host)
+        return fetched
+
+    def _check_object(self, url: str, reply_to: str) -> None:
+        scheme, bucket, key = split_store_url(url)
+        if not self.objects.allows(reply_to, scheme, bucket, key):
+            raise FetchError(
+                ErrorCode.OBJECT_NOT_ALLOWED,
+                f"{scheme}://{bucket}/{key} is not in GPUFEED_OBJECT_ALLOW for jobs answered "
+                f"on {reply_to}",
+                status="forbidden",
+                host_class="refused",
+            )
 
     def _cached_row(self, url: str, validator: Validator, namespace: str) -> tuple[Any, Any] | None:
         if self.cache is None or not validator:
