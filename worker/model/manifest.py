@@ -284,7 +284,7 @@ def read_small_text(path: Path, limit: int) -> str:
             fd = -1
             st = os.fstat(file.fileno())
             if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"{path}: not a regular file (a device, FIFO or socket)")
+                raise ConfigError(f"{path}: not a regular file")
             data = file.read(limit + 1)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it: {_reason(exc)}") from None
