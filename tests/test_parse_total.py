@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from producer import wire
@@ -123,6 +123,11 @@ setting_text = st.one_of(
 
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(SETTING_NAMES), setting_text)
+@example("GPUFEED_PATH_ROOT", "9" * 5000)  # a name too long for the file system
+@example("GPUFEED_MODEL", "./" + "m" * 5000)
+@example("GPUFEED_DEGRADE_MODEL", "~no-such-user-here/m")
+@example("GPUFEED_WEIGHTS", "~no-such-user-here/w.pt")
+@example("GPUFEED_WEIGHTS", "w/" * 3000)
 def test_any_text_at_any_setting_is_a_value_or_one_config_error(name: str, raw: str) -> None:
     try:
         WorkerConfig.load(env={name: raw})
@@ -152,6 +157,10 @@ def test_an_unknown_gpufeed_variable_is_refused(suffix: str) -> None:
         ({"REDIS_URL": "redis://host:99999/0"}, "REDIS_URL: is not a usable Redis URL"),
         ({"REDIS_URL": "redis://host/0?colour=red"}, "REDIS_URL: is not a usable Redis URL"),
         ({"GPUFEED_PATH_ROOT": "~no-such-user-here/x"}, "GPUFEED_PATH_ROOT: expected a path"),
+        # Numbers Redis would refuse at run time, on every publish or every reclaim.
+        ({"GPUFEED_RESULT_TTL_S": "9" * 18}, "GPUFEED_RESULT_TTL_S: must be between"),
+        ({"GPUFEED_VISIBILITY_TIMEOUT_S": "1e20"}, "GPUFEED_VISIBILITY_TIMEOUT_S: must be"),
+        ({"GPUFEED_STATS_INTERVAL_S": "0"}, "GPUFEED_STATS_INTERVAL_S: must be positive"),
         ({"GPUFEED_BATCHSIZE": "2"}, "did you mean GPUFEED_BATCH_SIZE?"),
         ({"gpufeed_top_k": "3"}, "did you mean GPUFEED_TOP_K?"),
     ],

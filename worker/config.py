@@ -252,6 +252,8 @@ class WorkerConfig:
             # before anything is loaded. Whether the model fits it is checked at load.
             read_manifest(self.model)
         need(bool(self.weights), "GPUFEED_WEIGHTS", "must be a weights name, a file or 'none'")
+        problem = _file_name_problem(self.weights)
+        need(problem is None, "GPUFEED_WEIGHTS", f"{_plain(self.weights)} {problem}")
         dev = self.device
         need(
             _DEVICE.fullmatch(dev) is not None,
@@ -316,7 +318,9 @@ class WorkerConfig:
         )
         if self.path_root is not None:
             need(
-                self.path_root.is_dir(), "GPUFEED_PATH_ROOT", f"{self.path_root} is not a directory"
+                _is_dir(self.path_root),
+                "GPUFEED_PATH_ROOT",
+                f"{_plain(str(self.path_root))} is not a directory",
             )
         need(
             1 <= self.fetch_concurrency <= 4096,
@@ -344,10 +348,13 @@ class WorkerConfig:
                 f"{problem}; give host names and CIDRs separated by commas "
                 "(e.g. images.internal,10.0.0.0/8)",
             )
+        # Upper bounds where Redis takes the value (XPENDING IDLE, EXPIRE): past them every
+        # reclaim, or every publish, would fail at run time instead of here.
         need(
-            self.visibility_timeout_s >= 1,
+            1 <= self.visibility_timeout_s <= 604_800,
             "GPUFEED_VISIBILITY_TIMEOUT_S",
-            "must be at least 1 second (and longer than the slowest batch)",
+            "must be at least 1 second (and longer than the slowest batch), at most 604800 "
+            "(7 days)",
         )
         need(self.max_deliveries >= 1, "GPUFEED_MAX_DELIVERIES", "must be at least 1")
         need(self.claim_interval_s > 0, "GPUFEED_CLAIM_INTERVAL_S", "must be positive")
@@ -362,7 +369,12 @@ class WorkerConfig:
             "GPUFEED_TRIM_INTERVAL_S",
             "must not be negative (0 turns trimming off)",
         )
-        need(self.result_ttl_s >= 1, "GPUFEED_RESULT_TTL_S", "must be at least 1 second")
+        need(
+            1 <= self.result_ttl_s <= 315_360_000,
+            "GPUFEED_RESULT_TTL_S",
+            "must be between 1 second and 315360000 (10 years)",
+        )
+        need(self.stats_interval_s > 0, "GPUFEED_STATS_INTERVAL_S", "must be positive (seconds)")
         need(self.results_maxlen >= 1, "GPUFEED_RESULTS_MAXLEN", "must be at least 1")
         need(
             0 <= self.metrics_port <= 65535,
@@ -559,6 +571,25 @@ def host_list_problem(raw: str) -> str | None:
     return None
 
 
+def _file_name_problem(text: str) -> str | None:
+    """Why `text` cannot even be looked up as a file (the loader would fail with a
+    traceback, not a setting error); None when it can, whether or not the file is there."""
+    try:
+        Path(text).expanduser().is_file()
+    except RuntimeError:
+        return "names the home of a user who does not exist"
+    except (OSError, ValueError) as exc:
+        return f"cannot be a file name ({getattr(exc, 'strerror', None) or exc})"
+    return None
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):  # a name too long, a NUL in it
+        return False
+
+
 def _is_ip_address(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -669,6 +700,11 @@ def _parse(var: str, raw: str, type_name: str) -> Any:
             "Path | None": "a path (UTF-8 text; ~user of a known user)",
         }.get(type_name, "UTF-8 text without NUL")
         raise ConfigError(f"{var}: expected {kind}, got {_shown(raw)}") from None
+
+
+def _plain(text: str) -> str:
+    """A path or name as typed where it is plain, else as `_shown` gives it."""
+    return text if text.isprintable() and len(text) <= 200 else _shown(text)
 
 
 def _shown(raw: str) -> str:

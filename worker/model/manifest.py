@@ -125,13 +125,13 @@ def read_manifest(directory: str | Path) -> ModelManifest:
         if root.name == MANIFEST and root.is_file():
             root = root.parent
         if not root.is_dir():
-            raise ConfigError(f"GPUFEED_MODEL: {root} is not a directory")
+            raise ConfigError(f"GPUFEED_MODEL: {_name(str(root), 300)} is not a directory")
         root = root.resolve()
     except (OSError, RuntimeError, ValueError) as exc:
         # ~user of no such user, a symlink loop, a NUL in the name.
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"GPUFEED_MODEL: {directory!s:.200}: {_reason(exc)}") from None
+        raise ConfigError(f"GPUFEED_MODEL: {_name(str(directory), 300)}: {_reason(exc)}") from None
     path = root / MANIFEST
     if not os.path.lexists(path):
         raise ConfigError(f"GPUFEED_MODEL: {root} has no {MANIFEST}")
@@ -309,10 +309,10 @@ def _shown(value: Any) -> str:
     return _REPR.repr(value)
 
 
-def _name(text: str) -> str:
+def _name(text: str, longest: int = 100) -> str:
     """A key or file name from the manifest, as typed where it is plain, else quoted and
     escaped (a TOML key may hold a newline) and cut short: the error stays one line."""
-    return text if text.isprintable() and len(text) <= 100 else _shown(text)
+    return text if text.isprintable() and len(text) <= longest else _shown(text)
 
 
 class _Table:
@@ -417,6 +417,10 @@ class _Table:
             path = (root / name).resolve()
         except (OSError, RuntimeError, ValueError) as exc:  # a loop, a NUL in the name
             raise self.error(key, f"{_shown(name)}: {_reason(exc)}") from None
-        if not path.is_file():
+        try:
+            regular = path.is_file()
+        except (OSError, ValueError):  # a name too long for the file system
+            regular = False
+        if not regular:
             raise self.error(key, f"{_name(name)} is not a file in {root}")
         return path
