@@ -163,6 +163,7 @@ def test_an_unknown_gpufeed_variable_is_refused(suffix: str) -> None:
         ({"GPUFEED_STATS_INTERVAL_S": "0"}, "GPUFEED_STATS_INTERVAL_S: must be positive"),
         ({"GPUFEED_BATCHSIZE": "2"}, "did you mean GPUFEED_BATCH_SIZE?"),
         ({"gpufeed_top_k": "3"}, "did you mean GPUFEED_TOP_K?"),
+        ({"GPUFEED_METRIC_PORT": "9100"}, "did you mean GPUFEED_METRICS_PORT?"),
     ],
 )
 def test_each_kind_of_bad_setting_is_named(env: dict[str, str], words: str) -> None:

@@ -42,10 +42,14 @@ MAX_PROCESSES = 64
 TOOL_VARIABLES = frozenset({"GPUFEED_WORKER_NAME_PREFIX"})
 # Kubernetes gives every pod <SERVICE>_SERVICE_HOST, <SERVICE>_PORT_<n>_TCP... for each
 # Service of its namespace: a Service named gpufeed-* puts those in every worker's env.
+# A bare <SERVICE>_PORT counts only with its tcp://host:port value, so that a misspelt
+# GPUFEED_METRIC_PORT=9100 is still refused.
 _SERVICE_LINK = re.compile(
-    r"GPUFEED(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT(_[0-9]+_(TCP|UDP|SCTP)"
-    r"(_(PROTO|PORT|ADDR))?)?)"
+    r"GPUFEED(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT_[0-9]+_(TCP|UDP|SCTP)"
+    r"(_(PROTO|PORT|ADDR))?)"
 )
+_SERVICE_PORT = re.compile(r"GPUFEED(_[A-Z0-9_]+)?_PORT")
+_SERVICE_URL = re.compile(r"(tcp|udp|sctp)://\S+")
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,3})?")
 
 
@@ -518,12 +522,18 @@ def check_unknown_variables(env: Mapping[str, str]) -> None:
     ignored without a word), naming the closest setting."""
     known = {str(f.metadata["env"]) for f in fields(WorkerConfig)} | TOOL_VARIABLES
     for var in sorted(env):
-        if not var.upper().startswith("GPUFEED_") or var in known or _SERVICE_LINK.fullmatch(var):
+        if not var.upper().startswith("GPUFEED_") or var in known or _service_link(var, env[var]):
             continue
         close = difflib.get_close_matches(var.upper(), sorted(known), n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}?" if close else "see python -m worker --help"
         name = var if re.fullmatch(r"[A-Za-z0-9_]{1,80}", var) else _shown(var)
         raise ConfigError(f"{name}: no such setting ({hint}); unset it to start")
+
+
+def _service_link(var: str, value: str) -> bool:
+    if _SERVICE_LINK.fullmatch(var):
+        return True
+    return bool(_SERVICE_PORT.fullmatch(var) and _SERVICE_URL.fullmatch(value))
 
 
 def redis_url_problem(url: str) -> str | None:
