@@ -342,17 +342,28 @@ def test_a_labels_file_that_is_no_small_regular_file_is_refused(tmp_path: Path, 
     else:
         with labels.open("wb") as f:
             f.truncate(65 * 1024 * 1024)  # sparse: no disk written
-    manifest = read_manifest(root)  # the directory says there are labels: they are read
-    assert manifest.labels is not None and manifest.labels.name == "labels.txt"
-    with pytest.raises(ConfigError) as err:
-        read_labels(labels)
     words = {
         "dev-zero": "not a regular file",
         "fifo": "not a regular file",
         "dangling": "cannot read it",
         "huge": "larger than",
     }[kind]
-    assert words in str(err.value) and str(labels) in str(err.value)
+    # Refused with the manifest, before any model is loaded, and when it is read.
+    for read in (read_manifest, read_labels):
+        with pytest.raises(ConfigError) as err:
+            read(root if read is read_manifest else labels)
+        assert words in str(err.value) and "labels.txt" in str(err.value)
+
+
+def test_a_worker_refuses_labels_linked_to_dev_zero_with_one_line_and_exit_2(
+    tmp_path: Path,
+) -> None:
+    root = classify_dir(tmp_path / "m")
+    (root / "labels.txt").symlink_to("/dev/zero")
+    proc = run_module("worker", "--no-wait", env={"GPUFEED_MODEL": str(root)}, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "labels.txt: not a regular file" in lines[0], proc.stderr
 
 
 def test_a_manifest_linked_to_dev_zero_is_refused(tmp_path: Path) -> None:

@@ -236,8 +236,10 @@ def read_manifest(directory: str | Path) -> ModelManifest:
         labels = out.file_in(root, "labels", labels_name)
     elif kind == "classify" and os.path.lexists(root / DEFAULT_LABELS):
         # There, it is meant to be read: one that is no regular file (a FIFO, a link to a
-        # device or to nothing) is refused when it is read, not passed over.
+        # device or to nothing) is refused, not passed over.
         labels = root / DEFAULT_LABELS
+    if labels is not None:
+        check_small_file(labels, MAX_LABELS_BYTES)
 
     return ModelManifest(
         directory=root,
@@ -269,6 +271,19 @@ def read_labels(path: Path) -> tuple[str, ...]:
     if not names:
         raise ConfigError(f"{path}: the file is empty (one class name per line)")
     return tuple(names)
+
+
+def check_small_file(path: Path, limit: int) -> None:
+    """What read_small_text would refuse, known from a stat: a manifest refuses a bad
+    labels file at start-up, before the model is loaded (read_small_text checks again)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read it: {_reason(exc)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: not a regular file")
+    if st.st_size > limit:
+        raise ConfigError(f"{path}: larger than {limit} bytes; is it the right file?")
 
 
 def read_small_text(path: Path, limit: int) -> str:
