@@ -31,6 +31,9 @@ DEAD_LEVEL = b"dead_level"  # its priority level (absent without priorities): re
 DEAD_FIELDS = (DEAD_ENTRY, DEAD_DELIVERIES, DEAD_CONSUMER, DEAD_AT_MS, DEAD_LEVEL)
 
 _ENTRY_ID = re.compile(r"[0-9]+-[0-9]+")
+# A count or a time a worker wrote: ASCII digits only (int() also takes other scripts'
+# digits, underscores and signs), few enough that int() never refuses them.
+_NUMBER = re.compile(rb"[0-9]{1,19}")
 
 
 class DeadLetterNotFound(LookupError):
@@ -74,7 +77,10 @@ class DeadLetter:
         """When the job was dead-lettered (UTC), if the entry says."""
         if self.dead_at_ms is None:
             return None
-        return datetime.fromtimestamp(self.dead_at_ms / 1000, tz=timezone.utc)
+        try:
+            return datetime.fromtimestamp(self.dead_at_ms / 1000, tz=timezone.utc)
+        except (OverflowError, OSError, ValueError):
+            return None  # past year 9999: not a time a worker wrote
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-friendly view; `dead_at` in ISO 8601, UTC."""
@@ -127,10 +133,9 @@ def _opt_text(value: bytes | None) -> str | None:
 
 
 def _opt_int(value: bytes | None) -> int | None:
-    try:
-        return None if value is None else int(value)
-    except ValueError:
+    if value is None or _NUMBER.fullmatch(value) is None:
         return None
+    return int(value)
 
 
 def dead_letter(dead_id: str, raw_fields: Mapping[Any, Any]) -> DeadLetter:

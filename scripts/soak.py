@@ -9,7 +9,9 @@ huge dimensions), with a hostile share (`--hostile-fraction`, about 3%: `reply_t
 the job stream, the dead-letter stream, another job's result key, a hash, another group's
 queue, or a tenant's own results stream; ids that another job already used; a 5 KB RLE BMP
 of 100000x1000, a 10000x10000 RGBA PNG, and RLE BMPs that take longer to decode than the
-soak's 0.5 s decode budget) and, while they run:
+soak's 0.5 s decode budget; poison `deadline_ms` values (superscript and circled digits,
+other scripts' digits, underscores, 5,000 digits) and fields that are not UTF-8) and, while
+they run:
 
 - at 25% answered, SIGKILLs worker 0 and starts it again under the same name;
 - at 40%, an XDEL storm: deletes up to 200 entries that workers hold (and some answered);
@@ -108,7 +110,22 @@ HOSTILE_KINDS: dict[str, str] = {
     # About 0.3 s of pure-Python decode against the soak's 0.5 s budget: either answer is
     # right, as long as the jobs behind it are not held.
     "slow_image": "ok|decode_timeout",
+    # Fields that a lenient check accepts and a later step chokes on: each must be answered
+    # `invalid_job`, never end the reader (nor every worker that reclaims the entry).
+    "poison_deadline": "invalid_job",
+    "garbage_fields": "invalid_job",
 }
+# deadline_ms values that str.isdigit() or int() would take: superscript and circled
+# digits, other scripts' digits (Arabic-Indic, full-width), underscores, a number too long
+# for int().
+POISON_DEADLINES = [
+    "1800000000000\u00b2",
+    "\u2460800000000000",
+    "\u0661\u0668" + "\u0660" * 11,
+    "\uff11\uff18" + "\uff10" * 11,
+    "1_800_000_000_000",
+    "9" * 5000,
+]
 HOSTILE_REPLY_TO = {
     "reply_to_job_stream": JOBS,
     "reply_to_dead_stream": DEAD,
@@ -155,6 +172,15 @@ def make_jobs(
             fields["reply_to"] = f"gpufeed:result:soak-{rng.randrange(i):07d}"
         elif kind in slow:
             fields = {"id": job_id, "image": slow[kind], "meta": meta}
+        elif kind == "poison_deadline":
+            deadline = POISON_DEADLINES[i % len(POISON_DEADLINES)]
+            fields = {"id": job_id, "image": good[0], "meta": meta, "deadline_ms": deadline}
+        elif kind == "garbage_fields":
+            # Bytes that are no UTF-8 in the number field or in reply_to, next to a valid
+            # image (either answers invalid_job on the default results stream).
+            junk = b"\xff\xfe" + rng.randbytes(16)
+            field_name = "deadline_ms" if i % 2 else "reply_to"
+            fields = {"id": job_id, "image": good[0], "meta": meta, field_name: junk}
         elif kind == "duplicate_id":
             # The id of an earlier job; the same image, as a retrying producer would send.
             j = rng.randrange(i)
@@ -639,8 +665,13 @@ def build_report(
     examples: list[str] = []
     after_delete: Counter[str] = Counter()
     marked_duplicates = 0
+    # Per bad or hostile kind: entries answered exactly once, and with the expected outcome
+    # (or `entry_deleted`, for one deleted while it was held).
+    once: Counter[str] = Counter()
+    as_expected: Counter[str] = Counter()
     for (kind, fields), entry in zip(jobs, entries, strict=False):
         results = [JobResult.from_fields(f) for f in tally.fields.get(entry, [])]
+        once[kind] += len(results) == 1
         for r in results:
             status[r.status] += 1
             if not r.ok:
@@ -655,7 +686,9 @@ def build_report(
         if entry in deleted:
             after_delete[got] += 1
             if got == "entry_deleted":
-                continue  # its worker died before answering, or a reclaimer got there first
+                # Its worker died before answering, or a reclaimer got there first.
+                as_expected[kind] += 1
+                continue
         if got not in want.split("|"):
             problem = f"{kind}: expected {want}, got {got} ({r.error})"
         elif r.meta != fields.get("meta"):
@@ -673,6 +706,8 @@ def build_report(
             unexpected[kind] += 1
             if len(examples) < 10:
                 examples.append(f"{entry} {problem}")
+        else:
+            as_expected[kind] += 1
     per_entry = tally.per_entry
     known = set(entries)
     duplicates = {e: n for e, n in per_entry.items() if n > 1 and e in known}
@@ -681,6 +716,16 @@ def build_report(
         "jobs_in": len(entries),
         "jobs_planned": len(jobs),
         "kinds_in": dict(sorted(kinds_in.items())),
+        "by_kind": {
+            kind: {
+                "in": n,
+                "answered_once": once[kind],
+                "as_expected": as_expected[kind],
+                "expected": expected_outcome(kind),
+            }
+            for kind, n in sorted(kinds_in.items())
+            if kind != "good"
+        },
         "results_out": tally.total,
         "answered": len(entries) - len(missing),
         "ok": status["ok"],
@@ -759,6 +804,11 @@ def print_report(r: dict[str, Any]) -> None:
         ("throughput", f"{r['throughput_per_s']} jobs/s"),
         ("faults", ", ".join(f"{f['kind']}@{f['at_s']}s" for f in r["faults"]) or "none"),
         ("crashes", ", ".join(r["crashes"]) or "none"),
+    ]
+    rows += [("bad and hostile kinds", "in / answered once / as expected (expected)")]
+    rows += [
+        (f"  {kind}", f"{k['in']} / {k['answered_once']} / {k['as_expected']} ({k['expected']})")
+        for kind, k in r["by_kind"].items()
     ]
     width = max(len(k) for k, _ in rows)
     print("\n" + "soak report".center(width + 20, "-"))

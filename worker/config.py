@@ -7,8 +7,11 @@ values raise ConfigError with one line that names the variable and what is accep
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import math
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -34,6 +37,20 @@ DECODE_MODES = ("cpu", "gpu", "auto")
 LOG_FORMATS = ("auto", "console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_PROCESSES = 64
+# GPUFEED_* variables that are no worker setting yet may be in a worker's environment:
+# scripts/run-workers.sh reads this one to name the workers it starts.
+TOOL_VARIABLES = frozenset({"GPUFEED_WORKER_NAME_PREFIX"})
+# Kubernetes gives every pod <SERVICE>_SERVICE_HOST, <SERVICE>_PORT_<n>_TCP... for each
+# Service of its namespace: a Service named gpufeed-* puts those in every worker's env.
+# A bare <SERVICE>_PORT counts only with its tcp://host:port value, so that a misspelt
+# GPUFEED_METRIC_PORT=9100 is still refused.
+_SERVICE_LINK = re.compile(
+    r"GPUFEED(_[A-Z0-9_]+)?_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT_[0-9]+_(TCP|UDP|SCTP)"
+    r"(_(PROTO|PORT|ADDR))?)"
+)
+_SERVICE_PORT = re.compile(r"GPUFEED(_[A-Z0-9_]+)?_PORT")
+_SERVICE_URL = re.compile(r"(tcp|udp|sctp)://\S+")
+_DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]{1,3})?")
 
 
 class ConfigError(ValueError):
@@ -152,6 +169,7 @@ class WorkerConfig:
     ) -> WorkerConfig:
         """Build the config: defaults, then env vars, then explicit overrides (CLI flags)."""
         env = os.environ if env is None else env
+        check_unknown_variables(env)
         values: dict[str, Any] = {}
         for f in fields(cls):
             var = f.metadata["env"]
@@ -178,12 +196,20 @@ class WorkerConfig:
             if not ok:
                 raise ConfigError(f"{var}: {message}")
 
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # Flags and tests hand values over already typed: NaN or infinity compare false
+            # (or true) with every bound below, and no duration or size means either.
+            if isinstance(value, float):
+                need(math.isfinite(value), _env(f.name), f"must be a finite number (got {value})")
         scheme = self.redis_url.split("://", 1)[0] if "://" in self.redis_url else ""
         need(
             scheme in ("redis", "rediss", "unix"),
             "REDIS_URL",
             f"must start with redis://, rediss:// or unix:// (got scheme {scheme or 'none'!r})",
         )
+        problem = redis_url_problem(self.redis_url)
+        need(problem is None, "REDIS_URL", f"is not a usable Redis URL: {problem}")
         for name in ("stream", "group", "results_stream", "result_prefix", "dead_stream"):
             need(bool(getattr(self, name)), _env(name), "must not be empty")
         need(
@@ -232,9 +258,11 @@ class WorkerConfig:
             # before anything is loaded. Whether the model fits it is checked at load.
             read_manifest(self.model)
         need(bool(self.weights), "GPUFEED_WEIGHTS", "must be a weights name, a file or 'none'")
+        problem = _file_name_problem(self.weights)
+        need(problem is None, "GPUFEED_WEIGHTS", f"{_plain(self.weights)} {problem}")
         dev = self.device
         need(
-            dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
+            _DEVICE.fullmatch(dev) is not None,
             "GPUFEED_DEVICE",
             f"must be auto, cpu, cuda or cuda:N (got {dev!r})",
         )
@@ -296,7 +324,9 @@ class WorkerConfig:
         )
         if self.path_root is not None:
             need(
-                self.path_root.is_dir(), "GPUFEED_PATH_ROOT", f"{self.path_root} is not a directory"
+                _is_dir(self.path_root),
+                "GPUFEED_PATH_ROOT",
+                f"{_plain(str(self.path_root))} is not a directory",
             )
         need(
             1 <= self.fetch_concurrency <= 4096,
@@ -337,10 +367,13 @@ class WorkerConfig:
             "GPUFEED_OBJECT_ALLOW",
             f"{problem}; e.g. images-*,catalog/public/;tenant-a:results=s3://tenant-a",
         )
+        # Upper bounds where Redis takes the value (XPENDING IDLE, EXPIRE): past them every
+        # reclaim, or every publish, would fail at run time instead of here.
         need(
-            self.visibility_timeout_s >= 1,
+            1 <= self.visibility_timeout_s <= 604_800,
             "GPUFEED_VISIBILITY_TIMEOUT_S",
-            "must be at least 1 second (and longer than the slowest batch)",
+            "must be at least 1 second (and longer than the slowest batch), at most 604800 "
+            "(7 days)",
         )
         need(self.max_deliveries >= 1, "GPUFEED_MAX_DELIVERIES", "must be at least 1")
         need(self.claim_interval_s > 0, "GPUFEED_CLAIM_INTERVAL_S", "must be positive")
@@ -355,7 +388,12 @@ class WorkerConfig:
             "GPUFEED_TRIM_INTERVAL_S",
             "must not be negative (0 turns trimming off)",
         )
-        need(self.result_ttl_s >= 1, "GPUFEED_RESULT_TTL_S", "must be at least 1 second")
+        need(
+            1 <= self.result_ttl_s <= 315_360_000,
+            "GPUFEED_RESULT_TTL_S",
+            "must be between 1 second and 315360000 (10 years)",
+        )
+        need(self.stats_interval_s > 0, "GPUFEED_STATS_INTERVAL_S", "must be positive (seconds)")
         need(self.results_maxlen >= 1, "GPUFEED_RESULTS_MAXLEN", "must be at least 1")
         need(
             0 <= self.metrics_port <= 65535,
@@ -494,6 +532,38 @@ class WorkerConfig:
         return out
 
 
+def check_unknown_variables(env: Mapping[str, str]) -> None:
+    """Refuse a GPUFEED_* variable that is no setting (a misspelt one would otherwise be
+    ignored without a word), naming the closest setting."""
+    known = {str(f.metadata["env"]) for f in fields(WorkerConfig)} | TOOL_VARIABLES
+    for var in sorted(env):
+        if not var.upper().startswith("GPUFEED_") or var in known or _service_link(var, env[var]):
+            continue
+        close = difflib.get_close_matches(var.upper(), sorted(known), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "see python -m worker --help"
+        name = var if re.fullmatch(r"[A-Za-z0-9_]{1,80}", var) else _shown(var)
+        raise ConfigError(f"{name}: no such setting ({hint}); unset it to start")
+
+
+def _service_link(var: str, value: str) -> bool:
+    if _SERVICE_LINK.fullmatch(var):
+        return True
+    return bool(_SERVICE_PORT.fullmatch(var) and _SERVICE_URL.fullmatch(value))
+
+
+def redis_url_problem(url: str) -> str | None:
+    """Why redis-py would refuse `url` when it connects (a port out of range, an unknown
+    option, a db that is no number); None when it takes it."""
+    import redis
+    from redis.exceptions import RedisError
+
+    try:
+        redis.ConnectionPool.from_url(url).make_connection()
+    except (ValueError, TypeError, RedisError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return None
+
+
 def parse_weights(raw: str, levels: int) -> tuple[int, ...]:
     """GPUFEED_PRIORITY_WEIGHTS for `levels` levels; unset: 1 each but twice the next
     level's for each level up (4,2,1 for three)."""
@@ -501,10 +571,10 @@ def parse_weights(raw: str, levels: int) -> tuple[int, ...]:
         return tuple(2 ** (levels - 1 - i) for i in range(levels))
     if levels == 0:
         raise ValueError("weights need GPUFEED_PRIORITIES with two levels or more")
-    try:
-        weights = tuple(int(p) for p in raw.split(","))
-    except ValueError:
-        raise ValueError(f"expected whole numbers separated by commas, got {raw!r}") from None
+    parts = [p.strip() for p in raw.split(",")]
+    if not all(re.fullmatch(r"[0-9]{1,9}", p) for p in parts):
+        raise ValueError(f"expected whole numbers separated by commas, got {raw!r}")
+    weights = tuple(int(p) for p in parts)
     if len(weights) != levels:
         raise ValueError(
             f"{len(weights)} weights for {levels} levels: give one per level, highest first"
@@ -524,6 +594,25 @@ def host_list_problem(raw: str) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _file_name_problem(text: str) -> str | None:
+    """Why `text` cannot even be looked up as a file (the loader would fail with a
+    traceback, not a setting error); None when it can, whether or not the file is there."""
+    try:
+        Path(text).expanduser().is_file()
+    except RuntimeError:
+        return "names the home of a user who does not exist"
+    except (OSError, ValueError) as exc:
+        return f"cannot be a file name ({getattr(exc, 'strerror', None) or exc})"
+    return None
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):  # a name too long, a NUL in it
+        return False
 
 
 def _is_ip_address(text: str) -> bool:
@@ -567,6 +656,33 @@ def _replace(config: WorkerConfig, **changes: Any) -> WorkerConfig:
     return WorkerConfig(**values)
 
 
+# ASCII only: int() and float() also take other scripts' digits, underscores, `nan` and
+# `inf`; the lengths keep int() clear of numbers too long for it.
+_INT = re.compile(r"[+-]?[0-9]{1,18}")
+_FLOAT = re.compile(r"[+-]?([0-9]{1,30}(\.[0-9]{0,30})?|\.[0-9]{1,30})([eE][+-]?[0-9]{1,3})?")
+
+
+def _parse_int(raw: str) -> int:
+    if _INT.fullmatch(raw) is None:
+        raise ValueError(raw)
+    return int(raw)
+
+
+def _parse_float(raw: str) -> float:
+    value = float(raw) if _FLOAT.fullmatch(raw) else math.nan
+    if not math.isfinite(value):
+        raise ValueError(raw)
+    return value
+
+
+def _parse_str(raw: str) -> str:
+    # A variable that is not UTF-8 arrives with surrogate escapes, which Redis commands and
+    # file names could not take later.
+    if "\x00" in raw or any("\ud800" <= c <= "\udfff" for c in raw):
+        raise ValueError(raw)
+    return raw
+
+
 def _parse_bool(raw: str) -> bool:
     low = raw.lower()
     if low in ("1", "true", "yes", "on"):
@@ -577,13 +693,18 @@ def _parse_bool(raw: str) -> bool:
 
 
 def _parse_path(raw: str) -> Path | None:
-    return Path(raw).expanduser() if raw else None
+    if not raw:
+        return None
+    try:
+        return Path(_parse_str(raw)).expanduser()
+    except RuntimeError:  # ~user of a user who does not exist
+        raise ValueError(raw) from None
 
 
 _PARSERS: dict[str, Callable[[str], Any]] = {
-    "str": str,
-    "int": int,
-    "float": float,
+    "str": _parse_str,
+    "int": _parse_int,
+    "float": _parse_float,
     "bool": _parse_bool,
     "Path | None": _parse_path,
 }
@@ -597,7 +718,21 @@ def _parse(var: str, raw: str, type_name: str) -> Any:
     try:
         return parser(raw)
     except ValueError:
-        kind = {"int": "an integer", "float": "a number", "bool": "true or false"}.get(
-            type_name, "a value"
-        )
-        raise ConfigError(f"{var}: expected {kind}, got {raw!r}") from None
+        kind = {
+            "int": "an integer (ASCII digits)",
+            "float": "a finite number (ASCII digits)",
+            "bool": "true or false",
+            "Path | None": "a path (UTF-8 text; ~user of a known user)",
+        }.get(type_name, "UTF-8 text without NUL")
+        raise ConfigError(f"{var}: expected {kind}, got {_shown(raw)}") from None
+
+
+def _plain(text: str) -> str:
+    """A path or name as typed where it is plain, else as `_shown` gives it."""
+    return text if text.isprintable() and len(text) <= 200 else _shown(text)
+
+
+def _shown(raw: str) -> str:
+    """`raw` as an error line may show it: escaped, and cut short."""
+    text = ascii(raw)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -8,6 +8,7 @@ Nothing downstream branches on the device type except through this module.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,9 +64,12 @@ def resolve_device(spec: str) -> torch.device:
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if spec == "cpu":
         return torch.device("cpu")
+    match = re.fullmatch(r"cuda(?::([0-9]{1,3}))?", spec)
+    if match is None:
+        raise ConfigError(f"GPUFEED_DEVICE: must be auto, cpu, cuda or cuda:N (got {spec!r})")
     if not torch.cuda.is_available():
         raise ConfigError(f"GPUFEED_DEVICE: {spec} requested but CUDA is not available here")
-    index = int(spec.split(":", 1)[1]) if ":" in spec else 0
+    index = int(match.group(1) or 0)
     count = torch.cuda.device_count()
     if index >= count:
         raise ConfigError(

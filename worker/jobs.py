@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import structlog
+
 from producer import wire
 from producer.priorities import entry_ref
 from producer.wire import ErrorCode
 from worker.model.answers import Answer
+
+log = structlog.get_logger("gpufeed.jobs")
+
+# A Unix time in milliseconds: ASCII digits only (str.isdigit() and int() also take
+# superscripts, other scripts' digits and underscores), at most 20 of them so that int()
+# never meets a number it refuses; ASCII white space around it.
+_DEADLINE = re.compile(rb"\s*([0-9]{1,20})\s*")
 
 
 @dataclass(eq=False)
@@ -193,13 +203,26 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
 
 
 def _deadline(raw: bytes) -> int | None:
-    text = _text(raw)
-    if text is None or not text.strip().isdigit():
+    match = _DEADLINE.fullmatch(raw)
+    if match is None:
         return None
-    value = int(text.strip())
+    value = int(match.group(1))
     # Milliseconds since 1970 have 13 digits until 2286; seconds (10 digits) are a mistake
     # that would pass every job's deadline at once.
     return value if 10**12 <= value < 10**14 else None
+
+
+def job_of_entry(entry_id: str, fields: Any, default_reply_to: str) -> Job:
+    """`parse_job`, for the stages that read entries (the reader, the reclaimer): should
+    parsing ever fail, the entry is answered `invalid_job` instead of ending the stage,
+    which would leave it pending for the next worker to die on in turn."""
+    try:
+        return parse_job(entry_id, fields, default_reply_to)
+    except Exception as exc:  # noqa: BLE001 - nothing a job carries may end a stage task
+        log.error("job_unparsable", entry=entry_id, error=repr(exc))
+        job = parse_job(entry_id, {}, default_reply_to)
+        job.rejected = (ErrorCode.INVALID_JOB, "the job's fields could not be read")
+        return job
 
 
 def past_deadline(job: Job, now_ms: float) -> Outcome | None:

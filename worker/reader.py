@@ -26,7 +26,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from worker.jobs import Job, deleted_entry_job, parse_job
+from worker.jobs import Job, deleted_entry_job, job_of_entry
 from worker.lanes import Lanes
 
 log = structlog.get_logger("gpufeed.reader")
@@ -210,7 +210,7 @@ class Reader:
                 if fields is None:
                     job = deleted_entry_job(entry_id, self.default_reply_to)
                 else:
-                    job = parse_job(entry_id, fields, self.default_reply_to)
+                    job = job_of_entry(entry_id, fields, self.default_reply_to)
                 job.read_from(lane.stream, lane.level)
                 jobs.append(job)
         if jobs:

@@ -24,7 +24,7 @@ from redis.exceptions import ResponseError
 
 from producer.wire import ErrorCode
 from worker.config import WorkerConfig
-from worker.jobs import Job, Outcome, deleted_entry_job, parse_job
+from worker.jobs import Job, Outcome, deleted_entry_job, job_of_entry
 from worker.lanes import Lanes
 from worker.reader import REDIS_AWAY, InFlight, ensure_group
 from worker.redis_scripts import DELETE_IDLE_CONSUMER, REFRESH_OWNED
@@ -33,7 +33,9 @@ log = structlog.get_logger("gpufeed.reclaimer")
 
 
 def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    # Consumer names come from whoever reads the group: one that is not UTF-8 must not end
+    # the reclaim duty.
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else str(value)
 
 
 def next_id(entry_id: str) -> str:
@@ -174,7 +176,7 @@ class Reclaimer:
                 outcomes.append(_failure(gone))
                 continue
             fields: dict[Any, Any] = entries[0][1] or {}
-            job = parse_job(entry_id, fields, self.cfg.results_stream)
+            job = job_of_entry(entry_id, fields, self.cfg.results_stream)
             job.read_from(stream, self._levels[stream])
             job.deliveries = times
             outcome = Outcome.failure(
@@ -234,7 +236,7 @@ class Reclaimer:
         for raw_id, fields in entries:
             if not fields:
                 continue
-            job = parse_job(_s(raw_id), fields, self.cfg.results_stream)
+            job = job_of_entry(_s(raw_id), fields, self.cfg.results_stream)
             job.read_from(stream, self._levels[stream])
             job.deliveries = 2  # at least; the exact count is in XPENDING
             jobs.append(job)

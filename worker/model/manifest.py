@@ -12,7 +12,11 @@ names the file, the table and the key. Whether the model itself fits what the ma
 
 from __future__ import annotations
 
+import math
+import os
 import re
+import reprlib
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +42,19 @@ FILE_FORMATS = {".pt2": "export", ".ts": "torchscript", ".pt": "torchscript"}
 # in a stream capped by GPUFEED_RESULTS_MAXLEN entries and in hashes.
 MAX_OUTPUT_BYTES = 256 * 1024
 MAX_TOP_K = 100
+# What a model directory's text files may weigh: a manifest is a few hundred bytes, and a
+# million class names fit in the labels' limit. Anything larger is a mistake (or /dev/zero).
+MAX_MANIFEST_BYTES = 1024 * 1024
+MAX_LABELS_BYTES = 64 * 1024 * 1024
+# mean and std apply to 0..1 pixel values: within these bounds every normalised value stays
+# inside float16's range (|(1 - -10) / 0.001| = 11000 < 65504).
+MEAN_RANGE = (-10.0, 10.0)
+STD_RANGE = (0.001, 100.0)
+
+# Values as an error line shows them: a 4,000-digit integer or arrays nested 900 deep
+# (both valid TOML) are cut short.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 2, 4, 60, 40, 60
 
 _ENTRY = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 _KNOWN = {
@@ -103,25 +120,34 @@ def looks_like_model_dir(value: str) -> bool:
 
 def read_manifest(directory: str | Path) -> ModelManifest:
     """Parse and check `directory`/gpufeed.toml; ConfigError (one line) when anything is wrong."""
-    root = Path(directory).expanduser()
-    if root.name == MANIFEST and root.is_file():
-        root = root.parent
-    if not root.is_dir():
-        raise ConfigError(f"GPUFEED_MODEL: {root} is not a directory")
-    root = root.resolve()
-    path = root / MANIFEST
-    if not path.is_file():
-        raise ConfigError(f"GPUFEED_MODEL: {root} has no {MANIFEST}")
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+        root = Path(directory).expanduser()
+        if root.name == MANIFEST and root.is_file():
+            root = root.parent
+        if not root.is_dir():
+            raise ConfigError(f"GPUFEED_MODEL: {_name(str(root), 300)} is not a directory")
+        root = root.resolve()
+    except (OSError, RuntimeError, ValueError) as exc:
+        # ~user of no such user, a symlink loop, a NUL in the name.
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"GPUFEED_MODEL: {_name(str(directory), 300)}: {_reason(exc)}") from None
+    path = root / MANIFEST
+    if not os.path.lexists(path):
+        raise ConfigError(f"GPUFEED_MODEL: {root} has no {MANIFEST}")
+    text = read_small_text(path, MAX_MANIFEST_BYTES)
+    try:
+        data = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        # ValueError: an integer too long for int() (over 4,300 digits).
+        raise ConfigError(f"{path}: not valid TOML: {_reason(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid TOML: arrays or tables nested too deep") from None
     for table, value in data.items():
         if table not in _KNOWN:
             raise ConfigError(
-                f"{path}: unknown table [{table}] (known: {', '.join(f'[{t}]' for t in _KNOWN)})"
+                f"{path}: unknown table [{_name(table)}] "
+                f"(known: {', '.join(f'[{t}]' for t in _KNOWN)})"
             )
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: {table} must be a table ([{table}])")
@@ -148,12 +174,12 @@ def read_manifest(directory: str | Path) -> ModelManifest:
         if file_path.suffix not in FILE_FORMATS:
             raise model.error(
                 "file",
-                f"{file}: use a .pt2 file (torch.export.save) or .ts / .pt (TorchScript)",
+                f"{_name(file)}: use a .pt2 file (torch.export.save) or .ts / .pt (TorchScript)",
             )
     weights = model.text("weights")
     args = model.table("args")
     if entry is not None and not _ENTRY.match(entry):
-        raise model.error("entry", f"{entry!r} is not of the form 'package.module:callable'")
+        raise model.error("entry", f"{_shown(entry)} is not of the form 'package.module:callable'")
     if entry is None:
         for key in ("weights", "args"):
             if key in model.data:
@@ -169,11 +195,9 @@ def read_manifest(directory: str | Path) -> ModelManifest:
     if resize_size is None:
         # torchvision's ImageNet ratio (256 for 224) unless said otherwise.
         resize_size = round(input_size * 256 / 224) if resize == "shorter-crop" else input_size
-    mean, std = pre.triple("mean"), pre.triple("std")
+    mean, std = pre.triple("mean", *MEAN_RANGE), pre.triple("std", *STD_RANGE)
     if (mean is None) != (std is None):
         raise pre.error("mean" if mean is None else "std", "give both mean and std, or neither")
-    if std is not None and min(std) <= 0:
-        raise pre.error("std", "every value must be above 0")
     preprocess = PreprocessSpec(
         resize=resize,
         resize_size=resize_size,
@@ -210,8 +234,12 @@ def read_manifest(directory: str | Path) -> ModelManifest:
     labels = None
     if labels_name is not None:
         labels = out.file_in(root, "labels", labels_name)
-    elif kind == "classify" and (root / DEFAULT_LABELS).is_file():
+    elif kind == "classify" and os.path.lexists(root / DEFAULT_LABELS):
+        # There, it is meant to be read: one that is no regular file (a FIFO, a link to a
+        # device or to nothing) is refused, not passed over.
         labels = root / DEFAULT_LABELS
+    if labels is not None:
+        check_small_file(labels, MAX_LABELS_BYTES)
 
     return ModelManifest(
         directory=root,
@@ -229,20 +257,77 @@ def read_manifest(directory: str | Path) -> ModelManifest:
 
 
 def read_labels(path: Path) -> tuple[str, ...]:
-    """One class name per line (UTF-8); a final newline is fine, an empty line is not."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not UTF-8 text") from None
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    names = [line.strip() for line in text.splitlines()]
+    """One class name per line (UTF-8); a final newline is fine, an empty line is not.
+
+    Lines end at "\n" (or "\r\n") only: str.splitlines() would also split at form feeds,
+    U+2028 and others, and shift every class name after one by a line."""
+    lines = read_small_text(path, MAX_LABELS_BYTES).split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    names = [line.removesuffix("\r").strip() for line in lines]
     for number, name in enumerate(names, 1):
         if not name:
             raise ConfigError(f"{path}: line {number} is empty (one class name per line)")
     if not names:
         raise ConfigError(f"{path}: the file is empty (one class name per line)")
     return tuple(names)
+
+
+def check_small_file(path: Path, limit: int) -> None:
+    """What read_small_text would refuse, known from a stat: a manifest refuses a bad
+    labels file at start-up, before the model is loaded (read_small_text checks again)."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read it: {_reason(exc)}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{path}: not a regular file")
+    if st.st_size > limit:
+        raise ConfigError(f"{path}: larger than {limit} bytes; is it the right file?")
+
+
+def read_small_text(path: Path, limit: int) -> str:
+    """The UTF-8 text of the regular file `path` (links followed), at most `limit` bytes;
+    ConfigError for anything else, without waiting on a FIFO or reading a device."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read it: {_reason(exc)}") from None
+    try:
+        with os.fdopen(fd, "rb") as file:
+            fd = -1
+            st = os.fstat(file.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"{path}: not a regular file")
+            data = file.read(limit + 1)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it: {_reason(exc)}") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if len(data) > limit:
+        raise ConfigError(f"{path}: larger than {limit} bytes; is it the right file?")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not UTF-8 text") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """One line of `exc`, for an error message."""
+    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return str(text).splitlines()[0][:200]
+
+
+def _shown(value: Any) -> str:
+    return _REPR.repr(value)
+
+
+def _name(text: str, longest: int = 100) -> str:
+    """A key or file name from the manifest, as typed where it is plain, else quoted and
+    escaped (a TOML key may hold a newline) and cut short: the error stays one line."""
+    return text if text.isprintable() and len(text) <= longest else _shown(text)
 
 
 class _Table:
@@ -258,7 +343,7 @@ class _Table:
                 raise self.error(key, f"unknown key (known in [{name}]: {', '.join(known)})")
 
     def error(self, key: str, message: str) -> ConfigError:
-        return ConfigError(f"{self.path}: [{self.name}] {key}: {message}")
+        return ConfigError(f"{self.path}: [{self.name}] {_name(key)}: {message}")
 
     def _get(self, key: str, required: bool) -> Any:
         if key not in self.data:
@@ -272,7 +357,7 @@ class _Table:
         if value is None:
             return None
         if not isinstance(value, str) or not value.strip():
-            raise self.error(key, f"must be a non-empty string (got {value!r})")
+            raise self.error(key, f"must be a non-empty string (got {_shown(value)})")
         return value.strip()
 
     def choice(self, key: str, options: tuple[str, ...], *, required: bool = False) -> str | None:
@@ -280,7 +365,7 @@ class _Table:
         if value is None:
             return None
         if value not in options:
-            raise self.error(key, f"must be one of {', '.join(options)} (got {value!r})")
+            raise self.error(key, f"must be one of {', '.join(options)} (got {_shown(value)})")
         return str(value)
 
     def integer(self, key: str, *, low: int, high: int, required: bool = False) -> int | None:
@@ -288,7 +373,7 @@ class _Table:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise self.error(key, f"must be an integer from {low} to {high} (got {value!r})")
+            raise self.error(key, f"must be an integer from {low} to {high} (got {_shown(value)})")
         return value
 
     def number(self, key: str, *, low: float, high: float) -> float | None:
@@ -300,7 +385,7 @@ class _Table:
             or not isinstance(value, int | float)
             or not (low <= value <= high)
         ):
-            raise self.error(key, f"must be a number from {low} to {high} (got {value!r})")
+            raise self.error(key, f"must be a number from {low} to {high} (got {_shown(value)})")
         return float(value)
 
     def boolean(self, key: str, *, default: bool) -> bool:
@@ -308,10 +393,10 @@ class _Table:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise self.error(key, f"must be true or false (got {value!r})")
+            raise self.error(key, f"must be true or false (got {_shown(value)})")
         return value
 
-    def triple(self, key: str) -> tuple[float, float, float] | None:
+    def triple(self, key: str, low: float, high: float) -> tuple[float, float, float] | None:
         value = self._get(key, False)
         if value is None:
             return None
@@ -320,7 +405,18 @@ class _Table:
             or len(value) != 3
             or any(isinstance(v, bool) or not isinstance(v, int | float) for v in value)
         ):
-            raise self.error(key, f"must be a list of 3 numbers, one per channel (got {value!r})")
+            raise self.error(
+                key, f"must be a list of 3 numbers, one per channel (got {_shown(value)})"
+            )
+        # nan and inf are TOML floats: every score would be NaN. Integers are checked as
+        # integers first, as float() of a long one overflows.
+        if not all(low <= v <= high and math.isfinite(v) for v in value):
+            above = ", above 0" if low > 0 else ""
+            raise self.error(
+                key,
+                f"every value must be a number from {low:g} to {high:g}{above} "
+                f"(got {_shown(value)})",
+            )
         return (float(value[0]), float(value[1]), float(value[2]))
 
     def table(self, key: str) -> dict[str, Any]:
@@ -328,11 +424,18 @@ class _Table:
         if value is None:
             return {}
         if not isinstance(value, dict):
-            raise self.error(key, f"must be a table of keyword arguments (got {value!r})")
+            raise self.error(key, f"must be a table of keyword arguments (got {_shown(value)})")
         return dict(value)
 
     def file_in(self, root: Path, key: str, name: str) -> Path:
-        path = (root / name).resolve()
-        if not path.is_file():
-            raise self.error(key, f"{name} is not a file in {root}")
+        try:
+            path = (root / name).resolve()
+        except (OSError, RuntimeError, ValueError) as exc:  # a loop, a NUL in the name
+            raise self.error(key, f"{_shown(name)}: {_reason(exc)}") from None
+        try:
+            regular = path.is_file()
+        except (OSError, ValueError):  # a name too long for the file system
+            regular = False
+        if not regular:
+            raise self.error(key, f"{_name(name)} is not a file in {root}")
         return path
