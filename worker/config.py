@@ -208,6 +208,10 @@ class WorkerConfig:
             self.shard_layout()
         except shards.ShardLayoutError as exc:
             raise ConfigError(str(exc)) from None
+        # A job id is appended to the result prefix: no gpufeed key may lie under it.
+        clash = shards.result_prefix_problem(self.shard_layout(), levels)
+        if clash is not None:
+            raise ConfigError(clash)
         need(
             0 <= self.wait_replicas <= 16,
             "GPUFEED_WAIT_REPLICAS",

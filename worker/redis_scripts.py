@@ -32,8 +32,10 @@ from __future__ import annotations
 #   key of gpufeed's own (the job stream, the dead-letter stream, a result hash), -4 a
 #   consumer group reads it (a job queue), -5 this Redis user may not write it;
 #   -6 the dead-letter stream holds another type; -7 this Redis user may not write
-#   gpufeed's own result or dead-letter keys. Whenever a job's state is below 0, nothing
-#   was done for it.
+#   gpufeed's own result or dead-letter keys; -8 a result hash key of the job (by its id,
+#   or by its entry) holds something other than a gpufeed result (another type, or a hash
+#   without `entry`): it is never deleted or overwritten. Whenever a job's state is below
+#   0, nothing was done for it.
 #
 # An entry that left the pending list without an answer (XDEL or XTRIM and then a claim,
 # XGROUP DESTROY, DEL of the stream) acknowledges 0 but has no answer yet: it is published
@@ -63,6 +65,10 @@ local function answered_by(key)
 end
 local function may(...)
   return not redis.acl_check_cmd or redis.acl_check_cmd(...)
+end
+local function is_result(key)
+  local t = kind(key)
+  return t == 'none' or (t == 'hash' and redis.call('HEXISTS', key, 'entry') == 1)
 end
 local reply_checked = {}
 local function check_reply(reply)
@@ -120,6 +126,9 @@ local function publish(job)
   if not may('HSET', hash, 'f', 'v')
       or (entry_hash ~= hash and not may('HSET', entry_hash, 'f', 'v')) then
     return -7
+  end
+  if not is_result(hash) or (entry_hash ~= hash and not is_result(entry_hash)) then
+    return -8
   end
   local acked = 0
   if jobs_is_stream then
