@@ -389,7 +389,9 @@ class WorkerConfig:
         """The lanes of one job stream (a shard's): its priority levels' streams, which keep
         its hash tag, or the stream itself."""
         levels = parse_levels(self.priorities)
-        return Lanes.of(stream, levels, parse_weights(self.priority_weights, len(levels)))
+        return Lanes.of(
+            stream, levels, parse_weights(self.priority_weights, len(levels)), plain=True
+        )
 
     def _validate_degrade(self, need: Callable[[bool, str, str], None]) -> None:
         """The degraded step's settings; whether its input is smaller than the main step's
