@@ -24,7 +24,7 @@ from tests.images import jpeg_bytes
 from tests.model_dirs import make_model_dir
 from tests.worker_harness import running_worker, wait_results
 from worker.config import ConfigError, WorkerConfig
-from worker.degrade import DegradeSwitch, oldest_waiting_s
+from worker.degrade import DegradeSwitch, WaitingClock, oldest_waiting_s
 from worker.model.loader import load_null
 from worker.model.step import build_step, resample_matrix
 from worker.runner import Launched
@@ -100,6 +100,47 @@ async def test_the_oldest_waiting_job_is_the_first_one_no_worker_has_read(
         assert 59 < age < 120
         redis_client.xreadgroup("g", "c", {"jobs": ">"}, count=2)
         assert await oldest_waiting_s(client, ["jobs"], "g") == 0.0
+    finally:
+        await client.aclose()
+
+
+async def test_an_entry_id_from_the_future_does_not_hide_the_backlog_behind_it(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    clock = WaitingClock()
+    try:
+        # One forged ID, read at once; every entry after it numbers after it.
+        redis_client.xadd("jobs", {"image": b"x"}, id="9999999999999-0")
+        redis_client.xgroup_create("jobs", "g", id="0")
+        redis_client.xreadgroup("g", "c", {"jobs": ">"})
+        for _ in range(3):
+            redis_client.xadd("jobs", {"image": b"x"})
+        assert await clock.oldest_waiting_s(client, ["jobs"], "g") < 60
+        await asyncio.sleep(1.2)
+        # Seen waiting by a check 1.2 s ago: at least that old, whatever its ID says.
+        assert 1.2 <= await clock.oldest_waiting_s(client, ["jobs"], "g") < 60
+        redis_client.xreadgroup("g", "c", {"jobs": ">"})
+        assert await clock.oldest_waiting_s(client, ["jobs"], "g") == 0.0
+    finally:
+        await client.aclose()
+
+
+async def test_an_entry_id_from_the_past_is_no_older_than_the_checks_allow(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    clock = WaitingClock()
+    try:
+        redis_client.xgroup_create("fresh", "g", id="0", mkstream=True)
+        assert await clock.oldest_waiting_s(client, ["fresh"], "g") == 0.0
+        redis_client.xadd("fresh", {"image": b"x"}, id="1-0")  # 1970, by its ID
+        # Added after the check above: younger than the time since.
+        assert await clock.oldest_waiting_s(client, ["fresh"], "g") < 60
     finally:
         await client.aclose()
 
@@ -269,6 +310,41 @@ async def test_a_backlog_turns_the_degraded_step_on_and_its_end_turns_it_off(
     assert "gpufeed_degraded 0.0" in metrics
     assert 'gpufeed_degrade_switches_total{to="on"} 1.0' in metrics
     assert 'gpufeed_degrade_switches_total{to="off"} 1.0' in metrics
+
+
+async def test_a_future_entry_id_before_a_backlog_still_turns_the_degraded_step_on(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        decode_delay_s=0.1,
+        degrade_after_s=0.5,
+        degrade_input_size=32,
+        **NULL,
+    ) as worker:
+        switch = worker.degrade_switch
+        assert switch is not None
+        redis_client.xadd(
+            "gpufeed:jobs", {"id": "forged", "image": jpeg_bytes()}, id="9999999999999-0"
+        )
+        burst = [Job(image=jpeg_bytes(seed=i), id=f"b{i}") for i in range(48)]
+        async with AsyncProducer(redis_url) as p:
+            await p.submit_many(burst)
+            entries = await wait_results(redis_client, "gpufeed:results", 49)
+        metrics = worker.observer.metrics.render().decode()
+    results = results_by_id(entries)
+    assert len(results) == 49 and all(r.ok for r in results.values())
+    # Every entry of the burst numbers after the forged one, yet the backlog was seen.
+    assert all(r.entry.startswith("9999999999999-") for r in results.values())
+    assert switch.switches >= 1 and any(r.degraded for r in results.values())
+    # Their latencies count from their reads: not all zero.
+    (total,) = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("gpufeed_job_seconds_sum")
+    ]
+    assert total > 0
 
 
 async def test_a_degraded_model_directory_with_other_classes_answers_in_its_own_terms(

@@ -234,3 +234,36 @@ for _, key in ipairs({KEYS[4], KEYS[5]}) do
 end
 return problems
 """
+
+# What the degrade switch measures a job stream by (worker/degrade.py), in one step so that
+# the server's time and the stream's IDs are read together, and without moving any entry's
+# fields over the wire. KEYS: [1] job stream; ARGV: [1] group.
+# Returns {seconds, microseconds (TIME), the stream's last-generated-id, the ID of the first
+# entry the group has not delivered} ('' for an ID there is not: no stream, or none waits).
+WAITING_HEAD = """
+local t = redis.call('TIME')
+local key = KEYS[1]
+if redis.call('TYPE', key)['ok'] ~= 'stream' then
+  return {t[1], t[2], '', ''}
+end
+local function field(flat, name)
+  for i = 1, #flat, 2 do
+    if flat[i] == name then
+      return flat[i + 1]
+    end
+  end
+  return false
+end
+local last = field(redis.call('XINFO', 'STREAM', key), 'last-generated-id') or ''
+local head = ''
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+  if field(g, 'name') == ARGV[1] then
+    local delivered = field(g, 'last-delivered-id') or '0-0'
+    local first = redis.call('XRANGE', key, '(' .. delivered, '+', 'COUNT', 1)
+    if #first > 0 then
+      head = first[1][1]
+    end
+  end
+end
+return {t[1], t[2], last, head}
+"""

@@ -679,6 +679,11 @@ class Worker:
         ready: list[Job] = []
         for job in jobs:
             self._held[(job.stream, job.entry_id)] = job
+            if job.enqueued_ms > now_ms:
+                # An entry ID from the future (chosen by whoever added it, or numbered after
+                # such an entry) says nothing of when the job came: its time counts from
+                # this read, so the latency metrics are not all zero behind it.
+                job.enqueued_ms = int(now_ms)
             if job.enqueued_ms:
                 # Time in Redis before this worker read it (server and worker clocks may
                 # differ a little; never negative).
