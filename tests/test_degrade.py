@@ -438,3 +438,27 @@ async def test_a_failure_of_the_degraded_step_fails_its_batch_alone_and_names_it
     assert failed.error_code == "inference_error" and "simulated" in (failed.error or "")
     assert failed.degraded and failed.model == "null@32"
     assert results["main"].ok and not results["main"].degraded and results["main"].model == "null"
+
+
+async def test_the_backlog_check_runs_under_the_documented_worker_acl(tmp_path: Path) -> None:
+    import redis.asyncio as aioredis
+
+    from tests.redis_server import RedisServer
+    from tests.test_security import WORKER_ACL
+
+    server = RedisServer(tmp_path / "acl").start()
+    try:
+        admin = redis.Redis(port=server.port)
+        admin.execute_command("ACL", "SETUSER", "gpufeed", *WORKER_ACL.split())
+        admin.xgroup_create("gpufeed:jobs", "gpufeed", id="0", mkstream=True)
+        admin.xadd("gpufeed:jobs", {"image": b"x"})
+        admin.close()
+        user = f"redis://gpufeed:w0rker-pw@127.0.0.1:{server.port}/0"
+        client = aioredis.from_url(user)
+        try:
+            age = await WaitingClock().oldest_waiting_s(client, ["gpufeed:jobs"], "gpufeed")
+        finally:
+            await client.aclose()
+        assert 0.0 <= age < 60
+    finally:
+        server.stop()

@@ -68,7 +68,7 @@ local function may(...)
 end
 local function is_result(key)
   local t = kind(key)
-  return t == 'none' or (t == 'hash' and redis.call('HEXISTS', key, 'entry') == 1)
+  return t == 'none' or (t == 'hash' and redis.call('HGET', key, 'entry') ~= false)
 end
 local reply_checked = {}
 local function check_reply(reply)
