@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import pytest
 import redis
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from producer import AsyncProducer, Job
@@ -126,6 +129,61 @@ async def test_an_entry_id_from_the_future_does_not_hide_the_backlog_behind_it(
         assert await clock.oldest_waiting_s(client, ["jobs"], "g") == 0.0
     finally:
         await client.aclose()
+
+
+Step = tuple[str, int]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.just(0)),  # XADD *
+            st.tuples(st.just("forge"), st.integers(1, 10**13)),
+            st.tuples(st.just("tick"), st.integers(1, 5_000)),
+            st.tuples(st.just("deliver"), st.integers(1, 3)),
+            st.tuples(st.just("check"), st.just(0)),
+        ),
+        max_size=60,
+    )
+)
+def test_the_waiting_age_is_within_one_check_gap_of_the_truth_whatever_the_ids(
+    steps: list[Step],
+) -> None:
+    """Entries added after the first check, with any IDs Redis would accept (auto ones, or
+    forged ones from the future or the past): the measured age of the first waiting entry
+    is never further from its true age than the widest gap between two checks."""
+    clock = WaitingClock(max_samples=10_000)
+    now = 0.0
+    last = (0, 0)  # a new stream: XGROUP CREATE ... MKSTREAM
+    entries: list[tuple[tuple[int, int], float]] = []  # (ID, when it was really added)
+    delivered = 0
+    checks = [now]
+    clock.observe("s", now, last, None)
+    for kind, n in steps:
+        if kind == "tick":
+            now += n
+        elif kind in ("add", "forge"):
+            if kind == "forge":
+                new = (last[0] + n, 0)
+            else:  # what XADD * does: the clock's ms, or after the last ID when it is ahead
+                ms = max(int(now), last[0])
+                new = (ms, last[1] + 1 if ms == last[0] else 0)
+            last = new
+            entries.append((new, now))
+            now += 1  # one event per ms: nothing is added at a check's instant
+        elif kind == "deliver":
+            delivered = min(len(entries), delivered + n)
+        else:
+            checks.append(now)
+            head = entries[delivered] if delivered < len(entries) else None
+            age_ms = clock.observe("s", now, last, head[0] if head else None) * 1000
+            if head is None:
+                assert age_ms == 0.0
+                continue
+            gap = max(b - a for a, b in pairwise(checks))
+            assert abs(age_ms - (now - head[1])) <= gap + 1e-6
+            now += 1
 
 
 async def test_an_entry_id_from_the_past_is_no_older_than_the_checks_allow(
