@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from producer.wire import JobResult
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker
+from worker.config import ConfigError, WorkerConfig
 
 NULL = {"model": "null", "input_size": 64, "batch_size": 4}
 SMALL = jpeg_bytes(64, 48)
@@ -66,6 +69,47 @@ def test_a_result_prefix_over_a_gpufeed_key_stops_start_up(env: dict[str, str], 
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "GPUFEED_RESULT_PREFIX" in lines[0] and key in lines[0]
+
+
+NAME = st.text(st.sampled_from("gpufeed:jobresultdeawk{}-_"), min_size=1, max_size=14)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prefix=NAME,
+    stream=st.one_of(st.just("gpufeed:jobs"), NAME),
+    results=st.one_of(st.just("gpufeed:results"), NAME),
+    dead=st.one_of(st.just("gpufeed:dead"), NAME),
+    levels=st.sampled_from(["", "high,low", "a,b,c"]),
+    shards=st.integers(1, 3),
+)
+def test_no_job_id_can_name_a_key_gpufeed_writes_under_an_accepted_prefix(
+    prefix: str, stream: str, results: str, dead: str, levels: str, shards: int
+) -> None:
+    env = {
+        "GPUFEED_RESULT_PREFIX": prefix,
+        "GPUFEED_STREAM": stream,
+        "GPUFEED_RESULTS_STREAM": results,
+        "GPUFEED_DEAD_STREAM": dead,
+        "GPUFEED_PRIORITIES": levels,
+        "GPUFEED_SHARDS": str(shards),
+    }
+    try:
+        config = WorkerConfig.load(env=env)
+    except ConfigError:
+        return  # refused at start-up
+    layout = config.shard_layout()
+    # What the workers write, listed here from the documented layout.
+    owned = set()
+    for shard in layout:
+        owned |= {shard.stream, shard.results_stream, shard.dead_stream}
+        owned |= {f"{shard.stream}:{level}" for level in levels.split(",") if level}
+    for shard in layout:
+        # A result key is the prefix and then any id: the id would be the rest of the key.
+        assert not [key for key in owned if key.startswith(shard.result_prefix)]
+        heartbeats = "gpufeed:worker:"
+        assert not shard.result_prefix.startswith(heartbeats)
+        assert not heartbeats.startswith(shard.result_prefix)
 
 
 async def test_a_job_id_at_a_key_that_is_no_result_is_answered_and_the_key_left_alone(
