@@ -57,18 +57,20 @@ local jobs_key, dead_key = KEYS[1], KEYS[2]
 local function kind(key)
   return redis.call('TYPE', key)['ok']
 end
-local function answered_by(key)
-  if kind(key) == 'hash' then
-    return redis.call('HGET', key, 'entry')
+-- What a result key holds: usable (nothing, or a gpufeed result hash: one with `entry`),
+-- and the entry it answers (false: none).
+local function probe(key)
+  local t = kind(key)
+  if t == 'none' then
+    return true, false
+  elseif t == 'hash' then
+    local answered = redis.call('HGET', key, 'entry')
+    return answered ~= false, answered
   end
-  return false
+  return false, false
 end
 local function may(...)
   return not redis.acl_check_cmd or redis.acl_check_cmd(...)
-end
-local function is_result(key)
-  local t = kind(key)
-  return t == 'none' or (t == 'hash' and redis.call('HGET', key, 'entry') ~= false)
 end
 local reply_checked = {}
 local function check_reply(reply)
@@ -127,15 +129,20 @@ local function publish(job)
       or (entry_hash ~= hash and not may('HSET', entry_hash, 'f', 'v')) then
     return -7
   end
-  if not is_result(hash) or (entry_hash ~= hash and not is_result(entry_hash)) then
+  -- Read-only, so before the XACK: a refused job must have had nothing done for it.
+  local usable, existing = probe(hash)
+  local entry_usable, entry_answered = usable, existing
+  if entry_hash ~= hash then
+    entry_usable, entry_answered = probe(entry_hash)
+  end
+  if not usable or not entry_usable then
     return -8
   end
   local acked = 0
   if jobs_is_stream then
     acked = redis.call('XACK', jobs_key, group, string.match(entry, '[^:]*$'))
   end
-  local existing = answered_by(hash)
-  if existing == entry or (entry_hash ~= hash and answered_by(entry_hash) == entry) then
+  if existing == entry or entry_answered == entry then
     if acked == 1 then
       return 3
     end
