@@ -22,6 +22,18 @@ REPLAY_CHUNK = 100
 # between aborts the transaction, which is then simply run again.
 REPLAY_ATTEMPTS = 10
 
+# Deletes the keys given that hold a gpufeed result (a hash with `entry`), and nothing else:
+# a dead letter's id may name any key under the result prefix. Returns how many it deleted.
+DELETE_RESULTS = """
+local n = 0
+for _, key in ipairs(KEYS) do
+  if redis.call('TYPE', key)['ok'] == 'hash' and redis.call('HGET', key, 'entry') then
+    n = n + redis.call('DEL', key)
+  end
+end
+return n
+"""
+
 # The fields a worker adds to a job's own fields when it copies it to the dead-letter stream.
 DEAD_ENTRY = b"dead_entry"  # the job's entry ID in the job stream
 DEAD_DELIVERIES = b"dead_deliveries"  # how many times it was delivered
@@ -217,7 +229,9 @@ class Replay:
         """The writes, for one MULTI/EXEC; none where there is no job to replay."""
         out: list[Call] = []
         if self.stale:
-            out.append(call("delete", *dict.fromkeys(self.stale)))
+            keys = list(dict.fromkeys(self.stale))
+            # execute_command: a cluster pipeline has no eval().
+            out.append(call("execute_command", "EVAL", DELETE_RESULTS, len(keys), *keys))
         out += [
             call("xadd", level_stream(stream, level), job)
             for job, level in zip(self.jobs, self.levels, strict=True)

@@ -24,6 +24,7 @@ This module is torch-free and small: producers and workers both import it.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, cast
@@ -34,6 +35,7 @@ from redis.crc import key_slot
 from redis.exceptions import NoPermissionError
 
 from producer import wire
+from producer.priorities import level_stream
 
 SLOTS = 16384
 MAX_SHARDS = 256
@@ -141,6 +143,50 @@ def layout(
             )
         )
     return out
+
+
+def owned_keys(layout_: Sequence[Shard], levels: Sequence[str]) -> list[str]:
+    """Every fixed key gpufeed writes for `layout_`: each shard's job stream and its level
+    streams, results stream and dead-letter stream. (Heartbeats are a family of keys under
+    wire.DEFAULT_WORKER_PREFIX; result hashes a family under each shard's result prefix.)"""
+    keys: list[str] = []
+    for shard in layout_:
+        keys.append(shard.stream)
+        keys += [level_stream(shard.stream, level) for level in levels]
+        keys += [shard.results_stream, shard.dead_stream]
+    return keys
+
+
+def result_prefix_problem(
+    layout_: Sequence[Shard],
+    levels: Sequence[str],
+    families: Iterable[str] = (wire.DEFAULT_WORKER_PREFIX,),
+) -> str | None:
+    """Why a job id could put a result hash over a key gpufeed owns with this layout (its
+    result key is the shard's result prefix followed by the id: a prefix that starts any
+    owned key lets the id name that key); None when no id can.
+
+    `families` are key prefixes of which gpufeed owns every key (heartbeats): a result
+    prefix must neither start one nor lie under one."""
+    keys = owned_keys(layout_, levels)
+    for shard in layout_:
+        prefix = shard.result_prefix
+        for key in keys:
+            if key.startswith(prefix):
+                return (
+                    f"GPUFEED_RESULT_PREFIX: {prefix!r} is the start of gpufeed's own key "
+                    f"{key!r}: a job with id {key[len(prefix) :]!r} would have its result "
+                    f"written over it; use a prefix no gpufeed key starts with (the default "
+                    f"is {wire.DEFAULT_RESULT_PREFIX!r})"
+                )
+        for family in families:
+            if prefix.startswith(family) or family.startswith(prefix):
+                return (
+                    f"GPUFEED_RESULT_PREFIX: {prefix!r} overlaps gpufeed's own keys "
+                    f"{family}*: a job id could name one of them; use a prefix no gpufeed "
+                    f"key starts with (the default is {wire.DEFAULT_RESULT_PREFIX!r})"
+                )
+    return None
 
 
 def check_one_slot(

@@ -7,7 +7,8 @@ mobilenet_v3_small at input 64 unless told otherwise), feeds `--jobs` jobs (abou
 not an image, truncated JPEG, empty image, missing fields, id too long, a header announcing
 huge dimensions), with a hostile share (`--hostile-fraction`, about 3%: `reply_to` naming
 the job stream, the dead-letter stream, another job's result key, a hash, another group's
-queue, or a tenant's own results stream; ids that another job already used; a 5 KB RLE BMP
+queue, or a tenant's own results stream; ids that another job already used; an id naming
+another application's key under the result prefix; a 5 KB RLE BMP
 of 100000x1000, a 10000x10000 RGBA PNG, and RLE BMPs that take longer to decode than the
 soak's 0.5 s decode budget; poison `deadline_ms` values (superscript and circled digits,
 other scripts' digits, underscores, 5,000 digits) and fields that are not UTF-8) and, while
@@ -97,12 +98,16 @@ BAD_KINDS: dict[str, str] = {
 TENANT_RESULTS = "soak:tenant-results"
 QUEUE = "soak:queue"
 NOT_A_STREAM = "soak:not-a-stream"
+# Another application's key under the result prefix, and the job id that names it.
+FOREIGN_ID = "soak-foreign"
+FOREIGN_KEY = f"gpufeed:result:{FOREIGN_ID}"
 HOSTILE_KINDS: dict[str, str] = {
     "reply_to_job_stream": "invalid_job",
     "reply_to_dead_stream": "invalid_job",
     "reply_to_result_key": "invalid_job",
     "reply_to_hash": "invalid_job",
     "reply_to_queue": "invalid_job",
+    "id_at_foreign_key": "invalid_job",
     "tenant_reply_to": "ok",
     "duplicate_id": "ok",
     "rle_bmp_bomb": "image_too_large",
@@ -126,6 +131,8 @@ POISON_DEADLINES = [
     "1_800_000_000_000",
     "9" * 5000,
 ]
+# Kinds whose id cannot be used: answered under their entry ID.
+BY_ENTRY = ("id_too_long", "id_at_foreign_key")
 HOSTILE_REPLY_TO = {
     "reply_to_job_stream": JOBS,
     "reply_to_dead_stream": DEAD,
@@ -170,6 +177,8 @@ def make_jobs(
         elif kind == "reply_to_result_key":
             fields = {"id": job_id, "image": good[i % len(good)], "meta": meta}
             fields["reply_to"] = f"gpufeed:result:soak-{rng.randrange(i):07d}"
+        elif kind == "id_at_foreign_key":
+            fields = {"id": FOREIGN_ID, "image": good[i % len(good)], "meta": meta}
         elif kind in slow:
             fields = {"id": job_id, "image": slow[kind], "meta": meta}
         elif kind == "poison_deadline":
@@ -436,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     client = redis.Redis.from_url(server.url)
     # The keys hostile jobs name: a hash, and another deployment's queue with its group.
     client.hset(NOT_A_STREAM, "x", "y")
+    client.set(FOREIGN_KEY, "keep")
     client.xgroup_create(QUEUE, "other", id="0", mkstream=True)
     deleted: set[str] = set()
     all_answered_s: float | None = None
@@ -514,7 +524,11 @@ def main(argv: list[str] | None = None) -> int:
         pending = pending_of(client)
         dead_letters = int(client.xlen(DEAD))
         # Hostile reply_to values wrote nothing into keys that are not results streams.
-        untouched = client.xlen(QUEUE) == 0 and client.type(NOT_A_STREAM) == b"hash"
+        untouched = (
+            client.xlen(QUEUE) == 0
+            and client.type(NOT_A_STREAM) == b"hash"
+            and client.get(FOREIGN_KEY) == b"keep"
+        )
     except (RuntimeError, TimeoutError, OSError, redis.RedisError) as exc:
         print(f"soak could not run: {exc!r}", file=sys.stderr)
         return 2
@@ -693,9 +707,9 @@ def build_report(
             problem = f"{kind}: expected {want}, got {got} ({r.error})"
         elif r.meta != fields.get("meta"):
             problem = f"{kind}: meta not echoed ({r.meta!r})"
-        elif kind != "id_too_long" and r.id != fields.get("id"):
+        elif kind not in BY_ENTRY and r.id != fields.get("id"):
             problem = f"{kind}: id {r.id!r}"
-        elif kind == "id_too_long" and r.id != entry:
+        elif kind in BY_ENTRY and r.id != entry:
             problem = f"{kind}: answered under {r.id!r}, not the entry ID"
         elif kind in HOSTILE_KINDS and kind != "tenant_reply_to" and r.duplicate_of is None:
             if tally.where[entry] != [RESULTS]:

@@ -205,6 +205,33 @@ async def test_a_reply_to_in_another_slot_is_answered_invalid_job(cluster: Redis
     client.close()
 
 
+async def test_the_backlog_age_is_measured_on_each_shards_master(cluster: RedisCluster) -> None:
+    """The degrade switch's check (one script per stream) runs on the cluster client, and
+    a future entry ID on one shard does not hide the backlog behind it."""
+    import redis.asyncio.cluster as aiocluster
+
+    from worker.degrade import WaitingClock
+
+    shards = layout(3, **names("age"))
+    sync = SyncCluster.from_url(node_url(cluster))
+    for shard in shards:
+        sync.xgroup_create(shard.stream, "gpufeed", id="0", mkstream=True)
+    forged = shards[1].stream
+    sync.xadd(forged, {"image": b"x"}, id="9999999999999-0")
+    sync.xreadgroup("gpufeed", "c", {forged: ">"})
+    sync.xadd(forged, {"image": b"x"})  # numbered after the forged one, and waiting
+    client = aiocluster.RedisCluster.from_url(node_url(cluster))
+    clock = WaitingClock()
+    try:
+        streams = [s.stream for s in shards]
+        assert await clock.oldest_waiting_s(client, streams, "gpufeed") < 60
+        await asyncio.sleep(1.1)
+        assert 1.1 <= await clock.oldest_waiting_s(client, streams, "gpufeed") < 60
+    finally:
+        await client.aclose()
+        sync.close()
+
+
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 async def test_a_master_killed_mid_run_every_job_ends_with_a_result(
     cluster: RedisCluster, wait_replicas: int, capsys: pytest.CaptureFixture[str]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from dataclasses import replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import pytest
 import redis
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from producer import AsyncProducer, Job
@@ -24,7 +27,7 @@ from tests.images import jpeg_bytes
 from tests.model_dirs import make_model_dir
 from tests.worker_harness import running_worker, wait_results
 from worker.config import ConfigError, WorkerConfig
-from worker.degrade import DegradeSwitch, oldest_waiting_s
+from worker.degrade import DegradeSwitch, WaitingClock, oldest_waiting_s
 from worker.model.loader import load_null
 from worker.model.step import build_step, resample_matrix
 from worker.runner import Launched
@@ -100,6 +103,102 @@ async def test_the_oldest_waiting_job_is_the_first_one_no_worker_has_read(
         assert 59 < age < 120
         redis_client.xreadgroup("g", "c", {"jobs": ">"}, count=2)
         assert await oldest_waiting_s(client, ["jobs"], "g") == 0.0
+    finally:
+        await client.aclose()
+
+
+async def test_an_entry_id_from_the_future_does_not_hide_the_backlog_behind_it(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    clock = WaitingClock()
+    try:
+        # One forged ID, read at once; every entry after it numbers after it.
+        redis_client.xadd("jobs", {"image": b"x"}, id="9999999999999-0")
+        redis_client.xgroup_create("jobs", "g", id="0")
+        redis_client.xreadgroup("g", "c", {"jobs": ">"})
+        for _ in range(3):
+            redis_client.xadd("jobs", {"image": b"x"})
+        assert await clock.oldest_waiting_s(client, ["jobs"], "g") < 60
+        await asyncio.sleep(1.2)
+        # Seen waiting by a check 1.2 s ago: at least that old, whatever its ID says.
+        assert 1.2 <= await clock.oldest_waiting_s(client, ["jobs"], "g") < 60
+        redis_client.xreadgroup("g", "c", {"jobs": ">"})
+        assert await clock.oldest_waiting_s(client, ["jobs"], "g") == 0.0
+    finally:
+        await client.aclose()
+
+
+Step = tuple[str, int]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("add"), st.just(0)),  # XADD *
+            st.tuples(st.just("forge"), st.integers(1, 10**13)),
+            st.tuples(st.just("tick"), st.integers(1, 5_000)),
+            st.tuples(st.just("deliver"), st.integers(1, 3)),
+            st.tuples(st.just("check"), st.just(0)),
+        ),
+        max_size=60,
+    )
+)
+def test_the_waiting_age_is_within_one_check_gap_of_the_truth_whatever_the_ids(
+    steps: list[Step],
+) -> None:
+    """Entries added after the first check, with any IDs Redis would accept (auto ones, or
+    forged ones from the future or the past): the measured age of the first waiting entry
+    is never further from its true age than the widest gap between two checks."""
+    clock = WaitingClock(max_samples=10_000)
+    now = 0.0
+    last = (0, 0)  # a new stream: XGROUP CREATE ... MKSTREAM
+    entries: list[tuple[tuple[int, int], float]] = []  # (ID, when it was really added)
+    delivered = 0
+    checks = [now]
+    clock.observe("s", now, last, None)
+    for kind, n in steps:
+        if kind == "tick":
+            now += n
+        elif kind in ("add", "forge"):
+            if kind == "forge":
+                new = (last[0] + n, 0)
+            else:  # what XADD * does: the clock's ms, or after the last ID when it is ahead
+                ms = max(int(now), last[0])
+                new = (ms, last[1] + 1 if ms == last[0] else 0)
+            last = new
+            entries.append((new, now))
+            now += 1  # one event per ms: nothing is added at a check's instant
+        elif kind == "deliver":
+            delivered = min(len(entries), delivered + n)
+        else:
+            checks.append(now)
+            head = entries[delivered] if delivered < len(entries) else None
+            age_ms = clock.observe("s", now, last, head[0] if head else None) * 1000
+            if head is None:
+                assert age_ms == 0.0
+                continue
+            gap = max(b - a for a, b in pairwise(checks))
+            assert abs(age_ms - (now - head[1])) <= gap + 1e-6
+            now += 1
+
+
+async def test_an_entry_id_from_the_past_is_no_older_than_the_checks_allow(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    clock = WaitingClock()
+    try:
+        redis_client.xgroup_create("fresh", "g", id="0", mkstream=True)
+        assert await clock.oldest_waiting_s(client, ["fresh"], "g") == 0.0
+        redis_client.xadd("fresh", {"image": b"x"}, id="1-0")  # 1970, by its ID
+        # Added after the check above: younger than the time since.
+        assert await clock.oldest_waiting_s(client, ["fresh"], "g") < 60
     finally:
         await client.aclose()
 
@@ -271,6 +370,41 @@ async def test_a_backlog_turns_the_degraded_step_on_and_its_end_turns_it_off(
     assert 'gpufeed_degrade_switches_total{to="off"} 1.0' in metrics
 
 
+async def test_a_future_entry_id_before_a_backlog_still_turns_the_degraded_step_on(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        decode_delay_s=0.1,
+        degrade_after_s=0.5,
+        degrade_input_size=32,
+        **NULL,
+    ) as worker:
+        switch = worker.degrade_switch
+        assert switch is not None
+        redis_client.xadd(
+            "gpufeed:jobs", {"id": "forged", "image": jpeg_bytes()}, id="9999999999999-0"
+        )
+        burst = [Job(image=jpeg_bytes(seed=i), id=f"b{i}") for i in range(48)]
+        async with AsyncProducer(redis_url) as p:
+            await p.submit_many(burst)
+            entries = await wait_results(redis_client, "gpufeed:results", 49)
+        metrics = worker.observer.metrics.render().decode()
+    results = results_by_id(entries)
+    assert len(results) == 49 and all(r.ok for r in results.values())
+    # Every entry of the burst numbers after the forged one, yet the backlog was seen.
+    assert all(r.entry.startswith("9999999999999-") for r in results.values())
+    assert switch.switches >= 1 and any(r.degraded for r in results.values())
+    # Their latencies count from their reads: not all zero.
+    (total,) = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("gpufeed_job_seconds_sum")
+    ]
+    assert total > 0
+
+
 async def test_a_degraded_model_directory_with_other_classes_answers_in_its_own_terms(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
@@ -362,3 +496,27 @@ async def test_a_failure_of_the_degraded_step_fails_its_batch_alone_and_names_it
     assert failed.error_code == "inference_error" and "simulated" in (failed.error or "")
     assert failed.degraded and failed.model == "null@32"
     assert results["main"].ok and not results["main"].degraded and results["main"].model == "null"
+
+
+async def test_the_backlog_check_runs_under_the_documented_worker_acl(tmp_path: Path) -> None:
+    import redis.asyncio as aioredis
+
+    from tests.redis_server import RedisServer
+    from tests.test_security import WORKER_ACL
+
+    server = RedisServer(tmp_path / "acl").start()
+    try:
+        admin = redis.Redis(port=server.port)
+        admin.execute_command("ACL", "SETUSER", "gpufeed", *WORKER_ACL.split())
+        admin.xgroup_create("gpufeed:jobs", "gpufeed", id="0", mkstream=True)
+        admin.xadd("gpufeed:jobs", {"image": b"x"})
+        admin.close()
+        user = f"redis://gpufeed:w0rker-pw@127.0.0.1:{server.port}/0"
+        client = aioredis.from_url(user)
+        try:
+            age = await WaitingClock().oldest_waiting_s(client, ["gpufeed:jobs"], "gpufeed")
+        finally:
+            await client.aclose()
+        assert 0.0 <= age < 60
+    finally:
+        server.stop()

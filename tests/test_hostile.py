@@ -95,17 +95,18 @@ async def test_a_reply_to_at_another_jobs_result_key_cannot_lose_that_job(
         "gpufeed:jobs", {"id": "attacker", "image": SMALL, "reply_to": "gpufeed:result:victim"}
     )
     redis_client.xadd("gpufeed:jobs", {"id": "victim", "image": SMALL})
-    # A stream planted at a result key by hand is replaced by the result, not a failure.
+    # A stream planted at a result key by hand is left as it is: that job is answered
+    # `invalid_job` by its entry instead (tests/test_owned_keys.py has the other types).
     redis_client.xadd("gpufeed:result:victim-2", {"x": "y"})
-    redis_client.xadd("gpufeed:jobs", {"id": "victim-2", "image": SMALL})
+    planted = redis_client.xadd("gpufeed:jobs", {"id": "victim-2", "image": SMALL}).decode()
     async with running_worker(redis_url, tiny_weights):
         await settle(redis_client)
     by_id = {r.id: r for r in results(redis_client)}
-    assert set(by_id) == {"attacker", "victim", "victim-2"}
+    assert set(by_id) == {"attacker", "victim", planted}
     assert by_id["attacker"].error_code == "invalid_job"
-    assert by_id["victim"].ok and by_id["victim-2"].ok
+    assert by_id["victim"].ok and by_id[planted].error_code == "invalid_job"
     assert redis_client.type("gpufeed:result:victim") == b"hash"
-    assert redis_client.hget("gpufeed:result:victim-2", "status") == b"ok"
+    assert redis_client.xlen("gpufeed:result:victim-2") == 1
 
 
 @pytest.mark.parametrize("how", ["xdel", "xtrim", "del"])

@@ -85,10 +85,12 @@ def test_without_priorities_there_is_one_lane_the_plain_stream() -> None:
 
 def test_levels_get_streams_and_default_weights() -> None:
     cfg = WorkerConfig.load(env={"GPUFEED_PRIORITIES": "high, normal ,low"})
-    assert cfg.lanes.streams == [HIGH, NORMAL, LOW]
-    assert [lane.weight for lane in cfg.lanes] == [4, 2, 1]
+    # The plain stream last: jobs added there are served as the lowest level.
+    assert cfg.lanes.streams == [HIGH, NORMAL, LOW, "gpufeed:jobs"]
+    assert [lane.weight for lane in cfg.lanes] == [4, 2, 1, 1]
+    assert [lane.level for lane in cfg.lanes] == ["high", "normal", "low", ""]
     tagged = WorkerConfig.load(env={"GPUFEED_STREAM": "{gf}:jobs", "GPUFEED_PRIORITIES": "a,b"})
-    assert tagged.lanes.streams == ["{gf}:jobs:a", "{gf}:jobs:b"]  # one hash tag
+    assert tagged.lanes.streams == ["{gf}:jobs:a", "{gf}:jobs:b", "{gf}:jobs"]  # one hash tag
 
 
 @pytest.mark.parametrize(

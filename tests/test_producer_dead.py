@@ -224,6 +224,17 @@ def test_replay_all_re_enqueues_the_original_fields_byte_for_byte(
     assert "replies:a" in producer._watched(None)
 
 
+def test_replay_deletes_no_key_under_the_prefix_that_is_not_a_result(
+    producer: Producer, redis_client: redis.Redis
+) -> None:
+    # A dead letter whose id names another application's key under the result prefix.
+    redis_client.xadd(DEAD, {"image": IMAGE, "id": "theirs", "dead_entry": "1-0"})
+    redis_client.set(wire.result_key("theirs"), "keep")
+    (added,) = producer.replay_dead(all=True)
+    assert redis_client.get(wire.result_key("theirs")) == b"keep"
+    assert redis_client.xrange(JOBS, added, added)
+
+
 def test_replay_keep_leaves_the_dead_letters(
     producer: Producer,
     redis_client: redis.Redis,

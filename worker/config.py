@@ -236,6 +236,10 @@ class WorkerConfig:
             self.shard_layout()
         except shards.ShardLayoutError as exc:
             raise ConfigError(str(exc)) from None
+        # A job id is appended to the result prefix: no gpufeed key may lie under it.
+        clash = shards.result_prefix_problem(self.shard_layout(), levels)
+        if clash is not None:
+            raise ConfigError(clash)
         need(
             0 <= self.wait_replicas <= 16,
             "GPUFEED_WAIT_REPLICAS",
@@ -438,7 +442,9 @@ class WorkerConfig:
         """The lanes of one job stream (a shard's): its priority levels' streams, which keep
         its hash tag, or the stream itself."""
         levels = parse_levels(self.priorities)
-        return Lanes.of(stream, levels, parse_weights(self.priority_weights, len(levels)))
+        return Lanes.of(
+            stream, levels, parse_weights(self.priority_weights, len(levels)), plain=True
+        )
 
     def _validate_degrade(self, need: Callable[[bool, str, str], None]) -> None:
         """The degraded step's settings; whether its input is smaller than the main step's

@@ -11,9 +11,19 @@ reader from that step's output ring and marks its results `degraded`.
 
 "Waiting" means not yet delivered to any worker of the group: entries after the group's
 last-delivered-id. Entries a worker has read and not yet answered (pending) are being
-served, not waiting. A stream entry's ID is its enqueue time in the Redis server's
-milliseconds, so the age is the server's TIME minus the first undelivered ID: two small
-commands per check, whatever the backlog's size.
+served, not waiting.
+
+How old the first waiting entry is (`WaitingClock`): an auto-generated entry ID is its
+enqueue time in the Redis server's milliseconds, but anyone may XADD an explicit ID, and
+one from the future (`XADD s 9999999999999-0 ...`) makes every later ID number after it:
+its age would read 0, for everybody, for ever. So the ID is believed only within what the
+worker saw itself: at every check it notes, by the server's TIME, the stream's
+last-generated-id. An entry whose ID is at most an ID noted at time T existed at T (its age
+is at least now - T); one whose ID is above an ID noted at T came after T (its age is at
+most now - T). The ID's own time is clamped between those bounds. A future ID so counts from
+the first check that saw it (at most one check interval late), and an ID from the past
+(only possible on a new stream) cannot make an entry older than the checks allow. One
+script call per stream and check, whatever the backlog's size.
 
 Hysteresis: on when the oldest waiting job is older than `after_s`; off only once it has
 stayed younger than half of that (or nothing waits) for `after_s` on end. A backlog that
@@ -27,6 +37,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -34,6 +45,7 @@ import torch
 from redis.exceptions import RedisError
 
 from worker.model.readers import Reader
+from worker.redis_scripts import WAITING_HEAD
 from worker.staging import OutputRing
 
 log = structlog.get_logger("gpufeed.degrade")
@@ -111,9 +123,10 @@ class DegradeSwitch:
     async def run(self, client: aioredis.Redis, *, streams: Sequence[str], group: str) -> None:
         interval = check_interval_s(self.after_s)
         failing = False
+        clock = WaitingClock()
         while True:
             try:
-                age = await oldest_waiting_s(client, streams, group)
+                age = await clock.oldest_waiting_s(client, streams, group)
             except (RedisError, OSError) as exc:
                 # Keep the current step: Redis trouble says nothing about the backlog.
                 if not failing:
@@ -125,41 +138,75 @@ class DegradeSwitch:
             await asyncio.sleep(interval)
 
 
+EntryId = tuple[int, int]
+
+
+def parse_entry_id(text: bytes | str) -> EntryId | None:
+    """`<ms>-<seq>` as a pair that orders as Redis orders IDs; None for '' (no entry)."""
+    raw = text.decode() if isinstance(text, bytes) else str(text)
+    if not raw:
+        return None
+    ms, _, seq = raw.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class WaitingClock:
+    """The age of the oldest waiting entry of some job streams, bounded by what the checks
+    saw (module docstring): per stream, (server time in ms, last-generated-id) each time
+    the last ID moved, kept back to the last one below the first waiting entry."""
+
+    def __init__(self, max_samples: int = 2048) -> None:
+        self.max_samples = max_samples
+        self._samples: dict[str, list[tuple[float, EntryId]]] = {}
+        self._script: Any = None
+
+    async def oldest_waiting_s(
+        self, client: aioredis.Redis, streams: Sequence[str], group: str
+    ) -> float:
+        """Seconds the oldest entry not yet delivered to `group` has waited, over
+        `streams` (0.0 when none waits)."""
+        if self._script is None:
+            self._script = client.register_script(WAITING_HEAD)
+        oldest = 0.0
+        for stream in streams:
+            seconds, micros, last, head = await self._script(keys=[stream], args=[group])
+            now_ms = int(seconds) * 1000 + int(micros) / 1000
+            oldest = max(
+                oldest, self.observe(stream, now_ms, parse_entry_id(last), parse_entry_id(head))
+            )
+        return oldest
+
+    def observe(
+        self, stream: str, now_ms: float, last: EntryId | None, head: EntryId | None
+    ) -> float:
+        """Note one check of `stream` and return its first waiting entry's age in seconds."""
+        samples = self._samples.setdefault(stream, [])
+        if last is not None:
+            if samples and last < samples[-1][1]:
+                samples.clear()  # the stream was recreated: its old IDs say nothing now
+            if not samples or last != samples[-1][1]:
+                samples.append((now_ms, last))
+        if head is None or not samples:
+            del samples[:-1]
+            return 0.0
+        # The first check whose last ID reached the entry: it existed then.
+        lower = next((now_ms - t for t, seen in samples if seen >= head), 0.0)
+        # The last check whose last ID was below it: it came after that one.
+        below = [i for i, (_, seen) in enumerate(samples) if seen < head]
+        upper = now_ms - samples[below[-1]][0] if below else None
+        age = max(now_ms - head[0], lower)
+        if upper is not None:
+            age = min(age, upper)
+        # Waiting entries only move on: the checks before the last one below are not needed.
+        if below:
+            del samples[: below[-1]]
+        if len(samples) > self.max_samples:
+            # Thinning only widens the bounds (a later check for "existed by", an earlier
+            # one for "came after"): the age stays within what is known.
+            samples[:] = samples[:-1:2] + samples[-1:]
+        return max(0.0, age) / 1000
+
+
 async def oldest_waiting_s(client: aioredis.Redis, streams: Sequence[str], group: str) -> float:
-    """Seconds the oldest entry not yet delivered to `group` has waited, over `streams`
-    (0.0 when none waits), by the Redis server's clock."""
-    cursors: list[tuple[str, str]] = []
-    for stream in streams:
-        try:
-            groups = await client.xinfo_groups(stream)
-        except RedisError:
-            continue  # no stream yet: nothing waits in it
-        for info in groups:
-            name = info.get("name")
-            if (name.decode() if isinstance(name, bytes) else name) != group:
-                continue
-            lag = info.get("lag")
-            if lag == 0:
-                break  # everything was delivered
-            last = info.get("last-delivered-id", b"0-0")
-            cursors.append((stream, last.decode() if isinstance(last, bytes) else str(last)))
-    if not cursors:
-        return 0.0
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    for stream, last in cursors:
-        # The first entry after the group's cursor: the oldest one no worker has read.
-        pipe.xrange(stream, min=f"({last}", max="+", count=1)
-    server_time, *firsts = await pipe.execute()
-    now_ms = server_time[0] * 1000 + server_time[1] / 1000
-    oldest_ms: float | None = None
-    for entries in firsts:
-        if not entries:
-            continue
-        entry_id = entries[0][0]
-        text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-        ms = float(text.split("-", 1)[0])
-        oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
-    if oldest_ms is None:
-        return 0.0
-    return max(0.0, (float(now_ms) - oldest_ms) / 1000)
+    """One check of a new WaitingClock: the entry IDs bounded by this check alone."""
+    return await WaitingClock().oldest_waiting_s(client, streams, group)

@@ -37,12 +37,21 @@ class Lanes:
     lanes: list[Lane] = field(default_factory=list)
 
     @classmethod
-    def of(cls, stream: str, levels: Sequence[str], weights: Sequence[int]) -> Lanes:
+    def of(
+        cls, stream: str, levels: Sequence[str], weights: Sequence[int], *, plain: bool = False
+    ) -> Lanes:
+        """`plain`: with levels, read the plain `stream` too, as one more lane after the
+        lowest level with its weight (jobs added there by a producer that was not told
+        the levels are served, not stranded). Its jobs keep level "": results name their
+        entries by the entry ID alone, as that producer expects."""
         if not levels:
             return cls([Lane("", stream, 1)])
-        return cls(
-            [Lane(lv, level_stream(stream, lv), w) for lv, w in zip(levels, weights, strict=True)]
-        )
+        lanes = [
+            Lane(lv, level_stream(stream, lv), w) for lv, w in zip(levels, weights, strict=True)
+        ]
+        if plain:
+            lanes.append(Lane("", stream, weights[-1]))
+        return cls(lanes)
 
     def __iter__(self) -> Iterator[Lane]:
         return iter(self.lanes)

@@ -321,17 +321,23 @@ class Observer:
         self, client: aioredis.Redis, lanes: Lanes, group: str
     ) -> tuple[int | None, int | None]:
         """The lag and pending count of all the worker's job streams together (None where
-        Redis does not know one); with priority levels, each level's own as well."""
-        per_level = await _lanes_backlog(client, lanes, group)
+        Redis does not know one); with priority levels, each level's own as well (over
+        every shard). The plain job stream, read as one more lowest level while there are
+        levels, counts in the totals."""
+        per_lane = await _lanes_backlog(client, lanes, group)
         lag: int | None = 0
         pending: int | None = 0
-        for level, lv_lag, lv_pending in per_level:
-            lag = None if lag is None or lv_lag is None else lag + lv_lag
-            pending = None if pending is None or lv_pending is None else pending + lv_pending
+        levels: dict[str, tuple[int | None, int | None]] = {}
+        for level, lv_lag, lv_pending in per_lane:
+            lag = _add(lag, lv_lag)
+            pending = _add(pending, lv_pending)
             if level:
-                self.metrics.level_lag.labels(level).set(-1 if lv_lag is None else lv_lag)
-                if lv_pending is not None:
-                    self.metrics.level_pending.labels(level).set(lv_pending)
+                had_lag, had_pending = levels.get(level, (0, 0))
+                levels[level] = (_add(had_lag, lv_lag), _add(had_pending, lv_pending))
+        for level, (lv_lag, lv_pending) in levels.items():
+            self.metrics.level_lag.labels(level).set(-1 if lv_lag is None else lv_lag)
+            if lv_pending is not None:
+                self.metrics.level_pending.labels(level).set(lv_pending)
         return lag, pending
 
     def close(self) -> None:
@@ -376,6 +382,11 @@ async def _group_backlog(
                 None if pending is None else int(pending),
             )
     return None, None
+
+
+def _add(total: int | None, value: int | None) -> int | None:
+    """A sum that is unknown (None) once any of its parts is."""
+    return None if total is None or value is None else total + value
 
 
 def heartbeat_key(worker_name: str) -> str:

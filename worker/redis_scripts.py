@@ -32,8 +32,10 @@ from __future__ import annotations
 #   key of gpufeed's own (the job stream, the dead-letter stream, a result hash), -4 a
 #   consumer group reads it (a job queue), -5 this Redis user may not write it;
 #   -6 the dead-letter stream holds another type; -7 this Redis user may not write
-#   gpufeed's own result or dead-letter keys. Whenever a job's state is below 0, nothing
-#   was done for it.
+#   gpufeed's own result or dead-letter keys; -8 a result hash key of the job (by its id,
+#   or by its entry) holds something other than a gpufeed result (another type, or a hash
+#   without `entry`): it is never deleted or overwritten. Whenever a job's state is below
+#   0, nothing was done for it.
 #
 # An entry that left the pending list without an answer (XDEL or XTRIM and then a claim,
 # XGROUP DESTROY, DEL of the stream) acknowledges 0 but has no answer yet: it is published
@@ -55,11 +57,17 @@ local jobs_key, dead_key = KEYS[1], KEYS[2]
 local function kind(key)
   return redis.call('TYPE', key)['ok']
 end
-local function answered_by(key)
-  if kind(key) == 'hash' then
-    return redis.call('HGET', key, 'entry')
+-- What a result key holds: usable (nothing, or a gpufeed result hash: one with `entry`),
+-- and the entry it answers (false: none).
+local function probe(key)
+  local t = kind(key)
+  if t == 'none' then
+    return true, false
+  elseif t == 'hash' then
+    local answered = redis.call('HGET', key, 'entry')
+    return answered ~= false, answered
   end
-  return false
+  return false, false
 end
 local function may(...)
   return not redis.acl_check_cmd or redis.acl_check_cmd(...)
@@ -121,12 +129,20 @@ local function publish(job)
       or (entry_hash ~= hash and not may('HSET', entry_hash, 'f', 'v')) then
     return -7
   end
+  -- Read-only, so before the XACK: a refused job must have had nothing done for it.
+  local usable, existing = probe(hash)
+  local entry_usable, entry_answered = usable, existing
+  if entry_hash ~= hash then
+    entry_usable, entry_answered = probe(entry_hash)
+  end
+  if not usable or not entry_usable then
+    return -8
+  end
   local acked = 0
   if jobs_is_stream then
     acked = redis.call('XACK', jobs_key, group, string.match(entry, '[^:]*$'))
   end
-  local existing = answered_by(hash)
-  if existing == entry or (entry_hash ~= hash and answered_by(entry_hash) == entry) then
+  if existing == entry or entry_answered == entry then
     if acked == 1 then
       return 3
     end
@@ -224,4 +240,37 @@ for _, key in ipairs({KEYS[4], KEYS[5]}) do
   end
 end
 return problems
+"""
+
+# What the degrade switch measures a job stream by (worker/degrade.py), in one step so that
+# the server's time and the stream's IDs are read together, and without moving any entry's
+# fields over the wire. KEYS: [1] job stream; ARGV: [1] group.
+# Returns {seconds, microseconds (TIME), the stream's last-generated-id, the ID of the first
+# entry the group has not delivered} ('' for an ID there is not: no stream, or none waits).
+WAITING_HEAD = """
+local t = redis.call('TIME')
+local key = KEYS[1]
+if redis.call('TYPE', key)['ok'] ~= 'stream' then
+  return {t[1], t[2], '', ''}
+end
+local function field(flat, name)
+  for i = 1, #flat, 2 do
+    if flat[i] == name then
+      return flat[i + 1]
+    end
+  end
+  return false
+end
+local last = field(redis.call('XINFO', 'STREAM', key), 'last-generated-id') or ''
+local head = ''
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+  if field(g, 'name') == ARGV[1] then
+    local delivered = field(g, 'last-delivered-id') or '0-0'
+    local first = redis.call('XRANGE', key, '(' .. delivered, '+', 'COUNT', 1)
+    if #first > 0 then
+      head = first[1][1]
+    end
+  end
+end
+return {t[1], t[2], last, head}
 """

@@ -47,6 +47,7 @@ from worker.fetch.stage import FetchSettings, FetchStage
 from worker.health import Health
 from worker.job_queue import JobQueue
 from worker.jobs import Job, Outcome, past_deadline
+from worker.lanes import Lanes
 from worker.model.compiler import CompileReport, compile_step, still_compiled
 from worker.model.degraded import DegradedModel, build_degraded
 from worker.model.loader import LoadedModel, load_configured
@@ -64,7 +65,7 @@ from worker.reclaimer import Reclaimer
 from worker.redis_scripts import CHECK_KEYS
 from worker.replicas import ReplicaWait
 from worker.runner import Launched, LaunchFailed, ModelRunner
-from worker.sharding import ShardedWriter, ShardHeld, reply_to_problem
+from worker.sharding import ShardedWriter, ShardHeld, reply_to_problem, wrong_shard_problem
 from worker.staging import InputRing, OutputRing
 from worker.transfer import DeviceTransfer
 from worker.writer import ResultWriter, WriterSettings
@@ -503,15 +504,20 @@ class Worker:
         return cast(aioredis.Redis, node)
 
     def _shard_deliver(self, shard: shards.Shard) -> Callable[[list[Job]], Awaitable[None]]:
-        """The hand-over of one shard's reader and reclaimer. On a cluster, a reply_to in
-        another slot than the shard's cannot be written by its publish script: such a job is
-        answered `invalid_job` on the shard's results stream."""
+        """The hand-over of one shard's reader and reclaimer. A job whose own id belongs to
+        another shard is answered `invalid_job` naming that shard's stream, computed
+        nowhere. On a cluster, a reply_to in another slot than the shard's cannot be written
+        by its publish script: such a job is answered `invalid_job` on the shard's results
+        stream."""
+        layout = self.shards
 
         async def deliver(jobs: list[Job]) -> None:
-            if self.cluster:
+            if self.cluster or len(layout) > 1:
                 for job in jobs:
                     if job.rejected is None:
-                        problem = reply_to_problem(job, shard)
+                        problem = wrong_shard_problem(job, shard, layout)
+                        if problem is None and self.cluster:
+                            problem = reply_to_problem(job, shard)
                         if problem is not None:
                             job.reply_to = shard.results_stream
                             job.rejected = (ErrorCode.INVALID_JOB, problem)
@@ -541,7 +547,7 @@ class Worker:
             "compiled": report.compiled,
             "stream": cfg.stream,
             "group": cfg.group,
-            "priorities": ",".join(lane.level for lane in self.lanes),
+            "priorities": ",".join(lane.level for lane in self.lanes if lane.level),
             "shards": len(self.shards),
         }
         self.observer.compile_check = lambda: still_compiled(report)
@@ -581,17 +587,6 @@ class Worker:
                 ):
                     if problem not in problems:
                         problems.append(problem)
-        plain = len(self.lanes) > 1 and len(self.shards) == 1
-        if plain and await self.redis.type(cfg.stream) == b"stream":
-            # Jobs XADDed to the plain stream (a producer without GPUFEED_PRIORITIES) are
-            # never read while there are levels: say so at start-up.
-            log.warning(
-                "plain_stream_not_read",
-                stream=cfg.stream,
-                length=await self.redis.xlen(cfg.stream),
-                read=self.lanes.streams,
-                note="with GPUFEED_PRIORITIES set, jobs go to <GPUFEED_STREAM>:<level>",
-            )
         if problems:
             listed = "; ".join(p.decode() if isinstance(p, bytes) else str(p) for p in problems)
             raise ConfigError(f"Redis keys this worker must write are unusable: {listed}")
@@ -634,7 +629,10 @@ class Worker:
                 self.observer.run(
                     self.redis,
                     key=heartbeat_key(self.config.worker_name),
-                    lanes=self.lanes,
+                    # Every shard's streams: the lag and pending gauges are the worker's.
+                    lanes=Lanes(
+                        [ln for sh in self.shards for ln in self.config.lanes_of(sh.stream)]
+                    ),
                     group=self.config.group,
                     in_flight=lambda: self.in_flight.count,
                 ),
@@ -684,6 +682,11 @@ class Worker:
         ready: list[Job] = []
         for job in jobs:
             self._held[(job.stream, job.entry_id)] = job
+            if job.enqueued_ms > now_ms:
+                # An entry ID from the future (chosen by whoever added it, or numbered after
+                # such an entry) says nothing of when the job came: its time counts from
+                # this read, so the latency metrics are not all zero behind it.
+                job.enqueued_ms = int(now_ms)
             if job.enqueued_ms:
                 # Time in Redis before this worker read it (server and worker clocks may
                 # differ a little; never negative).

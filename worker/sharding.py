@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Iterator, Mapping
 
-from producer.shards import Shard, hash_tag, slot_of
+from producer.priorities import level_stream
+from producer.shards import Shard, hash_tag, shard_of_id, slot_of
 from worker.jobs import Job, Outcome
 from worker.writer import ResultWriter
 
@@ -99,4 +100,21 @@ def reply_to_problem(job: Job, shard: Shard) -> str | None:
     return (
         f"reply_to {job.reply_to!r} is in another cluster slot than the job stream "
         f"{shard.stream!r}: it must {where}"
+    )
+
+
+def wrong_shard_problem(job: Job, shard: Shard, layout: list[Shard]) -> str | None:
+    """Why a job with its own id cannot be served on `shard`: its id belongs to another
+    shard, where its result is looked for and where the id's earlier results are (served
+    here, a result would be stored where nobody looks, and the id computed again without
+    `duplicate_of` when sent to the right shard). None when it is in its place."""
+    if len(layout) <= 1 or not job.has_own_id:
+        return None
+    right = layout[shard_of_id(job.job_id, len(layout))]
+    if right.index == shard.index:
+        return None
+    return (
+        f"id {job.job_id!r} belongs to shard {right.index} of {len(layout)}: add it to "
+        f"{level_stream(right.stream, job.level)}, not {job.stream or shard.stream} "
+        "(crc32 of the id mod GPUFEED_SHARDS; the producer places it so)"
     )

@@ -82,6 +82,9 @@ class PublishState:
     REPLY_NOT_PERMITTED = -5
     DEAD_WRONG_TYPE = -6  # the dead-letter stream key holds another type
     OWN_KEYS_NOT_PERMITTED = -7  # the worker's Redis user may not write its result keys
+    # A result key (the result prefix and the job's id) holds something other than a
+    # gpufeed result: the job is answered on the default results stream by its entry.
+    RESULT_KEY_FOREIGN = -8
 
     WRITTEN = frozenset({PUBLISHED, DUPLICATE_ID})
 
@@ -280,30 +283,50 @@ class ResultWriter:
 
     async def publish(self, outcomes: list[Outcome]) -> list[int]:
         """One pipelined round trip; returns a PublishState per outcome."""
-        states = await self._publish_once(outcomes)
-        # A job whose reply_to cannot take results would stay pending forever, or write
-        # into somebody's queue: answer it on the default results stream instead.
-        default = self.settings.default_reply_to
-        retry = [
-            (i, self._fallback(outcomes[i], REPLY_PROBLEMS[state]))
-            for i, state in enumerate(states)
-            if state < 0 and state in REPLY_PROBLEMS and outcomes[i].job.reply_to != default
-        ]
-        if retry:
+        current = list(outcomes)
+        states = await self._publish_once(current)
+        # A job whose reply_to or result key cannot take its result would stay pending
+        # forever, or write into somebody's queue or key: it is answered `invalid_job` on
+        # the default results stream instead (twice at most: a reply_to refused, then the
+        # result key of that answer).
+        for _ in range(2):
+            retry = [
+                (i, answer)
+                for i, state in enumerate(states)
+                if state < 0 and (answer := self._fallback(current[i], state)) is not None
+            ]
+            if not retry:
+                break
             again = await self._publish_once([o for _, o in retry])
-            for (i, _), state in zip(retry, again, strict=True):
-                states[i] = state
+            for (i, answer), state in zip(retry, again, strict=True):
+                current[i], states[i] = answer, state
         duplicates = states.count(PublishState.DUPLICATE_ID)
         self.published += states.count(PublishState.PUBLISHED) + duplicates
         self.duplicates += duplicates
         return states
 
-    def _fallback(self, outcome: Outcome, problem: str) -> Outcome:
+    def _fallback(self, outcome: Outcome, state: int) -> Outcome | None:
+        """The `invalid_job` answer that stands in for `outcome` refused with `state`; None
+        when there is none to give."""
         # A copy: should Redis drop out before this answer is written, `publish` runs the
         # original outcome again, and it must still meet its own reply_to, not the default.
-        job = replace(outcome.job, reply_to=self.settings.default_reply_to)
-        bad = outcome.job.reply_to
-        message = f"reply_to {bad!r} cannot receive results: it {problem}"
+        old = outcome.job
+        default = self.settings.default_reply_to
+        if state in REPLY_PROBLEMS and old.reply_to != default:
+            job = replace(old, reply_to=default)
+            message = (
+                f"reply_to {old.reply_to!r} cannot receive results: it {REPLY_PROBLEMS[state]}"
+            )
+        elif state == PublishState.RESULT_KEY_FOREIGN and old.has_own_id:
+            # Stored by its entry instead, as for a job whose id cannot be used.
+            job = replace(old, reply_to=default, job_id=old.entry_ref, has_own_id=False)
+            key = self.settings.result_prefix + old.job_id
+            message = (
+                f"id {old.job_id!r} cannot be used: its result key {key!r} holds something "
+                "other than a gpufeed result, which is left as it is"
+            )
+        else:
+            return None
         if not outcome.ok:
             message += f" (the job's own error: {outcome.error_text})"
         answer = Outcome.failure(job, ErrorCode.INVALID_JOB, message)
@@ -422,6 +445,14 @@ class ResultWriter:
                 entry=job.entry_id,
                 reply_to=job.reply_to,
                 problem=REPLY_PROBLEMS[state],
+            )
+        elif state == PublishState.RESULT_KEY_FOREIGN:
+            log.error(
+                "result_key_refused",
+                job_id=job.job_id,
+                entry=job.entry_id,
+                key=self.settings.result_prefix + job.job_id,
+                problem="holds something other than a gpufeed result; not overwritten",
             )
         elif state in (PublishState.DEAD_WRONG_TYPE, PublishState.OWN_KEYS_NOT_PERMITTED):
             log.error(
