@@ -11,8 +11,8 @@ queue, or a tenant's own results stream; ids that another job already used; an i
 another application's key under the result prefix; a 5 KB RLE BMP
 of 100000x1000, a 10000x10000 RGBA PNG, and RLE BMPs that take longer to decode than the
 soak's 0.5 s decode budget; poison `deadline_ms` values (superscript and circled digits,
-other scripts' digits, underscores, 5,000 digits) and fields that are not UTF-8) and, while
-they run:
+other scripts' digits, underscores, 5,000 digits); fields that are not UTF-8; another
+tenant's bucket, a 1 MiB URL, private IPv4 addresses in IPv6 forms) and, while they run:
 
 - at 25% answered, SIGKILLs worker 0 and starts it again under the same name;
 - at 40%, an XDEL storm: deletes up to 200 entries that workers hold (and some answered);
@@ -119,6 +119,12 @@ HOSTILE_KINDS: dict[str, str] = {
     # `invalid_job`, never end the reader (nor every worker that reclaims the entry).
     "poison_deadline": "invalid_job",
     "garbage_fields": "invalid_job",
+    # Another tenant's bucket (the soak's workers allow none), a URL of 1 MiB, and private
+    # or link-local IPv4 addresses inside IPv6 forms (6to4, IPv4-mapped, NAT64): each is
+    # refused before any request leaves the worker.
+    "object_not_allowed": "object_not_allowed",
+    "url_too_long": "invalid_job",
+    "url_in_ipv6_form": "forbidden_url",
 }
 # deadline_ms values that str.isdigit() or int() would take: superscript and circled
 # digits, other scripts' digits (Arabic-Indic, full-width), underscores, a number too long
@@ -131,6 +137,18 @@ POISON_DEADLINES = [
     "1_800_000_000_000",
     "9" * 5000,
 ]
+HOSTILE_URLS = {
+    "object_not_allowed": [
+        "s3://tenant-b-private/passport-scan.jpg",
+        "gs://tenant-b-private/salaries.jpg",
+    ],
+    "url_too_long": ["http://127.0.0.1/" + "a" * (1 << 20)],
+    "url_in_ipv6_form": [
+        "http://[2002:a9fe:a9fe::1]/latest/meta-data",
+        "http://[::ffff:127.0.0.1]/x.jpg",
+        "http://[64:ff9b::a00:1]/x.jpg",
+    ],
+}
 # Kinds whose id cannot be used: answered under their entry ID.
 BY_ENTRY = ("id_too_long", "id_at_foreign_key")
 HOSTILE_REPLY_TO = {
@@ -190,6 +208,9 @@ def make_jobs(
             junk = b"\xff\xfe" + rng.randbytes(16)
             field_name = "deadline_ms" if i % 2 else "reply_to"
             fields = {"id": job_id, "image": good[0], "meta": meta, field_name: junk}
+        elif kind in HOSTILE_URLS:
+            urls = HOSTILE_URLS[kind]
+            fields = {"id": job_id, "url": urls[i % len(urls)], "meta": meta}
         elif kind == "duplicate_id":
             # The id of an earlier job; the same image, as a retrying producer would send.
             j = rng.randrange(i)
