@@ -28,6 +28,9 @@ DEFAULT_DEAD_STREAM = "gpufeed:dead"
 DEFAULT_WORKER_PREFIX = "gpufeed:worker:"
 
 MAX_ID_BYTES = 128
+# The longest `url` a job may carry (real URLs, presigned ones included, stay well under
+# 2 KiB); longer is `invalid_job`, refused before the field is decoded or parsed.
+MAX_URL_BYTES = 8192
 
 # Job fields (stream entry field names).
 JOB_IMAGE = b"image"

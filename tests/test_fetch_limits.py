@@ -17,13 +17,14 @@ import redis
 from hypothesis import given
 from hypothesis import strategies as st
 
+from producer import wire
 from producer.wire import JobResult
 from tests.http_images import ImageServer
 from tests.images import jpeg_bytes
 from tests.test_fetch import FakeFetcher, url_job
 from tests.worker_harness import running_worker, wait_results
 from worker.fetch.policy import AddressPolicy, address_class, parse_host_list
-from worker.fetch.stage import MAX_URL_CHARS, FetchSettings, FetchStage
+from worker.fetch.stage import FetchSettings, FetchStage
 
 pytest.importorskip("aiohttp")
 
@@ -67,7 +68,7 @@ async def test_a_host_that_trickles_does_not_keep_other_jobs_waiting(
     assert set(order[:2]) == {"inline", "long-url"}
     assert results["inline"].ok
     assert results["long-url"].error_code == "invalid_job"
-    assert f"at most {MAX_URL_CHARS:,}" in (results["long-url"].error or "")
+    assert f"at most {wire.MAX_URL_BYTES:,}" in (results["long-url"].error or "")
     assert {results[j].error_code for j in slow} == {"fetch_timeout"}
     assert sorted(order) == sorted([*slow, "inline", "long-url"])  # each exactly once
     assert left == 0  # every place lent while waiting came back

@@ -95,6 +95,15 @@ def test_a_good_deadline_with_blanks_around_it_still_counts() -> None:
     assert job.rejected is None and job.deadline_ms == 4_000_000_000_000
 
 
+def test_a_url_over_the_bound_is_refused_by_its_length_before_it_is_decoded() -> None:
+    longest = b"http://h/" + b"a" * (wire.MAX_URL_BYTES - 9)
+    assert parse_job("1-0", {b"id": b"u", b"url": longest}, "r").rejected is None
+    # Not UTF-8 either: the length alone decides, so a huge field is never decoded.
+    job = parse_job("1-0", {b"id": b"u", b"url": longest + b"\xff"}, "r")
+    assert job.rejected is not None and job.rejected[0] is ErrorCode.INVALID_JOB
+    assert f"at most {wire.MAX_URL_BYTES:,}" in job.rejected[1] and job.url is None
+
+
 def test_an_entry_that_cannot_be_parsed_at_all_is_answered_invalid_job() -> None:
     # Not the mapping Redis hands over: parsing fails, the stage still gets a job to answer.
     job = job_of_entry("5-0", [(b"image", b"x")], "gpufeed:results")

@@ -182,6 +182,11 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
             rejected = (ErrorCode.EMPTY_IMAGE, "the image field is empty")
         elif path is not None and len(path) == 0:
             rejected = (ErrorCode.INVALID_JOB, "the path field is empty")
+        elif raw_url is not None and len(raw_url) > wire.MAX_URL_BYTES:
+            rejected = (
+                ErrorCode.INVALID_JOB,
+                f"the url is {len(raw_url):,} bytes long; at most {wire.MAX_URL_BYTES:,}",
+            )
         elif raw_url is not None:
             url = _text(raw_url)
             if url is None or not url.strip():

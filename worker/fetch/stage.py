@@ -11,12 +11,12 @@ host, and each has GPUFEED_FETCH_TIMEOUT_S in all, retries included.
 A host that stalls fills its own allowance, not everyone's: a job being fetched holds its
 in-flight place (its bytes are in memory), but a job waiting for a fetch slot gives its
 place back until it has one, for up to GPUFEED_FETCH_HOST_QUEUE jobs per host (and
-WAITING_HOSTS times that in all; a URL is at most MAX_URL_CHARS long), so a queue behind a
-slow host never keeps the reader from other jobs. Past that queue a job waits holding its
-place, which slows the reader to the host's pace (a large batch of one host's URLs is
-served, not refused), unless the host has answered nothing for GPUFEED_FETCH_READ_TIMEOUT_S:
-then it is answered `fetch_failed` (host busy) at once, and so are the jobs of that host
-that were holding places.
+WAITING_HOSTS times that in all; a job's URL is at most wire.MAX_URL_BYTES long), so a
+queue behind a slow host never keeps the reader from other jobs. Past that queue a job
+waits holding its place, which slows the reader to the host's pace (a large batch of one
+host's URLs is served, not refused), unless the host has answered nothing for
+GPUFEED_FETCH_READ_TIMEOUT_S: then it is answered `fetch_failed` (host busy) at once, and
+so are the jobs of that host that were holding places.
 
 Object-store keys are checked against GPUFEED_OBJECT_ALLOW (worker/fetch/objects.py) for
 the job's reply stream before anything else, so a refused key is never asked for.
@@ -56,9 +56,6 @@ HTTP_SCHEMES = ("http", "https")
 STORE_SOURCES = ("s3", "gs", "az")
 # How many URLs' validators are remembered (about 100 bytes each).
 VALIDATORS_KEPT = 65_536
-# The longest `url` a job may carry: longer is `invalid_job`, before anything parses it
-# (real URLs, presigned ones included, stay well under 2 KiB).
-MAX_URL_CHARS = 8192
 # Jobs waiting for a fetch slot without an in-flight place, all hosts together, in
 # GPUFEED_FETCH_HOST_QUEUE units: with the default, 16 x 64 jobs of at most 8 KiB of URL.
 WAITING_HOSTS = 16
@@ -346,19 +343,6 @@ class FetchStage:
         assert job.url is not None
         url = job.url
         start = time.monotonic()
-        if len(url) > MAX_URL_CHARS:
-            job.timings_ms["fetch"] = 0.0
-            job.ready_s = time.monotonic()
-            await self._fail(
-                [
-                    Outcome.failure(
-                        job,
-                        ErrorCode.INVALID_JOB,
-                        f"the url is {len(url):,} characters long; at most {MAX_URL_CHARS:,}",
-                    )
-                ]
-            )
-            return
         source, host = _source_and_host(url)
         try:
             fetched, row = await asyncio.wait_for(
