@@ -44,6 +44,8 @@ WHEELS=(
   "pytest-timeout==2.4.0"
   "typing_extensions==4.15.0"
   "simplejpeg==1.9.0"
+  # worker/fetch/s3.py (tests/ is collected whole: a module that cannot be imported is an error)
+  "obstore==0.12.1"
 )
 download() {
   $PIP download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \

@@ -20,8 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from worker.tools.gpu_check import cuda_tests_verdict, junit_summary, main
+from worker.cli import cli
+from worker.tools.gpu_check import main
+from worker.tools.gpu_check_report import (
+    EXPECTED_TESTS,
+    cuda_tests_verdict,
+    expected_cuda_tests,
+    junit_key,
+    junit_summary,
+)
+from worker.tools.gpu_check_rules import GPU_UTIL_TARGET, RATIO_TARGET, RULES
 from worker.tools.gpu_preflight import check_cuda, check_toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,3 +228,170 @@ def test_a_run_terminated_mid_phase_keeps_what_it_measured(redis_url: str, tmp_p
     assert report["error"] == "signal 15 during phase 'pipeline'"
     assert report["phases"]["ceiling"]["status"] == "done"
     assert report["ceiling_images_per_s"]["eager"] > 0  # measured before the cut
+
+
+# ------------------------------------------------------------------ the rules and the judge
+
+
+def good_report() -> dict[str, object]:
+    """A report as a passing run on a GPU host writes it: every phase done, every claim
+    measured and met."""
+    expected = expected_cuda_tests(EXPECTED_TESTS)
+    done = {"status": "done", "s": 1.0}
+    return {
+        "phases": {p: dict(done) for p in ("startup", "ceiling", "pipeline", "decode")},
+        "tests": {
+            "available": True,
+            "tests": len(expected),
+            "failures": 0,
+            "errors": 0,
+            "skipped": 0,
+            "passed": len(expected),
+            "failed": [],
+            "skipped_tests": [],
+            "expected": len(expected),
+            "passed_expected": len(expected),
+            "missing": [],
+            "rc": 0,
+        },
+        "compile": {"mode": "reduce-overhead", "compiled": True, "fell_back_to_eager": False},
+        "compile_still_one_graph": "yes",
+        "pipeline": {
+            "results_in_window": 60_000,
+            "batches_in_window": 940,
+            "cudagraph_replays_in_window": 940,
+            "decode_cache_hits": 0,
+            "results_error": 0,
+        },
+        "host_syncs": {"total": 0, "batches": 250, "per_batch": 0.0, "sites": []},
+        "pipeline_images_per_s": 4000.0,
+        "ceiling_best_images_per_s": 4200.0,
+        "ratio": 0.952,
+        "gpu_util_mean": 93.0,
+        "gpu_decode_vs_cpu": {
+            "nvimgcodec": {"available": False, "reason": "not installed"},
+            "torchvision": {
+                "available": True,
+                "modes": {
+                    "RGB": {"decoded": True, "mean_abs_diff": 1.2},
+                    "L": {"decoded": True, "mean_abs_diff": 0.4},
+                },
+            },
+        },
+    }
+
+
+def judged(report: dict[str, object], tmp_path: Path) -> tuple[int, dict[str, str]]:
+    """`python -m worker gpu-check --judge`: its exit status and each rule's line."""
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    done = CliRunner().invoke(cli, ["gpu-check", "--judge", str(path)])
+    lines = {}
+    for line in done.output.splitlines():
+        parts = line.split()
+        if len(parts) > 2 and parts[0] in ("pass", "FAIL"):
+            lines[parts[1]] = line
+    return done.exit_code, lines
+
+
+def test_the_judge_passes_a_complete_good_report(tmp_path: Path) -> None:
+    code, lines = judged(good_report(), tmp_path)
+    assert code == 0, lines
+    assert set(lines) == {r.__name__.removeprefix("rule_") for r in RULES}
+    assert all(line.startswith("pass") for line in lines.values())
+    # Each line shows the measured figure beside its target.
+    assert "93.0%" in lines["gpu_util"] and f">= {GPU_UTIL_TARGET:.0f}%" in lines["gpu_util"]
+    assert "0.952" in lines["ratio"] and f">= {RATIO_TARGET:.2f}" in lines["ratio"]
+
+
+def test_one_host_sync_fails_and_names_where(tmp_path: Path) -> None:
+    report = good_report()
+    report["host_syncs"] = {
+        "total": 1,
+        "batches": 250,
+        "sites": ["cudaStreamSynchronize in aten::item < aten::_local_scalar_dense, thread 7"],
+    }
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    assert lines["host_syncs"].startswith("FAIL")
+    assert "0.004 per batch (1 in 250 batches)" in lines["host_syncs"]
+    assert "aten::item" in lines["host_syncs"]
+    assert [n for n, line in lines.items() if line.startswith("FAIL")] == ["host_syncs"]
+
+
+def test_zero_replays_fail(tmp_path: Path) -> None:
+    report = good_report()
+    report["pipeline"]["cudagraph_replays_in_window"] = 0  # type: ignore[index]
+    code, lines = judged(report, tmp_path)
+    assert code == 1 and lines["cudagraph_replays"].startswith("FAIL")
+    assert "0 replays, 940 batches" in lines["cudagraph_replays"]
+
+
+def test_a_skipped_phase_fails_as_not_measured(tmp_path: Path) -> None:
+    report = good_report()
+    report["phases"]["pipeline"] = {  # type: ignore[index]
+        "status": "skipped",
+        "why": "not measured: 12 s left, no room for a window",
+    }
+    for key in ("pipeline", "host_syncs", "ratio", "gpu_util_mean", "compile_still_one_graph"):
+        del report[key]
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    for rule in ("pipeline_decodes", "host_syncs", "cudagraph_replays", "one_graph", "ratio"):
+        assert lines[rule].startswith("FAIL") and "not measured" in lines[rule], lines[rule]
+
+
+def test_decode_cache_hits_and_missing_tests_fail(tmp_path: Path) -> None:
+    report = good_report()
+    report["pipeline"]["decode_cache_hits"] = 3  # type: ignore[index]
+    tests = report["tests"]
+    assert isinstance(tests, dict)
+    tests.update(passed_expected=tests["expected"] - 1, missing=["tests/test_x.py::test_y"])
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    assert "3 decode-cache hits" in lines["pipeline_decodes"]
+    assert lines["cuda_tests"].startswith("FAIL") and "1 not run" in lines["cuda_tests"]
+
+
+def test_a_run_cut_outside_the_extras_fails(tmp_path: Path) -> None:
+    report = good_report()
+    report.update(error="time budget of 200 s spent during phase 'cudnn'", stopped_in="cudnn")
+    assert judged(report, tmp_path)[0] == 0  # the extras are measured after every claim
+    report.update(error="signal 15 during phase 'decode'", stopped_in="decode")
+    code, lines = judged(report, tmp_path)
+    assert code == 1 and lines["run"].startswith("FAIL")
+
+
+def test_the_judge_refuses_a_file_that_is_not_a_report(tmp_path: Path) -> None:
+    path = tmp_path / "report.json"
+    path.write_text("[1, 2]")
+    assert CliRunner().invoke(cli, ["gpu-check", "--judge", str(path)]).exit_code == 2
+
+
+# ------------------------------------------------------------ every cuda test, no fewer
+
+
+def test_the_expected_list_is_every_cuda_marked_test() -> None:
+    """tests/cuda_tests.txt (what the check requires to have run and passed) equals what
+    pytest collects under -m cuda in tests/, and the script runs exactly that selection."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "tests/",
+         "-p", "no:cacheprovider", "-o", "addopts="],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    collected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert len(collected) >= 20
+    assert collected == expected_cuda_tests(EXPECTED_TESTS)
+    script = (ROOT / "scripts" / "gpu-check.sh").read_text()
+    assert "-m pytest -m cuda tests/ " in script
+
+
+def test_tests_that_never_ran_are_named(tmp_path: Path) -> None:
+    expected = ["tests/test_cuda.py::test_a", "tests/test_more.py::TestK::test_b[x y]"]
+    summary = junit_summary(write_junit(tmp_path / "j.xml"), expected)
+    assert summary["passed_expected"] == 1
+    assert summary["missing"] == ["tests/test_more.py::TestK::test_b[x y]"]
+    assert junit_key(expected[1]) == "tests.test_more.TestK::test_b[x y]"
+    problems = cuda_tests_verdict(summary)
+    assert problems and "1 of 2 CUDA test(s) never ran" in problems[0]
