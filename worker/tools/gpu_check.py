@@ -67,7 +67,6 @@ from worker.logs import configure_logging
 from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step, still_compiled
 from worker.service import Worker
-
 from worker.tools.gpu_check_report import (
     EXPECTED_TESTS,
     add_verdict,
@@ -621,8 +620,7 @@ async def _run_phases(
     device = worker.ctx.device
     step_fn = runner.step
     eager = _eager_of(step_fn)
-    cudagraphs = compile_report.mode == "reduce-overhead" and compile_report.compiled
-    cudagraphs = cudagraphs and device.type == "cuda"
+    cudagraphs = compile_report.cudagraphs and device.type == "cuda"
     report.update(
         model=worker.config.model,
         batch=worker.batch_size,
@@ -657,7 +655,7 @@ async def _run_phases(
     # is warm-up, the sync window with its profiler read-out, and the worker's drain.
     room = deadline.left() - 20 - args.warmup_seconds - args.sync_seconds - 10
     window = min(args.seconds, room)
-    if window < 5.0:
+    if room < min(args.seconds, 5.0):
         report.skip("pipeline", f"not measured: {deadline.left():.0f} s left, no room for a window")
     else:
         with report.phase("pipeline") as entry:

@@ -116,8 +116,11 @@ def rule_host_syncs(report: Mapping[str, Any]) -> Rule:
     claim = "no host sync while serving (any synchronize, blocking or pageable copy, any caller)"
     target = "0 per batch"
     syncs = report.get("host_syncs")
-    if not isinstance(syncs, Mapping) or not isinstance(syncs.get("batches"), int):
-        return Rule("host_syncs", claim, _not_measured(report, "syncs"), target, False)
+    if not isinstance(syncs, Mapping):
+        return Rule("host_syncs", claim, _not_measured(report, "pipeline"), target, False)
+    if not isinstance(syncs.get("batches"), int):
+        why = str(syncs.get("status") or f"{NOT_MEASURED}: no batch count")
+        return Rule("host_syncs", claim, why, target, False)
     total = int(syncs.get("total", -1))
     batches = int(syncs["batches"])
     if batches <= 0 or total < 0:
@@ -166,6 +169,11 @@ def rule_gpu_util(report: Mapping[str, Any]) -> Rule:
     target = f">= {GPU_UTIL_TARGET:.0f}%"
     util = _num(report.get("gpu_util_mean"))
     if util is None:
+        if _phase_done(report, "pipeline"):
+            sampler = report.get("gpu_sampler")
+            why = sampler.get("reason") if isinstance(sampler, Mapping) else None
+            measured = f"{NOT_MEASURED}: no NVML sample ({why or 'no reason given'})"
+            return Rule("gpu_util", claim, measured, target, False)
         return Rule("gpu_util", claim, _not_measured(report, "pipeline"), target, False)
     return Rule("gpu_util", claim, f"{util:.1f}%", target, util >= GPU_UTIL_TARGET)
 
