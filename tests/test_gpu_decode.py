@@ -215,7 +215,10 @@ def test_gpu_decode_matches_cpu_decode(backend: str) -> None:
         rows = [(i, r) for i, d in enumerate(images) if (r := ALL_GPU.route(d, SPEC)) is not None]
         assert len(rows) == len(images)
         dest = torch.zeros((len(images), 64, 64, 3), dtype=torch.uint8, device=device)
-        result = decoder.decode_rows_sync(rows, dest)
+        # The zero-fill (this stream) before the decoder's writes (its own stream).
+        filled = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        filled.record(torch.cuda.current_stream(device))
+        result = decoder.decode_rows_sync(rows, dest, after=filled)
         assert result.failed == []
         assert result.ready is not None
         torch.cuda.current_stream().wait_event(result.ready)  # type: ignore[arg-type]
@@ -243,7 +246,9 @@ def test_gpu_decode_bad_image_fails_alone() -> None:
         assert good is not None
         rows = [(0, good)] + ([(1, bad)] if bad is not None else [])
         dest = torch.zeros((2, 64, 64, 3), dtype=torch.uint8, device=device)
-        result = decoder.decode_rows_sync(rows, dest)
+        filled = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        filled.record(torch.cuda.current_stream(device))
+        result = decoder.decode_rows_sync(rows, dest, after=filled)
         assert 0 not in result.failed
     finally:
         decoder.shutdown()
@@ -261,6 +266,8 @@ def test_torchvision_outputs_survive_a_decode_stream_held_back_by_compute() -> N
     try:
         calls = [[jpeg_bytes(320, 240, seed=10 * c + i) for i in range(4)] for c in range(8)]
         dests = [torch.zeros((4, 64, 64, 3), dtype=torch.uint8, device=device) for _ in calls]
+        # The zero-fills (this stream) come before any 'compute', hence before each decode.
+        compute.wait_stream(torch.cuda.current_stream(device))
         for images, dest in zip(calls, dests, strict=True):
             with torch.cuda.stream(compute):
                 torch.cuda._sleep(20_000_000)
