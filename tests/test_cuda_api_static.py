@@ -249,3 +249,68 @@ def test_no_module_decides_cuda_graphs_by_the_mode_name() -> None:
             if '== "reduce-overhead"' in line or "== 'reduce-overhead'" in line:
                 offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert offenders == []
+
+
+# ------------------------------------------------ /live queries events under the device
+
+
+def test_every_event_query_in_health_is_under_the_device_guard() -> None:
+    """/live runs on the HTTP thread: a CUDA call there without the worker's device would
+    create a context on GPU 0 for a worker on cuda:N."""
+    tree = ast.parse((ROOT / "worker/health.py").read_text())
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and any(
+            isinstance(item.context_expr, ast.Call)
+            and isinstance(item.context_expr.func, ast.Attribute)
+            and item.context_expr.func.attr == "_device_guard"
+            for item in node.items
+        ):
+            guarded |= {id(n) for n in ast.walk(node)}
+    queries = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "query"
+    ]
+    assert queries, "the walk found no query() in health.py"
+    assert all(id(q) in guarded for q in queries)
+
+
+def test_live_queries_each_stale_batch_on_the_workers_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from worker.health import Health
+
+    entered: list[Any] = []
+    current: list[Any] = [None]
+
+    class Guard:
+        def __init__(self, device: Any) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            entered.append(self.device)
+            current[0] = self.device
+
+        def __exit__(self, *exc: object) -> None:
+            current[0] = None
+
+    seen: list[Any] = []
+
+    class Done:
+        def query(self) -> bool:
+            seen.append(current[0])
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    health = Health(loop_stall_s=0, launch_stall_s=1.0)
+    device = torch.device("cuda", 1)
+    health.watch_launches(lambda: None, 2, device=device)
+    health.launched(SimpleNamespace(batch=SimpleNamespace(seq=7), done=Done(), launched_s=0.0))
+    ok, why = health.live()
+    assert not ok and "batch 7 unfinished" in why
+    assert seen == [device] and entered == [device]

@@ -228,7 +228,9 @@ class Worker:
             self.transfer,
             cudagraphs=mode_uses_cudagraphs(mode) and self.ctx.is_cuda,
         )
-        self.health.watch_launches(lambda: self.runner.launch_started_s, cfg.ring_slots)
+        self.health.watch_launches(
+            lambda: self.runner.launch_started_s, cfg.ring_slots, device=device
+        )
         example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
         if cfg.degrade_after_s > 0:
             self.degraded = build_degraded(
