@@ -239,7 +239,7 @@ def good_report() -> dict[str, object]:
     expected = expected_cuda_tests(EXPECTED_TESTS)
     done = {"status": "done", "s": 1.0}
     return {
-        "phases": {p: dict(done) for p in ("startup", "ceiling", "pipeline", "decode")},
+        "phases": {p: dict(done) for p in ("startup", "ceiling", "pipeline", "syncs", "decode")},
         "tests": {
             "available": True,
             "tests": len(expected),
@@ -329,10 +329,11 @@ def test_zero_replays_fail(tmp_path: Path) -> None:
 
 def test_a_skipped_phase_fails_as_not_measured(tmp_path: Path) -> None:
     report = good_report()
-    report["phases"]["pipeline"] = {  # type: ignore[index]
-        "status": "skipped",
-        "why": "not measured: 12 s left, no room for a window",
-    }
+    for phase in ("pipeline", "syncs"):
+        report["phases"][phase] = {  # type: ignore[index]
+            "status": "skipped",
+            "why": "not measured: 12 s left, no room for a window",
+        }
     for key in ("pipeline", "host_syncs", "ratio", "gpu_util_mean", "compile_still_one_graph"):
         del report[key]
     code, lines = judged(report, tmp_path)
@@ -395,3 +396,49 @@ def test_tests_that_never_ran_are_named(tmp_path: Path) -> None:
     assert junit_key(expected[1]) == "tests.test_more.TestK::test_b[x y]"
     problems = cuda_tests_verdict(summary)
     assert problems and "1 of 2 CUDA test(s) never ran" in problems[0]
+
+
+# --------------------------------------------------- host syncs seen by the profiler
+
+
+def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -> None:
+    """What the profiler records between the window's markers: every blocking CUDA runtime
+    or driver call (whoever made it) and every copy from pageable memory counts, named by
+    the torch ops around it; asynchronous work does not count, nor the profiler's own
+    synchronise after the window."""
+    from worker.tools.gpu_check import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
+
+    def ev(name: str, start: int, end: int, thread: int = 1, on_cpu: bool = True) -> RawEvent:
+        return RawEvent(name, start, end, thread, on_cpu)
+
+    events = [
+        ev("cudaDeviceSynchronize", 0, 1),  # the profiler's start: before the window
+        ev(_WINDOW_START, 10, 11),
+        ev("aten::item", 100, 200),
+        ev("aten::_local_scalar_dense", 110, 190),
+        ev("cudaMemcpyAsync", 120, 130),
+        ev("cudaStreamSynchronize", 131, 180),
+        ev("cudaEventSynchronize", 300, 310, thread=9),  # a library, outside any op
+        ev("cuCtxSynchronize", 320, 330, thread=9),
+        ev("Memcpy HtoD (Pageable -> Device)", 400, 450, thread=0, on_cpu=False),
+        ev("Memcpy DtoH (Device -> Pinned)", 460, 470, thread=0, on_cpu=False),
+        ev("cudaGraphLaunch", 500, 510),
+        ev("cudaEventQuery", 520, 521),
+        ev("cudaMemcpy", 530, 540, thread=3),  # blocking copy
+        ev(_WINDOW_END, 1000, 1001),
+        ev("cudaDeviceSynchronize", 1002, 1003),  # the profiler's stop
+    ]
+    counter = SyncCounter()
+    counter.add_profiled(events)
+    assert counter.profiled == {
+        "cudaStreamSynchronize": 1,
+        "cudaEventSynchronize": 1,
+        "cuCtxSynchronize": 1,
+        "Memcpy HtoD (Pageable -> Device)": 1,
+        "cudaMemcpy": 1,
+    }
+    assert counter.total == 5
+    assert counter.sites[0] == (
+        "cudaStreamSynchronize in aten::_local_scalar_dense < aten::item (thread 1)"
+    )
+    assert counter.sites[1] == "cudaEventSynchronize in no torch op around it (thread 9)"

@@ -45,6 +45,7 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,26 +131,81 @@ class SyncCounter:
             "examples": self.examples[:5],
         }
 
-    def add_profiled(self, events: Any, end_us: float | None) -> None:
-        """Blocking calls and pageable copies among the profiler's events (FunctionEvents),
-        leaving out what the profiler's own stop did after `end_us`."""
-        for evt in events:
-            name = str(getattr(evt, "name", ""))
-            start = float(evt.time_range.start)
-            if end_us is not None and start >= end_us:
+    def add_profiled(self, events: list[RawEvent]) -> None:
+        """Blocking calls and pageable copies among the profiler's events, between the
+        window's start and end markers (the profiler's own start and stop synchronise)."""
+        starts = [e.start_ns for e in events if e.name == _WINDOW_START]
+        ends = [e.start_ns for e in events if e.name == _WINDOW_END]
+        lo = starts[0] if starts else None
+        hi = ends[-1] if ends else None
+        flagged = []
+        for e in events:
+            if (lo is not None and e.start_ns < lo) or (hi is not None and e.start_ns > hi):
                 continue
-            pageable = name.startswith("Memcpy") and PAGEABLE_COPY in name.lower()
-            if not (SYNC_CALL.match(name) or pageable):
-                continue
-            self.profiled[name] = self.profiled.get(name, 0) + 1
-            if len(self.sites) < 10:
-                chain: list[str] = []
-                parent = getattr(evt, "cpu_parent", None)
-                while parent is not None and len(chain) < 6:
-                    chain.append(str(parent.name))
-                    parent = getattr(parent, "cpu_parent", None)
-                where = " < ".join(chain) if chain else "no torch op around it (a library)"
-                self.sites.append(f"{name} in {where}, thread {getattr(evt, 'thread', '?')}")
+            pageable = e.name.startswith("Memcpy") and PAGEABLE_COPY in e.name.lower()
+            if SYNC_CALL.match(e.name) or pageable:
+                self.profiled[e.name] = self.profiled.get(e.name, 0) + 1
+                flagged.append(e)
+        for e in flagged[:10]:
+            self.sites.append(_call_site(e, events))
+
+
+@dataclass(frozen=True)
+class RawEvent:
+    """One profiler event, as read from kineto's results (cheap: no event tree built)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    thread: int
+    on_cpu: bool
+
+
+_WINDOW_START = "gpufeed.sync_window_start"
+_WINDOW_END = "gpufeed.sync_window_end"
+
+
+def _call_site(e: RawEvent, events: list[RawEvent]) -> str:
+    """Where a blocking call happened: the torch ops around it on its thread, innermost
+    first (none: a library or C++ called it outside any op)."""
+    around = sorted(
+        (
+            o
+            for o in events
+            if o.on_cpu
+            and o is not e
+            and o.thread == e.thread
+            and o.start_ns <= e.start_ns
+            and o.end_ns >= e.end_ns
+            and not o.name.startswith(("cuda", "cu"))
+        ),
+        key=lambda o: -o.start_ns,
+    )
+    where = " < ".join(o.name for o in around[:6]) or "no torch op around it"
+    return f"{e.name} in {where} (thread {e.thread})"
+
+
+def _raw_events(prof: Any) -> list[RawEvent]:
+    results = getattr(prof.profiler, "kineto_results", None)
+    out = []
+    if results is not None:
+        for k in results.events():
+            start = int(k.start_ns())
+            out.append(
+                RawEvent(
+                    str(k.name()),
+                    start,
+                    start + int(k.duration_ns()),
+                    int(k.start_thread_id()),
+                    str(k.device_type()).endswith("CPU"),
+                )
+            )
+        return out
+    for f in prof.events():  # older profilers: FunctionEvents, times in µs
+        start = int(f.time_range.start * 1000)
+        on_cpu = str(getattr(f, "device_type", "")).endswith("CPU")
+        out.append(RawEvent(str(f.name), start, int(f.time_range.end * 1000), f.thread, on_cpu))
+    return out
 
 
 @contextlib.contextmanager
@@ -165,30 +221,36 @@ def _profiled(counter: SyncCounter) -> Iterator[None]:
         counter.profile_error = f"profiler did not start: {type(exc).__name__}: {exc}"
         yield
         return
+    with record_function(_WINDOW_START):
+        pass
     try:
         yield
     finally:
-        # The profiler synchronises the device when it stops: its own, left out by time.
-        with record_function("gpufeed.sync_window_end"):
+        with record_function(_WINDOW_END):
             pass
         try:
             prof.stop()
-            events = prof.events()  # type: ignore[no-untyped-call]
-            ends = [e for e in events if e.name == "gpufeed.sync_window_end"]
-            end_us = float(ends[-1].time_range.start) if ends else None
-            counter.add_profiled(events, end_us)
+            counter.add_profiled(_raw_events(prof))
         except Exception as exc:  # noqa: BLE001 - reported as not measured
             counter.profile_error = f"profiler failed: {type(exc).__name__}: {exc}"
 
 
 @contextlib.contextmanager
 def count_host_syncs(*, profile: bool = False) -> Iterator[SyncCounter]:
+    """Host syncs while active. With `profile`, the profiler runs outside the counting
+    (its own start and stop synchronise, and are not the code's)."""
     counter = SyncCounter()
     if not torch.cuda.is_available():
         if profile:
             counter.profile_error = "no CUDA device"
         yield counter
         return
+    with _profiled(counter) if profile else contextlib.nullcontext(), _counting(counter):
+        yield counter
+
+
+@contextlib.contextmanager
+def _counting(counter: SyncCounter) -> Iterator[None]:
     patched: list[tuple[Any, str, Any]] = []
 
     def wrap(owner: Any, name: str, label: str) -> None:
@@ -205,13 +267,11 @@ def count_host_syncs(*, profile: bool = False) -> Iterator[SyncCounter]:
     wrap(torch.cuda.Event, "synchronize", "Event.synchronize")
     wrap(torch.cuda.Stream, "synchronize", "Stream.synchronize")
     previous_mode = torch.cuda.get_sync_debug_mode()
-    profiled = _profiled(counter) if profile else contextlib.nullcontext()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            with profiled:
-                yield counter
+            yield
         finally:
             torch.cuda.set_sync_debug_mode(previous_mode)
             for owner, name, original in reversed(patched):
@@ -383,9 +443,17 @@ def unique_jpeg(data: bytes, n: int) -> bytes:
 
 
 async def _measure_pipeline(
-    worker: Worker, args: argparse.Namespace, report: Report, window_s: float, sync_s: float
+    worker: Worker,
+    args: argparse.Namespace,
+    report: Report,
+    window_s: float,
+    best_ceiling: float,
 ) -> None:
+    """Phases `pipeline` (the timed window) and `syncs` (the profiled window), on one
+    worker fed from Redis. Each phase's figures are in the report as it ends."""
     cfg = worker.config
+    compile_report = worker.compile_report
+    assert compile_report is not None
     images = [synthetic_jpeg(args.width, args.height, seed=i, quality=85) for i in range(32)]
     report["pipeline_input"] = {
         "images": f"{args.width}x{args.height} JPEG q85, unique bytes per job",
@@ -420,49 +488,78 @@ async def _measure_pipeline(
     # The CUDA index the worker computes on; the sampler finds it in NVML by UUID.
     sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
     c = worker.counters
-    window: dict[str, Any] = {}
-    syncs_out: dict[str, Any] = {"status": "not measured: the pipeline stopped first"}
-    report["host_syncs"] = syncs_out
     try:
-        deadline = time.monotonic() + args.warmup_seconds + 60
-        while done_count() < worker.batch_size * 4 and time.monotonic() < deadline:
+        with report.phase("pipeline") as entry:
+            entry["window_s"] = round(window_s, 1)
+            deadline = time.monotonic() + args.warmup_seconds + 60
+            while done_count() < worker.batch_size * 4 and time.monotonic() < deadline:
+                if main.done():
+                    main.result()
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(args.warmup_seconds)
+            # The timed window: only the step's launches (counted in the launch itself)
+            # and NVML watch it.
+            sampler.start()
+            with count_step_replays(worker.runner) as replays:
+                n0, t0, b0 = done_count(), time.monotonic(), c.batches
+                hits0, errors0 = c.cache_hits, c.results_error
+                await asyncio.sleep(window_s)
+                n1, t1, b1 = done_count(), time.monotonic(), c.batches
+                hits1, errors1 = c.cache_hits, c.results_error
+            sampler.stop()
             if main.done():
                 main.result()
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(args.warmup_seconds)
-        # The throughput window: nothing but the step's launch count and NVML watch it.
-        sampler.start()
-        with count_step_replays(worker.runner) as replays:
-            n0, t0, b0 = done_count(), time.monotonic(), c.batches
-            hits0, errors0 = c.cache_hits, c.results_error
-            await asyncio.sleep(window_s)
-            n1, t1, b1 = done_count(), time.monotonic(), c.batches
-            hits1, errors1 = c.cache_hits, c.results_error
-        sampler.stop()
-        window.update(
-            results_in_window=n1 - n0,
-            batches_done_in_window=b1 - b0,
-            batches_in_window=replays.launches,
-            cudagraph_replays_in_window=replays.replays,
-            launches_without_one_replay=replays.not_one,
-            replays_outside_launches=replays.outside,
-            decode_cache_hits=hits1 - hits0,
-            errors_in_window=errors1 - errors0,
-        )
-        # Then the sync window: the profiler (all threads, C++ and libraries included) and
-        # sync-debug mode, per batch; it slows the pipeline, so it is not the timed one.
-        if main.done():
-            main.result()
-        with count_step_replays(worker.runner) as launches, count_host_syncs(profile=True) as syncs:
-            await asyncio.sleep(sync_s)
-        syncs_out.clear()
-        syncs_out.update(syncs.as_dict(), batches=launches.launches, window_s=sync_s)
-        if syncs.profile_error is not None:
-            # Without the profiler the count would miss what it exists to find.
-            syncs_out["batches"] = None
-            syncs_out["status"] = f"not measured: {syncs.profile_error}"
-        elif launches.launches:
-            syncs_out["per_batch"] = round(syncs.total / launches.launches, 3)
+            rate = (n1 - n0) / max(t1 - t0, 1e-9)
+            summary = sampler.summary()
+            util = summary["metrics"].get("gpu_util_pct", {})
+            report.update(
+                pipeline_images_per_s=round(rate, 1),
+                ratio=round(rate / best_ceiling, 3) if best_ceiling else None,
+                gpu_sampler=summary,
+                gpu_util_mean=util.get("mean"),
+                gpu_util_p50=util.get("p50"),
+                compile_still_one_graph=still_compiled(compile_report) or "yes",
+                pipeline={
+                    "window_s": round(t1 - t0, 2),
+                    "results_in_window": n1 - n0,
+                    "batches_done_in_window": b1 - b0,
+                    "batches_in_window": replays.launches,
+                    "cudagraph_replays_in_window": replays.replays,
+                    "launches_without_one_replay": replays.not_one,
+                    "replays_outside_launches": replays.outside,
+                    "decode_cache_hits": hits1 - hits0,
+                    "errors_in_window": errors1 - errors0,
+                    "results_ok": c.results_ok,
+                    "results_error": c.results_error,
+                    "errors_by_code": dict(c.errors_by_code),
+                    "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
+                    if c.batches
+                    else None,
+                    "jobs_pushed": pushed,
+                    "decode_threads": worker.decoder.threads,
+                },
+            )
+        # The sync window: the profiler (every thread's CUDA calls, C++ and libraries
+        # included) and sync-debug mode, per batch. It slows the pipeline: not the timed one.
+        with report.phase("syncs") as entry:
+            entry["window_s"] = args.sync_seconds
+            # Launches counted outside the profiler: its read-out after the window is not
+            # part of it.
+            with (
+                count_step_replays(worker.runner) as launches,
+                count_host_syncs(profile=True) as syncs,
+            ):
+                await asyncio.sleep(args.sync_seconds)
+                batches = launches.launches
+            found: dict[str, Any] = {**syncs.as_dict(), "batches": batches}
+            if syncs.profile_error is not None:
+                # Without the profiler the count would miss what it exists to find.
+                found.update(batches=None, status=f"not measured: {syncs.profile_error}")
+            elif batches:
+                found["per_batch"] = round(syncs.total / batches, 4)
+            report["host_syncs"] = found
+            if main.done():
+                main.result()
     finally:
         stop.set()
         producer.join(timeout=10)
@@ -471,25 +568,6 @@ async def _measure_pipeline(
             await asyncio.wait_for(main, 60)
         sampler.close()
         client.close()
-    report["pipeline_images_per_s"] = round((n1 - n0) / max(t1 - t0, 1e-9), 1)
-    report["pipeline"] = {
-        "window_s": round(t1 - t0, 2),
-        **window,
-        "results_ok": c.results_ok,
-        "results_error": c.results_error,
-        "errors_by_code": dict(c.errors_by_code),
-        "batches": c.batches,
-        "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
-        if c.batches
-        else None,
-        "jobs_pushed": pushed,
-        "decode_threads": worker.decoder.threads,
-    }
-    summary = sampler.summary()
-    report["gpu_sampler"] = summary
-    util = summary["metrics"].get("gpu_util_pct", {})
-    report["gpu_util_mean"] = util.get("mean")
-    report["gpu_util_p50"] = util.get("p50")
 
 
 def _recorded_event(device: torch.device) -> Any:
@@ -656,13 +734,11 @@ async def _run_phases(
     room = deadline.left() - 20 - args.warmup_seconds - args.sync_seconds - 10
     window = min(args.seconds, room)
     if room < min(args.seconds, 5.0):
-        report.skip("pipeline", f"not measured: {deadline.left():.0f} s left, no room for a window")
+        why = f"not measured: {deadline.left():.0f} s left, no room for a window"
+        report.skip("pipeline", why)
+        report.skip("syncs", why)
     else:
-        with report.phase("pipeline") as entry:
-            entry["window_s"] = round(window, 1)
-            await _measure_pipeline(worker, args, report, window, args.sync_seconds)
-            report["compile_still_one_graph"] = still_compiled(compile_report) or "yes"
-            report["ratio"] = round(report["pipeline_images_per_s"] / best, 3) if best else None
+        await _measure_pipeline(worker, args, report, window, best)
 
     loop = asyncio.get_running_loop()
     if deadline.left() < 15:

@@ -116,8 +116,8 @@ def rule_host_syncs(report: Mapping[str, Any]) -> Rule:
     claim = "no host sync while serving (any synchronize, blocking or pageable copy, any caller)"
     target = "0 per batch"
     syncs = report.get("host_syncs")
-    if not isinstance(syncs, Mapping):
-        return Rule("host_syncs", claim, _not_measured(report, "pipeline"), target, False)
+    if not _phase_done(report, "syncs") or not isinstance(syncs, Mapping):
+        return Rule("host_syncs", claim, _not_measured(report, "syncs"), target, False)
     if not isinstance(syncs.get("batches"), int):
         why = str(syncs.get("status") or f"{NOT_MEASURED}: no batch count")
         return Rule("host_syncs", claim, why, target, False)
