@@ -124,7 +124,7 @@ echo "$TESTS_RC" > "$OUT/tests.done"
 wait "$BENCH_PID"
 BENCH_RC=$?
 BENCH_PID=
-tail -n 5 "$OUT/benchmark.log"
+grep -h '^{"device"' "$OUT/benchmark.log" || tail -n 3 "$OUT/benchmark.log"
 
 # 5. The verdict: the test results added to the report, every rule judged and printed.
 "$PY" -m worker.tools.gpu_check_report --out "$OUT" --junit "$OUT/pytest.xml" \
