@@ -112,12 +112,15 @@ BENCH_PID=$!
 #    pytest gets SIGINT, which still writes the results so far to pytest.xml; a test that
 #    never ran fails the check. A module that cannot be imported here fails only its own
 #    tests (--continue-on-collection-errors), not the whole run.
+#    Only the carried plugins load: the host's own pytest plugins (built for its pytest, not
+#    the carried one) could stop pytest before any test.
 TEST_LIMIT=$(( $(left) - RESERVE ))
 (( TEST_LIMIT < 10 )) && TEST_LIMIT=10
 echo "gpu-check: CUDA tests (at most ${TEST_LIMIT} s)"
-timeout -s INT -k 10 "$TEST_LIMIT" "$PY" -m pytest -m cuda tests/ -q -rs -p no:cacheprovider \
-  --continue-on-collection-errors -o addopts="" --junitxml="$OUT/pytest.xml" 2>&1 \
-  | tee "$OUT/pytest.log"
+PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -s INT -k 10 "$TEST_LIMIT" \
+  "$PY" -m pytest -m cuda tests/ -q -rs -p pytest_asyncio.plugin -p pytest_timeout \
+  -p no:cacheprovider --continue-on-collection-errors -o addopts="" \
+  --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
 TESTS_RC=${PIPESTATUS[0]}
 echo "$TESTS_RC" > "$OUT/tests.done"
 

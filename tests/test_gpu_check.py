@@ -372,20 +372,34 @@ def test_the_judge_refuses_a_file_that_is_not_a_report(tmp_path: Path) -> None:
 # ------------------------------------------------------------ every cuda test, no fewer
 
 
-def test_the_expected_list_is_every_cuda_marked_test() -> None:
-    """tests/cuda_tests.txt (what the check requires to have run and passed) equals what
-    pytest collects under -m cuda in tests/, and the script runs exactly that selection."""
+def collect_cuda_tests(*options: str, env: dict[str, str] | None = None) -> list[str]:
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "tests/",
-         "-p", "no:cacheprovider", "-o", "addopts="],
+         "-p", "no:cacheprovider", "-o", "addopts=", *options],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, **(env or {})},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    collected = [line for line in done.stdout.splitlines() if "::" in line]
-    assert len(collected) >= 20
-    assert collected == expected_cuda_tests(EXPECTED_TESTS)
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_the_expected_list_is_every_cuda_marked_test() -> None:
+    """tests/cuda_tests.txt (what the check requires to have run and passed) equals what
+    pytest collects under -m cuda in tests/, and what the script's own pytest command
+    (its selection, its plugins only) collects."""
+    expected = expected_cuda_tests(EXPECTED_TESTS)
+    assert len(expected) >= 20
+    assert collect_cuda_tests() == expected
     script = (ROOT / "scripts" / "gpu-check.sh").read_text()
-    assert "-m pytest -m cuda tests/ " in script
+    assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in script
+    assert '"$PY" -m pytest -m cuda tests/ -q -rs -p pytest_asyncio.plugin -p pytest_timeout' in (
+        script
+    )
+    as_the_script = collect_cuda_tests(
+        "-p", "pytest_asyncio.plugin", "-p", "pytest_timeout",
+        env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )  # fmt: skip
+    assert as_the_script == expected
 
 
 def test_tests_that_never_ran_are_named(tmp_path: Path) -> None:
