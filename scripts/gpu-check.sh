@@ -65,7 +65,7 @@ if [[ ! -f $GC/site/.installed ]] || [[ -n $(find "$GC/wheels" -newer "$GC/site/
   rm -rf "$GC/site"
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
     --target "$GC/site" "$GC"/wheels/*.whl || { echo "gpu-check: FAILED: wheel install failed" >&2; exit 2; }
-  touch "$GC/site/.installed"
+  mkdir -p "$GC/site" && touch "$GC/site/.installed"
 fi
 export PYTHONPATH="$GC/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 

@@ -26,7 +26,7 @@ if [[ -z $src || ! -x $src/redis/redis-server && ! -f $src/redis/redis-server ]]
   exit 2
 fi
 
-rm -rf "$DEST/redis" "$DEST/wheels" "$DEST/site" "$DEST/bin"
+rm -rf "$DEST/redis" "$DEST/wheels" "$DEST/site" "$DEST/bin" "$DEST/out"
 mkdir -p "$DEST/redis" "$DEST/wheels" "$DEST/bin"
 cp "$src"/redis/* "$DEST/redis/"
 chmod u+w,a+x "$DEST/redis/redis-server" "$DEST/redis/redis-cli"

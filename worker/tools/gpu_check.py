@@ -901,7 +901,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=seconds, help="pipeline window")
     p.add_argument("--warmup-seconds", type=float, default=3.0)
     p.add_argument(
-        "--sync-seconds", type=float, default=4.0, help="profiled window counting host syncs"
+        "--sync-seconds", type=float, default=3.0, help="profiled window counting host syncs"
     )
     p.add_argument("--ceiling-iters", type=int, default=50)
     p.add_argument("--width", type=int, default=640)
