@@ -439,6 +439,8 @@ def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -
         ev("cudaGraphLaunch", 500, 510),
         ev("cudaEventQuery", 520, 521),
         ev("cudaMemcpy", 530, 540, thread=3),  # blocking copy
+        ev("cuStreamSynchronize_v2", 550, 560, thread=3),  # as CUPTI may name it
+        ev("cudaMemcpyAsync_v3020", 570, 580, thread=3),
         ev(_WINDOW_END, 1000, 1001),
         ev("cudaDeviceSynchronize", 1002, 1003),  # the profiler's stop
     ]
@@ -450,8 +452,9 @@ def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -
         "cuCtxSynchronize": 1,
         "Memcpy HtoD (Pageable -> Device)": 1,
         "cudaMemcpy": 1,
+        "cuStreamSynchronize_v2": 1,
     }
-    assert counter.total == 5
+    assert counter.total == 6
     assert counter.sites[0] == (
         "cudaStreamSynchronize in aten::_local_scalar_dense < aten::item (thread 1)"
     )

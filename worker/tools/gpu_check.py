@@ -77,6 +77,8 @@ from worker.tools.gpu_check_report import (
 log = structlog.get_logger("gpufeed.gpu_check")
 
 _SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
+# The device-side copy activity names a pageable host side: "Memcpy HtoD (Pageable -> Device)".
+PAGEABLE_COPY = "pageable"
 
 # CUDA runtime and driver calls that block the calling host thread until the device (or a
 # stream or event) catches up, whoever makes them: torch, torchvision, nvJPEG,
@@ -85,13 +87,21 @@ _SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
 # that blocks because its host side is pageable is seen on the device side instead.
 SYNC_CALL = re.compile(
     r"^(cuda(Device|Stream|Event|Thread)Synchronize"
-    r"|cu(Ctx|Stream|Event)Synchronize(_v2)?"
+    r"|cu(Ctx|Stream|Event)Synchronize"
     r"|cudaMemcpy(2D|3D|Peer)?(ToSymbol|FromSymbol|ToArray|FromArray)?"
-    r"|cuMemcpy(DtoH|HtoD|DtoD|AtoH|HtoA|2D|3D|Peer)?(_v2)?"
-    r"|cudaFree(Host|Array)?|cuMemFree(Host)?(_v2)?)$"
+    r"|cuMemcpy(DtoH|HtoD|DtoD|AtoH|HtoA|2D|3D|Peer)?"
+    r"|cudaFree(Host|Array)?|cuMemFree(Host)?)$"
 )
-# The device-side copy activity names a pageable host side: "Memcpy HtoD (Pageable -> Device)".
-PAGEABLE_COPY = "pageable"
+# CUPTI may name a call with its API version or per-thread-stream variant appended
+# ("cuStreamSynchronize_v2", "cudaLaunchKernelExC_v11060", "cudaMemcpy_ptds").
+_API_SUFFIX = re.compile(r"(_v\d+|_pt(sz|ds))+$")
+
+
+def is_host_sync(name: str) -> bool:
+    """A blocking CUDA runtime or driver call, or a copy from pageable host memory."""
+    if name.startswith("Memcpy"):
+        return PAGEABLE_COPY in name.lower()
+    return SYNC_CALL.match(_API_SUFFIX.sub("", name)) is not None
 
 
 class SyncCounter:
@@ -142,8 +152,7 @@ class SyncCounter:
         for e in events:
             if (lo is not None and e.start_ns < lo) or (hi is not None and e.start_ns > hi):
                 continue
-            pageable = e.name.startswith("Memcpy") and PAGEABLE_COPY in e.name.lower()
-            if SYNC_CALL.match(e.name) or pageable:
+            if is_host_sync(e.name):
                 self.profiled[e.name] = self.profiled.get(e.name, 0) + 1
                 flagged.append(e)
         for e in flagged[:10]:
@@ -185,23 +194,24 @@ def _call_site(e: RawEvent, events: list[RawEvent]) -> str:
     return f"{e.name} in {where} (thread {e.thread})"
 
 
-def _raw_events(prof: Any) -> list[RawEvent]:
-    results = getattr(prof.profiler, "kineto_results", None)
+def _kineto_events(prof: Any) -> list[RawEvent]:
+    """kineto's results as they are (no event tree built: cheap for a busy window)."""
     out = []
-    if results is not None:
-        for k in results.events():
-            start = int(k.start_ns())
-            out.append(
-                RawEvent(
-                    str(k.name()),
-                    start,
-                    start + int(k.duration_ns()),
-                    int(k.start_thread_id()),
-                    str(k.device_type()).endswith("CPU"),
-                )
-            )
-        return out
-    for f in prof.events():  # older profilers: FunctionEvents, times in µs
+    for k in prof.profiler.kineto_results.events():
+        start = int(k.start_ns())
+        end = start + int(k.duration_ns())
+        on_cpu = str(k.device_type()).endswith("CPU")
+        out.append(RawEvent(str(k.name()), start, end, int(k.start_thread_id()), on_cpu))
+    return out
+
+
+def _raw_events(prof: Any) -> list[RawEvent]:
+    try:
+        return _kineto_events(prof)
+    except (AttributeError, TypeError, RuntimeError):
+        pass
+    out = []
+    for f in prof.events():  # the parsed FunctionEvents (slower), times in µs
         start = int(f.time_range.start * 1000)
         on_cpu = str(getattr(f, "device_type", "")).endswith("CPU")
         out.append(RawEvent(str(f.name), start, int(f.time_range.end * 1000), f.thread, on_cpu))
@@ -233,6 +243,7 @@ def _profiled(counter: SyncCounter) -> Iterator[None]:
             counter.add_profiled(_raw_events(prof))
         except Exception as exc:  # noqa: BLE001 - reported as not measured
             counter.profile_error = f"profiler failed: {type(exc).__name__}: {exc}"
+            log.warning("sync_profile_failed", error=counter.profile_error)
 
 
 @contextlib.contextmanager
