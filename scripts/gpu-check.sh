@@ -131,7 +131,7 @@ grep -h '^{"device"' "$OUT/benchmark.log" || tail -n 3 "$OUT/benchmark.log"
 
 # 5. The verdict: the test results added to the report, every rule judged and printed.
 "$PY" -m worker.tools.gpu_check_report --out "$OUT" --junit "$OUT/pytest.xml" \
-  --tests-rc "$TESTS_RC"
+  --tests-rc "$TESTS_RC" --bench-rc "$BENCH_RC"
 VERDICT_RC=$?
 
 echo "gpu-check: tests rc=$TESTS_RC, benchmark rc=$BENCH_RC, $((SECONDS - START)) s, report: $OUT/report.json"

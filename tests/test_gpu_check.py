@@ -459,3 +459,22 @@ def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -
         "cudaStreamSynchronize in aten::_local_scalar_dense < aten::item (thread 1)"
     )
     assert counter.sites[1] == "cudaEventSynchronize in no torch op around it (thread 9)"
+
+
+def test_the_conclusion_adds_the_tests_and_names_a_crashed_benchmark(tmp_path: Path) -> None:
+    """The script's last step: the test results join the benchmark's report, and a
+    benchmark that died without writing its error (a segfault: exit 139) fails the run."""
+    from worker.tools.gpu_check_report import main as conclude_main
+
+    report = good_report()
+    del report["tests"]
+    report["phases"]["syncs"] = {"status": "running"}  # type: ignore[index]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    junit = write_junit(tmp_path / "pytest.xml")
+    argv = ["--out", str(tmp_path), "--junit", str(junit), "--tests-rc", "0"]
+    assert conclude_main([*argv, "--bench-rc", "139"]) == 1
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["error"] == "the benchmark exited 139 during phase 'syncs'"
+    assert written["tests"]["missing"]  # the crafted JUnit file holds one test only
+    rules = {r["rule"]: r for r in written["verdict"]["rules"]}
+    assert not rules["run"]["passed"] and not rules["host_syncs"]["passed"]

@@ -140,7 +140,9 @@ def judge_file(path: Path) -> int:
     return 0 if passed(rules) else 1
 
 
-def conclude(out: Path, junit: Path | None, rc: int | None, expected: Path) -> int:
+def conclude(
+    out: Path, junit: Path | None, rc: int | None, expected: Path, bench_rc: int | None = None
+) -> int:
     path = out / "report.json"
     try:
         report = json.loads(path.read_text())
@@ -148,6 +150,12 @@ def conclude(out: Path, junit: Path | None, rc: int | None, expected: Path) -> i
         report = {"phases": {}, "error": f"no benchmark report: {exc}"}
     if not isinstance(report, dict):
         report = {"phases": {}, "error": "the benchmark report is not an object"}
+    if bench_rc not in (None, 0, 1) and not report.get("error"):
+        # Killed or crashed without a word (a signal, a segfault): where it was.
+        running = [n for n, e in report.get("phases", {}).items() if e.get("status") == "running"]
+        where = running[-1] if running else None
+        report["error"] = f"the benchmark exited {bench_rc} during phase {where!r}"
+        report["stopped_in"] = where
     report["tests"] = (
         tests_summary(junit, rc, expected) if junit is not None else {"available": False}
     )
@@ -164,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--junit", type=Path, default=None)
     p.add_argument("--tests-rc", type=int, default=None)
     p.add_argument("--expected-tests", type=Path, default=EXPECTED_TESTS)
+    p.add_argument("--bench-rc", type=int, default=None, help="the benchmark's exit status")
     args = p.parse_args(argv)
-    return conclude(args.out, args.junit, args.tests_rc, args.expected_tests)
+    return conclude(args.out, args.junit, args.tests_rc, args.expected_tests, args.bench_rc)
 
 
 if __name__ == "__main__":
