@@ -21,12 +21,15 @@ from tests.images import encode, jpeg_bytes, photo_like, png_bytes
 from worker.batcher import Batch
 from worker.decode.cpu import DecodeError, DecodeSpec, decode_to_array
 from worker.decode.gpu import (
+    FIT_CHUNK_PIXELS,
     GpuDecoder,
     GpuDecodeRouter,
     TorchvisionBackend,
     fit_into,
+    fit_many_into,
     make_backend,
     orient,
+    same_size_groups,
     setup_gpu_decode,
     size_class,
 )
@@ -143,6 +146,31 @@ def test_decoder_on_cpu_writes_rows_and_isolates_a_bad_image() -> None:
         assert int(dest[3].sum()) == 0 and int(dest[5].sum()) == 0  # untouched rows
     finally:
         decoder.shutdown()
+
+
+def test_same_size_images_are_resized_together_exactly_as_one_by_one() -> None:
+    """A batch of decoded images is resized per size group in a few ops (what bounds the
+    GPU decode of many small images is the dispatches, six or seven per image one by one):
+    the rows are the same, bit for bit, as resized one at a time, whatever the rows' order,
+    sizes or chunking."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 80, 100), (3, 80, 100), (3, 100, 80), (3, 80, 100), (3, 64, 64), (3, 100, 80)]
+    images = [torch.randint(0, 256, s, generator=gen, dtype=torch.uint8) for s in shapes]
+    rows = [0, 1, 5, 2, 3, 7]  # a run of rows and scattered ones
+    want = torch.zeros((8, 32, 32, 3), dtype=torch.uint8)
+    for row, img in zip(rows, images, strict=True):
+        fit_into(img, want[row])
+    for max_pixels in (FIT_CHUNK_PIXELS, 80 * 100 * 2):  # one chunk per size; pairs
+        groups = same_size_groups(list(zip(rows, images, strict=True)), max_pixels)
+        assert sorted(r for g in groups for r, _ in g) == sorted(rows)
+        assert all(len({tuple(img.shape) for _, img in g}) == 1 for g in groups)
+        got = torch.zeros_like(want)
+        for group in groups:
+            fit_many_into([img for _, img in group], got, [row for row, _ in group])
+        assert torch.equal(got, want)
+    assert [len(g) for g in same_size_groups(list(zip(rows, images, strict=True)), 16000)] == [
+        2, 1, 2, 1
+    ]  # fmt: skip
 
 
 async def test_decode_pool_defers_routed_jpegs_and_leaves_the_row_alone() -> None:
