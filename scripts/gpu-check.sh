@@ -119,7 +119,7 @@ TEST_LIMIT=$(( $(left) - RESERVE ))
 echo "gpu-check: CUDA tests (at most ${TEST_LIMIT} s)"
 PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 timeout -s INT -k 10 "$TEST_LIMIT" \
   "$PY" -m pytest -m cuda tests/ -q -rs -p pytest_asyncio.plugin -p pytest_timeout \
-  -p no:cacheprovider --continue-on-collection-errors -o addopts="" \
+  -p no:cacheprovider --continue-on-collection-errors -o addopts="" --durations=12 \
   --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
 TESTS_RC=${PIPESTATUS[0]}
 echo "$TESTS_RC" > "$OUT/tests.done"

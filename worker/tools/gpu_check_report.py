@@ -48,12 +48,14 @@ def junit_summary(path: Path, expected: list[str] | None = None) -> dict[str, An
         return {"available": False, "reason": f"unreadable: {exc}"}
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     totals = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    seconds = 0.0
     failed: list[str] = []
     skipped: list[str] = []
     passed_keys: set[str] = set()
     for suite in suites:
         for key in totals:
             totals[key] += int(suite.get(key, 0) or 0)
+        seconds += float(suite.get("time", 0) or 0)
         for case in suite.iter("testcase"):
             name = f"{case.get('classname')}::{case.get('name')}"
             if case.find("failure") is not None or case.find("error") is not None:
@@ -71,6 +73,7 @@ def junit_summary(path: Path, expected: list[str] | None = None) -> dict[str, An
         "passed": passed,
         "failed": failed,
         "skipped_tests": skipped,
+        "time_s": round(seconds, 1),
     }
     if expected is not None:
         summary["expected"] = len(expected)
