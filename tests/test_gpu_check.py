@@ -478,3 +478,43 @@ def test_the_conclusion_adds_the_tests_and_names_a_crashed_benchmark(tmp_path: P
     assert written["tests"]["missing"]  # the crafted JUnit file holds one test only
     rules = {r["rule"]: r for r in written["verdict"]["rules"]}
     assert not rules["run"]["passed"] and not rules["host_syncs"]["passed"]
+
+
+# ------------------------------------------------- replays counted inside each launch
+
+
+def test_replays_are_counted_inside_each_launch_of_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window counts the step's launches and the CUDA-graph replays inside each: a
+    replay outside a launch (a capture's, a warm-up's, another thread's) is not one of
+    them, and a launch with no replay, or two, is named."""
+    from types import SimpleNamespace
+
+    from worker.tools.gpu_check import count_step_replays
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: None, raising=False)
+    replays_per_call = iter([1, 1, 0, 2, 1])
+
+    def step(x: int) -> int:
+        for _ in range(next(replays_per_call)):
+            torch.cuda.CUDAGraph.replay(object())  # type: ignore[arg-type]
+        return x
+
+    runner = SimpleNamespace(step=step)
+    with count_step_replays(runner) as counts:
+        torch.cuda.CUDAGraph.replay(object())  # type: ignore[arg-type]  # not in a launch
+        for i in range(5):
+            assert runner.step(i) == i  # type: ignore[arg-type]
+    assert runner.step is step  # put back
+    assert (counts.launches, counts.replays, counts.not_one, counts.outside) == (5, 5, 2, 1)
+
+
+def test_decode_rates_put_both_decoders_side_by_side() -> None:
+    """The extra phase's figures (on the CPU here, torchvision's decoder standing in)."""
+    from worker.tools.gpu_check import decode_rates
+
+    rates = decode_rates(torch.device("cpu"), 32, 4, 2, width=160, height=120, seconds=0.2)
+    assert rates["cpu_images_per_s"] > 0 and rates["gpu_images_per_s"] > 0
+    assert rates["cpu_threads"] == 2 and rates["gpu_failed_rows"] == 0
+    assert rates["gpu_syncs_per_batch"] == "no CUDA device"  # not counted without CUDA
