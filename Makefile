@@ -84,10 +84,10 @@ soak-cluster: setup ## 3,000 jobs on a Redis Cluster with a master killed (.soak
 	$(PY) scripts/soak.py --cluster --jobs 3000 --out .soak/cluster-report.json \
 	  --wait-replicas $(or $(SOAK_WAIT_REPLICAS),0)
 
-# The CUDA tests and a short benchmark on a GPU host without network; writes
-# $$GPU_CHECK_OUT/report.json. Uses the host's python3 and PyTorch: no setup here.
-gpu-check: ## on a GPU host: the CUDA tests and the GPU benchmark
-	bash scripts/gpu-check.sh
+# Every CUDA test and a short benchmark on a GPU host without network, each claim judged;
+# writes $$GPU_CHECK_OUT/report.json. Uses the host's python3 (PYTHON) and PyTorch: no setup.
+gpu-check: ## on a GPU host: every CUDA test and the GPU benchmark, each claim judged
+	PYTHON="$(PYTHON)" bash scripts/gpu-check.sh
 
 gpu-check-prepare: ## where there is network: wheels and redis-server for gpu-check into .gpu-check/
 	bash scripts/prepare-gpu-host.sh

@@ -26,7 +26,7 @@ if [[ -z $src || ! -x $src/redis/redis-server && ! -f $src/redis/redis-server ]]
   exit 2
 fi
 
-rm -rf "$DEST/redis" "$DEST/wheels" "$DEST/site" "$DEST/bin"
+rm -rf "$DEST/redis" "$DEST/wheels" "$DEST/site" "$DEST/bin" "$DEST/out"
 mkdir -p "$DEST/redis" "$DEST/wheels" "$DEST/bin"
 cp "$src"/redis/* "$DEST/redis/"
 chmod u+w,a+x "$DEST/redis/redis-server" "$DEST/redis/redis-cli"
@@ -44,6 +44,8 @@ WHEELS=(
   "pytest-timeout==2.4.0"
   "typing_extensions==4.15.0"
   "simplejpeg==1.9.0"
+  # worker/fetch/s3.py (tests/ is collected whole: a module that cannot be imported is an error)
+  "obstore==0.12.1"
 )
 download() {
   $PIP download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \

@@ -39,6 +39,7 @@ CUDA_PATH = (
     "worker/model/ceiling.py",
     "worker/decode/gpu.py",
     "worker/gpu_sampler.py",
+    "worker/health.py",
     "worker/tools/gpu_check.py",
     "worker/tools/gpu_preflight.py",
 )
@@ -64,11 +65,17 @@ THROUGH_INSTANCES = (
     "torch._C._CudaDeviceProperties.pci_domain_id",
     "torch.cuda._sleep",  # the CUDA tests stall streams with it
     "torch.OutOfMemoryError",
+    "torch.profiler.profile.start",
+    "torch.profiler.profile.stop",
+    "torch.profiler.profile.events",
+    "torch.cuda.set_sync_debug_mode",
+    "torch.cuda.get_sync_debug_mode",
 )
 
 # (callable, keyword parameters the CUDA path passes to it)
 SIGNATURES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch.compile", ("options", "fullgraph", "dynamic")),
+    ("torch.profiler.profile", ("activities",)),
     ("torch._inductor.list_mode_options", ("mode", "dynamic")),
     ("torch.cuda.is_bf16_supported", ("including_emulation",)),
     ("torch.cuda.Event", ("enable_timing",)),
@@ -202,3 +209,108 @@ def test_nvimgcodec_names_exist_where_installed() -> None:
         doc = (getattr(owner, "__init__", owner).__doc__ or "") + (owner.__doc__ or "")
         missing = [k for k in keywords if f"{k}:" not in doc]
         assert not missing, f"nvImageCodec {name} lacks {missing}"
+
+
+# ------------------------------------------------------- which compile modes replay graphs
+
+
+@pytest.mark.parametrize(
+    ("mode", "graphs"),
+    [
+        ("off", False),
+        ("default", False),
+        ("reduce-overhead", True),
+        ("max-autotune", True),  # its option list turns triton.cudagraphs on as well
+        ("max-autotune-no-cudagraphs", False),
+    ],
+)
+def test_every_compile_mode_knows_whether_it_replays_graphs(mode: str, graphs: bool) -> None:
+    from worker.config import COMPILE_MODES
+    from worker.model.compiler import mode_uses_cudagraphs, step_inductor_options
+
+    assert mode in COMPILE_MODES
+    assert mode_uses_cudagraphs(mode) is graphs
+    if mode != "off":
+        # What torch.compile(mode=...) itself would turn on, read from this torch.
+        from torch._inductor import list_mode_options
+
+        own = dict(list_mode_options(mode, False)) if mode != "default" else {}
+        assert bool(own.get("triton.cudagraphs")) is graphs
+        assert step_inductor_options(mode).get("triton.cudagraphs", False) is graphs
+
+
+def test_no_module_decides_cuda_graphs_by_the_mode_name() -> None:
+    """Graphs are on wherever inductor's options say so (max-autotune too): a test of the
+    mode's name would leave a max-autotune step without cudagraph_mark_step_begin and
+    without the start-up replay gate."""
+    offenders = []
+    for path in sorted((ROOT / "worker").rglob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if '== "reduce-overhead"' in line or "== 'reduce-overhead'" in line:
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert offenders == []
+
+
+# ------------------------------------------------ /live queries events under the device
+
+
+def test_every_event_query_in_health_is_under_the_device_guard() -> None:
+    """/live runs on the HTTP thread: a CUDA call there without the worker's device would
+    create a context on GPU 0 for a worker on cuda:N."""
+    tree = ast.parse((ROOT / "worker/health.py").read_text())
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.With) and any(
+            isinstance(item.context_expr, ast.Call)
+            and isinstance(item.context_expr.func, ast.Attribute)
+            and item.context_expr.func.attr == "_device_guard"
+            for item in node.items
+        ):
+            guarded |= {id(n) for n in ast.walk(node)}
+    queries = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "query"
+    ]
+    assert queries, "the walk found no query() in health.py"
+    assert all(id(q) in guarded for q in queries)
+
+
+def test_live_queries_each_stale_batch_on_the_workers_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from worker.health import Health
+
+    entered: list[Any] = []
+    current: list[Any] = [None]
+
+    class Guard:
+        def __init__(self, device: Any) -> None:
+            self.device = device
+
+        def __enter__(self) -> None:
+            entered.append(self.device)
+            current[0] = self.device
+
+        def __exit__(self, *exc: object) -> None:
+            current[0] = None
+
+    seen: list[Any] = []
+
+    class Done:
+        def query(self) -> bool:
+            seen.append(current[0])
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    health = Health(loop_stall_s=0, launch_stall_s=1.0)
+    device = torch.device("cuda", 1)
+    health.watch_launches(lambda: None, 2, device=device)
+    health.launched(SimpleNamespace(batch=SimpleNamespace(seq=7), done=Done(), launched_s=0.0))
+    ok, why = health.live()
+    assert not ok and "batch 7 unfinished" in why
+    assert seen == [device] and entered == [device]

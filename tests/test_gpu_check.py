@@ -20,8 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from worker.tools.gpu_check import cuda_tests_verdict, junit_summary, main
+from worker.cli import cli
+from worker.tools.gpu_check import main
+from worker.tools.gpu_check_report import (
+    EXPECTED_TESTS,
+    cuda_tests_verdict,
+    expected_cuda_tests,
+    junit_key,
+    junit_summary,
+)
+from worker.tools.gpu_check_rules import GPU_UTIL_TARGET, RATIO_TARGET, RULES
 from worker.tools.gpu_preflight import check_cuda, check_toolchain
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,3 +228,293 @@ def test_a_run_terminated_mid_phase_keeps_what_it_measured(redis_url: str, tmp_p
     assert report["error"] == "signal 15 during phase 'pipeline'"
     assert report["phases"]["ceiling"]["status"] == "done"
     assert report["ceiling_images_per_s"]["eager"] > 0  # measured before the cut
+
+
+# ------------------------------------------------------------------ the rules and the judge
+
+
+def good_report() -> dict[str, object]:
+    """A report as a passing run on a GPU host writes it: every phase done, every claim
+    measured and met."""
+    expected = expected_cuda_tests(EXPECTED_TESTS)
+    done = {"status": "done", "s": 1.0}
+    return {
+        "phases": {p: dict(done) for p in ("startup", "ceiling", "pipeline", "syncs", "decode")},
+        "tests": {
+            "available": True,
+            "tests": len(expected),
+            "failures": 0,
+            "errors": 0,
+            "skipped": 0,
+            "passed": len(expected),
+            "failed": [],
+            "skipped_tests": [],
+            "expected": len(expected),
+            "passed_expected": len(expected),
+            "missing": [],
+            "rc": 0,
+        },
+        "compile": {"mode": "reduce-overhead", "compiled": True, "fell_back_to_eager": False},
+        "compile_still_one_graph": "yes",
+        "pipeline": {
+            "results_in_window": 60_000,
+            "batches_in_window": 940,
+            "cudagraph_replays_in_window": 940,
+            "decode_cache_hits": 0,
+            "results_error": 0,
+        },
+        "host_syncs": {"total": 0, "batches": 250, "per_batch": 0.0, "sites": []},
+        "pipeline_images_per_s": 4000.0,
+        "ceiling_best_images_per_s": 4200.0,
+        "ratio": 0.952,
+        "gpu_util_mean": 93.0,
+        "gpu_decode_vs_cpu": {
+            "nvimgcodec": {"available": False, "reason": "not installed"},
+            "torchvision": {
+                "available": True,
+                "modes": {
+                    "RGB": {"decoded": True, "mean_abs_diff": 1.2},
+                    "L": {"decoded": True, "mean_abs_diff": 0.4},
+                },
+            },
+        },
+    }
+
+
+def judged(report: dict[str, object], tmp_path: Path) -> tuple[int, dict[str, str]]:
+    """`python -m worker gpu-check --judge`: its exit status and each rule's line."""
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    done = CliRunner().invoke(cli, ["gpu-check", "--judge", str(path)])
+    lines = {}
+    for line in done.output.splitlines():
+        parts = line.split()
+        if len(parts) > 2 and parts[0] in ("pass", "FAIL"):
+            lines[parts[1]] = line
+    return done.exit_code, lines
+
+
+def test_the_judge_passes_a_complete_good_report(tmp_path: Path) -> None:
+    code, lines = judged(good_report(), tmp_path)
+    assert code == 0, lines
+    assert set(lines) == {r.__name__.removeprefix("rule_") for r in RULES}
+    assert all(line.startswith("pass") for line in lines.values())
+    # Each line shows the measured figure beside its target.
+    assert "93.0%" in lines["gpu_util"] and f">= {GPU_UTIL_TARGET:.0f}%" in lines["gpu_util"]
+    assert "0.952" in lines["ratio"] and f">= {RATIO_TARGET:.2f}" in lines["ratio"]
+
+
+def test_one_host_sync_fails_and_names_where(tmp_path: Path) -> None:
+    report = good_report()
+    report["host_syncs"] = {
+        "total": 1,
+        "batches": 250,
+        "sites": ["cudaStreamSynchronize in aten::item < aten::_local_scalar_dense, thread 7"],
+    }
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    assert lines["host_syncs"].startswith("FAIL")
+    assert "0.004 per batch (1 in 250 batches)" in lines["host_syncs"]
+    assert "aten::item" in lines["host_syncs"]
+    assert [n for n, line in lines.items() if line.startswith("FAIL")] == ["host_syncs"]
+
+
+def test_zero_replays_fail(tmp_path: Path) -> None:
+    report = good_report()
+    report["pipeline"]["cudagraph_replays_in_window"] = 0  # type: ignore[index]
+    code, lines = judged(report, tmp_path)
+    assert code == 1 and lines["cudagraph_replays"].startswith("FAIL")
+    assert "0 replays, 940 batches" in lines["cudagraph_replays"]
+
+
+def test_a_skipped_phase_fails_as_not_measured(tmp_path: Path) -> None:
+    report = good_report()
+    for phase in ("pipeline", "syncs"):
+        report["phases"][phase] = {  # type: ignore[index]
+            "status": "skipped",
+            "why": "not measured: 12 s left, no room for a window",
+        }
+    for key in ("pipeline", "host_syncs", "ratio", "gpu_util_mean", "compile_still_one_graph"):
+        del report[key]
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    for rule in ("pipeline_decodes", "host_syncs", "cudagraph_replays", "one_graph", "ratio"):
+        assert lines[rule].startswith("FAIL") and "not measured" in lines[rule], lines[rule]
+
+
+def test_decode_cache_hits_and_missing_tests_fail(tmp_path: Path) -> None:
+    report = good_report()
+    report["pipeline"]["decode_cache_hits"] = 3  # type: ignore[index]
+    tests = report["tests"]
+    assert isinstance(tests, dict)
+    tests.update(passed_expected=tests["expected"] - 1, missing=["tests/test_x.py::test_y"])
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    assert "3 decode-cache hits" in lines["pipeline_decodes"]
+    assert lines["cuda_tests"].startswith("FAIL") and "1 not run" in lines["cuda_tests"]
+
+
+def test_a_run_cut_outside_the_extras_fails(tmp_path: Path) -> None:
+    report = good_report()
+    report.update(error="time budget of 200 s spent during phase 'cudnn'", stopped_in="cudnn")
+    assert judged(report, tmp_path)[0] == 0  # the extras are measured after every claim
+    report.update(error="signal 15 during phase 'decode'", stopped_in="decode")
+    code, lines = judged(report, tmp_path)
+    assert code == 1 and lines["run"].startswith("FAIL")
+
+
+def test_the_judge_refuses_a_file_that_is_not_a_report(tmp_path: Path) -> None:
+    path = tmp_path / "report.json"
+    path.write_text("[1, 2]")
+    assert CliRunner().invoke(cli, ["gpu-check", "--judge", str(path)]).exit_code == 2
+
+
+# ------------------------------------------------------------ every cuda test, no fewer
+
+
+def collect_cuda_tests(*options: str, env: dict[str, str] | None = None) -> list[str]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "cuda", "tests/",
+         "-p", "no:cacheprovider", "-o", "addopts=", *options],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_the_expected_list_is_every_cuda_marked_test() -> None:
+    """tests/cuda_tests.txt (what the check requires to have run and passed) equals what
+    pytest collects under -m cuda in tests/, and what the script's own pytest command
+    (its selection, its plugins only) collects."""
+    expected = expected_cuda_tests(EXPECTED_TESTS)
+    assert len(expected) >= 20
+    assert collect_cuda_tests() == expected
+    script = (ROOT / "scripts" / "gpu-check.sh").read_text()
+    assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in script
+    assert '"$PY" -m pytest -m cuda tests/ -q -rs -p pytest_asyncio.plugin -p pytest_timeout' in (
+        script
+    )
+    as_the_script = collect_cuda_tests(
+        "-p", "pytest_asyncio.plugin", "-p", "pytest_timeout",
+        env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+    )  # fmt: skip
+    assert as_the_script == expected
+
+
+def test_tests_that_never_ran_are_named(tmp_path: Path) -> None:
+    expected = ["tests/test_cuda.py::test_a", "tests/test_more.py::TestK::test_b[x y]"]
+    summary = junit_summary(write_junit(tmp_path / "j.xml"), expected)
+    assert summary["passed_expected"] == 1
+    assert summary["missing"] == ["tests/test_more.py::TestK::test_b[x y]"]
+    assert junit_key(expected[1]) == "tests.test_more.TestK::test_b[x y]"
+    problems = cuda_tests_verdict(summary)
+    assert problems and "1 of 2 CUDA test(s) never ran" in problems[0]
+
+
+# --------------------------------------------------- host syncs seen by the profiler
+
+
+def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -> None:
+    """What the profiler records between the window's markers: every blocking CUDA runtime
+    or driver call (whoever made it) and every copy from pageable memory counts, named by
+    the torch ops around it; asynchronous work does not count, nor the profiler's own
+    synchronise after the window."""
+    from worker.tools.gpu_check import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
+
+    def ev(name: str, start: int, end: int, thread: int = 1, on_cpu: bool = True) -> RawEvent:
+        return RawEvent(name, start, end, thread, on_cpu)
+
+    events = [
+        ev("cudaDeviceSynchronize", 0, 1),  # the profiler's start: before the window
+        ev(_WINDOW_START, 10, 11),
+        ev("aten::item", 100, 200),
+        ev("aten::_local_scalar_dense", 110, 190),
+        ev("cudaMemcpyAsync", 120, 130),
+        ev("cudaStreamSynchronize", 131, 180),
+        ev("cudaEventSynchronize", 300, 310, thread=9),  # a library, outside any op
+        ev("cuCtxSynchronize", 320, 330, thread=9),
+        ev("Memcpy HtoD (Pageable -> Device)", 400, 450, thread=0, on_cpu=False),
+        ev("Memcpy DtoH (Device -> Pinned)", 460, 470, thread=0, on_cpu=False),
+        ev("cudaGraphLaunch", 500, 510),
+        ev("cudaEventQuery", 520, 521),
+        ev("cudaMemcpy", 530, 540, thread=3),  # blocking copy
+        ev("cuStreamSynchronize_v2", 550, 560, thread=3),  # as CUPTI may name it
+        ev("cudaMemcpyAsync_v3020", 570, 580, thread=3),
+        ev(_WINDOW_END, 1000, 1001),
+        ev("cudaDeviceSynchronize", 1002, 1003),  # the profiler's stop
+    ]
+    counter = SyncCounter()
+    counter.add_profiled(events)
+    assert counter.profiled == {
+        "cudaStreamSynchronize": 1,
+        "cudaEventSynchronize": 1,
+        "cuCtxSynchronize": 1,
+        "Memcpy HtoD (Pageable -> Device)": 1,
+        "cudaMemcpy": 1,
+        "cuStreamSynchronize_v2": 1,
+    }
+    assert counter.total == 6
+    assert counter.sites[0] == (
+        "cudaStreamSynchronize in aten::_local_scalar_dense < aten::item (thread 1)"
+    )
+    assert counter.sites[1] == "cudaEventSynchronize in no torch op around it (thread 9)"
+
+
+def test_the_conclusion_adds_the_tests_and_names_a_crashed_benchmark(tmp_path: Path) -> None:
+    """The script's last step: the test results join the benchmark's report, and a
+    benchmark that died without writing its error (a segfault: exit 139) fails the run."""
+    from worker.tools.gpu_check_report import main as conclude_main
+
+    report = good_report()
+    del report["tests"]
+    report["phases"]["syncs"] = {"status": "running"}  # type: ignore[index]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    junit = write_junit(tmp_path / "pytest.xml")
+    argv = ["--out", str(tmp_path), "--junit", str(junit), "--tests-rc", "0"]
+    assert conclude_main([*argv, "--bench-rc", "139"]) == 1
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert written["error"] == "the benchmark exited 139 during phase 'syncs'"
+    assert written["tests"]["missing"]  # the crafted JUnit file holds one test only
+    rules = {r["rule"]: r for r in written["verdict"]["rules"]}
+    assert not rules["run"]["passed"] and not rules["host_syncs"]["passed"]
+
+
+# ------------------------------------------------- replays counted inside each launch
+
+
+def test_replays_are_counted_inside_each_launch_of_the_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The window counts the step's launches and the CUDA-graph replays inside each: a
+    replay outside a launch (a capture's, a warm-up's, another thread's) is not one of
+    them, and a launch with no replay, or two, is named."""
+    from types import SimpleNamespace
+
+    from worker.tools.gpu_check import count_step_replays
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: None, raising=False)
+    replays_per_call = iter([1, 1, 0, 2, 1])
+
+    def step(x: int) -> int:
+        for _ in range(next(replays_per_call)):
+            torch.cuda.CUDAGraph.replay(object())  # type: ignore[arg-type]
+        return x
+
+    runner = SimpleNamespace(step=step)
+    with count_step_replays(runner) as counts:
+        torch.cuda.CUDAGraph.replay(object())  # type: ignore[arg-type]  # not in a launch
+        for i in range(5):
+            assert runner.step(i) == i  # type: ignore[arg-type]
+    assert runner.step is step  # put back
+    assert (counts.launches, counts.replays, counts.not_one, counts.outside) == (5, 5, 2, 1)
+
+
+def test_decode_rates_put_both_decoders_side_by_side() -> None:
+    """The extra phase's figures (on the CPU here, torchvision's decoder standing in)."""
+    from worker.tools.gpu_check import decode_rates
+
+    rates = decode_rates(torch.device("cpu"), 32, 4, 2, width=160, height=120, seconds=0.2)
+    assert rates["cpu_images_per_s"] > 0 and rates["gpu_images_per_s"] > 0
+    assert rates["cpu_threads"] == 2 and rates["gpu_failed_rows"] == 0
+    assert rates["gpu_syncs_per_batch"] == "no CUDA device"  # not counted without CUDA

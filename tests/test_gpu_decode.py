@@ -21,12 +21,15 @@ from tests.images import encode, jpeg_bytes, photo_like, png_bytes
 from worker.batcher import Batch
 from worker.decode.cpu import DecodeError, DecodeSpec, decode_to_array
 from worker.decode.gpu import (
+    FIT_CHUNK_PIXELS,
     GpuDecoder,
     GpuDecodeRouter,
     TorchvisionBackend,
     fit_into,
+    fit_many_into,
     make_backend,
     orient,
+    same_size_groups,
     setup_gpu_decode,
     size_class,
 )
@@ -145,6 +148,31 @@ def test_decoder_on_cpu_writes_rows_and_isolates_a_bad_image() -> None:
         decoder.shutdown()
 
 
+def test_same_size_images_are_resized_together_exactly_as_one_by_one() -> None:
+    """A batch of decoded images is resized per size group in a few ops (what bounds the
+    GPU decode of many small images is the dispatches, six or seven per image one by one):
+    the rows are the same, bit for bit, as resized one at a time, whatever the rows' order,
+    sizes or chunking."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3, 80, 100), (3, 80, 100), (3, 100, 80), (3, 80, 100), (3, 64, 64), (3, 100, 80)]
+    images = [torch.randint(0, 256, s, generator=gen, dtype=torch.uint8) for s in shapes]
+    rows = [0, 1, 5, 2, 3, 7]  # a run of rows and scattered ones
+    want = torch.zeros((8, 32, 32, 3), dtype=torch.uint8)
+    for row, img in zip(rows, images, strict=True):
+        fit_into(img, want[row])
+    for max_pixels in (FIT_CHUNK_PIXELS, 80 * 100 * 2):  # one chunk per size; pairs
+        groups = same_size_groups(list(zip(rows, images, strict=True)), max_pixels)
+        assert sorted(r for g in groups for r, _ in g) == sorted(rows)
+        assert all(len({tuple(img.shape) for _, img in g}) == 1 for g in groups)
+        got = torch.zeros_like(want)
+        for group in groups:
+            fit_many_into([img for _, img in group], got, [row for row, _ in group])
+        assert torch.equal(got, want)
+    assert [len(g) for g in same_size_groups(list(zip(rows, images, strict=True)), 16000)] == [
+        2, 1, 2, 1
+    ]  # fmt: skip
+
+
 async def test_decode_pool_defers_routed_jpegs_and_leaves_the_row_alone() -> None:
     pool = DecodePool(SPEC, 2, None, gpu_router=ALL_GPU)
     try:
@@ -215,7 +243,10 @@ def test_gpu_decode_matches_cpu_decode(backend: str) -> None:
         rows = [(i, r) for i, d in enumerate(images) if (r := ALL_GPU.route(d, SPEC)) is not None]
         assert len(rows) == len(images)
         dest = torch.zeros((len(images), 64, 64, 3), dtype=torch.uint8, device=device)
-        result = decoder.decode_rows_sync(rows, dest)
+        # The zero-fill (this stream) before the decoder's writes (its own stream).
+        filled = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        filled.record(torch.cuda.current_stream(device))
+        result = decoder.decode_rows_sync(rows, dest, after=filled)
         assert result.failed == []
         assert result.ready is not None
         torch.cuda.current_stream().wait_event(result.ready)  # type: ignore[arg-type]
@@ -243,7 +274,9 @@ def test_gpu_decode_bad_image_fails_alone() -> None:
         assert good is not None
         rows = [(0, good)] + ([(1, bad)] if bad is not None else [])
         dest = torch.zeros((2, 64, 64, 3), dtype=torch.uint8, device=device)
-        result = decoder.decode_rows_sync(rows, dest)
+        filled = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        filled.record(torch.cuda.current_stream(device))
+        result = decoder.decode_rows_sync(rows, dest, after=filled)
         assert 0 not in result.failed
     finally:
         decoder.shutdown()
@@ -261,6 +294,8 @@ def test_torchvision_outputs_survive_a_decode_stream_held_back_by_compute() -> N
     try:
         calls = [[jpeg_bytes(320, 240, seed=10 * c + i) for i in range(4)] for c in range(8)]
         dests = [torch.zeros((4, 64, 64, 3), dtype=torch.uint8, device=device) for _ in calls]
+        # The zero-fills (this stream) come before any 'compute', hence before each decode.
+        compute.wait_stream(torch.cuda.current_stream(device))
         for images, dest in zip(calls, dests, strict=True):
             with torch.cuda.stream(compute):
                 torch.cuda._sleep(20_000_000)

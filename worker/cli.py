@@ -397,6 +397,23 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     click.echo(json.dumps(report) if json_out else render(report))
 
 
+@cli.command("gpu-check")
+@click.option(
+    "--judge",
+    "report_path",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A report.json from `make gpu-check` (any host) to judge by the current rules.",
+)
+def gpu_check(report_path: Path) -> None:
+    """Judge a saved GPU-check report by the current rules: each rule, the measured value,
+    its target and pass/fail. Exit 0 only when every rule passes (1 otherwise, 2 for a file
+    that is not a report). The check itself runs on a GPU host: `make gpu-check`."""
+    from worker.tools.gpu_check_report import judge_file
+
+    sys.exit(judge_file(report_path))
+
+
 def main() -> None:
     cli(prog_name="python -m worker")
 

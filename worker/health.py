@@ -17,12 +17,13 @@ to date:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 import structlog
@@ -69,16 +70,21 @@ class Health:
         # Monotonic time of the event loop's latest beat; None until the main loop runs.
         self._loop_beat_s: float | None = None
         self._launch_started: Callable[[], float | None] = lambda: None
+        self._device: Any = None  # torch.device of the launches (None: not watched yet)
         # The latest launches: at most one per output slot can still be on the device, so a
         # deque of that length holds every unfinished one.
         self._launched: deque[LaunchedBatch] = deque(maxlen=1)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ fed by the worker
-    def watch_launches(self, started: Callable[[], float | None], slots: int) -> None:
+    def watch_launches(
+        self, started: Callable[[], float | None], slots: int, device: Any = None
+    ) -> None:
         """`started` returns when the launch thread took its current batch (None: idle);
-        `slots` is the number of batches that can be on the device at once."""
+        `slots` is the number of batches that can be on the device at once; `device` (a
+        torch.device) the one the batches run on."""
         self._launch_started = started
+        self._device = device
         with self._lock:
             self._launched = deque(self._launched, maxlen=max(1, slots))
 
@@ -137,15 +143,28 @@ class Health:
             )
         with self._lock:
             launched = list(self._launched)
-        for item in launched:
-            # query() never blocks, also from this thread.
-            if now - item.launched_s > self.launch_stall_s and not item.done.query():
-                return False, (
-                    f"batch {item.batch.seq} unfinished on the device after "
-                    f"{now - item.launched_s:.1f} s "
-                    f"(GPUFEED_LIVE_LAUNCH_STALL_S={self.launch_stall_s:g})"
-                )
+        stale = [item for item in launched if now - item.launched_s > self.launch_stall_s]
+        if not stale:
+            return True, "live"
+        # query() never blocks, also from this thread; under the worker's device, or this
+        # thread's first CUDA call would create a context on GPU 0 for a worker on cuda:N.
+        with self._device_guard():
+            for item in stale:
+                if not item.done.query():
+                    return False, (
+                        f"batch {item.batch.seq} unfinished on the device after "
+                        f"{now - item.launched_s:.1f} s "
+                        f"(GPUFEED_LIVE_LAUNCH_STALL_S={self.launch_stall_s:g})"
+                    )
         return True, "live"
+
+    def _device_guard(self) -> contextlib.AbstractContextManager[Any]:
+        device = self._device
+        if device is None or getattr(device, "type", None) != "cuda":
+            return contextlib.nullcontext()
+        import torch  # the worker has it loaded; health.py itself stays torch-free
+
+        return torch.cuda.device(device)
 
 
 # How long a client has to send its request line and headers, and then to take the answer.

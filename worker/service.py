@@ -48,7 +48,12 @@ from worker.health import Health
 from worker.job_queue import JobQueue
 from worker.jobs import Job, Outcome, past_deadline
 from worker.lanes import Lanes
-from worker.model.compiler import CompileReport, compile_step, still_compiled
+from worker.model.compiler import (
+    CompileReport,
+    compile_step,
+    mode_uses_cudagraphs,
+    still_compiled,
+)
 from worker.model.degraded import DegradedModel, build_degraded
 from worker.model.loader import LoadedModel, load_configured
 from worker.model.precision import (
@@ -219,9 +224,14 @@ class Worker:
         self.transfer = DeviceTransfer(self.ctx, cfg.ring_slots, self.batch_size, size)
         mode = resolve_compile_mode(cfg.compile, device)
         self.runner = ModelRunner(
-            self.ctx, step, self.transfer, cudagraphs=mode == "reduce-overhead" and self.ctx.is_cuda
+            self.ctx,
+            step,
+            self.transfer,
+            cudagraphs=mode_uses_cudagraphs(mode) and self.ctx.is_cuda,
         )
-        self.health.watch_launches(lambda: self.runner.launch_started_s, cfg.ring_slots)
+        self.health.watch_launches(
+            lambda: self.runner.launch_started_s, cfg.ring_slots, device=device
+        )
         example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
         if cfg.degrade_after_s > 0:
             self.degraded = build_degraded(
@@ -247,7 +257,7 @@ class Worker:
             self.compile_report = report
             if self.ctx.is_cuda:
                 # Start-up only (it waits for the GPU): the serving dtype against fp32 eager.
-                graphs = report.compiled and mode == "reduce-overhead"
+                graphs = report.cudagraphs
                 check = precision_check if step.layout[0].name == "indices" else output_agreement
                 self.precision = check(
                     step, fn, batch=self.batch_size, batches=1, cudagraphs=graphs
@@ -294,7 +304,7 @@ class Worker:
         self._degraded_step = fn
         precision: PrecisionReport | AgreementReport | None = None
         if self.ctx.is_cuda:
-            graphs = report.compiled and dmode == "reduce-overhead"
+            graphs = report.cudagraphs
             check = precision_check if dstep.layout[0].name == "indices" else output_agreement
             precision = check(dstep, fn, batch=self.batch_size, batches=1, cudagraphs=graphs)
         dstep.fp32_weights = ()

@@ -188,6 +188,48 @@ def fit_into(chw: torch.Tensor, out: torch.Tensor) -> None:
     out.copy_(x.round_().clamp_(0, 255).permute(1, 2, 0))
 
 
+# Decoded pixels resized in one call: the float copy a resize needs is 12 bytes a pixel, so
+# this bounds it near 400 MB (about fourteen 2600x1950 images, a whole batch of 640x480).
+FIT_CHUNK_PIXELS = 32_000_000
+
+
+def fit_many_into(chws: Sequence[torch.Tensor], out: torch.Tensor, rows: Sequence[int]) -> None:
+    """`fit_into` for upright [3, H, W] uint8 images of one size into rows `rows` of `out`
+    ([B, S, S, 3]), a handful of ops for them all instead of six or seven per image: the
+    per-image dispatches, not the GPU, bound the decode of a batch of small images."""
+    if len(chws) == 1:
+        fit_into(chws[0], out[rows[0]])
+        return
+    s = int(out.shape[1])
+    h, w = int(chws[0].shape[1]), int(chws[0].shape[2])
+    nw, nh, left, top = resize_geometry(w, h, s)
+    x = torch.stack(list(chws)).float()  # [N, 3, H, W]
+    if (nh, nw) != (h, w):
+        x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False, antialias=True)
+    y = x[:, :, top : top + s, left : left + s].round_().clamp_(0, 255).permute(0, 2, 3, 1)
+    first = rows[0]
+    if list(rows) == list(range(first, first + len(rows))):
+        out[first : first + len(rows)].copy_(y)
+    else:
+        for i, row in enumerate(rows):
+            out[row].copy_(y[i])
+
+
+def same_size_groups(
+    images: Sequence[tuple[int, torch.Tensor]], max_pixels: int = FIT_CHUNK_PIXELS
+) -> list[list[tuple[int, torch.Tensor]]]:
+    """(row, [3, H, W]) pairs grouped by size, in order of first appearance, each group cut
+    into chunks of at most `max_pixels` decoded pixels (at least one image each)."""
+    by_size: dict[tuple[int, int], list[list[tuple[int, torch.Tensor]]]] = {}
+    for row, img in images:
+        size = (int(img.shape[1]), int(img.shape[2]))
+        chunks = by_size.setdefault(size, [[]])
+        if chunks[-1] and (len(chunks[-1]) + 1) * size[0] * size[1] > max_pixels:
+            chunks.append([])
+        chunks[-1].append((row, img))
+    return [chunk for chunks in by_size.values() for chunk in chunks]
+
+
 class JpegBackend(Protocol):
     name: str
     applies_exif: bool
@@ -370,13 +412,16 @@ class GpuDecoder:
                 if after is not None and self.stream is not None:
                     self.stream.wait_event(after)
                 images = self.backend.decode(datas, self.stream)
+                upright: list[tuple[int, torch.Tensor]] = []
                 for (row, r), img in zip(rows, images, strict=True):
                     if img is None or img.dim() != 3 or img.shape[0] != 3:
                         failed.append(row)
                         continue
-                    upright = img if self.backend.applies_exif else orient(img, r.orientation)
-                    fit_into(upright, dest[row])
-                    decoded_rows.append(row)
+                    turned = img if self.backend.applies_exif else orient(img, r.orientation)
+                    upright.append((row, turned))
+                for group in same_size_groups(upright):
+                    fit_many_into([img for _, img in group], dest, [row for row, _ in group])
+                    decoded_rows.extend(row for row, _ in group)
             except Exception as exc:
                 # Rows may be half written and kernels still queued: whoever reuses `dest`
                 # must wait for this event, recorded on this exit path too.

@@ -57,7 +57,7 @@ def check_model(config: WorkerConfig, *, seconds: float = 2.0) -> dict[str, Any]
         fn, report = compile_step(
             step, example, mode=mode, allow_eager_fallback=config.allow_eager_fallback
         )
-        cudagraphs = report.compiled and mode == "reduce-overhead" and ctx.is_cuda
+        cudagraphs = report.cudagraphs
         rows = _generated_batch(loaded, batch)
         x = torch.from_numpy(rows).to(device)
         with torch.inference_mode():

@@ -16,8 +16,9 @@ How each failure is seen, in ways that hold from torch 2.11 to 2.14:
   shape, a changed global) is visible at any time through `changes_since`.
 - CUDA-graph skips: inductor logs "skipping cudagraphs due to ..." and bumps
   `counters["inductor"]["cudagraph_skips"]`; the log line is captured for its reason. As a
-  last line of defence the warm-up counts real CUDA-graph replays: with reduce-overhead on
-  CUDA there must be some.
+  last line of defence the warm-up counts real CUDA-graph replays: with CUDA graphs on
+  (reduce-overhead, and max-autotune, whose option list turns `triton.cudagraphs` on too)
+  there must be some.
 - graph partitions: since torch 2.9 inductor's `graph_partition` is on by default. With it,
   CPU ops (and other CUDA-graph-unsafe ones) are cut out into partitions that run eagerly
   between graphed ones, with no skip logged or counted, and replays still happen. The step
@@ -78,14 +79,22 @@ class CompileReport:
     graph_partitions: int = 0
     inductor_options: dict[str, Any] = field(default_factory=dict)
     fell_back_to_eager: bool = False
+    # Its options turn CUDA graphs on and it was compiled for a CUDA device.
+    uses_cudagraphs: bool = False
     reason: str = ""
     torch_version: str = torch.__version__
     baseline: CompileBaseline | None = None
+
+    @property
+    def cudagraphs(self) -> bool:
+        """The step as compiled replays CUDA graphs (whatever the mode's name)."""
+        return self.compiled and self.uses_cudagraphs
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "mode": self.mode,
             "compiled": self.compiled,
+            "cudagraphs": self.cudagraphs,
             "compile_s": round(self.compile_s, 3),
             "warmup_s": round(self.warmup_s, 3),
             "graph_breaks": self.graph_breaks,
@@ -149,6 +158,19 @@ def step_inductor_options(mode: str) -> dict[str, Any]:
     if hasattr(inductor_config, "graph_partition"):
         options["graph_partition"] = False
     return options
+
+
+def options_use_cudagraphs(options: dict[str, Any]) -> bool:
+    """Whether inductor will record and replay CUDA graphs under these options. Not only
+    reduce-overhead: max-autotune's option list turns `triton.cudagraphs` on as well, and
+    a step that replays graphs needs cudagraph_mark_step_begin before each launch and the
+    replay gate at start-up, whatever the mode is called."""
+    return bool(options.get("triton.cudagraphs", False))
+
+
+def mode_uses_cudagraphs(mode: str) -> bool:
+    """Whether GPUFEED_COMPILE=`mode` compiles a step that replays CUDA graphs (on CUDA)."""
+    return mode != "off" and options_use_cudagraphs(step_inductor_options(mode))
 
 
 def gate_problems(report: CompileReport) -> list[str]:
@@ -301,7 +323,8 @@ def compile_step(
     # The mode is given as its options (torch.compile takes one or the other), so that
     # graph partitioning can be turned off for this step alone, for every compile of it.
     compiled: StepFn = torch.compile(step, options=dict(options), fullgraph=True, dynamic=False)
-    cudagraphs = mode == "reduce-overhead" and example.is_cuda
+    cudagraphs = options_use_cudagraphs(options) and example.is_cuda
+    report.uses_cudagraphs = cudagraphs
     with _capture_skips() as skips, count_cudagraph_replays() as replays:
         t0 = time.perf_counter()
         try:

@@ -84,12 +84,7 @@ def timed_ceiling(
 async def measure_ceiling(worker: Worker, target_s: float) -> dict[str, Any]:
     """The direct-feed ceiling of the step this worker serves, on its launch thread."""
     report = worker.compile_report
-    cudagraphs = bool(
-        report is not None
-        and report.compiled
-        and report.mode == "reduce-overhead"
-        and worker.ctx.is_cuda
-    )
+    cudagraphs = bool(report is not None and report.cudagraphs and worker.ctx.is_cuda)
     step = worker.runner.step
     device = worker.ctx.device
     shape = (worker.batch_size, worker.loaded.resize_size, worker.loaded.resize_size, 3)

@@ -31,7 +31,7 @@ def ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
     cuda = device.type == "cuda"
     serving = worker.runner.step
     eager = eager_of(serving)
-    serving_cudagraphs = bool(report.compiled and report.mode == "reduce-overhead" and cuda)
+    serving_cudagraphs = bool(report.cudagraphs and cuda)
     out: dict[str, Any] = {
         "measured": False,
         "serving": "compiled" if report.compiled else "eager",
@@ -65,7 +65,7 @@ def ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
             fn,
             x,
             seconds=options.ceiling_seconds,
-            cudagraphs=cuda and mode == "reduce-overhead",
+            cudagraphs=compiled.cudagraphs,
         )
         out["compiled"] = {**run, "mode": mode, "compile_s": round(compiled.compile_s, 1)}
 

@@ -115,9 +115,7 @@ def profile_forward(
 def profile_section(worker: Any, profile_step: StepFn | None) -> dict[str, Any]:
     report = worker.compile_report
     device: torch.device = worker.ctx.device
-    cudagraphs = bool(
-        report.compiled and report.mode == "reduce-overhead" and device.type == "cuda"
-    )
+    cudagraphs = bool(report.cudagraphs and device.type == "cuda")
     result: dict[str, Any] = {}
 
     def on_launch_thread() -> None:

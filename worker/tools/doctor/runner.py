@@ -84,11 +84,7 @@ async def run_doctor(
                 "compile": config.compile,
                 "compile_mode": compile_report.mode,
                 "compiled": compile_report.compiled,
-                "cudagraphs": bool(
-                    compile_report.compiled
-                    and compile_report.mode == "reduce-overhead"
-                    and device.type == "cuda"
-                ),
+                "cudagraphs": bool(compile_report.cudagraphs and device.type == "cuda"),
                 "dtype": dtype,
                 "input_size": worker.loaded.crop_size,
                 "staging_size": worker.loaded.resize_size,
