@@ -16,6 +16,7 @@ The decoder classes are device-agnostic, so these run the real code on the CPU (
 from __future__ import annotations
 
 import sys
+import threading
 import types
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,7 +45,7 @@ from worker.decode.gpu import (
     setup_gpu_decode,
 )
 from worker.decode.pool import DecodePool
-from worker.device import make_context
+from worker.device import make_context, prepare_graph_thread
 from worker.gpu_sampler import (
     CudaIdentity,
     DeviceNotFound,
@@ -389,3 +390,27 @@ def test_a_worker_started_by_run_workers_samples_its_own_gpu(
     assert summary["nvml_device"]["nvml_index"] == 2
     assert summary["nvml_device"]["uuid"] == GPUS[2].uuid
     assert summary["metrics"]["gpu_util_pct"]["mean"] == 30.0
+
+
+# ------------------------------------------------------- CUDA-graph trees on the launch thread
+def test_a_thread_that_did_not_import_graph_trees_gets_its_own_managers() -> None:
+    # torch 2.11 looks the tree managers up in a threading.local filled on the importing
+    # thread only (its fallback, torch's TLS stash, is empty on a thread torch did not
+    # start), so the launch thread's first replay failed an assertion on the first GPU
+    # host. 2.14 fills the local on first use; 2.11 needs it filled beforehand.
+    from torch._inductor import cudagraph_trees
+
+    seen: dict[str, bool] = {}
+
+    def launch_thread() -> None:
+        seen["before"] = hasattr(cudagraph_trees.local, "tree_manager_containers")
+        prepare_graph_thread()
+        seen["after"] = hasattr(cudagraph_trees.local, "tree_manager_containers")
+        seen["container"] = isinstance(
+            cudagraph_trees.get_container(0), cudagraph_trees.TreeManagerContainer
+        )
+
+    thread = threading.Thread(target=launch_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"before": False, "after": True, "container": True}

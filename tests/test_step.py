@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any
 
 import pytest
@@ -200,6 +202,30 @@ def test_the_precision_reference_has_the_weights_as_loaded() -> None:
     assert torch.equal(ref.model.conv.weight, original)  # type: ignore[union-attr]
     report = precision_check(step, batch=8, batches=1)
     assert report.reference == "float32 eager, weights as loaded"
+
+
+def test_the_precision_check_takes_a_compiled_step() -> None:
+    # What start-up hands it on a GPU host: torch.compile's wrapper, whose truth value
+    # raises ("does not support len()") instead of being True like a module's.
+    step = tiny_step()
+    compiled = torch.compile(step, backend="eager")
+    with pytest.raises(TypeError):
+        bool(compiled)
+    report = precision_check(step, compiled, batch=4, batches=1)
+    assert report.top1_agreement == 1.0
+
+
+def test_an_exported_model_is_copied_without_a_warning() -> None:
+    # A bf16 step copies the loaded module; an exported one holds pytree specs whose copy
+    # warns on torch 2.11 (not on 2.14), which the suite (and -W error) turns into a failure.
+    loaded = loaded_tiny()
+    example = torch.randn(1, 3, 16, 16)
+    exported = torch.export.export(loaded.module.eval(), (example,)).module()
+    loaded = dataclasses.replace(loaded, module=exported)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = build_step(loaded, device=torch.device("cpu"), dtype=torch.bfloat16, top_k=3)
+        reference_copy(step)
 
 
 def test_a_step_without_loaded_weights_says_its_reference_is_rounded() -> None:

@@ -9,6 +9,8 @@ Nothing downstream branches on the device type except through this module.
 from __future__ import annotations
 
 import re
+import threading
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -92,6 +94,33 @@ def make_context(device: torch.device) -> DeviceContext:
 def cuda_event(*, timing: bool = False) -> torch.cuda.Event:
     """A CUDA event; timing ones cost a little more to record, so only where read."""
     return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+
+
+def prepare_graph_thread() -> None:
+    """Give the calling thread its own CUDA-graph tree managers; call it first thing on the
+    thread that compiles, records and replays the step.
+
+    Inductor keeps them in a `threading.local` that it fills only on the thread that first
+    imported `torch._inductor.cudagraph_trees` (and, through torch's TLS stash, in
+    autograd's threads). Anywhere else, a reduce-overhead step's first call fails an
+    assertion inside inductor, which dynamo reports as a graph break, and start-up refuses
+    the step: so it went on a GPU host, where the module was imported on the main thread
+    and the step compiled on the launch thread. Every graph of a worker is recorded and
+    replayed on its launch thread, so one set of managers there is all it needs."""
+    from torch._inductor import cudagraph_trees
+
+    local = getattr(cudagraph_trees, "local", None)
+    if local is None or hasattr(local, "tree_manager_containers"):
+        return
+    initialize = getattr(cudagraph_trees, "_initialize_tls", None)
+    if callable(initialize):
+        initialize(local)
+        return
+    # Releases without the helper: the same two objects it sets up.
+    local.tree_manager_containers = {}
+    local.tree_manager_locks = defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", local.tree_manager_locks)
 
 
 def mark_cudagraph_step() -> None:

@@ -42,7 +42,7 @@ import structlog
 import torch
 from torch import nn
 
-from worker.device import mark_cudagraph_step
+from worker.device import mark_cudagraph_step, prepare_graph_thread
 
 log = structlog.get_logger("gpufeed.compiler")
 
@@ -325,6 +325,8 @@ def compile_step(
     compiled: StepFn = torch.compile(step, options=dict(options), fullgraph=True, dynamic=False)
     cudagraphs = options_use_cudagraphs(options) and example.is_cuda
     report.uses_cudagraphs = cudagraphs
+    if cudagraphs:
+        prepare_graph_thread()
     with _capture_skips() as skips, count_cudagraph_replays() as replays:
         t0 = time.perf_counter()
         try:

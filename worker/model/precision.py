@@ -62,7 +62,7 @@ def precision_check(
     """
     device = next(step.parameters()).device
     reference = reference_copy(step)
-    run = fn or step
+    run = step if fn is None else fn
     gen = torch.Generator(device="cpu").manual_seed(seed)
     s = step.input_side
     agree = total = confident = confident_agree = 0
@@ -141,7 +141,7 @@ def output_agreement(
     on. Start-up and checks only: it waits for the device."""
     device = next(step.parameters()).device
     reference = reference_copy(step)
-    run = fn or step
+    run = step if fn is None else fn
     gen = torch.Generator(device="cpu").manual_seed(seed)
     s = step.input_side
     inputs = [

@@ -9,6 +9,8 @@ then cover the whole step, and hundreds of small kernel launches become one grap
 from __future__ import annotations
 
 import copy
+import warnings
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +19,12 @@ from torch import nn
 from worker.model.heads import ClassifyHead, Head, make_head
 from worker.model.loader import LoadedModel
 from worker.staging import OutputField
+
+# Modules are copied with copy.deepcopy, which rebuilds every object through its class: in
+# an exported or traced model that includes pytree's LeafSpec, whose constructor warns of
+# its own deprecation on some torch releases (2.11). The copy is right all the same.
+_COPY_WARNING = r".*LeafSpec.*"
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def pick_dtype(precision: str, device: torch.device) -> torch.dtype:
@@ -195,6 +203,12 @@ def check_step(step: InferenceStep, example: torch.Tensor, *, what: str) -> None
         raise ConfigError(f"{what}: the step's outputs are wrong: {'; '.join(problems)}")
 
 
+def _copied(module: _M) -> _M:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_COPY_WARNING, category=FutureWarning)
+        return copy.deepcopy(module)
+
+
 def reference_copy(step: InferenceStep) -> InferenceStep:
     """An fp32 eager copy of `step` on the same device (the precision check's reference).
 
@@ -203,7 +217,7 @@ def reference_copy(step: InferenceStep) -> InferenceStep:
     which)."""
     device = step.scale.device
     if step.fp32_weights:
-        model = copy.deepcopy(step.fp32_weights[0])
+        model = _copied(step.fp32_weights[0])
         model = model.to(device=device, dtype=torch.float32)
         model = model.to(memory_format=torch.channels_last)
         ref = InferenceStep(
@@ -214,11 +228,11 @@ def reference_copy(step: InferenceStep) -> InferenceStep:
             std=step.std,
             top_k=step.top_k,
             dtype=torch.float32,
-            head=copy.deepcopy(step.head).float(),
+            head=_copied(step.head).float(),
             input_side=step.input_side,
         ).to(device)
     else:
-        ref = copy.deepcopy(step).float()
+        ref = _copied(step).float()
         ref.dtype = torch.float32
     return ref.eval()
 
@@ -240,7 +254,7 @@ def build_step(
     else:
         # The cast would round the loaded weights in place: cast a copy, and keep the loaded
         # fp32 module on the host as the precision check's reference.
-        model = copy.deepcopy(loaded.module).to(device=device, dtype=dtype)
+        model = _copied(loaded.module).to(device=device, dtype=dtype)
         fp32_weights = (loaded.module,)
     model = model.to(memory_format=torch.channels_last)
     # `top_k` is GPUFEED_TOP_K: a model directory's own top_k wins, and a classifier never
