@@ -518,3 +518,15 @@ def test_decode_rates_put_both_decoders_side_by_side() -> None:
     assert rates["cpu_images_per_s"] > 0 and rates["gpu_images_per_s"] > 0
     assert rates["cpu_threads"] == 2 and rates["gpu_failed_rows"] == 0
     assert rates["gpu_syncs_per_batch"] == "no CUDA device"  # not counted without CUDA
+
+
+def test_the_sync_debug_mode_notice_is_not_a_host_sync() -> None:
+    from worker.tools.gpu_check import is_sync_warning
+
+    # The first GPU host counted torch's own notice as "1 host sync in 40 batches".
+    notice = (
+        "Synchronization debug mode is a prototype feature and does not yet detect all "
+        "synchronizing operations (Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp)"
+    )
+    assert not is_sync_warning(notice)
+    assert is_sync_warning("called a synchronizing CUDA operation")

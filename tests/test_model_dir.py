@@ -605,3 +605,19 @@ def test_output_agreement_of_an_embedder_in_bf16(tmp_path: Path) -> None:
     assert same.min_cosine == pytest.approx(1.0, abs=1e-6) and same.max_abs_diff < 1e-6
     half = output_agreement(build_step(loaded, device=cpu, dtype=torch.bfloat16, top_k=3), batch=4)
     assert 0.99 <= half.min_cosine < 1.0 and half.images == 8 and half.dtype == "bfloat16"
+
+
+def test_agreement_checks_take_a_model_without_parameters(tmp_path: Path) -> None:
+    # A loaded TorchScript model holds its weights as constants, not parameters: the checks
+    # once looked for the device in its parameters (StopIteration on a GPU host).
+    from worker.model.precision import output_agreement, precision_check
+
+    cpu = torch.device("cpu")
+    fmt = "torchscript"
+    embed = load_model_dir(make_model_dir(tmp_path / "e", fmt=fmt, kind="embed"), batch_size=4)
+    step = build_step(embed, device=cpu, dtype=torch.bfloat16, top_k=3)
+    assert next(step.parameters(), None) is None
+    assert output_agreement(step, batch=4).min_cosine >= 0.99
+    classify = load_model_dir(make_model_dir(tmp_path / "c", fmt=fmt), batch_size=4)
+    step = build_step(classify, device=cpu, dtype=torch.bfloat16, top_k=3)
+    assert precision_check(step, batch=4, batches=1).images == 4

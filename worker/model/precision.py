@@ -60,7 +60,7 @@ def precision_check(
 
     Call it on the thread that launches `fn` when `fn` replays CUDA graphs.
     """
-    device = next(step.parameters()).device
+    device = step.scale.device  # a model may have no parameters (only buffers)
     reference = reference_copy(step)
     run = step if fn is None else fn
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -139,7 +139,7 @@ def output_agreement(
     batches, output by output: the lowest cosine similarity per image and the largest
     absolute difference. For embeddings and raw outputs, where there is no top-1 to agree
     on. Start-up and checks only: it waits for the device."""
-    device = next(step.parameters()).device
+    device = step.scale.device  # a model may have no parameters (only buffers)
     reference = reference_copy(step)
     run = step if fn is None else fn
     gen = torch.Generator(device="cpu").manual_seed(seed)
