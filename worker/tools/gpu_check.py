@@ -68,6 +68,7 @@ from worker.logs import configure_logging
 from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step, still_compiled
 from worker.service import Worker
+from worker.tools.gpu_check_feed import Feeder
 from worker.tools.gpu_check_report import (
     EXPECTED_TESTS,
     add_verdict,
@@ -453,15 +454,6 @@ def _eager_of(fn: Any) -> Any:
     return getattr(fn, "_orig_mod", fn)
 
 
-def unique_jpeg(data: bytes, n: int) -> bytes:
-    """`data` (a JPEG) with a comment segment holding `n` after its SOI marker: bytes of
-    their own for every job, so no cache can answer a job with another's decode."""
-    if data[:2] != b"\xff\xd8":
-        raise ValueError("not a JPEG")
-    payload = n.to_bytes(8, "big")
-    return data[:2] + b"\xff\xfe" + (2 + len(payload)).to_bytes(2, "big") + payload + data[2:]
-
-
 async def _measure_pipeline(
     worker: Worker,
     args: argparse.Namespace,
@@ -481,30 +473,21 @@ async def _measure_pipeline(
         "decode_cache_mb": cfg.decode_cache_mb,
     }
     client = redis.Redis.from_url(cfg.redis_url)
-    stop = threading.Event()
-    pushed = 0
     backlog = max(2048, worker.batch_size * 32)
+    feeder = Feeder(cfg.redis_url, cfg.stream, images, backlog)
 
     def done_count() -> int:
         c = worker.counters
         return c.results_ok + c.results_error
 
-    def produce() -> None:
-        nonlocal pushed
-        while not stop.is_set():
-            if pushed - done_count() >= backlog:
-                time.sleep(0.002)
-                continue
-            pipe = client.pipeline(transaction=False)
-            for _ in range(256):
-                data = unique_jpeg(images[pushed % len(images)], pushed)
-                pipe.xadd(cfg.stream, {"id": f"g{pushed}", "image": data})
-                pushed += 1
-            pipe.execute()
+    async def tell_feeder() -> None:
+        while True:
+            feeder.answered(done_count())
+            await asyncio.sleep(0.005)
 
-    producer = threading.Thread(target=produce, name="gpu-check-producer", daemon=True)
     main = asyncio.create_task(worker.main_loop(), name="main_loop")
-    producer.start()
+    feeder.start()
+    telling = asyncio.create_task(tell_feeder(), name="tell_feeder")
     # The CUDA index the worker computes on; the sampler finds it in NVML by UUID.
     sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
     c = worker.counters
@@ -515,6 +498,8 @@ async def _measure_pipeline(
             while done_count() < worker.batch_size * 4 and time.monotonic() < deadline:
                 if main.done():
                     main.result()
+                if not feeder.alive:
+                    raise RuntimeError("the job feeder process ended before the window")
                 await asyncio.sleep(0.05)
             await asyncio.sleep(args.warmup_seconds)
             # The timed window: only the step's launches (counted in the launch itself)
@@ -555,7 +540,7 @@ async def _measure_pipeline(
                     "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
                     if c.batches
                     else None,
-                    "jobs_pushed": pushed,
+                    "jobs_pushed": feeder.pushed,
                     "decode_threads": worker.decoder.threads,
                 },
             )
@@ -581,8 +566,8 @@ async def _measure_pipeline(
             if main.done():
                 main.result()
     finally:
-        stop.set()
-        producer.join(timeout=10)
+        telling.cancel()
+        feeder.stop()
         worker.handle_exit()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait_for(main, 60)

@@ -1,0 +1,100 @@
+"""The GPU check's job producer, in a process of its own.
+
+Building each job's bytes and redis-py's packing of a pipeline of XADDs are Python work:
+run on a thread of the worker's process, they took turns of the worker's GIL away from the
+pipeline the check measures. In its own process (spawned: nothing of torch or CUDA is
+inherited) the producer costs the measured worker nothing but Redis's time, as an
+upstream service would. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event as EventType
+from typing import Any
+
+import redis
+
+# XADDs per pipeline round trip.
+CHUNK = 256
+
+
+def unique_jpeg(data: bytes, n: int) -> bytes:
+    """`data` (a JPEG) with a comment segment holding `n` after its SOI marker: bytes of
+    their own for every job, so no cache can answer a job with another's decode."""
+    if data[:2] != b"\xff\xd8":
+        raise ValueError("not a JPEG")
+    payload = n.to_bytes(8, "big")
+    return data[:2] + b"\xff\xfe" + (2 + len(payload)).to_bytes(2, "big") + payload + data[2:]
+
+
+@dataclass(frozen=True)
+class FeedPlan:
+    redis_url: str
+    stream: str
+    images: Sequence[bytes]
+    # Jobs kept ahead of the worker's answers.
+    backlog: int
+
+
+def feed(
+    plan: FeedPlan, stop: EventType, pushed: Synchronized[int], done: Synchronized[int]
+) -> None:
+    """Keep `plan.backlog` jobs ahead of the worker's answers (`done`, kept by the parent)
+    until `stop` is set; `pushed` counts what was added."""
+    client = redis.Redis.from_url(plan.redis_url)
+    images = plan.images
+    n = 0
+    try:
+        while not stop.is_set():
+            if n - done.value >= plan.backlog:
+                time.sleep(0.002)
+                continue
+            pipe = client.pipeline(transaction=False)
+            for _ in range(CHUNK):
+                data = unique_jpeg(images[n % len(images)], n)
+                pipe.xadd(plan.stream, {"id": f"g{n}", "image": data})
+                n += 1
+            pipe.execute()
+            pushed.value = n
+    finally:
+        client.close()
+
+
+class Feeder:
+    """`feed` in a spawned process, with the counters it shares with the check."""
+
+    def __init__(self, redis_url: str, stream: str, images: Sequence[bytes], backlog: int):
+        ctx = multiprocessing.get_context("spawn")
+        self._stop = ctx.Event()
+        self._pushed: Synchronized[int] = ctx.Value("q", 0)
+        self._done: Synchronized[int] = ctx.Value("q", 0)
+        plan = FeedPlan(redis_url, stream, list(images), backlog)
+        args: tuple[Any, ...] = (plan, self._stop, self._pushed, self._done)
+        self._process = ctx.Process(target=feed, args=args, name="gpu-check-feed", daemon=True)
+
+    def start(self) -> None:
+        self._process.start()
+
+    def answered(self, count: int) -> None:
+        """Tell the producer how many jobs the worker has answered."""
+        self._done.value = count
+
+    @property
+    def pushed(self) -> int:
+        return int(self._pushed.value)
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout=5)
