@@ -236,6 +236,15 @@ class HealthServer:
                 await asyncio.wait(self._tasks, timeout=1)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._waiting) >= MAX_WAITING:
+            # The newcomer takes the place of the oldest connection that has not yet sent
+            # its request; the evicted one stops counting at once (its own task ends
+            # later), so a burst of idle connections never crowds out a probe behind it.
+            oldest = next(iter(self._waiting))
+            del self._waiting[oldest]
+            self._writers.discard(oldest)
+            self.shed += 1
+            oldest.transport.abort()
         if len(self._writers) >= MAX_CONNECTIONS:
             self.shed += 1
             writer.transport.abort()
@@ -245,11 +254,6 @@ class HealthServer:
         self._writers.add(writer)
         self._tasks.add(task)
         try:
-            if len(self._waiting) >= MAX_WAITING:
-                oldest = next(iter(self._waiting))
-                del self._waiting[oldest]
-                self.shed += 1
-                oldest.transport.abort()
             self._waiting[writer] = None
             try:
                 head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
