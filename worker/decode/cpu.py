@@ -20,7 +20,9 @@ hundred times slower than its C codecs.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +47,7 @@ _PLUGINS = (BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, Web
 Image.preinit()
 
 _MAX_MESSAGE = 200
+_T = TypeVar("_T")
 _ORIENTATION_TAG = 0x0112
 
 # EXIF Orientation -> the transpose that undoes it (the same table ImageOps.exif_transpose
@@ -193,6 +196,13 @@ def decode_pixels(data: bytes, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8],
     for it (`write_row`): a decode that ran past its budget must not touch a row that a
     later batch may own by then. Raises DecodeError, and nothing else, for any byte string.
     """
+    frame = decode_checked(data, spec)
+    return _guarded(lambda: shape_frame(frame, spec), frame.info.format), frame.info
+
+
+def decode_checked(data: bytes, spec: DecodeSpec) -> Frame:
+    """The checks and the decode of `decode_pixels`, without the resize: the frame at the
+    DCT scale. Raises DecodeError, and nothing else, for any byte string."""
     if len(data) == 0:
         raise DecodeError(ErrorCode.EMPTY_IMAGE, "the image is empty")
     if len(data) > spec.max_bytes:
@@ -204,8 +214,12 @@ def decode_pixels(data: bytes, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8],
     if fmt is None:
         raise DecodeError(ErrorCode.UNSUPPORTED_FORMAT, "not a JPEG, PNG, WebP, BMP or GIF image")
 
+    return _guarded(lambda: decode_frame(data, fmt, spec), fmt)
+
+
+def _guarded(work: Callable[[], _T], fmt: str) -> _T:
     try:
-        return _decode(data, fmt, spec)
+        return work()
     except DecodeError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -230,11 +244,14 @@ class Frame:
     image: Image.Image
     orientation: int
     info: DecodeInfo
+    # The decoder's own array behind `image`, where there is one (libjpeg-turbo's output).
+    array: npt.NDArray[np.uint8] | None = None
 
-
-def _decode(data: bytes, fmt: str, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8], DecodeInfo]:
-    frame = decode_frame(data, fmt, spec)
-    return shape_frame(frame, spec), frame.info
+    def pixels(self) -> npt.NDArray[np.uint8]:
+        """(h, w) grey or (h, w, 3) RGB, as stored."""
+        if self.array is not None:
+            return self.array[:, :, 0] if self.array.shape[2] == 1 else self.array
+        return np.asarray(self.image, dtype=np.uint8)
 
 
 def decode_frame(data: bytes, fmt: str, spec: DecodeSpec) -> Frame:
@@ -282,11 +299,16 @@ def _pillow_frame(data: bytes, fmt: str, spec: DecodeSpec) -> Frame:
     return _framed(image, orientation, DecodeInfo(fmt, width, height, draft_scale))
 
 
-def _framed(image: Image.Image, orientation: int, info: DecodeInfo) -> Frame:
+def _framed(
+    image: Image.Image,
+    orientation: int,
+    info: DecodeInfo,
+    array: npt.NDArray[np.uint8] | None = None,
+) -> Frame:
     """`info` with the stored size; the frame's info holds the upright one."""
     if orientation in _SWAPS_AXES:
         info = DecodeInfo(info.format, info.height, info.width, info.draft_scale)
-    return Frame(image=image, orientation=orientation, info=info)
+    return Frame(image=image, orientation=orientation, info=info, array=array)
 
 
 def dct_scale(width: int, height: int, size: int) -> int:
@@ -358,7 +380,8 @@ def _turbo_frame(data: bytes, spec: DecodeSpec) -> Frame | None:
         image = Image.frombuffer("L", (sw, sh), pixels, "raw", "L", 0, 1)
     else:
         image = Image.frombuffer("RGB", (sw, sh), pixels, "raw", "RGB", 0, 1)
-    return _framed(image, _jpeg_orientation(data), DecodeInfo("JPEG", width, height, scale))
+    info = DecodeInfo("JPEG", width, height, scale)
+    return _framed(image, _jpeg_orientation(data), info, pixels)
 
 
 def _jpeg_orientation(data: bytes) -> int:
