@@ -241,17 +241,26 @@ class Frame:
     """A decoded image before any resize: "L" or "RGB", as stored (not yet turned upright),
     its EXIF orientation (1: upright) and what was decoded (upright size, DCT scale)."""
 
-    image: Image.Image
+    # Pillow's image, or None where the decoder gave an array (libjpeg-turbo's output):
+    # `image()` wraps it only when a Pillow resize needs it (a copy into Pillow's layout).
+    pil: Image.Image | None
     orientation: int
     info: DecodeInfo
-    # The decoder's own array behind `image`, where there is one (libjpeg-turbo's output).
     array: npt.NDArray[np.uint8] | None = None
+
+    def image(self) -> Image.Image:
+        if self.pil is not None:
+            return self.pil
+        assert self.array is not None
+        h, w, channels = self.array.shape
+        mode = "L" if channels == 1 else "RGB"
+        return Image.frombuffer(mode, (w, h), self.array, "raw", mode, 0, 1)
 
     def pixels(self) -> npt.NDArray[np.uint8]:
         """(h, w) grey or (h, w, 3) RGB, as stored."""
         if self.array is not None:
             return self.array[:, :, 0] if self.array.shape[2] == 1 else self.array
-        return np.asarray(self.image, dtype=np.uint8)
+        return np.asarray(self.pil, dtype=np.uint8)
 
 
 def decode_frame(data: bytes, fmt: str, spec: DecodeSpec) -> Frame:
@@ -300,7 +309,7 @@ def _pillow_frame(data: bytes, fmt: str, spec: DecodeSpec) -> Frame:
 
 
 def _framed(
-    image: Image.Image,
+    image: Image.Image | None,
     orientation: int,
     info: DecodeInfo,
     array: npt.NDArray[np.uint8] | None = None,
@@ -308,7 +317,7 @@ def _framed(
     """`info` with the stored size; the frame's info holds the upright one."""
     if orientation in _SWAPS_AXES:
         info = DecodeInfo(info.format, info.height, info.width, info.draft_scale)
-    return Frame(image=image, orientation=orientation, info=info, array=array)
+    return Frame(pil=image, orientation=orientation, info=info, array=array)
 
 
 def dct_scale(width: int, height: int, size: int) -> int:
@@ -376,12 +385,8 @@ def _turbo_frame(data: bytes, spec: DecodeSpec) -> Frame | None:
         return None
     if pixels.shape[:2] != (sh, sw):
         return None  # not the scale asked for: let Pillow's draft decide, as before
-    if grey:
-        image = Image.frombuffer("L", (sw, sh), pixels, "raw", "L", 0, 1)
-    else:
-        image = Image.frombuffer("RGB", (sw, sh), pixels, "raw", "RGB", 0, 1)
     info = DecodeInfo("JPEG", width, height, scale)
-    return _framed(image, _jpeg_orientation(data), info, pixels)
+    return _framed(None, _jpeg_orientation(data), info, pixels)
 
 
 def _jpeg_orientation(data: bytes) -> int:
@@ -425,7 +430,7 @@ def shape_frame(frame: Frame, spec: DecodeSpec) -> npt.NDArray[np.uint8]:
     """The frame turned upright and fitted to S x S by the spec's geometry: (S, S) grey or
     (S, S, 3) RGB."""
     s = spec.size
-    image = frame.image
+    image = frame.image()
     transpose = _ORIENTATION_TRANSPOSE.get(frame.orientation)
     if transpose is not None:
         image = image.transpose(transpose)
