@@ -224,13 +224,12 @@ class Worker:
         self.ring = InputRing(cfg.ring_slots, self.batch_size, side, pin=pin)
         self.out_ring = OutputRing(cfg.ring_slots, self.batch_size, step.layout, pin=pin)
         self.transfer = DeviceTransfer(self.ctx, cfg.ring_slots, self.batch_size, side)
-        log.info(
-            "resize_placement",
-            placement=self.placement,
-            why=why,
-            pinned=pin,
+        self.ring_budget: dict[str, Any] = {
+            "resize_placement_why": why,
+            "ring_pinned": pin,
             **ring_budget(self.batch_size, side, cfg.ring_slots),
-        )
+        }
+        log.info("resize_placement", placement=self.placement, **self.ring_budget)
         mode = resolve_compile_mode(cfg.compile, device)
         self.runner = ModelRunner(
             self.ctx, step, self.transfer, cudagraphs=mode == "reduce-overhead" and self.ctx.is_cuda

@@ -64,6 +64,9 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
         "max_wait_ms": cfg.max_wait_ms,
         "ring_slots": cfg.ring_slots,
         "resize": worker.loaded.resize_mode,
+        # Where images are resized (GPUFEED_RESIZE), why, and what the input ring costs.
+        "resize_placement": worker.placement,
+        **worker.ring_budget,
         "staging_size": worker.loaded.resize_size,
         "input_size": worker.loaded.crop_size,
         "mean": list(worker.loaded.mean),

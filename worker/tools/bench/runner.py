@@ -328,6 +328,21 @@ def run_bench(
                 for method, by_threads in table.items()
                 for rate in by_threads.values()
             ],
+            # Per image, on one thread: each gpufeed decode over the decoder alone.
+            "decode_over_decoder": [
+                {
+                    "image_set": key[0],
+                    "staging_size": key[1],
+                    "method": method,
+                    "ratio": round(
+                        table["decoder_alone"]["1"].images_per_s / table[method]["1"].images_per_s,
+                        2,
+                    ),
+                }
+                for key, table in rates.items()
+                for method in ("decode_into_dct", "decode_rows")
+                if "decoder_alone" in table and method in table
+            ],
             "model": b.model_rates,
             "queue": list(b.queue_ceilings.values()),
         },
