@@ -85,13 +85,18 @@ class RowResampler(nn.Module):
         idx_y, wt_y = self._taps(h, out_y, start_y, flip_y)  # [B, C, T]
         idx_x, wt_x = self._taps(w, out_x, start_x, flip_x)
         pixels = x[:, 1:]  # [B, R - 1, R, 3]
-        batch = torch.arange(b, device=x.device).view(b, 1, 1)
-        # Pass 1, along stored lines: [B, C, T, R, 3] gathered -> [B, C, R, 3].
-        lines = pixels[batch, idx_y].to(torch.float32)
-        y = (lines * wt_y[:, :, :, None, None]).sum(dim=2)
-        # Pass 2, along stored columns: [B, C, C, T, 3] gathered -> [B, C, C, 3].
-        cols = y[batch.view(b, 1, 1, 1), self.output_index, idx_x[:, None]]
-        z = (cols * wt_x[:, None, :, :, None]).sum(dim=3)
+        batch = torch.arange(b, device=x.device).view(b, 1)
+        # Pass 1, along stored lines, one tap at a time (a fixed, unrolled count: the
+        # compiled graph fuses them; eager holds one [B, C, R, 3] term at a time).
+        y = pixels[batch, idx_y[:, :, 0]].to(torch.float32) * wt_y[:, :, 0, None, None]
+        for t in range(1, self.taps):
+            y = y + pixels[batch, idx_y[:, :, t]].to(torch.float32) * wt_y[:, :, t, None, None]
+        # Pass 2, along stored columns: [B, C, C, 3].
+        rows = self.output_index.view(1, -1, 1)
+        batch3 = batch.view(b, 1, 1)
+        z = y[batch3, rows, idx_x[:, None, :, 0]] * wt_x[:, None, :, 0, None]
+        for t in range(1, self.taps):
+            z = z + y[batch3, rows, idx_x[:, None, :, t]] * wt_x[:, None, :, t, None]
         z = torch.where(swap.view(b, 1, 1, 1), z.transpose(1, 2), z)
         # NHWC viewed as NCHW: channels_last in memory, as the model wants it.
         return z.permute(0, 3, 1, 2)

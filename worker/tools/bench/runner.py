@@ -54,6 +54,7 @@ from worker.tools.bench.ablations import (
     COMPILED,
     CPU_PREPROCESS,
     DEFAULTS,
+    DEVICE_RESIZE_OFF,
     NO_COMPILE,
     NO_DCT,
     ONE_DECODE_THREAD,
@@ -91,6 +92,15 @@ def variants_for(b: Bench) -> list[Variant]:
             {"what": ONE_DECODE_THREAD.name, "reason": "the worker already decodes on 1 thread"}
         )
     out.append(CPU_PREPROCESS)
+    if b.is_cuda:
+        out.append(DEVICE_RESIZE_OFF)
+    else:
+        b.skipped.append(
+            {
+                "what": DEVICE_RESIZE_OFF.name,
+                "reason": "GPUFEED_RESIZE=auto already resizes on the host on the CPU",
+            }
+        )
     default_compile = resolve_compile_mode(
         str(b.explicit.get("compile") or b.base.compile), b.device
     )
