@@ -197,7 +197,7 @@ def decode_pixels(data: bytes, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8],
     later batch may own by then. Raises DecodeError, and nothing else, for any byte string.
     """
     frame = decode_checked(data, spec)
-    return _guarded(lambda: shape_frame(frame, spec), frame.info.format), frame.info
+    return guarded(lambda: shape_frame(frame, spec), frame.info.format), frame.info
 
 
 def decode_checked(data: bytes, spec: DecodeSpec) -> Frame:
@@ -214,10 +214,11 @@ def decode_checked(data: bytes, spec: DecodeSpec) -> Frame:
     if fmt is None:
         raise DecodeError(ErrorCode.UNSUPPORTED_FORMAT, "not a JPEG, PNG, WebP, BMP or GIF image")
 
-    return _guarded(lambda: decode_frame(data, fmt, spec), fmt)
+    return guarded(lambda: decode_frame(data, fmt, spec), fmt)
 
 
-def _guarded(work: Callable[[], _T], fmt: str) -> _T:
+def guarded(work: Callable[[], _T], fmt: str) -> _T:
+    """`work()`, with whatever it raises turned into DecodeError as `decode_pixels` does."""
     try:
         return work()
     except DecodeError:
@@ -406,6 +407,10 @@ def _jpeg_orientation(data: bytes) -> int:
 
 def _jpeg_exif(data: bytes) -> bytes | None:
     """The first APP1 segment holding EXIF ("Exif\\0\\0" and its TIFF data), or None."""
+    # Most JPEGs carry none: a C-speed search (well under 1% of the decode at any size)
+    # saves them the marker walk.
+    if data.find(b"Exif\x00\x00") < 0:
+        return None
     pos, end = 2, len(data)
     while pos + 4 <= end:
         if data[pos] != 0xFF:

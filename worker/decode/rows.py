@@ -23,6 +23,7 @@ from worker.decode.cpu import (
     DecodeSpec,
     Frame,
     decode_checked,
+    guarded,
     letterbox_geometry,
     resize_geometry,
     shape_frame,
@@ -67,7 +68,8 @@ def target_geometry(spec: DecodeSpec, width: int, height: int) -> tuple[int, int
 def decode_row(data: bytes, spec: DecodeSpec, side: int) -> tuple[DecodedRow, DecodeInfo]:
     """Decode `data` for a row of side `side`; raises DecodeError as `decode_pixels` does."""
     frame = decode_checked(data, spec)
-    return frame_row(frame, spec, side), frame.info
+    # Fitting an oversized image runs Pillow's resize: its failures are this image's too.
+    return guarded(lambda: frame_row(frame, spec, side), frame.info.format), frame.info
 
 
 def frame_row(frame: Frame, spec: DecodeSpec, side: int) -> DecodedRow:
