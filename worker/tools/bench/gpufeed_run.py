@@ -149,6 +149,9 @@ async def gpufeed_run(
                 "decode": stats["stage_ms"].get("decode"),
                 "compute": round(compute_per_image, 3) if compute_per_image else None,
             },
+            # Device placement: images too large for a row, fitted on the host instead.
+            "rows_reduced_on_host": worker.decoder.reduced,
+            "rows_reduced_ms": round(worker.decoder.reduced_ms, 3),
             "batches": c.batches,
             "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
             if c.batches
