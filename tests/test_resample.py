@@ -26,6 +26,7 @@ from producer.wire import JobResult
 from tests.images import encode, photo_like
 from tests.worker_harness import running_worker, wait_results
 from worker.config import ConfigError
+from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeSpec, decode_pixels
 from worker.decode.pool import DecodePool
 from worker.decode.rows import GEOMETRY_WORDS, decode_row, row_side, write_decoded_row
@@ -281,3 +282,18 @@ async def test_worker_serves_with_the_device_placement_on_the_cpu(
         await asyncio.sleep(0)
     for key, got in scores["device"].items():
         np.testing.assert_allclose(got, scores["host"][key], atol=2e-3)
+
+
+async def test_a_cached_row_is_the_decoded_row() -> None:
+    """The decode cache keeps whole rows, geometry line included, for the device placement."""
+    pool = DecodePool(DecodeSpec(size=S), 1, None, row_side=R, cache=DecodeCache(64 * R * R * 3))
+    data = oriented_jpeg(150, 112, 6, seed=4)
+    rows = np.zeros((2, R, R, 3), dtype=np.uint8)
+    rows[1] = 7  # stale pixels of an earlier batch
+    try:
+        first = await pool.settle([pool.submit(Job("1-0", "a", "r", None, data, None), rows[0])])
+        again = await pool.settle([pool.submit(Job("2-0", "b", "r", None, data, None), rows[1])])
+    finally:
+        pool.shutdown()
+    assert not first[0].cached and again[0].cached
+    np.testing.assert_array_equal(rows[1], rows[0])
