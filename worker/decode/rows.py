@@ -36,10 +36,11 @@ GEOMETRY_WORDS = 7
 
 
 def row_side(size: int) -> int:
-    """R for staging size S: DCT scaling leaves the shorter side below 2S, and 2.5S on the
-    longer side keeps 4:3 and 16:9 photos of any size native (a 640x480 web photo at S=256,
-    a 1920x1080 frame at 1/4), rounded up to a multiple of 8; +1 for the geometry line."""
-    return -(-(5 * size) // 16) * 8 + 1
+    """R for staging size S. DCT scaling leaves a JPEG's shorter side below 2S (up to 16S,
+    where libjpeg's smallest scale, 1/8, runs out), so 3S columns and lines keep 4:3 and
+    3:2 photos native, and 16:9 ones up to 1.69S on the scaled shorter side (1280x720 at
+    S = 224, 1920x1080 at 256); rounded up to a multiple of 8, +1 for the geometry line."""
+    return -(-(3 * size) // 8) * 8 + 1
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,9 @@ class RowResampler(nn.Module):
         self.ratio = staging_size / geometry_size
         self.crop_size = crop_size
         self.offset = round((staging_size - crop_size) / 2.0)
-        # The widest filter any row can need: support = scale <= R / S' on its longer axis.
-        self.taps = 2 * math.ceil(side / (geometry_size * self.ratio)) + 1
+        # Enough taps for the widest filter a row can need: its support is the scale, at
+        # most R / S' (R pixels to S'), and fewer than 2 * support + 1 pixels lie under it.
+        self.taps = math.ceil(2 * side / (geometry_size * self.ratio)) + 1
         self.steps: torch.Tensor
         self.register_buffer(
             "steps", torch.arange(self.taps, dtype=torch.float32), persistent=False
