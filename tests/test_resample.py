@@ -297,3 +297,60 @@ async def test_a_cached_row_is_the_decoded_row() -> None:
         pool.shutdown()
     assert not first[0].cached and again[0].cached
     np.testing.assert_array_equal(rows[1], rows[0])
+
+
+async def test_the_degraded_step_reads_the_same_rows(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """With the device placement the degraded step resamples the main step's rows itself."""
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        resize="device",
+        batch_size=4,
+        degrade_after_s=3600.0,  # the test turns the switch
+        degrade_input_size=32,
+    ) as worker:
+        switch = worker.degrade_switch
+        assert switch is not None and worker.ring.size == worker.row_side
+        switch.on = True
+        for i in range(3):
+            data = oriented_jpeg(120 + 20 * i, 90, 6, seed=i)
+            redis_client.xadd("gpufeed:jobs", {"id": f"d{i}", "image": data})
+        entries = await wait_results(redis_client, "gpufeed:results", 3)
+    results = [JobResult.from_fields(f) for _, f in entries]
+    assert all(r.ok and r.degraded for r in results)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_captured_resampling_matches_the_cpu() -> None:
+    rows = device_rows(cases())
+    with torch.inference_mode():
+        want = RowResampler(R, S, S, C)(rows)
+    resampler = RowResampler(R, S, S, C).cuda()
+    compiled = torch.compile(resampler, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    on_device = rows.cuda()
+    with torch.inference_mode():
+        for _ in range(3):  # record, then replay the graph
+            got = compiled(on_device)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_cuda_the_device_placement_replays_one_graph(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    images = [oriented_jpeg(200 + 10 * i, 150, 1 + i % 8, seed=i) for i in range(8)]
+    async with running_worker(
+        redis_url, tiny_weights, device="cuda", compile="reduce-overhead", batch_size=4
+    ) as worker:
+        assert worker.placement == "device"
+        report = worker.compile_report
+        assert report is not None and report.compiled and report.cudagraph_replays > 0
+        for i, data in enumerate(images):
+            redis_client.xadd("gpufeed:jobs", {"id": f"g{i}", "image": data})
+        entries = await wait_results(redis_client, "gpufeed:results", len(images))
+        assert worker.observer.compile_check() == []
+    assert all(JobResult.from_fields(f).ok for _, f in entries)
