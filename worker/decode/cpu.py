@@ -2,8 +2,10 @@
 
 Pure functions, called concurrently from the decode thread pool: every call works on its own
 PIL objects and numpy arrays and mutates no module or library state, so no lock is needed.
-Pillow releases the GIL inside its codecs and its resampler, which is where nearly all the
-time goes, so threads scale with cores.
+JPEGs (YCbCr, RGB, grey) are decoded by libjpeg-turbo through simplejpeg, the rest by
+Pillow; both release the GIL inside their codecs, as Pillow does in its resampler, which is
+where nearly all the time goes, so threads scale with cores. `decode_frame` stops before
+the resize: worker/decode/rows.py keeps such frames for the device placement.
 
 The geometry matches torchvision's ``Resize(S)`` + ``CenterCrop(S)`` on a PIL image (bilinear
 with antialias, shorter side to S, long side truncated to an int, crop offsets rounded), so a

@@ -1,7 +1,9 @@
 """The decode thread pool: reads a job's bytes and decodes them into a staging row.
 
-PIL releases the GIL while it decodes and resizes, so threads give real parallelism here
-without the cost of shipping pixels between processes.
+libjpeg-turbo and PIL release the GIL while they decode and resize, so threads give real
+parallelism here without the cost of shipping pixels between processes. With `row_side`
+set (GPUFEED_RESIZE=device) a row receives the decoded pixels and their geometry
+(worker/decode/rows.py) instead of a resized square.
 
 Every image has a decode budget (GPUFEED_DECODE_BUDGET_MS), counted from the moment a thread
 starts on it. A batch waits for a row at most that long; a row still decoding then is given
