@@ -37,6 +37,7 @@ from worker.decode.cpu import (
     decoded_bytes,
     sniff_format,
 )
+from worker.decode.rows import decode_row, row_side, write_decoded_row
 
 S = 64
 SPEC = DecodeSpec(size=S)
@@ -835,3 +836,26 @@ def test_fuzz_only_decode_errors(data: bytes) -> None:
         assert info.width >= 1
         assert info.height >= 1
         assert info.draft_scale in {1, 2, 4, 8}
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(st.one_of(st.binary(max_size=512), behind_magic, mutated()))
+def test_fuzz_rows_for_the_device_only_decode_errors(data: bytes) -> None:
+    """The device placement's decode: any bytes give a DecodeError or a row whose geometry
+    fits it."""
+    side = row_side(FUZZ_SPEC.size)
+    out = np.zeros((side, side, 3), dtype=np.uint8)
+    try:
+        row, info = decode_row(data, FUZZ_SPEC, side)
+    except DecodeError as exc:
+        assert isinstance(exc.code, ErrorCode)
+    else:
+        write_decoded_row(out, row)
+        h, w, orientation = row.geometry[:3]
+        assert 1 <= h <= side - 1 and 1 <= w <= side and 1 <= orientation <= 8
+        assert info.width >= 1 and info.height >= 1

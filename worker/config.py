@@ -34,6 +34,7 @@ COMPILE_MODES = (
 )
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DECODE_MODES = ("cpu", "gpu", "auto")
+RESIZE_PLACEMENTS = ("device", "host", "auto")
 LOG_FORMATS = ("auto", "console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_PROCESSES = 64
@@ -113,6 +114,7 @@ class WorkerConfig:
     decode_threads: int = field(default=0, metadata={"env": "GPUFEED_DECODE_THREADS"})
     decode: str = field(default="cpu", metadata={"env": "GPUFEED_DECODE"})
     dct_scaling: bool = field(default=True, metadata={"env": "GPUFEED_DCT_SCALING"})
+    resize: str = field(default="auto", metadata={"env": "GPUFEED_RESIZE"})
     decode_cache_mb: int = field(default=256, metadata={"env": "GPUFEED_DECODE_CACHE_MB"})
     ring_slots: int = field(default=4, metadata={"env": "GPUFEED_RING_SLOTS"})
     max_image_bytes: int = field(
@@ -307,6 +309,11 @@ class WorkerConfig:
             self.decode in DECODE_MODES,
             "GPUFEED_DECODE",
             f"must be one of {', '.join(DECODE_MODES)} (got {self.decode!r})",
+        )
+        need(
+            self.resize in RESIZE_PLACEMENTS,
+            "GPUFEED_RESIZE",
+            f"must be one of {', '.join(RESIZE_PLACEMENTS)} (got {self.resize!r})",
         )
         need(
             0 <= self.decode_cache_mb <= 1_048_576,

@@ -41,6 +41,7 @@ from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeSpec
 from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
 from worker.decode.pool import DecodePool
+from worker.decode.rows import row_side
 from worker.degrade import DegradeSwitch, Serving
 from worker.device import DeviceContext, make_context, resolve_device
 from worker.fetch.stage import FetchSettings, FetchStage
@@ -63,6 +64,7 @@ from worker.model.precision import (
     precision_check,
 )
 from worker.model.readers import make_reader
+from worker.model.resample import choose_placement, ring_budget, use_rows
 from worker.model.step import build_step, check_step, pick_dtype, resolve_compile_mode
 from worker.observer import Observer, heartbeat_key
 from worker.reader import InFlight, Reader, ensure_group
@@ -219,9 +221,21 @@ class Worker:
         step = build_step(self.loaded, device=device, dtype=self.dtype, top_k=cfg.top_k)
         size = self.loaded.resize_size
         pin = self.ctx.is_cuda
-        self.ring = InputRing(cfg.ring_slots, self.batch_size, size, pin=pin)
+        self.placement, why = choose_placement(cfg.resize, device, cfg.decode)
+        # Device placement: rows of side R hold the decoded pixels and their geometry.
+        self.row_side = row_side(size) if self.placement == "device" else 0
+        side = self.row_side or size
+        if self.row_side:
+            use_rows(step, side, size)
+        self.ring = InputRing(cfg.ring_slots, self.batch_size, side, pin=pin)
         self.out_ring = OutputRing(cfg.ring_slots, self.batch_size, step.layout, pin=pin)
-        self.transfer = DeviceTransfer(self.ctx, cfg.ring_slots, self.batch_size, size)
+        self.transfer = DeviceTransfer(self.ctx, cfg.ring_slots, self.batch_size, side)
+        self.ring_budget: dict[str, Any] = {
+            "resize_placement_why": why,
+            "ring_pinned": pin,
+            **ring_budget(self.batch_size, side, cfg.ring_slots),
+        }
+        log.info("resize_placement", placement=self.placement, **self.ring_budget)
         mode = resolve_compile_mode(cfg.compile, device)
         self.runner = ModelRunner(
             self.ctx,
@@ -232,11 +246,13 @@ class Worker:
         self.health.watch_launches(
             lambda: self.runner.launch_started_s, cfg.ring_slots, device=device
         )
-        example = torch.zeros((self.batch_size, size, size, 3), dtype=torch.uint8, device=device)
+        example = torch.zeros((self.batch_size, side, side, 3), dtype=torch.uint8, device=device)
         if cfg.degrade_after_s > 0:
             self.degraded = build_degraded(
                 cfg, self.loaded, step, device=device, dtype=self.dtype, batch_size=self.batch_size
             )
+            if self.row_side:
+                use_rows(self.degraded.step, side, size)
             layout = self.degraded.step.layout
             # Outputs of another shape (another model's classes) need slots of their own.
             self.degraded_out_ring = (
@@ -366,6 +382,7 @@ class Worker:
             gpu_router=router,
             cache=self.decode_cache,
             budget_s=cfg.decode_budget_ms / 1000,
+            row_side=self.row_side,
         )
         if gpu is not None:
             self.runner.use_gpu_decode(gpu_decoder, self.decoder.decode_on_cpu)

@@ -118,6 +118,12 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`cpu`",
         "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up)",
     ),
+    "GPUFEED_RESIZE": (
+        "`auto`",
+        "where images are resized: `device` (rows at their decoded size, resized in the "
+        "compiled step), `host` (on the decode threads) or `auto` (device on CUDA, host on "
+        "the CPU)",
+    ),
     "GPUFEED_DCT_SCALING": (
         "`true`",
         "let libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale when that still covers the "

@@ -2,8 +2,10 @@
 
 Pure functions, called concurrently from the decode thread pool: every call works on its own
 PIL objects and numpy arrays and mutates no module or library state, so no lock is needed.
-Pillow releases the GIL inside its codecs and its resampler, which is where nearly all the
-time goes, so threads scale with cores.
+JPEGs (YCbCr, RGB, grey) are decoded by libjpeg-turbo through simplejpeg, the rest by
+Pillow; both release the GIL inside their codecs, as Pillow does in its resampler, which is
+where nearly all the time goes, so threads scale with cores. `decode_frame` stops before
+the resize: worker/decode/rows.py keeps such frames for the device placement.
 
 The geometry matches torchvision's ``Resize(S)`` + ``CenterCrop(S)`` on a PIL image (bilinear
 with antialias, shorter side to S, long side truncated to an int, crop offsets rounded), so a
@@ -20,7 +22,9 @@ hundred times slower than its C codecs.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +49,7 @@ _PLUGINS = (BmpImagePlugin, GifImagePlugin, JpegImagePlugin, PngImagePlugin, Web
 Image.preinit()
 
 _MAX_MESSAGE = 200
+_T = TypeVar("_T")
 _ORIENTATION_TAG = 0x0112
 
 # EXIF Orientation -> the transpose that undoes it (the same table ImageOps.exif_transpose
@@ -193,6 +198,13 @@ def decode_pixels(data: bytes, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8],
     for it (`write_row`): a decode that ran past its budget must not touch a row that a
     later batch may own by then. Raises DecodeError, and nothing else, for any byte string.
     """
+    frame = decode_checked(data, spec)
+    return guarded(lambda: shape_frame(frame, spec), frame.info.format), frame.info
+
+
+def decode_checked(data: bytes, spec: DecodeSpec) -> Frame:
+    """The checks and the decode of `decode_pixels`, without the resize: the frame at the
+    DCT scale. Raises DecodeError, and nothing else, for any byte string."""
     if len(data) == 0:
         raise DecodeError(ErrorCode.EMPTY_IMAGE, "the image is empty")
     if len(data) > spec.max_bytes:
@@ -204,8 +216,13 @@ def decode_pixels(data: bytes, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8],
     if fmt is None:
         raise DecodeError(ErrorCode.UNSUPPORTED_FORMAT, "not a JPEG, PNG, WebP, BMP or GIF image")
 
+    return guarded(lambda: decode_frame(data, fmt, spec), fmt)
+
+
+def guarded(work: Callable[[], _T], fmt: str) -> _T:
+    """`work()`, with whatever it raises turned into DecodeError as `decode_pixels` does."""
     try:
-        return _decode(data, fmt, spec)
+        return work()
     except DecodeError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -222,7 +239,45 @@ def decode_pixels(data: bytes, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8],
         raise DecodeError(ErrorCode.DECODE_ERROR, _message(exc, fmt)) from None
 
 
-def _decode(data: bytes, fmt: str, spec: DecodeSpec) -> tuple[npt.NDArray[np.uint8], DecodeInfo]:
+@dataclass(frozen=True)
+class Frame:
+    """A decoded image before any resize: "L" or "RGB", as stored (not yet turned upright),
+    its EXIF orientation (1: upright) and what was decoded (upright size, DCT scale)."""
+
+    # Pillow's image, or None where the decoder gave an array (libjpeg-turbo's output):
+    # `image()` wraps it only when a Pillow resize needs it (a copy into Pillow's layout).
+    pil: Image.Image | None
+    orientation: int
+    info: DecodeInfo
+    array: npt.NDArray[np.uint8] | None = None
+
+    def image(self) -> Image.Image:
+        if self.pil is not None:
+            return self.pil
+        assert self.array is not None
+        h, w, channels = self.array.shape
+        mode = "L" if channels == 1 else "RGB"
+        return Image.frombuffer(mode, (w, h), self.array, "raw", mode, 0, 1)
+
+    def pixels(self) -> npt.NDArray[np.uint8]:
+        """(h, w) grey or (h, w, 3) RGB, as stored."""
+        if self.array is not None:
+            return self.array[:, :, 0] if self.array.shape[2] == 1 else self.array
+        return np.asarray(self.pil, dtype=np.uint8)
+
+
+def decode_frame(data: bytes, fmt: str, spec: DecodeSpec) -> Frame:
+    """Decode `data` (already sniffed as `fmt`) at the DCT scale, not resized. JPEGs that
+    libjpeg-turbo's TurboJPEG API reads (YCbCr, RGB and grey: nearly all) go through
+    simplejpeg; the rest, and anything it cannot parse, through Pillow as before."""
+    if fmt == "JPEG":
+        frame = _turbo_frame(data, spec)
+        if frame is not None:
+            return frame
+    return _pillow_frame(data, fmt, spec)
+
+
+def _pillow_frame(data: bytes, fmt: str, spec: DecodeSpec) -> Frame:
     s = spec.size
     with Image.open(io.BytesIO(data), formats=[fmt]) as im:
         width, height = im.size
@@ -251,21 +306,146 @@ def _decode(data: bytes, fmt: str, spec: DecodeSpec) -> tuple[npt.NDArray[np.uin
         if fmt == "JPEG" and _looks_damaged(im, data):
             _check_jpeg_data(data, im.mode)
         orientation = _orientation(im)
-        frame = _to_l_or_rgb(im)
+        image = _to_l_or_rgb(im)
+        image.load()
+    return _framed(image, orientation, DecodeInfo(fmt, width, height, draft_scale))
 
-    transpose = _ORIENTATION_TRANSPOSE.get(orientation)
-    if transpose is not None:
-        frame = frame.transpose(transpose)
+
+def _framed(
+    image: Image.Image | None,
+    orientation: int,
+    info: DecodeInfo,
+    array: npt.NDArray[np.uint8] | None = None,
+) -> Frame:
+    """`info` with the stored size; the frame's info holds the upright one."""
     if orientation in _SWAPS_AXES:
-        width, height = height, width
+        info = DecodeInfo(info.format, info.height, info.width, info.draft_scale)
+    return Frame(pil=image, orientation=orientation, info=info, array=array)
 
+
+def dct_scale(width: int, height: int, size: int) -> int:
+    """The largest of libjpeg's 1/2, 1/4, 1/8 reductions that keeps both sides >= `size`
+    (both, so that the shorter side stays >= size whatever the EXIF orientation), or 1.
+    libjpeg rounds a scaled side up."""
+    scale = 8
+    while scale > 1 and (-(-width // scale) < size or -(-height // scale) < size):
+        scale //= 2
+    return scale
+
+
+def _turbo_frame(data: bytes, spec: DecodeSpec) -> Frame | None:
+    """The JPEG decoded by libjpeg-turbo (simplejpeg, which releases the GIL), or None when
+    Pillow should decode it (CMYK/YCCK, or a header TurboJPEG refuses: Pillow then decodes
+    it or reports the error as it always has)."""
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except Exception:  # noqa: BLE001 - whatever it is, Pillow's path judges the image
+        return None
+    if colorspace not in ("YCbCr", "RGB", "Gray") or width <= 0 or height <= 0:
+        return None
+    if width * height > spec.max_pixels:
+        raise DecodeError(
+            ErrorCode.IMAGE_TOO_LARGE,
+            f"{width}x{height} is {width * height} pixels, over the limit of "
+            f"{spec.max_pixels} pixels",
+        )
+    if width * height > 2 * (Image.MAX_IMAGE_PIXELS or width * height):
+        # Pillow's own decompression-bomb limit, kept for the JPEGs it no longer opens.
+        raise DecodeError(
+            ErrorCode.IMAGE_TOO_LARGE,
+            f"{width}x{height} is over Pillow's decompression-bomb limit of "
+            f"{2 * (Image.MAX_IMAGE_PIXELS or 0)} pixels",
+        )
+    scale = dct_scale(width, height, spec.size) if spec.dct_scaling else 1
+    sw, sh = -(-width // scale), -(-height // scale)
+    grey = colorspace == "Gray"
+    need = decoded_bytes("L" if grey else "RGB", sw, sh)
+    if need > spec.max_decode_bytes:
+        at = f" (decoded at 1/{scale}: {sw}x{sh})" if scale > 1 else ""
+        mib = 1024 * 1024
+        mode = "L" if grey else "RGB"
+        raise DecodeError(
+            ErrorCode.IMAGE_TOO_LARGE,
+            f"{width}x{height} {mode}{at} needs {-(-need // mib)} MiB to decode, over the "
+            f"limit of {spec.max_decode_bytes // mib} MiB",
+        )
+    space = "GRAY" if grey else "RGB"
+    try:
+        # Strict: libjpeg-turbo's warnings raise, so data that ends before the image does is
+        # seen here rather than decoded into grey fill.
+        pixels = simplejpeg.decode_jpeg(
+            data, colorspace=space, min_height=sh, min_width=sw, strict=True
+        )
+    except ValueError as exc:
+        text = str(exc)
+        # libjpeg's JWRN_HIT_MARKER and JWRN_JPEG_EOF; other warnings (extraneous bytes,
+        # odd markers) leave the pixels whole and are not a reason to refuse the image.
+        if "premature end" in text.lower():
+            raise DecodeError(
+                ErrorCode.DECODE_ERROR,
+                f"the JPEG data is truncated: it ends before the image does ({text})",
+            ) from None
+        return None
+    if pixels.shape[:2] != (sh, sw):
+        return None  # not the scale asked for: let Pillow's draft decide, as before
+    info = DecodeInfo("JPEG", width, height, scale)
+    return _framed(None, _jpeg_orientation(data), info, pixels)
+
+
+def _jpeg_orientation(data: bytes) -> int:
+    """The EXIF orientation of a JPEG (1 when absent or unreadable), from its APP1 segment:
+    read by Pillow's EXIF parser, without opening the image."""
+    exif = _jpeg_exif(data)
+    if exif is None:
+        return 1
+    try:
+        value = Image.Exif()
+        value.load(exif)
+        tag = value.get(_ORIENTATION_TAG, 1)
+    except Exception:  # noqa: BLE001 - broken metadata costs the rotation, not the image
+        return 1
+    return tag if isinstance(tag, int) and tag in _ORIENTATION_TRANSPOSE else 1
+
+
+def _jpeg_exif(data: bytes) -> bytes | None:
+    """The first APP1 segment holding EXIF ("Exif\\0\\0" and its TIFF data), or None."""
+    # Most JPEGs carry none: a C-speed search (well under 1% of the decode at any size)
+    # saves them the marker walk.
+    if data.find(b"Exif\x00\x00") < 0:
+        return None
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:
+            pos += 1
+            continue
+        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:
+            pos += 2
+            continue
+        if marker == 0xDA:
+            return None
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xE1 and data[pos + 4 : pos + 10] == b"Exif\x00\x00":
+            return bytes(data[pos + 4 : pos + 2 + length])
+        pos += 2 + length
+    return None
+
+
+def shape_frame(frame: Frame, spec: DecodeSpec) -> npt.NDArray[np.uint8]:
+    """The frame turned upright and fitted to S x S by the spec's geometry: (S, S) grey or
+    (S, S, 3) RGB."""
+    s = spec.size
+    image = frame.image()
+    transpose = _ORIENTATION_TRANSPOSE.get(frame.orientation)
+    if transpose is not None:
+        image = image.transpose(transpose)
     if spec.geometry == "squash":
-        pixels = np.asarray(frame.resize((s, s), Image.Resampling.BILINEAR), dtype=np.uint8)
-    elif spec.geometry == "letterbox":
-        pixels = _letterbox(frame, s)
-    else:
-        pixels = _resize_center_crop(frame, s)
-    return pixels, DecodeInfo(format=fmt, width=width, height=height, draft_scale=draft_scale)
+        return np.asarray(image.resize((s, s), Image.Resampling.BILINEAR), dtype=np.uint8)
+    if spec.geometry == "letterbox":
+        return _letterbox(image, s)
+    return _resize_center_crop(image, s)
 
 
 def decoded_bytes(mode: str, width: int, height: int) -> int:

@@ -1,7 +1,9 @@
 """The decode thread pool: reads a job's bytes and decodes them into a staging row.
 
-PIL releases the GIL while it decodes and resizes, so threads give real parallelism here
-without the cost of shipping pixels between processes.
+libjpeg-turbo and PIL release the GIL while they decode and resize, so threads give real
+parallelism here without the cost of shipping pixels between processes. With `row_side`
+set (GPUFEED_RESIZE=device) a row receives the decoded pixels and their geometry
+(worker/decode/rows.py) instead of a resized square.
 
 Every image has a decode budget (GPUFEED_DECODE_BUDGET_MS), counted from the moment a thread
 starts on it. A batch waits for a row at most that long; a row still decoding then is given
@@ -50,6 +52,7 @@ from worker.decode.cpu import (
     write_row,
 )
 from worker.decode.gpu import GpuDecodeRouter, GpuRow
+from worker.decode.rows import decode_row, write_decoded_row
 from worker.job_path import read_job_path
 from worker.jobs import Job
 
@@ -90,12 +93,18 @@ class RowTicket:
         # A spare thread took the place of the thread running this decode.
         self.replaced = False
 
-    def write(self, out: npt.NDArray[np.uint8], pixels: npt.NDArray[np.uint8]) -> bool:
-        """Copy `pixels` into the row and mark it done, unless it was given up."""
+    def write(
+        self,
+        out: npt.NDArray[np.uint8],
+        pixels: Any,
+        writer: Callable[[npt.NDArray[np.uint8], Any], None] = write_row,
+    ) -> bool:
+        """Copy `pixels` into the row with `writer` and mark it done, unless it was given
+        up."""
         with self._lock:
             if self.state is not _Row.RUNNING:
                 return False
-            write_row(out, pixels)
+            writer(out, pixels)
             self.state = _Row.DONE
             return True
 
@@ -226,10 +235,17 @@ class DecodePool:
         gpu_router: GpuDecodeRouter | None = None,
         cache: DecodeCache | None = None,
         budget_s: float = 10.0,
+        row_side: int = 0,
     ) -> None:
+        """`row_side`: rows for the device placement (worker/decode/rows.py) of that side;
+        0: S x S rows resized here (the host placement)."""
         if budget_s <= 0:
             raise ValueError(f"budget_s must be positive (got {budget_s})")
         self.spec = spec
+        self.row_side = row_side
+        # Device placement: images too large for a row, fitted to S x S here instead.
+        self.reduced = 0
+        self.reduced_ms = 0.0
         self.threads = threads
         self.path_root = path_root
         self.budget_s = budget_s
@@ -246,6 +262,10 @@ class DecodePool:
         self.given_up = 0  # rows given up so far
         for _ in range(threads):
             self._start_thread()
+
+    @property
+    def _writer(self) -> Callable[[npt.NDArray[np.uint8], Any], None]:
+        return write_decoded_row if self.row_side else write_row
 
     @property
     def spare_threads(self) -> int:
@@ -394,7 +414,7 @@ class DecodePool:
             if job.cached_row is not None:
                 # A `url` job the server said had not changed: its row from the cache.
                 row, row_info = job.cached_row
-                ticket.write(out, row)
+                ticket.write(out, row, self._writer)
                 return DecodeResult(
                     row_info, None, (time.perf_counter() - start) * 1000, cached=True
                 )
@@ -411,7 +431,7 @@ class DecodePool:
                 entry = self.cache.get(key)
                 if entry is not None:
                     row, info = entry
-                    ticket.write(out, row)
+                    ticket.write(out, row, self._writer)
                     ms = (time.perf_counter() - start) * 1000
                     return DecodeResult(info, None, ms, cached=True)
             if may_defer and self.gpu_router is not None:
@@ -419,6 +439,8 @@ class DecodePool:
                 if gpu is not None:
                     ms = (time.perf_counter() - start) * 1000
                     return DecodeResult(gpu.info, None, ms, gpu=gpu)
+            if self.row_side:
+                return self._decode_row(data, out, ticket, key, start)
             check_row(out, self.spec)
             pixels, info = decode_pixels(data, self.spec)
             if ticket.write(out, pixels) and key is not None and self.cache is not None:
@@ -430,6 +452,29 @@ class DecodePool:
         except Exception as exc:  # noqa: BLE001 - one bad job must never take down its batch
             err = DecodeError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
             return DecodeResult(None, err, (time.perf_counter() - start) * 1000)
+
+    def _decode_row(
+        self,
+        data: bytes,
+        out: npt.NDArray[np.uint8],
+        ticket: RowTicket,
+        key: bytes | None,
+        start: float,
+    ) -> DecodeResult:
+        """Device placement: the pixels at their decoded size and their geometry."""
+        side = self.row_side
+        if out.shape != (side, side, 3) or out.dtype != np.uint8:
+            raise ValueError(f"out must be uint8 of shape {(side, side, 3)}, got {out.shape}")
+        row, info = decode_row(data, self.spec, side)
+        written = ticket.write(out, row, write_decoded_row)
+        ms = (time.perf_counter() - start) * 1000
+        if row.reduced:
+            with self._lock:
+                self.reduced += 1
+                self.reduced_ms += ms
+        if written and key is not None and self.cache is not None:
+            self.cache.put(key, out, info)
+        return DecodeResult(info, None, ms)
 
     def shutdown(self) -> None:
         """Drop queued rows, let running decodes end (up to a budget), stop the threads.

@@ -79,6 +79,9 @@ class InferenceStep(nn.Module):
             persistent=False,
         )
         self.model = model
+        # Set by worker.model.resample.use_rows for the device placement: the step then
+        # reads rows at their own size and resizes them itself.
+        self.rows: nn.Module | None = None
         self.staging_size = staging_size
         self.crop_size = crop_size
         # torchvision's CenterCrop offset: round((S - C) / 2), half to even as Python rounds.
@@ -110,7 +113,9 @@ class InferenceStep(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         off = self.crop_offset
-        if self.input_side != self.staging_size:
+        if self.rows is not None:
+            x = self.rows(x).to(self.dtype)
+        elif self.input_side != self.staging_size:
             # [B, S_in, S_in, 3] uint8 -> [B, 3, C, C] in `dtype`: resized and cropped as two
             # matrix products with the rows of the resampling matrix that survive the crop,
             # in fp32 (weights rounded to bf16 would shift the brightness of whole rows).
@@ -231,6 +236,7 @@ def reference_copy(step: InferenceStep) -> InferenceStep:
             head=_copied(step.head).float(),
             input_side=step.input_side,
         ).to(device)
+        ref.rows = step.rows
     else:
         ref = _copied(step).float()
         ref.dtype = torch.float32

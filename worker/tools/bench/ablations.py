@@ -67,7 +67,15 @@ CPU_PREPROCESS = Variant(
     "gpufeed-cpu-preprocess",
     "GPU preprocessing off (CPU transforms)",
     "gpu_preprocess",
+    # The emulation writes resized S x S rows: the host placement's ring.
+    (("resize", "host"),),
     cpu_preprocess=True,
+)
+DEVICE_RESIZE_OFF = Variant(
+    "gpufeed-host-resize",
+    "resize on the device off (Pillow on the decode threads)",
+    "device_resize",
+    (("resize", "host"),),
 )
 NO_COMPILE = Variant("gpufeed-no-compile", "compile off (eager)", "compile", (("compile", "off"),))
 # On the CPU the default is eager (GPUFEED_COMPILE=auto): there the compile variant turns

@@ -64,6 +64,9 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
         "max_wait_ms": cfg.max_wait_ms,
         "ring_slots": cfg.ring_slots,
         "resize": worker.loaded.resize_mode,
+        # Where images are resized (GPUFEED_RESIZE), why, and what the input ring costs.
+        "resize_placement": worker.placement,
+        **worker.ring_budget,
         "staging_size": worker.loaded.resize_size,
         "input_size": worker.loaded.crop_size,
         "mean": list(worker.loaded.mean),
@@ -146,6 +149,9 @@ async def gpufeed_run(
                 "decode": stats["stage_ms"].get("decode"),
                 "compute": round(compute_per_image, 3) if compute_per_image else None,
             },
+            # Device placement: images too large for a row, fitted on the host instead.
+            "rows_reduced_on_host": worker.decoder.reduced,
+            "rows_reduced_ms": round(worker.decoder.reduced_ms, 3),
             "batches": c.batches,
             "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
             if c.batches

@@ -87,7 +87,8 @@ async def measure_ceiling(worker: Worker, target_s: float) -> dict[str, Any]:
     cudagraphs = bool(report is not None and report.cudagraphs and worker.ctx.is_cuda)
     step = worker.runner.step
     device = worker.ctx.device
-    shape = (worker.batch_size, worker.loaded.resize_size, worker.loaded.resize_size, 3)
+    # The ring's side: S x S rows, or R x R rows for GPUFEED_RESIZE=device.
+    shape = (worker.batch_size, worker.ring.size, worker.ring.size, 3)
     out: dict[str, Any] = {}
 
     def on_launch_thread() -> None:

@@ -56,4 +56,6 @@ def decode_method(run: Mapping[str, Any]) -> str:
     s = run["settings"]
     if s.get("cpu_preprocess"):
         return "cpu_preprocess"
+    if s.get("resize_placement") == "device":
+        return "decode_rows"
     return "decode_into_dct" if s.get("dct_scaling") else "decode_into_full"

@@ -54,6 +54,7 @@ from worker.tools.bench.ablations import (
     COMPILED,
     CPU_PREPROCESS,
     DEFAULTS,
+    DEVICE_RESIZE_OFF,
     NO_COMPILE,
     NO_DCT,
     ONE_DECODE_THREAD,
@@ -91,6 +92,15 @@ def variants_for(b: Bench) -> list[Variant]:
             {"what": ONE_DECODE_THREAD.name, "reason": "the worker already decodes on 1 thread"}
         )
     out.append(CPU_PREPROCESS)
+    if b.is_cuda:
+        out.append(DEVICE_RESIZE_OFF)
+    else:
+        b.skipped.append(
+            {
+                "what": DEVICE_RESIZE_OFF.name,
+                "reason": "GPUFEED_RESIZE=auto already resizes on the host on the CPU",
+            }
+        )
     default_compile = resolve_compile_mode(
         str(b.explicit.get("compile") or b.base.compile), b.device
     )
@@ -327,6 +337,21 @@ def run_bench(
                 for key, table in rates.items()
                 for method, by_threads in table.items()
                 for rate in by_threads.values()
+            ],
+            # Per image, on one thread: each gpufeed decode over the decoder alone.
+            "decode_over_decoder": [
+                {
+                    "image_set": key[0],
+                    "staging_size": key[1],
+                    "method": method,
+                    "ratio": round(
+                        table["decoder_alone"]["1"].images_per_s / table[method]["1"].images_per_s,
+                        2,
+                    ),
+                }
+                for key, table in rates.items()
+                for method in ("decode_into_dct", "decode_rows")
+                if "decoder_alone" in table and method in table
             ],
             "model": b.model_rates,
             "queue": list(b.queue_ceilings.values()),

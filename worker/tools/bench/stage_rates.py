@@ -17,12 +17,21 @@ forward at batch 1. From them:
 
 from __future__ import annotations
 
+import io
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from worker.decode.cpu import DecodeSpec, decode_to_array
+import numpy as np
+import simplejpeg  # type: ignore[import-untyped]
+import torch
+from PIL import Image
+
+from worker.decode.cpu import DecodeSpec, dct_scale, decode_to_array, sniff_format
+from worker.decode.rows import decode_row, row_side, write_decoded_row
+from worker.model.resample import RowResampler
 from worker.tools.bench.ablations import CpuPreprocess
 from worker.tools.bench.naive import NaivePreprocess
 
@@ -35,6 +44,12 @@ DECODE_METHODS: dict[str, str] = {
     "decode_into_dct": "gpufeed decode: DCT-scaled JPEG decode + resize/crop into a row",
     "decode_into_full": "gpufeed decode with DCT scaling off",
     "cpu_preprocess": "gpufeed decode + torchvision transforms on the CPU (ablation)",
+    "decoder_alone": "the decoder alone at the DCT scale, no checks, no resize: libjpeg-turbo "
+    "(simplejpeg) for JPEGs, Pillow for the rest",
+    "decode_rows": "gpufeed decode for GPUFEED_RESIZE=device: checks + DCT-scaled decode into "
+    "a row at its own size (the resize runs in the step)",
+    "rows_resized_on_cpu": "decode_rows + the step's resampling run on the CPU, batches of 8 "
+    "(what GPUFEED_RESIZE=device costs a CPU host; auto picks host there)",
 }
 
 
@@ -67,6 +82,7 @@ def decode_methods(
         resize=staging_size, crop=crop_size, mean=mean, std=std, geometry=geometry
     )
     dct = DecodeSpec(size=staging_size, dct_scaling=True, geometry=geometry)
+    side = row_side(staging_size)
     full = DecodeSpec(size=staging_size, dct_scaling=False, geometry=geometry)
     cpu = CpuPreprocess(dct, crop=crop_size, mean=mean, std=std)
     return {
@@ -75,7 +91,54 @@ def decode_methods(
         "decode_into_dct": lambda data: decode_to_array(data, dct),
         "decode_into_full": lambda data: decode_to_array(data, full),
         "cpu_preprocess": cpu.to_array,
+        "decoder_alone": decoder_alone(staging_size),
+        "decode_rows": lambda data: decode_row(data, dct, side),
+        "rows_resized_on_cpu": RowsOnCpu(dct, side, crop_size),
     }
+
+
+def decoder_alone(size: int) -> DecodeFn:
+    """What the decoder itself costs: the floor the decode stage is measured against."""
+
+    def decode(data: bytes) -> object:
+        if sniff_format(data) == "JPEG":
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            scale = dct_scale(width, height, size)
+            return simplejpeg.decode_jpeg(
+                data, min_height=-(-height // scale), min_width=-(-width // scale)
+            )
+        with Image.open(io.BytesIO(data)) as im:
+            im.draft("RGB", (size, size))
+            im.load()
+            return im
+
+    return decode
+
+
+class RowsOnCpu:
+    """The device placement run wholly on the CPU: rows decoded, then resampled eagerly by
+    the step's RowResampler in batches of 8 (the cost is per image)."""
+
+    batch = 8
+
+    def __init__(self, spec: DecodeSpec, side: int, crop: int) -> None:
+        self.spec, self.side = spec, side
+        self.resampler = RowResampler(side, spec.size, spec.size, crop)
+        self._local = threading.local()
+
+    def __call__(self, data: bytes) -> object:
+        local = self._local
+        if not hasattr(local, "rows"):
+            local.rows = np.zeros((self.batch, self.side, self.side, 3), dtype=np.uint8)
+            local.filled = 0
+        row, _ = decode_row(data, self.spec, self.side)
+        write_decoded_row(local.rows[local.filled], row)
+        local.filled += 1
+        if local.filled == self.batch:
+            local.filled = 0
+            with torch.inference_mode():
+                return self.resampler(torch.from_numpy(local.rows))
+        return row
 
 
 def measure(

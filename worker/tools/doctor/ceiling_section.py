@@ -41,7 +41,7 @@ def ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
     }
 
     def on_launch_thread() -> None:
-        x = random_batch(worker.batch_size, worker.loaded.resize_size, device)
+        x = random_batch(worker.batch_size, worker.ring.size, device)
         run = timed_ceiling(eager, x, seconds=options.ceiling_seconds)
         out["eager"] = {**run, "mode": "off", "compile_s": None}
         if report.compiled:

@@ -119,7 +119,7 @@ def profile_section(worker: Any, profile_step: StepFn | None) -> dict[str, Any]:
     result: dict[str, Any] = {}
 
     def on_launch_thread() -> None:
-        x = random_batch(worker.batch_size, worker.loaded.resize_size, device)
+        x = random_batch(worker.batch_size, worker.ring.size, device)
         if profile_step is not None:
             result.update(profile_forward(profile_step, x, step_label="injected"))
         else:

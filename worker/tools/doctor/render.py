@@ -45,6 +45,12 @@ def render(report: Mapping[str, Any], console: Console) -> None:
         + f"; input {cfg['input_size']} px (staging {cfg['staging_size']}), "
         f"{cfg['decode_threads']} decode threads ({cfg['decode']})"
     )
+    mib = 1024 * 1024
+    console.print(
+        f"resize on the {cfg['resize']} ({cfg['resize_why']}); rows {cfg['row_side']} px, "
+        f"input ring {cfg['ring_pinned_bytes'] / mib:.0f} MiB, "
+        f"{cfg['h2d_bytes_per_batch'] / mib:.1f} MiB host-to-device per batch"
+    )
     for note in cfg["notes"]:
         console.print(f"[yellow]note:[/] {note}")
 

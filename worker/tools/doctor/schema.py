@@ -112,6 +112,15 @@ SCHEMA: dict[str, Any] = _obj(
                 "decode": _t("string", "GPUFEED_DECODE"),
                 "decode_threads": _t("integer", "decode threads", "threads"),
                 "dct_scaling": _t("boolean", "GPUFEED_DCT_SCALING"),
+                "resize": _t("string", "where images are resized (`host` or `device`)"),
+                "resize_why": _t("string", "why that placement (GPUFEED_RESIZE and the device)"),
+                "row_side": _t("integer", "side of the input ring's rows (S; R for device)", "px"),
+                "ring_pinned_bytes": _t(
+                    "integer", "the input ring's host memory, all slots (pinned on CUDA)", "bytes"
+                ),
+                "h2d_bytes_per_batch": _t(
+                    "integer", "bytes copied host-to-device per batch", "bytes"
+                ),
                 "max_wait_ms": _t("number", "GPUFEED_MAX_WAIT_MS", "ms"),
                 "fetch_concurrency": _t(
                     "integer", "GPUFEED_FETCH_CONCURRENCY (`url` jobs)", "fetches"

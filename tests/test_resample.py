@@ -1,0 +1,356 @@
+"""Both resize placements give the pixels of torchvision's eval transforms.
+
+The reference: the image decoded in full by Pillow, turned upright from its EXIF tag, then
+torchvision's Resize(S, antialias=True) + CenterCrop(C). The host placement resizes on the
+decode threads (Pillow, 8-bit between its passes); the device placement keeps the decoded
+pixels in rows and resizes them in the step (float, worker/model/resample.py), run here on
+the CPU. Both decode large JPEGs at libjpeg's DCT scale, which is where most of the
+difference to the full-decode reference comes from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+from PIL import Image, ImageOps
+from torch import nn
+from torchvision import transforms
+
+from producer.wire import JobResult
+from tests.images import encode, photo_like
+from tests.worker_harness import running_worker, wait_results
+from worker.config import ConfigError
+from worker.decode.cache import DecodeCache
+from worker.decode.cpu import DecodeSpec, decode_pixels
+from worker.decode.pool import DecodePool
+from worker.decode.rows import GEOMETRY_WORDS, decode_row, row_side, write_decoded_row
+from worker.jobs import Job
+from worker.model.resample import RowResampler, choose_placement, use_rows
+from worker.model.step import InferenceStep, check_step
+
+S, C = 64, 56
+R = row_side(S)
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+# Size classes: an upscaled thumbnail, native rows (landscape, portrait, square), DCT-scaled
+# photos, and a panorama too long for a row (reduced on the host).
+SIZES = [(40, 30), (150, 112), (112, 150), (100, 100), (520, 390), (700, 1000), (600, 90)]
+
+
+def oriented_jpeg(width: int, height: int, orientation: int, seed: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encode(photo_like(width, height, seed), "JPEG", quality=95, exif=exif.tobytes())
+
+
+def reference(data: bytes) -> torch.Tensor:
+    """[3, C, C] float, 0..255: torchvision's eval geometry on the full, upright decode."""
+    image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
+    pipeline = transforms.Compose(
+        [transforms.Resize(S, antialias=True), transforms.CenterCrop(C), transforms.PILToTensor()]
+    )
+    out: torch.Tensor = pipeline(image)
+    return out.float()
+
+
+def host_placement(data: bytes) -> torch.Tensor:
+    pixels, _ = decode_pixels(data, DecodeSpec(size=S))
+    off = round((S - C) / 2)
+    return torch.from_numpy(pixels[off : off + C, off : off + C].copy()).permute(2, 0, 1).float()
+
+
+def device_rows(images: list[bytes]) -> torch.Tensor:
+    rows = np.zeros((len(images), R, R, 3), dtype=np.uint8)
+    for i, data in enumerate(images):
+        row, _ = decode_row(data, DecodeSpec(size=S), R)
+        write_decoded_row(rows[i], row)
+    return torch.from_numpy(rows)
+
+
+def device_placement(images: list[bytes]) -> torch.Tensor:
+    with torch.inference_mode():
+        return RowResampler(R, S, S, C)(device_rows(images))
+
+
+def cases() -> list[bytes]:
+    return [
+        oriented_jpeg(w, h, orientation, seed=i)
+        for i, (w, h) in enumerate(SIZES)
+        for orientation in range(1, 9)
+    ]
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return cases()
+
+
+@pytest.fixture(scope="module")
+def placements(images: list[bytes]) -> dict[str, torch.Tensor]:
+    return {
+        "reference": torch.stack([reference(d) for d in images]),
+        "host": torch.stack([host_placement(d) for d in images]),
+        "device": device_placement(images),
+    }
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_pixels_match_torchvision(placement: str, placements: dict[str, torch.Tensor]) -> None:
+    """In levels of 255, per image: decoded at full size, within 1 everywhere (rounding),
+    0.5 on average; decoded at a DCT scale (shorter side >= 2S), 1.5 on average and 10 at
+    most: libjpeg's reduced IDCT drops detail finer than the scaled grid."""
+    diff = (placements[placement] - placements["reference"]).abs().reshape(len(SIZES), 8, -1)
+    for (w, h), per_image in zip(SIZES, diff, strict=True):
+        scaled = min(w, h) >= 2 * S
+        assert per_image.mean(dim=1).max() <= (1.5 if scaled else 0.5), (w, h)
+        assert per_image.max() <= (10.0 if scaled else 1.0), (w, h)
+
+
+def test_the_placements_agree(placements: dict[str, torch.Tensor]) -> None:
+    """Same decode, same geometry: only Pillow's 8-bit rounding between passes differs."""
+    assert (placements["device"] - placements["host"]).abs().max() <= 1.0
+
+
+class TinyClassifier(nn.Module):
+    """A small random convnet: its pooled features are the embedding, a linear layer the
+    logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 5, stride=2),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.classes = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        emb = self.features(x)
+        return emb, self.classes(emb)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_classifier_agrees_with_the_reference(
+    placement: str, placements: dict[str, torch.Tensor]
+) -> None:
+    """fp32 on the CPU: top-1 agreement >= 99% and embedding cosine >= 0.995."""
+    model = TinyClassifier().eval()
+    mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+    with torch.inference_mode():
+        emb_ref, logits_ref = model((placements["reference"] - mean) / std)
+        emb, logits = model((placements[placement] - mean) / std)
+    agreement = (logits.argmax(1) == logits_ref.argmax(1)).float().mean().item()
+    cosine = torch.nn.functional.cosine_similarity(emb, emb_ref, dim=1)
+    assert agreement >= 0.99
+    assert cosine.min().item() >= 0.995
+
+
+def test_rows_carry_their_geometry(images: list[bytes]) -> None:
+    rows = device_rows(images[:8]).numpy()
+    words = rows[:, 0].reshape(8, -1)[:, : 4 * GEOMETRY_WORDS].copy().view("<i4")
+    h, w = SIZES[0][1], SIZES[0][0]
+    assert [tuple(r[:3]) for r in words] == [(h, w, o) for o in range(1, 9)]
+
+
+def test_a_row_too_long_is_reduced_on_the_host() -> None:
+    panorama = oriented_jpeg(600, 90, 1, seed=1)
+    row, _ = decode_row(panorama, DecodeSpec(size=S), R)
+    assert row.reduced and row.pixels.shape == (S, S, 3)
+    native, _ = decode_row(oriented_jpeg(150, 112, 1, seed=1), DecodeSpec(size=S), R)
+    assert not native.reduced and native.pixels.shape == (112, 150, 3)
+
+
+@pytest.mark.parametrize("geometry", ["squash", "letterbox"])
+def test_other_geometries_match_the_host(geometry: str) -> None:
+    spec = DecodeSpec(size=S, geometry=geometry)
+    images = [oriented_jpeg(w, h, 6, seed=2) for w, h in [(150, 90), (90, 150), (40, 30)]]
+    rows = np.zeros((len(images), R, R, 3), dtype=np.uint8)
+    host = []
+    for i, data in enumerate(images):
+        row, _ = decode_row(data, spec, R)
+        write_decoded_row(rows[i], row)
+        host.append(torch.from_numpy(decode_pixels(data, spec)[0].copy()).permute(2, 0, 1))
+    with torch.inference_mode():
+        got = RowResampler(R, S, S, S)(torch.from_numpy(rows))
+    assert (got - torch.stack(host).float()).abs().max() <= 1.5
+
+
+def test_any_row_bytes_give_finite_pixels() -> None:
+    """Garbage geometry (a padded row never written, random bytes) must not give NaN or
+    read outside the row: the step's output for such rows is discarded, but it must run."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 256, (6, R, R, 3), dtype=torch.uint8, generator=gen)
+    rows[0] = 0
+    with torch.inference_mode():
+        out = RowResampler(R, S, S, C)(rows)
+    assert out.shape == (6, 3, C, C) and torch.isfinite(out).all()
+    assert out.min() >= 0 and out.max() <= 255
+
+
+def test_degraded_step_scales_the_geometry(images: list[bytes]) -> None:
+    """A smaller staging size reads the same rows: the same as the host placement at it."""
+    small, crop = 40, 32
+    with torch.inference_mode():
+        got = RowResampler(R, S, small, crop)(device_rows(images[:8]))
+    for i, data in enumerate(images[:8]):
+        pixels, _ = decode_pixels(data, DecodeSpec(size=small))
+        off = round((small - crop) / 2)
+        want = torch.from_numpy(pixels[off : off + crop, off : off + crop].copy())
+        assert (got[i] - want.permute(2, 0, 1).float()).abs().mean() < 1.5
+
+
+def test_step_with_rows_runs_and_matches_the_host_step(images: list[bytes]) -> None:
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 5))
+    kwargs = {"staging_size": S, "crop_size": C, "mean": MEAN, "std": STD, "top_k": 5}
+    host_step = InferenceStep(head, dtype=torch.float32, **kwargs).eval()
+    device_step = InferenceStep(head, dtype=torch.float32, **kwargs).eval()
+    use_rows(device_step, R, S)
+    check_step(device_step, torch.zeros((2, R, R, 3), dtype=torch.uint8), what="rows")
+    batch = images[8:16]
+    host_in = torch.stack(
+        [torch.from_numpy(decode_pixels(d, DecodeSpec(size=S))[0].copy()) for d in batch]
+    )
+    with torch.inference_mode():
+        _, host_scores = host_step(host_in)
+        _, device_scores = device_step(device_rows(batch))
+    torch.testing.assert_close(device_scores, host_scores, atol=2e-3, rtol=0)
+
+
+def test_placement_choice() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_placement("auto", cpu, "cpu")[0] == "host"
+    assert choose_placement("auto", cuda, "cpu")[0] == "device"
+    assert choose_placement("auto", cuda, "gpu")[0] == "host"
+    assert choose_placement("device", cpu, "cpu")[0] == "device"
+    with pytest.raises(ConfigError, match="GPUFEED_RESIZE=device"):
+        choose_placement("device", cuda, "gpu")
+
+
+async def test_pool_writes_rows_and_counts_reductions() -> None:
+    spec = DecodeSpec(size=S)
+    pool = DecodePool(spec, 2, None, row_side=R)
+    try:
+        jobs = [
+            Job("1-0", "native", "r", None, oriented_jpeg(150, 112, 6, seed=3), None),
+            Job("2-0", "panorama", "r", None, oriented_jpeg(600, 90, 1, seed=3), None),
+        ]
+        rows = np.zeros((2, R, R, 3), dtype=np.uint8)
+        results = await pool.settle([pool.submit_rows(jobs, rows)])
+    finally:
+        pool.shutdown()
+    assert [r.error for r in results] == [None, None]
+    assert results[0].info is not None and (results[0].info.width, results[0].info.height) == (
+        112,
+        150,
+    )
+    assert pool.reduced == 1
+    with torch.inference_mode():
+        got = RowResampler(R, S, S, C)(torch.from_numpy(rows))
+    for i, job in enumerate(jobs):
+        assert job.image is not None
+        assert (got[i] - host_placement(job.image)).abs().max() <= 1.5
+
+
+async def test_worker_serves_with_the_device_placement_on_the_cpu(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """GPUFEED_RESIZE=device is honoured on the CPU too, and answers as the host does."""
+    images = [oriented_jpeg(200 + 10 * i, 150, 1 + i % 8, seed=i) for i in range(5)]
+    scores = {}
+    for placement in ("device", "host"):
+        stream = f"gpufeed:results:{placement}"
+        async with running_worker(redis_url, tiny_weights, batch_size=4, resize=placement):
+            for i, data in enumerate(images):
+                redis_client.xadd(
+                    "gpufeed:jobs", {"id": f"{placement}{i}", "image": data, "reply_to": stream}
+                )
+            entries = await wait_results(redis_client, stream, len(images))
+        results = [JobResult.from_fields(f) for _, f in entries]
+        assert all(r.ok for r in results) and len(results) == len(images)
+        scores[placement] = {r.id[len(placement) :]: r.details["scores"] for r in results}
+        await asyncio.sleep(0)
+    for key, got in scores["device"].items():
+        np.testing.assert_allclose(got, scores["host"][key], atol=2e-3)
+
+
+async def test_a_cached_row_is_the_decoded_row() -> None:
+    """The decode cache keeps whole rows, geometry line included, for the device placement."""
+    pool = DecodePool(DecodeSpec(size=S), 1, None, row_side=R, cache=DecodeCache(64 * R * R * 3))
+    data = oriented_jpeg(150, 112, 6, seed=4)
+    rows = np.zeros((2, R, R, 3), dtype=np.uint8)
+    rows[1] = 7  # stale pixels of an earlier batch
+    try:
+        first = await pool.settle([pool.submit(Job("1-0", "a", "r", None, data, None), rows[0])])
+        again = await pool.settle([pool.submit(Job("2-0", "b", "r", None, data, None), rows[1])])
+    finally:
+        pool.shutdown()
+    assert not first[0].cached and again[0].cached
+    np.testing.assert_array_equal(rows[1], rows[0])
+
+
+async def test_the_degraded_step_reads_the_same_rows(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """With the device placement the degraded step resamples the main step's rows itself."""
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        resize="device",
+        batch_size=4,
+        degrade_after_s=3600.0,  # the test turns the switch
+        degrade_input_size=32,
+    ) as worker:
+        switch = worker.degrade_switch
+        assert switch is not None and worker.ring.size == worker.row_side
+        switch.on = True
+        for i in range(3):
+            data = oriented_jpeg(120 + 20 * i, 90, 6, seed=i)
+            redis_client.xadd("gpufeed:jobs", {"id": f"d{i}", "image": data})
+        entries = await wait_results(redis_client, "gpufeed:results", 3)
+    results = [JobResult.from_fields(f) for _, f in entries]
+    assert all(r.ok and r.degraded for r in results)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_captured_resampling_matches_the_cpu() -> None:
+    rows = device_rows(cases())
+    with torch.inference_mode():
+        want = RowResampler(R, S, S, C)(rows)
+    resampler = RowResampler(R, S, S, C).cuda()
+    compiled = torch.compile(resampler, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    on_device = rows.cuda()
+    with torch.inference_mode():
+        for _ in range(3):  # record, then replay the graph
+            got = compiled(on_device)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_cuda_the_device_placement_replays_one_graph(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    images = [oriented_jpeg(200 + 10 * i, 150, 1 + i % 8, seed=i) for i in range(8)]
+    async with running_worker(
+        redis_url, tiny_weights, device="cuda", compile="reduce-overhead", batch_size=4
+    ) as worker:
+        assert worker.placement == "device"
+        report = worker.compile_report
+        assert report is not None and report.compiled and report.cudagraph_replays > 0
+        for i, data in enumerate(images):
+            redis_client.xadd("gpufeed:jobs", {"id": f"g{i}", "image": data})
+        entries = await wait_results(redis_client, "gpufeed:results", len(images))
+        assert worker.observer.compile_check() == []
+    assert all(JobResult.from_fields(f).ok for _, f in entries)
