@@ -131,6 +131,8 @@ def phases_on_cpu(
         "--device", "cpu", "--model", "mobilenet_v3_small", "--batch", "4",
         "--precision", "fp32", "--seconds", str(seconds), "--warmup-seconds", "0.2",
         "--ceiling-iters", "2", "--width", "96", "--height", "64",
+        # The placement `auto` picks on a GPU host: the ceiling feeds the ring's rows.
+        "--resize", "device",
         "--redis-url", redis_url, "--out", str(out), "--junit", str(junit),
         "--deadline-s", str(deadline_s),
     ]  # fmt: skip
@@ -167,6 +169,7 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
         "done"
     ] * 4
     assert phases["cudnn"] == {"status": "skipped", "why": "not a CUDA device"}
+    assert report["resize"]["placement"] == "device"
     assert report["ceiling_images_per_s"]["eager"] > 0
     assert report["pipeline_images_per_s"] > 0
     grey = report["gpu_decode_vs_cpu"]["torchvision"]["modes"]["L"]

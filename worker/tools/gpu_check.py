@@ -715,6 +715,7 @@ async def run(args: argparse.Namespace, report: Report, deadline: Deadline) -> N
         "compile": args.compile,
         "precision": args.precision,
         "decode": args.decode,
+        "resize": args.resize,
         "stream": "gpucheck:jobs",
         "group": "gpucheck",
         "results_stream": "gpucheck:results",
@@ -774,7 +775,10 @@ async def _run_phases(
         staging_size=worker.loaded.resize_size,
         input_size=worker.loaded.crop_size,
     )
-    size = worker.loaded.resize_size
+    # The ring's rows: S x S with the resize on the host, R x R (decoded size and geometry)
+    # with the device placement, whose resampling is part of the step the ceiling times.
+    size = worker.ring.size
+    report["resize"] = {"placement": worker.placement, **worker.ring_budget}
     ceilings: dict[str, Any] = {}
     report["ceiling"] = ceilings
 
@@ -900,6 +904,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--precision", default=os.environ.get("GPU_CHECK_PRECISION", "auto"))
     p.add_argument("--compile", default=os.environ.get("GPU_CHECK_COMPILE", "auto"))
     p.add_argument("--decode", default=os.environ.get("GPU_CHECK_DECODE", "cpu"))
+    p.add_argument("--resize", default=os.environ.get("GPU_CHECK_RESIZE", "auto"))
     # Never a silent fallback to the CPU: the check is about the GPU.
     p.add_argument("--device", default=os.environ.get("GPU_CHECK_DEVICE", "cuda:0"))
     seconds = float(os.environ.get("GPU_CHECK_SECONDS", "20"))
