@@ -2,16 +2,16 @@
 
 While a run goes on, rows go to segment files in `PATH.parts/`: a segment is written in
 row groups (Parquet) or lines (JSON) as results arrive, under a `.tmp` name, and renamed
-to its final name (an atomic step) every `checkpoint_s` seconds, when it is closed; so
+to its final name (an atomic step) when it is closed, at each checkpoint of the run; so
 every file without `.tmp` in that folder is complete. When every id of the source has
 its row, the old output (if any) and the segments are copied into `PATH.tmp`, which is
 renamed to `PATH`, and the folder is removed. `PATH` is therefore either absent, the
 previous complete output, or the new complete one, never half written.
 
-A client killed mid-run loses only the rows of its open segment (at most `checkpoint_s`
-of work): the next run finds the committed segments, skips their ids, and submits the
-rest again. The segments of each run carry the run's number, so when an id has two rows
-(an error row and the row of its retry) the newer one is kept.
+A client killed mid-run loses only the rows since its last checkpoint: the next run finds
+the committed segments, skips their ids, and submits the rest again. The segments of each
+run carry the run's number, so when an id has two rows (an error row and the row of its
+retry) the newer one is kept.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,16 +223,14 @@ class Existing:
 class Output:
     """The output file, its segments folder, and the open segment of this run."""
 
-    def __init__(self, path: str | os.PathLike[str], *, checkpoint_s: float = 10.0) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.format = output_format(self.path)
         self.parts = self.path.with_name(self.path.name + ".parts")
-        self.checkpoint_s = checkpoint_s
         self.run = 0
         self._seq = 0
         self._open: _Segment | None = None
         self._open_path: Path | None = None
-        self._opened_at = 0.0
         self.rows_written = 0
 
     def segments(self) -> list[Path]:
@@ -311,12 +308,8 @@ class Output:
             name = f"r{self.run:06d}-{self._seq:06d}{self.format.suffix}"
             self._open_path = self.parts / name
             self._open = self.format.open(self._open_path.with_name(name + ".tmp"))
-            self._opened_at = time.monotonic()
         self._open.write(rows)
         self.rows_written += len(rows)
-
-    def due(self) -> bool:
-        return self._open is not None and time.monotonic() - self._opened_at >= self.checkpoint_s
 
     def commit(self) -> None:
         """Close the open segment and give it its final name: its rows now count."""

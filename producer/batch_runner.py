@@ -210,6 +210,7 @@ class BatchRun:
         self._refused_backoff = REFUSED_BACKOFF_S[0]
         self._last_result = time.monotonic()
         self._last_report = 0.0
+        self._checkpoint_at = time.monotonic() + options.checkpoint_s
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Progress:
@@ -220,10 +221,13 @@ class BatchRun:
                 self._fill()
                 self._read(feed)
                 self._recheck()
-                if len(self.rows) >= self.options.row_group or (self.rows and self.output.due()):
+                if len(self.rows) >= self.options.row_group:
                     self._flush()
-                if self.output.due():
+                if time.monotonic() >= self._checkpoint_at:
+                    # What is committed survives a crash; the rest is submitted again.
+                    self._flush()
                     self.output.commit()
+                    self._checkpoint_at = time.monotonic() + self.options.checkpoint_s
                 self._report()
         finally:
             self._flush()
@@ -356,5 +360,5 @@ def run_batch(
     over the same output stopped; returns the final counts."""
     options = options or BatchOptions()
     src = source if isinstance(source, Source) else open_source(source, path_root=options.path_root)
-    output = Output(out, checkpoint_s=options.checkpoint_s)
+    output = Output(out)
     return BatchRun(src, output, producer, options, on_progress).run()

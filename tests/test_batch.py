@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from producer import Producer
 from producer.batch_runner import BatchOptions, Progress, run_batch
