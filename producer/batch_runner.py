@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from producer import wire
-from producer.admission import AdmissionRefused
+from producer.admission import AdmissionRefused, BacklogFull
 from producer.batch_ids import IdStore, id_hashes
 from producer.batch_output import Output
 from producer.batch_rows import Row, error_row, result_row
@@ -206,6 +206,9 @@ class BatchRun:
         self.limit = max(1, limit)
         self.progress.in_flight_limit = self.limit
         self._ready: list[tuple[Job, str]] = []
+        # Jobs per submission: a chunk over the backlog limit would never be admitted.
+        self._chunk = min(SUBMIT_CHUNK, producer.max_backlog or SUBMIT_CHUNK)
+        self._fit = self._chunk
         self._refused_until = 0.0
         self._refused_backoff = REFUSED_BACKOFF_S[0]
         self._last_result = time.monotonic()
@@ -241,7 +244,7 @@ class BatchRun:
     def _fill(self) -> None:
         while len(self.in_flight) < self.limit and time.monotonic() >= self._refused_until:
             if not self._ready:
-                room = min(SUBMIT_CHUNK, self.limit - len(self.in_flight))
+                room = min(self._chunk, self.limit - len(self.in_flight))
                 items = self.items.take(room)
                 if not items:
                     return
@@ -276,24 +279,29 @@ class BatchRun:
         return jobs
 
     def _submit(self) -> bool:
-        """Submit the ready jobs; False when admission control refused them (they stay
-        ready, first in line, and the next try waits a little longer)."""
+        """Submit ready jobs; False when admission control refused them (they stay ready,
+        first in line, and the next try waits a little longer)."""
+        chunk = self._ready[: self._fit]
         try:
-            self.producer.submit_many(
-                (job for job, _ in self._ready), priority=self.options.priority
-            )
-        except AdmissionRefused:
+            self.producer.submit_many((job for job, _ in chunk), priority=self.options.priority)
+        except AdmissionRefused as exc:
             self.progress.refused += 1
+            room = exc.max_backlog - exc.backlog if isinstance(exc, BacklogFull) else 0
+            if 0 < room < len(chunk):
+                self._fit = room  # a smaller chunk fits now: try it at once
+                return True
+            self._fit = max(1, room)
             self._refused_until = time.monotonic() + self._refused_backoff
             self._refused_backoff = min(self._refused_backoff * 2, REFUSED_BACKOFF_S[1])
             return False
         self._refused_backoff = REFUSED_BACKOFF_S[0]
-        for job, source in self._ready:
+        self._fit = self._chunk
+        for job, source in chunk:
             assert job.id is not None
             self.in_flight[job.id] = source
-        self.progress.submitted += len(self._ready)
+        self.progress.submitted += len(chunk)
         self.progress.in_flight = len(self.in_flight)
-        self._ready = []
+        del self._ready[: len(chunk)]
         return True
 
     def _read(self, feed: ResultsFeed) -> None:

@@ -495,7 +495,7 @@ def batch(
 ) -> None:
     """Run every image of SOURCE and write one row per job to --out, resumably: run the
     same command again after a crash and only the ids not in the output are submitted."""
-    from producer.batch_output import OutputError
+    from producer.batch_output import OutputError, output_format
     from producer.batch_runner import BatchOptions, run_batch
     from producer.batch_sources import SourceError, open_source
     from producer.batch_view import BatchView, failed_message, print_json, summary
@@ -510,8 +510,9 @@ def batch(
         checkpoint_s=checkpoint,
     )
     try:
+        output_format(out_path)
         src = open_source(source, path_root=path_root)
-    except SourceError as exc:
+    except (SourceError, OutputError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
     with _session(settings) as producer:
         producer.group = settings.group

@@ -6,15 +6,20 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
+import socket
+import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from producer import Producer
 from producer.batch_runner import BatchOptions, Progress, run_batch
 from producer.batch_sources import SourceError, open_source
+from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker
 
@@ -132,3 +137,113 @@ def test_a_source_that_cannot_be_read_is_named(tmp_path: Path) -> None:
     lines.write_text('{"path": "a.jpg"}\n{"nothing": 1}\n')
     with pytest.raises(SourceError, match=r"bad.jsonl line 2: no url or path"):
         list(open_source(str(lines)).pages())
+
+
+def until(check: Any, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+async def test_no_more_than_in_flight_jobs_wait_and_a_full_backlog_waits_instead_of_failing(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "images"
+    ids = make_folder(folder, good=30)
+    out = tmp_path / "out.parquet"
+    low = "gpufeed:jobs:bulk"  # the lowest level: online jobs pass these
+    seen: list[Progress] = []
+
+    def batch() -> Progress:
+        with Producer(redis_url, priorities="online,bulk", max_backlog=6) as producer:
+            return run_batch(
+                str(folder),
+                out,
+                producer,
+                BatchOptions(in_flight=10, checkpoint_s=0.1),
+                on_progress=seen.append,
+            )
+
+    running = asyncio.create_task(asyncio.to_thread(batch))
+    # No worker yet: the backlog limit (6) holds the jobs back, below --in-flight (10).
+    await asyncio.to_thread(until, lambda: redis_client.xlen(low) == 6)
+    await asyncio.to_thread(until, lambda: bool(seen) and seen[-1].refused >= 2)
+    assert redis_client.xlen(low) == 6 and redis_client.xlen("gpufeed:jobs:online") == 0
+    async with running_worker(redis_url, tiny_weights, priorities="online,bulk", **NULL):
+        progress = await asyncio.wait_for(running, 60)
+
+    assert progress.ok == len(ids) and progress.errors == 0
+    assert max(p.in_flight for p in seen) <= 6
+    assert Counter(r["id"] for r in read_rows(out)) == Counter(ids)
+    assert redis_client.xlen("gpufeed:jobs:online") == 0
+
+
+async def test_retry_failed_runs_the_error_rows_again_and_keeps_the_newest_row(
+    redis_url: str, tiny_weights: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "images"
+    ids = make_folder(folder, good=8, broken=2)
+    out = tmp_path / "out.jsonl"
+    async with running_worker(redis_url, tiny_weights, **NULL):
+        first = await asyncio.to_thread(run, redis_url, folder, out, in_flight=4)
+        # The same command again: nothing to do, the file stays as it was.
+        again = await asyncio.to_thread(run, redis_url, folder, out, in_flight=4)
+        before = read_rows(out)
+        # The broken images are mended, and their rows run again.
+        for i in range(2):
+            (folder / f"broken/{i}.jpg").write_bytes(jpeg_bytes(24, 16, seed=99 + i))
+        retried = await asyncio.to_thread(
+            run, redis_url, folder, out, in_flight=4, retry_failed=True
+        )
+
+    assert (first.ok, first.errors) == (8, 2)
+    assert (again.submitted, again.skipped, again.rows) == (0, 10, 10)
+    assert Counter(r["status"] for r in before) == {"ok": 8, "error": 2}
+    assert (retried.retried, retried.submitted, retried.ok, retried.errors) == (2, 2, 2, 0)
+    rows = read_rows(out)
+    assert Counter(r["id"] for r in rows) == Counter(ids)
+    assert all(r["status"] == "ok" for r in rows)
+
+
+def gpufeed(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_module("producer", *args)
+
+
+def test_the_command_exits_2_for_bad_arguments_and_3_without_redis(tmp_path: Path) -> None:
+    folder = tmp_path / "images"
+    make_folder(folder, good=2)
+    bad_out = gpufeed("batch", str(folder), "--out", str(tmp_path / "out.csv"))
+    assert bad_out.returncode == 2 and ".parquet or .jsonl" in bad_out.stderr
+    missing = gpufeed("batch", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o.jsonl"))
+    assert missing.returncode == 2 and "no such file or folder" in missing.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    away = gpufeed(
+        "batch", str(folder), "--out", str(tmp_path / "o.jsonl"),
+        "--redis-url", f"redis://127.0.0.1:{port}/0",
+    )  # fmt: skip
+    assert away.returncode == 3, away.stderr
+    assert "Traceback" not in away.stderr
+
+
+async def test_the_command_prints_json_progress_and_a_summary_and_exits_0_when_all_ok(
+    redis_url: str, tiny_weights: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "images"
+    ids = make_folder(folder, good=12)
+    out = tmp_path / "out.parquet"
+    async with running_worker(redis_url, tiny_weights, **NULL):
+        proc = await asyncio.to_thread(
+            gpufeed, "batch", str(folder), "--out", str(out), "--redis-url", redis_url, "--json"
+        )
+        plain = await asyncio.to_thread(
+            gpufeed, "batch", str(folder), "--out", str(out), "--redis-url", redis_url
+        )
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[-1]["summary"]["ok"] == len(ids) and lines[-1]["summary"]["finished"]
+    assert all("progress" in line for line in lines[:-1])
+    assert plain.returncode == 0, plain.stderr
+    assert "rows in the output" in plain.stdout and "wall time" in plain.stdout
