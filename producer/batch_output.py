@@ -33,7 +33,7 @@ from producer.batch_ids import Hashes, contains, id_hashes
 from producer.batch_rows import Row, embedding_type, json_row, record_batch
 
 _SEGMENT_RE = re.compile(r"^r(\d{6})-(\d{6})\.(parquet|jsonl)$")
-READ_ROWS = 65536
+READ_ROWS = 8192
 
 
 class OutputError(ValueError):
