@@ -137,7 +137,7 @@ def reply_stream_for(producer: Producer, out: Path) -> str:
     """The run's reply stream: one per output file, so a resumed run reads the same."""
     digest = hashlib.sha1(str(out.absolute()).encode()).hexdigest()[:16]
     name = f"{producer.results_stream}:batch:{digest}"
-    if producer.cluster or producer.sharded:
+    if producer.cluster:
         return producer.shards[0].reply_stream(name)
     return name
 
@@ -185,6 +185,12 @@ class BatchRun:
         self.producer = producer
         self.options = options
         self.on_progress = on_progress
+        if producer.sharded:
+            # Each shard answers on its own reply stream, in its own slot.
+            raise ValueError(
+                "batch reads one shard's reply stream: run one batch per shard "
+                "(GPUFEED_SHARDS=1 and that shard's GPUFEED_STREAM)"
+            )
         self.level = pick_level(producer.levels, options.priority)
         existing = output.start(retry_failed=options.retry_failed)
         self.contested = existing.contested

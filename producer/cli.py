@@ -521,7 +521,7 @@ def batch(
         try:
             with BatchView(err, json_lines=json_out) as on_progress:
                 progress = run_batch(src, out_path, producer, options, on_progress=on_progress)
-        except (SourceError, OutputError, UnknownPriority) as exc:
+        except (ValueError, UnknownPriority) as exc:  # SourceError, OutputError among them
             raise _fail(str(exc), EXIT_USAGE) from None
         except KeyboardInterrupt:
             raise _fail("interrupted: run the same command again to go on", 130) from None

@@ -247,3 +247,42 @@ async def test_the_command_prints_json_progress_and_a_summary_and_exits_0_when_a
     assert all("progress" in line for line in lines[:-1])
     assert plain.returncode == 0, plain.stderr
     assert "rows in the output" in plain.stdout and "wall time" in plain.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+async def test_embeddings_are_fixed_size_lists_of_their_dtype(
+    redis_url: str, tmp_path: Path, dtype: str
+) -> None:
+    from tests.model_dirs import make_model_dir
+
+    model = make_model_dir(
+        tmp_path / "embedder", fmt="entry", kind="embed", out=6, output={"dtype": dtype}
+    )
+    folder = tmp_path / "images"
+    ids = make_folder(folder, good=5, broken=1)
+    out = tmp_path / "vectors.parquet"
+    lines = tmp_path / "vectors.jsonl"
+    async with running_worker(redis_url, Path("unused"), model=str(model), batch_size=4):
+        await asyncio.to_thread(run, redis_url, folder, out)
+        await asyncio.to_thread(run, redis_url, folder, lines)
+
+    table = pq.read_table(out)
+    assert table.schema.field("embedding").type == pa.list_(pa.from_numpy_dtype(dtype), 6)
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert set(rows) == ids
+    assert rows["broken/0.jpg"]["embedding"] is None
+    vector = rows["dogs/sub0/0000.jpg"]["embedding"]
+    assert len(vector) == 6 and any(v != 0 for v in vector)
+    as_json = {r["id"]: r for r in read_rows(lines)}
+    assert as_json["dogs/sub0/0000.jpg"]["embedding"] == pytest.approx(vector, rel=1e-3)
+    assert as_json["dogs/sub0/0000.jpg"]["dtype"] == dtype
+
+
+def test_a_sharded_deployment_is_refused_with_the_reason(redis_url: str, tmp_path: Path) -> None:
+    folder = tmp_path / "images"
+    make_folder(folder, good=1)
+    with (
+        Producer(redis_url, shard_count=2) as producer,
+        pytest.raises(ValueError, match="one shard"),
+    ):
+        run_batch(str(folder), tmp_path / "o.jsonl", producer)
