@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import fields
@@ -16,9 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from producer import Producer, collect_stats
+from producer.batch_runner import BatchOptions, Progress, default_in_flight, run_batch
 from tests.cli_runner import ROOT, clean_env
 from tests.images import jpeg_bytes
+from tests.process_harness import FAST_RECLAIM_ENV, pending_of, start_workers, stop_all
 from tests.test_fetch import put_objects, s3_endpoint
 from tests.worker_harness import running_worker
 from worker.config import WorkerConfig
@@ -129,3 +134,56 @@ async def test_a_killed_batch_over_a_prefix_resumes_and_every_id_is_there_once(
     assert errors == {b.removeprefix("shots/") for b in BROKEN}
     sample = next(r for r in rows if r["id"] == "03/00300.jpg")
     assert sample["source"] == f"s3://{BUCKET}/shots/03/00300.jpg" and sample["model"] == "null"
+
+
+def test_a_worker_killed_mid_run_costs_nothing_and_the_in_flight_default_follows_the_workers(
+    redis_url: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for n in range(300):
+        (folder / f"{n:04d}.jpg").write_bytes(jpeg_bytes(16, 12, seed=n, quality=60))
+    client = redis.Redis.from_url(redis_url)
+    workers = start_workers(
+        ["w1", "w2"],
+        redis_url,
+        "none",
+        tmp_path / "logs",
+        GPUFEED_MODEL="null",
+        GPUFEED_BATCH_SIZE="8",
+        GPUFEED_STATS_INTERVAL_S="0.5",
+        **FAST_RECLAIM_ENV,
+    )
+    try:
+        with Producer(redis_url) as producer:
+            # Each live worker's heartbeat says its batch size: twice their sum.
+            until(lambda: len(collect_stats(client)["workers"]) == 2)
+            assert default_in_flight(producer, "gpufeed:jobs") == 2 * (8 + 8)
+        done: list[Progress] = []
+        thread = threading.Thread(
+            target=lambda: done.append(run_library(redis_url, folder, tmp_path / "o.parquet"))
+        )
+        thread.start()
+        until(lambda: pending_of(client, "w1") > 0, timeout_s=60)
+        workers[0].kill()  # holding jobs it read and did not answer
+        thread.join(120)
+        assert not thread.is_alive()
+    finally:
+        stop_all(workers, timeout_s=10)
+        client.close()
+    (progress,) = done
+    assert (progress.ok, progress.errors) == (300, 0)
+    rows = pq.read_table(tmp_path / "o.parquet").to_pylist()
+    assert Counter(r["id"] for r in rows) == Counter(f"{n:04d}.jpg" for n in range(300))
+
+
+def run_library(redis_url: str, folder: Path, out: Path) -> Progress:
+    with Producer(redis_url) as producer:
+        return run_batch(str(folder), out, producer, BatchOptions(in_flight=32))
+
+
+def until(check: Any, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
