@@ -157,6 +157,8 @@ class _Items:
             page = next(self._pages, None)
             if page is None:
                 self.exhausted = True
+                if self._progress.total is None:
+                    self._progress.total = self._progress.listed  # known now
                 break
             self._progress.listed += len(page)
             new = self._store.add_new(id_hashes(i.id for i in page))

@@ -171,7 +171,9 @@ def _count_entries(manifest: Path) -> int | None:
 
 
 def _manifest_pages(manifest: Path, root: Path | None) -> Iterator[list[Item]]:
-    base = manifest.parent
+    # A relative path is one under the workers' root with --path-root, else a file next
+    # to the manifest.
+    base = root if root is not None else manifest.parent
     rows = _manifest_rows(manifest)
     page: list[Item] = []
     for line, row in rows:

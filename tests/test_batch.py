@@ -286,3 +286,22 @@ def test_a_sharded_deployment_is_refused_with_the_reason(redis_url: str, tmp_pat
         pytest.raises(ValueError, match="one shard"),
     ):
         run_batch(str(folder), tmp_path / "o.jsonl", producer)
+
+
+async def test_with_a_path_root_the_workers_read_the_files_and_an_empty_source_gives_an_empty_file(
+    redis_url: str, tiny_weights: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "shared"
+    ids = make_folder(root / "batch1", good=5)
+    (root / "list.txt").write_text("".join(f"batch1/{i}\n" for i in sorted(ids)))
+    out = tmp_path / "out.jsonl"
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    async with running_worker(redis_url, tiny_weights, path_root=str(root), **NULL):
+        progress = await asyncio.to_thread(
+            run, redis_url, root / "list.txt", out, path_root=str(root)
+        )
+        none = await asyncio.to_thread(run, redis_url, empty, tmp_path / "none.parquet")
+    assert progress.ok == 5
+    assert {r["id"] for r in read_rows(out)} == {f"batch1/{i}" for i in ids}
+    assert (none.rows, pq.read_table(tmp_path / "none.parquet").num_rows) == (0, 0)
