@@ -232,6 +232,7 @@ class Output:
         self._open: _Segment | None = None
         self._open_path: Path | None = None
         self.rows_written = 0
+        self.rows_before = 0
 
     def segments(self) -> list[Path]:
         """The committed segments, oldest first."""
@@ -285,6 +286,7 @@ class Output:
             done = done[~contains(again, done)]
             retried = len(again)
             contested = np.union1d(contested, again)
+        self.rows_before = len(all_rows)
         return Existing(done, retried, len(all_rows), ok, bad, contested)
 
     def _ok_hashes(self) -> Hashes:
@@ -327,6 +329,10 @@ class Output:
         remove the segments. Returns the rows in `PATH`."""
         self.commit()
         files = self.files()
+        if files == [self.path] and not len(contested):
+            # Nothing new: the output stands as it is.
+            shutil.rmtree(self.parts, ignore_errors=True)
+            return self.rows_before
         keep = _KeepNewest(files, self.format, contested)
         tmp = self.path.with_name(self.path.name + ".tmp")
         if not files:
