@@ -13,6 +13,7 @@ hashes with the producer's `wait` after a quiet spell.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
@@ -265,8 +266,8 @@ class BatchRun:
     def _jobs(self, items: list[Item]) -> list[tuple[Job, str]]:
         """The jobs of `items`; an item whose job cannot be made (its file is gone or
         empty) gets its error row here, as a worker would have answered it."""
-        deadline = self.options.deadline_s
-        deadline_ms = None if deadline is None else int((time.time() + deadline) * 1000)
+        # A placeholder deadline for the check; the real one is set as the job goes out.
+        deadline_ms = None if self.options.deadline_s is None else int(time.time() * 1000)
         jobs: list[tuple[Job, str]] = []
         for item in items:
             try:
@@ -290,6 +291,10 @@ class BatchRun:
         """Submit ready jobs; False when admission control refused them (they stay ready,
         first in line, and the next try waits a little longer)."""
         chunk = self._ready[: self._fit]
+        if self.options.deadline_s is not None:
+            # From the submission: a wait for admission does not eat into it.
+            due = int((time.time() + self.options.deadline_s) * 1000)
+            chunk = [(dataclasses.replace(job, deadline_ms=due), source) for job, source in chunk]
         try:
             self.producer.submit_many((job for job, _ in chunk), priority=self.options.priority)
         except AdmissionRefused as exc:

@@ -305,3 +305,23 @@ async def test_with_a_path_root_the_workers_read_the_files_and_an_empty_source_g
     assert progress.ok == 5
     assert {r["id"] for r in read_rows(out)} == {f"batch1/{i}" for i in ids}
     assert (none.rows, pq.read_table(tmp_path / "none.parquet").num_rows) == (0, 0)
+
+
+async def test_jobs_past_their_deadline_are_error_rows_and_the_run_ends(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "images"
+    ids = make_folder(folder, good=4)
+    out = tmp_path / "late.parquet"
+    running = asyncio.create_task(
+        asyncio.to_thread(run, redis_url, folder, out, in_flight=8, deadline_s=0.2)
+    )
+    # No worker until the deadlines have passed.
+    await asyncio.to_thread(until, lambda: redis_client.xlen("gpufeed:jobs") == 4)
+    await asyncio.sleep(0.5)
+    async with running_worker(redis_url, tiny_weights, **NULL):
+        progress = await asyncio.wait_for(running, 60)
+    assert (progress.ok, progress.errors) == (0, 4)
+    rows = read_rows(out)
+    assert {r["id"] for r in rows} == ids
+    assert {r["error_code"] for r in rows} == {"deadline_exceeded"}
