@@ -50,7 +50,15 @@ def make_folder(root: Path, good: int, broken: int = 0) -> set[str]:
 def read_rows(path: Path) -> list[dict[str, Any]]:
     if path.suffix == ".parquet":
         return list(pq.read_table(path).to_pylist())
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    # JSON lines read with pyarrow too: each line an object of the same columns.
+    import pyarrow.json as pj
+
+    table = pj.read_json(path) if path.stat().st_size else None
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    if table is not None:
+        assert table.column("id").to_pylist() == [r["id"] for r in rows]
+        assert table.column("status").to_pylist() == [r["status"] for r in rows]
+    return rows
 
 
 def run(redis_url: str, source: str | Path, out: Path, **options: Any) -> Progress:
