@@ -24,6 +24,7 @@ from producer.batch_runner import BatchOptions, Progress, default_in_flight, run
 from tests.cli_runner import ROOT, clean_env
 from tests.images import jpeg_bytes
 from tests.process_harness import FAST_RECLAIM_ENV, pending_of, start_workers, stop_all
+from tests.redis_server import RedisServer
 from tests.test_fetch import put_objects, s3_endpoint
 from tests.worker_harness import running_worker
 from worker.config import WorkerConfig
@@ -187,3 +188,41 @@ def until(check: Any, timeout_s: float = 30) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+async def test_redis_lost_mid_run_exits_3_and_the_same_command_finishes_the_job(
+    tmp_path: Path, tiny_weights: Path
+) -> None:
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for n in range(20):
+        (folder / f"{n:02d}.jpg").write_bytes(jpeg_bytes(16, 12, seed=n, quality=60))
+    server = RedisServer(tmp_path / "redis").start()
+    out = tmp_path / "o.jsonl"
+    command = [
+        sys.executable, "-m", "producer", "batch", str(folder), "--out", str(out),
+        "--redis-url", server.url, "--in-flight", "8",
+    ]  # fmt: skip
+    try:
+        # No worker: eight jobs wait in the stream when Redis goes away.
+        proc = await asyncio.to_thread(
+            subprocess.Popen, command, cwd=ROOT, env=clean_env(), stderr=subprocess.PIPE, text=True
+        )
+        client = redis.Redis.from_url(server.url)
+        await asyncio.to_thread(until, lambda: client.xlen("gpufeed:jobs") == 8)
+        client.close()
+        server.kill()
+        _, stderr = await asyncio.to_thread(proc.communicate, timeout=60)
+        assert proc.returncode == 3, stderr
+        assert "cannot reach Redis" in stderr and "Traceback" not in stderr
+        server.start()  # empty: what was queued is gone, the output is the record
+        async with running_worker(server.url, tiny_weights, **NULL):
+            again = await asyncio.to_thread(
+                subprocess.run, command, cwd=ROOT, env=clean_env(), capture_output=True,
+                text=True, timeout=120,
+            )  # fmt: skip
+    finally:
+        server.stop()
+    assert again.returncode == 0, again.stderr
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert Counter(ids) == Counter(f"{n:02d}.jpg" for n in range(20))
