@@ -105,15 +105,16 @@ def open_source(spec: str, *, path_root: str | os.PathLike[str] | None = None) -
 
 
 # ---------------------------------------------------------------------- local files
-def _local_item(file: Path, id: str, root: Path | None) -> Item:
+def _local_item(file: str, id: str, root: Path | None) -> Item:
+    # Plain string operations: pathlib would cost a manifest line more than the rest of it.
     if root is None:
-        return Item(id=id, source=str(file), file=str(file))
-    absolute = file.absolute()
-    try:
-        relative = absolute.relative_to(root).as_posix()
-    except ValueError:
-        raise SourceError(f"{file} is not under --path-root {root}") from None
-    return Item(id=id, source=str(file), path=relative)
+        return Item(id=id, source=file, file=file)
+    absolute = os.path.abspath(file)
+    top = str(root)
+    if not absolute.startswith(top.rstrip(os.sep) + os.sep):
+        raise SourceError(f"{file} is not under --path-root {root}")
+    relative = absolute[len(top.rstrip(os.sep)) + 1 :]
+    return Item(id=id, source=file, path=relative.replace(os.sep, "/"))
 
 
 def _folder_pages(folder: Path, root: Path | None) -> Iterator[list[Item]]:
@@ -127,7 +128,8 @@ def _folder_pages(folder: Path, root: Path | None) -> Iterator[list[Item]]:
             if Path(name).suffix.lower() not in IMAGE_EXTENSIONS:
                 continue
             file = here / name
-            page.append(_local_item(file, _fit_id(file.relative_to(folder).as_posix()), root))
+            relative = file.relative_to(folder).as_posix()
+            page.append(_local_item(str(file), _fit_id(relative), root))
             if len(page) >= READ_PAGE:
                 yield page
                 page = []
@@ -173,11 +175,12 @@ def _count_entries(manifest: Path) -> int | None:
 def _manifest_pages(manifest: Path, root: Path | None) -> Iterator[list[Item]]:
     # A relative path is one under the workers' root with --path-root, else a file next
     # to the manifest.
-    base = root if root is not None else manifest.parent
+    base = str(root if root is not None else manifest.parent)
+    label = f"{manifest} {'row' if _format(manifest) == 'parquet' else 'line'}"
     rows = _manifest_rows(manifest)
     page: list[Item] = []
     for line, row in rows:
-        item = _row_item(manifest, line, row, base, root)
+        item = _row_item(label, line, row, base, root)
         if item is not None:
             page.append(item)
             if len(page) >= READ_PAGE:
@@ -188,12 +191,12 @@ def _manifest_pages(manifest: Path, root: Path | None) -> Iterator[list[Item]]:
 
 
 def _row_item(
-    manifest: Path, line: int, row: dict[str, Any], base: Path, root: Path | None
+    label: str, line: int, row: dict[str, Any], base: str, root: Path | None
 ) -> Item | None:
-    where = f"{manifest} {'row' if _format(manifest) == 'parquet' else 'line'} {line}"
-    url = _cell(row.get("url"), where, "url")
-    path = _cell(row.get("path"), where, "path")
-    given_id = _cell(row.get("id"), where, "id")
+    url = _cell(row.get("url"), label, line, "url")
+    path = _cell(row.get("path"), label, line, "path")
+    given_id = _cell(row.get("id"), label, line, "id")
+    where = f"{label} {line}"  # only for the messages below
     if url is None and path is None:
         if all(v in (None, "") for v in row.values()):
             return None  # a blank line
@@ -209,18 +212,18 @@ def _row_item(
     if "://" in path:
         job_id = given_id or _fit_id(path.split("#", 1)[0].split("?", 1)[0])
         return Item(id=job_id, source=path, url=path)
-    file = Path(path) if os.path.isabs(path) else base / path
+    file = path if os.path.isabs(path) else os.path.join(base, path)
     return _local_item(file, given_id or _fit_id(path), root)
 
 
-def _cell(value: Any, where: str, column: str) -> str | None:
+def _cell(value: Any, label: str, line: int, column: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str):
         if isinstance(value, int | float) and column == "id":
             value = str(value)
         else:
-            raise SourceError(f"{where}: {column} is not text: {value!r}")
+            raise SourceError(f"{label} {line}: {column} is not text: {value!r}")
     value = value.strip()
     return value or None
 
