@@ -17,6 +17,7 @@ retry) the newer one is kept.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -24,7 +25,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 
@@ -233,6 +234,7 @@ class Output:
         self._open_path: Path | None = None
         self.rows_written = 0
         self.rows_before = 0
+        self._lock: IO[str] | None = None
 
     def segments(self) -> list[Path]:
         """The committed segments, oldest first."""
@@ -251,6 +253,14 @@ class Output:
         if self.path.is_dir():
             raise OutputError(f"{self.path} is a folder, not an output file")
         self.parts.mkdir(parents=True, exist_ok=True)
+        # One writer at a time: a second run would delete the first one's open segment.
+        # The lock goes with the process, however it ends.
+        self._lock = (self.parts / ".lock").open("w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise OutputError(f"another batch is writing {self.path}") from None
         for p in self.parts.iterdir():
             if p.name.endswith(".tmp"):
                 p.unlink()
@@ -346,6 +356,11 @@ class Output:
         _fsync_dir(self.path.parent)
         shutil.rmtree(self.parts, ignore_errors=True)
         return rows
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
 
 class _KeepNewest:

@@ -25,7 +25,7 @@ from pathlib import Path
 from producer import wire
 from producer.admission import AdmissionRefused, BacklogFull
 from producer.batch_ids import IdStore, id_hashes
-from producer.batch_output import Output
+from producer.batch_output import Existing, Output
 from producer.batch_rows import Row, error_row, result_row
 from producer.batch_sources import Item, Source, open_source
 from producer.client import Producer
@@ -196,6 +196,14 @@ class BatchRun:
             )
         self.level = pick_level(producer.levels, options.priority)
         existing = output.start(retry_failed=options.retry_failed)
+        try:
+            self._prepare(existing)
+        except BaseException:
+            output.release()
+            raise
+
+    def _prepare(self, existing: Existing) -> None:
+        source, output, producer, options = self.source, self.output, self.producer, self.options
         self.contested = existing.contested
         self.progress = Progress(
             source=source.spec,
@@ -227,7 +235,16 @@ class BatchRun:
     # ------------------------------------------------------------------ the loop
     def run(self) -> Progress:
         feed = ResultsFeed(self.reply_to, "$", READ_BLOCK_MS, READ_COUNT)
-        self._read(feed)  # resolves "$" before the first job goes out
+        try:
+            self._read(feed)  # resolves "$" before the first job goes out
+            self._loop(feed)
+        finally:
+            self.output.release()
+        self.progress.finished = True
+        self._report(force=True)
+        return self.progress
+
+    def _loop(self, feed: ResultsFeed) -> None:
         try:
             while not (self.items.empty and not self.in_flight and not self._ready):
                 self._fill()
@@ -246,9 +263,6 @@ class BatchRun:
             self.output.commit()
         self.progress.rows = self.output.finish(self.contested)
         self.producer.client.delete(self.reply_to)
-        self.progress.finished = True
-        self._report(force=True)
-        return self.progress
 
     def _fill(self) -> None:
         while len(self.in_flight) < self.limit and time.monotonic() >= self._refused_until:

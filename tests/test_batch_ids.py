@@ -6,12 +6,13 @@ from __future__ import annotations
 import tracemalloc
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from producer import wire
 from producer.batch_ids import IdStore, id_hashes
-from producer.batch_output import Output
+from producer.batch_output import Output, OutputError
 from producer.batch_rows import error_row
 from producer.batch_sources import open_source
 
@@ -48,10 +49,12 @@ def test_a_resumed_run_over_a_large_manifest_holds_its_ids_in_8_bytes_each(
             ]
         )
     out.commit()
+    out.release()
 
+    resumed = Output(tmp_path / "out.parquet")
     tracemalloc.start()
     try:
-        existing = Output(tmp_path / "out.parquet").start(retry_failed=False)
+        existing = resumed.start(retry_failed=False)
         store = IdStore(existing.done)
         fresh = 0
         for page in open_source(str(manifest)).pages():
@@ -59,6 +62,7 @@ def test_a_resumed_run_over_a_large_manifest_holds_its_ids_in_8_bytes_each(
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+        resumed.release()
 
     assert existing.rows == LINES // 2 and fresh == LINES - LINES // 2
     assert store.nbytes == 8 * LINES
@@ -66,3 +70,16 @@ def test_a_resumed_run_over_a_large_manifest_holds_its_ids_in_8_bytes_each(
     # their sorting, one page of items, one row group read; a set of the id strings alone
     # would take about 90 bytes an id.
     assert peak < 40 * LINES, f"peak {peak / 1e6:.1f} MB"
+
+
+def test_a_second_writer_of_the_same_output_is_refused_until_the_first_is_gone(
+    tmp_path: Path,
+) -> None:
+    first = Output(tmp_path / "out.parquet")
+    first.start(retry_failed=False)
+    with pytest.raises(OutputError, match="another batch is writing"):
+        Output(tmp_path / "out.parquet").start(retry_failed=False)
+    first.release()
+    second = Output(tmp_path / "out.parquet")
+    second.start(retry_failed=False)
+    second.release()
