@@ -46,14 +46,6 @@ class _Segment(Protocol):
     def close(self) -> None: ...
 
 
-class _Format(Protocol):
-    suffix: str
-
-    def open(self, path: Path) -> _Segment: ...
-    def keys(self, path: Path) -> Iterator[tuple[list[str], list[str]]]: ...
-    def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int: ...
-
-
 class _Keep(Protocol):
     def __call__(self, file: int, start: int, ids: list[str]) -> np.ndarray[Any, Any] | None: ...
 
@@ -232,7 +224,6 @@ class Output:
         self._seq = 0
         self._open: _Segment | None = None
         self._open_path: Path | None = None
-        self.rows_written = 0
         self.rows_before = 0
         self._lock: IO[str] | None = None
 
@@ -321,7 +312,6 @@ class Output:
             self._open_path = self.parts / name
             self._open = self.format.open(self._open_path.with_name(name + ".tmp"))
         self._open.write(rows)
-        self.rows_written += len(rows)
 
     def commit(self) -> None:
         """Close the open segment and give it its final name: its rows now count."""
