@@ -436,6 +436,104 @@ def _report(
 
 
 @app.command()
+@_connection("stream", "group", "results_stream", "result_prefix", "priorities")
+def batch(
+    settings: Settings,
+    *,
+    source: Annotated[
+        str,
+        typer.Argument(
+            metavar="SOURCE",
+            help="a folder, a manifest (.txt .csv .jsonl .parquet), an s3:// gs:// az:// prefix",
+        ),
+    ],
+    out_path: Annotated[
+        Path, typer.Option("--out", help="output file: .parquet or .jsonl", show_default=False)
+    ],
+    in_flight: Annotated[
+        int | None,
+        typer.Option(
+            "--in-flight",
+            min=1,
+            help="jobs outstanding at most (default: twice the workers' batch sizes)",
+        ),
+    ] = None,
+    priority: Annotated[
+        str | None,
+        typer.Option(help="priority level, one of GPUFEED_PRIORITIES (default: the lowest)"),
+    ] = None,
+    retry_failed: Annotated[
+        bool, typer.Option("--retry-failed", help="submit the output's error rows again")
+    ] = False,
+    deadline: Annotated[
+        float | None,
+        typer.Option(min=0.001, help="seconds each job may wait once submitted (deadline_ms)"),
+    ] = None,
+    path_root: Annotated[
+        str | None,
+        typer.Option(
+            help="send local files as path jobs relative to this folder (the workers' "
+            "GPUFEED_PATH_ROOT) instead of their bytes"
+        ),
+    ] = None,
+    meta: Annotated[str | None, typer.Option(help="text echoed back with each result")] = None,
+    checkpoint: Annotated[
+        float,
+        typer.Option(min=0.05, help="seconds between commits of the rows written so far"),
+    ] = 10.0,
+    max_backlog: Annotated[
+        int,
+        typer.Option(min=0, help="wait while this many jobs wait or are pending; 0: no limit"),
+    ] = 0,
+    max_memory_share: Annotated[
+        float,
+        typer.Option(min=0.0, max=1.0, help="wait past this share of Redis's maxmemory; 0: off"),
+    ] = 0.0,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="JSON progress lines and summary on stdout")
+    ] = False,
+) -> None:
+    """Run every image of SOURCE and write one row per job to --out, resumably: run the
+    same command again after a crash and only the ids not in the output are submitted."""
+    from producer.batch_output import OutputError, output_format
+    from producer.batch_runner import BatchOptions, run_batch
+    from producer.batch_sources import SourceError, open_source
+    from producer.batch_view import BatchView, failed_message, print_json, summary
+
+    options = BatchOptions(
+        in_flight=in_flight,
+        priority=priority,
+        retry_failed=retry_failed,
+        deadline_s=deadline,
+        path_root=path_root,
+        meta=None if meta is None else meta.encode(),
+        checkpoint_s=checkpoint,
+    )
+    try:
+        output_format(out_path)
+        src = open_source(source, path_root=path_root)
+    except (SourceError, OutputError) as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+    with _session(settings) as producer:
+        producer.group = settings.group
+        producer.max_backlog = max_backlog
+        producer.max_memory_share = max_memory_share
+        try:
+            with BatchView(err, json_lines=json_out) as on_progress:
+                progress = run_batch(src, out_path, producer, options, on_progress=on_progress)
+        except (ValueError, UnknownPriority) as exc:  # SourceError, OutputError among them
+            raise _fail(str(exc), EXIT_USAGE) from None
+        except KeyboardInterrupt:
+            raise _fail("interrupted: run the same command again to go on", 130) from None
+    if json_out:
+        print_json({"summary": progress.to_dict()})
+    else:
+        summary(progress, out)
+    if progress.errors:
+        raise _fail(failed_message(progress), EXIT_FAILED)
+
+
+@app.command()
 @_connection("stream", "group", "results_stream", "dead_stream", "priorities")
 def stats(settings: Settings, *, json_out: JsonFlag = False) -> None:
     """Show the job backlog, the consumer group, its consumers and live workers."""

@@ -1,0 +1,394 @@
+"""The output of a batch run: a Parquet or JSON lines file that is valid whenever read.
+
+While a run goes on, rows go to segment files in `PATH.parts/`: a segment is written in
+row groups (Parquet) or lines (JSON) as results arrive, under a `.tmp` name, and renamed
+to its final name (an atomic step) when it is closed, at each checkpoint of the run; so
+every file without `.tmp` in that folder is complete. When every id of the source has
+its row, the old output (if any) and the segments are copied into `PATH.tmp`, which is
+renamed to `PATH`, and the folder is removed. `PATH` is therefore either absent, the
+previous complete output, or the new complete one, never half written.
+
+A client killed mid-run loses only the rows since its last checkpoint: the next run finds
+the committed segments, skips their ids, and submits the rest again. The segments of each
+run carry the run's number, so when an id has two rows (an error row and the row of its
+retry) the newer one is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import numpy as np
+
+from producer import wire
+from producer.batch_ids import Hashes, contains, id_hashes
+from producer.batch_rows import Row, embedding_type, json_row, record_batch
+
+_SEGMENT_RE = re.compile(r"^r(\d{6})-(\d{6})\.(parquet|jsonl)$")
+READ_ROWS = 8192
+
+
+class OutputError(ValueError):
+    """The output path cannot be used (unknown extension, unreadable file)."""
+
+
+class _Segment(Protocol):
+    def write(self, rows: list[Row]) -> None: ...
+    def close(self) -> None: ...
+
+
+class _Keep(Protocol):
+    def __call__(self, file: int, start: int, ids: list[str]) -> np.ndarray[Any, Any] | None: ...
+
+
+# ---------------------------------------------------------------------- JSON lines
+class _JsonSegment:
+    def __init__(self, path: Path) -> None:
+        self._f = path.open("w", encoding="utf-8")
+
+    def write(self, rows: list[Row]) -> None:
+        self._f.write("".join(json.dumps(json_row(r), ensure_ascii=False) + "\n" for r in rows))
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class JsonLines:
+    suffix = ".jsonl"
+
+    def open(self, path: Path) -> _Segment:
+        return _JsonSegment(path)
+
+    def keys(self, path: Path) -> Iterator[tuple[list[str], list[str]]]:
+        ids: list[str] = []
+        statuses: list[str] = []
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                try:
+                    row = json.loads(line)
+                    ids.append(str(row["id"]))
+                    statuses.append(str(row["status"]))
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise OutputError(f"{path} line {n}: not a row of a batch output") from None
+                if len(ids) >= READ_ROWS:
+                    yield ids, statuses
+                    ids, statuses = [], []
+        if ids:
+            yield ids, statuses
+
+    def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
+        rows = 0
+        with out.open("w", encoding="utf-8") as dst:
+            for index, file in enumerate(files):
+                with file.open(encoding="utf-8") as src:
+                    lines = src.readlines(1 << 24)
+                    start = 0
+                    while lines:
+                        mask = keep(index, start, [json.loads(x)["id"] for x in lines])
+                        kept = (
+                            lines
+                            if mask is None
+                            else [x for x, k in zip(lines, mask, strict=True) if k]
+                        )
+                        dst.writelines(kept)
+                        rows += len(kept)
+                        start += len(lines)
+                        lines = src.readlines(1 << 24)
+        return rows
+
+
+# ---------------------------------------------------------------------- Parquet
+class _ParquetSegment:
+    """One Parquet file, a row group per write; a new embedding type starts a new file
+    (see `Segments`), as a file has one schema."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._writer: Any = None
+        self.embedding: tuple[str, int] | None = None
+
+    def fits(self, rows: list[Row]) -> bool:
+        found = embedding_type(rows)
+        return self._writer is None or found is None or found == self.embedding
+
+    def write(self, rows: list[Row]) -> None:
+        import pyarrow.parquet as pq
+
+        if self._writer is None:
+            self.embedding = embedding_type(rows)
+        batch = record_batch(rows, self.embedding)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, batch.schema, compression="zstd")
+        self._writer.write_batch(batch)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        else:
+            # No row yet: an empty file of the base schema.
+            import pyarrow.parquet as pq
+
+            pq.write_table(record_batch([], None).schema.empty_table(), self.path)
+
+
+class Parquet:
+    suffix = ".parquet"
+
+    def open(self, path: Path) -> _Segment:
+        return _ParquetSegment(path)
+
+    def keys(self, path: Path) -> Iterator[tuple[list[str], list[str]]]:
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+            for batch in parquet.iter_batches(batch_size=READ_ROWS, columns=["id", "status"]):
+                yield (
+                    [str(i) for i in batch.column(0).to_pylist()],
+                    [str(s) for s in batch.column(1).to_pylist()],
+                )
+        except (OSError, ValueError, KeyError) as exc:
+            raise OutputError(f"{path}: not a batch output ({exc})") from None
+
+    def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schemas = [pq.read_schema(f) for f in files]
+        try:
+            schema = pa.unify_schemas(schemas, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise OutputError(f"the segments' columns do not agree ({exc})") from None
+        rows = 0
+        with pq.ParquetWriter(out, schema, compression="zstd") as writer:
+            for index, file in enumerate(files):
+                start = 0
+                for read in pq.ParquetFile(file).iter_batches(batch_size=READ_ROWS):
+                    mask = keep(index, start, [str(i) for i in read.column("id").to_pylist()])
+                    start += read.num_rows
+                    batch = read if mask is None else read.filter(pa.array(mask))
+                    if batch.num_rows:
+                        table = pa.Table.from_batches([batch])
+                        for name in schema.names:
+                            if name not in table.schema.names:
+                                table = table.append_column(
+                                    schema.field(name),
+                                    pa.nulls(table.num_rows, schema.field(name).type),
+                                )
+                        writer.write_table(table.select(schema.names).cast(schema))
+                        rows += batch.num_rows
+        return rows
+
+
+def output_format(path: Path) -> JsonLines | Parquet:
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return Parquet()
+    if suffix in (".jsonl", ".ndjson"):
+        return JsonLines()
+    raise OutputError(f"{path}: the output's extension says its format: .parquet or .jsonl")
+
+
+# ---------------------------------------------------------------------- the output
+@dataclass
+class Existing:
+    """What the output already holds when a run starts."""
+
+    done: Hashes  # ids not to submit again
+    retried: int  # error rows whose ids are submitted again (--retry-failed)
+    rows: int
+    ok: int
+    errors: int
+    # Ids with more than one row (a retried error and its new row): the newest row stays.
+    contested: Hashes = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+
+
+class Output:
+    """The output file, its segments folder, and the open segment of this run."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.format = output_format(self.path)
+        self.parts = self.path.with_name(self.path.name + ".parts")
+        self.run = 0
+        self._seq = 0
+        self._open: _Segment | None = None
+        self._open_path: Path | None = None
+        self.rows_before = 0
+        self._lock: IO[str] | None = None
+
+    def segments(self) -> list[Path]:
+        """The committed segments, oldest first."""
+        if not self.parts.is_dir():
+            return []
+        found = [p for p in self.parts.iterdir() if _SEGMENT_RE.match(p.name)]
+        return sorted(found, key=lambda p: p.name)
+
+    def files(self) -> list[Path]:
+        """Every committed file of the output, oldest first."""
+        return ([self.path] if self.path.is_file() else []) + self.segments()
+
+    def start(self, *, retry_failed: bool) -> Existing:
+        """Make the segments folder, drop segments a killed run left open, and read what
+        the output holds."""
+        if self.path.is_dir():
+            raise OutputError(f"{self.path} is a folder, not an output file")
+        self.parts.mkdir(parents=True, exist_ok=True)
+        # One writer at a time: a second run would delete the first one's open segment.
+        # The lock goes with the process, however it ends.
+        self._lock = (self.parts / ".lock").open("w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            raise OutputError(f"another batch is writing {self.path}") from None
+        for p in self.parts.iterdir():
+            if p.name.endswith(".tmp"):
+                p.unlink()
+        runs = [int(m.group(1)) for p in self.segments() if (m := _SEGMENT_RE.match(p.name))]
+        self.run = max(runs, default=0) + 1
+        return self._existing(retry_failed)
+
+    def _existing(self, retry_failed: bool) -> Existing:
+        every: list[Hashes] = []
+        errors: list[Hashes] = []
+        ok = bad = 0
+        for file in self.files():
+            for ids, statuses in self.format.keys(file):
+                hashes = id_hashes(ids)
+                every.append(hashes)
+                failed = np.fromiter((s != wire.STATUS_OK for s in statuses), dtype=bool)
+                bad += int(failed.sum())
+                ok += len(ids) - int(failed.sum())
+                if retry_failed:
+                    errors.append(hashes[failed])
+        all_rows = np.concatenate(every) if every else np.zeros(0, dtype=np.uint64)
+        all_rows.sort()
+        repeated = all_rows[1:][all_rows[1:] == all_rows[:-1]] if len(all_rows) else all_rows
+        contested = np.unique(repeated)
+        done = np.unique(all_rows)
+        retried = 0
+        if retry_failed and errors:
+            failed_ids = np.unique(np.concatenate(errors))
+            # An id whose newest row is ok is done, whatever error rows it had before; the
+            # rest of the failed ids are submitted again.
+            ok_hashes = self._ok_hashes() if len(contested) else np.zeros(0, dtype=np.uint64)
+            again = failed_ids[~contains(ok_hashes, failed_ids)]
+            done = done[~contains(again, done)]
+            retried = len(again)
+            contested = np.union1d(contested, again)
+        self.rows_before = len(all_rows)
+        return Existing(done, retried, len(all_rows), ok, bad, contested)
+
+    def _ok_hashes(self) -> Hashes:
+        found: list[Hashes] = []
+        for file in self.files():
+            for ids, statuses in self.format.keys(file):
+                found.append(
+                    id_hashes(i for i, s in zip(ids, statuses, strict=True) if s == wire.STATUS_OK)
+                )
+        return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.uint64)
+
+    # ------------------------------------------------------------------ writing
+    def write(self, rows: list[Row]) -> None:
+        if not rows:
+            return
+        segment = self._open
+        if isinstance(segment, _ParquetSegment) and not segment.fits(rows):
+            self.commit()
+        if self._open is None:
+            self._seq += 1
+            name = f"r{self.run:06d}-{self._seq:06d}{self.format.suffix}"
+            self._open_path = self.parts / name
+            self._open = self.format.open(self._open_path.with_name(name + ".tmp"))
+        self._open.write(rows)
+
+    def commit(self) -> None:
+        """Close the open segment and give it its final name: its rows now count."""
+        if self._open is None or self._open_path is None:
+            return
+        self._open.close()
+        tmp = self._open_path.with_name(self._open_path.name + ".tmp")
+        _fsync(tmp)
+        os.replace(tmp, self._open_path)
+        _fsync_dir(self.parts)
+        self._open = None
+
+    def finish(self, contested: Hashes) -> int:
+        """Write `PATH` from the old output and the segments, newest row of each id, and
+        remove the segments. Returns the rows in `PATH`."""
+        self.commit()
+        files = self.files()
+        if files == [self.path] and not len(contested):
+            # Nothing new: the output stands as it is.
+            shutil.rmtree(self.parts, ignore_errors=True)
+            return self.rows_before
+        keep = _KeepNewest(files, self.format, contested)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        if not files:
+            # Nothing to run and nothing before: an empty output all the same.
+            self.format.open(tmp).close()
+            rows = 0
+        else:
+            rows = self.format.assemble(files, keep, tmp)
+        _fsync(tmp)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        shutil.rmtree(self.parts, ignore_errors=True)
+        return rows
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+class _KeepNewest:
+    """Which rows of each file go into the final output: all of them, except for the ids in
+    `contested`, whose newest row alone is kept (files are listed oldest first)."""
+
+    def __init__(self, files: list[Path], fmt: JsonLines | Parquet, contested: Hashes) -> None:
+        self.contested = contested
+        self.newest: dict[int, tuple[int, int]] = {}
+        if not len(contested):
+            return
+        for index, file in enumerate(files):
+            start = 0
+            for ids, _ in fmt.keys(file):
+                hashes = id_hashes(ids)
+                for row in np.flatnonzero(contains(contested, hashes)):
+                    self.newest[int(hashes[row])] = (index, start + int(row))
+                start += len(ids)
+
+    def __call__(self, file: int, start: int, ids: list[str]) -> np.ndarray[Any, Any] | None:
+        if not len(self.contested):
+            return None
+        hashes = id_hashes(ids)
+        mask = ~contains(self.contested, hashes)
+        for row in np.flatnonzero(~mask):
+            mask[row] = self.newest.get(int(hashes[row])) == (file, start + int(row))
+        return mask
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Some filesystems cannot sync a folder; the rename is still atomic.
+    with contextlib.suppress(OSError):
+        _fsync(path)

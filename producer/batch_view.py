@@ -1,0 +1,117 @@
+"""What a person (or a script) sees of `producer batch`: a progress bar on a terminal,
+JSON progress lines with --json, and a summary table at the end."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from types import TracebackType
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from producer.batch_runner import Progress as RunProgress
+
+JSON_EVERY_S = 1.0
+
+
+def _done(p: RunProgress) -> int:
+    return p.skipped + p.answered
+
+
+def _total(p: RunProgress) -> int | None:
+    if p.total is not None:
+        return max(p.total, _done(p))
+    return None
+
+
+class BatchView:
+    """A context manager whose `update` is the run's `on_progress`."""
+
+    def __init__(self, err: Console, *, json_lines: bool) -> None:
+        self.json_lines = json_lines
+        self._last_json = 0.0
+        self._bar: Progress | None = None
+        self._task = None
+        if err.is_terminal and not json_lines:
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]:.0f}/s"),
+                TimeRemainingColumn(),
+                TextColumn("ok {task.fields[ok]}  errors {task.fields[errors]}"),
+                TextColumn("in flight {task.fields[in_flight]}"),
+                TimeElapsedColumn(),
+                console=err,
+                transient=True,
+            )
+            self._task = self._bar.add_task(
+                "batch", total=None, rate=0.0, ok=0, errors=0, in_flight=0
+            )
+
+    def __enter__(self) -> Callable[[RunProgress], None]:
+        if self._bar is not None:
+            self._bar.start()
+        return self.update
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def update(self, p: RunProgress) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.update(
+                self._task,
+                completed=_done(p),
+                total=_total(p),
+                rate=p.rate,
+                ok=p.ok,
+                errors=p.errors,
+                in_flight=p.in_flight,
+            )
+        if self.json_lines and (p.finished or p.elapsed_s - self._last_json >= JSON_EVERY_S):
+            self._last_json = p.elapsed_s
+            print(json.dumps({"progress": p.to_dict()}), flush=True)
+
+
+def summary(p: RunProgress, out: Console) -> None:
+    """Counts by status and error code, the rate and the wall time."""
+    table = Table("", "jobs", title=f"batch {p.source} -> {p.output}", title_justify="left")
+    table.add_row("rows in the output before", str(p.done_before))
+    if p.retried:
+        table.add_row("  error rows run again", str(p.retried))
+    table.add_row("skipped (done before, or a repeated id)", str(p.skipped))
+    table.add_row("ok", str(p.ok))
+    table.add_row("error", str(p.errors), style="red" if p.errors else "")
+    for code, n in p.error_codes.most_common():
+        table.add_row(f"  {code}", str(n), style="red")
+    table.add_row("rows in the output", str(p.rows))
+    table.add_row("rate", f"{p.rate:.1f} jobs/s")
+    table.add_row("wall time", f"{p.elapsed_s:.1f} s")
+    out.print(table)
+
+
+def failed_message(p: RunProgress) -> str:
+    return (
+        f"{p.errors} job(s) ended in an error: the rows with status 'error' in {p.output} "
+        "(run again with --retry-failed to submit them again)"
+    )
+
+
+def print_json(obj: object) -> None:
+    print(json.dumps(obj, ensure_ascii=False), file=sys.stdout, flush=True)
