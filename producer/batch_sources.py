@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from producer.jobs import Job, _fit_id
+from producer.object_stores import open_store
 
 if TYPE_CHECKING:
-    from obstore.store import ClientConfig, ObjectStore
+    pass
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 STORE_SCHEMES = ("s3", "gs", "az")
@@ -29,7 +30,6 @@ STORE_SCHEMES = ("s3", "gs", "az")
 LIST_PAGE = 1000
 # Manifest rows read at once (Parquet record batches, lines of text).
 READ_PAGE = 4096
-_ENV_PREFIX = {"s3": "AWS", "gs": "GOOGLE", "az": "AZURE"}
 
 
 class SourceError(ValueError):
@@ -289,40 +289,6 @@ def _split_prefix(url: str) -> tuple[str, str, str]:
     return parts.scheme, parts.netloc, parts.path.lstrip("/")
 
 
-def store_for(scheme: str, bucket: str) -> ObjectStore:
-    """A client for one bucket, with the worker's rules for credentials: the standard
-    chain of each store from the environment (AWS_*, GOOGLE_*, AZURE_*), plain HTTP only
-    with <PREFIX>_ALLOW_HTTP=true, and boto3's chain for S3 where an AWS profile is in use."""
-    from obstore.store import from_url
-
-    options: ClientConfig = {}
-    if os.environ.get(f"{_ENV_PREFIX[scheme]}_ALLOW_HTTP", "").strip().lower() in (
-        "1",
-        "true",
-        "yes",
-        "on",
-    ):
-        options["allow_http"] = True
-    provider = _boto3_provider() if scheme == "s3" else None
-    if provider is not None:
-        return from_url(
-            f"{scheme}://{bucket}", client_options=options, credential_provider=provider
-        )
-    return from_url(f"{scheme}://{bucket}", client_options=options)
-
-
-def _boto3_provider() -> Any:
-    profile = os.environ.get("AWS_PROFILE")
-    files = Path("~/.aws/credentials").expanduser().exists()
-    if not profile and not (files and not os.environ.get("AWS_ACCESS_KEY_ID")):
-        return None
-    try:
-        from obstore.auth.boto3 import Boto3CredentialProvider
-    except ImportError:
-        return None
-    return Boto3CredentialProvider()
-
-
 def _prefix_pages(spec: str, page_size: int = LIST_PAGE) -> Iterator[list[Item]]:
     """The image keys under the prefix, a listing page at a time; id: the key relative to
     the prefix."""
@@ -330,7 +296,7 @@ def _prefix_pages(spec: str, page_size: int = LIST_PAGE) -> Iterator[list[Item]]
     from obstore.exceptions import BaseError
 
     scheme, bucket, prefix = _split_prefix(spec)
-    store = store_for(scheme, bucket)
+    store = open_store(scheme, bucket)
     try:
         for chunk in obstore.list(store, prefix=prefix or None, chunk_size=page_size):
             page: list[Item] = []

@@ -17,10 +17,8 @@ GPUFEED_OBJECT_ALLOW's (worker/fetch/objects.py), checked by the stage before th
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from datetime import datetime, timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import obstore
@@ -31,14 +29,15 @@ from obstore.exceptions import (
     PermissionDeniedError,
     UnauthenticatedError,
 )
-from obstore.store import ObjectStore, from_url
+from obstore.store import ObjectStore
 
+from producer.object_stores import open_store
 from producer.wire import ErrorCode
 from worker.fetch.objects import SCHEMES, split_store_url
 from worker.fetch.result import Fetched, FetchError, Validator, too_large
 
 if TYPE_CHECKING:
-    from obstore.store import ClientConfig, RetryConfig, S3CredentialProvider
+    from obstore.store import ClientConfig, RetryConfig
 
 STORE_SCHEMES = SCHEMES
 _CHUNK = 256 * 1024
@@ -74,24 +73,7 @@ class StoreFetcher:
         if store is not None:
             self._stores.move_to_end(key)
             return store
-        options = self.client_options.copy()
-        if _env_true(f"{_ENV_PREFIX[scheme]}_ALLOW_HTTP"):
-            # Options given here replace the ones the store reads from its environment.
-            options["allow_http"] = True
-        provider = _boto3_provider() if scheme == "s3" else None
-        if provider is not None:
-            store = from_url(
-                f"{scheme}://{bucket}",
-                client_options=options,
-                retry_config=self.retry_config,
-                credential_provider=provider,
-            )
-        else:
-            store = from_url(
-                f"{scheme}://{bucket}",
-                client_options=options,
-                retry_config=self.retry_config,
-            )
+        store = open_store(scheme, bucket, self.client_options, self.retry_config)
         self._stores[key] = store
         while len(self._stores) > self.max_stores:
             self._stores.popitem(last=False)
@@ -155,27 +137,7 @@ class StoreFetcher:
 
 log = structlog.get_logger("gpufeed.fetch")
 
-_ENV_PREFIX = {"s3": "AWS", "gs": "GOOGLE", "az": "AZURE"}
-
-
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
 
 def _first_line(text: str, limit: int = 300) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line[:limit]
-
-
-def _boto3_provider() -> S3CredentialProvider | None:
-    """boto3's credential chain where a profile is in use and boto3 is installed."""
-    profile = os.environ.get("AWS_PROFILE")
-    files = Path("~/.aws/credentials").expanduser().exists()
-    if not profile and not (files and not os.environ.get("AWS_ACCESS_KEY_ID")):
-        return None
-    try:
-        from obstore.auth.boto3 import Boto3CredentialProvider
-    except ImportError:
-        return None
-    provider: S3CredentialProvider = Boto3CredentialProvider()
-    return provider
