@@ -204,6 +204,17 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
     assert e2e["results_ok"] == 64 and e2e["results_error"] == 0
     assert e2e["queue_capacity_jobs_per_s"] > 0 and e2e["queue_client_cpu_us_per_job"] > 0
     assert e2e["loop_cpu_us_per_job"] > 0
+    # What holds the GIL per job: the loop and the decode threads both do, and the
+    # projection says which bound is lower on 16 cores and on this host's.
+    gil = e2e["gil"]
+    assert gil["jobs"] == 64 and gil["threads"]["decode"] >= 2
+    assert gil["gil_us_per_job"]["event_loop"] > 0 and gil["gil_us_per_job"]["decode"] > 0
+    assert gil["decode_released_us_per_job"] > 0 and gil["timed_calls_per_job"] >= 1
+    assert 16 in [p["cores"] for p in gil["projections"]]
+    for p in gil["projections"]:
+        assert p["binds"] in ("GIL", "cores") and p["jobs_per_s"] > 0
+        bounds = (p["gil_bound_jobs_per_s"], p["cores_bound_jobs_per_s"])
+        assert p["jobs_per_s"] == min(bounds)
     assert report["verdict"]["name"] in VERDICTS
     # The queue ceiling's keys are deleted with the run's.
     assert keys_left(redis_url) == []
