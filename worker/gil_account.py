@@ -16,10 +16,13 @@ How "holding the GIL" is measured:
   time, an upper bound (what they spend in system calls or in torch ops, which release the
   GIL, counts as held);
 - decode threads: their CPU time less the CPU time spent inside the calls that release the
-  GIL: libjpeg-turbo's decode (simplejpeg.decode_jpeg), Pillow's decode, resize and
-  transpose, and the copy of the pixels into the staging row. `timing_releases()` times them
-  (two `time.thread_time` reads per call) while it is on: the bench and `doctor` turn it on
-  for their runs, a serving worker never does;
+  GIL: libjpeg-turbo's decode (simplejpeg.decode_jpeg), Pillow's decode (a file's, or a
+  decoded array's copy into Pillow's layout), resize, transpose and new canvases, and the
+  copy of the pixels into the staging row. What holds the GIL in C counts as held: the
+  search for EXIF in the JPEG's bytes, Pillow's `tobytes` behind `np.asarray(image)`.
+  `timing_releases()` times them (two `time.thread_time` reads per call, about 0.9 µs on
+  the 2-core development host: 2-3 calls, 2-3 µs per image) while it is on: the bench and
+  `doctor` turn it on for their runs, a serving worker never does;
 - threads no Python code started (torch's intra-op pool): C++ only, they never hold the
   GIL; their CPU counts towards the cores.
 
@@ -133,6 +136,10 @@ def timing_releases() -> Iterator[None]:
         (Image.Image, "resize", _wrap(Image.Image.resize)),
         (Image.Image, "transpose", _wrap(Image.Image.transpose)),
         (ImageFile.ImageFile, "load", _wrap(ImageFile.ImageFile.load)),
+        # Pillow keeps RGB 4 bytes a pixel: a libjpeg-turbo array becomes an image through
+        # its raw decoder (a copy in C, without the GIL), as a canvas is filled in C.
+        (Image, "frombuffer", _wrap(Image.frombuffer)),
+        (Image, "new", _wrap(Image.new)),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
     for owner, name, value in patches:
