@@ -221,7 +221,7 @@ def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
     gil = every["gil"]
     assert gil["jobs"] == every["jobs"]
     assert gil["gil_us_per_job"]["event_loop"] > 0 and gil["gil_us_per_job"]["decode"] > 0
-    assert gil["decode_released_us_per_job"] > 0
+    assert gil["decode_released_us_per_job"] > 0 and gil["launch_computes_model"] is False
     sixteen = next(p for p in gil["projections"] if p["cores"] == 16)
     assert sixteen["binds"] in ("GIL", "cores")
     assert sixteen["jobs_per_s"] == min(

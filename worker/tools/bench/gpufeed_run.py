@@ -159,7 +159,9 @@ async def gpufeed_run(
             else None,
             **probe.result(len(answers)),
             # What holds the GIL per job, and the most one process could serve.
-            "gil": probe.gil(len(answers), b.cores),
+            "gil": probe.gil(
+                len(answers), b.cores, model_on_cpu=not b.is_cuda and plan.model != "null"
+            ),
             "host_syncs": syncs.total if b.is_cuda else None,
             "settings": _worker_settings(worker, variant),
         }

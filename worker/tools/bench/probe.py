@@ -126,7 +126,7 @@ class RunProbe:
         self.sampler.stop()
         return self
 
-    def gil(self, jobs: int, cores: int) -> dict[str, Any] | None:
+    def gil(self, jobs: int, cores: int, *, model_on_cpu: bool) -> dict[str, Any] | None:
         """GIL-holding and CPU µs per job by thread kind, and the projection for 16 cores
         and for this host's (worker/gil_account.py)."""
         if self._gil_before is None or self._gil_after is None:
@@ -137,6 +137,7 @@ class RunProbe:
             jobs,
             loop_tid=self._loop_tid,
             cores=tuple(sorted({16, cores})),
+            model_on_cpu=model_on_cpu,
         )
         if figures is not None:
             figures["timed_call_us"] = round(gil_account.timing_cost_us(), 3)

@@ -132,6 +132,7 @@ async def end_to_end_section(
         loop_tid=threading.get_native_id(),
         cores=tuple(sorted({16, os.cpu_count() or 1})),
         exclude_loop_s=feeder_s,
+        model_on_cpu=not cuda and cfg.model != "null",
     )
     if gil is not None:
         gil["feeder_us_per_job_excluded"] = round(1e6 * feeder_s / n_end, 1)

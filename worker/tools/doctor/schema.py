@@ -79,6 +79,14 @@ _GIL = _obj(
                 "native": _t("number", "threads no Python code started (no GIL)", "µs"),
             },
         ),
+        "system_us_per_job": _obj(
+            "of cpu_us_per_job, the part in the kernel (system calls, which release the "
+            "GIL: how loose the CPU-time bound is), to the kernel's tick",
+            {
+                **{k: _t("number", v, "µs") for k, v in _KINDS_US.items()},
+                "native": _t("number", "threads no Python code started", "µs"),
+            },
+        ),
         "process_cpu_us_per_job": _t(
             "number", "the process's CPU per job, less the doctor's feeder", "µs"
         ),
@@ -89,6 +97,11 @@ _GIL = _obj(
             "µs",
         ),
         "timed_calls_per_job": _t("number", "timed GIL-releasing calls per job", "calls"),
+        "launch_computes_model": _t(
+            "boolean",
+            "the launch thread computed a real model on the CPU (torch ops release the GIL): "
+            "its figure, and so the projection, is a loose bound, not a GPU host's launch cost",
+        ),
         "timed_call_us": _t("number", "what timing one call costs on this host", "µs"),
         "feeder_us_per_job_excluded": _t(
             "number",
