@@ -18,6 +18,7 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
+from worker import gil_account
 from worker.cli import cli
 from worker.config import WorkerConfig
 from worker.decode.cache import cache_key
@@ -215,6 +216,18 @@ def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
     # Repeats of 8 images with the cache on hit after the first round; unique bytes never do.
     assert hits["cache_hit_ratio"] > 0.5 and every["cache_hit_ratio"] == 0
     assert len(o["targets"]) == 5
+    # What holds the GIL per job with every job decoded: the loop and the decode threads
+    # both do; the projection for 16 cores names the bound that is lower.
+    gil = every["gil"]
+    assert gil["jobs"] == every["jobs"]
+    assert gil["gil_us_per_job"]["event_loop"] > 0 and gil["gil_us_per_job"]["decode"] > 0
+    assert gil["decode_released_us_per_job"] > 0 and gil["launch_computes_model"] is False
+    sixteen = next(p for p in gil["projections"] if p["cores"] == 16)
+    assert sixteen["binds"] in ("GIL", "cores")
+    assert sixteen["jobs_per_s"] == min(
+        sixteen["gil_bound_jobs_per_s"], sixteen["cores_bound_jobs_per_s"]
+    )
+    assert "## What holds the GIL, per job" in (out / "report.md").read_text()
     # Jobs pushed into a running worker faster than it answers them: every one answered,
     # and the batches sealed while the stream held a backlog counted apart.
     live = o["live_producer"]
@@ -315,6 +328,12 @@ def test_validation_catches_missing_results_and_unreal_figures() -> None:
                 "vs_naive": 3.0,
                 "timeline": {"bin_s": 0.5, "results": [4], "images_per_s": [8.0]},
                 "cpu_core_ms_per_image": {"total": 5.0},
+                "gil": {
+                    "gil_us_per_job": {"event_loop": 40, "decode": 9, "launch": 1, "other": 0},
+                    "decode_released_us_per_job": 300,
+                    "process_cpu_us_per_job": 400,
+                    "projections": [gil_account.project({"event_loop": 50.0}, 400.0, 16)],
+                },
             }
         ],
         "summary": {
@@ -339,6 +358,12 @@ def test_validation_catches_missing_results_and_unreal_figures() -> None:
     hits = copy.deepcopy(report)
     hits["runs"][0]["cache_hit_ratio"] = 0.75  # a comparable run answered from the cache
     assert any("cache hits on unique job bytes" in p for p in validate_report(hits))
+    blind = copy.deepcopy(report)
+    del blind["runs"][0]["gil"]["gil_us_per_job"]["decode"]
+    blind["runs"][0]["gil"]["projections"][0]["binds"] = None
+    problems = validate_report(blind)
+    assert any("gil.gil_us_per_job.decode" in p for p in problems)
+    assert any("names no binding" in p for p in problems)
     on = copy.deepcopy(report)
     on["runs"][0].update(
         variant="cache_on_repeats", workload="repeats", repeats=4.0, cache_hit_ratio=0.0

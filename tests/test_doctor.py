@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from rich.console import Console
 from torch import nn
 
 from tests.cli_runner import run_module
@@ -24,6 +26,7 @@ from worker.tools.doctor import (
     SCHEMA,
     DoctorOptions,
     profile_forward,
+    render,
     run_doctor,
     schema_markdown,
     validate,
@@ -204,6 +207,24 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
     assert e2e["results_ok"] == 64 and e2e["results_error"] == 0
     assert e2e["queue_capacity_jobs_per_s"] > 0 and e2e["queue_client_cpu_us_per_job"] > 0
     assert e2e["loop_cpu_us_per_job"] > 0
+    # What holds the GIL per job: the loop and the decode threads both do, and the
+    # projection says which bound is lower on 16 cores and on this host's.
+    gil = e2e["gil"]
+    assert gil["jobs"] == 64 and gil["threads"]["decode"] >= 2
+    assert gil["gil_us_per_job"]["event_loop"] > 0 and gil["gil_us_per_job"]["decode"] > 0
+    assert gil["decode_released_us_per_job"] > 0 and gil["timed_calls_per_job"] >= 1
+    assert gil["launch_computes_model"] is False  # the null model: the launch is the feed's
+    assert 16 in [p["cores"] for p in gil["projections"]]
+    for p in gil["projections"]:
+        assert p["binds"] in ("GIL", "cores") and p["jobs_per_s"] > 0
+        bounds = (p["gil_bound_jobs_per_s"], p["cores_bound_jobs_per_s"])
+        assert p["jobs_per_s"] == min(bounds)
+    # The rendered report says the same: one line per projection, naming its bound.
+    text = io.StringIO()
+    render(report, Console(file=text, width=200))
+    sixteen = next(p for p in gil["projections"] if p["cores"] == 16)
+    line = next(x for x in text.getvalue().splitlines() if x.startswith("16 cores "))
+    assert f"at most {sixteen['jobs_per_s']:,.1f} jobs/s, bound by the {sixteen['binds']}" in line
     assert report["verdict"]["name"] in VERDICTS
     # The queue ceiling's keys are deleted with the run's.
     assert keys_left(redis_url) == []

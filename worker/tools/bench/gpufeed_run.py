@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from worker import gil_account
 from worker.service import Worker
 from worker.tools.bench.ablations import CpuPreprocessPool, Variant
 from worker.tools.bench.context import Bench, BenchError
@@ -106,7 +107,7 @@ async def gpufeed_run(
                 push_jobs, b.client, keys.jobs, images, sp.jobs, keys.run_id, unique=unique
             )
         probe = RunProbe(b.device, redis_pid=b.redis_pid).start()
-        with count_host_syncs() as syncs:
+        with count_host_syncs() as syncs, gil_account.timing_releases():
             t0_ms = time.time() * 1000
             main = asyncio.create_task(worker.main_loop(), name="bench-main-loop")
             alive = watch(main, keys)
@@ -157,6 +158,10 @@ async def gpufeed_run(
             if c.batches
             else None,
             **probe.result(len(answers)),
+            # What holds the GIL per job, and the most one process could serve.
+            "gil": probe.gil(
+                len(answers), b.cores, model_on_cpu=not b.is_cuda and plan.model != "null"
+            ),
             "host_syncs": syncs.total if b.is_cuda else None,
             "settings": _worker_settings(worker, variant),
         }

@@ -162,6 +162,8 @@ def overhead_figures(run: dict[str, Any], queue: dict[str, Any], cores: int) -> 
         "batch_fill": run["batch_fill"],
         "cache_hit_ratio": run["cache_hit_ratio"],
         "busy": {k: round(v, 3) for k, v in busy.items()},
+        # What holds the GIL per job, and the most one process could serve (probe.py).
+        "gil": run["gil"],
         "host_busy_with_other_processes": round(busy["host CPU"] + others, 3),
         "binds": binds,
         "settings": run["settings"],

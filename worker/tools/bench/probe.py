@@ -30,6 +30,7 @@ from typing import Any
 import psutil
 import torch
 
+from worker import gil_account
 from worker.gpu_sampler import GpuSampler
 
 GROUPS = ("decode", "model", "event_loop", "naive", "other")
@@ -87,6 +88,11 @@ class RunProbe:
         self._host_after = 0.0
         self._t0 = 0.0
         self.wall_s = 0.0
+        # What holds the GIL (worker/gil_account.py): the thread that started the probe is
+        # the event loop's.
+        self._loop_tid = 0
+        self._gil_before: gil_account.Snapshot | None = None
+        self._gil_after: gil_account.Snapshot | None = None
 
     def _redis_cpu_s(self) -> float:
         if self._redis is None:
@@ -104,18 +110,38 @@ class RunProbe:
         self._redis_before = self._redis_cpu_s()
         self._host_before = host_busy_s()
         self._before = thread_cpu_s()
+        self._loop_tid = threading.get_native_id()
+        self._gil_before = gil_account.snapshot()
         self._t0 = time.perf_counter()
         return self
 
     def stop(self) -> RunProbe:
         """Call while the run's threads are still alive (before the worker shuts down)."""
         self.wall_s = time.perf_counter() - self._t0
+        self._gil_after = gil_account.snapshot()
         self._after = thread_cpu_s()
         self._names = _names()
         self._redis_after = self._redis_cpu_s()
         self._host_after = host_busy_s()
         self.sampler.stop()
         return self
+
+    def gil(self, jobs: int, cores: int, *, model_on_cpu: bool) -> dict[str, Any] | None:
+        """GIL-holding and CPU µs per job by thread kind, and the projection for 16 cores
+        and for this host's (worker/gil_account.py)."""
+        if self._gil_before is None or self._gil_after is None:
+            return None
+        figures = gil_account.gil_figures(
+            self._gil_before,
+            self._gil_after,
+            jobs,
+            loop_tid=self._loop_tid,
+            cores=tuple(sorted({16, cores})),
+            model_on_cpu=model_on_cpu,
+        )
+        if figures is not None:
+            figures["timed_call_us"] = round(gil_account.timing_cost_us(), 3)
+        return figures
 
     def cpu_s_by_group(self) -> dict[str, float]:
         out = dict.fromkeys(GROUPS, 0.0)

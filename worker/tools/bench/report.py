@@ -193,6 +193,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out += _cache_lines(report)
     out += _url_lines(report)
     out += overhead_lines(report)
+    out += gil_lines(report)
     out += priority_lines(report)
     out += _stage_rate_lines(report)
     out += _target_lines(report)
@@ -293,6 +294,106 @@ def overhead_lines(report: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _gil_runs(report: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any], Any]]:
+    """(label, GIL figures, jobs/s) of each gpufeed defaults run and each overhead run."""
+    for run in report["runs"]:
+        if run.get("kind") == "gpufeed" and run.get("name") == "gpufeed" and run.get("gil"):
+            yield f"{run['model']}, {run['image_set']}", run["gil"], run["images_per_s"]
+    o = report.get("overhead") or {}
+    for workload, r in (o.get("runs") or {}).items():
+        if r.get("gil"):
+            label = f"null, {o['image_set']['name']}, {workload.replace('_', ' ')}"
+            yield label, r["gil"], r["jobs_per_s"]
+
+
+def gil_lines(report: Mapping[str, Any]) -> list[str]:
+    """What holds the GIL per job in each run, and the most one process could serve."""
+    found = list(_gil_runs(report))
+    if not found:
+        return []
+    cores = sorted({p["cores"] for _, g, _ in found for p in g["projections"]})
+    rows = []
+    for label, g, rate in found:
+        held = g["gil_us_per_job"]
+        mark = "*" if g.get("launch_computes_model") else ""
+        by_cores = {p["cores"]: p for p in g["projections"]}
+        rows.append(
+            [
+                label,
+                _fmt(rate),
+                _fmt(held["event_loop"]),
+                f"{_fmt(held['decode'])} ({_fmt(g['decode_released_us_per_job'])})",
+                _fmt(held["launch"]),
+                _fmt(held["other"]),
+                _fmt(sum(held.values())),
+                _fmt(g["process_cpu_us_per_job"]),
+                *(
+                    f"{_fmt(by_cores[n]['jobs_per_s'])} ({by_cores[n]['binds']}{mark})"
+                    if n in by_cores
+                    else "-"
+                    for n in cores
+                ),
+            ]
+        )
+    cost = found[0][1].get("timed_call_us")
+    return [
+        "",
+        "## What holds the GIL, per job",
+        "",
+        "µs per job holding the GIL, by thread: the event loop (reader, batcher, completion, "
+        "writer, Redis client) and the launch thread count their CPU time; decode threads "
+        "their CPU time less the time inside calls that release the GIL (libjpeg-turbo, "
+        "Pillow's decode and resize, the row copy: in brackets). One process serves at most "
+        "1e6 / (the GIL µs of all threads) jobs/s, and N x 1e6 / (its CPU µs per job) on N "
+        "cores; the projection is the lower, with what binds"
+        + (f" (timing a call costs {_fmt(cost, 2)} µs here)." if cost is not None else "."),
+        "",
+        *_table(
+            [
+                "run",
+                "jobs/s",
+                "event loop",
+                "decode (released)",
+                "launch",
+                "other",
+                "GIL µs/job",
+                "CPU µs/job",
+                *(f"{n} cores: jobs/s" for n in cores),
+            ],
+            rows,
+            "l" + "r" * (7 + len(cores)),
+        ),
+        *(
+            [
+                "",
+                "\\* the model computes on the CPU, on the launch thread, in torch ops that "
+                "release the GIL: its CPU time counted as held makes that projection a loose "
+                "lower bound; the null model's runs measure what the feed itself holds.",
+            ]
+            if any(g.get("launch_computes_model") for _, g, _ in found)
+            else []
+        ),
+    ]
+
+
+def _gil_problems(where: str, g: Any) -> list[str]:
+    if not isinstance(g, Mapping):
+        return [f"{where}: gil must be an object"]
+    problems = []
+    held = g.get("gil_us_per_job") or {}
+    for kind in ("event_loop", "decode", "launch", "other"):
+        value = held.get(kind)
+        if not isinstance(value, int | float) or value < 0:
+            problems.append(f"{where}: gil.gil_us_per_job.{kind} must be a number >= 0")
+    projections = g.get("projections") or []
+    if not projections:
+        problems.append(f"{where}: gil.projections missing")
+    for p in projections:
+        if p.get("binds") not in ("GIL", "cores") or not _positive(p.get("jobs_per_s")):
+            problems.append(f"{where}: gil projection {p} names no binding and rate")
+    return problems
+
+
 def priority_lines(report: Mapping[str, Any]) -> list[str]:
     """The priority section (worker/tools/bench/priority.py): high-priority latency behind a
     low-priority burst, with and without levels."""
@@ -378,6 +479,7 @@ def _overhead_problems(o: Any) -> list[str]:
                 problems.append(f"overhead.runs.{name}.{key} must be a positive number")
         if r.get("results") != r.get("jobs") or r.get("results_ok") != r.get("jobs"):
             problems.append(f"overhead.runs.{name}: {r.get('results')} results for {r.get('jobs')}")
+        problems += _gil_problems(f"overhead.runs.{name}", r.get("gil"))
     live = o.get("live_producer")
     if live is not None:
         if live.get("results") != live.get("jobs"):
@@ -780,6 +882,8 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
         cpu = run.get("cpu_core_ms_per_image")
         if not isinstance(cpu, Mapping) or not _positive(cpu.get("total")):
             problems.append(f"{where}: cpu_core_ms_per_image.total must be positive")
+        if run.get("kind") == "gpufeed":
+            problems += _gil_problems(where, run.get("gil"))
     summary = report["summary"]
     if not isinstance(summary, Mapping) or set(summary) != set_names:
         problems.append(f"summary must have one entry per image set {sorted(set_names)}")

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from worker import gil_account
 from worker.config import WorkerConfig
 from worker.gpu_sampler import GpuSampler
 from worker.metrics import STAGES
@@ -48,9 +51,13 @@ async def end_to_end_section(
     # The third isolated stage: what Redis allows for the same jobs and batch, with
     # gpufeed's own publish script (worker/tools/queue_ceiling.py), before the run.
     queue = await _queue_ceiling(cfg, images[0], jobs, worker.batch_size, out)
-    # A full backlog before the worker reads: the feed starts steady.
+    # A full backlog before the worker reads: the feed starts steady. Nothing else runs on
+    # the loop yet, so its CPU per pushed job is the feeder's own: taken out of the loop's
+    # GIL figure for the jobs it pushes during the run.
+    feed_cpu0 = time.thread_time()
     while await feeder.push(0):
         pass
+    feed_s_per_job = (time.thread_time() - feed_cpu0) / max(1, feeder.pushed)
 
     cuda = worker.ctx.is_cuda
     sampler = GpuSampler((worker.ctx.device.index or 0) if cuda else 0, interval_s=0.2)
@@ -69,6 +76,9 @@ async def end_to_end_section(
     # This coroutine runs on the event loop's thread: its CPU time there over the run is the
     # loop's (the worker's reader, batcher, writer and Redis client, and the feeder).
     loop_cpu0 = time.thread_time()
+    pushed0 = feeder.pushed
+    gil0 = gil_account.snapshot()
+    gil1 = gil0
     main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
     feeding = asyncio.create_task(feeder.run(lambda: counters.results), name="doctor-feeder")
     first_t: float | None = None
@@ -78,7 +88,7 @@ async def end_to_end_section(
     # beyond what the worker holds: was the worker ever short of input from Redis?
     fed_polls = backlog_polls = 0
     try:
-        with syncs_cm as syncs:
+        with syncs_cm as syncs, gil_account.timing_releases():
             while True:
                 n = counters.results
                 now = time.perf_counter()
@@ -101,6 +111,7 @@ async def end_to_end_section(
                 await asyncio.sleep(0.005)
         t_end = time.perf_counter()
         loop_cpu_s = time.thread_time() - loop_cpu0
+        gil1 = gil_account.snapshot()  # while the worker's threads are alive
     finally:
         feeding.cancel()
         sampler.close()
@@ -113,6 +124,21 @@ async def end_to_end_section(
             await feeding
 
     n_end = counters.results
+    feeder_s = feed_s_per_job * (feeder.pushed - pushed0)
+    gil = gil_account.gil_figures(
+        gil0,
+        gil1,
+        n_end,
+        loop_tid=threading.get_native_id(),
+        cores=tuple(sorted({16, os.cpu_count() or 1})),
+        exclude_loop_s=feeder_s,
+        model_on_cpu=not cuda and cfg.model != "null",
+    )
+    if gil is not None:
+        gil["feeder_us_per_job_excluded"] = round(1e6 * feeder_s / n_end, 1)
+        gil["timed_call_us"] = round(gil_account.timing_cost_us(), 3)
+    else:
+        out["not_measured"].append("GIL per job: no result, or no per-thread CPU clock here")
     obs = worker.observer
     stage_ms = {s: obs.stage_ms[s].mean() for s in STAGES}
     after_first = n_end - first_n
@@ -147,6 +173,7 @@ async def end_to_end_section(
         queue_capacity_jobs_per_s=None if queue is None else queue["jobs_per_s"],
         queue_client_cpu_us_per_job=None if queue is None else queue["loop_cpu_us_per_job"],
         loop_cpu_us_per_job=round(1e6 * loop_cpu_s / n_end, 1) if n_end else None,
+        gil=gil,
         model_in_pipeline_images_per_s=round(worker.batch_size * 1000 / gpu_ms, 1)
         if gpu_ms
         else None,
@@ -229,6 +256,7 @@ def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
         "queue_capacity_jobs_per_s": None,
         "queue_client_cpu_us_per_job": None,
         "loop_cpu_us_per_job": None,
+        "gil": None,
         "model_in_pipeline_images_per_s": None,
         "gpu_util_pct": None,
         "mem_bw_util_pct": None,

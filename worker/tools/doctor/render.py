@@ -168,6 +168,22 @@ def render(report: Mapping[str, Any], console: Console) -> None:
             f"{_num(e2e['queue_client_cpu_us_per_job'])} µs client CPU per job); the event "
             f"loop spent {_num(e2e['loop_cpu_us_per_job'])} µs of CPU per job in the run",
         )
+        gil = e2e.get("gil")
+        if gil is not None:
+            held = gil["gil_us_per_job"]
+            grid.add_row(
+                "GIL per job",
+                ", ".join(f"{k.replace('_', ' ')} {_num(v, ',.1f')} µs" for k, v in held.items())
+                + f" (decode threads also {_num(gil['decode_released_us_per_job'], ',.1f')} µs "
+                f"without it); CPU {_num(gil['process_cpu_us_per_job'], ',.1f')} µs",
+            )
+            for p in gil["projections"]:
+                grid.add_row(
+                    f"{p['cores']} cores",
+                    f"at most {_num(p['jobs_per_s'])} jobs/s, bound by the {p['binds']} "
+                    f"(GIL {_num(p['gil_bound_jobs_per_s'])}, cores "
+                    f"{_num(p['cores_bound_jobs_per_s'])})",
+                )
         grid.add_row(
             "GPU",
             f"util {_num(e2e['gpu_util_pct'], '.0f', '%')}, "

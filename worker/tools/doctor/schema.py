@@ -50,6 +50,89 @@ _NOT_MEASURED = _list(
     _t("string", "one reason"),
 )
 
+_KINDS_US = {
+    "event_loop": "the event loop's thread (reader, batcher, completion, writer, Redis client)",
+    "decode": "the decode threads",
+    "launch": "the launch thread",
+    "other": "every other thread Python started (metrics server, samplers, executors)",
+}
+
+_GIL = _obj(
+    "what holds the GIL per job, and the most one process could serve (worker/gil_account.py)",
+    {
+        "jobs": _t("integer", "results the figures are per", "jobs"),
+        "threads": _map(
+            "threads of each kind (`native`: started by no Python code, e.g. torch's "
+            "intra-op pool)",
+            _t("integer", "threads", "threads"),
+            "kind",
+        ),
+        "gil_us_per_job": _obj(
+            "GIL-holding time per job: CPU time; for decode threads, less the time inside "
+            "calls that release the GIL",
+            {k: _t("number", v, "µs") for k, v in _KINDS_US.items()},
+        ),
+        "cpu_us_per_job": _obj(
+            "CPU time per job by thread kind",
+            {
+                **{k: _t("number", v, "µs") for k, v in _KINDS_US.items()},
+                "native": _t("number", "threads no Python code started (no GIL)", "µs"),
+            },
+        ),
+        "system_us_per_job": _obj(
+            "of cpu_us_per_job, the part in the kernel (system calls, which release the "
+            "GIL: how loose the CPU-time bound is), to the kernel's tick",
+            {
+                **{k: _t("number", v, "µs") for k, v in _KINDS_US.items()},
+                "native": _t("number", "threads no Python code started", "µs"),
+            },
+        ),
+        "process_cpu_us_per_job": _t(
+            "number", "the process's CPU per job, less the doctor's feeder", "µs"
+        ),
+        "decode_released_us_per_job": _t(
+            "number",
+            "decode threads' time inside libjpeg-turbo, Pillow's decode and resize and the "
+            "row copy, which release the GIL",
+            "µs",
+        ),
+        "timed_calls_per_job": _t("number", "timed GIL-releasing calls per job", "calls"),
+        "launch_computes_model": _t(
+            "boolean",
+            "the launch thread computed a real model on the CPU (torch ops release the GIL): "
+            "its figure, and so the projection, is a loose bound, not a GPU host's launch cost",
+        ),
+        "timed_call_us": _t("number", "what timing one call costs on this host", "µs"),
+        "feeder_us_per_job_excluded": _t(
+            "number",
+            "the doctor's feeder's CPU on the loop thread, taken out of the event loop's",
+            "µs",
+        ),
+        "projections": _list(
+            "for 16 cores and this host's",
+            _obj(
+                "one projection: the lower of the GIL bound and the core bound",
+                {
+                    "cores": _t("integer", "cores of the projected host", "cores"),
+                    "gil_us_per_job": _t("number", "GIL µs per job, all threads", "µs"),
+                    "cpu_us_per_job": _t("number", "process CPU µs per job", "µs"),
+                    "gil_bound_jobs_per_s": _t(
+                        ["number", "null"], "1e6 / gil_us_per_job", "jobs/s"
+                    ),
+                    "cores_bound_jobs_per_s": _t(
+                        ["number", "null"], "cores x 1e6 / cpu_us_per_job", "jobs/s"
+                    ),
+                    "jobs_per_s": _t(["number", "null"], "the lower of the two", "jobs/s"),
+                    "binds": _t(
+                        ["string", "null"], "which bound is lower", enum=["GIL", "cores", None]
+                    ),
+                },
+            ),
+        ),
+    },
+    nullable=True,
+)
+
 _CEILING_RUN = _obj(
     "one direct-feed run (worker/model/ceiling.py)",
     {
@@ -291,6 +374,7 @@ SCHEMA: dict[str, Any] = _obj(
                     "reader, batcher, writer, Redis client, and the doctor's feeder)",
                     "µs",
                 ),
+                "gil": _GIL,
                 "gpu_util_pct": _t(["number", "null"], "NVML GPU utilisation, mean", "%"),
                 "mem_bw_util_pct": _t(["number", "null"], "NVML memory utilisation, mean", "%"),
                 "process_cpu_pct": _t(
