@@ -409,10 +409,8 @@ def _jpeg_orientation(data: bytes) -> int:
 
 def _jpeg_exif(data: bytes) -> bytes | None:
     """The first APP1 segment holding EXIF ("Exif\\0\\0" and its TIFF data), or None."""
-    # Most JPEGs carry none: a C-speed search (well under 1% of the decode at any size)
-    # saves them the marker walk.
-    if data.find(b"Exif\x00\x00") < 0:
-        return None
+    # A walk over the segments before the scan (a handful in any JPEG), never a search of
+    # the whole file: that held the GIL for about 60 us per 95 KB photo without EXIF.
     pos, end = 2, len(data)
     while pos + 4 <= end:
         if data[pos] != 0xFF:
