@@ -24,11 +24,12 @@ from worker.config import WorkerConfig
 from worker.decode.cache import cache_key
 from worker.decode.cpu import DecodeSpec, decode_into, decode_to_array
 from worker.tools.bench.ablations import CpuPreprocess
+from worker.tools.bench.accuracy import SIZES, accuracy_section
 from worker.tools.bench.images import ImageSetSpec, load_image_set
 from worker.tools.bench.naive import NaivePreprocess
 from worker.tools.bench.profiles import make_profile
 from worker.tools.bench.redis_env import job_image
-from worker.tools.bench.report import render_markdown, validate_report
+from worker.tools.bench.report import accuracy_lines, render_markdown, validate_report
 from worker.tools.bench.runner import run_bench
 from worker.tools.bench.stage_rates import ideal_pipeline, ideal_sequential
 
@@ -45,12 +46,18 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path
     return report, out
 
 
+@pytest.fixture(scope="module")
+def accuracy() -> dict[str, Any]:
+    return accuracy_section(torch.device("cpu"))
+
+
 @pytest.mark.slow
 def test_the_written_report_matches_the_schema(tiny: tuple[dict[str, Any], Path]) -> None:
     _, out = tiny
     written = json.loads((out / "report.json").read_text())
     assert validate_report(written) == []
     assert written["profile"] == "tiny"
+    assert set(written["accuracy"]["placements"]) == {"host", "device"}
     for key in ("name", "image_set", "images_per_s", "p50_ms", "p99_ms", "jobs", "results"):
         assert all(key in run for run in written["runs"]), key
     assert set(written["summary"]) == {s["name"] for s in written["image_sets"]}
@@ -138,6 +145,7 @@ def test_the_figure_is_a_png_and_the_markdown_lists_every_run(
         else:
             assert label in section, (run["image_set"], run["name"])
     assert "## Stage rates" in markdown and "## Summary" in markdown
+    assert "## Accuracy: the same pixels as torchvision's eval transforms" in markdown
     assert "every job's bytes are unique" in markdown
 
 
@@ -281,6 +289,46 @@ def test_the_priority_section_measures_high_jobs_behind_a_burst(
     assert any("priority.runs.fifo" in p for p in validate_report(bad))
 
 
+def test_the_accuracy_section_compares_both_placements_with_torchvision(
+    accuracy: dict[str, Any],
+) -> None:
+    a = accuracy
+    assert set(a["placements"]) == {"host", "device"}
+    assert a["images"] == len(SIZES) * 8 and a["orientations"] == list(range(1, 9))
+    classes = a["size_classes"]
+    assert [c["dct_scaled"] for c in classes].count(True) >= 2
+    assert [c["reduced_on_host"] for c in classes].count(True) == 1
+    assert any(min(c["width"], c["height"]) < a["staging_size"] for c in classes)  # upscaled
+    for name, p in a["placements"].items():
+        assert p["met"] and p["misses"] == [], name
+        assert p["top1_agreement"] >= 0.99
+        assert 0.995 <= p["cosine_min"] <= p["cosine_mean"] <= 1.0
+        assert 0 < p["pixel_diff_mean"] < p["pixel_diff_max"] <= 10.0
+        assert len(p["by_size_class"]) == len(classes)
+        assert max(c["pixel_diff_max"] for c in p["by_size_class"]) == p["pixel_diff_max"]
+        assert p["resized_on"].startswith("cpu")
+    assert 0 < a["placements_max_diff"] <= 1.0
+    markdown = "\n".join(accuracy_lines({"accuracy": a}))
+    assert "## Accuracy: the same pixels as torchvision's eval transforms" in markdown
+    assert "| host | cpu" in markdown and "| device | cpu" in markdown
+    bad = copy.deepcopy(a)
+    del bad["placements"]["device"]
+    assert validate_section(bad) == ["accuracy.placements must be host and device"]
+    bad = copy.deepcopy(a)
+    bad["placements"]["host"].update(top1_agreement=1.5, cosine_min=float("nan"), met=False)
+    problems = validate_section(bad)
+    assert any("host.top1_agreement" in p for p in problems)
+    assert any("host.cosine_min" in p for p in problems)
+    assert any("met must say" in p for p in problems)
+
+
+def validate_section(accuracy: dict[str, Any]) -> list[str]:
+    """The accuracy section's problems in an otherwise valid report."""
+    return [
+        p for p in validate_report({"accuracy": accuracy, **minimal_report()}) if "accuracy" in p
+    ]
+
+
 def test_the_per_job_trailer_keeps_the_pixels_and_makes_every_job_unique() -> None:
     data = load_image_set(ImageSetSpec("u", 1600, 1200, 2, quality=90, seed=4), None).images
     jobs = [job_image(data, i, f"run-{i}", unique=True) for i in range(6)]
@@ -301,8 +349,9 @@ def test_the_per_job_trailer_keeps_the_pixels_and_makes_every_job_unique() -> No
     assert torch.equal(naive(first), naive(tagged))
 
 
-def test_validation_catches_missing_results_and_unreal_figures() -> None:
-    report = {
+def minimal_report() -> dict[str, Any]:
+    """A report with one run and no optional section, valid but for `accuracy`."""
+    return {
         "schema_version": 1,
         "profile": "tiny",
         "host": {},
@@ -342,6 +391,13 @@ def test_validation_catches_missing_results_and_unreal_figures() -> None:
         "stage_rates": {"decode": [{"images_per_s": 5.0}], "model": [{"images_per_s": 9.0}]},
         "targets": [],
     }
+
+
+def test_validation_catches_missing_results_and_unreal_figures(
+    accuracy: dict[str, Any],
+) -> None:
+    report = {**minimal_report(), "accuracy": accuracy}
+    assert any("accuracy must be an object" in p for p in validate_report(minimal_report()))
     assert validate_report(report) == []
     short = copy.deepcopy(report)
     short["runs"][0]["results"] = 3

@@ -1,165 +1,101 @@
 """Both resize placements give the pixels of torchvision's eval transforms.
 
-The reference: the image decoded in full by Pillow, turned upright from its EXIF tag, then
-torchvision's Resize(S, antialias=True) + CenterCrop(C). The host placement resizes on the
-decode threads (Pillow, 8-bit between its passes); the device placement keeps the decoded
-pixels in rows and resizes them in the step (float, worker/model/resample.py), run here on
-the CPU. Both decode large JPEGs at libjpeg's DCT scale, which is where most of the
-difference to the full-decode reference comes from.
+The cases, the reference, both placements and the classifier are the bench's
+(worker/tools/bench/accuracy.py, whose section of the bench report shows the same figures);
+the device placement runs here on the CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis
 import torch
-from PIL import Image, ImageOps
 from torch import nn
-from torchvision import transforms
 
 from producer.wire import JobResult
-from tests.images import encode, photo_like
 from tests.worker_harness import running_worker, wait_results
 from worker.config import ConfigError
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeSpec, decode_pixels
 from worker.decode.pool import DecodePool
-from worker.decode.rows import GEOMETRY_WORDS, decode_row, row_side, write_decoded_row
+from worker.decode.rows import GEOMETRY_WORDS, decode_row, write_decoded_row
 from worker.jobs import Job
 from worker.model.resample import RowResampler, choose_placement, use_rows
 from worker.model.step import InferenceStep, check_step
+from worker.tools.bench.accuracy import (
+    CROP,
+    MEAN,
+    SIDE,
+    SIZES,
+    STAGING,
+    STD,
+    Measured,
+    cases,
+    classifier_agreement,
+    decode_rows,
+    host_placement,
+    measure,
+    oriented_jpeg,
+)
 
-S, C = 64, 56
-R = row_side(S)
-MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-# Size classes: an upscaled thumbnail, native rows (landscape, portrait, square), DCT-scaled
-# photos, and a panorama too long for a row (reduced on the host).
-SIZES = [(40, 30), (150, 112), (112, 150), (100, 100), (520, 390), (700, 1000), (600, 90)]
-
-
-def oriented_jpeg(width: int, height: int, orientation: int, seed: int) -> bytes:
-    exif = Image.Exif()
-    exif[0x0112] = orientation
-    return encode(photo_like(width, height, seed), "JPEG", quality=95, exif=exif.tobytes())
-
-
-def reference(data: bytes) -> torch.Tensor:
-    """[3, C, C] float, 0..255: torchvision's eval geometry on the full, upright decode."""
-    image = ImageOps.exif_transpose(Image.open(io.BytesIO(data)).convert("RGB"))
-    pipeline = transforms.Compose(
-        [transforms.Resize(S, antialias=True), transforms.CenterCrop(C), transforms.PILToTensor()]
-    )
-    out: torch.Tensor = pipeline(image)
-    return out.float()
-
-
-def host_placement(data: bytes) -> torch.Tensor:
-    pixels, _ = decode_pixels(data, DecodeSpec(size=S))
-    off = round((S - C) / 2)
-    return torch.from_numpy(pixels[off : off + C, off : off + C].copy()).permute(2, 0, 1).float()
+S, C, R = STAGING, CROP, SIDE
 
 
 def device_rows(images: list[bytes]) -> torch.Tensor:
-    rows = np.zeros((len(images), R, R, 3), dtype=np.uint8)
-    for i, data in enumerate(images):
-        row, _ = decode_row(data, DecodeSpec(size=S), R)
-        write_decoded_row(rows[i], row)
-    return torch.from_numpy(rows)
-
-
-def device_placement(images: list[bytes]) -> torch.Tensor:
-    with torch.inference_mode():
-        return RowResampler(R, S, S, C)(device_rows(images))
-
-
-def cases() -> list[bytes]:
-    return [
-        oriented_jpeg(w, h, orientation, seed=i)
-        for i, (w, h) in enumerate(SIZES)
-        for orientation in range(1, 9)
-    ]
+    return decode_rows(images)[0]
 
 
 @pytest.fixture(scope="module")
 def images() -> list[bytes]:
-    return cases()
+    return [c.data for c in cases()]
 
 
 @pytest.fixture(scope="module")
-def placements(images: list[bytes]) -> dict[str, torch.Tensor]:
-    return {
-        "reference": torch.stack([reference(d) for d in images]),
-        "host": torch.stack([host_placement(d) for d in images]),
-        "device": device_placement(images),
-    }
+def measured() -> Measured:
+    return measure(cases(), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("placement", ["host", "device"])
-def test_pixels_match_torchvision(placement: str, placements: dict[str, torch.Tensor]) -> None:
+def test_pixels_match_torchvision(placement: str, measured: Measured) -> None:
     """In levels of 255, per image: decoded at full size, within 1 everywhere (rounding),
     0.5 on average; decoded at a DCT scale (shorter side >= 2S), 1.5 on average and 10 at
     most: libjpeg's reduced IDCT drops detail finer than the scaled grid."""
-    diff = (placements[placement] - placements["reference"]).abs().reshape(len(SIZES), 8, -1)
-    for (w, h), per_image in zip(SIZES, diff, strict=True):
+    got = measured.placement(placement)
+    diff = (got - measured.reference).abs().reshape(len(SIZES), 8, -1)
+    for (w, h, _), per_image in zip(SIZES, diff, strict=True):
         scaled = min(w, h) >= 2 * S
         assert per_image.mean(dim=1).max() <= (1.5 if scaled else 0.5), (w, h)
         assert per_image.max() <= (10.0 if scaled else 1.0), (w, h)
 
 
-def test_the_placements_agree(placements: dict[str, torch.Tensor]) -> None:
+def test_the_placements_agree(measured: Measured) -> None:
     """Same decode, same geometry: only Pillow's 8-bit rounding between passes differs."""
-    assert (placements["device"] - placements["host"]).abs().max() <= 1.0
-
-
-class TinyClassifier(nn.Module):
-    """A small random convnet: its pooled features are the embedding, a linear layer the
-    logits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 5, stride=2),
-            nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-        )
-        self.classes = nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        emb = self.features(x)
-        return emb, self.classes(emb)
+    assert (measured.device - measured.host).abs().max() <= 1.0
 
 
 @pytest.mark.parametrize("placement", ["host", "device"])
-def test_classifier_agrees_with_the_reference(
-    placement: str, placements: dict[str, torch.Tensor]
-) -> None:
+def test_classifier_agrees_with_the_reference(placement: str, measured: Measured) -> None:
     """fp32 on the CPU: top-1 agreement >= 99% and embedding cosine >= 0.995."""
-    model = TinyClassifier().eval()
-    mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
-    with torch.inference_mode():
-        emb_ref, logits_ref = model((placements["reference"] - mean) / std)
-        emb, logits = model((placements[placement] - mean) / std)
-    agreement = (logits.argmax(1) == logits_ref.argmax(1)).float().mean().item()
-    cosine = torch.nn.functional.cosine_similarity(emb, emb_ref, dim=1)
-    assert agreement >= 0.99
-    assert cosine.min().item() >= 0.995
+    agreement = classifier_agreement(measured.reference, measured.placement(placement))
+    assert agreement.top1 >= 0.99
+    assert agreement.cosine.min().item() >= 0.995
+
+
+def test_other_pixels_fail_the_agreement(measured: Measured) -> None:
+    """The comparison tells images apart: each image against another size class's."""
+    others = torch.roll(measured.host, shifts=8, dims=0)
+    agreement = classifier_agreement(measured.reference, others)
+    assert agreement.cosine.min().item() < 0.995
 
 
 def test_rows_carry_their_geometry(images: list[bytes]) -> None:
     rows = device_rows(images[:8]).numpy()
     words = rows[:, 0].reshape(8, -1)[:, : 4 * GEOMETRY_WORDS].copy().view("<i4")
-    h, w = SIZES[0][1], SIZES[0][0]
+    w, h, _ = SIZES[0]
     assert [tuple(r[:3]) for r in words] == [(h, w, o) for o in range(1, 9)]
 
 
@@ -325,7 +261,7 @@ async def test_the_degraded_step_reads_the_same_rows(
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_captured_resampling_matches_the_cpu() -> None:
-    rows = device_rows(cases())
+    rows = device_rows([c.data for c in cases()])
     with torch.inference_mode():
         want = RowResampler(R, S, S, C)(rows)
     resampler = RowResampler(R, S, S, C).cuda()

@@ -13,6 +13,8 @@
   off), and the emulation of "GPU preprocessing off";
 - `images`: the deterministic image sets; `profiles`: tiny, quick and full;
 - `stage_rates`: each stage's cost alone, and the throughput those costs allow;
+- `accuracy`: both resize placements against torchvision's eval transforms (pixels, a
+  classifier's top-1 and embedding cosine);
 - `probe`: CPU per thread group, GPU utilisation and memory during a run;
 - `report`: report.json (docs/bench-schema.md), report.md and throughput.png.
 """

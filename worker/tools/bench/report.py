@@ -195,6 +195,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out += overhead_lines(report)
     out += gil_lines(report)
     out += priority_lines(report)
+    out += accuracy_lines(report)
     out += _stage_rate_lines(report)
     out += _target_lines(report)
     if report.get("curves"):
@@ -442,6 +443,118 @@ def priority_lines(report: Mapping[str, Any]) -> list[str]:
         f"{_fmt(p['high_p99_speedup'], 2)}x lower with levels.",
     ]
     return out
+
+
+def accuracy_lines(report: Mapping[str, Any]) -> list[str]:
+    """Both resize placements against torchvision's eval transforms."""
+    a = report.get("accuracy")
+    if not a:
+        return []
+    t = a["thresholds"]
+    sizes = ", ".join(f"{c['width']}x{c['height']} ({c['what']})" for c in a["size_classes"])
+    out = [
+        "",
+        "## Accuracy: the same pixels as torchvision's eval transforms",
+        "",
+        f"Reference: {a['reference']}. {a['images']} generated photos: {sizes}, each in EXIF "
+        f"orientations {a['orientations'][0]}-{a['orientations'][-1]}. Model: {a['model']}. "
+        "Pixel differences in levels of 255; per size class, the worst image's mean and max. "
+        f"Thresholds: top-1 >= {t['top1_agreement_min']}, cosine >= {t['cosine_min']}; pixels "
+        f"{t['pixel_mean_full_size']} / {t['pixel_max_full_size']} (mean / max) decoded at "
+        f"full size, {t['pixel_mean_dct_scaled']} / {t['pixel_max_dct_scaled']} at a DCT "
+        "scale.",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            p["resized_on"],
+            _fmt(p["top1_agreement"], 3),
+            _fmt(p["cosine_min"], 5),
+            _fmt(p["cosine_mean"], 5),
+            _fmt(p["pixel_diff_mean"], 2),
+            _fmt(p["pixel_diff_max"], 1),
+            "yes" if p["met"] else "**no**",
+        ]
+        for name, p in a["placements"].items()
+    ]
+    out += _table(
+        [
+            "placement",
+            "resized on",
+            "top-1 agreement",
+            "cosine min",
+            "cosine mean",
+            "pixels mean",
+            "pixels max",
+            "met",
+        ],
+        rows,
+        "ll" + "r" * 5 + "l",
+    )
+    out += [""]
+    out += _table(
+        ["size class", *(f"{name} mean / max" for name in a["placements"])],
+        [
+            [
+                f"{c['width']}x{c['height']}"
+                + (", DCT-scaled" if c["dct_scaled"] else "")
+                + (", reduced on the host" if c["reduced_on_host"] else ""),
+                *(
+                    f"{_fmt(p['by_size_class'][i]['pixel_diff_mean'], 2)} / "
+                    f"{_fmt(p['by_size_class'][i]['pixel_diff_max'], 1)}"
+                    for p in a["placements"].values()
+                ),
+            ]
+            for i, c in enumerate(a["size_classes"])
+        ],
+    )
+    out += ["", f"Device against host placement: at most {_fmt(a['placements_max_diff'], 2)}."]
+    for name, p in a["placements"].items():
+        out += [f"- {name}: {m}" for m in p["misses"]]
+    return out
+
+
+def _accuracy_problems(a: Any) -> list[str]:
+    if not isinstance(a, Mapping):
+        return ["accuracy must be an object"]
+    placements = a.get("placements") or {}
+    if set(placements) != {"host", "device"}:
+        return ["accuracy.placements must be host and device"]
+    problems = []
+    if not isinstance(a.get("images"), int) or a["images"] < 1:
+        problems.append("accuracy.images must be a positive integer")
+    classes = a.get("size_classes") or []
+    if not classes:
+        problems.append("accuracy.size_classes missing")
+    for name, p in placements.items():
+        where = f"accuracy.placements.{name}"
+        bounds = {
+            "top1_agreement": (0.0, 1.0),
+            "cosine_min": (-1.0, 1.0),
+            "cosine_mean": (-1.0, 1.0),
+            "pixel_diff_mean": (0.0, 255.0),
+            "pixel_diff_max": (0.0, 255.0),
+        }
+        for key, (low, high) in bounds.items():
+            value = p.get(key)
+            if not (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and low <= value <= high
+            ):
+                problems.append(f"{where}.{key} must be a number in [{low}, {high}]")
+        if (
+            isinstance(p.get("cosine_min"), int | float)
+            and isinstance(p.get("cosine_mean"), int | float)
+            and p["cosine_min"] > p["cosine_mean"]
+        ):
+            problems.append(f"{where}: cosine_min above cosine_mean")
+        if len(p.get("by_size_class") or []) != len(classes):
+            problems.append(f"{where}.by_size_class needs one entry per size class")
+        if not isinstance(p.get("met"), bool) or p["met"] == bool(p.get("misses")):
+            problems.append(f"{where}: met must say whether it has no misses")
+    return problems
 
 
 def _priority_problems(p: Any) -> list[str]:
@@ -904,6 +1017,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
             problems.append(f"stage rate {d} is not a positive number")
     problems += _overhead_problems(report.get("overhead"))
     problems += _priority_problems(report.get("priority"))
+    problems += _accuracy_problems(report.get("accuracy"))
     for c in report.get("curves") or []:
         for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms"):
             if not _positive(c.get(key)):

@@ -13,8 +13,10 @@ One invocation, for each model of the profile and each image set:
    (worker/tools/bench/url_jobs.py), reported apart as `url_runs`;
 
 plus the decode stage rates (worker/tools/bench/stage_rates.py), in the full profile a
-latency/throughput curve for three batcher max waits, and the overhead section
-(worker/tools/bench/overhead.py): the null model on tiny JPEGs beside the queue ceiling.
+latency/throughput curve for three batcher max waits, the overhead section
+(worker/tools/bench/overhead.py): the null model on tiny JPEGs beside the queue ceiling, and
+the accuracy section (worker/tools/bench/accuracy.py): both resize placements against
+torchvision's eval transforms.
 Then report.json, report.md and throughput.png (worker/tools/bench/report.py).
 
 How a run is measured: every run gets its own streams on a private redis-server. Every
@@ -63,6 +65,7 @@ from worker.tools.bench.ablations import (
     cache_on_repeats,
     url_repeats,
 )
+from worker.tools.bench.accuracy import accuracy_section
 from worker.tools.bench.analysis import analyse
 from worker.tools.bench.context import Bench
 from worker.tools.bench.gpufeed_run import gpufeed_run
@@ -290,6 +293,16 @@ def run_bench(
             client.close()
 
     summary, targets = analyse(b, rates)
+    t0 = time.perf_counter()
+    accuracy = accuracy_section(device)
+    echo(
+        "accuracy against torchvision's eval transforms: "
+        + ", ".join(
+            f"{name} top-1 {p['top1_agreement']:.3f}, cosine min {p['cosine_min']:.4f}"
+            for name, p in accuracy["placements"].items()
+        )
+        + f" ({time.perf_counter() - t0:.1f} s)"
+    )
     elapsed = time.perf_counter() - started
     notes: list[str] = []
     if host["load_avg_1m_at_start"] > 0.5 * cores:
@@ -361,6 +374,7 @@ def run_bench(
         "curves": b.curves,
         "overhead": b.overhead,
         "priority": b.priority,
+        "accuracy": accuracy,
         "summary": summary,
         "targets": targets,
         "skipped": b.skipped,
