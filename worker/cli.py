@@ -280,12 +280,27 @@ def doctor(
         render(report, report_console())
 
 
-@cli.command()
+class LegendCommand(click.Command):
+    """`top --help` ends with the dashboard's legend: what each column says."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from worker.tools.top import legend_lines
+
+        formatter.write_paragraph()
+        formatter.write_text("Columns (l toggles this legend in the dashboard):")
+        for line in legend_lines():
+            formatter.write(f"  {line}\n")
+
+
+@cli.command(cls=LegendCommand)
 @config_options
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 def top(interval: float, once: bool, **options: Any) -> None:
-    """Live dashboard of the workers of a group: rates, latency, stages, GPU, backlog."""
+    """Live dashboard of the workers of a group: rates, latency, stages, GPU, backlog.
+    Keys: l shows or hides the legend, q quits. Narrow terminals get short headers, then
+    lose columns in a fixed order (in flight, ok, device, p50, fill, CPU, write, queue,
+    fetch, errors, redis_wait), named under the table."""
     from worker.tools.top import run_top
 
     try:
