@@ -83,10 +83,17 @@ def run_worker_importtime(
     return proc, imported, lines
 
 
-def test_no_wait_with_redis_down_exits_3_in_one_line_before_torch() -> None:
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_no_wait_with_redis_down_exits_3_in_one_line_before_torch(processes: str) -> None:
     port = free_port()
     proc, imported, lines = run_worker_importtime(
-        "--no-wait", env={"REDIS_URL": f"redis://127.0.0.1:{port}/0", "GPUFEED_LOG_FORMAT": "json"}
+        "--no-wait",
+        env={
+            "REDIS_URL": f"redis://127.0.0.1:{port}/0",
+            "GPUFEED_LOG_FORMAT": "json",
+            # A supervisor checks before it starts any worker process.
+            "GPUFEED_PROCESSES": processes,
+        },
     )
     assert proc.returncode == 3, lines
     assert len(lines) == 1, lines

@@ -124,12 +124,6 @@ def run(wait_for_redis: bool, **options: Any) -> None:
         fail(str(exc), EXIT_CONFIG)
         return
     configure_logging(config.log_format, config.log_level)
-    if config.processes > 1:
-        # The supervisor never imports torch: its children are fresh interpreters.
-        from worker.supervisor import run_supervisor
-
-        sys.exit(run_supervisor(config, wait_for_redis=wait_for_redis))
-
     # Everything that needs neither torch nor the model is checked before torch is imported
     # (seconds): the settings above (model name, model directory manifest), now Redis.
     from worker.redis_check import REDIS_FIX, RedisUnavailable, preflight
@@ -140,6 +134,11 @@ def run(wait_for_redis: bool, **options: Any) -> None:
         fail(f"{exc}; {REDIS_FIX}", EXIT_REDIS)
     except ConfigError as exc:
         fail(str(exc), EXIT_CONFIG)
+    if config.processes > 1:
+        # The supervisor never imports torch: its children are fresh interpreters.
+        from worker.supervisor import run_supervisor
+
+        sys.exit(run_supervisor(config, wait_for_redis=wait_for_redis))
 
     # Until the worker's own handlers take over (its event loop, once torch is imported and
     # the service built: seconds, more on a busy host), SIGTERM would kill the process with
