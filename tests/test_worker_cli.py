@@ -323,3 +323,19 @@ def test_sigterm_while_starting_exits_cleanly(redis_url: str, tiny_weights: Path
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
+
+
+async def test_a_worker_whose_start_up_failed_is_not_said_to_stop(tiny_weights: Path) -> None:
+    # In-process (the tools' way): Redis down with --no-wait's checks; the one error is
+    # what is said, no "shutting_down"/"stopped" for a worker that never served.
+    import structlog.testing
+
+    from tests.worker_harness import tiny_config
+    from worker.service import RedisUnavailable, Worker
+
+    worker = Worker(tiny_config(f"redis://127.0.0.1:{free_port()}/0", tiny_weights))
+    with structlog.testing.capture_logs() as logs, pytest.raises(RedisUnavailable):
+        await worker.serve(wait_for_redis=False, install_signals=False)
+    events = [entry["event"] for entry in logs]
+    assert "starting" in events
+    assert "shutting_down" not in events and "stopped" not in events
