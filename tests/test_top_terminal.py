@@ -113,6 +113,11 @@ def test_top_fits_80_columns_by_leaving_out_columns_in_order(
     assert not any("…" in line for line in table), screen  # no cell is cut
     assert table[0].split() == ["worker", "j/s", "p99", "decode", "model_wait", "compute", "GPU"]
     assert LONG_NAME in screen  # whole
+    # The backlog line breaks between its parts, not inside one.
+    assert [line.rstrip() for line in screen.splitlines()[:2]] == [
+        "stream gpufeed:jobs: length no such stream | group gpufeed: none yet | workers 2",
+        "25.0 jobs/s",
+    ], screen
     assert "left out to fit the terminal: in flight, ok, device, p50 ms, fill, CPU" in " ".join(
         screen.split()
     )

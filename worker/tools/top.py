@@ -152,7 +152,9 @@ def _backlog(group: Mapping[str, Any]) -> str:
     return f"lag {lag}, pending {group['pending']:,}"
 
 
-def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
+def header(view: Mapping[str, Any], config: WorkerConfig, width: int | None = None) -> Text:
+    """The backlog line; on a terminal narrower than it, its parts packed into lines that
+    break between parts, never inside one."""
     stream, group = view["stream"], view["group"]
     parts: list[str] = []
     if view.get("levels"):
@@ -173,7 +175,13 @@ def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
     parts.append(f"{view['jobs_per_s']:,.1f} jobs/s")
     if view.get("dead_length"):
         parts.append(f"dead letters {view['dead_length']:,}")
-    return Text(" | ".join(parts), style="bold")
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if width is not None and len(lines[-1]) + 3 + len(part) > width:
+            lines.append(part)
+        else:
+            lines[-1] += f" | {part}"
+    return Text("\n".join(lines), style="bold")
 
 
 # The legend: a line per column that needs one, from the one source /metrics' HELP uses.
@@ -368,7 +376,7 @@ def frame(
     view = collect(client, config)
     workers, dropped = table(view, width)
     return Group(
-        header(view, config),
+        header(view, config, width),
         workers,
         footer(view, interval_s=interval_s, legend=legend, dropped=dropped),
     )
