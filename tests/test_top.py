@@ -15,7 +15,7 @@ from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
 from worker.cli import cli
 from worker.observer import heartbeat_key, write_heartbeat
-from worker.tools.top import footer
+from worker.tools.top import footer, legend_lines
 
 
 def snapshot(name: str, **changes: Any) -> dict[str, Any]:
@@ -160,3 +160,12 @@ async def test_top_against_a_live_worker(
     assert row[3:5] == ["12", "1"]  # ok, errors
     assert "errors by code: unsupported_format 1" in out
     assert "lag 0, pending 0" in out.splitlines()[0]
+
+
+def test_readme_shows_the_legend_top_prints() -> None:
+    # README's example frame is the legend's own text, not a paraphrase that may drift.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [line for line in legend_lines() if "fetch" not in line]
+    for line in lines[:7]:  # the header and the stages
+        assert line in readme, line
+    assert lines[-1] in readme
