@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 REDIS_PORT ?= 6379
 
-.PHONY: help setup redis-server promtool test lint demo run-worker run-redis bench soak soak-cluster \
+.PHONY: help setup redis-server promtool tmux test lint demo run-worker run-redis bench soak soak-cluster \
 	gpu-check gpu-check-prepare clean
 
 help: ## this list
@@ -16,7 +16,7 @@ help: ## this list
 	  | sed -E 's/^([a-zA-Z0-9_-]+):.*## (.*)$$/\1\t\2/' \
 	  | while IFS=$$'\t' read -r target text; do printf '  make %-18s %s\n' "$$target" "$$text"; done
 
-setup: $(STAMP) redis-server promtool ## .venv with the packages; redis-server and promtool from the OS packages
+setup: $(STAMP) redis-server promtool tmux ## .venv with the packages; redis-server, promtool and tmux from the OS packages
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,13 @@ redis-server: ## install redis-server from the OS packages when it is missing
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 	@# The OS package starts a system-wide server on :6379; gpufeed's targets start their own.
+
+# tmux is the terminal the `worker top` tests draw in (skipped without it).
+tmux: ## install tmux from the OS packages when it is missing
+	@command -v tmux >/dev/null 2>&1 || { \
+	  echo "installing tmux from the OS packages"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq tmux >/dev/null; }
 
 # promtool checks deploy/prometheus (rule syntax, alert unit tests, the dashboard's
 # queries). Only the binary is taken out of Debian's `prometheus` package, into the venv:

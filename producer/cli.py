@@ -20,9 +20,11 @@ from urllib.parse import unquote, urlsplit
 
 import redis
 import typer
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from producer import wire
 from producer.admission import AdmissionRefused
@@ -272,7 +274,7 @@ def _total_ms(details: dict[str, Any]) -> float | None:
 
 def _row(job_id: str, result: wire.JobResult | None) -> list[str]:
     if result is None:
-        return [job_id, "missing", "", "", "", "no result yet", ""]
+        return [job_id, "missing", "", "", "", "no result yet", "", ""]
     total = _total_ms(result.details)
     return [
         job_id,
@@ -282,7 +284,59 @@ def _row(job_id: str, result: wire.JobResult | None) -> list[str]:
         "" if result.score is None else f"{result.score:.4f}",
         result.error or "",
         "" if total is None else f"{total:.1f}",
+        _marks(result),
     ]
+
+
+# What the `mark` column's words say, printed under a table that shows them.
+MARKS = {
+    "dup": "the id had a result already (--json: duplicate_of, the entry that made it)",
+    "cached": "the image came from the worker's decode cache (decoded before)",
+    "degraded": "answered by the worker's cheaper degraded step, under backlog",
+}
+
+
+def _marks(result: wire.JobResult) -> str:
+    marks = [
+        name
+        for name, on in (
+            ("dup", result.duplicate_of is not None),
+            ("cached", result.details.get("cached") is True),
+            ("degraded", result.degraded),
+        )
+        if on
+    ]
+    return ",".join(marks)
+
+
+def shown_ids(ids: Sequence[str]) -> list[str]:
+    """Ids as a table shows them: a URL's by the tail of its path (its file name, with as
+    many folders before it as it takes to tell the ids apart), prefixed `…/`; others whole.
+    --json gives the whole ids."""
+    parts = {i: _url_path(i) for i in ids}
+    depth = dict.fromkeys(ids, 1)
+    while True:
+        tails = {i: "/".join(p[-depth[i] :]) for i, p in parts.items() if p}
+        seen: dict[str, list[str]] = {}
+        for i, tail in tails.items():
+            seen.setdefault(tail, []).append(i)
+        grow = [
+            i for same in seen.values() if len(same) > 1 for i in same if depth[i] < len(parts[i])
+        ]
+        if not grow:
+            break
+        for i in grow:
+            depth[i] += 1
+    return [f"…/{tails[i]}" if i in tails else i for i in ids]
+
+
+def _url_path(job_id: str) -> list[str]:
+    """The path segments after a URL's host (none for an id that is no URL, or a URL with
+    no path to show)."""
+    scheme, sep, rest = job_id.partition("://")
+    if not sep or "/" in scheme:
+        return []
+    return [s for s in rest.split("/")[1:] if s]
 
 
 def _what(result: wire.JobResult) -> str:
@@ -296,12 +350,28 @@ def _what(result: wire.JobResult) -> str:
     return result.label or ""
 
 
-def _results_table(rows: list[list[str]]) -> Table:
-    table = Table("id", "status", "top1", "label", "score", "error", "total ms")
-    for row in rows:
+def _results_table(rows: list[list[str]]) -> Group:
+    """The results, ids fitted (shown_ids) and never cut, the error and mark columns only
+    where a row has one, and what the marks mean."""
+    heads = ["id", "status", "top1", "label", "score", "error", "total ms", "mark"]
+    keep = [
+        i for i in range(len(heads)) if heads[i] not in ("error", "mark") or any(r[i] for r in rows)
+    ]
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for i in keep:
+        # Ids, labels and errors fold onto more lines where they must; figures are never cut.
+        wraps = heads[i] in ("id", "label", "error")
+        table.add_column(heads[i], no_wrap=not wraps, overflow="fold")
+    ids = shown_ids([row[0] for row in rows])
+    for row, shown in zip(rows, ids, strict=True):
         style = {"ok": "", "error": "red", "missing": "yellow"}.get(row[1], "")
-        table.add_row(*row, style=style)
-    return table
+        cells = [shown, *row[1:]]
+        table.add_row(*(cells[i] for i in keep), style=style)
+    used = {m for row in rows for m in row[7].split(",") if m}
+    notes = [f"{name}: {MARKS[name]}" for name in MARKS if name in used]
+    if ids != [row[0] for row in rows]:
+        notes.append("…/name: the tail of the job's URL (--json gives whole ids)")
+    return Group(table, *(Text(note, style="dim") for note in notes))
 
 
 def _print_json(obj: Any) -> None:

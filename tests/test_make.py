@@ -46,12 +46,13 @@ def test_run_redis_takes_a_free_port_when_its_port_is_taken(tmp_path: Path) -> N
                 ["bash", "scripts/run-redis.sh"],
                 cwd=ROOT,
                 env={"PATH": "/usr/local/bin:/usr/bin:/bin", "REDIS_PORT": str(taken)},
-                stdout=subprocess.DEVNULL,
+                # One file, as a terminal shows both: Redis's banner and log, then ours.
+                stdout=err_file,
                 stderr=err_file,
             )
         try:
             deadline = time.monotonic() + 20
-            # The last line it prints before redis-server starts.
+            # What to use is printed once the server answers, after its own lines.
             while "REDIS_URL=" not in err.read_text():
                 assert proc.poll() is None, err.read_text()
                 assert time.monotonic() < deadline, err.read_text()
@@ -61,6 +62,10 @@ def test_run_redis_takes_a_free_port_when_its_port_is_taken(tmp_path: Path) -> N
             assert port != taken
             assert f"port {taken} is taken" in text
             assert f"REDIS_URL=redis://127.0.0.1:{port}/0" in text
+            time.sleep(0.3)  # anything Redis would still say comes after this point
+            last = err.read_text().strip().splitlines()[-1]
+            assert last.strip() == f"REDIS_URL=redis://127.0.0.1:{port}/0 make run-worker"
+            assert "Ready to accept connections" in text.partition("REDIS_URL=")[0]
             client = redis.Redis(port=port)
             while True:
                 try:

@@ -15,7 +15,7 @@ from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
 from worker.cli import cli
 from worker.observer import heartbeat_key, write_heartbeat
-from worker.tools.top import footer
+from worker.tools.top import footer, legend_lines
 
 
 def snapshot(name: str, **changes: Any) -> dict[str, Any]:
@@ -104,12 +104,18 @@ async def test_top_shows_every_worker_of_the_group(
     assert "consumers 1" in head and "workers 2" in head
     assert "37.5 jobs/s" in head  # 12.5 + 25.0
     rows = {line.split()[0]: line.split() for line in out.splitlines() if "gpu-" in line}
-    # worker, device (3 words), jobs/s, ok, errors, p50, p99, stages, GPU, CPU, fill, in flight
-    stages = "1.5/0.4/5.1/2.0/18.0/0.9"
-    first = ["12.5", "1,000", "0", "41.2", "97.5", stages, "87%", "150%", "75%", "7"]
+    # worker, device (3 words), jobs/s, ok, errors, p50, p99, a column per stage (no fetch:
+    # nothing was fetched), GPU, CPU, fill, in flight
+    heads = next(line for line in out.splitlines() if line.split()[:1] == ["worker"]).split()
+    stage_heads = ["redis_wait", "queue", "decode", "model_wait", "compute", "write"]
+    assert heads[heads.index("p99") + 2 : heads.index("GPU")] == stage_heads
+    stages = ["1.5", "0.4", "5.1", "2.0", "18.0", "0.9"]
+    first = ["12.5", "1,000", "0", "41.2", "97.5", *stages, "87%", "150%", "75%", "7"]
     assert rows["gpu-1-42"] == ["gpu-1-42", "cuda:0", "(NVIDIA", "H200)", *first]
-    second = ["25.0", "2,000", "2", "12.0", "30.2", stages, "-", "95%", "100%", "7"]
+    second = ["25.0", "2,000", "2", "12.0", "30.2", *stages, "-", "95%", "100%", "7"]
     assert rows["gpu-2-43"][4:] == second
+    # The legend says what the stages measure, from the text /metrics' HELP gives.
+    assert "model_wait sealed batch waiting to run | faster step, not GPUFEED_MAX_WAIT_MS" in out
     assert "errors by code: decode_error 2" in out
     assert "other-9" not in out  # another group's worker
 
@@ -127,9 +133,10 @@ def test_top_says_unknown_lag_and_no_group(redis_url: str, redis_client: redis.R
 
 def test_top_says_how_to_quit(redis_url: str) -> None:
     once = top_once(redis_url)
-    assert "one frame; without --once it refreshes until Ctrl+C quits" in once
+    assert "one frame; without --once it refreshes until q or Ctrl+C quits" in once
     live = footer({"workers": []}, interval_s=2.0).plain
-    assert "refreshes every 2 s; Ctrl+C quits" in live and "--once" not in live
+    assert "refreshes every 2 s; l hides the legend; q or Ctrl+C quits" in live
+    assert "--once" not in live
 
 
 def test_top_exits_3_without_redis() -> None:
@@ -153,3 +160,12 @@ async def test_top_against_a_live_worker(
     assert row[3:5] == ["12", "1"]  # ok, errors
     assert "errors by code: unsupported_format 1" in out
     assert "lag 0, pending 0" in out.splitlines()[0]
+
+
+def test_readme_shows_the_legend_top_prints() -> None:
+    # README's example frame is the legend's own text, not a paraphrase that may drift.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lines = [line for line in legend_lines() if "fetch" not in line]
+    for line in lines[:7]:  # the header and the stages
+        assert line in readme, line
+    assert lines[-1] in readme

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.cli_runner import run_module
+from tests.cli_runner import clean_env, run_module
 from tests.images import jpeg_bytes
 from tests.redis_server import free_port
 from worker.config import ConfigError, WorkerConfig
@@ -52,14 +52,102 @@ def test_config_errors_give_one_clear_line(
         assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_unknown_model_lists_the_valid_ones() -> None:
-    proc = run_worker(
-        env={"GPUFEED_MODEL": "resnet5000", "GPUFEED_WEIGHTS": "none", "GPUFEED_LOG_LEVEL": "error"}
+def importtime_modules(stderr: str) -> tuple[set[str], list[str]]:
+    """`python -X importtime`'s report split off stderr: the modules imported, and the
+    other lines (what the operator sees)."""
+    imported: set[str] = set()
+    lines: list[str] = []
+    for line in stderr.splitlines():
+        if line.startswith("import time:"):
+            imported.add(line.rsplit("|", 1)[-1].strip())
+        else:
+            lines.append(line)
+    return imported, lines
+
+
+def run_worker_importtime(
+    *args: str, env: dict[str, str], cwd: Path = ROOT
+) -> tuple[subprocess.CompletedProcess[str], set[str], list[str]]:
+    """The real command under `python -X importtime`, which lists every module imported."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "worker", *args],
+        cwd=cwd,
+        env={**clean_env(**env), "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
-    assert proc.returncode == 2
-    assert "GPUFEED_MODEL: unknown model 'resnet5000'" in proc.stderr
-    assert "resnet50" in proc.stderr and "mobilenet_v3_small" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    imported, lines = importtime_modules(proc.stderr)
+    assert "worker.cli" in imported  # the report is there: its absence proves nothing
+    return proc, imported, lines
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_no_wait_with_redis_down_exits_3_in_one_line_before_torch(processes: str) -> None:
+    port = free_port()
+    proc, imported, lines = run_worker_importtime(
+        "--no-wait",
+        env={
+            "REDIS_URL": f"redis://127.0.0.1:{port}/0",
+            "GPUFEED_LOG_FORMAT": "json",
+            # A supervisor checks before it starts any worker process.
+            "GPUFEED_PROCESSES": processes,
+        },
+    )
+    assert proc.returncode == 3, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"gpufeed: cannot reach Redis at redis://127.0.0.1:{port}/0")
+    assert "make run-redis" in lines[0] and "REDIS_URL" in lines[0]
+    assert "torch" not in imported and "torchvision" not in imported
+    # No worker started, so none is said to shut down or stop.
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("model", "hint"),
+    [
+        ("resnet5", "did you mean resnet50"),
+        ("nul", "did you mean null?"),
+        ("my-embedder", "did you mean `./my-embedder`?"),
+    ],
+)
+def test_a_wrong_model_name_gets_a_hint_before_redis_and_torch(
+    model: str, hint: str, tmp_path: Path
+) -> None:
+    (tmp_path / "my-embedder").mkdir()
+    # Redis is down: the name is checked first, and without importing torch.
+    proc, imported, lines = run_worker_importtime(
+        "--no-wait",
+        env={"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "GPUFEED_MODEL": model},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"gpufeed: GPUFEED_MODEL: unknown model {model!r}; {hint}")
+    # The full list only on request.
+    assert "mobilenet_v3_small" not in lines[0]
+    assert "torch" not in imported
+
+
+def test_a_model_name_in_another_case_is_the_model() -> None:
+    proc, _, lines = run_worker_importtime(
+        "--no-wait",
+        env={"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", "GPUFEED_MODEL": "Resnet18"},
+    )
+    # Accepted as resnet18: what stops it is Redis, the next check.
+    assert proc.returncode == 3, lines
+    assert "cannot reach Redis" in lines[0]
+    config = WorkerConfig.load(env={"GPUFEED_MODEL": "MobileNet_V3_Small"})
+    assert config.model == "mobilenet_v3_small"
+
+
+def test_model_list_prints_every_torchvision_model_on_request() -> None:
+    proc = run_worker("model", "list", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    names = proc.stdout.split()
+    assert "resnet50" in names and "mobilenet_v3_small" in names and "vit_b_16" in names
+    assert names == sorted(names)
 
 
 def test_bad_weights_name_lists_the_valid_ones() -> None:
@@ -89,9 +177,9 @@ def test_dead_redis_with_no_wait_exits_with_a_clear_message(tiny_weights: Path) 
     assert proc.returncode == 3
     assert f"cannot reach Redis at redis://gpufeed:***@127.0.0.1:{port}/0" in proc.stderr
     assert "s3cret" not in proc.stderr + proc.stdout
-    # Redis is checked first: the model was never loaded.
-    assert '"event": "starting"' in proc.stderr
-    assert '"event": "model_ready"' not in proc.stderr
+    # Redis is checked first: the model was never loaded, no worker started or stopped.
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert '"event"' not in proc.stderr
 
 
 @pytest.fixture
@@ -129,21 +217,18 @@ def test_a_port_that_is_not_redis_is_said_so_with_exit_3(not_redis: int) -> None
         assert "is not a Redis server" in tool.stderr and "Traceback" not in tool.stderr
 
 
-def test_no_wait_checks_redis_before_the_model() -> None:
-    # A model that does not exist fails with exit 2 once loading begins; with Redis down
-    # and --no-wait the worker must not get that far.
-    proc = run_worker(
-        "--no-wait",
-        env={
-            "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
-            "GPUFEED_MODEL": "resnet5000",
-            "GPUFEED_WEIGHTS": "none",
-            "GPUFEED_LOG_FORMAT": "json",
-        },
+def test_a_waiting_worker_still_refuses_unusable_keys_before_the_model(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    # The results stream is a string: no result could ever be written. Refused in a second,
+    # before torch, even by a worker that would wait for Redis to come up.
+    redis_client.set("gpufeed:results", "not a stream")
+    proc, imported, lines = run_worker_importtime(
+        env={"REDIS_URL": redis_url, "GPUFEED_LOG_LEVEL": "error"}
     )
-    assert proc.returncode == 3, proc.stderr
-    assert "cannot reach Redis" in proc.stderr
-    assert "unknown model" not in proc.stderr
+    assert proc.returncode == 2, lines
+    assert "Redis keys this worker must write are unusable" in lines[0]
+    assert "torch" not in imported
 
 
 def test_config_precedence_flags_over_env_over_defaults() -> None:
@@ -238,3 +323,19 @@ def test_sigterm_while_starting_exits_cleanly(redis_url: str, tiny_weights: Path
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
+
+
+async def test_a_worker_whose_start_up_failed_is_not_said_to_stop(tiny_weights: Path) -> None:
+    # In-process (the tools' way): Redis down with --no-wait's checks; the one error is
+    # what is said, no "shutting_down"/"stopped" for a worker that never served.
+    import structlog.testing
+
+    from tests.worker_harness import tiny_config
+    from worker.service import RedisUnavailable, Worker
+
+    worker = Worker(tiny_config(f"redis://127.0.0.1:{free_port()}/0", tiny_weights))
+    with structlog.testing.capture_logs() as logs, pytest.raises(RedisUnavailable):
+        await worker.serve(wait_for_redis=False, install_signals=False)
+    events = [entry["event"] for entry in logs]
+    assert "starting" in events
+    assert "shutting_down" not in events and "stopped" not in events

@@ -20,6 +20,7 @@ import click
 
 from worker import settings_help
 from worker.config import ConfigError, WorkerConfig
+from worker.quick_exit import exit_now
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -123,6 +124,16 @@ def run(wait_for_redis: bool, **options: Any) -> None:
         fail(str(exc), EXIT_CONFIG)
         return
     configure_logging(config.log_format, config.log_level)
+    # Everything that needs neither torch nor the model is checked before torch is imported
+    # (seconds): the settings above (model name, model directory manifest), now Redis.
+    from worker.redis_check import REDIS_FIX, RedisUnavailable, preflight
+
+    try:
+        run_async(preflight(config, wait=wait_for_redis))
+    except RedisUnavailable as exc:
+        fail(f"{exc}; {REDIS_FIX}", EXIT_REDIS)
+    except ConfigError as exc:
+        fail(str(exc), EXIT_CONFIG)
     if config.processes > 1:
         # The supervisor never imports torch: its children are fresh interpreters.
         from worker.supervisor import run_supervisor
@@ -136,7 +147,7 @@ def run(wait_for_redis: bool, **options: Any) -> None:
 
     from worker.model.compiler import CompileRefused
     from worker.model.loader import WeightsUnavailable
-    from worker.service import RedisUnavailable, Worker
+    from worker.service import Worker
 
     worker = Worker(config)
     try:
@@ -146,7 +157,7 @@ def run(wait_for_redis: bool, **options: Any) -> None:
     except WeightsUnavailable as exc:
         fail(f"{exc}. Set GPUFEED_WEIGHTS=none for random weights or to a local file.", EXIT_CONFIG)
     except RedisUnavailable as exc:
-        fail(str(exc), EXIT_REDIS)
+        fail(f"{exc}; {REDIS_FIX}", EXIT_REDIS)
     except CompileRefused as exc:
         fail(str(exc), EXIT_COMPILE)
 
@@ -157,7 +168,7 @@ def _exit_before_serving(signum: int, frame: FrameType | None) -> None:
     structlog.get_logger("gpufeed.worker").info(
         "stopped_while_starting", signal=signal.Signals(signum).name
     )
-    sys.exit(0)
+    exit_now()
 
 
 @cli.command()
@@ -268,12 +279,27 @@ def doctor(
         render(report, report_console())
 
 
-@cli.command()
+class LegendCommand(click.Command):
+    """`top --help` ends with the dashboard's legend: what each column says."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from worker.tools.top import legend_lines
+
+        formatter.write_paragraph()
+        formatter.write_text("Columns (l toggles this legend in the dashboard):")
+        for line in legend_lines():
+            formatter.write(f"  {line}\n")
+
+
+@cli.command(cls=LegendCommand)
 @config_options
 @click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 def top(interval: float, once: bool, **options: Any) -> None:
-    """Live dashboard of the workers of a group: rates, latency, stages, GPU, backlog."""
+    """Live dashboard of the workers of a group: rates, latency, stages, GPU, backlog.
+    Keys: l shows or hides the legend, q quits. Narrow terminals get short headers, then
+    lose columns in a fixed order (in flight, ok, device, p50, fill, CPU, write, queue,
+    fetch, errors, redis_wait), named under the table."""
     from worker.tools.top import run_top
 
     try:
@@ -358,7 +384,22 @@ def bench(profile_name: str | None, models: str | None, out_dir: Path, **options
 
 @cli.group()
 def model() -> None:
-    """Model directories: check one before serving it."""
+    """Models: the torchvision names GPUFEED_MODEL takes, and checking a model directory
+    before serving it."""
+
+
+@model.command("list")
+def model_list() -> None:
+    """Every torchvision classification model GPUFEED_MODEL takes by name, one a line.
+    (GPUFEED_MODEL also takes a model directory, written as a path, and `null`.)"""
+    from worker.model.names import registered_models
+
+    names = registered_models()
+    if not names:
+        from worker.model.loader import classification_models
+
+        names = frozenset(classification_models())
+    click.echo("\n".join(sorted(names)))
 
 
 @model.command("check")
@@ -376,7 +417,7 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     from worker.model.check import check_model, render
     from worker.model.compiler import CompileRefused
     from worker.model.manifest import looks_like_model_dir
-    from worker.model.null import is_null_model
+    from worker.model.names import is_null_model
 
     # The path as typed, made unmistakably a path for GPUFEED_MODEL ("tagger" -> "./tagger");
     # `null` is the null model.

@@ -189,6 +189,11 @@ class WorkerConfig:
                 values[name] = value
         config = cls(**values)
         config.validate()
+        from worker.model.names import check_name
+
+        # `Resnet18` is resnet18: the one spelling the loader, logs and results use.
+        if (model := check_name(config.model)) != config.model:
+            config = _replace(config, model=model)
         if not config.worker_name:
             config = _replace(config, worker_name=_default_worker_name())
         return config
@@ -258,7 +263,10 @@ class WorkerConfig:
             "must name a torchvision model, a model directory (a path) or null",
         )
         from worker.model.manifest import looks_like_model_dir, read_manifest
+        from worker.model.names import check_name
 
+        # A name torchvision does not know is refused here, with a hint, before torch.
+        check_name(self.model)
         if looks_like_model_dir(self.model):
             # The manifest is small and torch-free: a wrong key stops the worker here,
             # before anything is loaded. Whether the model fits it is checked at load.

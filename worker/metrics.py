@@ -11,6 +11,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -21,8 +22,43 @@ from prometheus_client.utils import floatToGoString
 
 from worker.gpu_sampler import percentile
 
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage a job goes through: what its time measures and what moves it, said once
+    for /metrics (the stage histogram's HELP), `worker top` (its legend) and the docs."""
+
+    name: str  # the metric's `stage` label and the results' timings_ms key (the contract)
+    shown: str  # `worker top`'s column
+    measures: str
+    moved_by: str
+
+
+# In the order a job goes through them. `batch_wait` is shown as model_wait: it is the time
+# a sealed batch waits to launch, not the wait for a batch to fill (GPUFEED_MAX_WAIT_MS,
+# part of the latency, in no stage), which readers took it for; the metric label and the
+# results' key keep the name.
+STAGE_INFO = (
+    Stage("redis_wait", "redis_wait", "in the stream until read",
+          "more workers, GPUFEED_PROCESSES"),
+    Stage("fetch", "fetch", "downloading a url job",
+          "GPUFEED_FETCH_CONCURRENCY, _PER_HOST"),
+    Stage("queue", "queue", "read, waiting for a batch row",
+          "the model binds; GPUFEED_RING_SLOTS"),
+    Stage("decode", "decode", "decoding and resizing",
+          "GPUFEED_DECODE_THREADS, GPUFEED_DECODE"),
+    Stage("batch_wait", "model_wait", "sealed batch waiting to run",
+          "faster step, not GPUFEED_MAX_WAIT_MS"),
+    Stage("compute", "compute", "model step, per batch",
+          "GPUFEED_MODEL, _PRECISION, _BATCH_SIZE"),
+    Stage("write", "write", "publishing and acking",
+          "Redis latency, GPUFEED_WAIT_REPLICAS"),
+)  # fmt: skip
 # The stages a job goes through, in order; per-stage seconds are observed under these names.
-STAGES = ("redis_wait", "fetch", "queue", "decode", "batch_wait", "compute", "write")
+STAGES = tuple(stage.name for stage in STAGE_INFO)
+STAGE_HELP = "Time a job spent in each pipeline stage: " + "; ".join(
+    f"{st.name}: {st.measures}" for st in STAGE_INFO
+)
 # What can happen to a job's delivery besides a plain result: taken over from a dead
 # worker, dead-lettered, deleted while pending, answered by an earlier result of its id,
 # answered by another worker first, refused by Redis; and consumers of dead workers removed.
@@ -132,7 +168,7 @@ class WorkerMetrics:
         # Fed once per flush with all its jobs' values (worker.observer).
         self.stage_seconds = BatchHistogram(
             "gpufeed_stage_seconds",
-            "Time a job spent in each pipeline stage.",
+            STAGE_HELP,
             _SECONDS,
             label="stage",
             values=STAGES,

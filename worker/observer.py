@@ -25,7 +25,7 @@ import structlog
 from prometheus_client import Counter
 from redis.exceptions import RedisError
 
-from producer import wire
+from worker import redis_check
 from worker.gpu_sampler import GpuSampler
 from worker.health import Health, HealthServer
 from worker.jobs import Job, Outcome
@@ -35,6 +35,9 @@ from worker.runner import Launched
 from worker.writer import PublishState
 
 log = structlog.get_logger("gpufeed.observer")
+
+# The key of a worker's heartbeat hash (callers have long imported it from here).
+heartbeat_key = redis_check.heartbeat_key
 
 HEARTBEAT_INTERVAL_S = 2.0
 
@@ -387,7 +390,3 @@ async def _group_backlog(
 def _add(total: int | None, value: int | None) -> int | None:
     """A sum that is unknown (None) once any of its parts is."""
     return None if total is None or value is None else total + value
-
-
-def heartbeat_key(worker_name: str) -> str:
-    return f"{wire.DEFAULT_WORKER_PREFIX}{worker_name}"

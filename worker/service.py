@@ -27,11 +27,11 @@ import torch
 from PIL import Image
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from producer import shards, wire
-from producer.reach import UNREACHABLE, unreachable
+from producer import shards
+from producer.reach import unreachable
 from producer.wire import ErrorCode
 from worker.batcher import Batch, Batcher
 from worker.cluster_node import ShardNodeClient
@@ -69,7 +69,13 @@ from worker.model.step import build_step, check_step, pick_dtype, resolve_compil
 from worker.observer import Observer, heartbeat_key
 from worker.reader import InFlight, Reader, ensure_group
 from worker.reclaimer import Reclaimer
-from worker.redis_scripts import CHECK_KEYS
+from worker.redis_check import (
+    NO_REDIS,
+    RedisUnavailable,
+    check_keys,
+    is_cluster_node,
+    make_client,
+)
 from worker.replicas import ReplicaWait
 from worker.runner import Launched, LaunchFailed, ModelRunner
 from worker.sharding import ShardedWriter, ShardHeld, reply_to_problem, wrong_shard_problem
@@ -78,14 +84,6 @@ from worker.transfer import DeviceTransfer
 from worker.writer import ResultWriter, WriterSettings
 
 log = structlog.get_logger("gpufeed.worker")
-
-
-# Redis away (or not Redis at all), and a cluster that cannot serve yet.
-_NO_REDIS: tuple[type[Exception], ...] = (*UNREACHABLE, RedisClusterException)
-
-
-class RedisUnavailable(RuntimeError):
-    pass
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -176,14 +174,7 @@ class Worker:
         self._announce_ready(device)
 
     def _client(self) -> aioredis.Redis:
-        if not self.cluster:
-            return aioredis.from_url(
-                self.config.redis_url, socket_keepalive=True, health_check_interval=30
-            )
-        # RedisCluster speaks the same commands, each routed to the node of its key's slot
-        # (MOVED and failovers followed); the stages take it where they take a Redis.
-        cluster = RedisCluster.from_url(self.config.redis_url, socket_keepalive=True)
-        return cast(aioredis.Redis, cluster)
+        return make_client(self.config, cluster=self.cluster)
 
     async def _find_cluster(self) -> None:
         """GPUFEED_REDIS_CLUSTER=auto: ask the node once whether it is a cluster node, and
@@ -191,16 +182,8 @@ class Worker:
         names in one slot."""
         cfg = self.config
         if not self._cluster_known:
-            try:
-                info = await self.redis.info("cluster")
-            except NoPermissionError:
-                # An ACL user without INFO: a single Redis unless told otherwise.
-                log.info(
-                    "cluster_mode_unknown", note="INFO not permitted; set GPUFEED_REDIS_CLUSTER"
-                )
-                info = {}
             self._cluster_known = True
-            if str(info.get("cluster_enabled", 0)) == "1":
+            if await is_cluster_node(self.redis):
                 await self.redis.aclose()
                 self.cluster = True
                 self.redis = self._client()
@@ -594,29 +577,7 @@ class Worker:
         )
 
     async def _check_keys(self) -> None:
-        """Refuse to start (exit 2) when the keys this worker writes are unusable: every job
-        would stay pending otherwise."""
-        cfg = self.config
-        check = self.redis.register_script(CHECK_KEYS)
-        problems: list[Any] = []
-        for shard in self.shards:
-            result_key = wire.result_key("start-up-check", shard.result_prefix)
-            for stream in self.config.lanes_of(shard.stream).streams:
-                for problem in await check(
-                    keys=[
-                        stream,
-                        shard.results_stream,
-                        shard.dead_stream,
-                        result_key,
-                        # A script's keys share one slot on a cluster: the heartbeat has its own.
-                        result_key if self.cluster else heartbeat_key(cfg.worker_name),
-                    ]
-                ):
-                    if problem not in problems:
-                        problems.append(problem)
-        if problems:
-            listed = "; ".join(p.decode() if isinstance(p, bytes) else str(p) for p in problems)
-            raise ConfigError(f"Redis keys this worker must write are unusable: {listed}")
+        await check_keys(self.redis, self.config, cluster=self.cluster)
 
     async def _wait_for_redis(self, wait: bool) -> None:
         backoff_s = 0.2
@@ -627,7 +588,7 @@ class Worker:
                 if logged:
                     log.info("redis_reachable", url=self.config.redacted_url())
                 return
-            except _NO_REDIS as exc:
+            except NO_REDIS as exc:
                 message = unreachable(self.config.redacted_url(), exc)
                 if not wait:
                     raise RedisUnavailable(message) from None
@@ -812,9 +773,15 @@ class Worker:
     async def shutdown(self) -> None:
         self.health.draining = True
         grace = self.config.shutdown_grace_s
-        log.info(
-            "shutting_down", in_flight=getattr(self, "in_flight", InFlight(0)).count, grace_s=grace
-        )
+        # A start-up that failed says why once (the CLI's line); "stopped" after it would
+        # speak of a worker that never served. One asked to stop while starting says so.
+        announce = self.ready or self.should_exit.is_set()
+        if announce:
+            log.info(
+                "shutting_down",
+                in_flight=getattr(self, "in_flight", InFlight(0)).count,
+                grace_s=grace,
+            )
         tasks = self._tasks
         # 0. No more reclaiming or trimming; the keep-alive goes on while we drain.
         for name, task in tasks.items():
@@ -893,11 +860,12 @@ class Worker:
         for node in self._node_clients:
             await node.aclose()
         self.observer.close()
-        log.info(
-            "stopped",
-            results_ok=self.counters.results_ok,
-            results_error=self.counters.results_error,
-        )
+        if announce:
+            log.info(
+                "stopped",
+                results_ok=self.counters.results_ok,
+                results_error=self.counters.results_error,
+            )
 
     # ----------------------------------------------------------------------- serve
     def install_signal_handlers(self) -> None:

@@ -25,12 +25,11 @@ from torchvision.models import get_model, get_model_weights, list_models
 
 from worker.config import ConfigError
 from worker.model.manifest import OutputSpec, looks_like_model_dir
+from worker.model.names import NULL_MODEL, check_name, is_null_model
 from worker.model.null import (
     NULL_CLASSES,
     NULL_INPUT_SIZE,
-    NULL_MODEL,
     NullClassifier,
-    is_null_model,
 )
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -101,13 +100,9 @@ def classification_models() -> list[str]:
 
 
 def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
-    available = classification_models()
-    if name not in available:
-        raise ConfigError(
-            f"GPUFEED_MODEL: unknown model {name!r}; torchvision classification models are: "
-            + ", ".join(available)
-            + "; or null (a step that does next to nothing, for measuring gpufeed itself)"
-        )
+    # The list torchvision itself gives, now that it is imported: the source scan of
+    # names.py decided before torch only where it found the names.
+    name = check_name(name, classification_models())
     crop, resize = 224, 256
     mean, std = IMAGENET_MEAN, IMAGENET_STD
     categories: tuple[str, ...] | None = None

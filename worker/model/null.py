@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-NULL_MODEL = "null"
 NULL_CLASSES = 8
 # 64 px: the side of the overhead benchmark's tiny JPEGs, so staging does not upscale them.
 NULL_INPUT_SIZE = 64
@@ -30,7 +29,3 @@ class NullClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(dim=(2, 3)) @ self.weight.to(x.dtype)
-
-
-def is_null_model(name: str) -> bool:
-    return name.strip().lower() == NULL_MODEL

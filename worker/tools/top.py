@@ -8,21 +8,27 @@ Per worker (from its heartbeat, refreshed every 2 s): jobs/s, p50/p99 latency, t
 per stage, GPU and CPU utilisation, batch fill, errors. Above them: the stream's length, the
 group's lag (`unknown` where Redis cannot tell, never a made-up 0) and pending count, the
 consumers, and the group's total jobs/s; with GPUFEED_PRIORITIES, each level's length, lag
-and pending count instead of the one stream's.
+and pending count instead of the one stream's. Below them, the legend (worker/metrics.py's
+stage meanings, which /metrics' HELP gives too; `l` toggles it), and what a narrow terminal
+left out: the table fits the terminal by shorter headers, then by leaving out columns in
+DROP_ORDER, rather than by cutting every cell.
 """
 
 from __future__ import annotations
 
-import shutil
+import os
+import select
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
 import redis
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -30,7 +36,7 @@ from producer import shards
 from producer.reach import UNREACHABLE, unreachable
 from producer.stats import collect_stats
 from worker.config import WorkerConfig
-from worker.metrics import STAGES
+from worker.metrics import STAGE_INFO, STAGES
 
 EXIT_REDIS = 3
 
@@ -146,7 +152,9 @@ def _backlog(group: Mapping[str, Any]) -> str:
     return f"lag {lag}, pending {group['pending']:,}"
 
 
-def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
+def header(view: Mapping[str, Any], config: WorkerConfig, width: int | None = None) -> Text:
+    """The backlog line; on a terminal narrower than it, its parts packed into lines that
+    break between parts, never inside one."""
     stream, group = view["stream"], view["group"]
     parts: list[str] = []
     if view.get("levels"):
@@ -167,56 +175,162 @@ def header(view: Mapping[str, Any], config: WorkerConfig) -> Text:
     parts.append(f"{view['jobs_per_s']:,.1f} jobs/s")
     if view.get("dead_length"):
         parts.append(f"dead letters {view['dead_length']:,}")
-    return Text(" | ".join(parts), style="bold")
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if width is not None and len(lines[-1]) + 3 + len(part) > width:
+            lines.append(part)
+        else:
+            lines[-1] += f" | {part}"
+    return Text("\n".join(lines), style="bold")
 
 
-def _legend(shown: tuple[str, ...]) -> str:
-    return "stages: mean ms per job in " + "/".join(shown) + "; CPU: 100% = one core"
+# The legend: a line per column that needs one, from the one source /metrics' HELP uses.
+OTHER_COLUMNS = (
+    ("p50/p99", "ms from XADD to the published result (recent results)"),
+    ("fill", "real rows per batch over GPUFEED_BATCH_SIZE"),
+    ("GPU/CPU", "device busy; the process's CPU, 100% = one core"),
+)
 
 
-def table(view: Mapping[str, Any]) -> Table:
+def legend_lines(stages: tuple[str, ...] = STAGES) -> list[str]:
+    """What each column says: a line per stage (mean ms per job) with what moves it."""
+    lines = ["stages: mean ms per job | what moves it"]
+    renamed: list[str] = []
+    for st in STAGE_INFO:
+        if st.name in stages:
+            lines.append(f"  {st.shown:<10} {st.measures} | {st.moved_by}")
+            if st.shown != st.name:
+                renamed.append(f"{st.shown} is {st.name}")
+    lines.extend(f"  {name:<10} {meaning}" for name, meaning in OTHER_COLUMNS)
+    if renamed:
+        lines.append(f"  ({', '.join(renamed)} in /metrics and results)")
+    return lines
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    short: str  # the header where the full ones do not fit
+    justify: Literal["left", "right"] = "right"
+
+
+def columns(stages: tuple[str, ...]) -> list[Column]:
+    # Stage columns keep the names the legend explains.
+    shown = {st.name: st.shown for st in STAGE_INFO}
+    return [
+        Column("worker", "worker", "worker", "left"),
+        Column("device", "device", "dev", "left"),
+        Column("jobs_per_s", "jobs/s", "j/s"),
+        Column("ok", "ok", "ok"),
+        Column("errors", "errors", "err"),
+        Column("p50", "p50 ms", "p50"),
+        Column("p99", "p99 ms", "p99"),
+        *(Column(s, shown[s], shown[s]) for s in stages),
+        Column("gpu", "GPU", "GPU"),
+        Column("cpu", "CPU", "CPU"),
+        Column("fill", "fill", "fill"),
+        Column("in_flight", "in flight", "infl"),
+    ]
+
+
+# Where the table is wider than the terminal: short headers first, then these columns
+# left out one by one, least telling first (the footer names what is left out).
+# The figures that say where time goes (decode, model_wait, compute) and the rate stay; a
+# worker's name is never cut: it folds onto a second line at the very last.
+DROP_ORDER = (
+    "in_flight", "ok", "device", "p50", "fill", "cpu", "write", "queue", "fetch", "errors",
+    "redis_wait",
+)  # fmt: skip
+
+
+def _cells(r: Mapping[str, Any], stages: tuple[str, ...]) -> dict[str, str]:
+    return {
+        "worker": r["name"],
+        "device": r["device"],
+        "jobs_per_s": f"{r['jobs_per_s']:,.1f}",
+        "ok": f"{r['results_ok']:,}",
+        "errors": f"{r['results_error']:,}",
+        "p50": _ms(r["p50_ms"]),
+        "p99": _ms(r["p99_ms"]),
+        **{s: _ms(r["stage_ms"].get(s)) for s in stages},
+        "gpu": _pct(r["gpu_util_pct"]),
+        "cpu": _pct(r["cpu_pct"]),
+        "fill": _pct(r["batch_fill"], 100),
+        "in_flight": str(r["in_flight"]),
+    }
+
+
+def _build(rows: list[dict[str, str]], cols: list[Column], *, short: bool, empty: bool) -> Table:
     t = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    t.add_column("worker", no_wrap=True)
-    t.add_column("device", no_wrap=True)
-    for name in ("jobs/s", "ok", "errors", "p50 ms", "p99 ms", "stages ms"):
-        t.add_column(name, justify="right", no_wrap=True)
-    for name in ("GPU", "CPU", "fill", "in flight"):
-        t.add_column(name, justify="right", no_wrap=True)
-    shown = shown_stages(view["workers"])
-    for r in view["workers"]:
-        t.add_row(
-            r["name"],
-            r["device"],
-            f"{r['jobs_per_s']:,.1f}",
-            f"{r['results_ok']:,}",
-            f"{r['results_error']:,}",
-            _ms(r["p50_ms"]),
-            _ms(r["p99_ms"]),
-            _stages(r["stage_ms"], shown),
-            _pct(r["gpu_util_pct"]),
-            _pct(r["cpu_pct"]),
-            _pct(r["batch_fill"], 100),
-            str(r["in_flight"]),
-        )
-    if not view["workers"]:
-        t.add_row("no live worker on this stream and group", *[""] * 11)
+    for c in cols:
+        if c.key == "worker":
+            t.add_column(c.header, no_wrap=False, overflow="fold")
+        else:
+            t.add_column(c.short if short else c.header, justify=c.justify, no_wrap=True)
+    for row in rows:
+        t.add_row(*(row[c.key] for c in cols))
+    if empty:
+        t.add_row("no live worker on this stream and group", *[""] * (len(cols) - 1))
     return t
 
 
-def footer(view: Mapping[str, Any], *, interval_s: float | None = None) -> Text:
-    """The legend, errors by code, and how to leave: `interval_s` None for a single frame."""
+def table(view: Mapping[str, Any], width: int | None = None) -> tuple[Table, list[Column]]:
+    """The workers' table at `width` columns (None: as wide as it needs), and the columns
+    left out to fit."""
+    stages = shown_stages(view["workers"])
+    cols = columns(stages)
+    rows = [_cells(r, stages) for r in view["workers"]]
+    empty = not view["workers"]
+    t = _build(rows, cols, short=False, empty=empty)
+    if width is None or _width(t) <= width:
+        return t, []
+    dropped: list[Column] = []
+    t = _build(rows, cols, short=True, empty=empty)
+    for key in DROP_ORDER:
+        if _width(t) <= width:
+            break
+        gone = next((c for c in cols if c.key == key), None)
+        if gone is None:
+            continue
+        cols.remove(gone)
+        dropped.append(gone)
+        t = _build(rows, cols, short=True, empty=empty)
+    return t, dropped
+
+
+def _width(t: Table) -> int:
+    console = Console(width=10_000)
+    return Measurement.get(console, console.options, t).maximum
+
+
+def footer(
+    view: Mapping[str, Any],
+    *,
+    interval_s: float | None = None,
+    legend: bool = True,
+    dropped: list[Column] | None = None,
+) -> Text:
+    """The legend (or how to show it), errors by code, the columns left out to fit, and how
+    to leave: `interval_s` None for a single frame."""
     codes: dict[str, int] = {}
     for r in view["workers"]:
         for code, n in r["errors_by_code"].items():
             codes[code] = codes.get(code, 0) + int(n)
-    lines = [_legend(shown_stages(view["workers"]))]
+    gone = [c.key for c in dropped or ()]
+    stages = tuple(s for s in shown_stages(view["workers"]) if s not in gone)
+    lines = legend_lines(stages) if legend else []
+    if dropped:
+        names = ", ".join(c.header for c in dropped)
+        lines.append(f"left out to fit the terminal: {names} (a wider one shows them)")
     if codes:
         ranked = sorted(codes.items(), key=lambda kv: (-kv[1], kv[0]))
         lines.append("errors by code: " + ", ".join(f"{c} {n:,}" for c, n in ranked))
     if interval_s is None:
-        how = "one frame; without --once it refreshes until Ctrl+C quits"
+        how = "one frame; without --once it refreshes until q or Ctrl+C quits"
     else:
-        how = f"refreshes every {interval_s:g} s; Ctrl+C quits"
+        shown = "hides" if legend else "shows"
+        how = f"refreshes every {interval_s:g} s; l {shown} the legend; q or Ctrl+C quits"
     lines.append(f"{time.strftime('%Y-%m-%d %H:%M:%S')}  ({how})")
     return Text("\n".join(lines), style="dim")
 
@@ -252,10 +366,20 @@ def _summed(per_shard: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def frame(
-    client: redis.Redis, config: WorkerConfig, *, interval_s: float | None = None
+    client: redis.Redis,
+    config: WorkerConfig,
+    *,
+    interval_s: float | None = None,
+    width: int | None = None,
+    legend: bool = True,
 ) -> RenderableType:
     view = collect(client, config)
-    return Group(header(view, config), table(view), footer(view, interval_s=interval_s))
+    workers, dropped = table(view, width)
+    return Group(
+        header(view, config, width),
+        workers,
+        footer(view, interval_s=interval_s, legend=legend, dropped=dropped),
+    )
 
 
 def _error_frame(config: WorkerConfig, exc: Exception) -> RenderableType:
@@ -263,7 +387,7 @@ def _error_frame(config: WorkerConfig, exc: Exception) -> RenderableType:
 
 
 def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False) -> int:
-    """Draw the dashboard until Ctrl+C (or one frame with `once`); returns the exit code."""
+    """Draw the dashboard until q or Ctrl+C (or one frame with `once`); returns the exit code."""
     try:
         client = connect(config)
     except UNREACHABLE as exc:
@@ -273,25 +397,67 @@ def run_top(config: WorkerConfig, *, interval_s: float = 2.0, once: bool = False
         # Not there yet: the frames say so and retry (as a single Redis: GPUFEED_REDIS_CLUSTER
         # =on for a cluster that is still starting).
         client = redis.Redis.from_url(config.redis_url, socket_connect_timeout=5, socket_timeout=5)
-    # A frame for a file or a README is not cut to a narrow default width.
-    width = None if sys.stdout.isatty() else max(130, shutil.get_terminal_size((130, 40)).columns)
-    console = Console(width=width, highlight=False)
+    # A frame for a file or a README is not cut to any width: its table is as wide as it
+    # needs, its lines as long; a terminal's fits the terminal.
+    tty = sys.stdout.isatty()
+    console = Console(width=None if tty else 1000, highlight=False)
     try:
         if once:
             try:
-                console.print(frame(client, config))
+                console.print(frame(client, config, width=console.width if tty else None))
             except UNREACHABLE as exc:
                 print(f"gpufeed: {unreachable(config.redacted_url(), exc)}", file=sys.stderr)
                 return EXIT_REDIS
             return 0
-        with Live(console=console, auto_refresh=False, screen=False) as live:
+        legend = True
+        with Keys() as keys, Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
                 try:
-                    live.update(frame(client, config, interval_s=interval_s), refresh=True)
+                    shown = frame(
+                        client, config, interval_s=interval_s, width=console.width, legend=legend
+                    )
+                    live.update(shown, refresh=True)
                 except UNREACHABLE as exc:
                     live.update(_error_frame(config, exc), refresh=True)
-                time.sleep(interval_s)
+                key = keys.wait(interval_s)
+                if key in ("q", "Q"):
+                    return 0
+                if key in ("l", "L", "?"):
+                    legend = not legend
     except KeyboardInterrupt:
         return 0
     finally:
         client.close()
+
+
+class Keys:
+    """Single key presses on a terminal (cbreak mode, restored on the way out); elsewhere
+    a plain wait."""
+
+    def __init__(self) -> None:
+        self._saved: list[Any] | None = None
+        self._fd = -1
+
+    def __enter__(self) -> Keys:
+        if sys.stdin.isatty():
+            import termios
+            import tty
+
+            self._fd = sys.stdin.fileno()
+            self._saved = termios.tcgetattr(self._fd)
+            tty.setcbreak(self._fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            import termios
+
+            termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+
+    def wait(self, timeout_s: float) -> str | None:
+        """The key pressed within `timeout_s` (returning at once), or None."""
+        if self._saved is None:
+            time.sleep(timeout_s)
+            return None
+        ready, _, _ = select.select([self._fd], [], [], timeout_s)
+        return os.read(self._fd, 1).decode(errors="replace") if ready else None
