@@ -240,3 +240,12 @@ def test_the_name_check_catches_what_does_not_exist() -> None:
     assert check_names("sum by (tenant) (gpufeed_ready)", "x") == [
         "x: no metric has the label tenant"
     ]
+
+
+def test_the_stage_panel_says_what_metrics_and_top_say() -> None:
+    from worker.metrics import STAGE_INFO
+
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    (panel,) = [p for p in panels if p.get("title") == "Stage latency p50"]
+    for stage in STAGE_INFO:
+        assert f"{stage.name}: {stage.measures} ({stage.moved_by})" in panel["description"]
