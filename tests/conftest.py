@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import structlog
 
 from tests.redis_server import RedisServer
 
@@ -52,3 +53,12 @@ def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("weights") / "tiny.pt"
     save_weights_file(module, path, [f"class_{i}" for i in range(10)])
     return path
+
+
+@pytest.fixture(autouse=True)
+def _logging_configuration_restored() -> Iterator[None]:
+    # A test that runs the CLI in-process configures structlog for the whole process (a
+    # level filter of warning, say), which would hide the events a later test captures.
+    config = structlog.get_config()
+    yield
+    structlog.configure(**config)
