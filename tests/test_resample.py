@@ -146,6 +146,26 @@ def test_degraded_step_scales_the_geometry(images: list[bytes]) -> None:
         assert (got[i] - want.permute(2, 0, 1).float()).abs().mean() < 1.5
 
 
+def test_a_half_precision_step_with_rows_rounds_its_input_once(images: list[bytes]) -> None:
+    # The resampled pixels stay fp32 through the normalisation: rounding them to bf16
+    # first (8 bits of mantissa, fractional levels above 128) would round twice.
+    from tests.test_step import Seen
+
+    rows = device_rows(images[:4])
+    inputs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        seen = Seen()
+        step = InferenceStep(
+            seen, staging_size=S, crop_size=C, mean=MEAN, std=STD, top_k=3, dtype=dtype
+        ).eval()
+        use_rows(step, R, S)
+        with torch.inference_mode():
+            step(rows)
+        inputs[dtype] = seen.input
+    assert inputs[torch.bfloat16].dtype == torch.bfloat16
+    assert torch.equal(inputs[torch.bfloat16], inputs[torch.float32].to(torch.bfloat16))
+
+
 def test_step_with_rows_runs_and_matches_the_host_step(images: list[bytes]) -> None:
     head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 5))
     kwargs = {"staging_size": S, "crop_size": C, "mean": MEAN, "std": STD, "top_k": 5}

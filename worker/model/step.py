@@ -114,7 +114,8 @@ class InferenceStep(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         off = self.crop_offset
         if self.rows is not None:
-            x = self.rows(x).to(self.dtype)
+            # fp32 out of the resampling, rounded to `dtype` once, after the normalisation.
+            x = self.rows(x)
         elif self.input_side != self.staging_size:
             # [B, S_in, S_in, 3] uint8 -> [B, 3, C, C] in `dtype`: resized and cropped as two
             # matrix products with the rows of the resampling matrix that survive the crop,
