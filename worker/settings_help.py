@@ -155,7 +155,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "longest time one image may take to decode, counted from when a thread starts on it; "
         "past it the image is answered `decode_timeout` and its batch goes on without it (see "
         "[Guarantees](guarantees.md)). The largest images the default limits admit (100 M "
-        "pixel PNG or GIF) decode in 1 to 2 s on one core of the 2-core test machine, 3 to 4 s while it is busy",
+        "pixel PNG or GIF) decode in 1 to 2 s on one core of the 2-core test machine, 3 to 4 s "
+        "while it is busy",
     ),
     "GPUFEED_PATH_ROOT": (
         "unset",
@@ -274,9 +275,7 @@ def markdown_table(link_prefix: str = "") -> str:
         flag = f.name.replace("_", "-")
         # worker/cli.py gives every bool setting its --no- form.
         flags = f"`--{flag}`, `--no-{flag}`" if str(f.type) == "bool" else f"`--{flag}`"
-        rows.append(
-            f"| `{env}` | {flags} | {default_text} | {relink(meaning_text, link_prefix)} |"
-        )
+        rows.append(f"| `{env}` | {flags} | {default_text} | {relink(meaning_text, link_prefix)} |")
     return "\n".join(rows)
 
 
