@@ -2,7 +2,7 @@
 
 Every WorkerConfig setting is a flag (`--batch-size` for GPUFEED_BATCH_SIZE, ...), built from
 the config's own fields so the two never drift, with its meaning from worker/settings_help.py
-(the table README.md shows); flags win over environment variables.
+(docs/reference/configuration.md shows the same); flags win over environment variables.
 """
 
 from __future__ import annotations
