@@ -97,7 +97,7 @@ def _section(title: str, command: Command, prog: str) -> list[str]:
 
 def render() -> str:
     out = [
-        notice("the commands' own --help (worker/cli.py, producer/cli.py)"),
+        notice("the commands' own --help (worker/cli.py, producer/cli.py)").rstrip() + "\n",
         "# Command line\n",
         "Each command's `--help`, as it prints it. The worker's settings (`--batch-size`, "
         "...), which `run`, `demo`, `doctor`, `top`, `bench` and `model check` all take, are "

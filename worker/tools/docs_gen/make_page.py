@@ -36,7 +36,7 @@ def targets(makefile: Path) -> list[Target]:
 
 def render(makefile: Path) -> str:
     out = [
-        notice("the Makefile's comments"),
+        notice("the Makefile's comments").rstrip() + "\n",
         "# Make targets\n",
         "`make help` lists them, one line each. Every target that needs the environment "
         "builds it first (`make setup`: idempotent, quick when done).\n",

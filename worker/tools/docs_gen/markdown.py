@@ -8,7 +8,7 @@ from collections.abc import Sequence
 def notice(source: str) -> str:
     """A generated page's first line: where it comes from and how to rewrite it (a comment:
     the site does not show it)."""
-    return f"<!-- Written by `make docs-gen` from {source}: edit that, not this page. -->\n"
+    return f"<!-- Written by `make docs-gen` from {source}: edit that, not this page. -->\n\n"
 
 
 def cell(text: str) -> str:
