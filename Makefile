@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-stamp
 REDIS_PORT ?= 6379
 
 .PHONY: help setup redis-server promtool tmux test lint demo run-worker run-redis bench soak soak-cluster \
-	gpu-check gpu-check-prepare clean
+	gpu-check gpu-check-prepare docs docs-serve docs-gen docs-figures clean
 
 help: ## this list
 	@echo "make TARGET, where TARGET is one of:"
@@ -20,7 +20,7 @@ setup: $(STAMP) redis-server promtool tmux ## .venv with the packages; redis-ser
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[worker,dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[worker,dev,docs]'
 	@touch $(STAMP)
 
 redis-server: ## install redis-server from the OS packages when it is missing
@@ -99,5 +99,24 @@ gpu-check: ## on a GPU host: every CUDA test and the GPU benchmark, each claim j
 gpu-check-prepare: ## where there is network: wheels and redis-server for gpu-check into .gpu-check/
 	bash scripts/prepare-gpu-host.sh
 
+# The documentation site (mkdocs.yml): docs/ built into site/ with --strict, so a broken
+# link or anchor, or a page missing from the nav, fails the build.
+docs: setup ## build the documentation site into site/ (strict: a broken link fails)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+docs-serve: setup ## serve the site on http://127.0.0.1:8000, rebuilt on each edit (warnings shown, not fatal)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --no-strict --dev-addr 127.0.0.1:8000
+
+# The reference pages written from the code (docs/reference/: settings, error codes, result
+# fields, metrics, make targets, command line); tests/test_docs.py fails when one is stale.
+docs-gen: setup ## rewrite the generated reference pages under docs/reference/
+	$(PY) -m worker.tools.docs_gen
+
+# The benchmark's figures for the docs: runs the bench (BENCH_PROFILE, default quick), keeps
+# its report as docs/figures/report.json, and writes docs/figures.md and every
+# <!-- figures:NAME --> block of README.md and docs/ from it.
+docs-figures: setup ## run the benchmark and write docs/figures.md (and the figures blocks) from it
+	$(PY) -m worker bench --profile $(or $(BENCH_PROFILE),quick) --figures-page docs/figures.md
+
 clean: ## remove .venv, caches and the demo's files
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo *.egg-info
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo site *.egg-info

@@ -70,7 +70,7 @@ STATUS_ERROR = "error"
 
 
 class ErrorCode(str, enum.Enum):
-    """Every code an `error` result can carry; the README documents each one."""
+    """Every code an `error` result can carry; producer/wire_help.py says when each is given."""
 
     INVALID_JOB = "invalid_job"  # not exactly one of image, path, url; wrong field types
     ID_TOO_LONG = "id_too_long"  # id over MAX_ID_BYTES

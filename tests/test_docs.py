@@ -1,29 +1,60 @@
-"""README.md is the operator's manual: it must name every setting and every error code,
-and `--help` must say what each setting does."""
+"""The reference pages (docs/reference/) must name every setting, error code, result field,
+metric, make target and command, exactly as their generator writes them from the code; and
+`--help` must say what each setting does, in plain text."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner as ClickRunner
+from typer.testing import CliRunner as TyperRunner
 
+from producer import wire, wire_help
+from producer.cli import app as producer_app
 from producer.wire import ErrorCode
 from worker import settings_help
 from worker.cli import cli
-from worker.config import WorkerConfig
+from worker.config import TOOL_VARIABLES, WorkerConfig
+from worker.metrics import STAGES, WorkerMetrics
+from worker.tools import docs_gen
+from worker.tools.docs_gen import cli_page, make_page, wire_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+REFERENCE = ROOT / "docs" / "reference"
+
+
+def page(name: str) -> str:
+    return (REFERENCE / name).read_text()
+
+
+@pytest.mark.parametrize("name", sorted(docs_gen.PAGES))
+def test_each_reference_page_is_what_the_generator_writes(name: str) -> None:
+    path = docs_gen.DOCS / name
+    expected = docs_gen.PAGES[name]()
+    assert path.is_file(), f"{name} is missing; run: {docs_gen.FIX_COMMAND}"
+    assert path.read_text() == expected, (
+        f"docs/{name} differs from what its source in the code says; run: {docs_gen.FIX_COMMAND}"
+    )
 
 
 def test_every_setting_is_documented() -> None:
-    missing = [
-        f.metadata["env"] for f in fields(WorkerConfig) if f"`{f.metadata['env']}`" not in README
-    ]
-    assert missing == []
+    text = page("configuration.md")
+    for f in fields(WorkerConfig):
+        env = f.metadata["env"]
+        flag = "--" + f.name.replace("_", "-")
+        assert re.search(rf"^\| `{env}` \| `{flag}`", text, re.M), env
+
+
+def test_every_tool_variable_is_documented() -> None:
+    assert set(settings_help.TOOL_VARIABLES) == set(TOOL_VARIABLES)
+    text = page("configuration.md")
+    for name in TOOL_VARIABLES:
+        assert f"| `{name}` |" in text
 
 
 def test_every_setting_has_a_meaning() -> None:
@@ -32,17 +63,49 @@ def test_every_setting_has_a_meaning() -> None:
     assert set(settings_help.SETTINGS) <= known, "a row for a setting that does not exist"
 
 
-def test_readme_configuration_table_is_the_settings_table() -> None:
-    table = settings_help.markdown_table()
-    assert table in README, (
-        "README.md's Configuration table differs from worker/settings_help.py; it should read:\n"
-        + table
-    )
-
-
 def test_every_error_code_is_documented() -> None:
-    missing = [code.value for code in ErrorCode if f"| `{code.value}` |" not in README]
+    assert set(wire_help.ERROR_CODES) == set(ErrorCode), "producer/wire_help.py ERROR_CODES"
+    text = page("error-codes.md")
+    missing = [code.value for code in ErrorCode if f"| `{code.value}` |" not in text]
     assert missing == []
+
+
+def test_every_result_field_is_documented() -> None:
+    names = wire_pages.result_field_names()
+    # The constants are what the worker writes and the producer reads: a sample of them.
+    assert {wire.RES_ID, wire.RES_STATUS, wire.RES_ERROR, wire.RES_RESULT} <= names
+    text = page("result-fields.md")
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    documented = {n.encode() for row in rows for n in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert names <= documented
+
+
+def test_every_metric_and_stage_is_documented() -> None:
+    text = page("metrics.md")
+    families = list(WorkerMetrics().registry.collect())
+    assert len(families) > 10
+    for family in families:
+        assert f"`{family.name}" in text, family.name
+        assert family.documentation in text, family.name
+    for stage in STAGES:
+        assert f"| `{stage}` |" in text
+
+
+def test_every_make_target_is_documented() -> None:
+    text = page("make-targets.md")
+    makefile = (ROOT / "Makefile").read_text()
+    listed = set(re.findall(r"^([a-zA-Z0-9_-]+):.*## ", makefile, re.M))
+    assert {t.name for t in make_page.targets(ROOT / "Makefile")} == listed
+    for target in listed:
+        assert f"## `make {target}`" in text
+
+
+def test_every_command_is_documented() -> None:
+    text = page("cli.md")
+    for top, prog in ((cli_page.worker_command(), "python -m worker"),
+                      (cli_page.producer_command(), "python -m producer")):  # fmt: skip
+        for _, ctx in cli_page.walk(top, prog):
+            assert f"### `{ctx.command_path}`" in text
 
 
 def test_the_documented_test_command_is_what_ci_runs() -> None:
@@ -58,7 +121,7 @@ def _squeeze(text: str) -> str:
 
 @pytest.mark.parametrize("args", [["--help"], ["run", "--help"]])
 def test_worker_help_shows_every_setting_with_its_meaning(args: list[str]) -> None:
-    result = CliRunner().invoke(cli, args, prog_name="python -m worker")
+    result = ClickRunner().invoke(cli, args, prog_name="python -m worker")
     assert result.exit_code == 0, result.output
     shown = _squeeze(result.output)
     for f in fields(WorkerConfig):
@@ -70,3 +133,38 @@ def test_worker_help_shows_every_setting_with_its_meaning(args: list[str]) -> No
     if args == ["--help"]:
         for command in ("run", "demo", "doctor", "top", "bench"):
             assert re.search(rf"^\s+{command}\s", result.output, re.M), command
+
+
+def _command_paths(top: object, prog: str) -> Iterator[list[str]]:
+    for _, ctx in cli_page.walk(top, prog):
+        yield ctx.command_path.split()[len(prog.split()) :]
+
+
+# A Markdown link, or a page anchor such as `#priorities`, has no place in a terminal.
+_MARKUP = re.compile(r"\]\(|(?<![\w&])#[a-z][a-z0-9-]*")
+
+
+@pytest.mark.parametrize(
+    "path", list(_command_paths(cli_page.worker_command(), "python -m worker")), ids=" ".join
+)
+def test_worker_help_is_plain_text(path: list[str]) -> None:
+    result = ClickRunner().invoke(cli, [*path, "--help"], prog_name="python -m worker")
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+    assert _MARKUP.findall(result.output) == []
+
+
+@pytest.mark.parametrize(
+    "path", list(_command_paths(cli_page.producer_command(), "python -m producer")), ids=" ".join
+)
+def test_producer_help_is_plain_text(path: list[str]) -> None:
+    result = TyperRunner().invoke(producer_app, [*path, "--help"], prog_name="gpufeed")
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+    assert _MARKUP.findall(result.output) == []
+
+
+def test_a_link_in_a_meaning_is_plain_words_in_help() -> None:
+    assert "[Priorities](priorities.md)" in settings_help.SETTINGS["GPUFEED_PRIORITIES"][1]
+    assert settings_help.meaning("GPUFEED_PRIORITIES").endswith("See Priorities")
+    assert "[Priorities](../priorities.md)" in page("configuration.md")

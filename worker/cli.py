@@ -2,7 +2,7 @@
 
 Every WorkerConfig setting is a flag (`--batch-size` for GPUFEED_BATCH_SIZE, ...), built from
 the config's own fields so the two never drift, with its meaning from worker/settings_help.py
-(the table README.md shows); flags win over environment variables.
+(docs/reference/configuration.md shows the same); flags win over environment variables.
 """
 
 from __future__ import annotations
@@ -335,7 +335,20 @@ def top(interval: float, once: bool, **options: Any) -> None:
     type=click.Path(file_okay=False, path_type=Path),
     help="Where report.json, report.md, throughput.png and the image cache go.",
 )
-def bench(profile_name: str | None, models: str | None, out_dir: Path, **options: Any) -> None:
+@click.option(
+    "--figures-page",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write this docs page (docs/figures.md) from the report, keep the report and "
+    "figure beside it (docs/figures/), and rewrite the figures blocks of README.md and docs/.",
+)
+def bench(
+    profile_name: str | None,
+    models: str | None,
+    out_dir: Path,
+    figures_page: Path | None,
+    **options: Any,
+) -> None:
     """Benchmark: direct-feed ceiling, the naive worker, gpufeed and its ablations.
 
     Runs on a private redis-server (or the one --redis-url names) with random weights unless
@@ -379,7 +392,14 @@ def bench(profile_name: str | None, models: str | None, out_dir: Path, **options
     if problems:
         for problem in problems:
             click.echo(f"gpufeed bench: {problem}", err=True)
+        if figures_page is not None:
+            click.echo(f"gpufeed bench: {figures_page} left as it was", err=True)
         sys.exit(1)
+    if figures_page is not None:
+        from worker.tools.bench.figures_page import publish
+
+        for path in publish(out_dir, figures_page):
+            click.echo(f"wrote {path}", err=True)
 
 
 @cli.group()

@@ -1,12 +1,17 @@
 """Each worker setting's default, as people read it, and its one-line meaning.
 
-The one table behind `python -m worker --help` (and `run --help`, `doctor --help`, ...) and
-README.md's Configuration table, which tests/test_docs.py checks is exactly
-`markdown_table()`. A new setting in worker/config.py gets its row here.
+The one source behind `python -m worker --help` (and `run --help`, `doctor --help`, ...) and
+the site's configuration page (docs/reference/configuration.md, written by
+`python -m worker.tools.docs_gen`). A new setting in worker/config.py gets its row here.
+
+Meanings are Markdown: backticks, and links to the site's pages written relative to docs/
+(`[Priorities](priorities.md)`). `--help` shows them as plain text (`plain`): the link's
+words stay, its target goes.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 
 from worker.config import WorkerConfig
@@ -24,7 +29,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "unset",
         "priority levels, highest first (e.g. `high,normal,low`): one job stream per level, "
         "`<GPUFEED_STREAM>:<level>`; unset or one level: the one job stream. See "
-        "[Priorities](#priorities)",
+        "[Priorities](priorities.md)",
     ),
     "GPUFEED_PRIORITY_WEIGHTS": (
         "unset (`4,2,1` for three levels)",
@@ -44,7 +49,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`auto`",
         "`on`: `REDIS_URL` names a node of a Redis Cluster (any node); `off`: a single Redis; "
         "`auto`: ask the node once at start-up (`INFO cluster`). See "
-        "[Redis Cluster](#redis-cluster)",
+        "[Redis Cluster](cluster.md)",
     ),
     "GPUFEED_SHARDS": (
         "`1`",
@@ -60,7 +65,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "GPUFEED_MODEL": (
         "`resnet50`",
         "a torchvision classification model name, a model directory (a path: see "
-        "[Your own model](#your-own-model)), or `null`: a step that does next to nothing, "
+        "[Your own model](own-model.md)), or `null`: a step that does next to nothing, "
         "for measuring gpufeed itself (8 classes `null_0`.., 64 px unless "
         "`GPUFEED_INPUT_SIZE`)",
     ),
@@ -76,7 +81,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "worker processes on the one device, each its own consumer "
         "(`<GPUFEED_WORKER_NAME>-<i>`, metrics on `GPUFEED_METRICS_PORT` + i), under a "
         "supervisor that forwards signals and restarts a process that dies; see "
-        "[Several processes per GPU](#several-processes-per-gpu)",
+        "[GPU hosts](gpu-hosts.md)",
     ),
     "GPUFEED_BATCH_SIZE": ("`0` (auto)", "the one fixed batch shape; auto: 64 on CUDA, 8 on CPU"),
     "GPUFEED_COMPILE": (
@@ -102,7 +107,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`0` (off)",
         "switch to the cheaper degraded step while the oldest job waiting in the stream is "
         "older than this; back once it has been under half of it for as long (see "
-        "[Degrade under backlog](#degrade-under-backlog))",
+        "[Degrade under backlog](priorities.md))",
     ),
     "GPUFEED_DEGRADE_INPUT_SIZE": (
         "`0`",
@@ -149,8 +154,9 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`10000`",
         "longest time one image may take to decode, counted from when a thread starts on it; "
         "past it the image is answered `decode_timeout` and its batch goes on without it (see "
-        "Guarantees). The largest images the default limits admit (100 M pixel PNG or GIF) "
-        "decode in 1 to 2 s on one core of the 2-core test machine, 3 to 4 s while it is busy",
+        "[Guarantees](guarantees.md)). The largest images the default limits admit (100 M "
+        "pixel PNG or GIF) decode in 1 to 2 s on one core of the 2-core test machine, 3 to 4 s "
+        "while it is busy",
     ),
     "GPUFEED_PATH_ROOT": (
         "unset",
@@ -198,7 +204,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "the `s3://`, `gs://`, `az://` buckets and key prefixes jobs may read: "
         "`images-*,catalog/public/`, per reply stream `tenant-a:results=s3://tenant-a`, "
         "groups separated by `;`. Unset: every key is `object_not_allowed`. See "
-        "[Security](#security)",
+        "[Security](security.md)",
     ),
     "GPUFEED_VISIBILITY_TIMEOUT_S": (
         "`300`",
@@ -228,7 +234,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`127.0.0.1`",
         "the address the metrics port listens on: loopback, so only this host can read it; "
         "`0.0.0.0` (or `::`) where Prometheus or the kubelet's probes come from elsewhere, "
-        "as in the container image. Unauthenticated: see [Security](#security)",
+        "as in the container image. Unauthenticated: see [Security](security.md)",
     ),
     "GPUFEED_LIVE_LOOP_STALL_S": (
         "`30`",
@@ -246,16 +252,41 @@ SETTINGS: dict[str, tuple[str, str]] = {
 }
 
 
-def markdown_table() -> str:
-    """README.md's Configuration table."""
-    rows = ["| variable | default | meaning |", "| --- | --- | --- |"]
-    rows += [f"| `{env}` | {default} | {meaning} |" for env, (default, meaning) in SETTINGS.items()]
+# GPUFEED_* variables that are no worker setting but that a worker accepts in its environment
+# (worker/config.py TOOL_VARIABLES): who reads each and what it does.
+TOOL_VARIABLES: dict[str, str] = {
+    "GPUFEED_WORKER_NAME_PREFIX": (
+        "read by `scripts/run-workers.sh` (`make run-worker`) on a host with several GPUs: "
+        "the worker it starts on GPU N is named `<prefix>-gpu<N>`; default: the short host "
+        "name"
+    ),
+}
+
+_LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
+
+
+def markdown_table(link_prefix: str = "") -> str:
+    """The settings as a Markdown table: variable, flag, default, meaning; links to the
+    site's pages get `link_prefix` (`../` from a page under docs/reference/)."""
+    rows = ["| variable | flag | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in fields(WorkerConfig):
+        env = f.metadata["env"]
+        default_text, meaning_text = SETTINGS[env]
+        flag = f.name.replace("_", "-")
+        # worker/cli.py gives every bool setting its --no- form.
+        flags = f"`--{flag}`, `--no-{flag}`" if str(f.type) == "bool" else f"`--{flag}`"
+        rows.append(f"| `{env}` | {flags} | {default_text} | {relink(meaning_text, link_prefix)} |")
     return "\n".join(rows)
 
 
+def relink(markdown: str, prefix: str) -> str:
+    """`markdown` with each link's target prefixed (pages are named relative to docs/)."""
+    return _LINK.sub(lambda m: f"[{m.group(1)}]({prefix}{m.group(2)})", markdown)
+
+
 def plain(markdown: str) -> str:
-    """Terminal text: no backticks."""
-    return markdown.replace("`", "")
+    """Terminal text: no backticks, and links as their words."""
+    return _LINK.sub(r"\1", markdown).replace("`", "")
 
 
 def meaning(env: str) -> str:

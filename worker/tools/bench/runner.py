@@ -75,6 +75,7 @@ from worker.tools.bench.naive_run import naive_run
 from worker.tools.bench.overhead import overhead_section
 from worker.tools.bench.priority import priority_section
 from worker.tools.bench.profiles import ModelPlan, Profile, SetPlan
+from worker.tools.bench.provenance import host_extras
 from worker.tools.bench.rate_table import RateTable, stage_rates
 from worker.tools.bench.redis_env import bench_redis
 from worker.tools.bench.stage_rates import DECODE_METHODS
@@ -226,6 +227,7 @@ def host_info(device: torch.device, cores: int) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
         "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+        **host_extras(),
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

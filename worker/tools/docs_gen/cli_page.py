@@ -1,0 +1,112 @@
+"""docs/reference/cli.md: `--help` of every command of the worker (`python -m worker`) and of
+the producer (`python -m producer`, installed as `gpufeed`), as plain text.
+
+The worker's commands that take the worker settings show them once, on the configuration
+page, rather than sixty lines under each command.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import fields
+from typing import Any
+
+import click
+import typer
+
+from worker.cli import DefaultGroup
+from worker.config import WorkerConfig
+from worker.tools.docs_gen.markdown import notice
+
+# A fixed width: the page must not depend on the terminal that wrote it.
+WIDTH = 100
+_SETTINGS = {f.name for f in fields(WorkerConfig)}
+
+
+# typer carries its own copy of click, whose commands are not `click.Command`s: the
+# functions below take either kind.
+Command = Any
+Context = Any
+
+
+def worker_command() -> Command:
+    from worker.cli import cli
+
+    return cli
+
+
+def producer_command() -> Command:
+    from producer.cli import app
+
+    command = typer.main.get_command(app)
+    _plain_typer(command)
+    return command
+
+
+def _plain_typer(command: Command) -> None:
+    # typer draws its help with rich (boxes, colours) unless the markup mode is None.
+    command.rich_markup_mode = None
+    for sub in getattr(command, "commands", {}).values():
+        _plain_typer(sub)
+
+
+def walk(command: Command, name: str, parent: Context = None) -> Iterator[tuple[Command, Context]]:
+    """Each command with the context its --help is written in, depth first."""
+    ctx = command.context_class(
+        command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH
+    )
+    yield command, ctx
+    if hasattr(command, "list_commands"):
+        for sub_name in command.list_commands(ctx):
+            sub = command.get_command(ctx, sub_name)
+            if sub is not None and not sub.hidden:
+                yield from walk(sub, sub_name, ctx)
+
+
+def plain_help(command: Command, ctx: Context) -> str:
+    """`command`'s --help, without the worker settings (listed on the configuration page)."""
+    takes_settings = {p.name for p in command.params} >= _SETTINGS
+    if takes_settings:
+        command = copy.copy(command)
+        command.params = [p for p in command.params if p.name not in _SETTINGS]
+        ctx.command = command
+    if isinstance(command, DefaultGroup):
+        formatter = ctx.make_formatter()
+        command.format_usage(ctx, formatter)
+        command.format_help_text(ctx, formatter)
+        # The worker's group lists `run`'s settings under its own options: skip them.
+        click.Group.format_options(command, ctx, formatter)
+        command.format_epilog(ctx, formatter)
+        text = str(formatter.getvalue())
+    else:
+        text = str(command.get_help(ctx))
+    text = text.rstrip() + "\n"
+    if takes_settings or isinstance(command, DefaultGroup):
+        text += "\nIt also takes every worker setting as a flag: see Configuration.\n"
+    return text
+
+
+def _section(title: str, command: Command, prog: str) -> list[str]:
+    out = [f"## {title}\n"]
+    for sub, ctx in walk(command, prog):
+        out.append(f"### `{ctx.command_path}`\n")
+        out.append("```text\n" + plain_help(sub, ctx) + "```\n")
+    return out
+
+
+def render() -> str:
+    out = [
+        notice("the commands' own --help (worker/cli.py, producer/cli.py)").rstrip() + "\n",
+        "# Command line\n",
+        "Each command's `--help`, as it prints it. The worker's settings (`--batch-size`, "
+        "...), which `run`, `demo`, `doctor`, `top`, `bench` and `model check` all take, are "
+        "on the [configuration page](configuration.md).\n",
+    ]
+    out += _section("The worker: `python -m worker`", worker_command(), "python -m worker")
+    out += _section(
+        "The producer: `python -m producer` (or `gpufeed`)",
+        producer_command(),
+        "python -m producer",
+    )
+    return "\n".join(out)

@@ -1,0 +1,46 @@
+"""docs/reference/configuration.md: every worker setting (worker/config.py) with its flag,
+default and meaning (worker/settings_help.py), and the tool variables a worker accepts."""
+
+from __future__ import annotations
+
+from worker import settings_help
+from worker.config import TOOL_VARIABLES
+from worker.tools.docs_gen.markdown import notice, table
+
+INTRO = """\
+# Configuration
+
+The worker reads its settings once at start-up, from environment variables; each has a
+command-line flag of the same name in kebab case (`GPUFEED_BATCH_SIZE` = `--batch-size`),
+which wins. An invalid value stops the worker with one line naming the variable and what it
+accepts (exit code 2). A `GPUFEED_*` variable that is neither a setting nor one of the tool
+variables below also stops it, naming the closest setting, so that a misspelt setting is
+never ignored without a word. The variables Kubernetes adds for a Service named
+`gpufeed...` (`GPUFEED_SERVICE_HOST`, `GPUFEED_PORT_9100_TCP`, ...) are accepted too.
+`python -m worker --help` prints the same meanings.
+"""
+
+
+def render() -> str:
+    missing = sorted(TOOL_VARIABLES - settings_help.TOOL_VARIABLES.keys())
+    if missing:
+        raise ValueError(f"worker/settings_help.py TOOL_VARIABLES lacks {', '.join(missing)}")
+    tools = table(
+        ["variable", "meaning"],
+        [
+            [f"`{name}`", settings_help.relink(meaning, "../")]
+            for name, meaning in sorted(settings_help.TOOL_VARIABLES.items())
+            if name in TOOL_VARIABLES
+        ],
+    )
+    return (
+        notice("worker/config.py and worker/settings_help.py")
+        + INTRO
+        + "\n## Settings\n\n"
+        + settings_help.markdown_table(link_prefix="../")
+        + "\n\n## Tool variables\n\n"
+        + "`GPUFEED_*` variables that are no worker setting, which a worker accepts in its "
+        + "environment:\n\n"
+        + tools
+        + "\n"
+    )
