@@ -161,3 +161,13 @@ def test_readme_commands_work_as_written(tmp_path: Path, redis_url: str) -> None
     assert norm is not None and abs(float(norm.group(1)) - 1.0) < 0.01, shown
     # ...and the producer decodes the same vector.
     assert re.search(r"^512 float16 \[", shown, re.M), shown
+
+
+def test_readme_keeps_the_batch_figures_block_in_the_batch_part() -> None:
+    # The figures generator fills the block between these two lines; it must stay in the
+    # batch part, in this order.
+    text = README.read_text()
+    start, end = "<!-- figures:batch -->\n", "<!-- /figures:batch -->\n"
+    assert text.count(start) == 1 and text.count(end) == 1
+    batch_part = text.index("## Batch jobs over a bucket")
+    assert batch_part < text.index(start) < text.index(end) < text.index("## The documentation")
