@@ -171,3 +171,33 @@ def test_readme_keeps_the_batch_figures_block_in_the_batch_part() -> None:
     assert text.count(start) == 1 and text.count(end) == 1
     batch_part = text.index("## Batch jobs over a bucket")
     assert batch_part < text.index(start) < text.index(end) < text.index("## The documentation")
+
+
+def test_the_default_model_offline_exits_2_as_readme_says(tmp_path: Path, redis_url: str) -> None:
+    dead_proxy = f"http://127.0.0.1:{free_port()}"
+    env = clean_env(
+        REDIS_URL=redis_url,
+        GPUFEED_DEVICE="cpu",
+        PYTHONPATH=str(ROOT),
+        TORCH_HOME=str(tmp_path / "torch-home"),
+        HTTPS_PROXY=dead_proxy,
+        https_proxy=dead_proxy,
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "worker"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith("gpufeed: cannot fetch ResNet50_Weights.IMAGENET1K_V2: "), said
+    assert said.endswith("Set GPUFEED_WEIGHTS=none for random weights or to a local file."), said
+    shown = " ".join(README.read_text().split())
+    assert "`gpufeed: cannot fetch ResNet50_Weights.IMAGENET1K_V2: ..." in shown
+    assert "Set GPUFEED_WEIGHTS=none for random weights or to a local file.`" in shown
