@@ -54,8 +54,8 @@ RES_META = b"meta"
 RES_MODEL = b"model"
 RES_WEIGHTS = b"weights"
 RES_DUPLICATE_OF = b"duplicate_of"
-# "1" on a result served by the worker's degraded step (under backlog; README "Degrade under
-# backlog"); absent otherwise. `model` then names the degraded model or input size.
+# "1" on a result served by the worker's degraded step (under backlog; docs/priorities.md,
+# "Degrade under backlog"); absent otherwise. `model` then names the degraded model or input size.
 RES_DEGRADED = b"degraded"
 # By output kind: classify with sigmoid (multi-label), embed, raw.
 RES_LABELS = b"labels"  # JSON array of the class names at or above the threshold

@@ -232,11 +232,11 @@ def test_redis_restart_mid_run_loses_nothing_and_workers_reconnect(
 def test_a_job_whose_reply_to_is_not_a_stream_still_gets_exactly_one_result(
     deployment: Deployment,
 ) -> None:
-    """README: "Every job entry ends with exactly one result". A reply_to naming a key that
-    is not a stream cannot take the result; the writer then answers on the default results
-    stream (invalid_job). It must not acknowledge the job and publish nothing (as it did
-    when PUBLISH_RESULT ran XACK before the XADD that failed with WRONGTYPE: a Lua error
-    does not undo the writes before it).
+    """docs/guarantees.md: "Every job that enters the stream ends with exactly one result".
+    A reply_to naming a key that is not a stream cannot take the result; the writer then
+    answers on the default results stream (invalid_job). It must not acknowledge the job
+    and publish nothing (as it did when PUBLISH_RESULT ran XACK before the XADD that failed
+    with WRONGTYPE: a Lua error does not undo the writes before it).
     """
     server = deployment.redis()
     client = redis.Redis.from_url(server.url)

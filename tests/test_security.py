@@ -21,15 +21,16 @@ from tests.worker_harness import running_worker, wait_results
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_worker_acl() -> str:
-    """The worker's ACL rules exactly as README.md documents them, with a test password."""
-    readme = (ROOT / "README.md").read_text()
-    line = next(ln.strip() for ln in readme.splitlines() if "ACL SETUSER gpufeed " in ln)
+def documented_worker_acl() -> str:
+    """The worker's ACL rules exactly as docs/security.md documents them, with a test
+    password."""
+    page = (ROOT / "docs" / "security.md").read_text()
+    line = next(ln.strip() for ln in page.splitlines() if "ACL SETUSER gpufeed " in ln)
     rules = line.split("ACL SETUSER gpufeed ", 1)[1].split()
     return " ".join(">w0rker-pw" if r.startswith(">") else r for r in rules)
 
 
-WORKER_ACL = readme_worker_acl()
+WORKER_ACL = documented_worker_acl()
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ with a weight from GPUFEED_PRIORITY_WEIGHTS. Shards will add lanes the same way,
 level per shard: everything that reads, reclaims, trims or reports per stream iterates this
 object, so none of it needs to know why there are several streams.
 
-The share rule (README.md, "Priorities"): of B free in-flight places, every level below the
+The share rule (docs/priorities.md): of B free in-flight places, every level below the
 highest earns B * w / W credits per read (W: the weights' sum); it may read as many entries
 as whole credits it holds, and pays one per entry read. Credits carry over while the level
 has work, so a share below one place per read still adds up, and are dropped when it has

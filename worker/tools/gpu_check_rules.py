@@ -1,10 +1,11 @@
 """The rules `make gpu-check` is judged by: one place, applied to the report when the run
 ends and again by `python -m worker gpu-check --judge REPORT.json` to any saved report.
 
-Each rule names a README claim, the figure the report measured for it, the target and
-pass / fail. A rule whose figure is missing (its phase was skipped, cut by the deadline or
-failed) fails as "not measured": a check never passes on what it did not see. The targets
-are the doctor's (worker/tools/verdict.py), which README's performance claims quote.
+Each rule names a documented claim (docs/gpu-hosts.md), the figure the report measured for
+it, the target and pass / fail. A rule whose figure is missing (its phase was skipped, cut
+by the deadline or failed) fails as "not measured": a check never passes on what it did not
+see. The targets are the doctor's (worker/tools/verdict.py), which the documentation's
+performance claims quote.
 
 Pure functions of the report's dict, importing no torch, so they judge reports from any
 host and are tested on crafted reports.
@@ -18,7 +19,7 @@ from typing import Any
 
 from worker.tools.verdict import COMPUTE_UTIL_PCT, HEALTHY_RATIO
 
-# The pipeline's images/s against the model's direct-feed ceiling ("healthy" in README).
+# The pipeline's images/s against the model's direct-feed ceiling (the doctor's "healthy").
 RATIO_TARGET = HEALTHY_RATIO
 # NVML GPU utilisation over the pipeline window, % (the doctor's "compute-bound" level:
 # the GPU, not the feed, sets the pace).
