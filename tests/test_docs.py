@@ -57,6 +57,16 @@ def test_every_tool_variable_is_documented() -> None:
         assert f"| `{name}` |" in text
 
 
+def test_worker_help_names_the_other_variables() -> None:
+    result = ClickRunner().invoke(cli, ["--help"], prog_name="python -m worker")
+    assert result.exit_code == 0, result.output
+    shown = _squeeze(result.output)
+    for name in TOOL_VARIABLES:
+        assert (
+            _squeeze(f"{name} {settings_help.plain(settings_help.TOOL_VARIABLES[name])}") in shown
+        )
+
+
 def test_every_setting_has_a_meaning() -> None:
     assert settings_help.missing() == [], "add a row to worker/settings_help.py"
     known = {f.metadata["env"] for f in fields(WorkerConfig)}

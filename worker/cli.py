@@ -90,6 +90,15 @@ class DefaultGroup(click.Group):
         ]
         with formatter.section("Worker settings (flags win over the environment)"):
             formatter.write_dl(records)
+        # Accepted in the worker's environment though no setting of its own: listed so that
+        # an example using one can be looked up here too.
+        with formatter.section("Other variables"):
+            formatter.write_dl(
+                [
+                    (name, settings_help.plain(text))
+                    for name, text in settings_help.TOOL_VARIABLES.items()
+                ]
+            )
         super().format_options(ctx, formatter)
 
 
