@@ -31,7 +31,7 @@ import numpy as np
 
 from producer import wire
 from producer.batch_ids import Hashes, contains, id_hashes
-from producer.batch_rows import Row, embedding_type, json_row, record_batch
+from producer.batch_rows import Rows, json_rows
 
 _SEGMENT_RE = re.compile(r"^r(\d{6})-(\d{6})\.(parquet|jsonl)$")
 READ_ROWS = 8192
@@ -42,11 +42,13 @@ class OutputError(ValueError):
 
 
 class _Segment(Protocol):
-    def write(self, rows: list[Row]) -> None: ...
+    def write(self, rows: Rows) -> None: ...
     def close(self) -> None: ...
 
 
 class _Keep(Protocol):
+    everything: bool  # every row is kept: no need to ask
+
     def __call__(self, file: int, start: int, ids: list[str]) -> np.ndarray[Any, Any] | None: ...
 
 
@@ -55,8 +57,10 @@ class _JsonSegment:
     def __init__(self, path: Path) -> None:
         self._f = path.open("w", encoding="utf-8")
 
-    def write(self, rows: list[Row]) -> None:
-        self._f.write("".join(json.dumps(json_row(r), ensure_ascii=False) + "\n" for r in rows))
+    def write(self, rows: Rows) -> None:
+        batch = rows.arrow(rows.embedding_type())
+        dumps = json.dumps
+        self._f.write("".join(dumps(r, ensure_ascii=False) + "\n" for r in json_rows(batch)))
         self._f.flush()
 
     def close(self) -> None:
@@ -94,7 +98,11 @@ class JsonLines:
                     lines = src.readlines(1 << 24)
                     start = 0
                     while lines:
-                        mask = keep(index, start, [json.loads(x)["id"] for x in lines])
+                        mask = (
+                            None
+                            if keep.everything
+                            else keep(index, start, [json.loads(x)["id"] for x in lines])
+                        )
                         kept = (
                             lines
                             if mask is None
@@ -117,16 +125,16 @@ class _ParquetSegment:
         self._writer: Any = None
         self.embedding: tuple[str, int] | None = None
 
-    def fits(self, rows: list[Row]) -> bool:
-        found = embedding_type(rows)
+    def fits(self, rows: Rows) -> bool:
+        found = rows.embedding_type()
         return self._writer is None or found is None or found == self.embedding
 
-    def write(self, rows: list[Row]) -> None:
+    def write(self, rows: Rows) -> None:
         import pyarrow.parquet as pq
 
         if self._writer is None:
-            self.embedding = embedding_type(rows)
-        batch = record_batch(rows, self.embedding)
+            self.embedding = rows.embedding_type()
+        batch = rows.arrow(self.embedding)
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, batch.schema, compression="zstd")
         self._writer.write_batch(batch)
@@ -138,7 +146,7 @@ class _ParquetSegment:
             # No row yet: an empty file of the base schema.
             import pyarrow.parquet as pq
 
-            pq.write_table(record_batch([], None).schema.empty_table(), self.path)
+            pq.write_table(Rows().arrow(None).schema.empty_table(), self.path)
 
 
 class Parquet:
@@ -174,10 +182,17 @@ class Parquet:
             for index, file in enumerate(files):
                 start = 0
                 for read in pq.ParquetFile(file).iter_batches(batch_size=READ_ROWS):
-                    mask = keep(index, start, [str(i) for i in read.column("id").to_pylist()])
+                    mask = (
+                        None
+                        if keep.everything
+                        else keep(index, start, [str(i) for i in read.column("id").to_pylist()])
+                    )
                     start += read.num_rows
                     batch = read if mask is None else read.filter(pa.array(mask))
-                    if batch.num_rows:
+                    if batch.num_rows and batch.schema == schema:
+                        writer.write_batch(batch)
+                        rows += batch.num_rows
+                    elif batch.num_rows:
                         table = pa.Table.from_batches([batch])
                         for name in schema.names:
                             if name not in table.schema.names:
@@ -300,8 +315,8 @@ class Output:
         return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.uint64)
 
     # ------------------------------------------------------------------ writing
-    def write(self, rows: list[Row]) -> None:
-        if not rows:
+    def write(self, rows: Rows) -> None:
+        if not len(rows):
             return
         segment = self._open
         if isinstance(segment, _ParquetSegment) and not segment.fits(rows):
@@ -359,6 +374,7 @@ class _KeepNewest:
 
     def __init__(self, files: list[Path], fmt: JsonLines | Parquet, contested: Hashes) -> None:
         self.contested = contested
+        self.everything = not len(contested)
         self.newest: dict[int, tuple[int, int]] = {}
         if not len(contested):
             return
