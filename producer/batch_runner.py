@@ -79,6 +79,9 @@ class Progress:
     refused: int = 0  # submissions admission control refused (tried again)
     error_codes: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
+    # The client's own CPU (every thread of its process) since the run started: what one
+    # client can feed is about 1 / (cpu_s / answered) jobs a second.
+    cpu_started: float = field(default_factory=time.process_time)
     finished: bool = False
     rows: int = 0  # rows of the finished output
 
@@ -94,6 +97,10 @@ class Progress:
     def rate(self) -> float:
         elapsed = self.elapsed_s
         return self.answered / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        return time.process_time() - self.cpu_started
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -112,6 +119,7 @@ class Progress:
             "error_codes": dict(self.error_codes),
             "rate": round(self.rate, 1),
             "elapsed_s": round(self.elapsed_s, 2),
+            "cpu_s": round(self.cpu_s, 3),
             "finished": self.finished,
             "rows": self.rows,
         }
