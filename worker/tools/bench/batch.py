@@ -96,7 +96,7 @@ async def batch_section(b: Bench, plan: BatchPlan) -> dict[str, Any]:
     capacity = 1e6 / cpu_us if cpu_us > 0 else 0.0
     worker_rate = float(inline["images_per_s"])
     ratio = capacity / worker_rate if worker_rate > 0 else 0.0
-    section = {
+    section: dict[str, Any] = {
         "model": "null",
         "batch_size": worker.batch_size,
         "image_set": {**b.sets[spec.name].describe(), "jobs": plan.jobs},
