@@ -54,7 +54,7 @@ def test_a_group_of_results_becomes_the_columns_a_parsed_result_gives() -> None:
 def test_a_result_that_breaks_the_contract_is_an_error_row_and_the_others_stand() -> None:
     rows = Rows()
     rows.add(classify("good"), "g")
-    rows.add(classify("bad-score", score="many"), "s")
+    rows.add(classify("bad-score", score=b"many"), "s")
     rows.add(classify("bad-map", result=b"\xc1\xc1 not msgpack"), "m")
     rows.add(classify("bad-text", model=b"\xff\xfe"), "t")
     out = {r["id"]: r for r in rows.arrow(None).to_pylist()}
