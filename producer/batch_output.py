@@ -90,6 +90,10 @@ class JsonLines:
         if ids:
             yield ids, statuses
 
+    def rows(self, path: Path) -> int:
+        with path.open("rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
     def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
         rows = 0
         with out.open("w", encoding="utf-8") as dst:
@@ -167,6 +171,11 @@ class Parquet:
                 )
         except (OSError, ValueError, KeyError) as exc:
             raise OutputError(f"{path}: not a batch output ({exc})") from None
+
+    def rows(self, path: Path) -> int:
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(path).metadata.num_rows)
 
     def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
         import pyarrow as pa
@@ -348,6 +357,14 @@ class Output:
             # Nothing new: the output stands as it is.
             shutil.rmtree(self.parts, ignore_errors=True)
             return self.rows_before
+        if len(files) == 1 and files[0] != self.path and not len(contested):
+            # One segment and nothing before it (a run within one checkpoint): it is the
+            # output as it stands, moved into place rather than copied.
+            rows = self.format.rows(files[0])
+            os.replace(files[0], self.path)
+            _fsync_dir(self.path.parent)
+            shutil.rmtree(self.parts, ignore_errors=True)
+            return rows
         keep = _KeepNewest(files, self.format, contested)
         tmp = self.path.with_name(self.path.name + ".tmp")
         if not files:

@@ -2,11 +2,11 @@
 
 A batch client is meant to outrun its workers many times over, and redis-py's pipeline
 spends several microseconds of Python per command (argument checks, encoding, a response
-callback per reply): more than everything else a job costs here. So a chunk of XADDs is
-packed by hiredis (redis-py's own C parser and packer) into one buffer, sent with one
-write, and its replies read back raw; an XREAD's reply is taken as hiredis parsed it, with
-no per-entry conversion. Everything else (admission control's script, the result-hash
-look-ups, a cluster) goes through the producer as usual.
+callback per reply): more than everything else a job costs here. So a chunk of jobs goes
+out as one call of a small script that XADDs each of them (one command packed by hiredis,
+redis-py's own C parser and packer, and one reply: the entry ids), and an XREAD's reply is
+taken as hiredis parsed it, with no per-entry conversion. Everything else (admission
+control's script, the result-hash look-ups, a cluster) goes through the producer as usual.
 
 The connection is one of the producer's pool, held for the run: errors reach the caller
 as redis-py's own exceptions (ConnectionError, TimeoutError, ResponseError).
@@ -14,6 +14,7 @@ as redis-py's own exceptions (ConnectionError, TimeoutError, ResponseError).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -21,6 +22,19 @@ import hiredis
 import redis
 
 Fields = dict[bytes, bytes]
+
+# ARGV: for each job, its number of field arguments and then those fields.
+XADDS = b"""
+local ids = {}
+local i = 1
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + n))
+  i = i + n + 1
+end
+return ids
+"""
+XADDS_SHA = hashlib.sha1(XADDS).hexdigest().encode()
 
 
 class RawLink:
@@ -41,24 +55,26 @@ class RawLink:
             self._conn.disconnect()
 
     def xadds(self, stream: bytes, jobs: Sequence[Sequence[bytes]]) -> list[bytes]:
-        """XADD each job's fields (a flat key, value sequence) to `stream`, in one write;
-        the entry ids, in order. A refused XADD raises after every reply was read."""
+        """XADD each job's fields (a flat key, value sequence) to `stream`: one script
+        call, one reply (their entry ids, in order), however many jobs."""
+        args: list[bytes | int] = [b"EVALSHA", XADDS_SHA, 1, stream]
+        for fields in jobs:
+            args.append(len(fields))
+            args += fields
+        try:
+            reply = self._call(args)
+        except redis.exceptions.NoScriptError:
+            self._call([b"SCRIPT", b"LOAD", XADDS])
+            reply = self._call(args)
+        return [bytes(e) for e in reply]
+
+    def _call(self, args: list[bytes | int]) -> Any:
         # hiredis's stub types the command as a one-element tuple; it takes any length.
         pack: Any = hiredis.pack_command
-        buffer = b"".join([pack((b"XADD", stream, b"*", *fields)) for fields in jobs])
         conn = self._conn
         try:
-            conn.send_packed_command([buffer], check_health=False)
-            ids: list[bytes] = []
-            failed: Exception | None = None
-            for _ in jobs:
-                try:
-                    ids.append(conn.read_response())
-                except redis.ResponseError as exc:
-                    failed = failed or exc
-            if failed is not None:
-                raise failed
-            return ids
+            conn.send_packed_command([pack(tuple(args))], check_health=False)
+            return conn.read_response()
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             self._broken()
             raise

@@ -166,9 +166,10 @@ def _columns(
     cols["label"] = [f.get(wire.RES_LABEL) or None for f in fields]
     cols["score"] = [f.get(wire.RES_SCORE) or None for f in fields]
     labels = [d.get("labels") for d in details]
-    for i, f in enumerate(fields):
-        if labels[i] is None and wire.RES_LABELS in f:
-            labels[i] = json.loads(f[wire.RES_LABELS])
+    if None in labels:  # a multi-label model's labels may be a field of their own
+        for i, f in enumerate(fields):
+            if labels[i] is None and wire.RES_LABELS in f:
+                labels[i] = json.loads(f[wire.RES_LABELS])
     cols["labels"] = labels
     cols["scores"] = [d.get("label_scores" if "threshold" in d else "scores") for d in details]
     cols["top_k"] = [d.get("label_indices" if "threshold" in d else "top_k") for d in details]

@@ -52,7 +52,7 @@ SUBMIT_CHUNK = 256
 READ_BLOCK_MS = 200
 READ_COUNT = 4096
 HASH_CHUNK = 2048
-GC_THRESHOLD = 50_000  # allocations between young-generation collections during a run
+READ_BUFFER = 1 << 20
 ROW_GROUP = 4096
 # Look up result hashes of outstanding jobs after this long without a result.
 RECHECK_S = 5.0
@@ -253,6 +253,7 @@ class BatchRun:
         if options.meta is not None:
             self._tail += [wire.JOB_META, options.meta]
         self._ready: list[tuple[Item, list[bytes]]] = []
+        self._buffer = bytearray(READ_BUFFER)  # local files are read into this
         # Jobs per submission: a chunk over the backlog limit would never be admitted.
         self._chunk = min(SUBMIT_CHUNK, producer.max_backlog or SUBMIT_CHUNK)
         self._fit = self._chunk
@@ -271,17 +272,16 @@ class BatchRun:
     # ------------------------------------------------------------------ the loop
     def run(self) -> Progress:
         # The rows waiting for their row group are many small objects, none in a cycle:
-        # the collector's full passes over them (and over every module's objects) would
-        # cost more than the rest of a job. Fewer passes, and none over what exists now.
-        thresholds = gc.get_threshold()
-        gc.set_threshold(max(thresholds[0], GC_THRESHOLD), *thresholds[1:])
-        gc.freeze()
+        # the collector's passes over them (and over every module's objects) would cost
+        # more than the rest of a job. It is off while the run goes, and on again after.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             self._cursor = self._last_id()  # before the first job goes out
             self._loop()
         finally:
-            gc.unfreeze()
-            gc.set_threshold(*thresholds)
+            if collecting:
+                gc.enable()
             if self._link is not None:
                 self._link.close()
             self.output.release()
@@ -327,10 +327,10 @@ class BatchRun:
         (its file is gone or empty) gets its error row here, as a worker would have
         answered it."""
         jobs: list[tuple[Item, list[bytes]]] = []
-        tail = self._tail
+        tail, buffer = self._tail, self._buffer
         for item in items:
             try:
-                fields = item.fields()
+                fields = item.fields(buffer)
             except OSError as exc:
                 reason = f"cannot read {item.source}: {exc.strerror or exc}"
                 self._error(item, wire.ErrorCode.PATH_NOT_FOUND, reason)
