@@ -265,6 +265,11 @@ class Output:
     def start(self, *, retry_failed: bool) -> Existing:
         """Make the segments folder, drop segments a killed run left open, and read what
         the output holds."""
+        # Arrow's modules load here, at start-up, not at the first row group: a run's
+        # clock (and its CPU per job) starts after this.
+        import pyarrow.compute
+        import pyarrow.parquet  # noqa: F401
+
         if self.path.is_dir():
             raise OutputError(f"{self.path} is a folder, not an output file")
         self.parts.mkdir(parents=True, exist_ok=True)

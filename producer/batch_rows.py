@@ -83,6 +83,10 @@ class Rows:
         self.sources.append(source)
         self._details = None
 
+    def changed(self) -> None:
+        """Say that `fields` and `sources` were appended to directly."""
+        self._details = None
+
     def details(self) -> list[dict[str, Any]]:
         """Each result's msgpack `result` map ({} where it has none or it is unreadable)."""
         if self._details is None:
@@ -133,7 +137,8 @@ def _unpack(raw: bytes | None) -> dict[str, Any]:
     if not raw:
         return {}
     try:
-        value = msgpack.unpackb(raw, raw=False)
+        # Tuples for arrays: cheaper to make, and Arrow takes them as lists.
+        value = msgpack.unpackb(raw, raw=False, use_list=False)
     except (ValueError, msgpack.UnpackException):
         return _BROKEN
     return value if isinstance(value, dict) else {}
@@ -311,13 +316,13 @@ def _parsed(f: Fields) -> wire.JobResult | None:
 
 
 def _strings(value: Any) -> list[str] | None:
-    if isinstance(value, list) and all(isinstance(x, str) for x in value):
-        return value
+    if isinstance(value, list | tuple) and all(isinstance(x, str) for x in value):
+        return list(value)
     return None
 
 
 def _floats(value: Any) -> list[float] | None:
-    if isinstance(value, list) and all(
+    if isinstance(value, list | tuple) and all(
         isinstance(x, int | float) and not isinstance(x, bool) for x in value
     ):
         return [float(x) for x in value]
@@ -325,10 +330,10 @@ def _floats(value: Any) -> list[float] | None:
 
 
 def _ints(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(
+    if isinstance(value, list | tuple) and all(
         isinstance(x, int) and not isinstance(x, bool) and -(2**31) <= x < 2**31 for x in value
     ):
-        return value
+        return list(value)
     return None
 
 

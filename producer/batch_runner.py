@@ -423,14 +423,18 @@ class BatchRun:
             return
         last = entries[-1][0]
         self._cursor = last.encode() if isinstance(last, str) else bytes(last)
-        in_flight, rows = self.in_flight, self.rows
-        before = len(rows)
+        before = len(self.rows)
+        pop = self.in_flight.pop
+        taken = self.rows.fields
+        sources = self.rows.sources
         for _, raw in entries:
             fields = field_map(raw)
-            job = in_flight.pop(fields.get(wire.RES_ID, b""), None)
+            job = pop(fields.get(wire.RES_ID, b""), None)
             if job is not None:  # else not ours, or answered already
-                rows.add(fields, job[0])
-        if len(rows) > before:
+                taken.append(fields)
+                sources.append(job[0])
+        if len(self.rows) > before:
+            self.rows.changed()
             self._answered(before)
 
     def _answered(self, since: int) -> None:

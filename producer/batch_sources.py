@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -165,7 +166,11 @@ def _folder_pages(folder: Path, root: Path | None) -> Iterator[list[Item]]:
     to `folder`. Symbolic links to folders are not followed."""
     page: list[Item] = []
     for file, relative in _image_files(str(folder), ""):
-        page.append(_local_item(file, _fit_id(relative), root))
+        # An id of at most 32 characters is at most 128 bytes: no need to measure it.
+        job_id = relative if len(relative) <= 32 else _fit_id(relative)
+        page.append(
+            Item(job_id, file, None, file) if root is None else _local_item(file, job_id, root)
+        )
         if len(page) >= READ_PAGE:
             yield page
             page = []
@@ -177,16 +182,22 @@ def _image_files(folder: str, prefix: str) -> Iterator[tuple[str, str]]:
     # os.scandir and string operations: pathlib would cost each file more than the rest
     # of its way to the stream.
     with os.scandir(folder) as it:
-        entries = sorted(it, key=lambda e: e.name)
+        entries = sorted(it, key=_name)
     folders = []
     for entry in entries:
         if entry.is_dir():
             if not entry.is_symlink():
                 folders.append(entry)
-        elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
-            yield entry.path, prefix + entry.name
+            continue
+        name = entry.name
+        dot = name.rfind(".")
+        if dot > 0 and name[dot:].lower() in IMAGE_EXTENSIONS:
+            yield entry.path, prefix + name
     for entry in folders:
         yield from _image_files(entry.path, f"{prefix}{entry.name}/")
+
+
+_name = operator.attrgetter("name")
 
 
 # ---------------------------------------------------------------------- manifests
