@@ -183,7 +183,7 @@ class _Items:
                     self._progress.total = self._progress.listed  # known now
                 break
             self._progress.listed += len(page)
-            new = self._store.add_new(id_hashes([i.id for i in page]))
+            new = self._store.add_new(id_hashes([i[0] for i in page]))  # Item.id
             fresh = [item for item, keep in zip(page, new.tolist(), strict=True) if keep]
             self._progress.skipped += len(page) - len(fresh)
             self._ready = self._ready[self._at :] + fresh
@@ -369,7 +369,7 @@ class BatchRun:
         self._fit = self._chunk
         in_flight = self.in_flight
         for (item, f), entry in zip(chunk, entries, strict=True):
-            in_flight[f[3]] = (item.source, entry)  # f[3]: the id (Item.fields)
+            in_flight[f[3]] = (item[1], entry)  # the id (Item.fields), Item.source
         self.progress.submitted += len(chunk)
         self.progress.in_flight = len(in_flight)
         del self._ready[: len(chunk)]

@@ -97,15 +97,17 @@ class Item(NamedTuple):
         OSError if a local file cannot be read, ValueError if it is empty. The checks
         `Job.fields` makes hold by construction: a source's ids fit and its urls have a
         scheme. `buffer`: see `read_file`."""
-        if self.file is not None:
-            image = read_file(self.file, buffer)
+        # One unpacking: a named tuple's attributes cost a descriptor call each.
+        job_id, _, url, file, path = self
+        if file is not None:
+            image = read_file(file, buffer)
             if not image:
                 raise ValueError("image is empty")
-            return [wire.JOB_IMAGE, image, wire.JOB_ID, self.id.encode()]
-        if self.path is not None:
-            return [wire.JOB_PATH, self.path.encode(), wire.JOB_ID, self.id.encode()]
-        assert self.url is not None
-        return [wire.JOB_URL, self.url.encode(), wire.JOB_ID, self.id.encode()]
+            return [wire.JOB_IMAGE, image, wire.JOB_ID, job_id.encode()]
+        if path is not None:
+            return [wire.JOB_PATH, path.encode(), wire.JOB_ID, job_id.encode()]
+        assert url is not None
+        return [wire.JOB_URL, url.encode(), wire.JOB_ID, job_id.encode()]
 
 
 @dataclass(frozen=True)
