@@ -35,6 +35,23 @@ from producer.batch_rows import Rows, json_rows
 
 _SEGMENT_RE = re.compile(r"^r(\d{6})-(\d{6})\.(parquet|jsonl)$")
 READ_ROWS = 8192
+# Dictionary encoding only where values repeat: on ids, sources and scores it only costs
+# time and bytes (Parquet builds a dictionary per row group, then gives up on it).
+DICTIONARY_COLUMNS = [
+    "status",
+    "error_code",
+    "error",
+    "model",
+    "weights",
+    "label",
+    "labels",
+    "top_k",
+    "dtype",
+]
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    "use_dictionary": DICTIONARY_COLUMNS,
+}
 
 
 class OutputError(ValueError):
@@ -140,7 +157,7 @@ class _ParquetSegment:
             self.embedding = rows.embedding_type()
         batch = rows.arrow(self.embedding)
         if self._writer is None:
-            self._writer = pq.ParquetWriter(self.path, batch.schema, compression="zstd")
+            self._writer = pq.ParquetWriter(self.path, batch.schema, **PARQUET_OPTIONS)
         self._writer.write_batch(batch)
 
     def close(self) -> None:
@@ -187,7 +204,7 @@ class Parquet:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise OutputError(f"the segments' columns do not agree ({exc})") from None
         rows = 0
-        with pq.ParquetWriter(out, schema, compression="zstd") as writer:
+        with pq.ParquetWriter(out, schema, **PARQUET_OPTIONS) as writer:
             for index, file in enumerate(files):
                 start = 0
                 for read in pq.ParquetFile(file).iter_batches(batch_size=READ_ROWS):
