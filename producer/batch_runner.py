@@ -38,7 +38,7 @@ from producer.batch_redis import RawLink, field_map
 from producer.batch_rows import Rows, error_fields
 from producer.batch_sources import Item, Source, open_source
 from producer.client import Producer
-from producer.priorities import level_stream, pick_level
+from producer.priorities import entry_ref, level_stream, pick_level
 from producer.replies import last_id, xread_entries
 from producer.stats import collect_stats
 
@@ -469,13 +469,16 @@ class BatchRun:
         before = len(self.rows)
         for start in range(0, len(outstanding), HASH_CHUNK):
             chunk = outstanding[start : start + HASH_CHUNK]
+            # Results name an entry `<level>:<entry ID>` on a level's stream.
+            refs = [entry_ref(self.level, e.decode()).encode() for _, (_, e) in chunk]
             with self.producer.client.pipeline(transaction=False) as pipe:
-                for job_id, (_, entry) in chunk:
+                for (job_id, _), ref in zip(chunk, refs, strict=True):
                     pipe.hgetall(prefix + job_id)
-                    pipe.hgetall(prefix + entry)
+                    pipe.hgetall(prefix + ref)
                 replies = pipe.execute()
-            for n, (job_id, (source, entry)) in enumerate(chunk):
+            for n, (job_id, (source, _)) in enumerate(chunk):
                 by_id, by_entry = replies[2 * n], replies[2 * n + 1]
+                entry = refs[n]
                 found = by_id if by_id and by_id.get(wire.RES_ENTRY) == entry else by_entry
                 if found and job_id in self.in_flight:
                     del self.in_flight[job_id]
