@@ -14,8 +14,9 @@ the same images, one after the other in the same benchmark invocation:
   every thread of the client's process from the start of the run, not its imports).
 
 The client's capacity is 1 / (its CPU seconds per job): the jobs a second one client
-process could submit and collect with a core to itself. Its ratio to the `inline` run's
-jobs/s says how many such workers one client keeps fed (the aim: at least 10). On a host
+process could submit and collect with a core to itself. Its ratio to the worker's jobs/s
+(the higher of the two runs': fed by the client, the worker may answer faster than from a
+queued burst) says how many such workers one client keeps fed (the aim: at least 10). On a host
 with few cores the client, the worker and redis-server share them, so the batch run's
 images/s is below the inline run's; the capacity, from CPU time, is not.
 """
@@ -94,7 +95,11 @@ async def batch_section(b: Bench, plan: BatchPlan) -> dict[str, Any]:
     answered = int(summary["ok"]) + int(summary["errors"])
     cpu_us = 1e6 * float(summary["cpu_s"]) / max(answered, 1)
     capacity = 1e6 / cpu_us if cpu_us > 0 else 0.0
-    worker_rate = float(inline["images_per_s"])
+    batch_rate = answered / float(summary["elapsed_s"]) if float(summary["elapsed_s"]) > 0 else 0.0
+    # The worker's rate is the higher of the two runs': fed by the client it may answer
+    # faster than from a queued burst (no result polling on its event loop), and the ratio
+    # must not flatter the client.
+    worker_rate = max(float(inline["images_per_s"]), round(batch_rate, 1))
     ratio = capacity / worker_rate if worker_rate > 0 else 0.0
     section: dict[str, Any] = {
         "model": "null",
@@ -120,9 +125,7 @@ async def batch_section(b: Bench, plan: BatchPlan) -> dict[str, Any]:
             "rows": rows,
             "ok": int(summary["ok"]),
             "errors": int(summary["errors"]),
-            "images_per_s": round(answered / float(summary["elapsed_s"]), 1)
-            if float(summary["elapsed_s"]) > 0
-            else 0.0,
+            "images_per_s": round(batch_rate, 1),
             "elapsed_s": float(summary["elapsed_s"]),
             "process_wall_s": round(wall_s, 2),
             "client_cpu_s": float(summary["cpu_s"]),
@@ -131,15 +134,19 @@ async def batch_section(b: Bench, plan: BatchPlan) -> dict[str, Any]:
         "client_cpu_us_per_job": round(cpu_us, 1),
         "client_capacity_per_s": round(capacity, 1),
         "worker_jobs_per_s": worker_rate,
+        "worker_jobs_per_s_from": "inline" if worker_rate == inline["images_per_s"] else "batch",
+        "ratio_to_inline": round(capacity / float(inline["images_per_s"]), 2)
+        if float(inline["images_per_s"]) > 0
+        else 0.0,
         "ratio_to_worker": round(ratio, 2),
         "target_ratio": RATIO_TARGET,
         "met": ratio >= RATIO_TARGET,
     }
     b.echo(
         f"batch: producer batch {section['batch']['images_per_s']} images/s beside "
-        f"{worker_rate} inline; client {section['client_cpu_us_per_job']} µs of CPU per job, "
-        f"capacity {section['client_capacity_per_s']} jobs/s = "
-        f"{section['ratio_to_worker']}x one null-model worker"
+        f"{inline['images_per_s']} inline; client {section['client_cpu_us_per_job']} µs "
+        f"of CPU per job, capacity {section['client_capacity_per_s']} jobs/s = "
+        f"{section['ratio_to_worker']}x one null-model worker's {worker_rate} jobs/s"
     )
     return section
 
@@ -230,8 +237,9 @@ def batch_lines(report: Mapping[str, Any]) -> list[str]:
         "",
         f"- client capacity (1 / CPU per job): {_fmt(s['client_capacity_per_s'])} jobs/s, "
         f"{_fmt(s['ratio_to_worker'], 2)}x one null-model worker's "
-        f"{_fmt(s['worker_jobs_per_s'])} jobs/s (>= {_fmt(s['target_ratio'], 0)}): "
-        + ("met" if s["met"] else "missed"),
+        f"{_fmt(s['worker_jobs_per_s'])} jobs/s (the {s['worker_jobs_per_s_from']} run's, "
+        f"the higher; {_fmt(s['ratio_to_inline'], 2)}x the inline run's) "
+        f"(>= {_fmt(s['target_ratio'], 0)}): " + ("met" if s["met"] else "missed"),
     ]
 
 
@@ -255,7 +263,7 @@ def batch_problems(s: Any) -> list[str]:
     if s["batch"].get("rows") != s["batch"].get("jobs"):
         problems.append(f"batch.batch: {s['batch'].get('rows')} rows for {s['batch'].get('jobs')}")
     for key in ("client_cpu_us_per_job", "client_capacity_per_s", "worker_jobs_per_s",
-                "ratio_to_worker"):  # fmt: skip
+                "ratio_to_worker", "ratio_to_inline"):  # fmt: skip
         if not _positive(s.get(key)):
             problems.append(f"batch.{key} must be a positive number")
     if not isinstance(s.get("images_repeat"), bool) or not isinstance(s.get("met"), bool):
