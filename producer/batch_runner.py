@@ -464,7 +464,7 @@ class BatchRun:
         if not self.in_flight or time.monotonic() - self._last_result < RECHECK_S:
             return
         self._last_result = time.monotonic()
-        prefix = self.producer.result_prefix.encode()
+        prefix = self.producer.shards[0].result_prefix.encode()  # the shard of the run's stream
         outstanding = list(self.in_flight.items())
         before = len(self.rows)
         for start in range(0, len(outstanding), HASH_CHUNK):
