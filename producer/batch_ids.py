@@ -27,12 +27,11 @@ Hashes = npt.NDArray[np.uint64]
 
 
 def id_hashes(ids: Iterable[str]) -> Hashes:
-    """The 64-bit hash of each id (the first 8 bytes of its BLAKE2b digest)."""
+    """The 64-bit hash of each id (the first 8 bytes of its BLAKE2b digest, little-endian),
+    the digests joined and read as one array."""
     blake = hashlib.blake2b
-    return np.fromiter(
-        (int.from_bytes(blake(i.encode(), digest_size=8).digest(), "little") for i in ids),
-        dtype=np.uint64,
-    )
+    digests = b"".join([blake(i.encode(), digest_size=8).digest() for i in ids])
+    return np.frombuffer(digests, dtype="<u8").astype(np.uint64)
 
 
 def contains(sorted_hashes: Hashes, hashes: Hashes) -> npt.NDArray[np.bool_]:

@@ -31,10 +31,27 @@ import numpy as np
 
 from producer import wire
 from producer.batch_ids import Hashes, contains, id_hashes
-from producer.batch_rows import Row, embedding_type, json_row, record_batch
+from producer.batch_rows import Rows, json_rows
 
 _SEGMENT_RE = re.compile(r"^r(\d{6})-(\d{6})\.(parquet|jsonl)$")
 READ_ROWS = 8192
+# Dictionary encoding only where values repeat: on ids, sources and scores it only costs
+# time and bytes (Parquet builds a dictionary per row group, then gives up on it).
+DICTIONARY_COLUMNS = [
+    "status",
+    "error_code",
+    "error",
+    "model",
+    "weights",
+    "label",
+    "labels",
+    "top_k",
+    "dtype",
+]
+PARQUET_OPTIONS: dict[str, Any] = {
+    "compression": "zstd",
+    "use_dictionary": DICTIONARY_COLUMNS,
+}
 
 
 class OutputError(ValueError):
@@ -42,11 +59,13 @@ class OutputError(ValueError):
 
 
 class _Segment(Protocol):
-    def write(self, rows: list[Row]) -> None: ...
+    def write(self, rows: Rows) -> None: ...
     def close(self) -> None: ...
 
 
 class _Keep(Protocol):
+    everything: bool  # every row is kept: no need to ask
+
     def __call__(self, file: int, start: int, ids: list[str]) -> np.ndarray[Any, Any] | None: ...
 
 
@@ -55,8 +74,10 @@ class _JsonSegment:
     def __init__(self, path: Path) -> None:
         self._f = path.open("w", encoding="utf-8")
 
-    def write(self, rows: list[Row]) -> None:
-        self._f.write("".join(json.dumps(json_row(r), ensure_ascii=False) + "\n" for r in rows))
+    def write(self, rows: Rows) -> None:
+        batch = rows.arrow(rows.embedding_type())
+        dumps = json.dumps
+        self._f.write("".join(dumps(r, ensure_ascii=False) + "\n" for r in json_rows(batch)))
         self._f.flush()
 
     def close(self) -> None:
@@ -86,6 +107,10 @@ class JsonLines:
         if ids:
             yield ids, statuses
 
+    def rows(self, path: Path) -> int:
+        with path.open("rb") as f:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
     def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
         rows = 0
         with out.open("w", encoding="utf-8") as dst:
@@ -94,7 +119,11 @@ class JsonLines:
                     lines = src.readlines(1 << 24)
                     start = 0
                     while lines:
-                        mask = keep(index, start, [json.loads(x)["id"] for x in lines])
+                        mask = (
+                            None
+                            if keep.everything
+                            else keep(index, start, [json.loads(x)["id"] for x in lines])
+                        )
                         kept = (
                             lines
                             if mask is None
@@ -117,18 +146,18 @@ class _ParquetSegment:
         self._writer: Any = None
         self.embedding: tuple[str, int] | None = None
 
-    def fits(self, rows: list[Row]) -> bool:
-        found = embedding_type(rows)
+    def fits(self, rows: Rows) -> bool:
+        found = rows.embedding_type()
         return self._writer is None or found is None or found == self.embedding
 
-    def write(self, rows: list[Row]) -> None:
+    def write(self, rows: Rows) -> None:
         import pyarrow.parquet as pq
 
         if self._writer is None:
-            self.embedding = embedding_type(rows)
-        batch = record_batch(rows, self.embedding)
+            self.embedding = rows.embedding_type()
+        batch = rows.arrow(self.embedding)
         if self._writer is None:
-            self._writer = pq.ParquetWriter(self.path, batch.schema, compression="zstd")
+            self._writer = pq.ParquetWriter(self.path, batch.schema, **PARQUET_OPTIONS)
         self._writer.write_batch(batch)
 
     def close(self) -> None:
@@ -138,7 +167,7 @@ class _ParquetSegment:
             # No row yet: an empty file of the base schema.
             import pyarrow.parquet as pq
 
-            pq.write_table(record_batch([], None).schema.empty_table(), self.path)
+            pq.write_table(Rows().arrow(None).schema.empty_table(), self.path)
 
 
 class Parquet:
@@ -160,6 +189,11 @@ class Parquet:
         except (OSError, ValueError, KeyError) as exc:
             raise OutputError(f"{path}: not a batch output ({exc})") from None
 
+    def rows(self, path: Path) -> int:
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(path).metadata.num_rows)
+
     def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -170,14 +204,21 @@ class Parquet:
         except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
             raise OutputError(f"the segments' columns do not agree ({exc})") from None
         rows = 0
-        with pq.ParquetWriter(out, schema, compression="zstd") as writer:
+        with pq.ParquetWriter(out, schema, **PARQUET_OPTIONS) as writer:
             for index, file in enumerate(files):
                 start = 0
                 for read in pq.ParquetFile(file).iter_batches(batch_size=READ_ROWS):
-                    mask = keep(index, start, [str(i) for i in read.column("id").to_pylist()])
+                    mask = (
+                        None
+                        if keep.everything
+                        else keep(index, start, [str(i) for i in read.column("id").to_pylist()])
+                    )
                     start += read.num_rows
                     batch = read if mask is None else read.filter(pa.array(mask))
-                    if batch.num_rows:
+                    if batch.num_rows and batch.schema == schema:
+                        writer.write_batch(batch)
+                        rows += batch.num_rows
+                    elif batch.num_rows:
                         table = pa.Table.from_batches([batch])
                         for name in schema.names:
                             if name not in table.schema.names:
@@ -241,6 +282,11 @@ class Output:
     def start(self, *, retry_failed: bool) -> Existing:
         """Make the segments folder, drop segments a killed run left open, and read what
         the output holds."""
+        # Arrow's modules load here, at start-up, not at the first row group: a run's
+        # clock (and its CPU per job) starts after this.
+        import pyarrow.compute
+        import pyarrow.parquet  # noqa: F401
+
         if self.path.is_dir():
             raise OutputError(f"{self.path} is a folder, not an output file")
         self.parts.mkdir(parents=True, exist_ok=True)
@@ -300,8 +346,8 @@ class Output:
         return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.uint64)
 
     # ------------------------------------------------------------------ writing
-    def write(self, rows: list[Row]) -> None:
-        if not rows:
+    def write(self, rows: Rows) -> None:
+        if not len(rows):
             return
         segment = self._open
         if isinstance(segment, _ParquetSegment) and not segment.fits(rows):
@@ -333,6 +379,14 @@ class Output:
             # Nothing new: the output stands as it is.
             shutil.rmtree(self.parts, ignore_errors=True)
             return self.rows_before
+        if len(files) == 1 and files[0] != self.path and not len(contested):
+            # One segment and nothing before it (a run within one checkpoint): it is the
+            # output as it stands, moved into place rather than copied.
+            rows = self.format.rows(files[0])
+            os.replace(files[0], self.path)
+            _fsync_dir(self.path.parent)
+            shutil.rmtree(self.parts, ignore_errors=True)
+            return rows
         keep = _KeepNewest(files, self.format, contested)
         tmp = self.path.with_name(self.path.name + ".tmp")
         if not files:
@@ -359,6 +413,7 @@ class _KeepNewest:
 
     def __init__(self, files: list[Path], fmt: JsonLines | Parquet, contested: Hashes) -> None:
         self.contested = contested
+        self.everything = not len(contested)
         self.newest: dict[int, tuple[int, int]] = {}
         if not len(contested):
             return

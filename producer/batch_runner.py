@@ -6,33 +6,43 @@ traffic passes them. Admission control (max_backlog, max_memory_share) still app
 refused submission waits and is tried again while results keep coming, never dropped.
 
 Results are read from a reply stream of the run's own (named after the output path, so a
-resumed run reads the same one), with the producer's results feed; ids whose answer did not
+resumed run reads the same one), thousands of entries a read; ids whose answer did not
 show up there (e.g. answered on the default results stream) are looked up in their result
-hashes with the producer's `wait` after a quiet spell.
+hashes after a quiet spell.
+
+The client is meant to keep many workers busy from one core, so each job costs it as
+little Python as can be: jobs go out as packed XADDs on one connection (batch_redis.py),
+results stay the raw fields Redis sent until a row group is made of them column-wise
+(batch_rows.py), and the done ids are 64-bit hashes in numpy arrays (batch_ids.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import gc
 import hashlib
 import os
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
+
+from redis.typing import EncodableT, FieldT
 
 from producer import wire
-from producer.admission import AdmissionRefused, BacklogFull
+from producer.admission import ADMIT, AdmissionRefused, BacklogFull, admit_args, admitted
 from producer.batch_ids import IdStore, id_hashes
 from producer.batch_output import Existing, Output
-from producer.batch_rows import Row, error_row, result_row
+from producer.batch_redis import RawLink, field_map
+from producer.batch_rows import Rows, error_fields
 from producer.batch_sources import Item, Source, open_source
 from producer.client import Producer
-from producer.jobs import Job
-from producer.priorities import level_stream, pick_level
+from producer.priorities import entry_ref, level_stream, pick_level
+from producer.replies import last_id, xread_entries
 from producer.stats import collect_stats
-from producer.waiting import ResultsFeed
+
+JobFields = dict[FieldT, EncodableT]
 
 # Without a worker heartbeat to read the batch size from: this many jobs per consumer.
 DEFAULT_BATCH = 32
@@ -40,7 +50,9 @@ DEFAULT_BATCH = 32
 DEFAULT_IN_FLIGHT = 256
 SUBMIT_CHUNK = 256
 READ_BLOCK_MS = 200
-READ_COUNT = 1000
+READ_COUNT = 4096
+HASH_CHUNK = 2048
+READ_BUFFER = 1 << 20
 ROW_GROUP = 4096
 # Look up result hashes of outstanding jobs after this long without a result.
 RECHECK_S = 5.0
@@ -67,6 +79,9 @@ class Progress:
     refused: int = 0  # submissions admission control refused (tried again)
     error_codes: Counter[str] = field(default_factory=Counter)
     started: float = field(default_factory=time.monotonic)
+    # The client's own CPU (every thread of its process) since the run started: what one
+    # client can feed is about 1 / (cpu_s / answered) jobs a second.
+    cpu_started: float = field(default_factory=time.process_time)
     finished: bool = False
     rows: int = 0  # rows of the finished output
 
@@ -82,6 +97,10 @@ class Progress:
     def rate(self) -> float:
         elapsed = self.elapsed_s
         return self.answered / elapsed if elapsed > 0 else 0.0
+
+    @property
+    def cpu_s(self) -> float:
+        return time.process_time() - self.cpu_started
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -100,6 +119,7 @@ class Progress:
             "error_codes": dict(self.error_codes),
             "rate": round(self.rate, 1),
             "elapsed_s": round(self.elapsed_s, 2),
+            "cpu_s": round(self.cpu_s, 3),
             "finished": self.finished,
             "rows": self.rows,
         }
@@ -150,11 +170,12 @@ class _Items:
         self._pages = pages
         self._store = store
         self._progress = progress
-        self._ready: deque[Item] = deque()
+        self._ready: list[Item] = []
+        self._at = 0
         self.exhausted = False
 
     def take(self, n: int) -> list[Item]:
-        while len(self._ready) < n and not self.exhausted:
+        while len(self._ready) - self._at < n and not self.exhausted:
             page = next(self._pages, None)
             if page is None:
                 self.exhausted = True
@@ -162,14 +183,18 @@ class _Items:
                     self._progress.total = self._progress.listed  # known now
                 break
             self._progress.listed += len(page)
-            new = self._store.add_new(id_hashes(i.id for i in page))
-            self._progress.skipped += len(page) - int(new.sum())
-            self._ready.extend(item for item, fresh in zip(page, new, strict=True) if fresh)
-        return [self._ready.popleft() for _ in range(min(n, len(self._ready)))]
+            new = self._store.add_new(id_hashes([i[0] for i in page]))  # Item.id
+            fresh = [item for item, keep in zip(page, new.tolist(), strict=True) if keep]
+            self._progress.skipped += len(page) - len(fresh)
+            self._ready = self._ready[self._at :] + fresh
+            self._at = 0
+        taken = self._ready[self._at : self._at + n]
+        self._at += len(taken)
+        return taken
 
     @property
     def empty(self) -> bool:
-        return self.exhausted and not self._ready
+        return self.exhausted and self._at >= len(self._ready)
 
 
 class BatchRun:
@@ -214,15 +239,21 @@ class BatchRun:
         )
         self.items = _Items(source.pages(), IdStore(existing.done), self.progress)
         self.reply_to = reply_stream_for(producer, output.path)
-        self.in_flight: dict[str, str] = {}  # id -> source
-        self.rows: list[Row] = []
+        self.stream = level_stream(producer.shards[0].stream, self.level)
+        # id -> (source, stream entry id): the entry says which result hash is this job's.
+        self.in_flight: dict[bytes, tuple[str, bytes]] = {}
+        self.rows = Rows()
         limit = options.in_flight
         if limit is None:
-            stream = level_stream(producer.shards[0].stream, self.level)
-            limit = default_in_flight(producer, stream)
+            limit = default_in_flight(producer, self.stream)
         self.limit = max(1, limit)
         self.progress.in_flight_limit = self.limit
-        self._ready: list[tuple[Job, str]] = []
+        # Fields every job carries, after its own.
+        self._tail = [wire.JOB_REPLY_TO, self.reply_to.encode()]
+        if options.meta is not None:
+            self._tail += [wire.JOB_META, options.meta]
+        self._ready: list[tuple[Item, list[bytes]]] = []
+        self._buffer = bytearray(READ_BUFFER)  # local files are read into this
         # Jobs per submission: a chunk over the backlog limit would never be admitted.
         self._chunk = min(SUBMIT_CHUNK, producer.max_backlog or SUBMIT_CHUNK)
         self._fit = self._chunk
@@ -231,24 +262,38 @@ class BatchRun:
         self._last_result = time.monotonic()
         self._last_report = 0.0
         self._checkpoint_at = time.monotonic() + options.checkpoint_s
+        # XADDs go straight out on one connection, unless admission control (a script) or
+        # a cluster (a client per node) has a say in them.
+        admission = producer.max_backlog or producer.max_memory_share
+        self._link: RawLink | None = None
+        if not producer.cluster and not admission:
+            self._link = RawLink(producer.client)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Progress:
-        feed = ResultsFeed(self.reply_to, "$", READ_BLOCK_MS, READ_COUNT)
+        # The rows waiting for their row group are many small objects, none in a cycle:
+        # the collector's passes over them (and over every module's objects) would cost
+        # more than the rest of a job. It is off while the run goes, and on again after.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            self._read(feed)  # resolves "$" before the first job goes out
-            self._loop(feed)
+            self._cursor = self._last_id()  # before the first job goes out
+            self._loop()
         finally:
+            if collecting:
+                gc.enable()
+            if self._link is not None:
+                self._link.close()
             self.output.release()
         self.progress.finished = True
         self._report(force=True)
         return self.progress
 
-    def _loop(self, feed: ResultsFeed) -> None:
+    def _loop(self) -> None:
         try:
             while not (self.items.empty and not self.in_flight and not self._ready):
                 self._fill()
-                self._read(feed)
+                self._read()
                 self._recheck()
                 if len(self.rows) >= self.options.row_group:
                     self._flush()
@@ -277,40 +322,39 @@ class BatchRun:
             if not self._submit():
                 return
 
-    def _jobs(self, items: list[Item]) -> list[tuple[Job, str]]:
-        """The jobs of `items`; an item whose job cannot be made (its file is gone or
-        empty) gets its error row here, as a worker would have answered it."""
-        # A placeholder deadline for the check; the real one is set as the job goes out.
-        deadline_ms = None if self.options.deadline_s is None else int(time.time() * 1000)
-        jobs: list[tuple[Job, str]] = []
+    def _jobs(self, items: list[Item]) -> list[tuple[Item, list[bytes]]]:
+        """The jobs of `items`, as their stream fields; an item whose job cannot be made
+        (its file is gone or empty) gets its error row here, as a worker would have
+        answered it."""
+        jobs: list[tuple[Item, list[bytes]]] = []
+        tail, buffer = self._tail, self._buffer
         for item in items:
             try:
-                job = item.job(
-                    reply_to=self.reply_to, deadline_ms=deadline_ms, meta=self.options.meta
-                )
-                job.fields()  # checked here: submit_many would refuse the whole chunk
+                fields = item.fields(buffer)
             except OSError as exc:
                 reason = f"cannot read {item.source}: {exc.strerror or exc}"
-                self._answer(error_row(item.id, item.source, wire.ErrorCode.PATH_NOT_FOUND, reason))
+                self._error(item, wire.ErrorCode.PATH_NOT_FOUND, reason)
                 continue
             except ValueError as exc:
                 empty = "empty" in str(exc)
                 code = wire.ErrorCode.EMPTY_IMAGE if empty else wire.ErrorCode.INVALID_JOB
-                self._answer(error_row(item.id, item.source, code, str(exc)))
+                self._error(item, code, str(exc))
                 continue
-            jobs.append((job, item.source))
+            fields += tail
+            jobs.append((item, fields))
         return jobs
 
     def _submit(self) -> bool:
         """Submit ready jobs; False when admission control refused them (they stay ready,
         first in line, and the next try waits a little longer)."""
         chunk = self._ready[: self._fit]
+        fields = [f for _, f in chunk]
         if self.options.deadline_s is not None:
             # From the submission: a wait for admission does not eat into it.
-            due = int((time.time() + self.options.deadline_s) * 1000)
-            chunk = [(dataclasses.replace(job, deadline_ms=due), source) for job, source in chunk]
+            due = str(int((time.time() + self.options.deadline_s) * 1000)).encode()
+            fields = [[*f, wire.JOB_DEADLINE_MS, due] for f in fields]
         try:
-            self.producer.submit_many((job for job, _ in chunk), priority=self.options.priority)
+            entries = self._add(fields)
         except AdmissionRefused as exc:
             self.progress.refused += 1
             room = exc.max_backlog - exc.backlog if isinstance(exc, BacklogFull) else 0
@@ -323,57 +367,129 @@ class BatchRun:
             return False
         self._refused_backoff = REFUSED_BACKOFF_S[0]
         self._fit = self._chunk
-        for job, source in chunk:
-            assert job.id is not None
-            self.in_flight[job.id] = source
+        in_flight = self.in_flight
+        for (item, f), entry in zip(chunk, entries, strict=True):
+            in_flight[f[3]] = (item[1], entry)  # the id (Item.fields), Item.source
         self.progress.submitted += len(chunk)
-        self.progress.in_flight = len(self.in_flight)
+        self.progress.in_flight = len(in_flight)
         del self._ready[: len(chunk)]
         return True
 
-    def _read(self, feed: ResultsFeed) -> None:
-        request = feed.next_read()
-        assert request is not None
+    def _add(self, jobs: list[list[bytes]]) -> list[bytes]:
+        """XADD `jobs` to the run's level stream; their entry ids. AdmissionRefused (none
+        added) when admission control says no."""
+        if self._link is not None:
+            return self._link.xadds(self.stream.encode(), jobs)
+        producer = self.producer
+        if producer.max_backlog or producer.max_memory_share:
+            maps = [cast(JobFields, dict(zip(f[::2], f[1::2], strict=True))) for f in jobs]
+            args = admit_args(producer.group, producer.max_backlog, producer.max_memory_share, maps)
+            reply = producer.client.eval(ADMIT, 1, self.stream, *args)
+            found = admitted(
+                reply,
+                max_backlog=producer.max_backlog,
+                max_memory_share=producer.max_memory_share,
+                jobs=len(jobs),
+            )
+        else:
+            with producer.client.pipeline(transaction=False) as pipe:
+                for f in jobs:
+                    pipe.xadd(self.stream, dict(zip(f[::2], f[1::2], strict=True)))
+                found = pipe.execute()
+        return [e.encode() if isinstance(e, str) else bytes(e) for e in found]
+
+    def _last_id(self) -> bytes:
+        if self._link is not None:
+            return self._link.last_id(self.reply_to.encode())
+        reply = self.producer.client.xrevrange(self.reply_to, count=1)
+        return last_id(reply).encode()
+
+    def _read(self) -> None:
         # Block only when there is nothing to submit meanwhile.
         can_submit = (
             len(self.in_flight) < self.limit
             and (bool(self._ready) or not self.items.empty)
             and time.monotonic() >= self._refused_until
         )
-        if can_submit and feed.cursor is not None:
-            request = ResultsFeed(feed.stream, feed.cursor, None, READ_COUNT).next_read()
-            assert request is not None
-        for _, result in feed.take(request.on(self.producer.client)):
-            self._take(result)
-
-    def _take(self, result: wire.JobResult) -> None:
-        source = self.in_flight.pop(result.id, None)
-        if source is None:
-            return  # not ours, or answered already (an earlier run's copy of the job)
-        self._answer(result_row(result.id, source, result))
-
-    def _answer(self, row: Row) -> None:
-        self.rows.append(row)
-        self._last_result = time.monotonic()
-        if row["status"] == wire.STATUS_OK:
-            self.progress.ok += 1
+        block = None if can_submit else READ_BLOCK_MS
+        stream = self.reply_to.encode()
+        entries: list[tuple[bytes | str, Any]]
+        if self._link is not None:
+            entries = list(self._link.xread(stream, self._cursor, READ_COUNT, block))
         else:
-            self.progress.errors += 1
-            self.progress.error_codes[row["error_code"] or "unknown"] += 1
-        self.progress.in_flight = len(self.in_flight)
+            reply = self.producer.client.xread({stream: self._cursor}, READ_COUNT, block)
+            entries = [(e, f) for _, e, f in xread_entries(reply)]
+        if not entries:
+            return
+        last = entries[-1][0]
+        self._cursor = last.encode() if isinstance(last, str) else bytes(last)
+        before = len(self.rows)
+        pop = self.in_flight.pop
+        taken = self.rows.fields
+        sources = self.rows.sources
+        for _, raw in entries:
+            fields = field_map(raw)
+            job = pop(fields.get(wire.RES_ID, b""), None)
+            if job is not None:  # else not ours, or answered already
+                taken.append(fields)
+                sources.append(job[0])
+        if len(self.rows) > before:
+            self.rows.changed()
+            self._answered(before)
+
+    def _answered(self, since: int) -> None:
+        """Count the rows added since row `since`."""
+        self._last_result = time.monotonic()
+        progress = self.progress
+        ok = wire.STATUS_OK.encode()
+        for fields in self.rows.fields[since:]:
+            if fields.get(wire.RES_STATUS) == ok:
+                progress.ok += 1
+            else:
+                progress.errors += 1
+                error = fields.get(wire.RES_ERROR)
+                code = error.split(b":", 1)[0].decode("utf-8", "replace") if error else "unknown"
+                progress.error_codes[code] += 1
+        progress.in_flight = len(self.in_flight)
+
+    def _error(self, item: Item, code: wire.ErrorCode, message: str) -> None:
+        before = len(self.rows)
+        self.rows.add(error_fields(item.id, code, message), item.source)
+        self._answered(before)
 
     def _recheck(self) -> None:
+        """After a quiet spell, look for the outstanding jobs' results in their hashes: an
+        answer can miss the reply stream (a worker that answered on the default results
+        stream, a trimmed stream). A duplicate id's answer is stored under its entry id."""
         if not self.in_flight or time.monotonic() - self._last_result < RECHECK_S:
             return
         self._last_result = time.monotonic()
-        found = self.producer.wait(list(self.in_flight), 0, streams=[])
-        for result in found.values():
-            self._take(result)
+        prefix = self.producer.shards[0].result_prefix.encode()  # the shard of the run's stream
+        outstanding = list(self.in_flight.items())
+        before = len(self.rows)
+        for start in range(0, len(outstanding), HASH_CHUNK):
+            chunk = outstanding[start : start + HASH_CHUNK]
+            # Results name an entry `<level>:<entry ID>` on a level's stream.
+            refs = [entry_ref(self.level, e.decode()).encode() for _, (_, e) in chunk]
+            with self.producer.client.pipeline(transaction=False) as pipe:
+                for (job_id, _), ref in zip(chunk, refs, strict=True):
+                    pipe.hgetall(prefix + job_id)
+                    pipe.hgetall(prefix + ref)
+                replies = pipe.execute()
+            for n, (job_id, (source, _)) in enumerate(chunk):
+                by_id, by_entry = replies[2 * n], replies[2 * n + 1]
+                entry = refs[n]
+                found = by_id if by_id and by_id.get(wire.RES_ENTRY) == entry else by_entry
+                if found and job_id in self.in_flight:
+                    del self.in_flight[job_id]
+                    self.rows.add(found, source)
+        if len(self.rows) > before:
+            self._answered(before)
 
     def _flush(self) -> None:
-        if self.rows:
+        if len(self.rows):
             self.output.write(self.rows)
-            self.rows = []
+            self.rows = Rows()
 
     def _report(self, *, force: bool = False) -> None:
         now = time.monotonic()

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import csv
 import json
+import operator
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
+from producer import wire
 from producer.jobs import Job, _fit_id
 from producer.object_stores import open_store
 
@@ -36,10 +38,36 @@ class SourceError(ValueError):
     """The source cannot be read as given: the message names it and what is wrong."""
 
 
-@dataclass(frozen=True, slots=True)
-class Item:
+def read_file(file: str, buffer: bytearray | None = None) -> bytes:
+    """The bytes of `file`, with the fewest system calls: a Python file object would cost
+    more than the read itself for a small image. With `buffer`, a file that fits is read
+    into it in one call (no fstat)."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        if buffer is not None:
+            n = os.readv(fd, [buffer])
+            if n < len(buffer):
+                return bytes(memoryview(buffer)[:n])
+            chunks = [bytes(buffer)]
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size + 1)
+        if len(data) <= size:
+            return data  # a short read of a regular file: its end
+        chunks = [data]
+        while chunk := os.read(fd, 1 << 20):  # it grew meanwhile
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+class Item(NamedTuple):
     """One job to run: exactly one of `url`, `file` (read here and sent inline) or `path`
-    (a path under the workers' GPUFEED_PATH_ROOT, read by the worker)."""
+    (a path under the workers' GPUFEED_PATH_ROOT, read by the worker). A named tuple: a
+    manifest of millions of lines makes one per line."""
 
     id: str
     source: str
@@ -63,6 +91,23 @@ class Item:
             reply_to=reply_to,
             deadline_ms=deadline_ms,
         )
+
+    def fields(self, buffer: bytearray | None = None) -> list[bytes]:
+        """The job's stream fields (flat: key, value, ...) but reply_to, meta and deadline;
+        OSError if a local file cannot be read, ValueError if it is empty. The checks
+        `Job.fields` makes hold by construction: a source's ids fit and its urls have a
+        scheme. `buffer`: see `read_file`."""
+        # One unpacking: a named tuple's attributes cost a descriptor call each.
+        job_id, _, url, file, path = self
+        if file is not None:
+            image = read_file(file, buffer)
+            if not image:
+                raise ValueError("image is empty")
+            return [wire.JOB_IMAGE, image, wire.JOB_ID, job_id.encode()]
+        if path is not None:
+            return [wire.JOB_PATH, path.encode(), wire.JOB_ID, job_id.encode()]
+        assert url is not None
+        return [wire.JOB_URL, url.encode(), wire.JOB_ID, job_id.encode()]
 
 
 @dataclass(frozen=True)
@@ -118,23 +163,43 @@ def _local_item(file: str, id: str, root: Path | None) -> Item:
 
 
 def _folder_pages(folder: Path, root: Path | None) -> Iterator[list[Item]]:
-    """Image files under `folder`, in a stable order (sorted at each level), id: the path
-    relative to `folder`."""
+    """Image files under `folder`, in a stable order (a folder's files by name, then its
+    subfolders by name, as os.walk with sorted names gives them), id: the path relative
+    to `folder`. Symbolic links to folders are not followed."""
     page: list[Item] = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames.sort()
-        here = Path(dirpath)
-        for name in sorted(filenames):
-            if Path(name).suffix.lower() not in IMAGE_EXTENSIONS:
-                continue
-            file = here / name
-            relative = file.relative_to(folder).as_posix()
-            page.append(_local_item(str(file), _fit_id(relative), root))
-            if len(page) >= READ_PAGE:
-                yield page
-                page = []
+    for file, relative in _image_files(str(folder), ""):
+        # An id of at most 32 characters is at most 128 bytes: no need to measure it.
+        job_id = relative if len(relative) <= 32 else _fit_id(relative)
+        page.append(
+            Item(job_id, file, None, file) if root is None else _local_item(file, job_id, root)
+        )
+        if len(page) >= READ_PAGE:
+            yield page
+            page = []
     if page:
         yield page
+
+
+def _image_files(folder: str, prefix: str) -> Iterator[tuple[str, str]]:
+    # os.scandir and string operations: pathlib would cost each file more than the rest
+    # of its way to the stream.
+    with os.scandir(folder) as it:
+        entries = sorted(it, key=_name)
+    folders = []
+    for entry in entries:
+        if entry.is_dir():
+            if not entry.is_symlink():
+                folders.append(entry)
+            continue
+        name = entry.name
+        dot = name.rfind(".")
+        if dot > 0 and name[dot:].lower() in IMAGE_EXTENSIONS:
+            yield entry.path, prefix + name
+    for entry in folders:
+        yield from _image_files(entry.path, f"{prefix}{entry.name}/")
+
+
+_name = operator.attrgetter("name")
 
 
 # ---------------------------------------------------------------------- manifests

@@ -8,6 +8,7 @@ import csv
 import json
 import socket
 import subprocess
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -333,3 +334,43 @@ async def test_jobs_past_their_deadline_are_error_rows_and_the_run_ends(
     rows = read_rows(out)
     assert {r["id"] for r in rows} == ids
     assert {r["error_code"] for r in rows} == {"deadline_exceeded"}
+
+
+def test_answers_that_miss_the_reply_stream_are_found_in_their_result_hashes(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """An answer the run's reply stream never saw (a worker that answered on the default
+    results stream only) is looked up in its result hash after a quiet spell; for an id
+    whose hash holds another entry's answer (an earlier job with the same id), the answer
+    stored under this job's own entry is the one taken."""
+    folder = tmp_path / "images"
+    ids = make_folder(folder, good=3)
+    out = tmp_path / "out.jsonl"
+    running = threading.Thread(target=lambda: done.append(run(redis_url, folder, out)))
+    done: list[Progress] = []
+    running.start()
+    until(lambda: redis_client.xlen("gpufeed:jobs") == 3)
+    entries = {f[b"id"].decode(): e.decode() for e, f in redis_client.xrange("gpufeed:jobs")}
+    first, *rest = sorted(ids)
+    for job_id in rest:  # stored under the id, naming this job's entry
+        redis_client.hset(
+            f"gpufeed:result:{job_id}",
+            mapping={"id": job_id, "entry": entries[job_id], "status": "ok", "model": "elsewhere"},
+        )
+    # Under the id: an earlier job's answer; under this job's entry: its own.
+    redis_client.hset(
+        f"gpufeed:result:{first}",
+        mapping={"id": first, "entry": "1-1", "status": "ok", "model": "earlier"},
+    )
+    redis_client.hset(
+        f"gpufeed:result:{entries[first]}",
+        mapping={"id": first, "entry": entries[first], "status": "error",
+                 "error": "decode_error: mine", "duplicate_of": "1-1"},
+    )  # fmt: skip
+    running.join(30)
+    assert not running.is_alive()
+    rows = {r["id"]: r for r in read_rows(out)}
+    assert set(rows) == ids
+    assert {rows[i]["model"] for i in rest} == {"elsewhere"}
+    assert rows[first]["error_code"] == "decode_error" and rows[first]["duplicate_of"] == "1-1"
+    assert (done[0].ok, done[0].errors) == (2, 1)

@@ -289,6 +289,51 @@ def test_the_priority_section_measures_high_jobs_behind_a_burst(
     assert any("priority.runs.fifo" in p for p in validate_report(bad))
 
 
+def test_the_batch_section_runs_producer_batch_beside_the_same_images_inline(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, out = tiny
+    s = report["batch"]
+    assert (s["model"], s["batch_size"], s["source"], s["output"]) == (
+        "null",
+        32,
+        "folder",
+        "parquet",
+    )
+    jobs = s["image_set"]["jobs"]
+    assert jobs == 256 and s["image_set"]["label"].startswith("64x64 JPEG")
+    inline, batch = s["inline"], s["batch"]
+    assert inline["results"] == inline["jobs"] == jobs
+    # Every image through the client: one ok row each in the Parquet file it wrote.
+    assert batch["results"] == batch["rows"] == batch["ok"] == batch["jobs"] == jobs
+    assert batch["errors"] == 0 and batch["client_cpu_s"] > 0
+    # Nothing repeats, so the decode cache served none of them in either run.
+    assert s["images_repeat"] is False
+    assert batch["decode_cache_hits"] == 0 and inline["cache_hit_ratio"] == 0
+    # The worker's rate: the higher of the two runs', so the ratio never flatters the client.
+    assert s["worker_jobs_per_s"] == max(inline["images_per_s"], batch["images_per_s"]) > 0
+    assert s["worker_jobs_per_s_from"] == (
+        "inline" if s["worker_jobs_per_s"] == inline["images_per_s"] else "batch"
+    )
+    assert s["ratio_to_inline"] == pytest.approx(
+        s["client_capacity_per_s"] / inline["images_per_s"], rel=0.01
+    )
+    assert s["client_capacity_per_s"] == pytest.approx(1e6 / s["client_cpu_us_per_job"], rel=0.01)
+    assert s["ratio_to_worker"] == pytest.approx(
+        s["client_capacity_per_s"] / s["worker_jobs_per_s"], rel=0.01
+    )
+    assert s["met"] == (s["ratio_to_worker"] >= s["target_ratio"] == 10)
+    markdown = (out / "report.md").read_text()
+    assert "## Batch jobs: `producer batch` over a folder" in markdown
+    assert "client capacity (1 / CPU per job)" in markdown
+    bad = copy.deepcopy(report)
+    bad["batch"]["batch"]["rows"] -= 1
+    bad["batch"]["client_cpu_us_per_job"] = 0
+    problems = validate_report(bad)
+    assert any(p.startswith("batch.batch:") for p in problems)
+    assert any("batch.client_cpu_us_per_job" in p for p in problems)
+
+
 def test_the_accuracy_section_compares_both_placements_with_torchvision(
     accuracy: dict[str, Any],
 ) -> None:

@@ -11,6 +11,10 @@
 - every profile: the priority section (worker/tools/bench/priority.py): the first model,
   a burst of low-priority jobs three times what it serves while a trickle of high-priority
   ones arrives for 0.5 s (tiny), 2 s (quick) or 5 s (full), with and without levels.
+- every profile: the batch section (worker/tools/bench/batch.py): `producer batch` over a
+  folder of unique 64x64 JPEGs against one null-model worker at batch 256 (32 in tiny),
+  beside the same images pushed inline; 256 images (tiny), 10,000 (quick on the CPU),
+  20,000 (otherwise).
 - `full`: more jobs, the compile variant on the CPU too, the decode-cache pair on both
   sets, and the latency/throughput curve for three batcher max waits; the default on CUDA
   hosts.
@@ -74,6 +78,16 @@ class PriorityPlan:
 
 
 @dataclass(frozen=True)
+class BatchPlan:
+    """The batch section (worker/tools/bench/batch.py): `producer batch` over a folder."""
+
+    jobs: int  # images in the folder, and jobs of the inline run
+    batch_size: int = 256
+    distinct: int = 64
+    side: int = 64
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     models: tuple[ModelPlan, ...]
@@ -90,6 +104,7 @@ class Profile:
     cache_roles: tuple[str, ...] = ()
     overhead: OverheadPlan | None = None
     priority: PriorityPlan | None = None
+    batch: BatchPlan | None = None
 
     def with_models(self, models: tuple[ModelPlan, ...]) -> Profile:
         return replace(self, models=models)
@@ -129,6 +144,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             cache_roles=("large",),
             overhead=OverheadPlan(jobs=192, batch_size=32, distinct=8, live_s=1.0),
             priority=PriorityPlan(seconds=0.5),
+            batch=BatchPlan(jobs=256, batch_size=32, distinct=8),
         )
     if cuda:
         models = (
@@ -157,6 +173,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             cache_roles=("large",),
             overhead=OverheadPlan(jobs=20_000 if cuda else 10_000),
             priority=PriorityPlan(seconds=2.0),
+            batch=BatchPlan(jobs=20_000 if cuda else 10_000),
         )
     sets = (
         (photo_set(256, 4096), large_set(64, 512))
@@ -175,4 +192,5 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         cache_roles=("photo", "large"),
         overhead=OverheadPlan(jobs=20_000, live_s=8.0),
         priority=PriorityPlan(seconds=5.0),
+        batch=BatchPlan(jobs=20_000),
     )

@@ -10,6 +10,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from worker.tools.bench.batch import batch_lines, batch_problems
+
 SCHEMA_VERSION = 1
 
 RUN_NUMBERS = ("images_per_s", "p50_ms", "p95_ms", "p99_ms", "duration_s")
@@ -193,6 +195,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out += _cache_lines(report)
     out += _url_lines(report)
     out += overhead_lines(report)
+    out += batch_lines(report)
     out += gil_lines(report)
     out += priority_lines(report)
     out += accuracy_lines(report)
@@ -1016,6 +1019,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
         if not _positive(d.get("images_per_s")):
             problems.append(f"stage rate {d} is not a positive number")
     problems += _overhead_problems(report.get("overhead"))
+    problems += batch_problems(report.get("batch"))
     problems += _priority_problems(report.get("priority"))
     problems += _accuracy_problems(report.get("accuracy"))
     for c in report.get("curves") or []:

@@ -16,7 +16,8 @@ plus the decode stage rates (worker/tools/bench/stage_rates.py), in the full pro
 latency/throughput curve for three batcher max waits, the overhead section
 (worker/tools/bench/overhead.py): the null model on tiny JPEGs beside the queue ceiling, and
 the accuracy section (worker/tools/bench/accuracy.py): both resize placements against
-torchvision's eval transforms.
+torchvision's eval transforms, and the batch section (worker/tools/bench/batch.py):
+`producer batch` over a folder beside the same images inline.
 Then report.json, report.md and throughput.png (worker/tools/bench/report.py).
 
 How a run is measured: every run gets its own streams on a private redis-server. Every
@@ -67,6 +68,7 @@ from worker.tools.bench.ablations import (
 )
 from worker.tools.bench.accuracy import accuracy_section
 from worker.tools.bench.analysis import analyse
+from worker.tools.bench.batch import batch_section
 from worker.tools.bench.context import Bench
 from worker.tools.bench.gpufeed_run import gpufeed_run
 from worker.tools.bench.images import ImageSet, load_image_set
@@ -283,9 +285,16 @@ def run_bench(
             cores=cores,
         )
 
+        batch: dict[str, Any] | None = None
+
         async def main() -> RateTable:
+            nonlocal batch
             try:
-                return await _bench(b)
+                rates = await _bench(b)
+                if profile.batch is not None:
+                    b.echo("batch: producer batch over a folder, beside the same images inline")
+                    batch = await batch_section(b, profile.batch)
+                return rates
             finally:
                 await b.aclient.aclose()
 
@@ -376,6 +385,7 @@ def run_bench(
         "curves": b.curves,
         "overhead": b.overhead,
         "priority": b.priority,
+        "batch": batch,
         "accuracy": accuracy,
         "summary": summary,
         "targets": targets,
