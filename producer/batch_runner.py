@@ -44,6 +44,9 @@ from producer.stats import collect_stats
 
 JobFields = dict[FieldT, EncodableT]
 
+# Allocations between two collections of the young generation while a run goes (Python's
+# default is 700 to 2,000).
+GC_YOUNG_THRESHOLD = 100_000
 # Without a worker heartbeat to read the batch size from: this many jobs per consumer.
 DEFAULT_BATCH = 32
 # With neither consumers nor workers yet: this many jobs outstanding.
@@ -271,17 +274,21 @@ class BatchRun:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Progress:
-        # The rows waiting for their row group are many small objects, none in a cycle:
-        # the collector's passes over them (and over every module's objects) would cost
-        # more than the rest of a job. It is off while the run goes, and on again after.
-        collecting = gc.isenabled()
-        gc.disable()
+        # The rows waiting for their row group are many small objects, none in a cycle, and
+        # each pass of the collector over them (and over every module's objects) would cost
+        # more than the rest of a job. What exists at the start is frozen out of its passes
+        # and the young generation is collected far less often; it still runs, so garbage in
+        # a cycle (an exception's traceback, a caller's threads) stays bounded in a run of
+        # hours, and the caller's settings come back after.
+        thresholds = gc.get_threshold()
+        gc.freeze()
+        gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
         try:
             self._cursor = self._last_id()  # before the first job goes out
             self._loop()
         finally:
-            if collecting:
-                gc.enable()
+            gc.set_threshold(*thresholds)
+            gc.unfreeze()
             if self._link is not None:
                 self._link.close()
             self.output.release()
