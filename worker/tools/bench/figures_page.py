@@ -126,8 +126,7 @@ def _tidy(lines: list[str]) -> list[str]:
 
 
 def sections(report: Mapping[str, Any]) -> Iterator[tuple[str, str, str]]:
-    """(slug, heading, body) of each section of report.md, then the batch figures (where the
-    report has them and report.md does not) and the throughput figure."""
+    """(slug, heading, body) of each section of report.md, then the throughput figure."""
     heading: str | None = None
     body: list[str] = []
     seen: set[str] = set()
@@ -142,24 +141,8 @@ def sections(report: Mapping[str, Any]) -> Iterator[tuple[str, str, str]]:
     if heading is not None:
         seen.add(slug(heading))
         yield slug(heading), heading, "\n".join(_tidy(body))
-    if isinstance(report.get("batch"), Mapping) and not any(s.startswith("batch") for s in seen):
-        yield "batch", "Batch", _generic_table(report["batch"])
     if report.get("figure"):
         yield FIGURE, "Throughput over time, and where each image's time went", ""
-
-
-def _flatten(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    if isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _flatten(value, f"{prefix}.{key}" if prefix else str(key))
-    elif not isinstance(obj, list):
-        yield prefix, obj
-
-
-def _generic_table(batch: Mapping[str, Any]) -> str:
-    rows = ["| figure | value |", "| --- | --- |"]
-    rows += [f"| `{key}` | {value} |" for key, value in _flatten(batch)]
-    return "\n".join(rows)
 
 
 def _figure(report: Mapping[str, Any], figures_dir: str) -> str:
