@@ -130,7 +130,9 @@ def test_a_million_line_manifest_streams_in_bounded_memory_and_resumes_exactly_o
     assert started_kib > 0 and growth_mb < GROWTH_MB, f"grew {growth_mb:.0f} MB"
     assert peak_kib / 1024 < PEAK_MB
     assert first[0]["total"] == LINES  # counted as the file streamed, not loaded
-    assert 0 < len(kept) <= int(str(first[-1]["submitted"]))
+    # Rows committed before the kill: each id once (the last progress line may predate the
+    # last commit by up to a second, so its count bounds nothing).
+    assert kept and max(Counter(str(r["id"]) for r in kept).values()) == 1
     assert second[0]["done_before"] == len(kept)  # the rows committed before the kill
     rows = committed(out)
     ids = Counter(str(r["id"]) for r in rows)

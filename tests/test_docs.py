@@ -178,3 +178,15 @@ def test_a_link_in_a_meaning_is_plain_words_in_help() -> None:
     assert "[Priorities](priorities.md)" in settings_help.SETTINGS["GPUFEED_PRIORITIES"][1]
     assert settings_help.meaning("GPUFEED_PRIORITIES").endswith("See Priorities")
     assert "[Priorities](../priorities.md)" in page("configuration.md")
+
+
+def test_the_cli_page_is_the_same_whatever_ran_before() -> None:
+    # Click keeps a command's help option from the first context that asked for it: a
+    # command invoked on its own first (as a tool or a test may) must not change the page.
+    from worker import cli as worker_cli
+
+    for name, command in worker_cli.cli.commands.items():
+        result = ClickRunner().invoke(command, ["--help"], prog_name=name)
+        assert result.exit_code == 0, result.output
+        assert "-h, --help" in result.output, name
+    assert (docs_gen.DOCS / "reference/cli.md").read_text() == docs_gen.PAGES["reference/cli.md"]()

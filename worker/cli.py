@@ -70,6 +70,9 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
+CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
 class DefaultGroup(click.Group):
     """`python -m worker [flags]` means `python -m worker run [flags]`."""
 
@@ -104,7 +107,7 @@ class DefaultGroup(click.Group):
 
 @click.group(
     cls=DefaultGroup,
-    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+    context_settings=CONTEXT_SETTINGS,
 )
 def cli() -> None:
     """gpufeed worker: image jobs from Redis Streams through a GPU, results back.
@@ -482,6 +485,19 @@ def gpu_check(report_path: Path) -> None:
     from worker.tools.gpu_check_report import judge_file
 
     sys.exit(judge_file(report_path))
+
+
+def _share_context_settings(group: click.Group) -> None:
+    # Click keeps a command's help option from the first time it is asked for: a command
+    # invoked on its own (by a test or a tool) would keep `--help` alone from then on, and
+    # `-h` and the width would differ with what ran first.
+    for command in group.commands.values():
+        command.context_settings = {**CONTEXT_SETTINGS, **command.context_settings}
+        if isinstance(command, click.Group):
+            _share_context_settings(command)
+
+
+_share_context_settings(cli)
 
 
 def main() -> None:

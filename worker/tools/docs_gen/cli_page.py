@@ -53,9 +53,9 @@ def _plain_typer(command: Command) -> None:
 
 def walk(command: Command, name: str, parent: Context = None) -> Iterator[tuple[Command, Context]]:
     """Each command with the context its --help is written in, depth first."""
-    ctx = command.context_class(
-        command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH
-    )
+    # The command's own context settings (its help option names among them), as when it runs.
+    settings = {**command.context_settings, "terminal_width": WIDTH, "max_content_width": WIDTH}
+    ctx = command.context_class(command, info_name=name, parent=parent, **settings)
     yield command, ctx
     if hasattr(command, "list_commands"):
         for sub_name in command.list_commands(ctx):
