@@ -161,30 +161,67 @@ def _int(value: Any) -> int | None:
 def _columns(
     fields: list[Fields], sources: list[str], details: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The columns as Python lists (text as bytes), the whole group a column at a time."""
-    cols: dict[str, Any] = {
-        name: [f.get(key) or None for f in fields] for name, key in _TEXT_FIELDS.items()
-    }
+    """The columns as Python lists (text as bytes), the whole group a column at a time. A
+    key that no row of the group has (most results lack error, output, shape...) is a
+    column of nulls without a look at each row."""
+    n = len(fields)
+    present: set[bytes] = set().union(*fields)
+    in_details: set[str] = set().union(*details)
+    none: list[Any] = [None] * n
+
+    def column(key: bytes) -> list[Any]:
+        return [f.get(key) or None for f in fields] if key in present else none
+
+    def detail(key: str) -> list[Any]:
+        return [d.get(key) for d in details] if key in in_details else none
+
+    cols: dict[str, Any] = {name: column(key) for name, key in _TEXT_FIELDS.items()}
     cols["source"] = sources
-    cols["error_code"] = [e.split(b":", 1)[0] if e else None for e in cols["error"]]
-    cols["degraded"] = [f.get(wire.RES_DEGRADED) == b"1" for f in fields]
-    cols["label"] = [f.get(wire.RES_LABEL) or None for f in fields]
-    cols["score"] = [f.get(wire.RES_SCORE) or None for f in fields]
-    labels = [d.get("labels") for d in details]
-    if None in labels:  # a multi-label model's labels may be a field of their own
+    cols["error_code"] = (
+        [e.split(b":", 1)[0] if e else None for e in cols["error"]]
+        if wire.RES_ERROR in present
+        else none
+    )
+    cols["degraded"] = (
+        [f.get(wire.RES_DEGRADED) == b"1" for f in fields]
+        if wire.RES_DEGRADED in present
+        else [False] * n
+    )
+    cols["label"] = column(wire.RES_LABEL)
+    cols["score"] = column(wire.RES_SCORE)
+    labels = detail("labels")
+    if wire.RES_LABELS in present and None in labels:
+        # A multi-label model's labels may be a field of their own.
+        labels = list(labels)
         for i, f in enumerate(fields):
             if labels[i] is None and wire.RES_LABELS in f:
                 labels[i] = json.loads(f[wire.RES_LABELS])
     cols["labels"] = labels
-    cols["scores"] = [d.get("label_scores" if "threshold" in d else "scores") for d in details]
-    cols["top_k"] = [d.get("label_indices" if "threshold" in d else "top_k") for d in details]
-    both = list(zip(fields, details, strict=True))
-    cols["output"] = [f.get(wire.RES_OUTPUT) or d.get("output") for f, d in both]
-    cols["shape"] = [
-        json.loads(f[wire.RES_SHAPE]) if f.get(wire.RES_SHAPE) else d.get("shape") for f, d in both
-    ]
-    cols["dtype"] = [f.get(wire.RES_DTYPE) or d.get("dtype") for f, d in both]
-    cols["timings_ms"] = [d.get("timings_ms") for d in details]
+    if "threshold" in in_details:
+        cols["scores"] = [d.get("label_scores" if "threshold" in d else "scores") for d in details]
+        cols["top_k"] = [d.get("label_indices" if "threshold" in d else "top_k") for d in details]
+    else:
+        cols["scores"] = detail("scores")
+        cols["top_k"] = detail("top_k")
+    if wire.RES_OUTPUT in present or "output" in in_details:
+        both = list(zip(fields, details, strict=True))
+        cols["output"] = [f.get(wire.RES_OUTPUT) or d.get("output") for f, d in both]
+    else:
+        cols["output"] = none
+    if wire.RES_SHAPE in present or "shape" in in_details:
+        cols["shape"] = [
+            json.loads(f[wire.RES_SHAPE]) if f.get(wire.RES_SHAPE) else d.get("shape")
+            for f, d in zip(fields, details, strict=True)
+        ]
+    else:
+        cols["shape"] = none
+    if wire.RES_DTYPE in present or "dtype" in in_details:
+        cols["dtype"] = [
+            f.get(wire.RES_DTYPE) or d.get("dtype") for f, d in zip(fields, details, strict=True)
+        ]
+    else:
+        cols["dtype"] = none
+    cols["timings_ms"] = detail("timings_ms")
     return cols
 
 
