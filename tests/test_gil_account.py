@@ -118,3 +118,21 @@ def test_timing_is_off_and_the_decoder_untouched_outside_the_block() -> None:
         assert gil_account.switch.on and cpu.simplejpeg is not original
     assert not gil_account.switch.on and cpu.simplejpeg is original
     assert gil_account.timing_cost_us(1000) >= 0
+
+
+def test_the_bench_reads_a_few_milliseconds_of_a_threads_cpu() -> None:
+    # A tiny run's threads may not see one kernel tick (10 ms): the bench's per-thread CPU
+    # must come from a finer clock, or a short run reads as no CPU at all.
+    import time
+    from pathlib import Path
+
+    from worker.tools.bench.probe import thread_cpu_s
+
+    tid = threading.get_native_id()
+    if not Path(f"/proc/self/task/{tid}/schedstat").exists():
+        pytest.skip("no schedstat on this kernel")
+    before = thread_cpu_s()[tid]
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < 0.002:
+        pass
+    assert thread_cpu_s()[tid] - before >= 0.0015

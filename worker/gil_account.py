@@ -183,6 +183,15 @@ def _task_cpu_s(tid: int) -> float | None:
         return None  # the thread ended, or no schedstat on this kernel
 
 
+def threads_cpu_s() -> dict[int, float]:
+    """Every live thread's CPU seconds, by native id, to the nanosecond ({} without
+    schedstat): a short run's threads may not see a single kernel tick."""
+    tids: list[int] = []
+    with contextlib.suppress(OSError):
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    return {tid: s for tid in tids if (s := _task_cpu_s(tid)) is not None}
+
+
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
@@ -221,10 +230,7 @@ class Snapshot:
 
 
 def snapshot() -> Snapshot:
-    tids: list[int] = []
-    with contextlib.suppress(OSError):
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    cpu = {tid: s for tid in tids if (s := _task_cpu_s(tid)) is not None}
+    cpu = threads_cpu_s()
     names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
     system = {tid: _task_system_s(tid) for tid in cpu}
     return Snapshot(cpu, system, released_s(), time.process_time(), names)

@@ -1,8 +1,8 @@
 """What a run costs the machine: CPU per thread group, Redis's CPU, GPU utilisation and memory.
 
-CPU time is read per thread (psutil, from /proc) before and after the run and grouped by
-what the thread does, so a run's CPU can be split into decode, model, event loop and the
-rest without instrumenting the pipeline:
+CPU time is read per thread (from /proc: the scheduler's nanoseconds) before and after the
+run and grouped by what the thread does, so a run's CPU can be split into decode, model,
+event loop and the rest without instrumenting the pipeline:
 
 - decode: the decode pool's threads (`gpufeed-decode*`, the ablation's `bench-cpu-*`, the
   stage-rate threads);
@@ -51,8 +51,12 @@ def _group(name: str | None) -> str:
 
 
 def thread_cpu_s() -> dict[int, float]:
-    """CPU seconds (user + system) of every live thread of this process, by native id."""
-    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
+    """CPU seconds (user + system) of every live thread of this process, by native id: from
+    the scheduler's nanosecond count where the kernel keeps one, else to the kernel's tick
+    (psutil), which a short run's threads may not reach."""
+    return gil_account.threads_cpu_s() or {
+        t.id: t.user_time + t.system_time for t in psutil.Process().threads()
+    }
 
 
 def host_busy_s() -> float:
