@@ -97,17 +97,6 @@ class RawLink:
             raise
         return list(_entries(reply))
 
-    def last_id(self, stream: bytes) -> bytes:
-        """The newest entry id of `stream`, 0-0 where it is empty."""
-        conn = self._conn
-        try:
-            conn.send_command(b"XREVRANGE", stream, b"+", b"-", b"COUNT", 1, check_health=False)
-            reply = conn.read_response()
-        except (redis.ConnectionError, redis.TimeoutError, OSError):
-            self._broken()
-            raise
-        return bytes(reply[0][0]) if reply else b"0-0"
-
 
 def _entries(reply: Any) -> Iterator[tuple[bytes, Any]]:
     # RESP2: [[stream, entries]]; RESP3: {stream: entries}; None when the block timed out.

@@ -406,8 +406,7 @@ class BatchRun:
         return [e.encode() if isinstance(e, str) else bytes(e) for e in found]
 
     def _last_id(self) -> bytes:
-        if self._link is not None:
-            return self._link.last_id(self.reply_to.encode())
+        # Once a run: the producer's own client, whichever link carries the jobs.
         reply = self.producer.client.xrevrange(self.reply_to, count=1)
         return last_id(reply).encode()
 

@@ -265,20 +265,6 @@ TOOL_VARIABLES: dict[str, str] = {
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 
 
-def markdown_table(link_prefix: str = "") -> str:
-    """The settings as a Markdown table: variable, flag, default, meaning; links to the
-    site's pages get `link_prefix` (`../` from a page under docs/reference/)."""
-    rows = ["| variable | flag | default | meaning |", "| --- | --- | --- | --- |"]
-    for f in fields(WorkerConfig):
-        env = f.metadata["env"]
-        default_text, meaning_text = SETTINGS[env]
-        flag = f.name.replace("_", "-")
-        # worker/cli.py gives every bool setting its --no- form.
-        flags = f"`--{flag}`, `--no-{flag}`" if str(f.type) == "bool" else f"`--{flag}`"
-        rows.append(f"| `{env}` | {flags} | {default_text} | {relink(meaning_text, link_prefix)} |")
-    return "\n".join(rows)
-
-
 def relink(markdown: str, prefix: str) -> str:
     """`markdown` with each link's target prefixed (pages are named relative to docs/)."""
     return _LINK.sub(lambda m: f"[{m.group(1)}]({prefix}{m.group(2)})", markdown)

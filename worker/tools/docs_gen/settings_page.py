@@ -3,8 +3,10 @@ default and meaning (worker/settings_help.py), and the tool variables a worker a
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from worker import settings_help
-from worker.config import TOOL_VARIABLES
+from worker.config import TOOL_VARIABLES, WorkerConfig
 from worker.tools.docs_gen.markdown import notice, table
 
 INTRO = """\
@@ -19,6 +21,19 @@ never ignored without a word. The variables Kubernetes adds for a Service named
 `gpufeed...` (`GPUFEED_SERVICE_HOST`, `GPUFEED_PORT_9100_TCP`, ...) are accepted too.
 `python -m worker --help` prints the same meanings.
 """
+
+
+def settings_table() -> str:
+    """Variable, flag, default and meaning of each setting, in the config's order."""
+    rows = []
+    for f in fields(WorkerConfig):
+        env = f.metadata["env"]
+        default, meaning = settings_help.SETTINGS[env]
+        flag = f.name.replace("_", "-")
+        # worker/cli.py gives every bool setting its --no- form.
+        flags = f"`--{flag}`, `--no-{flag}`" if str(f.type) == "bool" else f"`--{flag}`"
+        rows.append([f"`{env}`", flags, default, settings_help.relink(meaning, "../")])
+    return table(["variable", "flag", "default", "meaning"], rows)
 
 
 def render() -> str:
@@ -37,7 +52,7 @@ def render() -> str:
         notice("worker/config.py and worker/settings_help.py")
         + INTRO
         + "\n## Settings\n\n"
-        + settings_help.markdown_table(link_prefix="../")
+        + settings_table()
         + "\n\n## Tool variables\n\n"
         + "`GPUFEED_*` variables that are no worker setting, which a worker accepts in its "
         + "environment:\n\n"
