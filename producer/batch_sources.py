@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from producer import wire
-from producer.jobs import Job, _fit_id
+from producer.jobs import _fit_id
 from producer.object_stores import open_store
 
 if TYPE_CHECKING:
@@ -74,23 +74,6 @@ class Item(NamedTuple):
     url: str | None = None
     file: str | None = None
     path: str | None = None
-
-    def job(self, *, reply_to: str, deadline_ms: int | None, meta: bytes | None) -> Job:
-        """The job to submit; OSError if a local file cannot be read, ValueError if the
-        job is invalid (an empty file, an id over the limit)."""
-        image = None
-        if self.file is not None:
-            with open(self.file, "rb") as f:
-                image = f.read()
-        return Job(
-            image=image,
-            path=self.path,
-            url=self.url,
-            id=self.id,
-            meta=meta,
-            reply_to=reply_to,
-            deadline_ms=deadline_ms,
-        )
 
     def fields(self, buffer: bytearray | None = None) -> list[bytes]:
         """The job's stream fields (flat: key, value, ...) but reply_to, meta and deadline;
