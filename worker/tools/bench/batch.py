@@ -206,43 +206,6 @@ def _read_back(out: Path) -> int:
 
 
 # --------------------------------------------------------------------------- report
-def _fmt(value: Any, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.{digits}f}" if isinstance(value, float) else str(value)
-
-
-def batch_lines(report: Mapping[str, Any]) -> list[str]:
-    """The batch section as report.md shows it."""
-    s = report.get("batch")
-    if not s:
-        return []
-    inline, batch, images = s["inline"], s["batch"], s["image_set"]
-    return [
-        "",
-        f"## Batch jobs: `producer batch` over a folder, the null model, {images['label']}, "
-        f"batch {s['batch_size']}, {images['jobs']} images",
-        "",
-        "Each image's bytes are unique (nothing repeats; decode cache hits: "
-        f"{batch['decode_cache_hits']} in the batch run, ratio "
-        f"{_fmt(inline['cache_hit_ratio'], 3)} inline). The client runs as its own process; "
-        "its CPU is every thread of it from the start of the run.",
-        "",
-        "| run | images/s | client CPU µs/job | worker CPU µs/job |",
-        "| --- | ---: | ---: | ---: |",
-        f"| inline (jobs queued first) | {_fmt(inline['images_per_s'])} | - | "
-        f"{_fmt(inline['worker_cpu_us_per_job'])} |",
-        f"| producer batch (in flight {s['in_flight']}) | {_fmt(batch['images_per_s'])} | "
-        f"{_fmt(s['client_cpu_us_per_job'])} | - |",
-        "",
-        f"- client capacity (1 / CPU per job): {_fmt(s['client_capacity_per_s'])} jobs/s, "
-        f"{_fmt(s['ratio_to_worker'], 2)}x one null-model worker's "
-        f"{_fmt(s['worker_jobs_per_s'])} jobs/s (the {s['worker_jobs_per_s_from']} run's, "
-        f"the higher; {_fmt(s['ratio_to_inline'], 2)}x the inline run's) "
-        f"(>= {_fmt(s['target_ratio'], 0)}): " + ("met" if s["met"] else "missed"),
-    ]
-
-
 def batch_problems(s: Any) -> list[str]:
     """What is wrong with the report's `batch` entry (docs/bench-schema.md)."""
     if s is None:

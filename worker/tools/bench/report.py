@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from worker.tools.bench.batch import batch_lines, batch_problems
+from worker.tools.bench.batch import batch_problems
 
 SCHEMA_VERSION = 1
 
@@ -308,6 +308,51 @@ def _gil_runs(report: Mapping[str, Any]) -> Iterator[tuple[str, Mapping[str, Any
         if r.get("gil"):
             label = f"null, {o['image_set']['name']}, {workload.replace('_', ' ')}"
             yield label, r["gil"], r["jobs_per_s"]
+
+
+def batch_lines(report: Mapping[str, Any]) -> list[str]:
+    """The batch section (worker/tools/bench/batch.py)."""
+    s = report.get("batch")
+    if not s:
+        return []
+    inline, batch, images = s["inline"], s["batch"], s["image_set"]
+    out = [
+        "",
+        f"## Batch jobs: `producer batch` over a folder, the null model, {images['label']}, "
+        f"batch {s['batch_size']}, {images['jobs']} images",
+        "",
+        "Each image's bytes are unique (nothing repeats; decode cache hits: "
+        f"{batch['decode_cache_hits']} in the batch run, ratio "
+        f"{_fmt(inline['cache_hit_ratio'], 3)} inline). The client runs as its own process; "
+        "its CPU is every thread of it from the start of the run.",
+        "",
+    ]
+    out += _table(
+        ["run", "images/s", "client CPU µs/job", "worker CPU µs/job"],
+        [
+            [
+                "inline (jobs queued first)",
+                _fmt(inline["images_per_s"]),
+                _fmt(None),
+                _fmt(inline["worker_cpu_us_per_job"]),
+            ],
+            [
+                f"producer batch (in flight {s['in_flight']})",
+                _fmt(batch["images_per_s"]),
+                _fmt(s["client_cpu_us_per_job"]),
+                _fmt(None),
+            ],
+        ],
+    )
+    out += [
+        "",
+        f"- client capacity (1 / CPU per job): {_fmt(s['client_capacity_per_s'])} jobs/s, "
+        f"{_fmt(s['ratio_to_worker'], 2)}x one null-model worker's "
+        f"{_fmt(s['worker_jobs_per_s'])} jobs/s (the {s['worker_jobs_per_s_from']} run's, "
+        f"the higher; {_fmt(s['ratio_to_inline'], 2)}x the inline run's) "
+        f"(>= {_fmt(s['target_ratio'], 0)}): " + ("met" if s["met"] else "missed"),
+    ]
+    return out
 
 
 def gil_lines(report: Mapping[str, Any]) -> list[str]:
