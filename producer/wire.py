@@ -31,6 +31,13 @@ MAX_ID_BYTES = 128
 # The longest `url` a job may carry (real URLs, presigned ones included, stay well under
 # 2 KiB); longer is `invalid_job`, refused before the field is decoded or parsed.
 MAX_URL_BYTES = 8192
+# The longest `reply_to` stream name: a key name, quoted in errors and passed to every publish
+# call; longer is `invalid_job`, answered on the default results stream.
+MAX_REPLY_TO_BYTES = 1024
+# Defaults of the worker's GPUFEED_MAX_META_BYTES and GPUFEED_MAX_RESULT_BYTES: `meta` is
+# echoed in the result (stream entry and hash), so it is bounded like the result as a whole.
+DEFAULT_MAX_META_BYTES = 64 * 1024
+DEFAULT_MAX_RESULT_BYTES = 4 * 1024 * 1024
 
 # Job fields (stream entry field names).
 JOB_IMAGE = b"image"

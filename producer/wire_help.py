@@ -17,8 +17,10 @@ ERROR_CODES: dict[ErrorCode, str] = {
         "not exactly one of `image`, `path` and `url`; an empty `path`, `url`, `id` or "
         "`reply_to`; an `s3://` URL without bucket or key, or whose key has `.` or `..` "
         "folders; a `url` over 8 KiB; text fields that are not UTF-8; a `reply_to` that "
-        "cannot receive results (the message says why; the answer goes to the default "
-        "results stream)"
+        "cannot receive results, or over 1 KiB (the message says why; the answer goes to "
+        "the default results stream); a `meta` over the worker's `GPUFEED_MAX_META_BYTES`, "
+        "or one that makes the result larger than its `GPUFEED_MAX_RESULT_BYTES` (the "
+        "answer names the limit and carries no meta)"
     ),
     ErrorCode.ID_TOO_LONG: (
         "`id` over 128 bytes (the result is stored under the entry ID instead)"
@@ -84,7 +86,10 @@ ERROR_CODES: dict[ErrorCode, str] = {
         "the job's `deadline_ms` passed before it could run (checked when it is read and "
         "just before its batch runs); it was not decoded, or not computed"
     ),
-    ErrorCode.INTERNAL_ERROR: ("a worker bug; the message says what happened"),
+    ErrorCode.INTERNAL_ERROR: (
+        "a worker bug, or a result the worker cannot store: the model's answer over "
+        "`GPUFEED_MAX_RESULT_BYTES`, or a result Redis refused; the message says what happened"
+    ),
 }
 
 # The fields of a result (its stream entry and its hash), those that go together on one row.

@@ -333,10 +333,14 @@ async def test_a_job_whose_commands_fail_in_a_call_does_not_hold_back_its_batch_
         states = await writer.publish(outcomes)
     finally:
         await client.aclose()
-    assert states[2] == PublishState.REFUSED  # kept, tried again; nothing written for it
-    assert states[3:] == [PublishState.PUBLISHED] * 2
-    answered = [JobResult.from_fields(f).id for _, f in redis_client.xrange("gpufeed:results")]
-    assert sorted(answered) == ["j0", "j1", "j3", "j4"]
+    # No retry would change what Redis refuses: the job is answered with its own error, and
+    # without the copy of its fields that could not be written.
+    assert states == [PublishState.PUBLISHED] * 5
+    answered = {r.id: r for r in results_on(redis_client, "gpufeed:results").values()}
+    assert sorted(answered) == ["j0", "j1", "j2", "j3", "j4"]
+    assert answered["j2"].error_code == "dead_letter"
+    assert DEAD_MESSAGE in (answered["j2"].error or "")
+    assert "Redis refused to store this job's result" in (answered["j2"].error or "")
     assert redis_client.xlen("gpufeed:dead") == 0
 
 

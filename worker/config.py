@@ -38,6 +38,12 @@ RESIZE_PLACEMENTS = ("device", "host", "auto")
 LOG_FORMATS = ("auto", "console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_PROCESSES = 64
+# Bounds of GPUFEED_MAX_META_BYTES and GPUFEED_MAX_RESULT_BYTES: a result is one publish
+# call's worth at most, well under Redis's 512 MB bulk strings; beside its meta it needs room
+# for ids, timings and an error text.
+MAX_META_BYTES = 64 * 1024 * 1024
+MAX_RESULT_BYTES = 256 * 1024 * 1024
+RESULT_HEADROOM_BYTES = 16 * 1024
 # GPUFEED_* variables that are no worker setting yet may be in a worker's environment:
 # scripts/run-workers.sh reads this one to name the workers it starts.
 TOOL_VARIABLES = frozenset({"GPUFEED_WORKER_NAME_PREFIX"})
@@ -81,6 +87,12 @@ class WorkerConfig:
     )
     result_ttl_s: int = field(default=86_400, metadata={"env": "GPUFEED_RESULT_TTL_S"})
     results_maxlen: int = field(default=1_000_000, metadata={"env": "GPUFEED_RESULTS_MAXLEN"})
+    max_meta_bytes: int = field(
+        default=wire.DEFAULT_MAX_META_BYTES, metadata={"env": "GPUFEED_MAX_META_BYTES"}
+    )
+    max_result_bytes: int = field(
+        default=wire.DEFAULT_MAX_RESULT_BYTES, metadata={"env": "GPUFEED_MAX_RESULT_BYTES"}
+    )
     worker_name: str = field(default="", metadata={"env": "GPUFEED_WORKER_NAME"})
     # Redis Cluster (producer/shards.py): job streams split by hash tag, durable publishes.
     redis_cluster: str = field(default="auto", metadata={"env": "GPUFEED_REDIS_CLUSTER"})
@@ -158,6 +170,9 @@ class WorkerConfig:
     live_loop_stall_s: float = field(default=30.0, metadata={"env": "GPUFEED_LIVE_LOOP_STALL_S"})
     live_launch_stall_s: float = field(
         default=120.0, metadata={"env": "GPUFEED_LIVE_LAUNCH_STALL_S"}
+    )
+    live_writer_stall_s: float = field(
+        default=300.0, metadata={"env": "GPUFEED_LIVE_WRITER_STALL_S"}
     )
     stats_interval_s: float = field(default=10.0, metadata={"env": "GPUFEED_STATS_INTERVAL_S"})
     log_format: str = field(default="auto", metadata={"env": "GPUFEED_LOG_FORMAT"})
@@ -414,6 +429,21 @@ class WorkerConfig:
         )
         need(self.stats_interval_s > 0, "GPUFEED_STATS_INTERVAL_S", "must be positive (seconds)")
         need(self.results_maxlen >= 1, "GPUFEED_RESULTS_MAXLEN", "must be at least 1")
+        # A result must fit one Redis bulk string (512 MB unless proto-max-bulk-len says
+        # less) with room to spare, and hold its meta beside ids, timings and the answer.
+        need(
+            0 <= self.max_meta_bytes <= MAX_META_BYTES,
+            "GPUFEED_MAX_META_BYTES",
+            f"must be between 0 (no meta) and {MAX_META_BYTES}",
+        )
+        need(
+            self.max_meta_bytes + RESULT_HEADROOM_BYTES
+            <= self.max_result_bytes
+            <= MAX_RESULT_BYTES,
+            "GPUFEED_MAX_RESULT_BYTES",
+            f"must be at least GPUFEED_MAX_META_BYTES + {RESULT_HEADROOM_BYTES} "
+            f"({self.max_meta_bytes + RESULT_HEADROOM_BYTES}) and at most {MAX_RESULT_BYTES}",
+        )
         need(
             0 <= self.metrics_port <= 65535,
             "GPUFEED_METRICS_PORT",
@@ -431,7 +461,7 @@ class WorkerConfig:
             f"must be an IP address to listen on, e.g. 127.0.0.1 (this host only), 0.0.0.0 or "
             f":: (every interface), got {self.metrics_host!r}",
         )
-        for name in ("live_loop_stall_s", "live_launch_stall_s"):
+        for name in ("live_loop_stall_s", "live_launch_stall_s", "live_writer_stall_s"):
             value = getattr(self, name)
             need(
                 value == 0 or value >= 1, _env(name), "must be 0 (not checked) or at least 1 second"

@@ -7,8 +7,10 @@ to date:
 - **/live** fails when the worker stopped making progress and only a restart helps: the
   event loop has not run its beat task for GPUFEED_LIVE_LOOP_STALL_S, or the launch thread
   has held one batch, or a launched batch has not finished on the device, for
-  GPUFEED_LIVE_LAUNCH_STALL_S. During start-up (model download, compilation) nothing is
-  checked yet: the start-up probe on /ready bounds that.
+  GPUFEED_LIVE_LAUNCH_STALL_S, or the result writer has held answers it could not publish
+  for GPUFEED_LIVE_WRITER_STALL_S (logged once with the reason when it passes). During
+  start-up (model download, compilation) nothing is checked yet: the start-up probe on
+  /ready bounds that.
 - **/ready** fails while the model is warming up, while Redis does not answer a PING, and
   from the first SIGTERM on (draining), so a load balancer or an operator stops counting
   on this worker. `gpufeed_ready` says the same.
@@ -61,9 +63,15 @@ class LaunchedBatch(Protocol):
 class Health:
     """Liveness and readiness state; written on the event loop, read on the HTTP thread."""
 
-    def __init__(self, *, loop_stall_s: float, launch_stall_s: float) -> None:
+    def __init__(
+        self, *, loop_stall_s: float, launch_stall_s: float, writer_stall_s: float = 0.0
+    ) -> None:
         self.loop_stall_s = loop_stall_s
         self.launch_stall_s = launch_stall_s
+        self.writer_stall_s = writer_stall_s
+        # How long the result writer has held answers it cannot publish, and why.
+        self._writer_stalled: Callable[[], tuple[float, str]] = lambda: (0.0, "")
+        self._writer_stall_logged = False
         self.warm = False  # the model is warm and the worker reads from the group
         self.draining = False
         self.redis_ok = True
@@ -88,6 +96,11 @@ class Health:
         with self._lock:
             self._launched = deque(self._launched, maxlen=max(1, slots))
 
+    def watch_writer(self, stalled: Callable[[], tuple[float, str]]) -> None:
+        """`stalled` returns how long the writer has held answers it could not publish
+        (0: none) and why."""
+        self._writer_stalled = stalled
+
     def launched(self, launched: LaunchedBatch) -> None:
         with self._lock:
             self._launched.append(launched)
@@ -97,7 +110,26 @@ class Health:
         interval = min(1.0, self.loop_stall_s / 4) if self.loop_stall_s else 1.0
         while True:
             self._loop_beat_s = time.monotonic()
+            self._log_writer_stall()
             await asyncio.sleep(interval)
+
+    def _log_writer_stall(self) -> None:
+        """Say once per stall, when it passes the bound, why /live now fails."""
+        ok, reason = self._writer_live()
+        if not ok and not self._writer_stall_logged:
+            log.error("not_live", reason=reason, note="an orchestrator should restart the worker")
+        self._writer_stall_logged = not ok
+
+    def _writer_live(self) -> tuple[bool, str]:
+        if not self.writer_stall_s:
+            return True, "live"
+        held_s, why = self._writer_stalled()
+        if held_s > self.writer_stall_s:
+            return False, (
+                f"result writer stalled: answers unpublished for {held_s:.1f} s ({why}) "
+                f"(GPUFEED_LIVE_WRITER_STALL_S={self.writer_stall_s:g})"
+            )
+        return True, "live"
 
     async def probe_redis(self, client: aioredis.Redis) -> None:
         """PING Redis every second; /ready fails while it does not answer."""
@@ -133,6 +165,9 @@ class Health:
                 f"event loop stalled: no beat for {now - beat:.1f} s "
                 f"(GPUFEED_LIVE_LOOP_STALL_S={self.loop_stall_s:g})"
             )
+        writer = self._writer_live()
+        if not writer[0]:
+            return writer
         if not self.launch_stall_s:
             return True, "live"
         started = self._launch_started()

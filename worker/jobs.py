@@ -117,10 +117,18 @@ def _text(raw: bytes) -> str | None:
         return None
 
 
-def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) -> Job:
+def parse_job(
+    entry_id: str,
+    fields: dict[bytes, bytes],
+    default_reply_to: str,
+    max_meta_bytes: int = wire.DEFAULT_MAX_META_BYTES,
+) -> Job:
     """Turn a stream entry into a Job; contract violations become `rejected`, never raise.
 
-    Unknown fields are ignored, as the contract says, so producers can add their own.
+    Unknown fields are ignored, as the contract says, so producers can add their own. The
+    fields a result echoes (`meta`, and `reply_to` as a key) are bounded here, before the
+    job costs anything: an oversized one would make its result too large for one publish
+    call, and the answer that says so carries neither.
     """
     raw_id = fields.get(wire.JOB_ID)
     raw_reply = fields.get(wire.JOB_REPLY_TO)
@@ -134,7 +142,13 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
     rejected: tuple[ErrorCode, str] | None = None
     if raw_reply is not None:
         text = _text(raw_reply)
-        if text is None or not text.strip():
+        if len(raw_reply) > wire.MAX_REPLY_TO_BYTES:
+            rejected = (
+                ErrorCode.INVALID_JOB,
+                f"reply_to is {len(raw_reply):,} bytes; at most {wire.MAX_REPLY_TO_BYTES:,} "
+                "are allowed",
+            )
+        elif text is None or not text.strip():
             rejected = (ErrorCode.INVALID_JOB, "reply_to is empty or not a UTF-8 stream name")
         else:
             reply_to = text
@@ -156,6 +170,15 @@ def parse_job(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) 
         else:
             job_id = text
             has_own_id = True
+
+    if meta is not None and len(meta) > max_meta_bytes:
+        # Never echoed, whatever else is wrong with the job.
+        rejected = rejected or (
+            ErrorCode.INVALID_JOB,
+            f"meta is {len(meta):,} bytes; at most {max_meta_bytes:,} are allowed "
+            "(GPUFEED_MAX_META_BYTES); it is not echoed",
+        )
+        meta = None
 
     deadline_ms: int | None = None
     if raw_deadline is not None and rejected is None:
@@ -217,12 +240,17 @@ def _deadline(raw: bytes) -> int | None:
     return value if 10**12 <= value < 10**14 else None
 
 
-def job_of_entry(entry_id: str, fields: Any, default_reply_to: str) -> Job:
+def job_of_entry(
+    entry_id: str,
+    fields: Any,
+    default_reply_to: str,
+    max_meta_bytes: int = wire.DEFAULT_MAX_META_BYTES,
+) -> Job:
     """`parse_job`, for the stages that read entries (the reader, the reclaimer): should
     parsing ever fail, the entry is answered `invalid_job` instead of ending the stage,
     which would leave it pending for the next worker to die on in turn."""
     try:
-        return parse_job(entry_id, fields, default_reply_to)
+        return parse_job(entry_id, fields, default_reply_to, max_meta_bytes)
     except Exception as exc:  # noqa: BLE001 - nothing a job carries may end a stage task
         log.error("job_unparsable", entry=entry_id, error=repr(exc))
         job = parse_job(entry_id, {}, default_reply_to)

@@ -26,6 +26,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from producer import wire
 from worker.jobs import Job, deleted_entry_job, job_of_entry
 from worker.lanes import Lanes
 
@@ -120,6 +121,7 @@ class Reader:
         deliver: Callable[[list[Job]], Awaitable[None]],
         max_per_read: int,
         block_ms: int = 1000,
+        max_meta_bytes: int = wire.DEFAULT_MAX_META_BYTES,
     ) -> None:
         self.client = client
         # A Redis Cluster client (the service hands one over as a Redis): reads go to the
@@ -130,6 +132,7 @@ class Reader:
         self.group = group
         self.consumer = consumer
         self.default_reply_to = default_reply_to
+        self.max_meta_bytes = max_meta_bytes
         self.in_flight = in_flight
         self._deliver = deliver
         self.max_per_read = max_per_read
@@ -210,7 +213,7 @@ class Reader:
                 if fields is None:
                     job = deleted_entry_job(entry_id, self.default_reply_to)
                 else:
-                    job = job_of_entry(entry_id, fields, self.default_reply_to)
+                    job = job_of_entry(entry_id, fields, self.default_reply_to, self.max_meta_bytes)
                 job.read_from(lane.stream, lane.level)
                 jobs.append(job)
         if jobs:

@@ -176,7 +176,7 @@ class Reclaimer:
                 outcomes.append(_failure(gone))
                 continue
             fields: dict[Any, Any] = entries[0][1] or {}
-            job = job_of_entry(entry_id, fields, self.cfg.results_stream)
+            job = job_of_entry(entry_id, fields, self.cfg.results_stream, self.cfg.max_meta_bytes)
             job.read_from(stream, self._levels[stream])
             job.deliveries = times
             outcome = Outcome.failure(
@@ -236,7 +236,7 @@ class Reclaimer:
         for raw_id, fields in entries:
             if not fields:
                 continue
-            job = job_of_entry(_s(raw_id), fields, self.cfg.results_stream)
+            job = job_of_entry(_s(raw_id), fields, self.cfg.results_stream, self.cfg.max_meta_bytes)
             job.read_from(stream, self._levels[stream])
             job.deliveries = 2  # at least; the exact count is in XPENDING
             jobs.append(job)

@@ -113,7 +113,9 @@ class Worker:
         )
         self.counters = self.observer.counters
         self.health = Health(
-            loop_stall_s=config.live_loop_stall_s, launch_stall_s=config.live_launch_stall_s
+            loop_stall_s=config.live_loop_stall_s,
+            launch_stall_s=config.live_launch_stall_s,
+            writer_stall_s=config.live_writer_stall_s,
         )
         self.should_exit = asyncio.Event()
         self.force_exit = False
@@ -403,6 +405,7 @@ class Worker:
                     default_reply_to=shard.results_stream,
                     degraded_model=self.degraded.loaded.name if self.degraded else "",
                     degraded_weights=(self.degraded.loaded.weights_label if self.degraded else ""),
+                    max_result_bytes=cfg.max_result_bytes,
                 ),
                 max_queued=cfg.ring_slots * 2,
                 on_published=self._on_published,
@@ -423,6 +426,7 @@ class Worker:
             if len(writers) > 1
             else next(iter(writers.values()))
         )
+        self.health.watch_writer(self.writer.stalled)
         self.batcher = Batcher(
             self.ring,
             self.decoder,
@@ -480,6 +484,7 @@ class Worker:
                     in_flight=self.in_flight,
                     deliver=deliver,
                     max_per_read=self.batch_size * 2,
+                    max_meta_bytes=cfg.max_meta_bytes,
                 )
             )
             lanes = cfg.lanes_of(shard.stream)

@@ -44,6 +44,18 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`1000000`",
         "approximate cap of each results stream (`XADD MAXLEN ~`)",
     ),
+    "GPUFEED_MAX_META_BYTES": (
+        "`65536`",
+        "largest `meta` a job may carry (it is echoed in the result); a job over it is "
+        "answered `invalid_job` naming this limit, before it is decoded. At most 67108864",
+    ),
+    "GPUFEED_MAX_RESULT_BYTES": (
+        "`4194304`",
+        "largest result (its fields, meta and answer together); a result over it is replaced "
+        "by an error naming this limit (`invalid_job` when the job carries a meta, else "
+        "`internal_error`), so one job can never hold up the answers of others. At least "
+        "GPUFEED_MAX_META_BYTES + 16384, at most 268435456",
+    ),
     "GPUFEED_WORKER_NAME": ("`<host>-<pid>`", "the consumer name in the group"),
     "GPUFEED_REDIS_CLUSTER": (
         "`auto`",
@@ -245,6 +257,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`120`",
         "`/live` fails when one batch has been in the launch thread, or unfinished on the "
         "device, for this long; must exceed the slowest batch; 0: not checked",
+    ),
+    "GPUFEED_LIVE_WRITER_STALL_S": (
+        "`300`",
+        "`/live` fails when the result writer has held answers it could not publish (Redis "
+        "unreachable or refusing them) for this long; the reason is logged. 0: not checked",
     ),
     "GPUFEED_STATS_INTERVAL_S": ("`10`", "interval of the worker's summary log line"),
     "GPUFEED_LOG_FORMAT": ("`auto`", "`console` (on a terminal), `json` (otherwise), or forced"),

@@ -68,6 +68,10 @@ class ShardedWriter:
     def published(self) -> int:
         return sum(w.published for w in self.writers.values())
 
+    def stalled(self) -> tuple[float, str]:
+        """The longest stall of the shards' writers, and its reason."""
+        return max((w.stalled() for w in self.writers.values()), key=lambda s: s[0])
+
     async def put(self, outcomes: list[Outcome]) -> None:
         for stream, group in self._split(outcomes).items():
             await self._writer(stream).put(group)

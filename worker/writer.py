@@ -5,12 +5,18 @@ XADD the result to the reply stream and store it in the result hash with a TTL. 
 worker already published a result for a reclaimed entry, the XACK returns 0 and nothing is
 written: every job gets exactly one result even when two workers processed it.
 
-One script call carries up to MAX_JOBS_PER_CALL jobs of one job stream (so a call's keys
-share a Cluster slot, and no call keeps Redis busy for long), the jobs packed as one msgpack
-argument: the Python work per job is building its result fields, not packing commands. All
-calls of one flush go out in one pipelined round trip. The writer runs as its own task,
-so Redis latency never stalls the batches behind it, and it keeps outcomes it could not
-publish (Redis down) and retries them: a job is never acknowledged without its result.
+One script call carries up to MAX_JOBS_PER_CALL jobs and about MAX_BYTES_PER_CALL bytes of
+one job stream (so a call's keys share a Cluster slot, and no call keeps Redis busy for long
+or nears its bulk-string limit), the jobs packed as one msgpack argument: the Python work per
+job is building its result fields, not packing commands. All calls of one flush go out in
+one pipelined round trip. The writer runs as its own task, so Redis latency never stalls the
+batches behind it, and it keeps outcomes it could not publish (Redis down) and retries them:
+a job is never acknowledged without its result.
+
+One job can never hold up the others' answers: a result over GPUFEED_MAX_RESULT_BYTES is
+replaced by an error naming the limit before it is sent, and a flush that Redis refuses while
+it answers otherwise (it drops the connection of a request too large for it) is published
+again job by job, so that only the job Redis refuses gets a small error answer instead.
 """
 
 from __future__ import annotations
@@ -19,15 +25,26 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterDownError,
+    MovedError,
+    NoPermissionError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, NoScriptError, OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import wire
@@ -43,6 +60,11 @@ REFUSED_BACKOFF_MAX_S = 5.0
 # Jobs per script call: a call runs atomically, so this bounds how long one call keeps Redis
 # from serving anyone else (a few ms for 512 jobs).
 MAX_JOBS_PER_CALL = 512
+# Bytes per script call (a call holds one job at least, however large): far below Redis's
+# 512 MB bulk strings and 1 GB query buffer, so a flush of large answers is never refused.
+MAX_BYTES_PER_CALL = 8 * 1024 * 1024
+# How long a PING may take when the writer asks whether Redis itself is reachable.
+PING_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -61,11 +83,27 @@ class WriterSettings:
     # The degraded step's model and weights (worker/degrade.py), for outcomes it served.
     degraded_model: str = ""
     degraded_weights: str = ""
+    # GPUFEED_MAX_RESULT_BYTES: a result's fields (meta and answer included) at most.
+    max_result_bytes: int = wire.DEFAULT_MAX_RESULT_BYTES
 
 
 # Errors that concern a whole call, not one of its jobs: Redis unreachable, the script not
 # loaded, or refused under maxmemory (at the call's first write: nothing was written).
 _CALL_WIDE = (RedisConnectionError, RedisTimeoutError, NoScriptError, OutOfMemoryError)
+# Refusals that pass (memory freed, a dataset loaded, a failover or resharding over): the
+# answer is kept and tried again. Any other error Redis gives one job's call alone is about
+# that job's answer, which is then replaced by a small error answer (PublishState.TOO_LARGE).
+_PASSING = (
+    OutOfMemoryError,
+    BusyLoadingError,
+    ReadOnlyError,
+    TryAgainError,
+    ClusterDownError,
+    MovedError,
+    AskError,
+)
+# The writer cannot publish: Redis unreachable, or refusing what it was sent.
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class PublishState:
@@ -85,6 +123,9 @@ class PublishState:
     # A result key (the result prefix and the job's id) holds something other than a
     # gpufeed result: the job is answered on the default results stream by its entry.
     RESULT_KEY_FOREIGN = -8
+    # Redis refused this job's call alone while it answered otherwise (an error reply, or a
+    # dropped connection: the request was too large for it); never a script's answer.
+    TOO_LARGE = -9
 
     WRITTEN = frozenset({PUBLISHED, DUPLICATE_ID})
 
@@ -181,8 +222,22 @@ class ResultWriter:
         # again here. They keep their in-flight places, which bounds this list.
         self._refused: list[Outcome] = []
         self._refused_backoff_s = REFUSED_BACKOFF_MIN_S
+        # Since when answers wait that cannot be published (monotonic; None: none wait),
+        # and why: /live fails past GPUFEED_LIVE_WRITER_STALL_S (worker/health.py).
+        self._stalled_since: float | None = None
+        self._stall_reason = ""
         self.published = 0
         self.duplicates = 0
+
+    def stalled(self) -> tuple[float, str]:
+        """How long answers have waited that could not be published, and why (0: none)."""
+        since = self._stalled_since
+        return (0.0, "") if since is None else (time.monotonic() - since, self._stall_reason)
+
+    def _stall(self, reason: str) -> None:
+        if self._stalled_since is None:
+            self._stalled_since = time.monotonic()
+        self._stall_reason = reason
 
     @property
     def queued(self) -> int:
@@ -241,16 +296,30 @@ class ResultWriter:
     async def _publish_until_done(self, outcomes: list[Outcome]) -> None:
         backoff_s = 0.05
         outage_logged = False
+        apart = False
         states: list[int] = []
         while True:
             try:
-                states = await self.publish(outcomes)
-            except (RedisConnectionError, RedisTimeoutError, NoScriptError, OSError) as exc:
+                states = await (self._publish_apart(outcomes) if apart else self.publish(outcomes))
+            except (*_UNREACHABLE, NoScriptError) as exc:
                 if isinstance(exc, NoScriptError):
                     # Still not loaded after the reload in _run_calls (a failover in between:
                     # a promoted replica has no scripts): load it again before the retry.
                     with contextlib.suppress(RedisError, OSError):
                         await self.client.script_load(PUBLISH_RESULTS)
+                elif not apart and await self._redis_answers():
+                    # Redis is there, yet it dropped this flush: a request too large for it
+                    # (over its proto-max-bulk-len or query buffer limit). Job by job, only
+                    # the job at fault fails.
+                    log.warning(
+                        "result_flush_dropped",
+                        error=str(exc),
+                        jobs=len(outcomes),
+                        note="Redis answers otherwise: the jobs are published one by one",
+                    )
+                    apart = True
+                    continue
+                self._stall(f"Redis unreachable for results: {exc}")
                 if not outage_logged:
                     log.warning("redis_unavailable_for_results", error=str(exc), held=len(outcomes))
                     outage_logged = True
@@ -278,8 +347,38 @@ class ResultWriter:
             if refused
             else REFUSED_BACKOFF_MIN_S
         )
+        if self._refused:
+            self._stall(f"Redis refuses {len(self._refused)} answers (see result_publish_refused)")
+        else:
+            self._stalled_since = None
         if outcomes and self._on_published is not None:
             self._on_published(outcomes, states)
+
+    async def _redis_answers(self) -> bool:
+        """Whether Redis answers a PING now (on a connection of its own)."""
+        try:
+            return bool(await asyncio.wait_for(self.client.ping(), PING_TIMEOUT_S))
+        except (RedisError, OSError, TimeoutError):
+            return False
+
+    async def _publish_apart(self, outcomes: list[Outcome]) -> list[int]:
+        """Publish each outcome in a round trip of its own. One whose call Redis drops twice
+        while it answers a PING in between is answered with a small error instead (see
+        `_fallback`); should Redis stop answering, the outage is raised to the caller."""
+        states: list[int] = []
+        for outcome in outcomes:
+            for _ in range(2):
+                try:
+                    states += await self.publish([outcome])
+                    break
+                except _UNREACHABLE:
+                    if not await self._redis_answers():
+                        raise
+            else:
+                self._log_state(outcome, PublishState.TOO_LARGE)
+                answer = self._fallback(outcome, PublishState.TOO_LARGE)
+                states += await self.publish([answer or outcome])
+        return states
 
     async def publish(self, outcomes: list[Outcome]) -> list[int]:
         """One pipelined round trip; returns a PublishState per outcome."""
@@ -300,6 +399,8 @@ class ResultWriter:
             again = await self._publish_once([o for _, o in retry])
             for (i, answer), state in zip(retry, again, strict=True):
                 current[i], states[i] = answer, state
+        # A stand-in Redis refused as well: kept and tried again, as under maxmemory.
+        states = [PublishState.REFUSED if st == PublishState.TOO_LARGE else st for st in states]
         duplicates = states.count(PublishState.DUPLICATE_ID)
         self.published += states.count(PublishState.PUBLISHED) + duplicates
         self.duplicates += duplicates
@@ -325,6 +426,8 @@ class ResultWriter:
                 f"id {old.job_id!r} cannot be used: its result key {key!r} holds something "
                 "other than a gpufeed result, which is left as it is"
             )
+        elif state == PublishState.TOO_LARGE:
+            return stand_in(outcome, TOO_LARGE_NOTE)
         else:
             return None
         if not outcome.ok:
@@ -335,8 +438,9 @@ class ResultWriter:
 
     async def _publish_once(self, outcomes: list[Outcome]) -> list[int]:
         start = time.perf_counter()
-        positions = self._call.split(outcomes)
-        calls = [[outcomes[i] for i in call] for call in positions]
+        records = [self._call.record(o) for o in outcomes]
+        positions = self._call.split(outcomes, [r.size for r in records])
+        calls = [[records[i] for i in call] for call in positions]
         replies = await self._run_calls(
             [self._call.args(c) for c in calls], [len(c) for c in calls]
         )
@@ -351,13 +455,22 @@ class ResultWriter:
                 # reply_to the worker's user may not write refuses the whole call; and a
                 # command that failed for one job ended the call there. Publish its jobs one
                 # by one, so that only that job is refused (rare; the jobs the call already
-                # answered are then found answered).
-                alone = await self._run_calls([self._call.args([o]) for o in call], [1] * len(call))
+                # answered are then found answered). A call over Redis's bulk limit is
+                # refused whole the same way (a protocol error).
+                log.warning(
+                    "result_call_refused",
+                    error=str(reply),
+                    jobs=len(call),
+                    note="the call's jobs are published one by one",
+                )
+                alone = await self._run_calls([self._call.args([r]) for r in call], [1] * len(call))
                 got = [
-                    st for o, one in zip(call, alone, strict=True) for st in self._states([o], one)
+                    st
+                    for r, one in zip(call, alone, strict=True)
+                    for st in self._states([r.outcome], one)
                 ]
             else:
-                got = self._states(call, reply)
+                got = self._states([r.outcome for r in call], reply)
             for i, state in zip(where, got, strict=True):
                 states[i] = state
         write_ms = (time.perf_counter() - start) * 1000
@@ -380,6 +493,11 @@ class ResultWriter:
                 got = await pipe.execute(raise_on_error=False)
             finally:
                 await pipe.reset()  # type: ignore[no-untyped-call]
+            if any(isinstance(r, RedisError) and not isinstance(r, NoScriptError) for r in got):
+                # Redis closes the connection after some errors (a protocol error: a request
+                # over its bulk limit), and the pool has taken it back: the next call must
+                # not meet it closed. Only idle connections go; rare, and cheap to reopen.
+                await self.client.connection_pool.disconnect(inuse_connections=False)
             if self._replicas and waits:
                 # Only the calls that ran wrote anything for WAIT to wait on.
                 ran = sum(
@@ -421,9 +539,14 @@ class ResultWriter:
             )
             self._log_state(outcome, state)
             return [state]
+        if len(outcomes) == 1 and not isinstance(reply, _PASSING):
+            # A command failed for this call's one job (nothing was written for it: see
+            # worker/redis_scripts.py): what Redis refuses is that job's own result, which no
+            # retry would change.
+            self._log_state(outcomes[0], PublishState.TOO_LARGE, str(reply))
+            return [PublishState.TOO_LARGE]
         # Refused: under maxmemory Redis refuses a script's first write, so nothing was
-        # written for any job of the call; or a command failed for this call's one job.
-        # Tried again.
+        # written for any job of the call (or another refusal that passes). Tried again.
         for outcome in outcomes:
             if not outcome.refused_logged:
                 log.error(
@@ -436,9 +559,17 @@ class ResultWriter:
                 outcome.refused_logged = True
         return [PublishState.REFUSED] * len(outcomes)
 
-    def _log_state(self, outcome: Outcome, state: int) -> None:
+    def _log_state(self, outcome: Outcome, state: int, error: str = "") -> None:
         job = outcome.job
-        if state in REPLY_PROBLEMS:
+        if state == PublishState.TOO_LARGE:
+            log.error(
+                "result_refused_by_redis",
+                job_id=job.job_id,
+                entry=job.entry_id,
+                error=error or "the connection was dropped while Redis answered otherwise",
+                note="answered with a small error instead; its batch-mates are not held up",
+            )
+        elif state in REPLY_PROBLEMS:
             log.error(
                 "reply_to_refused",
                 job_id=job.job_id,
@@ -468,18 +599,64 @@ class ResultWriter:
             )
 
 
+# What a job's answer says when Redis refused its result (PublishState.TOO_LARGE).
+TOO_LARGE_NOTE = (
+    "Redis refused to store this job's result, so it is answered without its meta, answer "
+    "and dead-letter copy"
+)
+
+
+def stand_in(outcome: Outcome, note: str) -> Outcome | None:
+    """A small error answer for `outcome`, whose result cannot be stored as it is: nothing of
+    it that can be large (meta, answer, a dead letter's copy of its fields), its own error
+    kept; None when `outcome` is such a stand-in already."""
+    if outcome.error_message.endswith(note):
+        return None
+    if outcome.ok or outcome.error_code is None:
+        code, message = ErrorCode.INTERNAL_ERROR, note
+    else:
+        # Its own error first (a dead letter stays a dead letter), cut short: it may quote
+        # the job's own fields.
+        code, message = outcome.error_code, f"{outcome.error_message[:512]}; {note}"
+    answer = Outcome.failure(replace(outcome.job, meta=None), code, message)
+    if outcome.extra.get("degraded"):
+        answer.extra["degraded"] = True  # the step that served it, whose model a call names
+    return answer
+
+
 def script_sha(script: str) -> str:
     """The SHA1 Redis names a script by (EVALSHA)."""
     return hashlib.sha1(script.encode()).hexdigest()
 
 
+@dataclass(frozen=True)
+class Record:
+    """One outcome as a publish call carries it: its result fields, built once, and the
+    bytes it adds to the call (fields, dead-letter copy and reply stream name, about)."""
+
+    outcome: Outcome
+    fields: list[bytes | str]
+    size: int
+
+
+def _size(values: Iterable[bytes | str]) -> int:
+    return sum(map(len, values))
+
+
 class PublishCall:
     """The arguments of PUBLISH_RESULTS calls (worker/redis_scripts.py) for a writer's
-    settings: one call per job stream and MAX_JOBS_PER_CALL jobs."""
+    settings: one call per job stream, at most `max_jobs` jobs and about `max_bytes` bytes
+    (one job at least)."""
 
-    def __init__(self, settings: WriterSettings, max_jobs: int = MAX_JOBS_PER_CALL) -> None:
+    def __init__(
+        self,
+        settings: WriterSettings,
+        max_jobs: int = MAX_JOBS_PER_CALL,
+        max_bytes: int = MAX_BYTES_PER_CALL,
+    ) -> None:
         self.settings = settings
         self.max_jobs = max_jobs
+        self.max_bytes = max_bytes
         self.fields = ResultFields(settings)
         s = settings
         self._argv = {
@@ -499,10 +676,43 @@ class PublishCall:
         }
         self._pack = msgpack.Packer(use_bin_type=False).pack
 
-    def split(self, outcomes: list[Outcome]) -> list[list[int]]:
+    def record(self, outcome: Outcome) -> Record:
+        """`outcome` ready for a call; a result over GPUFEED_MAX_RESULT_BYTES is replaced by
+        an error that names the limit, so that it is never sent."""
+        fields = self.fields(outcome)
+        size = _size(fields)
+        limit = self.settings.max_result_bytes
+        if size > limit:
+            meta = outcome.job.meta
+            note = (
+                f"its result would be {size:,} bytes with its meta of {len(meta):,}, over "
+                f"GPUFEED_MAX_RESULT_BYTES ({limit:,})"
+                if meta
+                else f"its result would be {size:,} bytes, over GPUFEED_MAX_RESULT_BYTES "
+                f"({limit:,}): the model's answer is too large for it"
+            )
+            log.error(
+                "result_too_large",
+                job_id=outcome.job.job_id,
+                entry=outcome.job.entry_id,
+                bytes=size,
+                limit=limit,
+            )
+            answer = stand_in(outcome, note)
+            if answer is not None:
+                if meta and outcome.ok:
+                    answer.error_code = ErrorCode.INVALID_JOB
+                outcome, fields = answer, self.fields(answer)
+                size = _size(fields)
+        dead = outcome.dead_fields
+        return Record(
+            outcome, fields, size + len(outcome.job.reply_to) + (_size(dead) if dead else 0)
+        )
+
+    def split(self, outcomes: list[Outcome], sizes: list[int] | None = None) -> list[list[int]]:
         """The calls for `outcomes`, as positions in it: by job stream and by the step that
         served them (main or degraded: a call names one model), in order, at most max_jobs
-        each."""
+        and about max_bytes each (by `sizes`, the outcomes' Record sizes)."""
         default = self.settings.stream
         by_stream: dict[tuple[str, bool], list[int]] = {}
         for i, outcome in enumerate(outcomes):
@@ -513,14 +723,27 @@ class PublishCall:
             else:
                 group.append(i)
         n = self.max_jobs
-        return [g[i : i + n] for g in by_stream.values() for i in range(0, len(g), n)]
+        if sizes is None or sum(sizes) <= self.max_bytes:
+            return [g[i : i + n] for g in by_stream.values() for i in range(0, len(g), n)]
+        calls: list[list[int]] = []
+        for group in by_stream.values():
+            call: list[int] = []
+            used = 0
+            for i in group:
+                if call and (len(call) == n or used + sizes[i] > self.max_bytes):
+                    calls.append(call)
+                    call, used = [], 0
+                call.append(i)
+                used += sizes[i]
+            calls.append(call)
+        return calls
 
-    def args(self, outcomes: list[Outcome]) -> list[Any]:
-        """numkeys, KEYS and ARGV of one call; the outcomes share a job stream and the step
+    def args(self, records: list[Record]) -> list[Any]:
+        """numkeys, KEYS and ARGV of one call; the records share a job stream and the step
         that served them."""
         s = self.settings
         prefix = s.result_prefix
-        keys: list[str] = [outcomes[0].job.stream or s.stream, s.dead_stream]
+        keys: list[str] = [records[0].outcome.job.stream or s.stream, s.dead_stream]
         index: dict[str, int] = {}
 
         def key(name: str) -> int:
@@ -530,21 +753,20 @@ class PublishCall:
                 i = index[name] = len(keys)
             return i
 
-        fields = self.fields
-        records = []
-        for outcome in outcomes:
-            job = outcome.job
+        packed = []
+        for record in records:
+            job = record.outcome.job
             by_id = key(prefix + job.job_id)
-            records.append(
+            packed.append(
                 (
                     job.entry_ref,
                     key(job.reply_to),
                     by_id,
                     key(prefix + job.entry_ref) if job.has_own_id else by_id,
                     job.has_own_id,
-                    outcome.dead_fields or (),
-                    fields(outcome),
+                    record.outcome.dead_fields or (),
+                    record.fields,
                 )
             )
-        degraded = bool(outcomes[0].extra.get("degraded"))
-        return [len(keys), *keys, *self._argv[degraded], self._pack(records)]
+        degraded = bool(records[0].outcome.extra.get("degraded"))
+        return [len(keys), *keys, *self._argv[degraded], self._pack(packed)]
