@@ -12,7 +12,9 @@ another application's key under the result prefix; a 5 KB RLE BMP
 of 100000x1000, a 10000x10000 RGBA PNG, and RLE BMPs that take longer to decode than the
 soak's 0.5 s decode budget; poison `deadline_ms` values (superscript and circled digits,
 other scripts' digits, underscores, 5,000 digits); fields that are not UTF-8; another
-tenant's bucket, a 1 MiB URL, private IPv4 addresses in IPv6 forms) and, while they run:
+tenant's bucket, a 1 MiB URL, private IPv4 addresses in IPv6 forms; a `meta` one byte over
+the worker's bound and many at it; answers forged onto a tenant's results stream with
+another job's id) and, while they run:
 
 - at 25% answered, SIGKILLs worker 0 and starts it again under the same name;
 - at 40%, an XDEL storm: deletes up to 200 entries that workers hold (and some answered);
@@ -58,7 +60,7 @@ if str(ROOT) not in sys.path:
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
-from producer.wire import JobResult  # noqa: E402
+from producer.wire import DEFAULT_MAX_META_BYTES, JobResult  # noqa: E402
 from tests.images import (  # noqa: E402
     blank_png_bytes,
     jpeg_bytes,
@@ -125,6 +127,14 @@ HOSTILE_KINDS: dict[str, str] = {
     "object_not_allowed": "object_not_allowed",
     "url_too_long": "invalid_job",
     "url_in_ipv6_form": "forbidden_url",
+    # A meta one byte over the worker's bound is refused (and not echoed); one at the bound
+    # is echoed, and many of them in one flush are more than one publish call can carry.
+    "oversized_meta": "invalid_job",
+    "meta_at_limit": "ok",
+    # Another tenant's id on the tenant's own results stream, with junk for an image: a
+    # forged answer for a job it did not send. It is answered once, on that stream, as
+    # itself (or as a duplicate of the job that first had the id, whose result stands).
+    "forged_answer": "ok|unsupported_format",
 }
 # deadline_ms values that str.isdigit() or int() would take: superscript and circled
 # digits, other scripts' digits (Arabic-Indic, full-width), underscores, a number too long
@@ -211,6 +221,13 @@ def make_jobs(
         elif kind in HOSTILE_URLS:
             urls = HOSTILE_URLS[kind]
             fields = {"id": job_id, "url": urls[i % len(urls)], "meta": meta}
+        elif kind in ("oversized_meta", "meta_at_limit"):
+            size = DEFAULT_MAX_META_BYTES + (kind == "oversized_meta")
+            fields = {"id": job_id, "image": good[i % len(good)], "meta": meta.ljust(size, b".")}
+        elif kind == "forged_answer":
+            victim = f"soak-{rng.randrange(i):07d}"
+            junk = b"forged " + rng.randbytes(32)
+            fields = {"id": victim, "image": junk, "meta": meta, "reply_to": TENANT_RESULTS}
         elif kind == "duplicate_id":
             # The id of an earlier job; the same image, as a retrying producer would send.
             j = rng.randrange(i)
@@ -726,16 +743,25 @@ def build_report(
                 continue
         if got not in want.split("|"):
             problem = f"{kind}: expected {want}, got {got} ({r.error})"
+        elif kind == "oversized_meta":
+            if r.meta is not None or "GPUFEED_MAX_META_BYTES" not in (r.error or ""):
+                problem = f"{kind}: meta echoed or the limit not named ({r.error})"
         elif r.meta != fields.get("meta"):
             problem = f"{kind}: meta not echoed ({r.meta!r})"
         elif kind not in BY_ENTRY and r.id != fields.get("id"):
             problem = f"{kind}: id {r.id!r}"
         elif kind in BY_ENTRY and r.id != entry:
             problem = f"{kind}: answered under {r.id!r}, not the entry ID"
-        elif kind in HOSTILE_KINDS and kind != "tenant_reply_to" and r.duplicate_of is None:
+        elif (
+            kind in HOSTILE_KINDS
+            and kind not in ("tenant_reply_to", "forged_answer")
+            and r.duplicate_of is None
+        ):
             if tally.where[entry] != [RESULTS]:
                 problem = f"{kind}: answered on {tally.where[entry]}, not on {RESULTS}"
-        elif kind == "tenant_reply_to" and tally.where[entry] != [TENANT_RESULTS]:
+        elif kind in ("tenant_reply_to", "forged_answer") and tally.where[entry] != [
+            TENANT_RESULTS
+        ]:
             problem = f"{kind}: answered on {tally.where[entry]}, not on {TENANT_RESULTS}"
         if problem:
             unexpected[kind] += 1
