@@ -65,6 +65,9 @@ MAX_JOBS_PER_CALL = 512
 MAX_BYTES_PER_CALL = 8 * 1024 * 1024
 # How long a PING may take when the writer asks whether Redis itself is reachable.
 PING_TIMEOUT_S = 2.0
+# Redis's smallest proto-max-bulk-len: a request under it is never refused for its size, so
+# a dropped connection then is an outage (or a failover), whatever a PING says after it.
+MIN_BULK_LIMIT = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -307,7 +310,11 @@ class ResultWriter:
                     # a promoted replica has no scripts): load it again before the retry.
                     with contextlib.suppress(RedisError, OSError):
                         await self.client.script_load(PUBLISH_RESULTS)
-                elif not apart and await self._redis_answers():
+                elif (
+                    not apart
+                    and self._size(outcomes) > MIN_BULK_LIMIT
+                    and await self._redis_answers()
+                ):
                     # Redis is there, yet it dropped this flush: a request too large for it
                     # (over its proto-max-bulk-len or query buffer limit). Job by job, only
                     # the job at fault fails.
@@ -354,25 +361,37 @@ class ResultWriter:
         if outcomes and self._on_published is not None:
             self._on_published(outcomes, states)
 
+    def _size(self, outcomes: list[Outcome]) -> int:
+        """About how many bytes publishing `outcomes` sends (built again: rare)."""
+        return sum(self._call.record(o).size for o in outcomes)
+
     async def _redis_answers(self) -> bool:
-        """Whether Redis answers a PING now (on a connection of its own)."""
+        """Whether Redis answers a PING now, through a pipeline as the publish calls go
+        (on a cluster: to the master the writer's shard is on now)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.execute_command("PING")
         try:
-            return bool(await asyncio.wait_for(self.client.ping(), PING_TIMEOUT_S))
+            replies = await asyncio.wait_for(pipe.execute(), PING_TIMEOUT_S)
         except (RedisError, OSError, TimeoutError):
             return False
+        finally:
+            await pipe.reset()  # type: ignore[no-untyped-call]
+        return bool(replies[0])
 
     async def _publish_apart(self, outcomes: list[Outcome]) -> list[int]:
-        """Publish each outcome in a round trip of its own. One whose call Redis drops twice
-        while it answers a PING in between is answered with a small error instead (see
-        `_fallback`); should Redis stop answering, the outage is raised to the caller."""
+        """Publish each outcome in a round trip of its own. One too large for some Redis
+        whose call Redis drops twice while it answers a PING in between is answered with a
+        small error instead (see `_fallback`); any other failure is raised to the caller,
+        which takes it for an outage."""
         states: list[int] = []
         for outcome in outcomes:
+            large = self._size([outcome]) > MIN_BULK_LIMIT
             for _ in range(2):
                 try:
                     states += await self.publish([outcome])
                     break
                 except _UNREACHABLE:
-                    if not await self._redis_answers():
+                    if not large or not await self._redis_answers():
                         raise
             else:
                 self._log_state(outcome, PublishState.TOO_LARGE)
@@ -497,7 +516,7 @@ class ResultWriter:
                 # Redis closes the connection after some errors (a protocol error: a request
                 # over its bulk limit), and the pool has taken it back: the next call must
                 # not meet it closed. Only idle connections go; rare, and cheap to reopen.
-                await self.client.connection_pool.disconnect(inuse_connections=False)
+                await pipe.connection_pool.disconnect(inuse_connections=False)
             if self._replicas and waits:
                 # Only the calls that ran wrote anything for WAIT to wait on.
                 ran = sum(
