@@ -137,11 +137,44 @@ setting_text = st.one_of(
 @example("GPUFEED_DEGRADE_MODEL", "~no-such-user-here/m")
 @example("GPUFEED_WEIGHTS", "~no-such-user-here/w.pt")
 @example("GPUFEED_WEIGHTS", "w/" * 3000)
+@example("GPUFEED_MODEL", "9" * 300)  # a bare name, yet looked up as a folder for the hint
 def test_any_text_at_any_setting_is_a_value_or_one_config_error(name: str, raw: str) -> None:
     try:
         WorkerConfig.load(env={name: raw})
     except ConfigError as exc:
         assert "\n" not in str(exc)
+
+
+# Every setting whose text the worker looks up on the file system, with what it needs beside.
+PATH_SETTINGS = {
+    "GPUFEED_MODEL": {},
+    "GPUFEED_DEGRADE_MODEL": {"GPUFEED_DEGRADE_AFTER_S": "5"},
+    "GPUFEED_WEIGHTS": {},
+    "GPUFEED_PATH_ROOT": {},
+}
+
+
+def unusable_paths(tmp: Path) -> dict[str, str]:
+    (tmp / "loop").symlink_to(tmp / "loop")
+    return {
+        "a bare name over the name limit": "9" * 300,
+        "a name over the limit": str(tmp / ("m" * 300)),
+        "a path over the limit": str(tmp / "/".join(["d" * 200] * 30)),
+        "a name under a link loop": str(tmp / "loop" / "m"),
+        "a link loop": str(tmp / "loop"),
+    }
+
+
+@pytest.mark.parametrize("var", sorted(PATH_SETTINGS))
+def test_a_path_setting_the_file_system_cannot_look_up_is_one_line_naming_it(
+    tmp_path: Path, var: str
+) -> None:
+    for what, text in unusable_paths(tmp_path).items():
+        with pytest.raises(ConfigError) as err:
+            WorkerConfig.load(env={var: text, **PATH_SETTINGS[var]})
+        message = str(err.value)
+        assert message.startswith(f"{var}: ") and "\n" not in message, (what, message)
+        assert len(message) < 600, (what, message)
 
 
 @settings(max_examples=100, deadline=None)
@@ -202,6 +235,7 @@ def test_names_kubernetes_and_the_scripts_put_in_the_environment_are_not_setting
     [
         ({"GPUFEED_BATCHSIZE": "2"}, "GPUFEED_BATCHSIZE: no such setting (did you mean "),
         ({"GPUFEED_DEVICE": "cuda:\u00b2"}, "GPUFEED_DEVICE: must be auto, cpu, cuda or cuda:N"),
+        ({"GPUFEED_MODEL": "9" * 300}, "GPUFEED_MODEL: unknown model '999"),
     ],
 )
 def test_a_bad_setting_stops_the_worker_with_one_line_and_exit_2(

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import socket
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -272,7 +273,7 @@ class WorkerConfig:
             # before anything is loaded. Whether the model fits it is checked at load.
             read_manifest(self.model)
         need(bool(self.weights), "GPUFEED_WEIGHTS", "must be a weights name, a file or 'none'")
-        problem = _file_name_problem(self.weights)
+        problem = path_problem(self.weights)
         need(problem is None, "GPUFEED_WEIGHTS", f"{_plain(self.weights)} {problem}")
         dev = self.device
         need(
@@ -342,6 +343,12 @@ class WorkerConfig:
             "must be between 1 and 3600000",
         )
         if self.path_root is not None:
+            problem = path_problem(self.path_root)
+            need(
+                problem is None,
+                "GPUFEED_PATH_ROOT",
+                f"{_plain(str(self.path_root))} {problem}",
+            )
             need(
                 _is_dir(self.path_root),
                 "GPUFEED_PATH_ROOT",
@@ -617,23 +624,37 @@ def host_list_problem(raw: str) -> str | None:
     return None
 
 
-def _file_name_problem(text: str) -> str | None:
-    """Why `text` cannot even be looked up as a file (the loader would fail with a
-    traceback, not a setting error); None when it can, whether or not the file is there."""
+def path_problem(text: str | Path) -> str | None:
+    """Why the file system cannot even look `text` up (a name or path too long for it, a
+    link loop, a folder on the way it may not search, a NUL, ~user of no user); None when
+    it can, whether or not anything is there. Every setting that names a file or folder
+    goes through here (or `lookup`) first: pathlib's is_dir() and is_file() raise for
+    most of these, and the worker would end in a traceback, not a setting error."""
+    return _stat(text)[1]
+
+
+def lookup(text: str | Path) -> os.stat_result | None:
+    """What `text` names (links followed), or None when nothing is there or `path_problem`
+    says why it cannot be looked up."""
+    return _stat(text)[0]
+
+
+def _stat(text: str | Path) -> tuple[os.stat_result | None, str | None]:
     try:
-        Path(text).expanduser().is_file()
+        return os.stat(Path(text).expanduser()), None
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
     except RuntimeError:
-        return "names the home of a user who does not exist"
-    except (OSError, ValueError) as exc:
-        return f"cannot be a file name ({getattr(exc, 'strerror', None) or exc})"
-    return None
+        return None, "names the home of a user who does not exist"
+    except OSError as exc:
+        return None, f"cannot be looked up ({exc.strerror or type(exc).__name__})"
+    except ValueError:  # a NUL, or text the file system's encoding cannot take
+        return None, "cannot be a file name (a NUL or text that is no file name)"
 
 
 def _is_dir(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except (OSError, ValueError):  # a name too long, a NUL in it
-        return False
+    st = lookup(path)
+    return st is not None and stat.S_ISDIR(st.st_mode)
 
 
 def _is_ip_address(text: str) -> bool:
