@@ -26,12 +26,14 @@ from producer.dead_letters import dead_letter
 from producer.wire import ErrorCode, JobResult
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
+from tests.redis_server import RedisServer
 from tests.worker_harness import running_worker
 from worker import jobs
 from worker.cli import cli
 from worker.config import ConfigError, WorkerConfig
 from worker.jobs import Job, job_of_entry, parse_job
 from worker.model.manifest import read_labels, read_manifest
+from worker.redis_check import preflight
 from worker.service import Worker
 
 SMALL = jpeg_bytes(64, 48)
@@ -175,6 +177,27 @@ def test_a_path_setting_the_file_system_cannot_look_up_is_one_line_naming_it(
         message = str(err.value)
         assert message.startswith(f"{var}: ") and "\n" not in message, (what, message)
         assert len(message) < 600, (what, message)
+
+
+def test_a_unix_socket_path_longer_than_the_kernel_takes_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        WorkerConfig.load(env={"REDIS_URL": "unix:///run/" + "s" * 300})
+    assert str(err.value) == (
+        "REDIS_URL: is not a usable Redis URL: its socket path is 305 bytes, a Unix "
+        "socket's at most 107"
+    )
+
+
+def test_a_worker_reaches_redis_over_a_unix_socket(tmp_path: Path) -> None:
+    socket_path = tmp_path / "redis.sock"
+    server = RedisServer(tmp_path / "redis", "--unixsocket", str(socket_path)).start()
+    try:
+        config = WorkerConfig.load(
+            env={"REDIS_URL": f"unix://{socket_path}", "GPUFEED_MODEL": "null"}
+        )
+        asyncio.run(preflight(config, wait=False))  # ping, cluster mode, the keys it writes
+    finally:
+        server.stop()
 
 
 @settings(max_examples=100, deadline=None)

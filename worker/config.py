@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from producer import shards, wire
 from producer.priorities import parse_levels
@@ -585,6 +585,12 @@ def redis_url_problem(url: str) -> str | None:
     import redis
     from redis.exceptions import RedisError
 
+    if url.startswith("unix:"):
+        # The kernel takes at most 107 bytes of socket path: a longer one would read as
+        # "cannot reach Redis", and a waiting worker would wait for it for ever.
+        size = len(os.fsencode(unquote(urlsplit(url).path)))
+        if size > _UNIX_PATH_BYTES:
+            return f"its socket path is {size} bytes, a Unix socket's at most {_UNIX_PATH_BYTES}"
     try:
         redis.ConnectionPool.from_url(url).make_connection()
     except (ValueError, TypeError, RedisError) as exc:
@@ -686,6 +692,7 @@ def redact_url(url: str) -> str:
 
 
 _SECRET_PARAMS = frozenset({"password", "pass", "pwd", "ssl_password"})
+_UNIX_PATH_BYTES = 107  # sockaddr_un's sun_path (108) less its NUL
 
 
 def _env(name: str) -> str:
