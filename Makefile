@@ -6,9 +6,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 REDIS_PORT ?= 6379
+FUZZ_MINUTES ?= 10
 
-.PHONY: help setup redis-server promtool tmux test lint demo run-worker run-redis bench soak soak-cluster \
-	gpu-check gpu-check-prepare docs docs-serve docs-gen docs-figures clean
+.PHONY: help setup redis-server promtool tmux test fuzz lint demo run-worker run-redis bench soak \
+	soak-cluster gpu-check gpu-check-prepare docs docs-serve docs-gen docs-figures clean
 
 help: ## this list
 	@echo "make TARGET, where TARGET is one of:"
@@ -51,9 +52,24 @@ promtool: $(STAMP) ## put promtool (from Debian's prometheus package) into .venv
 	  || echo "promtool could not be installed: the tests that need it will be skipped"; \
 	  rm -rf $$dir; }
 
-# The one test command (CI runs exactly this): lint and types, then the suite.
+# The one test command (CI runs exactly this): lint and types, then the suite, whose property
+# tests draw the same examples on every run (HYPOTHESIS_PROFILE=ci; `make fuzz` draws new ones).
 test: setup lint ## ruff, mypy, then the test suite (starts its own redis-server)
-	$(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
+
+# Every test that uses hypothesis, under the `fuzz` profile of tests/conftest.py (`make test`
+# keeps their examples fixed), round after round until FUZZ_MINUTES (whole minutes) have
+# passed; the first failure stops it and prints the falsifying example. Run it before each
+# submission: what it finds becomes an @example on its test, and a fix.
+fuzz: setup ## the property tests with fresh random examples for FUZZ_MINUTES (default 10)
+	@end=$$(( $$(date +%s) + 60 * $(FUZZ_MINUTES) )); round=0; \
+	files=$$(grep -l '^from hypothesis' tests/test_*.py); \
+	while [ $$(date +%s) -lt $$end ]; do \
+	  round=$$((round + 1)); echo "fuzz: round $$round"; \
+	  HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -x -m hypothesis -p no:cacheprovider \
+	    $$files || exit 1; \
+	done; \
+	echo "fuzz: $$round rounds in $(FUZZ_MINUTES) minutes found nothing"
 
 lint: setup ## ruff check, ruff format --check, mypy (strict)
 	$(VENV)/bin/ruff check worker producer tests scripts

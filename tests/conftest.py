@@ -1,13 +1,39 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 import structlog
+from hypothesis import HealthCheck, settings
 
 from tests.redis_server import RedisServer
+
+# Property tests: `make test` and CI draw the same examples on every run (derandomized, no
+# local example database), so a submission fails only for what the code does; a property
+# test that found something keeps that example as an explicit @example. `make fuzz`
+# (HYPOTHESIS_PROFILE=fuzz) draws fresh ones to find the next such example.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    print_blob=True,
+    deadline=None,
+    # Whether generation counts as slow depends on the host's load, not on the code.
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "fuzz",
+    derandomize=False,
+    database=None,
+    print_blob=True,
+    deadline=None,
+    max_examples=1000,  # tests that set their own count keep it; make fuzz runs them again
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "ci")
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import math
 import threading
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from worker import gil_account
@@ -30,16 +30,20 @@ def test_the_lower_bound_binds() -> None:
 
 
 @given(_HELD, st.floats(min_value=1.0, max_value=1e5), st.integers(1, 256))
+# A GIL time so small that 1e6 over it is past the largest float: no bound, as for none.
+@example(
+    held={"event_loop": 0.0, "decode": 0.0, "launch": 0.0, "other": 5e-324}, cpu_us=1.0, cores=1
+)
 def test_the_projection_is_the_lower_of_the_two_bounds(
     held: dict[str, float], cpu_us: float, cores: int
 ) -> None:
     p = gil_account.project(held, cpu_us, cores)
     gil_total = sum(held.values())
     assert p["cores_bound_jobs_per_s"] == pytest.approx(cores * 1e6 / cpu_us, rel=1e-3, abs=0.1)
-    if gil_total > 0:
+    if gil_total > 0 and math.isfinite(1e6 / gil_total):
         assert p["gil_bound_jobs_per_s"] == pytest.approx(1e6 / gil_total, rel=1e-3, abs=0.1)
     else:
-        assert p["gil_bound_jobs_per_s"] is None  # nothing holds the GIL: no GIL bound
+        assert p["gil_bound_jobs_per_s"] is None  # nothing measurable holds the GIL: no bound
     bounds = [b for b in (p["gil_bound_jobs_per_s"], p["cores_bound_jobs_per_s"]) if b]
     assert p["jobs_per_s"] == min(bounds)
     named = p["gil_bound_jobs_per_s"] if p["binds"] == "GIL" else p["cores_bound_jobs_per_s"]

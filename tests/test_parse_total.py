@@ -26,12 +26,14 @@ from producer.dead_letters import dead_letter
 from producer.wire import ErrorCode, JobResult
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
+from tests.redis_server import RedisServer
 from tests.worker_harness import running_worker
 from worker import jobs
 from worker.cli import cli
 from worker.config import ConfigError, WorkerConfig
 from worker.jobs import Job, job_of_entry, parse_job
 from worker.model.manifest import read_labels, read_manifest
+from worker.redis_check import preflight
 from worker.service import Worker
 
 SMALL = jpeg_bytes(64, 48)
@@ -137,11 +139,65 @@ setting_text = st.one_of(
 @example("GPUFEED_DEGRADE_MODEL", "~no-such-user-here/m")
 @example("GPUFEED_WEIGHTS", "~no-such-user-here/w.pt")
 @example("GPUFEED_WEIGHTS", "w/" * 3000)
+@example("GPUFEED_MODEL", "9" * 300)  # a bare name, yet looked up as a folder for the hint
 def test_any_text_at_any_setting_is_a_value_or_one_config_error(name: str, raw: str) -> None:
     try:
         WorkerConfig.load(env={name: raw})
     except ConfigError as exc:
         assert "\n" not in str(exc)
+
+
+# Every setting whose text the worker looks up on the file system, with what it needs beside.
+PATH_SETTINGS = {
+    "GPUFEED_MODEL": {},
+    "GPUFEED_DEGRADE_MODEL": {"GPUFEED_DEGRADE_AFTER_S": "5"},
+    "GPUFEED_WEIGHTS": {},
+    "GPUFEED_PATH_ROOT": {},
+}
+
+
+def unusable_paths(tmp: Path) -> dict[str, str]:
+    (tmp / "loop").symlink_to(tmp / "loop")
+    return {
+        "a bare name over the name limit": "9" * 300,
+        "a name over the limit": str(tmp / ("m" * 300)),
+        "a path over the limit": str(tmp / "/".join(["d" * 200] * 30)),
+        "a name under a link loop": str(tmp / "loop" / "m"),
+        "a link loop": str(tmp / "loop"),
+    }
+
+
+@pytest.mark.parametrize("var", sorted(PATH_SETTINGS))
+def test_a_path_setting_the_file_system_cannot_look_up_is_one_line_naming_it(
+    tmp_path: Path, var: str
+) -> None:
+    for what, text in unusable_paths(tmp_path).items():
+        with pytest.raises(ConfigError) as err:
+            WorkerConfig.load(env={var: text, **PATH_SETTINGS[var]})
+        message = str(err.value)
+        assert message.startswith(f"{var}: ") and "\n" not in message, (what, message)
+        assert len(message) < 600, (what, message)
+
+
+def test_a_unix_socket_path_longer_than_the_kernel_takes_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        WorkerConfig.load(env={"REDIS_URL": "unix:///run/" + "s" * 300})
+    assert str(err.value) == (
+        "REDIS_URL: is not a usable Redis URL: its socket path is 305 bytes, a Unix "
+        "socket's at most 107"
+    )
+
+
+def test_a_worker_reaches_redis_over_a_unix_socket(tmp_path: Path) -> None:
+    socket_path = tmp_path / "redis.sock"
+    server = RedisServer(tmp_path / "redis", "--unixsocket", str(socket_path)).start()
+    try:
+        config = WorkerConfig.load(
+            env={"REDIS_URL": f"unix://{socket_path}", "GPUFEED_MODEL": "null"}
+        )
+        asyncio.run(preflight(config, wait=False))  # ping, cluster mode, the keys it writes
+    finally:
+        server.stop()
 
 
 @settings(max_examples=100, deadline=None)
@@ -202,6 +258,7 @@ def test_names_kubernetes_and_the_scripts_put_in_the_environment_are_not_setting
     [
         ({"GPUFEED_BATCHSIZE": "2"}, "GPUFEED_BATCHSIZE: no such setting (did you mean "),
         ({"GPUFEED_DEVICE": "cuda:\u00b2"}, "GPUFEED_DEVICE: must be auto, cpu, cuda or cuda:N"),
+        ({"GPUFEED_MODEL": "9" * 300}, "GPUFEED_MODEL: unknown model '999"),
     ],
 )
 def test_a_bad_setting_stops_the_worker_with_one_line_and_exit_2(

@@ -13,11 +13,12 @@ import math
 import os
 import re
 import socket
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from producer import shards, wire
 from producer.priorities import parse_levels
@@ -287,7 +288,7 @@ class WorkerConfig:
             # before anything is loaded. Whether the model fits it is checked at load.
             read_manifest(self.model)
         need(bool(self.weights), "GPUFEED_WEIGHTS", "must be a weights name, a file or 'none'")
-        problem = _file_name_problem(self.weights)
+        problem = path_problem(self.weights)
         need(problem is None, "GPUFEED_WEIGHTS", f"{_plain(self.weights)} {problem}")
         dev = self.device
         need(
@@ -357,6 +358,12 @@ class WorkerConfig:
             "must be between 1 and 3600000",
         )
         if self.path_root is not None:
+            problem = path_problem(self.path_root)
+            need(
+                problem is None,
+                "GPUFEED_PATH_ROOT",
+                f"{_plain(str(self.path_root))} {problem}",
+            )
             need(
                 _is_dir(self.path_root),
                 "GPUFEED_PATH_ROOT",
@@ -608,6 +615,12 @@ def redis_url_problem(url: str) -> str | None:
     import redis
     from redis.exceptions import RedisError
 
+    if url.startswith("unix:"):
+        # The kernel takes at most 107 bytes of socket path: a longer one would read as
+        # "cannot reach Redis", and a waiting worker would wait for it for ever.
+        size = len(os.fsencode(unquote(urlsplit(url).path)))
+        if size > _UNIX_PATH_BYTES:
+            return f"its socket path is {size} bytes, a Unix socket's at most {_UNIX_PATH_BYTES}"
     try:
         redis.ConnectionPool.from_url(url).make_connection()
     except (ValueError, TypeError, RedisError) as exc:
@@ -647,23 +660,37 @@ def host_list_problem(raw: str) -> str | None:
     return None
 
 
-def _file_name_problem(text: str) -> str | None:
-    """Why `text` cannot even be looked up as a file (the loader would fail with a
-    traceback, not a setting error); None when it can, whether or not the file is there."""
+def path_problem(text: str | Path) -> str | None:
+    """Why the file system cannot even look `text` up (a name or path too long for it, a
+    link loop, a folder on the way it may not search, a NUL, ~user of no user); None when
+    it can, whether or not anything is there. Every setting that names a file or folder
+    goes through here (or `lookup`) first: pathlib's is_dir() and is_file() raise for
+    most of these, and the worker would end in a traceback, not a setting error."""
+    return _stat(text)[1]
+
+
+def lookup(text: str | Path) -> os.stat_result | None:
+    """What `text` names (links followed), or None when nothing is there or `path_problem`
+    says why it cannot be looked up."""
+    return _stat(text)[0]
+
+
+def _stat(text: str | Path) -> tuple[os.stat_result | None, str | None]:
     try:
-        Path(text).expanduser().is_file()
+        return os.stat(Path(text).expanduser()), None
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
     except RuntimeError:
-        return "names the home of a user who does not exist"
-    except (OSError, ValueError) as exc:
-        return f"cannot be a file name ({getattr(exc, 'strerror', None) or exc})"
-    return None
+        return None, "names the home of a user who does not exist"
+    except OSError as exc:
+        return None, f"cannot be looked up ({exc.strerror or type(exc).__name__})"
+    except ValueError:  # a NUL, or text the file system's encoding cannot take
+        return None, "cannot be a file name (a NUL or text that is no file name)"
 
 
 def _is_dir(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except (OSError, ValueError):  # a name too long, a NUL in it
-        return False
+    st = lookup(path)
+    return st is not None and stat.S_ISDIR(st.st_mode)
 
 
 def _is_ip_address(text: str) -> bool:
@@ -695,6 +722,7 @@ def redact_url(url: str) -> str:
 
 
 _SECRET_PARAMS = frozenset({"password", "pass", "pwd", "ssl_password"})
+_UNIX_PATH_BYTES = 107  # sockaddr_un's sun_path (108) less its NUL
 
 
 def _env(name: str) -> str:

@@ -20,7 +20,10 @@ its age would read 0, for everybody, for ever. So the ID is believed only within
 worker saw itself: at every check it notes, by the server's TIME, the stream's
 last-generated-id. An entry whose ID is at most an ID noted at time T existed at T (its age
 is at least now - T); one whose ID is above an ID noted at T came after T (its age is at
-most now - T). The ID's own time is clamped between those bounds. A future ID so counts from
+most now - T). The ID's own time is clamped between those bounds, so the two checks around
+an entry's arrival bound its age: the first that saw its ID and the last that did not, which
+may be a later check than the one that first noted that last ID (the stream stood still
+between them). A future ID so counts from
 the first check that saw it (at most one check interval late), and an ID from the past
 (only possible on a new stream) cannot make an entry older than the checks allow. One
 script call per stream and check, whatever the backlog's size.
@@ -150,14 +153,24 @@ def parse_entry_id(text: bytes | str) -> EntryId | None:
     return int(ms), int(seq or 0)
 
 
+@dataclass
+class _Sample:
+    """One last-generated-id and the checks that saw it: the first (its entry existed by
+    then) and the latest (any entry numbered after it came later)."""
+
+    first_ms: float
+    latest_ms: float
+    last: EntryId
+
+
 class WaitingClock:
     """The age of the oldest waiting entry of some job streams, bounded by what the checks
-    saw (module docstring): per stream, (server time in ms, last-generated-id) each time
-    the last ID moved, kept back to the last one below the first waiting entry."""
+    saw (module docstring): per stream, one sample per last-generated-id the checks saw,
+    kept back to the last one below the first waiting entry."""
 
     def __init__(self, max_samples: int = 2048) -> None:
         self.max_samples = max_samples
-        self._samples: dict[str, list[tuple[float, EntryId]]] = {}
+        self._samples: dict[str, list[_Sample]] = {}
         self._script: Any = None
 
     async def oldest_waiting_s(
@@ -182,18 +195,23 @@ class WaitingClock:
         """Note one check of `stream` and return its first waiting entry's age in seconds."""
         samples = self._samples.setdefault(stream, [])
         if last is not None:
-            if samples and last < samples[-1][1]:
+            if samples and last < samples[-1].last:
                 samples.clear()  # the stream was recreated: its old IDs say nothing now
-            if not samples or last != samples[-1][1]:
-                samples.append((now_ms, last))
+            if samples and last == samples[-1].last:
+                # Still no entry after it: whatever numbers after it came after this check.
+                # Without this, an entry forged one past a last ID noted long ago could
+                # read as old as that first noting.
+                samples[-1].latest_ms = now_ms
+            else:
+                samples.append(_Sample(now_ms, now_ms, last))
         if head is None or not samples:
             del samples[:-1]
             return 0.0
         # The first check whose last ID reached the entry: it existed then.
-        lower = next((now_ms - t for t, seen in samples if seen >= head), 0.0)
+        lower = next((now_ms - s.first_ms for s in samples if s.last >= head), 0.0)
         # The last check whose last ID was below it: it came after that one.
-        below = [i for i, (_, seen) in enumerate(samples) if seen < head]
-        upper = now_ms - samples[below[-1]][0] if below else None
+        below = [i for i, s in enumerate(samples) if s.last < head]
+        upper = now_ms - samples[below[-1]].latest_ms if below else None
         age = max(now_ms - head[0], lower)
         if upper is not None:
             age = min(age, upper)

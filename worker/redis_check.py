@@ -44,9 +44,11 @@ def make_client(
     """The worker's client; `connect_timeout_s` bounds a connect that gets no answer (an
     address that drops packets) where waiting the system's minutes would be wrong."""
     if not cluster:
+        # TCP keepalive is no option of a Unix socket connection (redis-py refuses it).
+        tcp = not config.redis_url.startswith("unix:")
         return aioredis.from_url(
             config.redis_url,
-            socket_keepalive=True,
+            **({"socket_keepalive": True} if tcp else {}),
             health_check_interval=30,
             socket_connect_timeout=connect_timeout_s,
         )

@@ -16,10 +16,11 @@ import difflib
 import functools
 import importlib.util
 import re
+import stat
 from collections.abc import Collection
 from pathlib import Path
 
-from worker.config import ConfigError
+from worker.config import ConfigError, lookup
 from worker.model.manifest import MANIFEST, looks_like_model_dir
 
 # The null model (null.py), named here so that naming it needs no torch.
@@ -66,13 +67,17 @@ def check_name(value: str, known: Collection[str] | None = None) -> str:
     same = [n for n in names if n.lower() == value.lower()]
     if len(same) == 1:
         return same[0]
-    raise ConfigError(f"GPUFEED_MODEL: unknown model {value!r}; {_hint(value, names)}")
+    shown = repr(value) if len(value) <= 100 else repr(value[:97]) + "..."
+    raise ConfigError(f"GPUFEED_MODEL: unknown model {shown}; {_hint(value, names)}")
 
 
 def _hint(value: str, names: Collection[str]) -> str:
-    folder = Path(value)
-    if folder.is_dir():
-        has = "holds" if (folder / MANIFEST).is_file() else "has no"
+    # `lookup`, not Path.is_dir(): a name no file system takes (300 digits) is still just an
+    # unknown model, not a traceback.
+    folder = lookup(value)
+    if folder is not None and stat.S_ISDIR(folder.st_mode):
+        manifest = lookup(Path(value) / MANIFEST)
+        has = "holds" if manifest is not None and stat.S_ISREG(manifest.st_mode) else "has no"
         return (
             f"did you mean `./{value}`? (the folder here, which {has} {MANIFEST}: a model "
             "directory is written as a path)"
