@@ -31,6 +31,9 @@ MAX_ID_BYTES = 128
 # The longest `url` a job may carry (real URLs, presigned ones included, stay well under
 # 2 KiB); longer is `invalid_job`, refused before the field is decoded or parsed.
 MAX_URL_BYTES = 8192
+# The workers' default GPUFEED_MAX_IMAGE_BYTES: a larger image is `payload_too_large`.
+# `producer batch` reads no file past the limit (the same variable sets both sides).
+DEFAULT_MAX_IMAGE_BYTES = 50 * 1024 * 1024
 
 # Job fields (stream entry field names).
 JOB_IMAGE = b"image"
