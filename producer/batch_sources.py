@@ -7,10 +7,10 @@ column, else the path or key relative to the source (a URL by `url_id`), so that
 skips what is done and the workers' duplicate handling applies.
 
 Nothing a source names is trusted to be a small regular file: a folder gives only its
-regular image files (what else it holds is passed over and reported), every file is looked
-at before it is opened and again once open, and read no further than the workers' image
-size limit; a manifest is read a bounded line at a time, and a line it cannot make sense of
-ends the run with one message naming that line.
+regular image files (what else it holds is passed over and reported), every file is opened
+without blocking and looked at before a byte is read, and read no further than the
+workers' image size limit; a manifest is read a bounded line at a time, and a line it
+cannot make sense of ends the run with one message naming that line.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ _KINDS = (
     (stat.S_ISSOCK, "a socket"),
     (stat.S_ISDIR, "a folder"),
 )
-# O_NONBLOCK: a FIFO swapped in after the look must fail here, not block the run.
+# O_NONBLOCK: opening a FIFO returns at once (it would wait for a writer), so that what
+# was opened can be looked at.
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -72,14 +73,13 @@ def file_kind(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def _check(file: str, st: os.stat_result, limit: int) -> None:
+def _refused(file: str, st: os.stat_result, limit: int) -> ItemError:
     if not stat.S_ISREG(st.st_mode):
-        raise ItemError(
+        return ItemError(
             wire.ErrorCode.PATH_NOT_FOUND,
             f"{file} is not a regular file ({file_kind(st.st_mode)})",
         )
-    if st.st_size > limit:
-        raise _too_large(file, limit)
+    return _too_large(file, limit)
 
 
 def _too_large(file: str, limit: int) -> ItemError:
@@ -97,20 +97,19 @@ def read_file(
     more than the read itself for a small image. With `buffer`, a file that fits is read
     into it in one call."""
     try:
-        # Looked at before it is opened: opening a device can act (a tape rewinds).
-        _check(file, os.stat(file), limit)
-    except ValueError as exc:
-        if isinstance(exc, ItemError):
-            raise
-        raise ItemError(wire.ErrorCode.INVALID_JOB, f"{file!r}: {exc}") from None  # a NUL
-    fd = os.open(file, _OPEN_FLAGS)
+        fd = os.open(file, _OPEN_FLAGS)
+    except ValueError as exc:  # a NUL in the name
+        raise ItemError(wire.ErrorCode.INVALID_JOB, f"{file!r}: {exc}") from None
     try:
-        # What was opened, not what the name pointed at a moment earlier.
-        size = os.fstat(fd)
-        _check(file, size, limit)
+        # What was opened is judged before a byte is read: a FIFO, a device (a link to
+        # /dev/zero) or a file over the limit is never read.
+        st = os.fstat(fd)
+        size = st.st_size
+        if size > limit or not stat.S_ISREG(st.st_mode):
+            raise _refused(file, st, limit)
         chunks: list[bytes] = []
         got = 0
-        if buffer is not None and size.st_size < len(buffer):
+        if buffer is not None and size < len(buffer):
             got = os.readv(fd, [buffer])
             if got < len(buffer) and got <= limit:
                 return bytes(memoryview(buffer)[:got])
@@ -410,16 +409,22 @@ def _lines(f: IO[bytes], manifest: Path) -> Iterator[tuple[int, str]]:
 def _csv_rows(
     manifest: Path, lines: Iterator[tuple[int, str]]
 ) -> Iterator[tuple[int, dict[str, Any]]]:
-    # csv counts the lines it takes (a quoted field may span several): its line_num is the
-    # manifest's line number, and a field over csv's own limit (131,072 characters) is
-    # refused by it there.
-    reader = csv.DictReader(text for _, text in lines)
+    # A quoted field may span lines: a row's number (and an error's) is that of the last
+    # line csv took. A field over csv's own limit (131,072 characters) is refused by it.
+    taken = [0]
+
+    def texts() -> Iterator[str]:
+        for n, text in lines:
+            taken[0] = n
+            yield text
+
+    reader = csv.DictReader(texts())
     try:
         _check_columns(manifest, reader.fieldnames or [])
         for row in reader:
-            yield reader.line_num, dict(row)
+            yield taken[0], dict(row)
     except csv.Error as exc:
-        raise SourceError(f"{manifest} line {reader.line_num}: not CSV ({exc})") from None
+        raise SourceError(f"{manifest} line {taken[0]}: not CSV ({exc})") from None
 
 
 def _json_rows(
