@@ -378,3 +378,29 @@ def test_url_ids_keep_the_query_but_not_what_signs_it() -> None:
     # `submit --urls` and `batch` share the rule; submit numbers a repeat.
     given = ["http://h/get?id=1", "http://h/get?id=2", "http://h/get?id=1"]
     assert url_job_ids(given) == [url_id(given[0]), url_id(given[1]), "http://h/get?id=1#2"]
+
+
+def test_a_killed_runs_reply_stream_is_deleted_by_the_run_that_finishes_the_output(
+    redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    out = tmp_path / "o.jsonl"
+    parts = tmp_path / "o.jsonl.parts"
+    parts.mkdir()
+    old = "gpufeed:results:batch:0123456789abcdef:" + "0" * 32
+    redis_client.xadd(old, {"id": "late", "entry": "1-1", "status": "ok"})
+    redis_client.xadd("elsewhere", {"x": "1"})
+    # Noted by the killed run; a name no run gives its stream is never deleted.
+    (parts / "reply-streams").write_text(f"{old}\nelsewhere\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with Producer(redis_url) as producer:
+        progress = run_batch(str(empty), out, producer)
+    assert progress.rows == 0 and not parts.exists()
+    assert redis_client.exists(old) == 0 and redis_client.exists("elsewhere") == 1
+
+
+def test_the_client_reads_no_more_than_the_workers_default_image_limit() -> None:
+    from producer import wire
+    from worker.config import WorkerConfig
+
+    assert WorkerConfig().max_image_bytes == wire.DEFAULT_MAX_IMAGE_BYTES
