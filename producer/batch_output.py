@@ -12,6 +12,10 @@ A client killed mid-run loses only the rows since its last checkpoint: the next 
 the committed segments, skips their ids, and submits the rest again. The segments of each
 run carry the run's number, so when an id has two rows (an error row and the row of its
 retry) the newer one is kept.
+
+An output path that is a symbolic link is written through: the link's target (where the
+link leads, followed to the end) is the output, its segments folder beside it, and the
+link stays a link.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import os
 import re
 import shutil
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +39,8 @@ from producer.batch_ids import Hashes, contains, id_hashes
 from producer.batch_rows import Rows, json_rows
 
 _SEGMENT_RE = re.compile(r"^r(\d{6})-(\d{6})\.(parquet|jsonl)$")
+# The reply streams of the runs over this output, one a line (see BatchRun).
+_REPLY_STREAMS = "reply-streams"
 READ_ROWS = 8192
 # Dictionary encoding only where values repeat: on ids, sources and scores it only costs
 # time and bytes (Parquet builds a dictionary per row group, then gives up on it).
@@ -106,6 +113,14 @@ class JsonLines:
                     ids, statuses = [], []
         if ids:
             yield ids, statuses
+
+    def tally(self, path: Path) -> Counter[str]:
+        counts: Counter[str] = Counter()
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                counts[_outcome(row["status"], row.get("error_code"))] += 1
+        return counts
 
     def rows(self, path: Path) -> int:
         with path.open("rb") as f:
@@ -194,6 +209,19 @@ class Parquet:
 
         return int(pq.ParquetFile(path).metadata.num_rows)
 
+    def tally(self, path: Path) -> Counter[str]:
+        import pyarrow.parquet as pq
+
+        pairs: Counter[tuple[Any, Any]] = Counter()
+        parquet = pq.ParquetFile(path)
+        for batch in parquet.iter_batches(batch_size=1 << 16, columns=["status", "error_code"]):
+            statuses, codes = batch.column(0).to_pylist(), batch.column(1).to_pylist()
+            pairs.update(zip(statuses, codes, strict=True))
+        counts: Counter[str] = Counter()
+        for (status, code), n in pairs.items():
+            counts[_outcome(status, code)] += n
+        return counts
+
     def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -231,6 +259,13 @@ class Parquet:
         return rows
 
 
+def _outcome(status: str, code: str | None) -> str:
+    """A row's count key: `ok`, or an error row's code (`unknown` where it has none)."""
+    if status == wire.STATUS_OK:
+        return wire.STATUS_OK
+    return code or "unknown"
+
+
 def output_format(path: Path) -> JsonLines | Parquet:
     suffix = path.suffix.lower()
     if suffix == ".parquet":
@@ -258,7 +293,7 @@ class Output:
     """The output file, its segments folder, and the open segment of this run."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
+        self.path = _written_through(Path(path))
         self.format = output_format(self.path)
         self.parts = self.path.with_name(self.path.name + ".parts")
         self.run = 0
@@ -289,7 +324,10 @@ class Output:
 
         if self.path.is_dir():
             raise OutputError(f"{self.path} is a folder, not an output file")
-        self.parts.mkdir(parents=True, exist_ok=True)
+        try:
+            self.parts.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot write beside {self.path}: {exc.strerror or exc}") from None
         # One writer at a time: a second run would delete the first one's open segment.
         # The lock goes with the process, however it ends.
         self._lock = (self.parts / ".lock").open("w")
@@ -344,6 +382,23 @@ class Output:
                     id_hashes(i for i, s in zip(ids, statuses, strict=True) if s == wire.STATUS_OK)
                 )
         return np.unique(np.concatenate(found)) if found else np.zeros(0, dtype=np.uint64)
+
+    def reply_streams(self) -> list[str]:
+        """The reply streams earlier runs over this output noted (runs that did not finish)."""
+        try:
+            text = (self.parts / _REPLY_STREAMS).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        # Only names a run gives its stream: the file must not make a run delete other keys.
+        return [n for n in text.splitlines() if ":batch:" in n]
+
+    def note_reply_stream(self, name: str) -> None:
+        with (self.parts / _REPLY_STREAMS).open("a", encoding="utf-8") as f:
+            f.write(name + "\n")
+
+    def tally(self) -> Counter[str]:
+        """The finished output's rows: `ok` and each error code, counted."""
+        return self.format.tally(self.path) if self.path.is_file() else Counter()
 
     # ------------------------------------------------------------------ writing
     def write(self, rows: Rows) -> None:
@@ -405,6 +460,17 @@ class Output:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+
+
+def _written_through(path: Path) -> Path:
+    """The file an output path names: a symbolic link's final target (whether or not it
+    exists yet), so the output replaces the target and the link stays."""
+    if not path.is_symlink():
+        return path
+    target = Path(os.path.realpath(path, strict=False))
+    if target.is_symlink():  # realpath stops at a loop of links
+        raise OutputError(f"{path}: a symbolic link that leads round in a loop")
+    return target
 
 
 class _KeepNewest:

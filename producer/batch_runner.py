@@ -5,10 +5,16 @@ results come back. Jobs go at the lowest priority level unless told otherwise, s
 traffic passes them. Admission control (max_backlog, max_memory_share) still applies: a
 refused submission waits and is tried again while results keep coming, never dropped.
 
-Results are read from a reply stream of the run's own (named after the output path, so a
-resumed run reads the same one), thousands of entries a read; ids whose answer did not
-show up there (e.g. answered on the default results stream) are looked up in their result
-hashes after a quiet spell.
+Results are read from a reply stream of the run's own, thousands of entries a read; ids
+whose answer did not show up there (e.g. answered on the default results stream) are
+looked up in their result hashes after a quiet spell.
+
+Only answers to what this run submitted are written: each must name the stream entry the
+run's own XADD added for that id (results carry it as `entry`), wherever it is read. The
+reply stream's name holds 128 random bits, so a tenant who may only XADD cannot find it;
+one who could, and who guessed entry IDs (they are times and counters), would still have
+to name an entry this run is waiting on, for the id that entry holds. Anything else on the
+stream (a killed run's late answers, a repeat, a forgery) is counted and left out.
 
 The client is meant to keep many workers busy from one core, so each job costs it as
 little Python as can be: jobs go out as packed XADDs on one connection (batch_redis.py),
@@ -20,7 +26,9 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import os
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -34,15 +42,17 @@ from producer import wire
 from producer.admission import ADMIT, AdmissionRefused, BacklogFull, admit_args, admitted
 from producer.batch_ids import IdStore, id_hashes
 from producer.batch_output import Existing, Output
-from producer.batch_redis import RawLink, field_map
+from producer.batch_redis import Fields, RawLink, field_map
 from producer.batch_rows import Rows, error_fields
-from producer.batch_sources import Item, Source, open_source
+from producer.batch_sources import Item, ItemError, Source, open_source
 from producer.client import Producer
-from producer.priorities import entry_ref, level_stream, pick_level
+from producer.priorities import level_stream, pick_level
 from producer.replies import last_id, xread_entries
 from producer.stats import collect_stats
 
 JobFields = dict[FieldT, EncodableT]
+
+log = logging.getLogger("producer.batch")
 
 # Allocations between two collections of the young generation while a run goes (Python's
 # default is 700 to 2,000).
@@ -61,6 +71,10 @@ ROW_GROUP = 4096
 RECHECK_S = 5.0
 REFUSED_BACKOFF_S = (0.1, 2.0)
 PROGRESS_EVERY_S = 0.25
+# Ignored answers logged one by one, per run; the rest are counted.
+LOGGED_IGNORED = 10
+# Folder entries passed over that the summary names (all are counted).
+NAMED_NOT_REGULAR = 100
 
 
 @dataclass
@@ -87,6 +101,19 @@ class Progress:
     cpu_started: float = field(default_factory=time.process_time)
     finished: bool = False
     rows: int = 0  # rows of the finished output
+    # Ids the output held at the start that are not submitted again: rows the source's
+    # listing will skip, not this run's work.
+    done_ids: int = 0
+    # Answers on the run's reply stream (or in a result hash) to no job this run is waiting
+    # on: a killed run's late answers, repeats, forgeries. Never written.
+    ignored: int = 0
+    # A folder's image-named entries that are not regular files, with why ("path: a FIFO"):
+    # all counted, the first NAMED_NOT_REGULAR named.
+    not_regular: int = 0
+    not_regular_files: list[str] = field(default_factory=list)
+    # The whole output once finished: its rows by status and error code.
+    output_ok: int = 0
+    output_error_codes: Counter[str] = field(default_factory=Counter)
 
     @property
     def answered(self) -> int:
@@ -105,6 +132,31 @@ class Progress:
     def cpu_s(self) -> float:
         return time.process_time() - self.cpu_started
 
+    @property
+    def todo(self) -> int | None:
+        """This run's work: the source's items less the ids the output holds (exact once
+        the listing ends, when every skipped item is known)."""
+        if self.total is None:
+            return None
+        return max(self.total - max(self.skipped, self.done_ids), self.answered)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at this run's own rate."""
+        todo, rate = self.todo, self.rate
+        if todo is None or rate <= 0:
+            return None
+        return (todo - self.answered) / rate
+
+    @property
+    def output_errors(self) -> int:
+        return sum(self.output_error_codes.values())
+
+    def skip_entry(self, path: str, reason: str) -> None:
+        self.not_regular += 1
+        if len(self.not_regular_files) < NAMED_NOT_REGULAR:
+            self.not_regular_files.append(f"{path}: {reason}")
+
     def to_dict(self) -> dict[str, object]:
         return {
             "source": self.source,
@@ -120,11 +172,22 @@ class Progress:
             "skipped": self.skipped,
             "refused": self.refused,
             "error_codes": dict(self.error_codes),
+            "todo": self.todo,
             "rate": round(self.rate, 1),
+            "eta_s": None if (eta := self.eta_s) is None else round(eta, 1),
             "elapsed_s": round(self.elapsed_s, 2),
             "cpu_s": round(self.cpu_s, 3),
+            "ignored_answers": self.ignored,
+            "not_regular": self.not_regular,
+            "not_regular_files": self.not_regular_files,
             "finished": self.finished,
             "rows": self.rows,
+            "in_output": {
+                "ok": self.output_ok,
+                "errors": self.output_errors,
+                "error_codes": dict(self.output_error_codes),
+                "from_this_run": self.answered,
+            },
         }
 
 
@@ -138,6 +201,9 @@ class BatchOptions:
     meta: bytes | None = None
     checkpoint_s: float = 10.0
     row_group: int = ROW_GROUP
+    # No local file is read past this (the workers' GPUFEED_MAX_IMAGE_BYTES): a larger one
+    # is an error row, as a worker would have answered it.
+    max_image_bytes: int = wire.DEFAULT_MAX_IMAGE_BYTES
 
 
 def default_in_flight(producer: Producer, stream: str) -> int:
@@ -158,9 +224,10 @@ def default_in_flight(producer: Producer, stream: str) -> int:
 
 
 def reply_stream_for(producer: Producer, out: Path) -> str:
-    """The run's reply stream: one per output file, so a resumed run reads the same."""
+    """A new reply stream for a run over `out`: named after the output (which run it is,
+    for whoever lists keys) and 128 random bits (so no one else can find it)."""
     digest = hashlib.sha1(str(out.absolute()).encode()).hexdigest()[:16]
-    name = f"{producer.results_stream}:batch:{digest}"
+    name = f"{producer.results_stream}:batch:{digest}:{secrets.token_hex(16)}"
     if producer.cluster:
         return producer.shards[0].reply_stream(name)
     return name
@@ -182,8 +249,7 @@ class _Items:
             page = next(self._pages, None)
             if page is None:
                 self.exhausted = True
-                if self._progress.total is None:
-                    self._progress.total = self._progress.listed  # known now
+                self._progress.total = self._progress.listed  # known now, exactly
                 break
             self._progress.listed += len(page)
             new = self._store.add_new(id_hashes([i[0] for i in page]))  # Item.id
@@ -239,12 +305,21 @@ class BatchRun:
             total=source.total,
             done_before=existing.rows,
             retried=existing.retried,
+            done_ids=len(existing.done),
         )
-        self.items = _Items(source.pages(), IdStore(existing.done), self.progress)
+        pages = source.pages(on_skip=self.progress.skip_entry)
+        self.items = _Items(pages, IdStore(existing.done), self.progress)
         self.reply_to = reply_stream_for(producer, output.path)
+        # Earlier runs' reply streams (a killed run's gets its late answers still): gone
+        # now, and again once the output is finished.
+        self._old_replies = output.reply_streams()
+        output.note_reply_stream(self.reply_to)
         self.stream = level_stream(producer.shards[0].stream, self.level)
-        # id -> (source, stream entry id): the entry says which result hash is this job's.
-        self.in_flight: dict[bytes, tuple[str, bytes]] = {}
+        # How results name this run's entries: `<level>:<entry ID>` on a level's stream.
+        self._entry_prefix = f"{self.level}:".encode() if self.level else b""
+        # entry reference -> (id, source): an answer counts only where it names an entry
+        # this run added, for the id that entry holds.
+        self.in_flight: dict[bytes, tuple[bytes, str]] = {}
         self.rows = Rows()
         limit = options.in_flight
         if limit is None:
@@ -284,6 +359,7 @@ class BatchRun:
         gc.freeze()
         gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
         try:
+            self._drop_old_replies()
             self._cursor = self._last_id()  # before the first job goes out
             self._loop()
         finally:
@@ -314,7 +390,15 @@ class BatchRun:
             self._flush()
             self.output.commit()
         self.progress.rows = self.output.finish(self.contested)
+        self._drop_old_replies()
         self.producer.client.delete(self.reply_to)
+        tally = self.output.tally()
+        self.progress.output_ok = tally.pop(wire.STATUS_OK, 0)
+        self.progress.output_error_codes = tally
+
+    def _drop_old_replies(self) -> None:
+        if self._old_replies:
+            self.producer.client.delete(*self._old_replies)
 
     def _fill(self) -> None:
         while len(self.in_flight) < self.limit and time.monotonic() >= self._refused_until:
@@ -334,18 +418,16 @@ class BatchRun:
         (its file is gone or empty) gets its error row here, as a worker would have
         answered it."""
         jobs: list[tuple[Item, list[bytes]]] = []
-        tail, buffer = self._tail, self._buffer
+        tail, buffer, limit = self._tail, self._buffer, self.options.max_image_bytes
         for item in items:
             try:
-                fields = item.fields(buffer)
+                fields = item.fields(buffer, limit)
             except OSError as exc:
                 reason = f"cannot read {item.source}: {exc.strerror or exc}"
                 self._error(item, wire.ErrorCode.PATH_NOT_FOUND, reason)
                 continue
-            except ValueError as exc:
-                empty = "empty" in str(exc)
-                code = wire.ErrorCode.EMPTY_IMAGE if empty else wire.ErrorCode.INVALID_JOB
-                self._error(item, code, str(exc))
+            except ItemError as exc:
+                self._error(item, exc.code, str(exc))
                 continue
             fields += tail
             jobs.append((item, fields))
@@ -374,9 +456,9 @@ class BatchRun:
             return False
         self._refused_backoff = REFUSED_BACKOFF_S[0]
         self._fit = self._chunk
-        in_flight = self.in_flight
+        in_flight, prefix = self.in_flight, self._entry_prefix
         for (item, f), entry in zip(chunk, entries, strict=True):
-            in_flight[f[3]] = (item[1], entry)  # the id (Item.fields), Item.source
+            in_flight[prefix + entry] = (f[3], item[1])  # the id (Item.fields), Item.source
         self.progress.submitted += len(chunk)
         self.progress.in_flight = len(in_flight)
         del self._ready[: len(chunk)]
@@ -435,10 +517,12 @@ class BatchRun:
         sources = self.rows.sources
         for _, raw in entries:
             fields = field_map(raw)
-            job = pop(fields.get(wire.RES_ID, b""), None)
-            if job is not None:  # else not ours, or answered already
+            job = pop(fields.get(wire.RES_ENTRY, b""), None)
+            if job is not None and job[0] == fields.get(wire.RES_ID):
                 taken.append(fields)
-                sources.append(job[0])
+                sources.append(job[1])
+            else:
+                self._ignore(fields, job)
         if len(self.rows) > before:
             self.rows.changed()
             self._answered(before)
@@ -458,6 +542,22 @@ class BatchRun:
                 progress.error_codes[code] += 1
         progress.in_flight = len(self.in_flight)
 
+    def _ignore(self, fields: Fields, job: tuple[bytes, str] | None) -> None:
+        """An answer to no job this run waits on: counted and logged, never written."""
+        entry = fields.get(wire.RES_ENTRY, b"")
+        if job is not None:  # the entry is ours, the id is not its id: it still waits
+            self.in_flight[entry] = job
+        self.progress.ignored += 1
+        if self.progress.ignored <= LOGGED_IGNORED:
+            job_id = fields.get(wire.RES_ID, b"").decode("utf-8", "backslashreplace")
+            ref = entry.decode("utf-8", "backslashreplace")
+            why = "names another id" if job is not None else "names no entry this run waits on"
+            log.warning(
+                "ignored an answer on %s for id %r, entry %r: it %s (an earlier run's, "
+                "a repeat, or written by someone else)",
+                self.reply_to, job_id, ref, why,
+            )  # fmt: skip
+
     def _error(self, item: Item, code: wire.ErrorCode, message: str) -> None:
         before = len(self.rows)
         self.rows.add(error_fields(item.id, code, message), item.source)
@@ -475,20 +575,24 @@ class BatchRun:
         before = len(self.rows)
         for start in range(0, len(outstanding), HASH_CHUNK):
             chunk = outstanding[start : start + HASH_CHUNK]
-            # Results name an entry `<level>:<entry ID>` on a level's stream.
-            refs = [entry_ref(self.level, e.decode()).encode() for _, (_, e) in chunk]
             with self.producer.client.pipeline(transaction=False) as pipe:
-                for (job_id, _), ref in zip(chunk, refs, strict=True):
+                for ref, (job_id, _) in chunk:
                     pipe.hgetall(prefix + job_id)
                     pipe.hgetall(prefix + ref)
                 replies = pipe.execute()
-            for n, (job_id, (source, _)) in enumerate(chunk):
-                by_id, by_entry = replies[2 * n], replies[2 * n + 1]
-                entry = refs[n]
-                found = by_id if by_id and by_id.get(wire.RES_ENTRY) == entry else by_entry
-                if found and job_id in self.in_flight:
-                    del self.in_flight[job_id]
-                    self.rows.add(found, source)
+            for n, (ref, (job_id, source)) in enumerate(chunk):
+                # Either hash counts only where it holds this entry's answer for this id:
+                # an id's hash may hold an earlier job's answer, and a hash named like an
+                # entry reference may be another job's (whose id was chosen so).
+                for found in replies[2 * n : 2 * n + 2]:
+                    if (
+                        found
+                        and found.get(wire.RES_ENTRY) == ref
+                        and found.get(wire.RES_ID) == job_id
+                        and self.in_flight.pop(ref, None) is not None
+                    ):
+                        self.rows.add(found, source)
+                        break
         if len(self.rows) > before:
             self._answered(before)
 

@@ -3,62 +3,125 @@
 Each source yields `Item`s page by page, never the whole list at once, so a manifest of
 tens of millions of lines or a bucket of as many keys is read as the run goes. Every item
 carries a stable id, the same on every run over the same source: the manifest's `id`
-column, else the path or key relative to the source (a URL without its query), so that a
-re-run skips what is done and the workers' duplicate handling applies.
+column, else the path or key relative to the source (a URL by `url_id`), so that a re-run
+skips what is done and the workers' duplicate handling applies.
+
+Nothing a source names is trusted to be a small regular file: a folder gives only its
+regular image files (what else it holds is passed over and reported), every file is opened
+without blocking and looked at before a byte is read, and read no further than the
+workers' image size limit; a manifest is read a bounded line at a time, and a line it
+cannot make sense of ends the run with one message naming that line.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import operator
 import os
-from collections.abc import Iterator, Sequence
+import stat
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import IO, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from producer import wire
-from producer.jobs import _fit_id
+from producer.jobs import IMAGE_EXTENSIONS, _fit_id, url_id
 from producer.object_stores import open_store
 
-if TYPE_CHECKING:
-    pass
-
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 STORE_SCHEMES = ("s3", "gs", "az")
 # Keys per listing request: S3's own page size (the most one ListObjectsV2 call returns).
 LIST_PAGE = 1000
 # Manifest rows read at once (Parquet record batches, lines of text).
 READ_PAGE = 4096
+# The longest manifest line read (its url, path and id fit in far less): a file without
+# line breaks is refused at this point, not read whole.
+MAX_LINE_BYTES = 1 << 20
+
+# Called with a folder entry that is not taken and why (a FIFO, a device, a broken link...).
+OnSkip = Callable[[str, str], None]
 
 
 class SourceError(ValueError):
     """The source cannot be read as given: the message names it and what is wrong."""
 
 
-def read_file(file: str, buffer: bytearray | None = None) -> bytes:
-    """The bytes of `file`, with the fewest system calls: a Python file object would cost
+class ItemError(ValueError):
+    """A local file that is not sent to the workers: its error row's code and message."""
+
+    def __init__(self, code: wire.ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISDIR, "a folder"),
+)
+# O_NONBLOCK: opening a FIFO returns at once (it would wait for a writer), so that what
+# was opened can be looked at.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def file_kind(mode: int) -> str:
+    """What a file of `mode` is, in words, for one that is not regular."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def _refused(file: str, st: os.stat_result, limit: int) -> ItemError:
+    if not stat.S_ISREG(st.st_mode):
+        return ItemError(
+            wire.ErrorCode.PATH_NOT_FOUND,
+            f"{file} is not a regular file ({file_kind(st.st_mode)})",
+        )
+    return _too_large(file, limit)
+
+
+def _too_large(file: str, limit: int) -> ItemError:
+    return ItemError(
+        wire.ErrorCode.PAYLOAD_TOO_LARGE,
+        f"{file} is over the limit of {limit} bytes (GPUFEED_MAX_IMAGE_BYTES)",
+    )
+
+
+def read_file(
+    file: str, buffer: bytearray | None = None, limit: int = wire.DEFAULT_MAX_IMAGE_BYTES
+) -> bytes:
+    """The bytes of `file`, a regular file of at most `limit` bytes (else ItemError; OSError
+    if it cannot be opened), with the fewest system calls: a Python file object would cost
     more than the read itself for a small image. With `buffer`, a file that fits is read
-    into it in one call (no fstat)."""
-    fd = os.open(file, os.O_RDONLY)
+    into it in one call."""
     try:
-        if buffer is not None:
-            n = os.readv(fd, [buffer])
-            if n < len(buffer):
-                return bytes(memoryview(buffer)[:n])
-            chunks = [bytes(buffer)]
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            return b"".join(chunks)
-        size = os.fstat(fd).st_size
-        data = os.read(fd, size + 1)
-        if len(data) <= size:
-            return data  # a short read of a regular file: its end
-        chunks = [data]
-        while chunk := os.read(fd, 1 << 20):  # it grew meanwhile
+        fd = os.open(file, _OPEN_FLAGS)
+    except ValueError as exc:  # a NUL in the name
+        raise ItemError(wire.ErrorCode.INVALID_JOB, f"{file!r}: {exc}") from None
+    try:
+        # What was opened is judged before a byte is read: a FIFO, a device (a link to
+        # /dev/zero) or a file over the limit is never read.
+        st = os.fstat(fd)
+        size = st.st_size
+        if size > limit or not stat.S_ISREG(st.st_mode):
+            raise _refused(file, st, limit)
+        chunks: list[bytes] = []
+        got = 0
+        if buffer is not None and size < len(buffer):
+            got = os.readv(fd, [buffer])
+            if got < len(buffer) and got <= limit:
+                return bytes(memoryview(buffer)[:got])
+            chunks.append(bytes(memoryview(buffer)[:got]))
+        while got <= limit:  # it grew meanwhile, or no buffer: up to the limit and a byte
+            chunk = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not chunk:
+                break
             chunks.append(chunk)
+            got += len(chunk)
+        if got > limit:
+            raise _too_large(file, limit)
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -75,17 +138,19 @@ class Item(NamedTuple):
     file: str | None = None
     path: str | None = None
 
-    def fields(self, buffer: bytearray | None = None) -> list[bytes]:
+    def fields(
+        self, buffer: bytearray | None = None, limit: int = wire.DEFAULT_MAX_IMAGE_BYTES
+    ) -> list[bytes]:
         """The job's stream fields (flat: key, value, ...) but reply_to, meta and deadline;
-        OSError if a local file cannot be read, ValueError if it is empty. The checks
-        `Job.fields` makes hold by construction: a source's ids fit and its urls have a
-        scheme. `buffer`: see `read_file`."""
+        OSError if a local file cannot be opened, ItemError if it is not sent (empty, not
+        regular, over `limit` bytes). The checks `Job.fields` makes hold by construction: a
+        source's ids fit and its urls have a scheme. `buffer`: see `read_file`."""
         # One unpacking: a named tuple's attributes cost a descriptor call each.
         job_id, _, url, file, path = self
         if file is not None:
-            image = read_file(file, buffer)
+            image = read_file(file, buffer, limit)
             if not image:
-                raise ValueError("image is empty")
+                raise ItemError(wire.ErrorCode.EMPTY_IMAGE, f"{file}: image is empty")
             return [wire.JOB_IMAGE, image, wire.JOB_ID, job_id.encode()]
         if path is not None:
             return [wire.JOB_PATH, path.encode(), wire.JOB_ID, job_id.encode()]
@@ -103,9 +168,11 @@ class Source:
     total: int | None
     path_root: Path | None = None
 
-    def pages(self) -> Iterator[list[Item]]:
+    def pages(self, on_skip: OnSkip | None = None) -> Iterator[list[Item]]:
+        """The items, a page at a time; a folder's entries that are not regular image
+        files are passed to `on_skip` with the reason."""
         if self.kind == "folder":
-            return _folder_pages(Path(self.spec), self.path_root)
+            return _folder_pages(Path(self.spec), self.path_root, on_skip)
         if self.kind == "prefix":
             return _prefix_pages(self.spec)
         return _manifest_pages(Path(self.spec), self.path_root)
@@ -126,9 +193,15 @@ def open_source(spec: str, *, path_root: str | os.PathLike[str] | None = None) -
         raise SourceError(f"{spec}: a source is a folder, a manifest or s3://, gs://, az://")
     p = Path(spec)
     if p.is_dir():
-        return Source(str(p), "folder", None, root)
-    if not p.is_file():
-        raise SourceError(f"{spec}: no such file or folder")
+        # Listed once before the run (as a manifest's lines are counted), so the progress
+        # has its total from the start.
+        return Source(str(p), "folder", _count_files(str(p)), root)
+    try:
+        mode = p.stat().st_mode
+    except OSError:
+        raise SourceError(f"{spec}: no such file or folder") from None
+    if not stat.S_ISREG(mode):
+        raise SourceError(f"{spec} is {file_kind(mode)}, not a manifest file or a folder")
     return Source(str(p), "manifest", _count_entries(p), root)
 
 
@@ -145,12 +218,17 @@ def _local_item(file: str, id: str, root: Path | None) -> Item:
     return Item(id=id, source=file, path=relative.replace(os.sep, "/"))
 
 
-def _folder_pages(folder: Path, root: Path | None) -> Iterator[list[Item]]:
-    """Image files under `folder`, in a stable order (a folder's files by name, then its
-    subfolders by name, as os.walk with sorted names gives them), id: the path relative
-    to `folder`. Symbolic links to folders are not followed."""
+def _count_files(folder: str) -> int:
+    return sum(1 for _ in _image_files(folder, "", None))
+
+
+def _folder_pages(folder: Path, root: Path | None, on_skip: OnSkip | None) -> Iterator[list[Item]]:
+    """Regular image files under `folder`, in a stable order (a folder's files by name,
+    then its subfolders by name, as os.walk with sorted names gives them), id: the path
+    relative to `folder`. Symbolic links to folders are not followed; one to a file is
+    taken where its target is a regular file."""
     page: list[Item] = []
-    for file, relative in _image_files(str(folder), ""):
+    for file, relative in _image_files(str(folder), "", on_skip):
         # An id of at most 32 characters is at most 128 bytes: no need to measure it.
         job_id = relative if len(relative) <= 32 else _fit_id(relative)
         page.append(
@@ -163,11 +241,17 @@ def _folder_pages(folder: Path, root: Path | None) -> Iterator[list[Item]]:
         yield page
 
 
-def _image_files(folder: str, prefix: str) -> Iterator[tuple[str, str]]:
+def _image_files(folder: str, prefix: str, on_skip: OnSkip | None) -> Iterator[tuple[str, str]]:
     # os.scandir and string operations: pathlib would cost each file more than the rest
-    # of its way to the stream.
-    with os.scandir(folder) as it:
-        entries = sorted(it, key=_name)
+    # of its way to the stream. is_dir and is_file answer from the folder listing's own
+    # file types, but for a symbolic link, whose target they look at.
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=_name)
+    except OSError as exc:
+        if on_skip is not None:
+            on_skip(folder, f"cannot list it: {exc.strerror or exc}")
+        return
     folders = []
     for entry in entries:
         if entry.is_dir():
@@ -177,9 +261,21 @@ def _image_files(folder: str, prefix: str) -> Iterator[tuple[str, str]]:
         name = entry.name
         dot = name.rfind(".")
         if dot > 0 and name[dot:].lower() in IMAGE_EXTENSIONS:
-            yield entry.path, prefix + name
+            if entry.is_file():
+                yield entry.path, prefix + name
+            elif on_skip is not None:
+                on_skip(entry.path, _not_regular(entry.path))
     for entry in folders:
-        yield from _image_files(entry.path, f"{prefix}{entry.name}/")
+        yield from _image_files(entry.path, f"{prefix}{entry.name}/", on_skip)
+
+
+def _not_regular(path: str) -> str:
+    try:
+        return file_kind(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return "a broken symbolic link"
+    except OSError as exc:
+        return f"cannot look at it: {exc.strerror or exc}"
 
 
 _name = operator.attrgetter("name")
@@ -254,12 +350,10 @@ def _row_item(
     if url is not None:
         if "://" not in url:
             raise SourceError(f"{where}: url needs a scheme (http://, s3://...): {url!r}")
-        job_id = given_id or _fit_id(url.split("#", 1)[0].split("?", 1)[0])
-        return Item(id=job_id, source=url, url=url)
+        return Item(id=given_id or url_id(url), source=url, url=url)
     assert path is not None
     if "://" in path:
-        job_id = given_id or _fit_id(path.split("#", 1)[0].split("?", 1)[0])
-        return Item(id=job_id, source=path, url=path)
+        return Item(id=given_id or url_id(path), source=path, url=path)
     file = path if os.path.isabs(path) else os.path.join(base, path)
     return _local_item(file, given_id or _fit_id(path), root)
 
@@ -282,32 +376,73 @@ def _manifest_rows(manifest: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if fmt == "parquet":
             yield from _parquet_rows(manifest)
             return
-        with manifest.open(encoding="utf-8", newline="") as f:
+        with manifest.open("rb") as f:
+            lines = _lines(f, manifest)
             if fmt == "csv":
-                reader = csv.DictReader(f)
-                _check_columns(manifest, reader.fieldnames or [])
-                for n, row in enumerate(reader, start=2):
-                    yield n, dict(row)
+                yield from _csv_rows(manifest, lines)
             elif fmt == "jsonl":
-                for n, text in enumerate(f, start=1):
-                    if not text.strip():
-                        continue
-                    try:
-                        obj = json.loads(text)
-                    except json.JSONDecodeError as exc:
-                        raise SourceError(f"{manifest} line {n}: not JSON ({exc.msg})") from None
-                    if not isinstance(obj, dict):
-                        raise SourceError(f"{manifest} line {n}: not a JSON object")
-                    yield n, obj
+                yield from _json_rows(manifest, lines)
             else:
-                for n, text in enumerate(f, start=1):
+                for n, text in lines:
                     entry = text.strip()
                     if entry and not entry.startswith("#"):
                         yield n, {"url": entry} if "://" in entry else {"path": entry}
     except OSError as exc:
         raise SourceError(f"cannot read {manifest}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise SourceError(f"{manifest} is not UTF-8 text") from None
+
+
+def _lines(f: IO[bytes], manifest: Path) -> Iterator[tuple[int, str]]:
+    """The manifest's lines (line breaks kept, as csv wants them) with their numbers, each
+    at most MAX_LINE_BYTES."""
+    for n in itertools.count(1):
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_LINE_BYTES:
+            raise SourceError(f"{manifest} line {n}: longer than {MAX_LINE_BYTES} bytes")
+        try:
+            yield n, raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SourceError(f"{manifest} line {n}: not UTF-8 text") from None
+
+
+def _csv_rows(
+    manifest: Path, lines: Iterator[tuple[int, str]]
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    # A quoted field may span lines: a row's number (and an error's) is that of the last
+    # line csv took. A field over csv's own limit (131,072 characters) is refused by it.
+    taken = [0]
+
+    def texts() -> Iterator[str]:
+        for n, text in lines:
+            taken[0] = n
+            yield text
+
+    reader = csv.DictReader(texts())
+    try:
+        _check_columns(manifest, reader.fieldnames or [])
+        for row in reader:
+            yield taken[0], dict(row)
+    except csv.Error as exc:
+        raise SourceError(f"{manifest} line {taken[0]}: not CSV ({exc})") from None
+
+
+def _json_rows(
+    manifest: Path, lines: Iterator[tuple[int, str]]
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    for n, text in lines:
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except RecursionError:
+            raise SourceError(f"{manifest} line {n}: JSON nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer of too many digits
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise SourceError(f"{manifest} line {n}: not JSON ({reason})") from None
+        if not isinstance(obj, dict):
+            raise SourceError(f"{manifest} line {n}: not a JSON object")
+        yield n, obj
 
 
 def _check_columns(manifest: Path, columns: Sequence[str]) -> None:

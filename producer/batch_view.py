@@ -22,16 +22,8 @@ from rich.table import Table
 from producer.batch_runner import Progress as RunProgress
 
 JSON_EVERY_S = 1.0
-
-
-def _done(p: RunProgress) -> int:
-    return p.skipped + p.answered
-
-
-def _total(p: RunProgress) -> int | None:
-    if p.total is not None:
-        return max(p.total, _done(p))
-    return None
+# Entries passed over that the table names (--json names more).
+NAMED_IN_TABLE = 10
 
 
 class BatchView:
@@ -50,13 +42,14 @@ class BatchView:
                 TextColumn("{task.fields[rate]:.0f}/s"),
                 TimeRemainingColumn(),
                 TextColumn("ok {task.fields[ok]}  errors {task.fields[errors]}"),
+                TextColumn("skipped {task.fields[skipped]}"),
                 TextColumn("in flight {task.fields[in_flight]}"),
                 TimeElapsedColumn(),
                 console=err,
                 transient=True,
             )
             self._task = self._bar.add_task(
-                "batch", total=None, rate=0.0, ok=0, errors=0, in_flight=0
+                "batch", total=None, rate=0.0, ok=0, errors=0, in_flight=0, skipped=0
             )
 
     def __enter__(self) -> Callable[[RunProgress], None]:
@@ -75,14 +68,17 @@ class BatchView:
 
     def update(self, p: RunProgress) -> None:
         if self._bar is not None and self._task is not None:
+            # This run's work only: what the output held is skipped, not done (else the
+            # rate and the time left would count it).
             self._bar.update(
                 self._task,
-                completed=_done(p),
-                total=_total(p),
+                completed=p.answered,
+                total=p.todo,
                 rate=p.rate,
                 ok=p.ok,
                 errors=p.errors,
                 in_flight=p.in_flight,
+                skipped=p.skipped,
             )
         if self.json_lines and (p.finished or p.elapsed_s - self._last_json >= JSON_EVERY_S):
             self._last_json = p.elapsed_s
@@ -90,26 +86,47 @@ class BatchView:
 
 
 def summary(p: RunProgress, out: Console) -> None:
-    """Counts by status and error code, the rate and the wall time."""
+    """This run's counts, what it passed over and ignored, then the whole output's rows by
+    status and error code, the rate and the wall time."""
     table = Table("", "jobs", title=f"batch {p.source} -> {p.output}", title_justify="left")
     table.add_row("rows in the output before", str(p.done_before))
     if p.retried:
         table.add_row("  error rows run again", str(p.retried))
     table.add_row("skipped (done before, or a repeated id)", str(p.skipped))
-    table.add_row("ok", str(p.ok))
-    table.add_row("error", str(p.errors), style="red" if p.errors else "")
+    if p.not_regular:
+        table.add_row("passed over (not a regular file)", str(p.not_regular), style="yellow")
+        for named in p.not_regular_files[:NAMED_IN_TABLE]:
+            table.add_row(f"  {named}", "", style="yellow")
+        if p.not_regular > NAMED_IN_TABLE:
+            table.add_row(f"  ... and {p.not_regular - NAMED_IN_TABLE} more", "")
+    table.add_row("ok (this run)", str(p.ok))
+    table.add_row("error (this run)", str(p.errors), style="red" if p.errors else "")
     for code, n in p.error_codes.most_common():
         table.add_row(f"  {code}", str(n), style="red")
+    if p.ignored:
+        table.add_row("answers ignored (to no job of this run)", str(p.ignored), style="red")
     table.add_row("rows in the output", str(p.rows))
-    table.add_row("rate", f"{p.rate:.1f} jobs/s")
+    table.add_row("  ok", str(p.output_ok))
+    table.add_row("  error", str(p.output_errors), style="red" if p.output_errors else "")
+    for code, n in p.output_error_codes.most_common():
+        table.add_row(f"    {code}", str(n), style="red")
+    table.add_row("  from this run", str(p.answered))
+    table.add_row("rate (this run)", f"{p.rate:.1f} jobs/s")
     table.add_row("wall time", f"{p.elapsed_s:.1f} s")
     out.print(table)
 
 
 def failed_message(p: RunProgress) -> str:
     return (
-        f"{p.errors} job(s) ended in an error: the rows with status 'error' in {p.output} "
-        "(run again with --retry-failed to submit them again)"
+        f"{p.output_errors} row(s) of {p.output} are errors ({p.errors} from this run): "
+        "the rows with status 'error' (run again with --retry-failed to submit them again)"
+    )
+
+
+def ignored_message(p: RunProgress) -> str:
+    return (
+        f"{p.ignored} answer(s) to no job of this run were ignored (an earlier run's late "
+        "answers, repeats, or answers someone else wrote): none is in the output"
     )
 
 

@@ -31,7 +31,7 @@ from producer.admission import AdmissionRefused
 from producer.client import Producer
 from producer.core import DEFAULT_REDIS_URL
 from producer.dead_letters import DeadLetter, DeadLetterNotFound, iso_utc
-from producer.jobs import Job, file_job_ids, read_url_list, url_job_ids
+from producer.jobs import IMAGE_EXTENSIONS, Job, file_job_ids, read_url_list, url_job_ids
 from producer.priorities import UnknownPriority, level_stream, pick_level
 from producer.reach import UNREACHABLE, unreachable
 from producer.stats import collect_stats
@@ -42,8 +42,6 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 EXIT_REFUSED = 4  # admission control: the backlog or Redis's memory is full
 EXIT_INTERRUPTED = 130
-
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 
 app = typer.Typer(
     name="gpufeed",
@@ -425,7 +423,8 @@ def submit(
     ] = 0.0,
 ) -> None:
     """Submit image files (job id: the file name), or with --urls the URLs of images (job id:
-    the URL without its query), and optionally wait for their results."""
+    the URL without its fragment and signing parameters), and optionally wait for their
+    results."""
     if bool(paths) == (urls is not None):
         raise _fail("give image files or folders, or --urls FILE (not both)", EXIT_USAGE)
     files: list[Path] = []
@@ -559,6 +558,14 @@ def batch(
         float,
         typer.Option(min=0.0, max=1.0, help="wait past this share of Redis's maxmemory; 0: off"),
     ] = 0.0,
+    max_image_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar="GPUFEED_MAX_IMAGE_BYTES",
+            min=1024,
+            help="a local file over this is an error row, never read past it (the workers' limit)",
+        ),
+    ] = wire.DEFAULT_MAX_IMAGE_BYTES,
     json_out: Annotated[
         bool, typer.Option("--json", help="JSON progress lines and summary on stdout")
     ] = False,
@@ -568,7 +575,7 @@ def batch(
     from producer.batch_output import OutputError, output_format
     from producer.batch_runner import BatchOptions, run_batch
     from producer.batch_sources import SourceError, open_source
-    from producer.batch_view import BatchView, failed_message, print_json, summary
+    from producer.batch_view import BatchView, failed_message, ignored_message, print_json, summary
 
     options = BatchOptions(
         in_flight=in_flight,
@@ -578,6 +585,7 @@ def batch(
         path_root=path_root,
         meta=None if meta is None else meta.encode(),
         checkpoint_s=checkpoint,
+        max_image_bytes=max_image_bytes,
     )
     try:
         output_format(out_path)
@@ -599,7 +607,10 @@ def batch(
         print_json({"summary": progress.to_dict()})
     else:
         summary(progress, out)
-    if progress.errors:
+    if progress.ignored:
+        print(f"warning: {ignored_message(progress)}", file=sys.stderr)
+    # The exit code says what the output holds, whichever run wrote its rows.
+    if progress.output_errors:
         raise _fail(failed_message(progress), EXIT_FAILED)
 
 

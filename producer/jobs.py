@@ -13,6 +13,35 @@ from redis.typing import EncodableT, FieldT
 
 from producer import wire
 
+# The file names taken as images from a folder: the formats the workers decode
+# (worker/decode/cpu.py); anything else would only come back `unsupported_format`.
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif"})
+
+# Query parameters that sign or authorise a URL rather than name an image: a presigned
+# URL's signature must not become an id (a result key, a row of an output), and a URL
+# presigned again (a new expiry, a new signature) names the same image, so it keeps its id.
+# S3 and GCS (V4: x-amz-*, x-goog-*; V2), CloudFront, and common token parameters.
+_SIGNING_PARAMS = frozenset(
+    {
+        "signature",
+        "expires",
+        "awsaccesskeyid",
+        "googleaccessid",
+        "key-pair-id",
+        "policy",
+        "token",
+        "access_token",
+        "__token__",
+    }
+)
+_SIGNING_PREFIXES = ("x-amz-", "x-goog-")
+# An Azure shared access signature: recognised by its `sig`, and then all of its parameters
+# go (its start, expiry and permissions change when it is issued again).
+_AZURE_SAS_PARAMS = frozenset(
+    {"sig", "sv", "ss", "srt", "sp", "se", "st", "spr", "si", "sr", "sdd", "ses", "skoid",
+     "sktid", "skt", "ske", "sks", "skv", "saoid", "suoid", "scid"}
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Job:
@@ -114,13 +143,41 @@ def file_job_ids(files: Sequence[str | os.PathLike[str]], *, id_prefix: str = ""
     return ids
 
 
+def url_id(url: str) -> str:
+    """The id of a job made from `url`, the one rule `producer submit --urls` and
+    `producer batch` share: the URL without its fragment and without the query parameters
+    that sign it (`_SIGNING_PARAMS`), so `.../get?id=1` and `.../get?id=2` are two ids
+    while one image presigned twice is one; fit to MAX_ID_BYTES."""
+    return _fit_id(_url_base(url))
+
+
+def _url_base(url: str) -> str:
+    base, _, _ = url.partition("#")
+    return _unsigned(base) if "?" in base else base
+
+
+def _unsigned(url: str) -> str:
+    head, _, query = url.partition("?")
+    params = [p for p in query.split("&") if p]
+    names = [p.partition("=")[0].lower() for p in params]
+    sas = "sig" in names
+    kept = [
+        p
+        for p, name in zip(params, names, strict=True)
+        if name not in _SIGNING_PARAMS
+        and not name.startswith(_SIGNING_PREFIXES)
+        and not (sas and name in _AZURE_SAS_PARAMS)
+    ]
+    return f"{head}?{'&'.join(kept)}" if kept else head
+
+
 def url_job_ids(urls: Sequence[str], *, id_prefix: str = "") -> list[str]:
-    """Ids for jobs made from `urls`: the URL without its query string (which may hold a
-    signature, and must not end up in a result's key), made unique and fit to the limit."""
+    """Ids for jobs made from `urls`: each `url_id`, made unique (a URL given twice is two
+    jobs here: `#2` is added to the second) and fit to the limit."""
     seen: dict[str, int] = {}
     ids: list[str] = []
     for url in urls:
-        base = url.split("#", 1)[0].split("?", 1)[0]
+        base = _url_base(url)
         nth = seen[base] = seen.get(base, 0) + 1
         ids.append(_fit_id(id_prefix + (base if nth == 1 else f"{base}#{nth}")))
     return ids

@@ -38,6 +38,9 @@ MAX_REPLY_TO_BYTES = 1024
 # echoed in the result (stream entry and hash), so it is bounded like the result as a whole.
 DEFAULT_MAX_META_BYTES = 64 * 1024
 DEFAULT_MAX_RESULT_BYTES = 4 * 1024 * 1024
+# The workers' default GPUFEED_MAX_IMAGE_BYTES: a larger image is `payload_too_large`.
+# `producer batch` reads no file past the limit (the same variable sets both sides).
+DEFAULT_MAX_IMAGE_BYTES = 50 * 1024 * 1024
 
 # Job fields (stream entry field names).
 JOB_IMAGE = b"image"

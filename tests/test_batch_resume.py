@@ -124,8 +124,9 @@ async def test_a_killed_batch_over_a_prefix_resumes_and_every_id_is_there_once(
         second = await asyncio.to_thread(run_to_end, redis_url, out)
 
     assert second.returncode == 1, second.stderr  # the broken images are error rows
-    assert "4 job(s) ended in an error" in second.stderr
+    assert f"4 row(s) of {out} are errors (4 from this run)" in second.stderr
     summary = json.loads(second.stdout.splitlines()[-1])["summary"]
+    assert summary["in_output"]["ok"] == len(ids) - 4 and summary["in_output"]["errors"] == 4
     assert summary["done_before"] == kept
     assert summary["submitted"] <= len(ids) - kept  # only what the output lacked
     table = pq.read_table(out)

@@ -131,7 +131,7 @@ class WorkerConfig:
     decode_cache_mb: int = field(default=256, metadata={"env": "GPUFEED_DECODE_CACHE_MB"})
     ring_slots: int = field(default=4, metadata={"env": "GPUFEED_RING_SLOTS"})
     max_image_bytes: int = field(
-        default=50 * 1024 * 1024, metadata={"env": "GPUFEED_MAX_IMAGE_BYTES"}
+        default=wire.DEFAULT_MAX_IMAGE_BYTES, metadata={"env": "GPUFEED_MAX_IMAGE_BYTES"}
     )
     max_image_pixels: int = field(default=100_000_000, metadata={"env": "GPUFEED_MAX_IMAGE_PIXELS"})
     max_decode_mb: int = field(default=512, metadata={"env": "GPUFEED_MAX_DECODE_MB"})
