@@ -18,8 +18,8 @@
 # benchmark measures alone on the GPU: ceiling, pipeline (throughput window, then the sync
 # window), GPU decode, then extras if time is left. The tests stop at their limit so that
 # the benchmark keeps GPU_CHECK_RESERVE_S; a phase that does not fit is "not measured" and
-# fails the check. Last, worker.tools.gpu_check_report adds the test results to report.json
-# and judges every rule (worker/tools/gpu_check_rules.py), printing each.
+# fails the check. Last, worker.tools.gpu_check.report adds the test results to report.json
+# and judges every rule (worker/tools/gpu_check/rules.py), printing each.
 #
 # Writes $GPU_CHECK_OUT/report.json (default .gpu-check/out), plus pytest.xml, pytest.log,
 # benchmark.log and redis.log there. Exit status: 0 when every rule passed; 1 otherwise;
@@ -52,7 +52,7 @@ export PYTHONUNBUFFERED=1
 
 # 0. Can this host run it at all? CUDA for torch, and what triton builds its helpers with.
 #    Seconds, before anything is installed; exit 2 with the reason (and report.json).
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m worker.tools.gpu_preflight \
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m worker.tools.gpu_check.preflight \
   --device "$DEVICE" --out "$OUT" || exit 2
 
 if [[ ! -d $GC/wheels || ! -f $GC/redis/redis-server ]]; then
@@ -102,7 +102,7 @@ export REDIS_URL="redis://127.0.0.1:$PORT/0"
 #    writes report.json as each phase ends and stops at its deadline, whatever is running.
 DEADLINE=$(( $(left) - 10 ))
 echo "gpu-check: benchmark started (deadline ${DEADLINE} s; log: $OUT/benchmark.log)"
-timeout -k 10 $(( DEADLINE + 15 )) "$PY" -m worker.tools.gpu_check --device "$DEVICE" \
+timeout -k 10 $(( DEADLINE + 15 )) "$PY" -m worker.tools.gpu_check.check --device "$DEVICE" \
   --out "$OUT" --redis-url "$REDIS_URL" --deadline-s "$DEADLINE" \
   --seconds "${GPU_CHECK_SECONDS:-15}" --wait-for "$OUT/tests.done" \
   > "$OUT/benchmark.log" 2>&1 &
@@ -130,7 +130,7 @@ BENCH_PID=
 grep -h '^{"device"' "$OUT/benchmark.log" || tail -n 3 "$OUT/benchmark.log"
 
 # 5. The verdict: the test results added to the report, every rule judged and printed.
-"$PY" -m worker.tools.gpu_check_report --out "$OUT" --junit "$OUT/pytest.xml" \
+"$PY" -m worker.tools.gpu_check.report --out "$OUT" --junit "$OUT/pytest.xml" \
   --tests-rc "$TESTS_RC" --bench-rc "$BENCH_RC"
 VERDICT_RC=$?
 

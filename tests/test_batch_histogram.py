@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from worker.metrics import _SECONDS, STAGES, BatchHistogram
 from worker.model.readers import ClassifyReader
+from worker.observe.metrics import _SECONDS, STAGES, BatchHistogram
 
 
 def _samples(registry: CollectorRegistry) -> dict[str, float]:

@@ -401,6 +401,6 @@ def test_a_killed_runs_reply_stream_is_deleted_by_the_run_that_finishes_the_outp
 
 def test_the_client_reads_no_more_than_the_workers_default_image_limit() -> None:
     from producer import wire
-    from worker.config import WorkerConfig
+    from worker.config.settings import WorkerConfig
 
     assert WorkerConfig().max_image_bytes == wire.DEFAULT_MAX_IMAGE_BYTES

@@ -27,7 +27,7 @@ from tests.process_harness import FAST_RECLAIM_ENV, pending_of, start_workers, s
 from tests.redis_server import RedisServer
 from tests.test_fetch import put_objects, s3_endpoint
 from tests.worker_harness import running_worker
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")

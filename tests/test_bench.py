@@ -18,11 +18,11 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from worker import gil_account
 from worker.cli import cli
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 from worker.decode.cache import cache_key
 from worker.decode.cpu import DecodeSpec, decode_into, decode_to_array
+from worker.observe import gil_account
 from worker.tools.bench.ablations import CpuPreprocess
 from worker.tools.bench.accuracy import SIZES, accuracy_section
 from worker.tools.bench.images import ImageSetSpec, load_image_set
@@ -30,8 +30,8 @@ from worker.tools.bench.naive import NaivePreprocess
 from worker.tools.bench.profiles import make_profile
 from worker.tools.bench.redis_env import job_image
 from worker.tools.bench.report import accuracy_lines, render_markdown, validate_report
-from worker.tools.bench.runner import run_bench
 from worker.tools.bench.stage_rates import ideal_pipeline, ideal_sequential
+from worker.tools.bench.suite import run_bench
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,9 @@ from tests.images import jpeg_bytes
 from tests.redis_cluster import RedisCluster, ResultWatcher, results_by_id
 from tests.redis_server import RedisServer
 from tests.worker_harness import serving
-from worker.config import ConfigError, WorkerConfig
-from worker.service import Worker
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.lifecycle.service import Worker
 
 NULL = {
     "model": "null",
@@ -210,7 +211,7 @@ async def test_the_backlog_age_is_measured_on_each_shards_master(cluster: RedisC
     a future entry ID on one shard does not hide the backlog behind it."""
     import redis.asyncio.cluster as aiocluster
 
-    from worker.degrade import WaitingClock
+    from worker.pipeline.degrade import WaitingClock
 
     shards = layout(3, **names("age"))
     sync = SyncCluster.from_url(node_url(cluster))

@@ -8,15 +8,15 @@ from typing import Any
 import pytest
 
 from producer.wire import ErrorCode
-from worker.batcher import Batch
-from worker.completion import CompletionWatcher
 from worker.decode.cpu import DecodeError, DecodeInfo
 from worker.decode.pool import DecodeResult
 from worker.jobs import Job, Outcome
 from worker.model.answers import Classification
 from worker.model.readers import ClassifyReader
-from worker.runner import Launched
-from worker.staging import InputRing, OutputRing
+from worker.pipeline.batcher import Batch
+from worker.pipeline.completion import CompletionWatcher
+from worker.pipeline.launch import Launched
+from worker.pipeline.staging import InputRing, OutputRing
 
 
 class FakeEvent:

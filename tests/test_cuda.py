@@ -25,10 +25,8 @@ import redis
 import torch
 
 from tests.test_step import random_batch, tiny_step
-from worker.batcher import Batch
 from worker.decode.cpu import DecodeInfo
 from worker.decode.pool import DecodeResult
-from worker.device import make_context
 from worker.jobs import Job
 from worker.model.compiler import (
     CompileRefused,
@@ -38,9 +36,11 @@ from worker.model.compiler import (
 )
 from worker.model.precision import precision_check
 from worker.model.step import InferenceStep
-from worker.runner import Launched, LaunchFailed, ModelRunner
-from worker.staging import InputRing, OutputRing
-from worker.transfer import DeviceTransfer
+from worker.pipeline.batcher import Batch
+from worker.pipeline.device import make_context
+from worker.pipeline.launch import Launched, LaunchFailed, ModelRunner
+from worker.pipeline.staging import InputRing, OutputRing
+from worker.pipeline.transfer import DeviceTransfer
 
 pytestmark = [
     pytest.mark.cuda,

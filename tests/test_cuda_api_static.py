@@ -28,20 +28,20 @@ import torchvision
 ROOT = Path(__file__).resolve().parent.parent
 
 CUDA_PATH = (
-    "worker/device.py",
-    "worker/transfer.py",
-    "worker/runner.py",
-    "worker/staging.py",
-    "worker/completion.py",
+    "worker/pipeline/device.py",
+    "worker/pipeline/transfer.py",
+    "worker/pipeline/launch.py",
+    "worker/pipeline/staging.py",
+    "worker/pipeline/completion.py",
     "worker/model/step.py",
     "worker/model/compiler.py",
     "worker/model/precision.py",
     "worker/model/ceiling.py",
     "worker/decode/gpu.py",
-    "worker/gpu_sampler.py",
-    "worker/health.py",
-    "worker/tools/gpu_check.py",
-    "worker/tools/gpu_preflight.py",
+    "worker/observe/gpu_sampler.py",
+    "worker/observe/health.py",
+    "worker/tools/gpu_check/check.py",
+    "worker/tools/gpu_check/preflight.py",
 )
 
 # Reached through an instance, getattr or hasattr: invisible to the walk.
@@ -225,7 +225,7 @@ def test_nvimgcodec_names_exist_where_installed() -> None:
     ],
 )
 def test_every_compile_mode_knows_whether_it_replays_graphs(mode: str, graphs: bool) -> None:
-    from worker.config import COMPILE_MODES
+    from worker.config.settings import COMPILE_MODES
     from worker.model.compiler import mode_uses_cudagraphs, step_inductor_options
 
     assert mode in COMPILE_MODES
@@ -257,7 +257,7 @@ def test_no_module_decides_cuda_graphs_by_the_mode_name() -> None:
 def test_every_event_query_in_health_is_under_the_device_guard() -> None:
     """/live runs on the HTTP thread: a CUDA call there without the worker's device would
     create a context on GPU 0 for a worker on cuda:N."""
-    tree = ast.parse((ROOT / "worker/health.py").read_text())
+    tree = ast.parse((ROOT / "worker/observe/health.py").read_text())
     guarded: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.With) and any(
@@ -283,7 +283,7 @@ def test_live_queries_each_stale_batch_on_the_workers_device(
 ) -> None:
     from types import SimpleNamespace
 
-    from worker.health import Health
+    from worker.observe.health import Health
 
     entered: list[Any] = []
     current: list[Any] = [None]

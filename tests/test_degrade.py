@@ -26,12 +26,13 @@ from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.model_dirs import make_model_dir
 from tests.worker_harness import running_worker, wait_results
-from worker.config import ConfigError, WorkerConfig
-from worker.degrade import DegradeSwitch, WaitingClock, oldest_waiting_s
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.lifecycle.service import Worker
 from worker.model.loader import load_null
 from worker.model.step import build_step, resample_matrix
-from worker.runner import Launched
-from worker.service import Worker
+from worker.pipeline.degrade import DegradeSwitch, WaitingClock, oldest_waiting_s
+from worker.pipeline.launch import Launched
 
 NULL = {"model": "null", "input_size": 64, "batch_size": 4}
 

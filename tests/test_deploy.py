@@ -1,4 +1,4 @@
-"""deploy/ agrees with itself and with worker/config.py.
+"""deploy/ agrees with itself and with worker/config/settings.py.
 
 Static checks only (no systemd, Docker or cluster needed): every variable named in the
 deployment files is a real setting, every setting is documented with its real default,
@@ -26,7 +26,7 @@ import pytest
 
 from tests.redis_server import free_port
 from worker.cli import run as run_command
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

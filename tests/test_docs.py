@@ -16,10 +16,10 @@ from typer.testing import CliRunner as TyperRunner
 from producer import wire, wire_help
 from producer.cli import app as producer_app
 from producer.wire import ErrorCode
-from worker import settings_help
 from worker.cli import cli
-from worker.config import TOOL_VARIABLES, WorkerConfig
-from worker.metrics import STAGES, WorkerMetrics
+from worker.config import settings_help
+from worker.config.settings import TOOL_VARIABLES, WorkerConfig
+from worker.observe.metrics import STAGES, WorkerMetrics
 from worker.tools import docs_gen
 from worker.tools.docs_gen import cli_page, make_page, wire_pages
 
@@ -68,7 +68,7 @@ def test_worker_help_names_the_other_variables() -> None:
 
 
 def test_every_setting_has_a_meaning() -> None:
-    assert settings_help.missing() == [], "add a row to worker/settings_help.py"
+    assert settings_help.missing() == [], "add a row to worker/config/settings_help.py"
     known = {f.metadata["env"] for f in fields(WorkerConfig)}
     assert set(settings_help.SETTINGS) <= known, "a row for a setting that does not exist"
 

@@ -31,7 +31,7 @@ from worker.tools.doctor import (
     schema_markdown,
     validate,
 )
-from worker.tools.profile_stats import (
+from worker.tools.doctor.profile_stats import (
     busy_time_us,
     gap_stats,
     gaps_us,
@@ -39,7 +39,7 @@ from worker.tools.profile_stats import (
     top_names,
     trace_stats,
 )
-from worker.tools.verdict import VERDICTS
+from worker.tools.doctor.verdict import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"ceiling_seconds": 0.3, "sync_launches": 3, "image_size": (320, 240)}

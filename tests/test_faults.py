@@ -277,10 +277,10 @@ async def test_a_publish_that_meets_a_restarted_redis_is_retried_not_refused(
     """
     import redis.asyncio as aioredis
 
+    from worker.delivery.redis_scripts import PUBLISH_RESULTS
+    from worker.delivery.writer import ResultWriter, WriterSettings
     from worker.jobs import Job, Outcome
     from worker.model.answers import Classification
-    from worker.redis_scripts import PUBLISH_RESULTS
-    from worker.writer import ResultWriter, WriterSettings
 
     redis_client.xgroup_create("gpufeed:jobs", "gpufeed", id="0", mkstream=True)
     entry = redis_client.xadd(

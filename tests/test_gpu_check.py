@@ -23,16 +23,16 @@ import torch
 from click.testing import CliRunner
 
 from worker.cli import cli
-from worker.tools.gpu_check import main
-from worker.tools.gpu_check_report import (
+from worker.tools.gpu_check.check import main
+from worker.tools.gpu_check.preflight import check_cuda, check_toolchain
+from worker.tools.gpu_check.report import (
     EXPECTED_TESTS,
     cuda_tests_verdict,
     expected_cuda_tests,
     junit_key,
     junit_summary,
 )
-from worker.tools.gpu_check_rules import GPU_UTIL_TARGET, RATIO_TARGET, RULES
-from worker.tools.gpu_preflight import check_cuda, check_toolchain
+from worker.tools.gpu_check.rules import GPU_UTIL_TARGET, RATIO_TARGET, RULES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,7 +139,7 @@ def phases_on_cpu(
     return [
         sys.executable,
         "-c",
-        "import sys; from worker.tools.gpu_check import main; "
+        "import sys; from worker.tools.gpu_check.check import main; "
         f"sys.exit(main({argv!r}, require_cuda=False))",
     ]
 
@@ -187,7 +187,7 @@ def test_a_start_up_longer_than_the_budget_still_reports(redis_url: str, tmp_pat
     junit = write_junit(tmp_path / "pytest.xml")
     argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=3)
     argv[2] = (
-        "import asyncio, worker.service as service\n"
+        "import asyncio, worker.lifecycle.service as service\n"
         "async def hang(self, **kwargs): await asyncio.sleep(600)\n"
         "service.Worker.startup = hang\n" + argv[2]
     )
@@ -423,7 +423,7 @@ def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -
     or driver call (whoever made it) and every copy from pageable memory counts, named by
     the torch ops around it; asynchronous work does not count, nor the profiler's own
     synchronise after the window."""
-    from worker.tools.gpu_check import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
+    from worker.tools.gpu_check.check import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
 
     def ev(name: str, start: int, end: int, thread: int = 1, on_cpu: bool = True) -> RawEvent:
         return RawEvent(name, start, end, thread, on_cpu)
@@ -467,7 +467,7 @@ def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -
 def test_the_conclusion_adds_the_tests_and_names_a_crashed_benchmark(tmp_path: Path) -> None:
     """The script's last step: the test results join the benchmark's report, and a
     benchmark that died without writing its error (a segfault: exit 139) fails the run."""
-    from worker.tools.gpu_check_report import main as conclude_main
+    from worker.tools.gpu_check.report import main as conclude_main
 
     report = good_report()
     del report["tests"]
@@ -494,7 +494,7 @@ def test_replays_are_counted_inside_each_launch_of_the_step(
     them, and a launch with no replay, or two, is named."""
     from types import SimpleNamespace
 
-    from worker.tools.gpu_check import count_step_replays
+    from worker.tools.gpu_check.check import count_step_replays
 
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: None, raising=False)
     replays_per_call = iter([1, 1, 0, 2, 1])
@@ -515,7 +515,7 @@ def test_replays_are_counted_inside_each_launch_of_the_step(
 
 def test_decode_rates_put_both_decoders_side_by_side() -> None:
     """The extra phase's figures (on the CPU here, torchvision's decoder standing in)."""
-    from worker.tools.gpu_check import decode_rates
+    from worker.tools.gpu_check.check import decode_rates
 
     rates = decode_rates(torch.device("cpu"), 32, 4, 2, width=160, height=120, seconds=0.2)
     assert rates["cpu_images_per_s"] > 0 and rates["gpu_images_per_s"] > 0
@@ -524,7 +524,7 @@ def test_decode_rates_put_both_decoders_side_by_side() -> None:
 
 
 def test_the_sync_debug_mode_notice_is_not_a_host_sync() -> None:
-    from worker.tools.gpu_check import is_sync_warning
+    from worker.tools.gpu_check.check import is_sync_warning
 
     # The first GPU host counted torch's own notice as "1 host sync in 40 batches".
     notice = (

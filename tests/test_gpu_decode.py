@@ -18,7 +18,6 @@ from PIL import Image
 
 from producer.wire import ErrorCode
 from tests.images import encode, jpeg_bytes, photo_like, png_bytes
-from worker.batcher import Batch
 from worker.decode.cpu import DecodeError, DecodeSpec, decode_to_array
 from worker.decode.gpu import (
     FIT_CHUNK_PIXELS,
@@ -34,11 +33,12 @@ from worker.decode.gpu import (
     size_class,
 )
 from worker.decode.pool import DecodePool
-from worker.device import make_context
 from worker.jobs import Job
-from worker.runner import ModelRunner
-from worker.staging import InputRing, OutputRing
-from worker.transfer import DeviceTransfer
+from worker.pipeline.batcher import Batch
+from worker.pipeline.device import make_context
+from worker.pipeline.launch import ModelRunner
+from worker.pipeline.staging import InputRing, OutputRing
+from worker.pipeline.transfer import DeviceTransfer
 
 needs_cuda = [
     pytest.mark.cuda,

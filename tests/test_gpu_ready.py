@@ -32,7 +32,6 @@ from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
 from tests.test_step import tiny_step
 from tests.worker_harness import running_worker, wait_results
-from worker.batcher import Batch
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.decode.gpu import (
     GpuDecodeFailed,
@@ -45,8 +44,8 @@ from worker.decode.gpu import (
     setup_gpu_decode,
 )
 from worker.decode.pool import DecodePool
-from worker.device import make_context, prepare_graph_thread
-from worker.gpu_sampler import (
+from worker.jobs import Job
+from worker.observe.gpu_sampler import (
     CudaIdentity,
     DeviceNotFound,
     GpuSampler,
@@ -54,10 +53,11 @@ from worker.gpu_sampler import (
     _Nvml,
     nvml_index_for,
 )
-from worker.jobs import Job
-from worker.runner import LaunchFailed, ModelRunner
-from worker.staging import InputRing, OutputRing
-from worker.transfer import DeviceTransfer
+from worker.pipeline.batcher import Batch
+from worker.pipeline.device import make_context, prepare_graph_thread
+from worker.pipeline.launch import LaunchFailed, ModelRunner
+from worker.pipeline.staging import InputRing, OutputRing
+from worker.pipeline.transfer import DeviceTransfer
 
 ALL_GPU = GpuDecodeRouter({"small": True, "medium": True, "large": True})
 SPEC = DecodeSpec(size=20, dct_scaling=False)

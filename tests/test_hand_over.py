@@ -10,12 +10,12 @@ import numpy as np
 
 from producer.wire import ErrorCode
 from tests.images import png_bytes
-from worker.batcher import Batch, Batcher
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.decode.pool import DecodePool
-from worker.job_queue import WOKEN, JobQueue
 from worker.jobs import Job
-from worker.staging import InputRing
+from worker.pipeline.batcher import Batch, Batcher
+from worker.pipeline.job_queue import WOKEN, JobQueue
+from worker.pipeline.staging import InputRing
 
 S = 32
 SPEC = DecodeSpec(size=S)

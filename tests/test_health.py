@@ -24,10 +24,11 @@ from tests.redis_server import RedisServer, free_port
 from tests.test_observability import get, metric
 from tests.worker_harness import running_worker, tiny_config, wait_results
 from worker import health as health_mod
-from worker.config import ConfigError, WorkerConfig
-from worker.health import Health, HealthServer
-from worker.metrics import WorkerMetrics
-from worker.service import Worker
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.lifecycle.service import Worker
+from worker.observe.health import Health, HealthServer
+from worker.observe.metrics import WorkerMetrics
 
 
 async def wait_status(url: str, code: int, timeout_s: float = 20) -> str:

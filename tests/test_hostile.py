@@ -21,10 +21,10 @@ from producer.wire import JobResult
 from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer
 from tests.worker_harness import running_worker, wait_results
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
+from worker.delivery.writer import ResultWriter, WriterSettings
 from worker.jobs import Outcome, deleted_entry_job, parse_job
 from worker.model.loader import save_weights_file
-from worker.writer import ResultWriter, WriterSettings
 
 FAST = {"visibility_timeout_s": 1.0, "claim_interval_s": 0.3, "consumer_expiry_s": 1.0}
 SMALL = jpeg_bytes(64, 48)

@@ -9,7 +9,7 @@ import pytest
 
 from producer.wire import ErrorCode
 from worker.decode.cpu import DecodeError
-from worker.job_path import read_job_path
+from worker.fetch.path import read_job_path
 
 LIMIT = 1024
 CONTENT = b"\xff\xd8\xff not really a jpeg"

@@ -34,16 +34,17 @@ from tests.model_dirs import (
 )
 from tests.worker_harness import running_worker, tiny_config, wait_results
 from worker.cli import cli
-from worker.config import ConfigError, WorkerConfig
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
 from worker.decode.cpu import DecodeSpec, decode_to_array
+from worker.delivery.writer import WriterSettings, result_fields
 from worker.jobs import Job, Outcome
 from worker.model.answers import Embedding
 from worker.model.directory import load_model_dir
-from worker.model.loader import LoadedModel
+from worker.model.loaded import LoadedModel
 from worker.model.manifest import read_manifest
 from worker.model.readers import make_reader
 from worker.model.step import build_step
-from worker.writer import WriterSettings, result_fields
 
 IMAGES = [jpeg_bytes(120 + 8 * i, 90 + 5 * i, seed=i) for i in range(5)] + [png_bytes(64, 80)]
 
@@ -535,7 +536,7 @@ async def test_doctor_takes_a_model_directory(tmp_path: Path, redis_url: str) ->
 def test_bench_takes_a_model_directory(tmp_path: Path) -> None:
     from worker.tools.bench.profiles import ModelPlan, make_profile
     from worker.tools.bench.report import validate_report
-    from worker.tools.bench.runner import run_bench
+    from worker.tools.bench.suite import run_bench
 
     root = make_model_dir(
         tmp_path / "letterboxed",

@@ -1,7 +1,7 @@
 """deploy/prometheus (alert rules) and deploy/grafana (dashboard) work on the metrics that
 exist: promtool checks the rules' syntax, runs their unit tests and parses every query of
 the dashboard; a structural check stands in for Grafana's own; and every metric, label and
-label value they name is one worker/metrics.py exports."""
+label value they name is one worker/observe/metrics.py exports."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
-from worker.metrics import DELIVERY_EVENTS, STAGES, BatchHistogram, WorkerMetrics
+from worker.observe.metrics import DELIVERY_EVENTS, STAGES, BatchHistogram, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "gpufeed-alerts.yaml"
@@ -112,7 +112,7 @@ def check_names(text: str, where: str) -> list[str]:
     for m in _SELECTOR.finditer(text):
         name, matchers = m.group(1), m.group(2) or ""
         if name not in known:
-            problems.append(f"{where}: {name} is not exported by worker/metrics.py")
+            problems.append(f"{where}: {name} is not exported by worker/observe/metrics.py")
             continue
         for label, op, value in _MATCHER.findall(matchers):
             if label not in known[name] | TARGET_LABELS:
@@ -229,7 +229,7 @@ def test_dashboard_queries_parse(tmp_path: Path) -> None:
 def test_the_name_check_catches_what_does_not_exist() -> None:
     assert check_names('rate(gpufeed_results_total{status="ok"}[5m])', "x") == []
     assert check_names("gpufeed_jobs_total", "x") == [
-        "x: gpufeed_jobs_total is not exported by worker/metrics.py"
+        "x: gpufeed_jobs_total is not exported by worker/observe/metrics.py"
     ]
     assert check_names('gpufeed_results_total{colour="red"}', "x") == [
         "x: gpufeed_results_total has no label colour"
@@ -243,7 +243,7 @@ def test_the_name_check_catches_what_does_not_exist() -> None:
 
 
 def test_the_stage_panel_says_what_metrics_and_top_say() -> None:
-    from worker.metrics import STAGE_INFO
+    from worker.observe.metrics import STAGE_INFO
 
     panels = json.loads(DASHBOARD.read_text())["panels"]
     (panel,) = [p for p in panels if p.get("title") == "Stage latency p50"]

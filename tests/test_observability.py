@@ -89,7 +89,7 @@ async def test_metrics_health_and_heartbeat_under_load(
 
 async def test_ready_is_503_until_the_worker_reads(redis_url: str, tiny_weights: Path) -> None:
     from tests.worker_harness import tiny_config
-    from worker.service import Worker
+    from worker.lifecycle.service import Worker
 
     port = free_port()
     worker = Worker(tiny_config(redis_url, tiny_weights, metrics_port=port))

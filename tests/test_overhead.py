@@ -16,10 +16,11 @@ from producer.wire import JobResult
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
 from worker.cli import cli
-from worker.config import ConfigError, WorkerConfig
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
 from worker.model.loader import load_configured
 from worker.model.step import build_step
-from worker.tools.queue_ceiling import queue_ceiling
+from worker.tools.bench.queue_ceiling import queue_ceiling
 
 
 def test_the_null_model_is_a_classifier_of_fixed_answers() -> None:

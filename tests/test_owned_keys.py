@@ -20,7 +20,8 @@ from producer.wire import JobResult
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker
-from worker.config import ConfigError, WorkerConfig
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
 
 NULL = {"model": "null", "input_size": 64, "batch_size": 4}
 SMALL = jpeg_bytes(64, 48)

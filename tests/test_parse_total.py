@@ -30,11 +30,12 @@ from tests.redis_server import RedisServer
 from tests.worker_harness import running_worker
 from worker import jobs
 from worker.cli import cli
-from worker.config import ConfigError, WorkerConfig
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.delivery.redis_check import preflight
 from worker.jobs import Job, job_of_entry, parse_job
+from worker.lifecycle.service import Worker
 from worker.model.manifest import read_labels, read_manifest
-from worker.redis_check import preflight
-from worker.service import Worker
 
 SMALL = jpeg_bytes(64, 48)
 GOOD_DEADLINE = b"4000000000000"  # in the year 2096

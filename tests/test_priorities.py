@@ -18,8 +18,9 @@ from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
 from worker.cli import cli
-from worker.config import ConfigError, WorkerConfig
-from worker.lanes import Lanes
+from worker.config.errors import ConfigError
+from worker.config.lanes import Lanes
+from worker.config.settings import WorkerConfig
 
 HIGH, NORMAL, LOW = "gpufeed:jobs:high", "gpufeed:jobs:normal", "gpufeed:jobs:low"
 IMAGE = jpeg_bytes(32, 24)

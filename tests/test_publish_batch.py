@@ -11,10 +11,10 @@ import redis.asyncio as aioredis
 
 from producer.wire import ErrorCode, JobResult
 from tests.redis_server import RedisServer
+from worker.delivery.writer import PublishCall, PublishState, ResultWriter, WriterSettings
 from worker.jobs import Job, Outcome
 from worker.model.answers import Classification
-from worker.observer import Observer
-from worker.writer import PublishCall, PublishState, ResultWriter, WriterSettings
+from worker.observe.observer import Observer
 
 DEAD_MESSAGE = "delivered 5 times without an answer"
 ANSWER = Classification(indices=[3, 1], scores=[0.75, 0.25], names=["three", "one"])

@@ -39,10 +39,10 @@ from tests.process_harness import (
     wait_until_answered,
 )
 from tests.redis_server import RedisServer
-from worker.health import Health
+from worker.delivery.writer import PublishState, ResultWriter, WriterSettings
 from worker.jobs import Outcome, parse_job
 from worker.model.answers import Embedding
-from worker.writer import PublishState, ResultWriter, WriterSettings
+from worker.observe.health import Health
 
 BULK_LIMIT = 1024 * 1024  # the server's proto-max-bulk-len
 MAX_META = 700_000

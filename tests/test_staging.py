@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from producer.wire import ErrorCode
-from worker.batcher import Batch
 from worker.decode.cpu import DecodeError, DecodeInfo
 from worker.decode.pool import DecodeResult
-from worker.staging import InputRing, OutputRing
-from worker.transfer import copy_runs
+from worker.pipeline.batcher import Batch
+from worker.pipeline.staging import InputRing, OutputRing
+from worker.pipeline.transfer import copy_runs
 
 
 class FakeEvent:

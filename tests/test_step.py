@@ -11,9 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from worker.gpu_sampler import GpuSampler, percentile, summarize
 from worker.model.ceiling import direct_feed_ceiling
-from worker.model.loader import LoadedModel
+from worker.model.loaded import LoadedModel
 from worker.model.precision import precision_check
 from worker.model.step import (
     InferenceStep,
@@ -24,6 +23,7 @@ from worker.model.step import (
     reference_copy,
     resolve_compile_mode,
 )
+from worker.observe.gpu_sampler import GpuSampler, percentile, summarize
 
 
 class TinyNet(nn.Module):

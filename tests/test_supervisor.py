@@ -41,8 +41,8 @@ from tests.process_harness import (
     worker_env,
 )
 from tests.redis_server import RedisServer
-from worker.config import WorkerConfig
-from worker.supervisor import Supervisor, child_env
+from worker.config.settings import WorkerConfig
+from worker.lifecycle.supervisor import Supervisor, child_env
 
 HEALTHCHECK = ROOT / "deploy" / "container" / "healthcheck.py"
 IMAGES = [jpeg_bytes(64, 64, seed=i) for i in range(8)]
@@ -238,7 +238,7 @@ def test_metrics_stay_off_for_every_child_when_off() -> None:
 
 def test_the_supervisor_imports_no_torch() -> None:
     code = (
-        "import sys, worker.cli, worker.supervisor; "
+        "import sys, worker.cli, worker.lifecycle.supervisor; "
         "sys.exit(1 if any(m.split('.')[0] == 'torch' for m in sys.modules) else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=False).returncode == 0

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
 from worker.cli import cli
-from worker.observer import heartbeat_key, write_heartbeat
-from worker.tools.top import footer, legend_lines
+from worker.observe.observer import heartbeat_key, write_heartbeat
+from worker.tools.top.screen import footer, legend_lines
 
 
 def snapshot(name: str, **changes: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 
 from tests.cli_runner import clean_env
 from tests.test_top import snapshot
-from worker.observer import heartbeat_key, write_heartbeat
+from worker.observe.observer import heartbeat_key, write_heartbeat
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_NAME = "vm-28001-a-long-worker-name"

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from worker.tools import verdict as V
-from worker.tools.verdict import Evidence, verdict
+from worker.tools.doctor.verdict import Evidence, verdict
 
 
 def gpu(**changes: Any) -> Evidence:
@@ -72,12 +72,12 @@ def names(v: V.Verdict) -> list[str]:
 
 # --------------------------------------------------------------------------- each verdict
 def test_sync_bound_cites_the_count_and_where() -> None:
-    where = "worker/runner.py:131: called a synchronizing CUDA operation"
+    where = "worker/pipeline/launch.py:131: called a synchronizing CUDA operation"
     v = verdict(gpu(host_syncs=3, sync_locations=(where,)))
     assert v.name == "sync-bound"
     assert any("3 host sync(s)" in line for line in v.evidence)
     assert any(where in line for line in v.evidence)
-    assert "worker/runner.py:131" in v.knob and ".item()" in v.knob
+    assert "worker/pipeline/launch.py:131" in v.knob and ".item()" in v.knob
 
 
 def test_sync_bound_comes_first_even_when_starved() -> None:

@@ -19,7 +19,8 @@ import redis
 from tests.cli_runner import clean_env, run_module
 from tests.images import jpeg_bytes
 from tests.redis_server import free_port
-from worker.config import ConfigError, WorkerConfig
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -331,7 +332,7 @@ async def test_a_worker_whose_start_up_failed_is_not_said_to_stop(tiny_weights: 
     import structlog.testing
 
     from tests.worker_harness import tiny_config
-    from worker.service import RedisUnavailable, Worker
+    from worker.lifecycle.service import RedisUnavailable, Worker
 
     worker = Worker(tiny_config(f"redis://127.0.0.1:{free_port()}/0", tiny_weights))
     with structlog.testing.capture_logs() as logs, pytest.raises(RedisUnavailable):

@@ -11,9 +11,9 @@ from typing import Any
 
 import redis
 
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 from worker.jobs import Job
-from worker.service import Worker
+from worker.lifecycle.service import Worker
 
 TINY = {
     "model": "mobilenet_v3_small",

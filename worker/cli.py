@@ -1,16 +1,15 @@
 """`python -m worker`: run the worker (default), or one of its tools.
 
 Every WorkerConfig setting is a flag (`--batch-size` for GPUFEED_BATCH_SIZE, ...), built from
-the config's own fields so the two never drift, with its meaning from worker/settings_help.py
+the config's own fields so the two never drift, with its meaning from worker/config/settings_help.py
 (docs/reference/configuration.md shows the same); flags win over environment variables.
 """
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from types import FrameType
@@ -18,8 +17,10 @@ from typing import Any, TypeVar
 
 import click
 
-from worker import settings_help
-from worker.config import ConfigError, WorkerConfig
+from worker.config import settings_help
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.lifecycle.event_loop import run_async
 from worker.quick_exit import exit_now
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -57,17 +58,6 @@ def load_config(options: dict[str, Any]) -> WorkerConfig:
 def fail(message: str, code: int) -> None:
     click.echo(f"gpufeed: {message}", err=True)
     sys.exit(code)
-
-
-T = TypeVar("T")
-
-
-def run_async(coro: Coroutine[Any, Any, T]) -> T:
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
 
 
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -128,7 +118,7 @@ def cli() -> None:
 def run(wait_for_redis: bool, **options: Any) -> None:
     """Run the worker until SIGTERM or SIGINT (a second one skips the drain); with
     GPUFEED_PROCESSES > 1, a supervisor of that many worker processes."""
-    from worker.logs import configure_logging
+    from worker.observe.logs import configure_logging
 
     try:
         config = load_config(options)
@@ -138,7 +128,7 @@ def run(wait_for_redis: bool, **options: Any) -> None:
     configure_logging(config.log_format, config.log_level)
     # Everything that needs neither torch nor the model is checked before torch is imported
     # (seconds): the settings above (model name, model directory manifest), now Redis.
-    from worker.redis_check import REDIS_FIX, RedisUnavailable, preflight
+    from worker.delivery.redis_check import REDIS_FIX, RedisUnavailable, preflight
 
     try:
         run_async(preflight(config, wait=wait_for_redis))
@@ -148,7 +138,7 @@ def run(wait_for_redis: bool, **options: Any) -> None:
         fail(str(exc), EXIT_CONFIG)
     if config.processes > 1:
         # The supervisor never imports torch: its children are fresh interpreters.
-        from worker.supervisor import run_supervisor
+        from worker.lifecycle.supervisor import run_supervisor
 
         sys.exit(run_supervisor(config, wait_for_redis=wait_for_redis))
 
@@ -157,9 +147,9 @@ def run(wait_for_redis: bool, **options: Any) -> None:
     # -15. Nothing has been read from the stream yet, so stopping is simply exiting.
     signal.signal(signal.SIGTERM, _exit_before_serving)
 
+    from worker.lifecycle.service import Worker
     from worker.model.compiler import CompileRefused
     from worker.model.loader import WeightsUnavailable
-    from worker.service import Worker
 
     worker = Worker(config)
     try:
@@ -251,9 +241,9 @@ def doctor(
     **options: Any,
 ) -> None:
     """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
-    from worker.logs import configure_logging
     from worker.model.compiler import CompileRefused
     from worker.model.loader import WeightsUnavailable
+    from worker.observe.logs import configure_logging
     from worker.tools.doctor import DoctorOptions, print_json, render, report_console, run_doctor
 
     try:
@@ -295,7 +285,7 @@ class LegendCommand(click.Command):
     """`top --help` ends with the dashboard's legend: what each column says."""
 
     def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from worker.tools.top import legend_lines
+        from worker.tools.top.screen import legend_lines
 
         formatter.write_paragraph()
         formatter.write_text("Columns (l toggles this legend in the dashboard):")
@@ -312,7 +302,7 @@ def top(interval: float, once: bool, **options: Any) -> None:
     Keys: l shows or hides the legend, q quits. Narrow terminals get short headers, then
     lose columns in a fixed order (in flight, ok, device, p50, fill, CPU, write, queue,
     fetch, errors, redis_wait), named under the table."""
-    from worker.tools.top import run_top
+    from worker.tools.top.screen import run_top
 
     try:
         config = load_config(options)
@@ -369,11 +359,11 @@ def bench(
     """
     from dataclasses import replace
 
-    from worker.device import resolve_device
-    from worker.logs import configure_logging
+    from worker.observe.logs import configure_logging
+    from worker.pipeline.device import resolve_device
     from worker.tools.bench.profiles import make_profile
     from worker.tools.bench.report import render_markdown, validate_report
-    from worker.tools.bench.runner import run_bench
+    from worker.tools.bench.suite import run_bench
 
     try:
         base = load_config(options)
@@ -445,11 +435,11 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     reason for a broken directory, 4 when the compiled step is refused."""
     import json
 
-    from worker.logs import configure_logging
     from worker.model.check import check_model, render
     from worker.model.compiler import CompileRefused
     from worker.model.manifest import looks_like_model_dir
     from worker.model.names import is_null_model
+    from worker.observe.logs import configure_logging
 
     # The path as typed, made unmistakably a path for GPUFEED_MODEL ("tagger" -> "./tagger");
     # `null` is the null model.
@@ -482,7 +472,7 @@ def gpu_check(report_path: Path) -> None:
     """Judge a saved GPU-check report by the current rules: each rule, the measured value,
     its target and pass/fail. Exit 0 only when every rule passes (1 otherwise, 2 for a file
     that is not a report). The check itself runs on a GPU host: `make gpu-check`."""
-    from worker.tools.gpu_check_report import judge_file
+    from worker.tools.gpu_check.report import judge_file
 
     sys.exit(judge_file(report_path))
 

@@ -54,7 +54,7 @@ from PIL import Image
 
 from producer.wire import ErrorCode
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_into, resize_geometry
-from worker.device import DoneEvent, Event, cuda_event
+from worker.pipeline.device import DoneEvent, Event, cuda_event
 
 log = structlog.get_logger("gpufeed.gpu_decode")
 
@@ -290,7 +290,8 @@ class TorchvisionBackend:
     applies_exif = False  # its CUDA path ignores apply_exif_orientation
 
     def __init__(self, device: torch.device) -> None:
-        from torchvision.io import ImageReadMode, decode_jpeg
+        # Only a GPU decoder loads torchvision.io's image library (and its nvJPEG).
+        from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415
 
         self.device = device
         self._decode = decode_jpeg

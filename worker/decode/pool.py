@@ -42,7 +42,6 @@ import numpy.typing as npt
 import structlog
 
 from producer.wire import ErrorCode
-from worker import gil_account
 from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import (
     DecodeError,
@@ -54,8 +53,9 @@ from worker.decode.cpu import (
 )
 from worker.decode.gpu import GpuDecodeRouter, GpuRow
 from worker.decode.rows import decode_row, write_decoded_row
-from worker.job_path import read_job_path
+from worker.fetch.path import read_job_path
 from worker.jobs import Job
+from worker.observe import gil_account
 
 log = structlog.get_logger("gpufeed.decode")
 

@@ -48,7 +48,7 @@ from worker.fetch.objects import ObjectAllow, parse_object_allow, split_store_ur
 from worker.fetch.policy import AddressPolicy, loggable_url
 from worker.fetch.result import Fetched, FetchError, Validator
 from worker.jobs import Job, Outcome
-from worker.metrics import WorkerMetrics
+from worker.observe.metrics import WorkerMetrics
 
 log = structlog.get_logger("gpufeed.fetch")
 
@@ -276,7 +276,8 @@ class FetchStage:
     def _make_http(self) -> Fetcher:
         s = self.settings
         try:
-            from worker.fetch.http import HttpFetcher
+            # Each source's library (aiohttp, obstore) loads with its fetcher, where used.
+            from worker.fetch.http import HttpFetcher  # noqa: PLC0415
         except ImportError:
             return _Unavailable("http(s) URLs need aiohttp: pip install 'gpufeed[worker]'")
         return HttpFetcher(
@@ -292,7 +293,7 @@ class FetchStage:
     def _make_store(self) -> Fetcher:
         s = self.settings
         try:
-            from worker.fetch.s3 import StoreFetcher
+            from worker.fetch.s3 import StoreFetcher  # noqa: PLC0415
         except ImportError:
             return _Unavailable("s3://, gs:// and az:// URLs need obstore: pip install obstore")
         return StoreFetcher(

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from worker.device import cuda_event, mark_cudagraph_step
+from worker.pipeline.device import cuda_event, mark_cudagraph_step
 
 StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 

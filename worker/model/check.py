@@ -18,16 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 from worker.decode.cpu import DecodeSpec, decode_into
 from worker.decode.gpu import synthetic_jpeg
-from worker.device import make_context, mark_cudagraph_step, resolve_device
 from worker.model.answers import Answer, Classification, Embedding, RawOutput
 from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step
-from worker.model.loader import LoadedModel, load_configured
+from worker.model.loaded import LoadedModel
+from worker.model.loader import load_configured
 from worker.model.readers import make_reader
 from worker.model.step import build_step, check_step, pick_dtype, resolve_compile_mode
+from worker.pipeline.device import make_context, mark_cudagraph_step, resolve_device
 
 
 def default_batch(device: torch.device) -> int:

@@ -42,7 +42,7 @@ import structlog
 import torch
 from torch import nn
 
-from worker.device import mark_cudagraph_step, prepare_graph_thread
+from worker.pipeline.device import mark_cudagraph_step, prepare_graph_thread
 
 log = structlog.get_logger("gpufeed.compiler")
 
@@ -109,7 +109,8 @@ class CompileReport:
 
 
 def _counters() -> Any:
-    from torch._dynamo.utils import counters
+    # torch's compiler internals load when a step is compiled, not with the worker.
+    from torch._dynamo.utils import counters  # noqa: PLC0415
 
     return counters
 
@@ -151,8 +152,8 @@ def changes_since(baseline: CompileBaseline) -> dict[str, int]:
 def step_inductor_options(mode: str) -> dict[str, Any]:
     """The inductor options for `mode` (what torch.compile(mode=...) would apply), with graph
     partitioning off where this torch has it: the step must be one graph or be refused."""
-    from torch._inductor import config as inductor_config
-    from torch._inductor import list_mode_options
+    from torch._inductor import config as inductor_config  # noqa: PLC0415
+    from torch._inductor import list_mode_options  # noqa: PLC0415
 
     options: dict[str, Any] = dict(list_mode_options(mode, False)) if mode != "default" else {}
     if hasattr(inductor_config, "graph_partition"):
@@ -224,7 +225,7 @@ def _skip_loggers() -> list[logging.Logger]:
     # The artifact was "perf_hints" up to about torch 2.5 and is "cudagraphs" since; both
     # are off by default (propagate=False), so the handler goes on the loggers themselves.
     with contextlib.suppress(ImportError):
-        import torch._inductor.cudagraph_utils  # noqa: F401
+        import torch._inductor.cudagraph_utils  # noqa: F401, PLC0415
     names = [
         name
         for name in list(logging.Logger.manager.loggerDict)

@@ -19,8 +19,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from worker.config import ConfigError, WorkerConfig
-from worker.model.loader import LoadedModel
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.model.directory import load_model_dir
+from worker.model.loaded import LoadedModel
 from worker.model.step import InferenceStep, build_step
 
 
@@ -84,8 +86,6 @@ def _from_model_dir(
     dtype: torch.dtype,
     batch_size: int,
 ) -> DegradedModel:
-    from worker.model.directory import load_model_dir
-
     var = "GPUFEED_DEGRADE_MODEL"
     try:
         loaded = load_model_dir(cfg.degrade_model, batch_size=batch_size)

@@ -31,8 +31,8 @@ import structlog
 import torch
 from torch import nn
 
-from worker.config import ConfigError
-from worker.model.loader import LoadedModel, file_label
+from worker.config.errors import ConfigError
+from worker.model.loaded import LoadedModel, file_label
 from worker.model.manifest import (
     MANIFEST,
     MAX_OUTPUT_BYTES,
@@ -216,7 +216,8 @@ def _load_torchscript(m: ModelManifest, batch_size: int) -> tuple[nn.Module, int
         ) from None
     scripted.eval()
     try:
-        from torch._export.converter import TS2EPConverter
+        # Only a TorchScript model needs torch's converter.
+        from torch._export.converter import TS2EPConverter  # noqa: PLC0415
 
         # Converted at the worker's batch size: the converter specialises a batch of 1.
         # It warns about every parameter the traced graph does not use: noise here.

@@ -13,8 +13,7 @@ GPUFEED_MODEL=null is the null model (null.py): no weights, a step that does nex
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,10 @@ import torchvision
 from torch import nn
 from torchvision.models import get_model, get_model_weights, list_models
 
-from worker.config import ConfigError
-from worker.model.manifest import OutputSpec, looks_like_model_dir
+from worker.config.errors import ConfigError
+from worker.model.directory import load_model_dir
+from worker.model.loaded import LoadedModel, file_label
+from worker.model.manifest import looks_like_model_dir
 from worker.model.names import NULL_MODEL, check_name, is_null_model
 from worker.model.null import (
     NULL_CLASSES,
@@ -40,26 +41,6 @@ class WeightsUnavailable(RuntimeError):
     """Pretrained weights could not be fetched (no network, no cache)."""
 
 
-@dataclass(frozen=True)
-class LoadedModel:
-    name: str
-    module: nn.Module
-    weights_label: str  # what was loaded, for logs and results
-    categories: tuple[str, ...] | None
-    crop_size: int  # the model's input side
-    resize_size: int  # the staging side: shorter side resized to this, then center-cropped
-    mean: tuple[float, float, float]
-    std: tuple[float, float, float]
-    num_classes: int  # classify; 0 for the other kinds
-    # What the step's head makes of the model's output (the torchvision classifiers:
-    # softmax and GPUFEED_TOP_K), and that output's shape per image.
-    output: OutputSpec = field(default_factory=OutputSpec)
-    output_shape: tuple[int, ...] = ()
-    # How the decoder fits an image into the staging square (decoder.GEOMETRIES).
-    resize_mode: str = "shorter-crop"
-    source: str = "torchvision"  # or export, torchscript, entry (a model directory), null
-
-
 def load_configured(
     model: str, weights: str, *, input_size: int = 0, batch_size: int = 1
 ) -> LoadedModel:
@@ -67,8 +48,6 @@ def load_configured(
     name. A directory names its own weights and input size, so GPUFEED_WEIGHTS and
     GPUFEED_INPUT_SIZE apply to torchvision models only."""
     if looks_like_model_dir(model):
-        from worker.model.directory import load_model_dir
-
         return load_model_dir(model, batch_size=batch_size)
     if is_null_model(model):
         return load_null(input_size=input_size)
@@ -210,8 +189,6 @@ def prefetch_weights(model: str, weights: str, *, timeout_s: float = 15.0) -> st
     Hosts without network would otherwise hang in the download for minutes; the timeout
     turns that into a prompt, readable answer.
     """
-    import socket
-
     try:
         tv_weights = _resolve_weights_name(model, weights)
     except ConfigError as exc:
@@ -228,13 +205,3 @@ def prefetch_weights(model: str, weights: str, *, timeout_s: float = 15.0) -> st
     finally:
         socket.setdefaulttimeout(previous)
     return None
-
-
-def file_label(path: Path) -> str:
-    """A weights or model file as results name it: its path and a digest of its content, so
-    that a file replaced under the same name is told apart (idempotent ids compare it)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return f"{path} (sha256 {digest.hexdigest()[:12]})"

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from worker.device import mark_cudagraph_step
 from worker.model.step import InferenceStep, has_exact_reference, reference_copy
+from worker.pipeline.device import mark_cudagraph_step
 
 StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from worker.config.errors import ConfigError
 from worker.decode.rows import GEOMETRY_WORDS
 
 if TYPE_CHECKING:
@@ -136,7 +137,6 @@ def use_rows(step: InferenceStep, side: int, geometry_size: int) -> None:
 def choose_placement(setting: str, device: torch.device, decode: str) -> tuple[str, str]:
     """(`device` or `host`, why) for GPUFEED_RESIZE on `device` with GPUFEED_DECODE=`decode`.
     Raises ConfigError for a combination that cannot be honoured."""
-    from worker.config import ConfigError
 
     if setting == "device" and decode != "cpu":
         raise ConfigError(

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.config.errors import ConfigError
 from worker.model.heads import ClassifyHead, Head, make_head
-from worker.model.loader import LoadedModel
-from worker.staging import OutputField
+from worker.model.loaded import LoadedModel
+from worker.pipeline.staging import OutputField
 
 # Modules are copied with copy.deepcopy, which rebuilds every object through its class: in
 # an exported or traced model that includes pytree's LeafSpec, whose constructor warns of
@@ -191,7 +192,6 @@ def has_exact_reference(step: InferenceStep) -> bool:
 def check_step(step: InferenceStep, example: torch.Tensor, *, what: str) -> None:
     """Run `step` once, eager, on `example` (the serving shape, dtype and device) and check
     its outputs against its layout; ConfigError naming `what` if it fails. Start-up only."""
-    from worker.config import ConfigError
 
     dtype = str(step.dtype).removeprefix("torch.")
     try:

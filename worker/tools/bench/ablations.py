@@ -27,7 +27,7 @@ import torch
 from PIL import Image
 
 from producer.wire import ErrorCode
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, sniff_format
 from worker.decode.pool import DecodePool, DecodeResult, RowTicket
 from worker.jobs import Job

@@ -42,7 +42,7 @@ CLIENT_TIMEOUT_S = 600.0
 
 
 async def batch_section(b: Bench, plan: BatchPlan) -> dict[str, Any]:
-    from worker.service import Worker
+    from worker.lifecycle.service import Worker
     from worker.tools.bench.ablations import Variant
     from worker.tools.bench.gpufeed_run import gpufeed_run, stop_worker, watch
     from worker.tools.bench.images import ImageSetSpec, load_image_set

@@ -13,7 +13,7 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 from worker.tools.bench.ablations import Variant
 from worker.tools.bench.images import ImageSet
 from worker.tools.bench.profiles import ModelPlan, Profile

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker import gil_account
-from worker.service import Worker
+from worker.lifecycle.service import Worker
+from worker.observe import gil_account
 from worker.tools.bench.ablations import CpuPreprocessPool, Variant
 from worker.tools.bench.context import Bench, BenchError
 from worker.tools.bench.image_server import ImageServer
@@ -19,7 +19,7 @@ from worker.tools.bench.probe import RunProbe
 from worker.tools.bench.profiles import ModelPlan, SetPlan
 from worker.tools.bench.redis_env import RunKeys, push_jobs, read_answers, wait_for_results
 from worker.tools.bench.url_jobs import push_url_jobs, url_server
-from worker.tools.gpu_check import count_host_syncs
+from worker.tools.gpu_check.check import count_host_syncs
 
 
 def watch(main: asyncio.Task[None], keys: RunKeys) -> Callable[[], None]:
@@ -139,7 +139,7 @@ async def gpufeed_run(
             "workload": "unique" if unique else "repeats",
             **stats,
             # Results whose `cached` flag says the decode cache served them, and the worker's
-            # own counters (worker/observer.py); the ratio is per answered image.
+            # own counters (worker/observe/observer.py); the ratio is per answered image.
             "cached_results": cached,
             "cache_hits": c.cache_hits,
             "cache_misses": c.cache_misses,

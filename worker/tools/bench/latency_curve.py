@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import functools
 
-from worker.gpu_sampler import percentile
-from worker.service import Worker
+from worker.lifecycle.service import Worker
+from worker.observe.gpu_sampler import percentile
 from worker.tools.bench.ablations import DEFAULTS
 from worker.tools.bench.context import Bench
 from worker.tools.bench.gpufeed_run import stop_worker, watch

@@ -22,7 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from worker.service import Worker
+from worker.lifecycle.service import Worker
 from worker.tools.bench.ablations import Variant
 from worker.tools.bench.context import Bench, BenchError
 from worker.tools.bench.gpufeed_run import stop_worker, watch

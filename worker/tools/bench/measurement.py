@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from worker.gpu_sampler import percentile
+from worker.lifecycle.service import Worker
 from worker.model.ceiling import direct_feed_ceiling
-from worker.service import Worker
+from worker.observe.gpu_sampler import percentile
 from worker.tools.bench.redis_env import Answer
 
 

@@ -11,7 +11,7 @@ completion, results, metrics. Two runs through a real Worker:
 
 then the live-producer run (live_producer.py): jobs pushed into a running worker at three
 times the `every_job_decoded` rate, with the batch fill while the backlog lasts; and, before them,
-the queue ceiling (worker/tools/queue_ceiling.py) for the same jobs and batch on the same
+the queue ceiling (worker/tools/bench/queue_ceiling.py) for the same jobs and batch on the same
 Redis: gpufeed's own Redis work alone. Per run: jobs/s, the event loop's
 CPU per job (the loop thread's CPU time, read per thread by probe.py), the worker process's
 CPU per job (all its threads), redis-server's, the ratio to the queue ceiling, and which
@@ -30,7 +30,7 @@ from worker.tools.bench.images import ImageSetSpec, load_image_set
 from worker.tools.bench.live_producer import live_producer_run
 from worker.tools.bench.probe import GROUPS
 from worker.tools.bench.profiles import ModelPlan, OverheadPlan, SetPlan
-from worker.tools.queue_ceiling import queue_ceiling
+from worker.tools.bench.queue_ceiling import queue_ceiling
 
 # The figures the overhead work aims at on a 2-core host with Redis local (benchmark
 # figures, reported with what binds when missed; never a test assertion).

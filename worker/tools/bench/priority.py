@@ -30,8 +30,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from producer import wire
-from worker.gpu_sampler import percentile
-from worker.service import Worker
+from worker.lifecycle.service import Worker
+from worker.observe.gpu_sampler import percentile
 from worker.tools.bench.ablations import Variant
 from worker.tools.bench.context import Bench, BenchError
 from worker.tools.bench.gpufeed_run import stop_worker

@@ -16,7 +16,7 @@ Outside the process: redis-server's CPU, and the CPU every other process (and th
 hypervisor's steal) took meanwhile, from the host's counters: on a shared host that is CPU
 the pipeline could not have.
 
-GPU figures come from NVML through `GpuSampler` (worker/gpu_sampler.py); peak memory from
+GPU figures come from NVML through `GpuSampler` (worker/observe/gpu_sampler.py); peak memory from
 torch's allocator. Neither touches the CUDA stream the pipeline runs on.
 """
 
@@ -30,8 +30,8 @@ from typing import Any
 import psutil
 import torch
 
-from worker import gil_account
-from worker.gpu_sampler import GpuSampler
+from worker.observe import gil_account
+from worker.observe.gpu_sampler import GpuSampler
 
 GROUPS = ("decode", "model", "event_loop", "naive", "other")
 
@@ -92,7 +92,7 @@ class RunProbe:
         self._host_after = 0.0
         self._t0 = 0.0
         self.wall_s = 0.0
-        # What holds the GIL (worker/gil_account.py): the thread that started the probe is
+        # What holds the GIL (worker/observe/gil_account.py): the thread that started the probe is
         # the event loop's.
         self._loop_tid = 0
         self._gil_before: gil_account.Snapshot | None = None
@@ -132,7 +132,7 @@ class RunProbe:
 
     def gil(self, jobs: int, cores: int, *, model_on_cpu: bool) -> dict[str, Any] | None:
         """GIL-holding and CPU µs per job by thread kind, and the projection for 16 cores
-        and for this host's (worker/gil_account.py)."""
+        and for this host's (worker/observe/gil_account.py)."""
         if self._gil_before is None or self._gil_after is None:
             return None
         figures = gil_account.gil_figures(

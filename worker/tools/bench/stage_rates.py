@@ -7,8 +7,8 @@ forward at batch 1. From them:
 
 - ideal gpufeed throughput: where the model runs on its own device (CUDA), the slowest of
   decode capacity, the model ceiling and the queue ceiling (gpufeed's Redis work alone for
-  the same jobs, worker/tools/queue_ceiling.py). On a CPU-only host decode and model share the same
-  cores, so the bound is also the sum of their costs, each measured on all cores:
+  the same jobs, worker/tools/bench/queue_ceiling.py). On a CPU-only host decode and model
+  share the same cores, so the bound is also the sum of their costs, each measured on all cores:
   1 / (1/decode_N + 1/model);
 - ideal naive throughput: one job after another on one thread,
   1 / (t_decode_full + t_transforms + t_model_batch_1);
@@ -218,7 +218,7 @@ def ideal_pipeline(
 
     decode_run: decode images/s with the run's own decode threads; decode_all_cores: with
     one thread per core; model: the direct-feed ceiling at the run's batch; queue: the queue
-    ceiling (worker/tools/queue_ceiling.py) for the same jobs and batch, when measured.
+    ceiling (worker/tools/bench/queue_ceiling.py) for the same jobs and batch, when measured.
     """
     bounds = {"decode": decode_run, "model": model}
     if queue is not None:

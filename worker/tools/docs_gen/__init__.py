@@ -1,7 +1,7 @@
 """The site's reference pages, written from the code they describe.
 
-Each page under docs/reference/ has one source in the code (worker/settings_help.py,
-producer/wire_help.py, worker/metrics.py, the Makefile, the CLIs' own help). `python -m
+Each page under docs/reference/ has one source in the code (worker/config/settings_help.py,
+producer/wire_help.py, worker/observe/metrics.py, the Makefile, the CLIs' own help). `python -m
 worker.tools.docs_gen` (`make docs-gen`) writes them; `--check` says which committed page
 differs from what would be written, as tests/test_docs.py does.
 """

@@ -16,7 +16,7 @@ import click
 import typer
 
 from worker.cli import DefaultGroup
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 from worker.tools.docs_gen.markdown import notice
 
 # A fixed width: the page must not depend on the terminal that wrote it.

@@ -1,11 +1,11 @@
 """docs/reference/metrics.md: every Prometheus metric a worker exports, with the help text
-/metrics gives it (worker/metrics.py), and the stages of `gpufeed_stage_seconds`."""
+/metrics gives it (worker/observe/metrics.py), and the stages of `gpufeed_stage_seconds`."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from worker.metrics import DELIVERY_EVENTS, STAGE_INFO, WorkerMetrics
+from worker.observe.metrics import DELIVERY_EVENTS, STAGE_INFO, WorkerMetrics
 from worker.tools.docs_gen.markdown import notice, table
 
 # The series a metric of each type writes, as Prometheus's text format names them.
@@ -19,7 +19,7 @@ _SERIES = {
 
 def _labels(collector: Any) -> list[str]:
     # prometheus_client's metrics keep their label names in `_labelnames`; the batch
-    # histograms of worker/metrics.py have one `label`.
+    # histograms of worker/observe/metrics.py have one `label`.
     names = getattr(collector, "_labelnames", None)
     if names is not None:
         return list(names)
@@ -42,7 +42,7 @@ def render() -> str:
         [[f"`{s.name}`", f"`{s.shown}`", s.measures, s.moved_by] for s in STAGE_INFO],
     )
     return (
-        notice("worker/metrics.py")
+        notice("worker/observe/metrics.py")
         + "# Metrics\n\n"
         + "A worker serves these on `GPUFEED_METRICS_PORT` (`/metrics`, with `/ready` and "
         + "`/live` beside them), each with the help text below. Every series exists from "

@@ -1,12 +1,12 @@
-"""docs/reference/configuration.md: every worker setting (worker/config.py) with its flag,
-default and meaning (worker/settings_help.py), and the tool variables a worker accepts."""
+"""docs/reference/configuration.md: every worker setting (worker/config/settings.py) with its flag,
+default and meaning (worker/config/settings_help.py), and the tool variables a worker accepts."""
 
 from __future__ import annotations
 
 from dataclasses import fields
 
-from worker import settings_help
-from worker.config import TOOL_VARIABLES, WorkerConfig
+from worker.config import settings_help
+from worker.config.settings import TOOL_VARIABLES, WorkerConfig
 from worker.tools.docs_gen.markdown import notice, table
 
 INTRO = """\
@@ -39,7 +39,9 @@ def settings_table() -> str:
 def render() -> str:
     missing = sorted(TOOL_VARIABLES - settings_help.TOOL_VARIABLES.keys())
     if missing:
-        raise ValueError(f"worker/settings_help.py TOOL_VARIABLES lacks {', '.join(missing)}")
+        raise ValueError(
+            f"worker/config/settings_help.py TOOL_VARIABLES lacks {', '.join(missing)}"
+        )
     tools = table(
         ["variable", "meaning"],
         [
@@ -49,7 +51,7 @@ def render() -> str:
         ],
     )
     return (
-        notice("worker/config.py and worker/settings_help.py")
+        notice("worker/config/settings.py and worker/config/settings_help.py")
         + INTRO
         + "\n## Settings\n\n"
         + settings_table()

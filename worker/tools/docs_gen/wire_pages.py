@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from producer import wire, wire_help
 from producer.wire import ErrorCode
-from worker import settings_help
+from worker.config import settings_help
 from worker.tools.docs_gen.markdown import notice, table
 
 

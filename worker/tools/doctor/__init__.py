@@ -10,7 +10,7 @@ On the configured model, device and batch:
     mode, each sync counted with where it happened (CUDA only);
 (d) a short end-to-end run: synthetic JPEGs through Redis and a real in-process Worker,
     with the NVML/CPU sampler on;
-(e) the verdict (worker/tools/verdict.py) with its evidence and the knob to turn.
+(e) the verdict (worker/tools/doctor/verdict.py) with its evidence and the knob to turn.
 
 One real Worker is started with the configured settings (its own start-up: model, compile,
 warm-up and checks), on a private stream so production streams are untouched; (a)-(c) run
@@ -24,13 +24,13 @@ docs/doctor-schema.md (the table there is `schema_markdown()`).
 from __future__ import annotations
 
 from worker.tools.doctor.ceiling_section import timed_ceiling
+from worker.tools.doctor.checkup import run_doctor
 from worker.tools.doctor.environment import environment
 from worker.tools.doctor.evidence import evidence_from
 from worker.tools.doctor.options import DoctorOptions, StepFn
 from worker.tools.doctor.output import print_json, report_console
 from worker.tools.doctor.profile_section import profile_forward
 from worker.tools.doctor.render import render
-from worker.tools.doctor.runner import run_doctor
 from worker.tools.doctor.schema import SCHEMA, SCHEMA_VERSION
 from worker.tools.doctor.schema_table import schema_markdown
 from worker.tools.doctor.validate import validate

@@ -11,10 +11,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from worker import gil_account
-from worker.config import WorkerConfig
-from worker.gpu_sampler import GpuSampler
-from worker.metrics import STAGES
+from worker.config.settings import WorkerConfig
+from worker.observe import gil_account
+from worker.observe.gpu_sampler import GpuSampler
+from worker.observe.metrics import STAGES
 from worker.tools.doctor.job_feeder import Feeder
 from worker.tools.doctor.options import DoctorOptions
 
@@ -49,7 +49,7 @@ async def end_to_end_section(
     ahead = held + max(128, 4 * worker.batch_size)
     feeder = Feeder(cfg.redis_url, cfg.stream, images, jobs, ahead, image_urls=image_urls)
     # The third isolated stage: what Redis allows for the same jobs and batch, with
-    # gpufeed's own publish script (worker/tools/queue_ceiling.py), before the run.
+    # gpufeed's own publish script (worker/tools/bench/queue_ceiling.py), before the run.
     queue = await _queue_ceiling(cfg, images[0], jobs, worker.batch_size, out)
     # A full backlog before the worker reads: the feed starts steady. Nothing else runs on
     # the loop yet, so its CPU per pushed job is the feeder's own: taken out of the loop's
@@ -66,7 +66,7 @@ async def end_to_end_section(
         sampler.reason = "CPU device: no GPU to sample"
     syncs_cm: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if cuda:
-        from worker.tools.gpu_check import count_host_syncs
+        from worker.tools.gpu_check.check import count_host_syncs
 
         syncs_cm = count_host_syncs()
     if server is not None:
@@ -204,7 +204,7 @@ async def _queue_ceiling(
     from redis.exceptions import RedisError
 
     from producer.shards import connect_async
-    from worker.tools.queue_ceiling import queue_ceiling
+    from worker.tools.bench.queue_ceiling import queue_ceiling
 
     base = cfg.stream.removesuffix(":jobs") + ":queue"
     # All its jobs are queued at once: at most about 16 MB of images in a production Redis.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from worker.tools.verdict import Evidence
+from worker.tools.doctor.verdict import Evidence
 
 
 def evidence_from(report: Mapping[str, Any]) -> Evidence:

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 
 from worker.tools.doctor.options import StepFn
+from worker.tools.doctor.profile_stats import Event, top_names, trace_stats
 from worker.tools.doctor.quiet_stderr import quiet_native_stderr
 from worker.tools.doctor.serving_step import random_batch
-from worker.tools.profile_stats import Event, top_names, trace_stats
 
 
 def _device(event: Any) -> str:
@@ -54,7 +54,7 @@ def profile_forward(
     kernels; CPU: the outermost aten operators ("kernels" of the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from worker.device import mark_cudagraph_step
+    from worker.pipeline.device import mark_cudagraph_step
 
     cuda = example.is_cuda
     out: dict[str, Any] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from worker.config import WorkerConfig
+from worker.config.settings import WorkerConfig
 
 _GROUP = "gpufeed-doctor"
 
@@ -43,7 +43,7 @@ def usable_weights(config: WorkerConfig, notes: list[str]) -> WorkerConfig:
     weights = config.weights
     if weights.lower() == "none" or "/" in weights or weights.endswith((".pt", ".pth")):
         return config
-    from worker.config import ConfigError
+    from worker.config.errors import ConfigError
     from worker.model.loader import classification_models, prefetch_weights
 
     if config.model not in classification_models():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.tools.verdict import VERDICTS
+from worker.tools.doctor.verdict import VERDICTS
 
 SCHEMA_VERSION = 1
 
@@ -58,7 +58,8 @@ _KINDS_US = {
 }
 
 _GIL = _obj(
-    "what holds the GIL per job, and the most one process could serve (worker/gil_account.py)",
+    "what holds the GIL per job, and the most one process could serve "
+    "(worker/observe/gil_account.py)",
     {
         "jobs": _t("integer", "results the figures are per", "jobs"),
         "threads": _map(
@@ -241,7 +242,7 @@ SCHEMA: dict[str, Any] = _obj(
                     enum=["eager", "compiled", "injected"],
                 ),
                 "stats": _obj(
-                    "figures of the trace (worker/tools/profile_stats.py)",
+                    "figures of the trace (worker/tools/doctor/profile_stats.py)",
                     {
                         "count": _t("integer", "kernels (or ops) in one forward"),
                         "busy_us": _t("number", "time any of them ran (union)", "µs"),
@@ -385,7 +386,7 @@ SCHEMA: dict[str, Any] = _obj(
             },
         ),
         "verdict": _obj(
-            "(e) the verdict (rules and thresholds: worker/tools/verdict.py)",
+            "(e) the verdict (rules and thresholds: worker/tools/doctor/verdict.py)",
             {
                 "name": _t("string", "the verdict", enum=list(VERDICTS)),
                 "headline": _t("string", "what it means, in plain words"),

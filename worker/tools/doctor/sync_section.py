@@ -29,9 +29,9 @@ async def sync_section(worker: Any, launches: int) -> dict[str, Any]:
     if not worker.ctx.is_cuda:
         out["not_measured"].append("not applicable (no device syncs on CPU)")
         return out
-    from worker.batcher import Batch
     from worker.decode.pool import DecodeResult
-    from worker.tools.gpu_check import count_host_syncs
+    from worker.pipeline.batcher import Batch
+    from worker.tools.gpu_check.check import count_host_syncs
 
     rows = [DecodeResult(None, None, 0.0)] * worker.batch_size
     inputs, outputs = worker.ring.slots, worker.out_ring.slots

@@ -1,0 +1,1 @@
+"""Redis in and out"""

@@ -1,0 +1,319 @@
+"""The reader: takes jobs from the stream through the consumer group, never more than fit.
+
+The worker holds a fixed number of in-flight tokens; a job holds one from the moment it is
+read until its result is published. XREADGROUP asks only for as many entries as there are
+free tokens, so a backlog of millions stays in Redis, where other workers can take it,
+instead of in this process's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    MasterDownError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from producer import wire
+from worker.config.lanes import Lanes
+from worker.jobs import Job, deleted_entry_job, job_of_entry
+
+log = structlog.get_logger("gpufeed.reader")
+
+# Redis away, or a Redis Cluster between a master's failure and its replica's promotion
+# (CLUSTERDOWN, TRYAGAIN, MASTERDOWN, a slot without a master): back off and read again.
+REDIS_AWAY = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    OSError,
+    ClusterDownError,
+    TryAgainError,
+    MasterDownError,
+    SlotNotCoveredError,
+    RedisClusterException,
+)
+
+
+class InFlight:
+    """Counts jobs between read and published result; `room()` is what may be read now."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        # Places set aside for stale jobs being reclaimed: new reads leave them free, so a
+        # busy worker still takes over a dead one's jobs promptly.
+        self.reserved = 0
+        self._changed = asyncio.Event()
+
+    def room(self) -> int:
+        """Places free for new reads."""
+        return self.limit - self.count - self.reserved
+
+    def room_for_reclaim(self) -> int:
+        return self.limit - self.count
+
+    def reserve(self, n: int) -> None:
+        self.reserved = max(0, min(n, self.limit))
+        self._changed.set()
+
+    def take(self, n: int) -> None:
+        self.count += n
+
+    def give_back(self, n: int) -> None:
+        self.count -= n
+        self._changed.set()
+
+    async def wait_for_room(self) -> None:
+        while self.room() <= 0:
+            self._changed.clear()
+            await self._changed.wait()
+
+    async def wait_until_free(self, n: int, timeout_s: float) -> bool:
+        """Wait until `n` places are free (reserved ones count); False on timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.room_for_reclaim() < n:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+
+async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
+    """Create the group at id 0 (so a backlog enqueued before the first worker is served)."""
+    try:
+        await client.xgroup_create(stream, group, id="0", mkstream=True)
+        log.info("group_created", stream=stream, group=group)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class Reader:
+    """Reads the worker's lanes (worker/config/lanes.py): its one job stream, or one per level."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        lanes: Lanes,
+        group: str,
+        consumer: str,
+        default_reply_to: str,
+        in_flight: InFlight,
+        deliver: Callable[[list[Job]], Awaitable[None]],
+        max_per_read: int,
+        block_ms: int = 1000,
+        max_meta_bytes: int = wire.DEFAULT_MAX_META_BYTES,
+    ) -> None:
+        self.client = client
+        # A Redis Cluster client (the service hands one over as a Redis): reads go to the
+        # master of the shard's slot (see _xreadgroup).
+        any_client: object = client
+        self._cluster = any_client if isinstance(any_client, RedisCluster) else None
+        self.lanes = lanes
+        self.group = group
+        self.consumer = consumer
+        self.default_reply_to = default_reply_to
+        self.max_meta_bytes = max_meta_bytes
+        self.in_flight = in_flight
+        self._deliver = deliver
+        self.max_per_read = max_per_read
+        self.block_ms = block_ms
+        self._stop = asyncio.Event()
+        self._outage_logged = False
+        self._backoff_s = 0.1
+
+    def stop(self) -> None:
+        """Stop reading after the current XREADGROUP returns (at most block_ms)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        # Entries this consumer name already holds (a restart under the same name) first.
+        for lane in self.lanes:
+            await self._read_history(lane.stream)
+        while not self._stop.is_set():
+            await self.in_flight.wait_for_room()
+            if self._stop.is_set():
+                break
+            budget = min(self.in_flight.room(), self.max_per_read)
+            if len(self.lanes) > 1 and await self._read_shared(budget):
+                continue
+            # Nothing waits anywhere: block on every lane in one XREADGROUP. COUNT applies
+            # per stream, so each may bring its part of the budget.
+            per_stream = max(1, budget // len(self.lanes))
+            reply = await self._xread(
+                {s: ">" for s in self.lanes.streams}, per_stream, self.block_ms
+            )
+            await self._hand_over(reply)
+
+    async def _read_history(self, stream: str) -> None:
+        backlog_id = "0"
+        while not self._stop.is_set():
+            await self.in_flight.wait_for_room()
+            count = min(self.in_flight.room(), self.max_per_read)
+            reply = await self._xread({stream: backlog_id}, count, None)
+            if reply is None:
+                continue
+            entries = reply.get(stream, [])
+            await self._hand_over(reply)
+            if len(entries) < count:
+                return
+            backlog_id = entries[-1][0]
+
+    async def _read_shared(self, budget: int) -> int:
+        """One read of every level, shared by the weights (worker/config/lanes.py); how many
+        entries it brought. Highest level first, then the places left unused flow down."""
+        lanes = list(self.lanes)
+        asked = self.lanes.shares(budget)
+        reads = [(lane.stream, n) for lane, n in zip(lanes, asked, strict=True) if n > 0]
+        replies = await self._xread_each(reads)
+        if replies is None:
+            return 0
+        got = [len(replies.get(lane.stream, [])) for lane in lanes]
+        self.lanes.settle(asked, got)
+        await self._hand_over(replies)
+        spare = budget - sum(got)
+        for lane, a, g in zip(lanes, asked, got, strict=True):
+            if spare <= 0:
+                break
+            if g < a:
+                continue  # it had less than its share: nothing more waits there
+            reply = await self._xread({lane.stream: ">"}, spare, None)
+            if reply is None:
+                break
+            spare -= len(reply.get(lane.stream, []))
+            await self._hand_over(reply)
+        return budget - spare
+
+    async def _hand_over(self, reply: dict[str, Entries] | None) -> None:
+        if not reply:
+            return
+        # Highest level first: its jobs join the batches ahead of the others'.
+        jobs: list[Job] = []
+        for lane in self.lanes:
+            for entry_id, fields in reply.get(lane.stream, []):
+                if fields is None:
+                    job = deleted_entry_job(entry_id, self.default_reply_to)
+                else:
+                    job = job_of_entry(entry_id, fields, self.default_reply_to, self.max_meta_bytes)
+                job.read_from(lane.stream, lane.level)
+                jobs.append(job)
+        if jobs:
+            self.in_flight.take(len(jobs))
+            # What one read returned goes on as one unit: one hand-over, not one per job.
+            await self._deliver(jobs)
+
+    async def _xread(
+        self, streams: dict[str, str], count: int, block: int | None
+    ) -> dict[str, Entries] | None:
+        """XREADGROUP; None when it failed (Redis away, the group recreated): read again."""
+        try:
+            reply = await self._xreadgroup(streams, count, block)
+        except Exception as exc:  # noqa: BLE001 - _failed re-raises what it cannot handle
+            await self._failed(exc)
+            return None
+        self._back()
+        return _by_stream(reply)
+
+    async def _xread_each(self, reads: list[tuple[str, int]]) -> dict[str, Entries] | None:
+        """Non-blocking XREADGROUPs with a count each, in one round trip."""
+        try:
+            if self._cluster is not None:
+                # One node serves a shard's levels; its reads one after the other (a cluster
+                # pipeline would ask for each XREADGROUP's keys, as below).
+                replies = [await self._xreadgroup({st: ">"}, n, None) for st, n in reads]
+            else:
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for stream, n in reads:
+                        pipe.xreadgroup(self.group, self.consumer, {stream: ">"}, count=n)
+                    replies = await pipe.execute()
+        except Exception as exc:  # noqa: BLE001 - _failed re-raises what it cannot handle
+            await self._failed(exc)
+            return None
+        self._back()
+        out: dict[str, Entries] = {}
+        for reply in replies:
+            out.update(_by_stream(reply))
+        return out
+
+    async def _xreadgroup(self, streams: dict[str, str], count: int, block: int | None) -> Any:
+        cluster = self._cluster
+        if cluster is None:
+            wanted: dict[Any, Any] = dict(streams)
+            return await self.client.xreadgroup(
+                self.group, self.consumer, wanted, count=count, block=block
+            )
+        # redis-py's cluster client asks a node for the keys of every XREADGROUP (COMMAND
+        # GETKEYS), before and outside its failover retries: a round trip more per read, and
+        # reads that fail while that node is down. A shard's streams share one slot, so the
+        # read goes straight to the master serving it; after a failover the client's refreshed
+        # slot map names the new one.
+        node = cluster.get_node_from_key(next(iter(streams)))
+        args: list[Any] = ["XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count]
+        if block is not None:
+            args += ["BLOCK", block]
+        args += ["STREAMS", *streams, *streams.values()]
+        return await cluster.execute_command(*args, target_nodes=node)
+
+    async def _failed(self, exc: Exception) -> None:
+        if isinstance(exc, ResponseError) and not isinstance(exc, REDIS_AWAY):
+            # A stream or the group was deleted under us (before the read, or while it
+            # blocked: UNBLOCKED): recreate them and carry on.
+            if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
+                for stream in self.lanes.streams:
+                    log.warning("group_missing_recreating", stream=stream, group=self.group)
+                    await ensure_group(self.client, stream, self.group)
+                return
+            raise exc
+        if isinstance(exc, REDIS_AWAY):
+            if not self._outage_logged:
+                log.warning("redis_unavailable_for_reads", error=str(exc))
+                self._outage_logged = True
+            await asyncio.sleep(self._backoff_s)
+            self._backoff_s = min(self._backoff_s * 2, 5.0)
+            return
+        raise exc
+
+    def _back(self) -> None:
+        if self._outage_logged:
+            log.info("redis_back_reading")
+            self._outage_logged = False
+            self._backoff_s = 0.1
+
+
+Entries = list[tuple[str, dict[bytes, bytes] | None]]
+
+
+def _by_stream(reply: Any) -> dict[str, Entries]:
+    """XREADGROUP's reply as {stream: [(entry id, fields)]}; fields None for an entry that
+    is pending but was deleted."""
+    out: dict[str, Entries] = {}
+    if not reply:
+        return out
+    items = reply.items() if isinstance(reply, dict) else reply
+    for raw_stream, raw_entries in items:
+        stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
+        rows = raw_entries[0] if isinstance(reply, dict) else raw_entries
+        out[stream] = [
+            (raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id), fields or None)
+            for raw_id, fields in rows
+        ]
+    return out

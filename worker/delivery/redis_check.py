@@ -1,0 +1,132 @@
+"""Redis as the worker finds it at start-up: reachable and a Redis, a cluster or not, and the
+keys it must write usable. Torch-free, so that `python -m worker` can refuse a Redis it
+cannot use within a second, before seconds of importing torch and loading the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+import structlog
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
+
+from producer import wire
+from producer.reach import UNREACHABLE, unreachable
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.delivery.redis_scripts import CHECK_KEYS
+
+log = structlog.get_logger("gpufeed.worker")
+
+# Redis away (or not Redis at all), and a cluster that cannot serve yet.
+NO_REDIS: tuple[type[Exception], ...] = (*UNREACHABLE, RedisClusterException)
+
+# What an operator does about exit 3, said once where the CLI reports it.
+REDIS_FIX = "start one (make run-redis) or set REDIS_URL; without --no-wait the worker waits for it"
+# A connect in the pre-flight that takes longer is as good as refused.
+PREFLIGHT_CONNECT_S = 5.0
+
+
+class RedisUnavailable(RuntimeError):
+    pass
+
+
+def heartbeat_key(worker_name: str) -> str:
+    return f"{wire.DEFAULT_WORKER_PREFIX}{worker_name}"
+
+
+def make_client(
+    config: WorkerConfig, *, cluster: bool, connect_timeout_s: float | None = None
+) -> aioredis.Redis:
+    """The worker's client; `connect_timeout_s` bounds a connect that gets no answer (an
+    address that drops packets) where waiting the system's minutes would be wrong."""
+    if not cluster:
+        # TCP keepalive is no option of a Unix socket connection (redis-py refuses it).
+        tcp = not config.redis_url.startswith("unix:")
+        return aioredis.from_url(
+            config.redis_url,
+            **({"socket_keepalive": True} if tcp else {}),
+            health_check_interval=30,
+            socket_connect_timeout=connect_timeout_s,
+        )
+    # RedisCluster speaks the same commands, each routed to the node of its key's slot
+    # (MOVED and failovers followed); the stages take it where they take a Redis.
+    cluster_client = RedisCluster.from_url(
+        config.redis_url, socket_keepalive=True, socket_connect_timeout=connect_timeout_s
+    )
+    return cast(aioredis.Redis, cluster_client)
+
+
+async def ping(client: aioredis.Redis, config: WorkerConfig) -> None:
+    """One PING; RedisUnavailable with the operator's line when it gets no Redis answer."""
+    try:
+        await client.ping()
+    except NO_REDIS as exc:
+        raise RedisUnavailable(unreachable(config.redacted_url(), exc).rstrip(".")) from None
+
+
+async def is_cluster_node(client: aioredis.Redis) -> bool:
+    try:
+        info = await client.info("cluster")
+    except NoPermissionError:
+        # An ACL user without INFO: a single Redis unless told otherwise.
+        log.info("cluster_mode_unknown", note="INFO not permitted; set GPUFEED_REDIS_CLUSTER")
+        return False
+    return str(info.get("cluster_enabled", 0)) == "1"
+
+
+async def check_keys(client: aioredis.Redis, config: WorkerConfig, *, cluster: bool) -> None:
+    """ConfigError (exit 2) when the keys this worker writes are unusable: every job would
+    stay pending otherwise."""
+    check = client.register_script(CHECK_KEYS)
+    problems: list[Any] = []
+    for shard in config.shard_layout():
+        result_key = wire.result_key("start-up-check", shard.result_prefix)
+        for stream in config.lanes_of(shard.stream).streams:
+            for problem in await check(
+                keys=[
+                    stream,
+                    shard.results_stream,
+                    shard.dead_stream,
+                    result_key,
+                    # A script's keys share one slot on a cluster: the heartbeat has its own.
+                    result_key if cluster else heartbeat_key(config.worker_name),
+                ]
+            ):
+                if problem not in problems:
+                    problems.append(problem)
+    if problems:
+        listed = "; ".join(p.decode() if isinstance(p, bytes) else str(p) for p in problems)
+        raise ConfigError(f"Redis keys this worker must write are unusable: {listed}")
+
+
+async def preflight(config: WorkerConfig, *, wait: bool) -> None:
+    """The worker's Redis checks before the model: RedisUnavailable when Redis does not
+    answer (only with wait=False: a waiting worker loads its model meanwhile and retries
+    later), ConfigError for a cluster layout or keys it cannot serve."""
+    cluster = config.redis_cluster == "on"
+    client = make_client(config, cluster=cluster, connect_timeout_s=PREFLIGHT_CONNECT_S)
+    try:
+        try:
+            await ping(client, config)
+            if config.redis_cluster == "auto" and await is_cluster_node(client):
+                await client.aclose()
+                cluster = True
+                client = make_client(config, cluster=True, connect_timeout_s=PREFLIGHT_CONNECT_S)
+            if cluster:
+                config.check_cluster_keys()
+            await check_keys(client, config, cluster=cluster)
+        except NO_REDIS as exc:
+            if not wait:
+                message = unreachable(config.redacted_url(), exc).rstrip(".")
+                raise RedisUnavailable(message) from None
+        except RedisUnavailable:
+            if not wait:
+                raise
+    finally:
+        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+            await client.aclose()

@@ -1,0 +1,1 @@
+"""Start-up, the main loop and shutdown"""

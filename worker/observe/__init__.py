@@ -1,0 +1,1 @@
+"""Watching the worker"""

@@ -1,0 +1,1015 @@
+"""python -m worker.tools.gpu_check.check: a short benchmark of the real pipeline on this GPU.
+
+Phases, each written to `report.json` in $GPU_CHECK_OUT (default .gpu-check/out) as it
+ends, so a run cut short still reports what it measured:
+
+1. start-up: a real Worker in-process (compile, warm-up, precision check, start-up checks);
+   with --wait-for it runs beside the CUDA tests, and the phases below wait for that file
+   (the tests' end), so they measure alone on the GPU;
+2. ceiling: the direct-feed ceiling, a random uint8 batch already on the device through
+   the compiled step and through the eager step, on the launch thread (images/s), with
+   cudnn.benchmark off as the worker runs;
+3. pipeline: photo-like ~640x480 JPEGs, bytes unique per job and the decode cache off (every
+   job decoded), pushed into Redis as fast as the worker takes them. A throughput window
+   (results, NVML utilisation, launches of the step and the CUDA-graph replays inside
+   each), then a sync window under the profiler (every thread's blocking CUDA calls and
+   pageable copies, C++ and libraries included) and sync-debug mode, per batch;
+4. decode: RGB, grey and CMYK JPEGs decoded by each GPU decoder against the CPU path;
+5. extras when time is left, judged by no rule: cudnn, the ceiling again with
+   cudnn.benchmark on (eager, and compiled and captured afresh).
+
+The run has a deadline (--deadline-s): phases that do not fit are skipped and say so ("not
+measured"), and when the deadline passes (or SIGTERM arrives) the report is written with
+what was measured and the process ends at once, even with a compile still running on
+another thread. The verdict is the rules' (worker/tools/gpu_check/rules.py); the script's
+last step adds the CUDA tests' results and judges again.
+
+No network: weights are random (`none`), images are made here, Redis is whatever REDIS_URL
+points at (scripts/gpu-check.sh starts a private one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+import structlog
+import torch
+
+from worker.config.settings import WorkerConfig
+from worker.decode.cpu import DecodeInfo, DecodeSpec, decode_to_array
+from worker.decode.gpu import (
+    GpuDecodeFailed,
+    GpuDecoder,
+    GpuDecodeUnavailable,
+    GpuRow,
+    make_backend,
+    synthetic_jpeg,
+)
+from worker.lifecycle.service import Worker
+from worker.model.ceiling import direct_feed_ceiling
+from worker.model.compiler import compile_step, still_compiled
+from worker.observe.gpu_sampler import GpuSampler
+from worker.observe.logs import configure_logging
+from worker.tools.gpu_check.feed import Feeder
+from worker.tools.gpu_check.report import (
+    EXPECTED_TESTS,
+    add_verdict,
+    tests_summary,
+)
+
+log = structlog.get_logger("gpufeed.gpu_check")
+
+_SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
+# What torch says once when sync-debug mode is turned on; it names no operation (it was
+# counted as a host sync on the first GPU host).
+_SYNC_MODE_NOTICE = "synchronization debug mode is a prototype"
+# The device-side copy activity names a pageable host side: "Memcpy HtoD (Pageable -> Device)".
+PAGEABLE_COPY = "pageable"
+
+# CUDA runtime and driver calls that block the calling host thread until the device (or a
+# stream or event) catches up, whoever makes them: torch, torchvision, nvJPEG,
+# nvImageCodec, cuDNN or cuBLAS, from Python or C++. Freeing device or pinned memory
+# synchronises the device as well. The *Async copies and memsets are not in it: a copy
+# that blocks because its host side is pageable is seen on the device side instead.
+SYNC_CALL = re.compile(
+    r"^(cuda(Device|Stream|Event|Thread)Synchronize"
+    r"|cu(Ctx|Stream|Event)Synchronize"
+    r"|cudaMemcpy(2D|3D|Peer)?(ToSymbol|FromSymbol|ToArray|FromArray)?"
+    r"|cuMemcpy(DtoH|HtoD|DtoD|AtoH|HtoA|2D|3D|Peer)?"
+    r"|cudaFree(Host|Array)?|cuMemFree(Host)?)$"
+)
+# CUPTI may name a call with its API version or per-thread-stream variant appended
+# ("cuStreamSynchronize_v2", "cudaLaunchKernelExC_v11060", "cudaMemcpy_ptds").
+_API_SUFFIX = re.compile(r"(_v\d+|_pt(sz|ds))+$")
+
+
+def is_host_sync(name: str) -> bool:
+    """A blocking CUDA runtime or driver call, or a copy from pageable host memory."""
+    if name.startswith("Memcpy"):
+        return PAGEABLE_COPY in name.lower()
+    return SYNC_CALL.match(_API_SUFFIX.sub("", name)) is not None
+
+
+class SyncCounter:
+    """Counts host syncs while active: CUDA sync-debug warnings (any thread), explicit
+    torch.cuda.synchronize / Event.synchronize / Stream.synchronize calls per thread, and,
+    when profiled, every blocking CUDA runtime or driver call and pageable-memory copy the
+    profiler saw, with where it happened."""
+
+    def __init__(self) -> None:
+        self.debug_warnings = 0
+        self.explicit: dict[str, int] = {}
+        self.examples: list[str] = []
+        self.profiled: dict[str, int] = {}  # call or copy name -> count
+        self.sites: list[str] = []
+        self.profile_error: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def total(self) -> int:
+        # A synchronize seen by the profiler may also be an explicit call or a warning:
+        # the larger of the counts, never their sum.
+        return max(self.debug_warnings + sum(self.explicit.values()), sum(self.profiled.values()))
+
+    def _explicit(self, what: str) -> None:
+        key = f"{threading.current_thread().name}:{what}"
+        with self._lock:
+            self.explicit[key] = self.explicit.get(key, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "sync_debug_warnings": self.debug_warnings,
+            "explicit_calls": self.explicit,
+            "profiled": self.profiled,
+            "profile_error": self.profile_error,
+            "sites": self.sites[:10],
+            "examples": self.examples[:5],
+        }
+
+    def add_profiled(self, events: list[RawEvent]) -> None:
+        """Blocking calls and pageable copies among the profiler's events, between the
+        window's start and end markers (the profiler's own start and stop synchronise)."""
+        starts = [e.start_ns for e in events if e.name == _WINDOW_START]
+        ends = [e.start_ns for e in events if e.name == _WINDOW_END]
+        lo = starts[0] if starts else None
+        hi = ends[-1] if ends else None
+        flagged = []
+        for e in events:
+            if (lo is not None and e.start_ns < lo) or (hi is not None and e.start_ns > hi):
+                continue
+            if is_host_sync(e.name):
+                self.profiled[e.name] = self.profiled.get(e.name, 0) + 1
+                flagged.append(e)
+        for e in flagged[:10]:
+            self.sites.append(_call_site(e, events))
+
+
+@dataclass(frozen=True)
+class RawEvent:
+    """One profiler event, as read from kineto's results (cheap: no event tree built)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    thread: int
+    on_cpu: bool
+
+
+_WINDOW_START = "gpufeed.sync_window_start"
+_WINDOW_END = "gpufeed.sync_window_end"
+
+
+def _call_site(e: RawEvent, events: list[RawEvent]) -> str:
+    """Where a blocking call happened: the torch ops around it on its thread, innermost
+    first (none: a library or C++ called it outside any op)."""
+    around = sorted(
+        (
+            o
+            for o in events
+            if o.on_cpu
+            and o is not e
+            and o.thread == e.thread
+            and o.start_ns <= e.start_ns
+            and o.end_ns >= e.end_ns
+            and not o.name.startswith(("cuda", "cu"))
+        ),
+        key=lambda o: -o.start_ns,
+    )
+    where = " < ".join(o.name for o in around[:6]) or "no torch op around it"
+    return f"{e.name} in {where} (thread {e.thread})"
+
+
+def _kineto_events(prof: Any) -> list[RawEvent]:
+    """kineto's results as they are (no event tree built: cheap for a busy window)."""
+    out = []
+    for k in prof.profiler.kineto_results.events():
+        start = int(k.start_ns())
+        end = start + int(k.duration_ns())
+        on_cpu = str(k.device_type()).endswith("CPU")
+        out.append(RawEvent(str(k.name()), start, end, int(k.start_thread_id()), on_cpu))
+    return out
+
+
+def _raw_events(prof: Any) -> list[RawEvent]:
+    try:
+        return _kineto_events(prof)
+    except (AttributeError, TypeError, RuntimeError):
+        pass
+    out = []
+    for f in prof.events():  # the parsed FunctionEvents (slower), times in µs
+        start = int(f.time_range.start * 1000)
+        on_cpu = str(getattr(f, "device_type", "")).endswith("CPU")
+        out.append(RawEvent(str(f.name), start, int(f.time_range.end * 1000), f.thread, on_cpu))
+    return out
+
+
+@contextlib.contextmanager
+def _profiled(counter: SyncCounter) -> Iterator[None]:
+    """The CUDA runtime calls of every thread, through the profiler (CUPTI): what
+    set_sync_debug_mode cannot see (C++ callers, libraries, pageable copies)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    try:
+        prof.start()
+    except Exception as exc:  # noqa: BLE001 - reported: the sync rule then fails as not measured
+        counter.profile_error = f"profiler did not start: {type(exc).__name__}: {exc}"
+        yield
+        return
+    with record_function(_WINDOW_START):
+        pass
+    try:
+        yield
+    finally:
+        with record_function(_WINDOW_END):
+            pass
+        try:
+            prof.stop()
+            counter.add_profiled(_raw_events(prof))
+        except Exception as exc:  # noqa: BLE001 - reported as not measured
+            counter.profile_error = f"profiler failed: {type(exc).__name__}: {exc}"
+            log.warning("sync_profile_failed", error=counter.profile_error)
+
+
+@contextlib.contextmanager
+def count_host_syncs(*, profile: bool = False) -> Iterator[SyncCounter]:
+    """Host syncs while active. With `profile`, the profiler runs outside the counting
+    (its own start and stop synchronise, and are not the code's)."""
+    counter = SyncCounter()
+    if not torch.cuda.is_available():
+        if profile:
+            counter.profile_error = "no CUDA device"
+        yield counter
+        return
+    with _profiled(counter) if profile else contextlib.nullcontext(), _counting(counter):
+        yield counter
+
+
+@contextlib.contextmanager
+def _counting(counter: SyncCounter) -> Iterator[None]:
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            counter._explicit(label)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counting)
+        patched.append((owner, name, original))
+
+    wrap(torch.cuda, "synchronize", "torch.cuda.synchronize")
+    wrap(torch.cuda.Event, "synchronize", "Event.synchronize")
+    wrap(torch.cuda.Stream, "synchronize", "Stream.synchronize")
+    previous_mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous_mode)
+            for owner, name, original in reversed(patched):
+                setattr(owner, name, original)
+    for w in seen:
+        text = str(w.message)
+        if is_sync_warning(text):
+            counter.debug_warnings += 1
+            if len(counter.examples) < 5:
+                counter.examples.append(f"{w.filename}:{w.lineno}: {text[:200]}")
+
+
+def is_sync_warning(text: str) -> bool:
+    """Whether a warning raised under sync-debug mode reports a synchronizing operation."""
+    lowered = text.lower()
+    return _SYNC_WARNING in lowered and _SYNC_MODE_NOTICE not in lowered
+
+
+class StepReplays:
+    """Launches of the serving step and the CUDA-graph replays inside each, counted while
+    active: with CUDA graphs every launch is exactly one replay. Counting inside the
+    launch (not over a time window) leaves out the capture and warm-up replays, and a
+    launch cut by the window's edge."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self.replays = 0
+        self.not_one = 0  # launches with no replay or more than one
+        self.outside = 0  # replays outside a launch of the step
+        self._local = threading.local()
+
+
+@contextlib.contextmanager
+def count_step_replays(owner: Any, attr: str = "step") -> Iterator[StepReplays]:
+    """Wraps `owner.<attr>` (the runner's step, read at each launch) and
+    torch.cuda.CUDAGraph.replay (graph trees replay through it) while active."""
+    counts = StepReplays()
+    graph_cls: Any = getattr(torch.cuda, "CUDAGraph", None)
+    original_replay: Any = getattr(graph_cls, "replay", None) if graph_cls is not None else None
+    step = getattr(owner, attr)
+
+    def replay(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(counts._local, "inside", None) is None:
+            counts.outside += 1
+        else:
+            counts._local.inside += 1
+        return original_replay(self, *args, **kwargs)
+
+    def launch(x: torch.Tensor) -> Any:
+        counts._local.inside = 0
+        try:
+            return step(x)
+        finally:
+            n = counts._local.inside
+            counts._local.inside = None
+            counts.launches += 1
+            counts.replays += n
+            counts.not_one += n != 1
+
+    if original_replay is not None:
+        graph_cls.replay = replay
+    setattr(owner, attr, launch)
+    try:
+        yield counts
+    finally:
+        setattr(owner, attr, step)
+        if original_replay is not None:
+            graph_cls.replay = original_replay
+
+
+class Report:
+    """The report as a dict, written atomically to `path` whenever a phase ends (and from
+    the watchdog), so the file always holds what was measured so far."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "phases": {},
+        }
+        self.phase_now = ""
+        self._t0 = time.perf_counter()
+        # Reentrant: SIGTERM's handler writes from the main thread, maybe mid-write.
+        self._lock = threading.RLock()
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.data[key] = value
+
+    def update(self, **values: Any) -> None:
+        self.data.update(values)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[dict[str, Any]]:
+        """Times a phase and writes the report when it ends, however it ends."""
+        entry: dict[str, Any] = {"status": "running"}
+        self.data["phases"][name] = entry
+        self.phase_now = name
+        t0 = time.perf_counter()
+        self.write()
+        try:
+            yield entry
+        except BaseException as exc:
+            entry["status"] = "failed"
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            raise
+        else:
+            if entry["status"] == "running":
+                entry["status"] = "done"
+        finally:
+            entry["s"] = round(time.perf_counter() - t0, 2)
+            self.write()
+
+    def skip(self, name: str, why: str) -> None:
+        self.data["phases"][name] = {"status": "skipped", "why": why}
+        self.write()
+
+    def write(self) -> None:
+        with self._lock:
+            self.data["elapsed_s"] = round(time.perf_counter() - self._t0, 1)
+            text = ""
+            # Another thread may add a key while this one serialises: try again.
+            for _ in range(5):
+                try:
+                    text = json.dumps(self.data, indent=2, default=str) + "\n"
+                    break
+                except RuntimeError:
+                    time.sleep(0.01)
+            tmp = self.path.with_suffix(".json.tmp")
+            tmp.write_text(text or json.dumps({"error": "report could not be serialised"}))
+            os.replace(tmp, self.path)
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.at - time.monotonic()
+
+
+def environment() -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "host": platform.node(),
+    }
+    with contextlib.suppress(ImportError):
+        import torchvision
+
+        env["torchvision"] = torchvision.__version__
+    if torch.cuda.is_available():
+        env["device_name"] = torch.cuda.get_device_name(0)
+        env["device_count"] = torch.cuda.device_count()
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    return env
+
+
+def _eager_of(fn: Any) -> Any:
+    # torch.compile(module) returns an OptimizedModule that keeps the module it wraps.
+    return getattr(fn, "_orig_mod", fn)
+
+
+async def _measure_pipeline(
+    worker: Worker,
+    args: argparse.Namespace,
+    report: Report,
+    window_s: float,
+    best_ceiling: float,
+) -> None:
+    """Phases `pipeline` (the timed window) and `syncs` (the profiled window), on one
+    worker fed from Redis. Each phase's figures are in the report as it ends."""
+    cfg = worker.config
+    compile_report = worker.compile_report
+    assert compile_report is not None
+    images = [synthetic_jpeg(args.width, args.height, seed=i, quality=85) for i in range(32)]
+    report["pipeline_input"] = {
+        "images": f"{args.width}x{args.height} JPEG q85, unique bytes per job",
+        "mean_bytes": int(sum(map(len, images)) / len(images)),
+        "decode_cache_mb": cfg.decode_cache_mb,
+    }
+    client = redis.Redis.from_url(cfg.redis_url)
+    backlog = max(2048, worker.batch_size * 32)
+    feeder = Feeder(cfg.redis_url, cfg.stream, images, backlog)
+
+    def done_count() -> int:
+        c = worker.counters
+        return c.results_ok + c.results_error
+
+    async def tell_feeder() -> None:
+        while True:
+            feeder.answered(done_count())
+            await asyncio.sleep(0.005)
+
+    main = asyncio.create_task(worker.main_loop(), name="main_loop")
+    feeder.start()
+    telling = asyncio.create_task(tell_feeder(), name="tell_feeder")
+    # The CUDA index the worker computes on; the sampler finds it in NVML by UUID.
+    sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
+    c = worker.counters
+    try:
+        with report.phase("pipeline") as entry:
+            entry["window_s"] = round(window_s, 1)
+            deadline = time.monotonic() + args.warmup_seconds + 60
+            while done_count() < worker.batch_size * 4 and time.monotonic() < deadline:
+                if main.done():
+                    main.result()
+                if not feeder.alive:
+                    raise RuntimeError("the job feeder process ended before the window")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(args.warmup_seconds)
+            # The timed window: only the step's launches (counted in the launch itself)
+            # and NVML watch it.
+            sampler.start()
+            with count_step_replays(worker.runner) as replays:
+                n0, t0, b0 = done_count(), time.monotonic(), c.batches
+                hits0, errors0 = c.cache_hits, c.results_error
+                await asyncio.sleep(window_s)
+                n1, t1, b1 = done_count(), time.monotonic(), c.batches
+                hits1, errors1 = c.cache_hits, c.results_error
+            sampler.stop()
+            if main.done():
+                main.result()
+            rate = (n1 - n0) / max(t1 - t0, 1e-9)
+            summary = sampler.summary()
+            util = summary["metrics"].get("gpu_util_pct", {})
+            report.update(
+                pipeline_images_per_s=round(rate, 1),
+                ratio=round(rate / best_ceiling, 3) if best_ceiling else None,
+                gpu_sampler=summary,
+                gpu_util_mean=util.get("mean"),
+                gpu_util_p50=util.get("p50"),
+                compile_still_one_graph=still_compiled(compile_report) or "yes",
+                pipeline={
+                    "window_s": round(t1 - t0, 2),
+                    "results_in_window": n1 - n0,
+                    "batches_done_in_window": b1 - b0,
+                    "batches_in_window": replays.launches,
+                    "cudagraph_replays_in_window": replays.replays,
+                    "launches_without_one_replay": replays.not_one,
+                    "replays_outside_launches": replays.outside,
+                    "decode_cache_hits": hits1 - hits0,
+                    "errors_in_window": errors1 - errors0,
+                    "results_ok": c.results_ok,
+                    "results_error": c.results_error,
+                    "errors_by_code": dict(c.errors_by_code),
+                    "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
+                    if c.batches
+                    else None,
+                    "jobs_pushed": feeder.pushed,
+                    "decode_threads": worker.decoder.threads,
+                },
+            )
+        # The sync window: the profiler (every thread's CUDA calls, C++ and libraries
+        # included) and sync-debug mode, per batch. It slows the pipeline: not the timed one.
+        with report.phase("syncs") as entry:
+            entry["window_s"] = args.sync_seconds
+            # Launches counted outside the profiler: its read-out after the window is not
+            # part of it.
+            with (
+                count_step_replays(worker.runner) as launches,
+                count_host_syncs(profile=True) as syncs,
+            ):
+                await asyncio.sleep(args.sync_seconds)
+                batches = launches.launches
+            found: dict[str, Any] = {**syncs.as_dict(), "batches": batches}
+            if syncs.profile_error is not None:
+                # Without the profiler the count would miss what it exists to find.
+                found.update(batches=None, status=f"not measured: {syncs.profile_error}")
+            elif batches:
+                found["per_batch"] = round(syncs.total / batches, 4)
+            report["host_syncs"] = found
+            if main.done():
+                main.result()
+    finally:
+        telling.cancel()
+        feeder.stop()
+        worker.handle_exit()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(main, 60)
+        sampler.close()
+        client.close()
+
+
+def _recorded_event(device: torch.device) -> Any:
+    """An event recorded on `device`'s current stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def decode_differences(device: torch.device, size: int = 224) -> dict[str, Any]:
+    """Where each GPU JPEG decoder differs from the CPU path, per colour mode: mean and
+    largest absolute difference per pixel value (0..255), after the same resize and crop.
+    The router sends only RGB and grey JPEGs to the GPU; CMYK is measured to show why."""
+    spec = DecodeSpec(size=size, dct_scaling=False)
+    samples = {
+        mode: synthetic_jpeg(640, 480, seed=7, quality=90, mode=mode)
+        for mode in ("RGB", "L", "CMYK")
+    }
+    out: dict[str, Any] = {}
+    for prefer in ("nvimgcodec", "torchvision"):
+        try:
+            decoder = GpuDecoder(device, make_backend(device, prefer))
+        except GpuDecodeUnavailable as exc:
+            out[prefer] = {"available": False, "reason": str(exc)}
+            continue
+        per_mode: dict[str, Any] = {}
+        try:
+            for mode, data in samples.items():
+                want, info = decode_to_array(data, spec)
+                row = GpuRow(data, DecodeInfo("JPEG", info.width, info.height, 1), 1)
+                dest = torch.zeros((1, size, size, 3), dtype=torch.uint8, device=device)
+                # The zero-fill runs on this thread's stream, the decode on the decoder's:
+                # the decoder waits for the fill, and the read-back for the decode.
+                filled = _recorded_event(device)
+                try:
+                    result = decoder.decode_rows_sync([(0, row)], dest, filled)
+                except GpuDecodeFailed as exc:
+                    per_mode[mode] = {"decoded": False, "error": str(exc)}
+                    continue
+                if result.failed:
+                    per_mode[mode] = {"decoded": False, "error": "the decoder returned nothing"}
+                    continue
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).wait_event(result.ready)  # type: ignore[arg-type]
+                got = dest[0].cpu().numpy().astype(int)  # measurement: waits for the GPU
+                diff = abs(got - want.astype(int))
+                per_mode[mode] = {
+                    "decoded": True,
+                    "mean_abs_diff": round(float(diff.mean()), 3),
+                    "max_abs_diff": int(diff.max()),
+                    "mean_abs_diff_per_channel": [
+                        round(float(diff[..., ch].mean()), 3) for ch in range(3)
+                    ],
+                }
+        finally:
+            decoder.shutdown()
+        out[prefer] = {"available": True, "modes": per_mode}
+    return out
+
+
+def decode_rates(
+    device: torch.device,
+    size: int,
+    batch: int,
+    cpu_threads: int,
+    *,
+    width: int = 2600,
+    height: int = 1950,
+    seconds: float = 3.0,
+) -> dict[str, Any]:
+    """GPU decode (as GPUFEED_DECODE=gpu runs it: batches of `batch` rows into a device
+    batch) against the CPU decode pool (`cpu_threads`, DCT scaling on) on large JPEGs, in
+    images/s, and the host syncs one GPU-decode batch costs, under the profiler."""
+    images = [synthetic_jpeg(width, height, seed=i, quality=90) for i in range(8)]
+    out: dict[str, Any] = {"images": f"{width}x{height} JPEG q90", "batch": batch}
+    spec = DecodeSpec(size=size, dct_scaling=True)
+
+    # The CPU pool: each thread decodes whole images, as the worker's decode threads do.
+    def cpu_one(i: int) -> None:
+        decode_to_array(images[i % len(images)], spec)
+
+    with ThreadPoolExecutor(cpu_threads) as pool:
+        list(pool.map(cpu_one, range(cpu_threads)))  # warm-up
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            list(pool.map(cpu_one, range(n, n + cpu_threads * 4)))
+            n += cpu_threads * 4
+        out["cpu_images_per_s"] = round(n / (time.perf_counter() - t0), 1)
+    out["cpu_threads"] = cpu_threads
+
+    try:
+        decoder = GpuDecoder(device, make_backend(device))
+    except GpuDecodeUnavailable as exc:
+        out["gpu"] = f"not measured: {exc}"
+        return out
+    out["backend"] = decoder.backend.name
+    info = DecodeInfo("JPEG", width, height, 1)
+    rows = [(r, GpuRow(images[r % len(images)], info, 1)) for r in range(batch)]
+    dest = torch.zeros((batch, size, size, 3), dtype=torch.uint8, device=device)
+    try:
+        last = decoder.decode_rows_sync(rows, dest, _recorded_event(device))  # warm-up
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            # Each batch waits for the previous one's writes to dest, on the GPU.
+            last = decoder.decode_rows_sync(rows, dest, last.ready)
+            n += batch
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # measurement: the queued decodes must finish
+        out["gpu_images_per_s"] = round(n / (time.perf_counter() - t0), 1)
+        out["gpu_failed_rows"] = len(last.failed)
+        with count_host_syncs(profile=True) as syncs:
+            for _ in range(2):
+                last = decoder.decode_rows_sync(rows, dest, last.ready)
+        out["gpu_syncs_per_batch"] = (
+            round(syncs.total / 2, 1) if syncs.profile_error is None else syncs.profile_error
+        )
+        out["gpu_sync_sites"] = syncs.sites[:5]
+    finally:
+        decoder.shutdown()
+    return out
+
+
+def _example_batch(batch: int, size: int, device: torch.device) -> torch.Tensor:
+    # Made outside inference mode, like the worker's device buffers (the compiled step's
+    # guards would otherwise see another kind of tensor).
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shape = (batch, size, size, 3)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device)
+
+
+async def run(args: argparse.Namespace, report: Report, deadline: Deadline) -> None:
+    overrides: dict[str, Any] = {
+        "redis_url": args.redis_url,
+        "model": args.model,
+        "weights": "none",
+        "device": args.device,
+        "batch_size": args.batch,
+        "compile": args.compile,
+        "precision": args.precision,
+        "decode": args.decode,
+        "resize": args.resize,
+        "stream": "gpucheck:jobs",
+        "group": "gpucheck",
+        "results_stream": "gpucheck:results",
+        "result_prefix": "gpucheck:result:",
+        "dead_stream": "gpucheck:dead",
+        "result_ttl_s": 600,
+        "results_maxlen": 10_000,
+        "worker_name": "gpu-check",
+        "max_wait_ms": 5.0,
+        "log_level": "warning",
+        "log_format": "json",
+        # Every job decoded: no decode cache (the jobs' bytes are unique as well).
+        "decode_cache_mb": 0,
+    }
+    cfg = WorkerConfig.load(env={}, overrides=overrides)
+    worker = Worker(cfg)
+    try:
+        await _run_phases(worker, args, report, deadline)
+    finally:
+        await worker.shutdown()
+
+
+async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
+    """Polls for a file another process writes (nothing to await on but time)."""
+    while deadline.left() > 0:
+        if await asyncio.to_thread(path.exists):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def _run_phases(
+    worker: Worker, args: argparse.Namespace, report: Report, deadline: Deadline
+) -> None:
+    with report.phase("startup"):
+        t0 = time.perf_counter()
+        await worker.startup(wait_for_redis=False)
+        report["startup_s"] = round(time.perf_counter() - t0, 2)
+        compile_report = worker.compile_report
+        assert compile_report is not None
+        report["compile"] = compile_report.as_dict()
+        report["precision"] = worker.precision.as_dict() if worker.precision else None
+    if args.wait_for:
+        # Compiled beside the CUDA tests; measured only once they are done, alone on the GPU.
+        with report.phase("wait_for_tests") as entry:
+            entry["tests_done"] = await _wait_for_file(Path(args.wait_for), deadline)
+    runner = worker.runner
+    device = worker.ctx.device
+    step_fn = runner.step
+    eager = _eager_of(step_fn)
+    cudagraphs = compile_report.cudagraphs and device.type == "cuda"
+    report.update(
+        model=worker.config.model,
+        batch=worker.batch_size,
+        dtype=str(getattr(eager, "dtype", "")).removeprefix("torch."),
+        device=worker.ctx.name,
+        staging_size=worker.loaded.resize_size,
+        input_size=worker.loaded.crop_size,
+    )
+    # The ring's rows: S x S with the resize on the host, R x R (decoded size and geometry)
+    # with the device placement, whose resampling is part of the step the ceiling times.
+    size = worker.ring.size
+    report["resize"] = {"placement": worker.placement, **worker.ring_budget}
+    ceilings: dict[str, Any] = {}
+    report["ceiling"] = ceilings
+
+    with report.phase("ceiling"):
+
+        def on_launch_thread() -> None:
+            x = _example_batch(worker.batch_size, size, device)
+            ceilings["compiled"] = direct_feed_ceiling(
+                step_fn, x, iters=args.ceiling_iters, warmup=5, cudagraphs=cudagraphs
+            )
+            ceilings["eager"] = direct_feed_ceiling(eager, x, iters=args.ceiling_iters, warmup=3)
+
+        runner.run_sync(on_launch_thread)
+        report["ceiling_images_per_s"] = {
+            "compiled": ceilings["compiled"]["images_per_s"],
+            "eager": ceilings["eager"]["images_per_s"],
+            "cudnn_benchmark": False,
+        }
+
+    best = max(ceilings["compiled"]["images_per_s"], ceilings["eager"]["images_per_s"])
+    report["ceiling_best_images_per_s"] = best
+    # Keep time for the decode phase (~10 s) and the end of the run; the rest of the phase
+    # is warm-up, the sync window with its profiler read-out, and the worker's drain.
+    room = deadline.left() - 20 - args.warmup_seconds - args.sync_seconds - 10
+    window = min(args.seconds, room)
+    if room < min(args.seconds, 5.0):
+        why = f"not measured: {deadline.left():.0f} s left, no room for a window"
+        report.skip("pipeline", why)
+        report.skip("syncs", why)
+    else:
+        await _measure_pipeline(worker, args, report, window, best)
+
+    loop = asyncio.get_running_loop()
+    if deadline.left() < 15:
+        report.skip("decode", f"{deadline.left():.0f} s left")
+    else:
+        with report.phase("decode"):
+            report["gpu_decode_vs_cpu"] = await loop.run_in_executor(
+                None, decode_differences, device, worker.loaded.resize_size
+            )
+
+    # Extras (judged by no rule): measured only with time to spare.
+    if device.type != "cuda":
+        report.skip("gpu_decode_rate", "not a CUDA device")
+    elif deadline.left() < 25:
+        report.skip("gpu_decode_rate", f"{deadline.left():.0f} s left")
+    else:
+        with report.phase("gpu_decode_rate"):
+            report["gpu_decode_rate"] = rates = await loop.run_in_executor(
+                None,
+                decode_rates,
+                device,
+                worker.loaded.resize_size,
+                worker.batch_size,
+                worker.decode_threads,
+            )
+            rates["model_images_per_s"] = best
+
+    if device.type != "cuda":
+        report.skip("cudnn", "not a CUDA device")
+        return
+    if deadline.left() < 10:
+        report.skip("cudnn", f"{deadline.left():.0f} s left")
+        return
+    with report.phase("cudnn") as entry:
+        # Its own thread and stream: CUDA-graph trees are per thread, and the worker's own
+        # launch thread is gone with the pipeline.
+        needed_s = max(15.0, 0.5 * compile_report.compile_s)
+
+        def cudnn_on() -> None:
+            stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            previous = torch.backends.cudnn.benchmark
+            torch.backends.cudnn.benchmark = True
+            try:
+                with torch.cuda.stream(stream):
+                    x = _example_batch(worker.batch_size, size, device)
+                    ceilings["eager_cudnn_benchmark"] = direct_feed_ceiling(
+                        eager, x, iters=args.ceiling_iters, warmup=5
+                    )
+                    if not cudagraphs:
+                        return
+                    if deadline.left() < needed_s:
+                        entry["compiled"] = (
+                            f"not measured: {deadline.left():.0f} s left, a compile needs "
+                            f"about {needed_s:.0f} s"
+                        )
+                        return
+                    fn, rep = compile_step(
+                        eager, x, mode=compile_report.mode, allow_eager_fallback=False
+                    )
+                    entry["compile_s"] = round(rep.compile_s, 2)
+                    ceilings["compiled_cudnn_benchmark"] = direct_feed_ceiling(
+                        fn, x, iters=args.ceiling_iters, warmup=5, cudagraphs=True
+                    )
+            finally:
+                torch.backends.cudnn.benchmark = previous
+
+        with ThreadPoolExecutor(1, thread_name_prefix="gpu-check-cudnn") as pool:
+            await loop.run_in_executor(pool, cudnn_on)
+        on = ceilings.get("compiled_cudnn_benchmark", {}).get("images_per_s")
+        report["ceiling_images_per_s_cudnn_benchmark"] = {
+            "compiled": on,
+            "eager": ceilings["eager_cudnn_benchmark"]["images_per_s"],
+            "cudnn_benchmark": True,
+        }
+        # What would decide the worker's default (off until a GPU run shows a gain).
+        off = (
+            ceilings["compiled"]["images_per_s"]
+            if cudagraphs
+            else ceilings["eager"]["images_per_s"]
+        )
+        if not cudagraphs:
+            on = ceilings["eager_cudnn_benchmark"]["images_per_s"]
+        report["cudnn_benchmark_gain"] = round(on / off, 3) if on and off else None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m worker.tools.gpu_check.check", description="GPU benchmark"
+    )
+    p.add_argument("--model", default=os.environ.get("GPU_CHECK_MODEL", "resnet50"))
+    p.add_argument("--batch", type=int, default=int(os.environ.get("GPU_CHECK_BATCH", "64")))
+    p.add_argument("--precision", default=os.environ.get("GPU_CHECK_PRECISION", "auto"))
+    p.add_argument("--compile", default=os.environ.get("GPU_CHECK_COMPILE", "auto"))
+    p.add_argument("--decode", default=os.environ.get("GPU_CHECK_DECODE", "cpu"))
+    p.add_argument("--resize", default=os.environ.get("GPU_CHECK_RESIZE", "auto"))
+    # Never a silent fallback to the CPU: the check is about the GPU.
+    p.add_argument("--device", default=os.environ.get("GPU_CHECK_DEVICE", "cuda:0"))
+    seconds = float(os.environ.get("GPU_CHECK_SECONDS", "20"))
+    p.add_argument("--seconds", type=float, default=seconds, help="pipeline window")
+    p.add_argument("--warmup-seconds", type=float, default=3.0)
+    p.add_argument(
+        "--sync-seconds", type=float, default=3.0, help="profiled window counting host syncs"
+    )
+    p.add_argument("--ceiling-iters", type=int, default=50)
+    p.add_argument("--width", type=int, default=640)
+    p.add_argument("--height", type=int, default=480)
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", ".gpu-check/out"))
+    p.add_argument(
+        "--wait-for",
+        default=None,
+        help="after start-up (the compile), wait until this file exists before measuring",
+    )
+    p.add_argument("--junit", default=None, help="pytest --junitxml file of the CUDA tests")
+    p.add_argument("--tests-rc", type=int, default=None, help="pytest's exit status")
+    p.add_argument(
+        "--expected-tests",
+        default=str(EXPECTED_TESTS),
+        help="node ids of every cuda-marked test; each must have run and passed",
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=float(os.environ.get("GPU_CHECK_BENCH_DEADLINE_S", "170")),
+        help="write the report and stop after this many seconds, whatever is running",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, *, require_cuda: bool = True) -> int:
+    """The command line. `require_cuda=False` lets the test suite run the phases on the CPU;
+    the command itself always refuses to run anywhere but on a CUDA device."""
+    args = parse_args(argv)
+    configure_logging(os.environ.get("GPU_CHECK_LOG_FORMAT", "auto"), "info")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = Report(out / "report.json")
+    deadline = Deadline(args.deadline_s)
+    report.update(environment=environment(), deadline_s=args.deadline_s)
+    if args.junit:
+        report["tests"] = tests_summary(Path(args.junit), args.tests_rc, Path(args.expected_tests))
+
+    def give_up(why: str, code: int) -> None:
+        # The deadline or a signal: the report says what was measured and where it stopped,
+        # and the process ends now, not when a compile on another thread would let it.
+        report["error"] = f"{why} during phase {report.phase_now or 'set-up'!r}"
+        report["stopped_in"] = report.phase_now
+        conclude(report)
+        print(f"gpu-check: {report['error']}; report: {report.path}", file=sys.stderr)
+        os._exit(code)
+
+    watchdog = threading.Timer(
+        args.deadline_s, give_up, (f"time budget of {args.deadline_s:.0f} s spent", 124)
+    )
+    watchdog.daemon = True
+    watchdog.start()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: give_up(f"signal {signum}", 124))
+    try:
+        on_cuda = args.device.startswith("cuda") and torch.cuda.is_available()
+        if require_cuda and not on_cuda:
+            raise RuntimeError(
+                f"the GPU check needs a CUDA device; --device {args.device}, CUDA available: "
+                f"{torch.cuda.is_available()}"
+            )
+        asyncio.run(run(args, report, deadline))
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the report is written anyway
+        report["error"] = f"{type(exc).__name__}: {exc}"
+        report["stopped_in"] = report.phase_now
+        report["traceback"] = traceback.format_exc(limit=20)
+    finally:
+        watchdog.cancel()
+        signal.signal(signal.SIGTERM, previous)
+    ok = conclude(report)
+    headline = {k: report.data.get(k) for k in _HEADLINE}
+    headline["passed"] = ok
+    print(json.dumps(headline, default=str))
+    print(f"report: {report.path}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def conclude(report: Report) -> bool:
+    """Judges the report by the rules, writes the verdict into it and prints each rule."""
+    with report._lock:
+        ok = add_verdict(report.data)
+        report.write()
+    return ok
+
+
+_HEADLINE = (
+    "device",
+    "model",
+    "batch",
+    "dtype",
+    "ceiling_images_per_s",
+    "ceiling_images_per_s_cudnn_benchmark",
+    "pipeline_images_per_s",
+    "ratio",
+    "gpu_util_mean",
+    "error",
+)
+
+if __name__ == "__main__":
+    sys.exit(main())
