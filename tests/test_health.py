@@ -23,10 +23,10 @@ from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer, free_port
 from tests.test_observability import get, metric
 from tests.worker_harness import running_worker, tiny_config, wait_results
-from worker import health as health_mod
 from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.service import Worker
+from worker.observe import health as health_mod
 from worker.observe.health import Health, HealthServer
 from worker.observe.metrics import WorkerMetrics
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from worker.tools import verdict as V
+from worker.tools.doctor import verdict as V
 from worker.tools.doctor.verdict import Evidence, verdict
 
 
