@@ -1,1 +1,8 @@
-"""Redis in and out"""
+"""Redis in and out: reading jobs through the consumer group (`reader.py`), reclaiming and
+dead-lettering what others left (`reclaimer.py`), publishing results with their
+acknowledgement in one script (`writer.py`, `redis_scripts.py`), shards and Redis Cluster
+(`sharding.py`, `cluster_node.py`), replica waits (`replicas.py`) and the start-up checks
+of what the worker's Redis user may do (`redis_check.py`).
+
+May import: config, jobs, producer.
+"""

@@ -1,2 +1,6 @@
-"""The model: loading (torchvision names, model directories), the output kinds (heads,
-readers, answers), the one compiled step, its compile checks, precision and ceiling."""
+"""The model: loading (torchvision names, model directories, `loaded.py`), the output kinds
+(heads, readers, answers), the one compiled step, its compile checks, precision and
+ceiling.
+
+May import: config, decode, pipeline, producer.
+"""

@@ -1,1 +1,6 @@
-"""Watching the worker"""
+"""Watching the worker: the observer that counts what happened (`observer.py`), the
+Prometheus metrics (`metrics.py`), `/live` and `/ready` (`health.py`), GPU utilisation
+(`gpu_sampler.py`), who holds the GIL (`gil_account.py`) and the log set-up (`logs.py`).
+
+May import: config, decode, delivery, jobs, pipeline.
+"""

@@ -1,7 +1,8 @@
 """The site's reference pages, written from the code they describe.
 
 Each page under docs/reference/ has one source in the code (worker/config/settings_help.py,
-producer/wire_help.py, worker/observe/metrics.py, the Makefile, the CLIs' own help). `python -m
+producer/wire_help.py, worker/observe/metrics.py, the Makefile, the CLIs' own help), and so
+has the map of worker/'s folders on docs/development.md (their own docstrings). `python -m
 worker.tools.docs_gen` (`make docs-gen`) writes them; `--check` says which committed page
 differs from what would be written, as tests/test_docs.py does.
 """
@@ -11,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from worker.tools.docs_gen import cli_page, make_page, metrics_page, settings_page, wire_pages
+from worker.tools.docs_gen import (
+    cli_page,
+    layout_page,
+    make_page,
+    metrics_page,
+    settings_page,
+    wire_pages,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs"
@@ -25,6 +33,8 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/metrics.md": metrics_page.render,
     "reference/make-targets.md": lambda: make_page.render(ROOT / "Makefile"),
     "reference/cli.md": cli_page.render,
+    # A hand-written page with one generated block: the map of worker/'s folders.
+    "development.md": lambda: layout_page.render(DOCS / "development.md"),
 }
 
 
