@@ -530,10 +530,12 @@ async def test_a_parser_failure_ends_no_stage_the_entry_is_answered_invalid_job(
     not yet expect), the reader and the reclaimer still answer that entry."""
     real = jobs.parse_job
 
-    def failing(entry_id: str, fields: dict[bytes, bytes], default_reply_to: str) -> Job:
+    def failing(
+        entry_id: str, fields: dict[bytes, bytes], default_reply_to: str, max_meta_bytes: int
+    ) -> Job:
         if b"boom" in fields:
             raise RuntimeError("a parser bug")
-        return real(entry_id, fields, default_reply_to)
+        return real(entry_id, fields, default_reply_to, max_meta_bytes)
 
     monkeypatch.setattr(jobs, "parse_job", failing)
     redis_client.xgroup_create("gpufeed:jobs", "gpufeed", id="0", mkstream=True)

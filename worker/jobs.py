@@ -253,7 +253,7 @@ def job_of_entry(
         return parse_job(entry_id, fields, default_reply_to, max_meta_bytes)
     except Exception as exc:  # noqa: BLE001 - nothing a job carries may end a stage task
         log.error("job_unparsable", entry=entry_id, error=repr(exc))
-        job = parse_job(entry_id, {}, default_reply_to)
+        job = parse_job(entry_id, {}, default_reply_to, max_meta_bytes)
         job.rejected = (ErrorCode.INVALID_JOB, "the job's fields could not be read")
         return job
 
