@@ -8,18 +8,17 @@ Machine-readable output (`--json`) goes to stdout; progress bars and errors go t
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import click
 import redis
-import typer
 from rich import box
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -43,17 +42,44 @@ EXIT_UNREACHABLE = 3
 EXIT_REFUSED = 4  # admission control: the backlog or Redis's memory is full
 EXIT_INTERRUPTED = 130
 
-app = typer.Typer(
-    name="gpufeed",
-    help="Submit image jobs to gpufeed workers and read their results.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_show_locals=False,
-)
+# Every option's default is shown in --help (those whose default is None show none).
+CONTEXT_SETTINGS: dict[str, Any] = {
+    "help_option_names": ["--help"],
+    "max_content_width": 110,
+    "show_default": True,
+}
+
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-JsonFlag = Annotated[bool, typer.Option("--json", help="one JSON object per line on stdout")]
+
+class _Group(click.Group):
+    """`gpufeed`: its commands share its context settings and are listed in --help in the
+    order they are defined."""
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        # Click keeps a command's help option from the first context that asked for it: a
+        # command run on its own (by a test or a tool) gets the settings it has under the
+        # group, so its --help never depends on what ran first.
+        cmd.context_settings = {**CONTEXT_SETTINGS, **cmd.context_settings}
+        super().add_command(cmd, name)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args and not ctx.resilient_parsing:
+            # `gpufeed` alone: its help on stdout (click writes it to stderr), so that
+            # `gpufeed | less` shows it, and exit 2 as for any usage error.
+            click.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit(EXIT_USAGE)
+        return super().parse_args(ctx, args)
+
+
+# The --json of the commands that print one JSON object per line.
+_json_flag = click.option(
+    "--json", "json_out", is_flag=True, help="one JSON object per line on stdout"
+)
 
 
 @dataclass(frozen=True)
@@ -86,27 +112,15 @@ _CONNECTION_HELP = {
     "redis_cluster": ("GPUFEED_REDIS_CLUSTER", "Redis Cluster: auto, on or off"),
     "shards": ("GPUFEED_SHARDS", "job streams, one per hash tag"),
 }
-_CONNECTION_OPTIONS: dict[str, Any] = {
-    name: Annotated[
-        str | None,
-        typer.Option(
-            f"--{name.replace('_', '-')}",
-            envvar=envvar,
-            show_default=False,
-            help=f"{what} (default: {getattr(Settings(), name)})",
-        ),
-    ]
-    for name, (envvar, what) in _CONNECTION_HELP.items()
-}
 
 
 class UsageError(Exception):
     """A mistake in the command line; the message is the one line the user sees."""
 
 
-def _fail(message: str, code: int) -> typer.Exit:
+def _fail(message: str, code: int) -> click.exceptions.Exit:
     print(f"error: {message}", file=sys.stderr)
-    return typer.Exit(code)
+    return click.exceptions.Exit(code)
 
 
 def redact(url: str) -> str:
@@ -163,50 +177,49 @@ def _session(settings: Settings) -> Iterator[Producer]:
         raise _fail(f"Redis at {redact(url)} refused a command: {exc}", EXIT_FAILED) from None
 
 
-def _settings(ctx: typer.Context, **given: str | None) -> Settings:
+def _settings(ctx: click.Context, **given: str | None) -> Settings:
     base = ctx.obj if isinstance(ctx.obj, Settings) else Settings()
     return base.merged(**given)
 
 
 def _connection(*names: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give a command --redis-url and the connection options `names`, after its own options,
-    and call it with `settings`: those given after the command name over those given before
-    it (kept in the context) and the defaults. The command may take `ctx` too."""
-    chosen = [n for n in _CONNECTION_OPTIONS if n == "redis_url" or n in names]
+    """Give a command --redis-url and the connection options `names`, after its own options
+    (written above this decorator), and call it with `settings` first: those given after the
+    command name over those given before it (kept in the context) and the defaults."""
+    chosen = [n for n in _CONNECTION_HELP if n == "redis_url" or n in names]
 
     def decorate(command: Callable[..., None]) -> Callable[..., None]:
-        own = inspect.signature(command, eval_str=True)
-        wants_ctx = "ctx" in own.parameters
-        ctx_param = inspect.Parameter(
-            "ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
-        )
-        options = [
-            inspect.Parameter(
-                n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_CONNECTION_OPTIONS[n]
-            )
-            for n in chosen
-        ]
-        rest = [p for p in own.parameters.values() if p.name not in ("ctx", "settings")]
-
         @functools.wraps(command)
-        def run(ctx: typer.Context, **kwargs: Any) -> None:
-            settings = _settings(ctx, **{n: kwargs.pop(n) for n in chosen})
-            if wants_ctx:
-                kwargs["ctx"] = ctx
-            command(settings=settings, **kwargs)
+        def run(**kwargs: Any) -> None:
+            ctx = click.get_current_context()
+            command(_settings(ctx, **{n: kwargs.pop(n) for n in chosen}), **kwargs)
 
-        # typer finds the command's arguments and options in its signature.
-        signature = own.replace(parameters=[ctx_param, *rest, *options])
-        run.__signature__ = signature  # type: ignore[attr-defined]
+        # Click lists the options in the reverse of the order they are added in: these,
+        # added first, come after the command's own.
+        for name in reversed(chosen):
+            envvar, what = _CONNECTION_HELP[name]
+            run = click.option(
+                f"--{name.replace('_', '-')}",
+                name,
+                envvar=envvar,
+                show_envvar=True,
+                show_default=False,
+                help=f"{what} (default: {getattr(Settings(), name)})",
+            )(run)
         return run
 
     return decorate
 
 
-@app.callback()
-@_connection(*_CONNECTION_OPTIONS)
-def _global_options(ctx: typer.Context, settings: Settings) -> None:
-    ctx.obj = settings
+@click.group(
+    "gpufeed",
+    cls=_Group,
+    context_settings=CONTEXT_SETTINGS,
+    help="Submit image jobs to gpufeed workers and read their results.",
+)
+@_connection(*_CONNECTION_HELP)
+def app(settings: Settings) -> None:
+    click.get_current_context().obj = settings
 
 
 def find_images(paths: Sequence[Path]) -> list[Path]:
@@ -378,60 +391,69 @@ def _print_json(obj: Any) -> None:
 
 
 @app.command()
+@click.argument(
+    "files_or_dirs",
+    nargs=-1,
+    type=click.Path(path_type=Path),
+    help="image files, or folders to search",
+)
+@click.option(
+    "--urls",
+    metavar="FILE",
+    help="submit url jobs instead: one URL a line (http(s)://, s3://...), - for stdin",
+)
+@click.option("--wait", is_flag=True, help="wait for the results and show them")
+@_json_flag
+@click.option("--timeout", type=click.FloatRange(min=0), default=60.0, help="seconds to wait")
+@click.option("--reply-to", help="stream for the results")
+@click.option("--meta", help="text echoed back with each result")
+@click.option("--id-prefix", default="", show_default=False, help="prepended to each job id")
+@click.option(
+    "--batch", type=click.IntRange(min=1), default=256, help="jobs per pipelined round trip"
+)
+@click.option(
+    "--priority",
+    help="the jobs' priority level, one of GPUFEED_PRIORITIES (default: the lowest)",
+)
+@click.option(
+    "--max-backlog",
+    type=click.IntRange(min=0),
+    default=0,
+    help="refuse (exit 4) once this many jobs wait or are pending; 0: no limit",
+)
+@click.option(
+    "--max-memory-share",
+    type=click.FloatRange(min=0.0, max=1.0),
+    default=0.0,
+    help="refuse (exit 4) past this share of Redis's maxmemory; 0: off",
+)
 @_connection("stream", "results_stream", "result_prefix", "priorities")
 def submit(
     settings: Settings,
     *,
-    paths: Annotated[
-        list[Path] | None,
-        typer.Argument(metavar="FILES_OR_DIRS", help="image files, or folders to search"),
-    ] = None,
-    urls: Annotated[
-        str | None,
-        typer.Option(
-            "--urls",
-            metavar="FILE",
-            help="submit url jobs instead: one URL a line (http(s)://, s3://...), - for stdin",
-        ),
-    ] = None,
-    wait: Annotated[
-        bool, typer.Option("--wait", help="wait for the results and show them")
-    ] = False,
-    json_out: JsonFlag = False,
-    timeout: Annotated[float, typer.Option("--timeout", min=0, help="seconds to wait")] = 60.0,
-    reply_to: Annotated[str | None, typer.Option(help="stream for the results")] = None,
-    meta: Annotated[str | None, typer.Option(help="text echoed back with each result")] = None,
-    id_prefix: Annotated[str, typer.Option(help="prepended to each job id")] = "",
-    batch: Annotated[int, typer.Option(min=1, help="jobs per pipelined round trip")] = 256,
-    priority: Annotated[
-        str | None,
-        typer.Option(
-            help="the jobs' priority level, one of GPUFEED_PRIORITIES (default: the lowest)"
-        ),
-    ] = None,
-    max_backlog: Annotated[
-        int,
-        typer.Option(
-            min=0, help="refuse (exit 4) once this many jobs wait or are pending; 0: no limit"
-        ),
-    ] = 0,
-    max_memory_share: Annotated[
-        float,
-        typer.Option(
-            min=0.0, max=1.0, help="refuse (exit 4) past this share of Redis's maxmemory; 0: off"
-        ),
-    ] = 0.0,
+    files_or_dirs: tuple[Path, ...],
+    urls: str | None,
+    wait: bool,
+    json_out: bool,
+    timeout: float,
+    reply_to: str | None,
+    meta: str | None,
+    id_prefix: str,
+    batch: int,
+    priority: str | None,
+    max_backlog: int,
+    max_memory_share: float,
 ) -> None:
     """Submit image files (job id: the file name), or with --urls the URLs of images (job id:
     the URL without its fragment and signing parameters), and optionally wait for their
     results."""
-    if bool(paths) == (urls is not None):
+    if bool(files_or_dirs) == (urls is not None):
         raise _fail("give image files or folders, or --urls FILE (not both)", EXIT_USAGE)
     files: list[Path] = []
     url_list: list[str] = []
     try:
-        if paths:
-            files = find_images(paths)
+        if files_or_dirs:
+            files = find_images(files_or_dirs)
         else:
             url_list = _read_urls(urls)
     except UsageError as exc:
@@ -505,70 +527,79 @@ def _report(
 
 
 @app.command()
+@click.argument(
+    "source",
+    help="a folder, a manifest (.txt .csv .jsonl .parquet), an s3:// gs:// az:// prefix",
+)
+@click.option(
+    "--out",
+    "out_path",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="output file: .parquet or .jsonl",
+)
+@click.option(
+    "--in-flight",
+    type=click.IntRange(min=1),
+    help="jobs outstanding at most (default: twice the workers' batch sizes)",
+)
+@click.option("--priority", help="priority level, one of GPUFEED_PRIORITIES (default: the lowest)")
+@click.option("--retry-failed", is_flag=True, help="submit the output's error rows again")
+@click.option(
+    "--deadline",
+    type=click.FloatRange(min=0.001),
+    help="seconds each job may wait once submitted (deadline_ms)",
+)
+@click.option(
+    "--path-root",
+    help="send local files as path jobs relative to this folder (the workers' "
+    "GPUFEED_PATH_ROOT) instead of their bytes",
+)
+@click.option("--meta", help="text echoed back with each result")
+@click.option(
+    "--checkpoint",
+    type=click.FloatRange(min=0.05),
+    default=10.0,
+    help="seconds between commits of the rows written so far",
+)
+@click.option(
+    "--max-backlog",
+    type=click.IntRange(min=0),
+    default=0,
+    help="wait while this many jobs wait or are pending; 0: no limit",
+)
+@click.option(
+    "--max-memory-share",
+    type=click.FloatRange(min=0.0, max=1.0),
+    default=0.0,
+    help="wait past this share of Redis's maxmemory; 0: off",
+)
+@click.option(
+    "--max-image-bytes",
+    type=click.IntRange(min=1024),
+    default=wire.DEFAULT_MAX_IMAGE_BYTES,
+    envvar="GPUFEED_MAX_IMAGE_BYTES",
+    show_envvar=True,
+    help="a local file over this is an error row, never read past it (the workers' limit)",
+)
+@click.option("--json", "json_out", is_flag=True, help="JSON progress lines and summary on stdout")
 @_connection("stream", "group", "results_stream", "result_prefix", "priorities")
 def batch(
     settings: Settings,
     *,
-    source: Annotated[
-        str,
-        typer.Argument(
-            metavar="SOURCE",
-            help="a folder, a manifest (.txt .csv .jsonl .parquet), an s3:// gs:// az:// prefix",
-        ),
-    ],
-    out_path: Annotated[
-        Path, typer.Option("--out", help="output file: .parquet or .jsonl", show_default=False)
-    ],
-    in_flight: Annotated[
-        int | None,
-        typer.Option(
-            "--in-flight",
-            min=1,
-            help="jobs outstanding at most (default: twice the workers' batch sizes)",
-        ),
-    ] = None,
-    priority: Annotated[
-        str | None,
-        typer.Option(help="priority level, one of GPUFEED_PRIORITIES (default: the lowest)"),
-    ] = None,
-    retry_failed: Annotated[
-        bool, typer.Option("--retry-failed", help="submit the output's error rows again")
-    ] = False,
-    deadline: Annotated[
-        float | None,
-        typer.Option(min=0.001, help="seconds each job may wait once submitted (deadline_ms)"),
-    ] = None,
-    path_root: Annotated[
-        str | None,
-        typer.Option(
-            help="send local files as path jobs relative to this folder (the workers' "
-            "GPUFEED_PATH_ROOT) instead of their bytes"
-        ),
-    ] = None,
-    meta: Annotated[str | None, typer.Option(help="text echoed back with each result")] = None,
-    checkpoint: Annotated[
-        float,
-        typer.Option(min=0.05, help="seconds between commits of the rows written so far"),
-    ] = 10.0,
-    max_backlog: Annotated[
-        int,
-        typer.Option(min=0, help="wait while this many jobs wait or are pending; 0: no limit"),
-    ] = 0,
-    max_memory_share: Annotated[
-        float,
-        typer.Option(min=0.0, max=1.0, help="wait past this share of Redis's maxmemory; 0: off"),
-    ] = 0.0,
-    max_image_bytes: Annotated[
-        int,
-        typer.Option(
-            envvar="GPUFEED_MAX_IMAGE_BYTES",
-            min=1024,
-            help="a local file over this is an error row, never read past it (the workers' limit)",
-        ),
-    ] = wire.DEFAULT_MAX_IMAGE_BYTES,
-    json_out: Annotated[
-        bool, typer.Option("--json", help="JSON progress lines and summary on stdout")
-    ] = False,
+    source: str,
+    out_path: Path,
+    in_flight: int | None,
+    priority: str | None,
+    retry_failed: bool,
+    deadline: float | None,
+    path_root: str | None,
+    meta: str | None,
+    checkpoint: float,
+    max_backlog: int,
+    max_memory_share: float,
+    max_image_bytes: int,
+    json_out: bool,
 ) -> None:
     """Run every image of SOURCE and write one row per job to --out, resumably: run the
     same command again after a crash and only the ids not in the output are submitted."""
@@ -615,8 +646,9 @@ def batch(
 
 
 @app.command()
+@_json_flag
 @_connection("stream", "group", "results_stream", "dead_stream", "priorities")
-def stats(settings: Settings, *, json_out: JsonFlag = False) -> None:
+def stats(settings: Settings, *, json_out: bool) -> None:
     """Show the job backlog, the consumer group, its consumers and live workers."""
     with _session(settings) as producer:
         snapshots = [
@@ -712,16 +744,13 @@ def _render_stats(snapshot: dict[str, Any], *, with_workers: bool = True) -> Non
 
 
 @app.command()
+@click.option(
+    "--count", type=click.IntRange(min=1), default=10, help="how many of the latest results"
+)
+@click.option("--follow", "-f", is_flag=True, help="keep printing new results")
+@_json_flag
 @_connection("results_stream")
-def results(
-    settings: Settings,
-    *,
-    count: Annotated[int, typer.Option(min=1, help="how many of the latest results")] = 10,
-    follow: Annotated[
-        bool, typer.Option("--follow", "-f", help="keep printing new results")
-    ] = False,
-    json_out: JsonFlag = False,
-) -> None:
+def results(settings: Settings, *, count: int, follow: bool, json_out: bool) -> None:
     """Print the latest results from the results stream, and with --follow, new ones."""
     with _session(settings) as producer:
         if follow and producer.sharded:
@@ -746,25 +775,27 @@ def results(
                 else:
                     out.print("  ".join(c for c in _row(result.id, result) if c), soft_wrap=True)
         except KeyboardInterrupt:
-            raise typer.Exit(EXIT_INTERRUPTED) from None
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
 
 
 @app.command("wait")
+@click.argument("id", nargs=-1, required=True, help="job ids")
+@click.option("--timeout", type=click.FloatRange(min=0), default=60.0, help="seconds to wait")
+@click.option("--reply-to", multiple=True, help="also watch this reply stream (repeatable)")
+@_json_flag
 @_connection("results_stream", "result_prefix")
 def wait_for(
     settings: Settings,
     *,
-    ids: Annotated[list[str], typer.Argument(metavar="ID...", help="job ids")],
-    timeout: Annotated[float, typer.Option("--timeout", min=0, help="seconds to wait")] = 60.0,
-    reply_to: Annotated[
-        list[str] | None,
-        typer.Option("--reply-to", help="also watch this reply stream (repeatable)"),
-    ] = None,
-    json_out: JsonFlag = False,
+    id: tuple[str, ...],
+    timeout: float,
+    reply_to: tuple[str, ...],
+    json_out: bool,
 ) -> None:
     """Show the results of job ids, decoded (the msgpack `result` too), waiting for those
     not published yet."""
     streams = [settings.results_stream, *reply_to] if reply_to else None
+    ids = list(id)
     with _session(settings) as producer:
         results = producer.wait(ids, timeout, streams=streams)
     _report(ids, results, timeout, json_out)
@@ -797,13 +828,12 @@ def _dead_row(d: DeadLetter) -> list[str]:
 
 
 @app.command()
+@click.option(
+    "--count", type=click.IntRange(min=1), default=100, help="how many dead letters, oldest first"
+)
+@_json_flag
 @_connection("dead_stream")
-def dead(
-    settings: Settings,
-    *,
-    count: Annotated[int, typer.Option(min=1, help="how many dead letters, oldest first")] = 100,
-    json_out: JsonFlag = False,
-) -> None:
+def dead(settings: Settings, *, count: int, json_out: bool) -> None:
     """List dead letters: jobs that kept killing or stalling workers past the delivery limit."""
     with _session(settings) as producer:
         letters = producer.dead_letters(count)
@@ -820,23 +850,22 @@ def dead(
 
 
 @app.command("replay-dead")
+@click.argument(
+    "entry_ids",
+    nargs=-1,
+    help="dead-letter stream entry IDs (as `dead` lists them)",
+)
+@click.option("--all", "all_", is_flag=True, help="replay every dead letter")
+@click.option("--keep", is_flag=True, help="leave the dead letters in the dead-letter stream")
+@_json_flag
 @_connection("stream", "result_prefix", "dead_stream")
 def replay_dead(
     settings: Settings,
     *,
-    entry_ids: Annotated[
-        list[str] | None,
-        typer.Argument(
-            metavar="ENTRY_IDS",
-            show_default=False,
-            help="dead-letter stream entry IDs (as `dead` lists them)",
-        ),
-    ] = None,
-    all_: Annotated[bool, typer.Option("--all", help="replay every dead letter")] = False,
-    keep: Annotated[
-        bool, typer.Option("--keep", help="leave the dead letters in the dead-letter stream")
-    ] = False,
-    json_out: JsonFlag = False,
+    entry_ids: tuple[str, ...],
+    all_: bool,
+    keep: bool,
+    json_out: bool,
 ) -> None:
     """Enqueue dead letters again with their original fields, to be run again.
 
@@ -846,7 +875,7 @@ def replay_dead(
         raise _fail("give the dead letters' entry IDs, or --all (not both)", EXIT_USAGE)
     with _session(settings) as producer:
         try:
-            added = producer.replay_dead(entry_ids, all=all_, keep=keep)
+            added = producer.replay_dead(list(entry_ids), all=all_, keep=keep)
         except DeadLetterNotFound as exc:
             raise _fail(str(exc), EXIT_FAILED) from None
         except ValueError as exc:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner as ClickRunner
-from typer.testing import CliRunner as TyperRunner
 
 from producer import wire, wire_help
 from producer.cli import app as producer_app
@@ -168,7 +167,7 @@ def test_worker_help_is_plain_text(path: list[str]) -> None:
     "path", list(_command_paths(cli_page.producer_command(), "python -m producer")), ids=" ".join
 )
 def test_producer_help_is_plain_text(path: list[str]) -> None:
-    result = TyperRunner().invoke(producer_app, [*path, "--help"], prog_name="gpufeed")
+    result = ClickRunner().invoke(producer_app, [*path, "--help"], prog_name="gpufeed")
     assert result.exit_code == 0, result.output
     assert "Usage:" in result.output
     assert _MARKUP.findall(result.output) == []

@@ -10,10 +10,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from dataclasses import fields
-from typing import Any
 
 import click
-import typer
 
 from worker.cli import DefaultGroup
 from worker.config.settings import WorkerConfig
@@ -24,47 +22,34 @@ WIDTH = 100
 _SETTINGS = {f.name for f in fields(WorkerConfig)}
 
 
-# typer carries its own copy of click, whose commands are not `click.Command`s: the
-# functions below take either kind.
-Command = Any
-Context = Any
-
-
-def worker_command() -> Command:
+def worker_command() -> click.Command:
     from worker.cli import cli
 
     return cli
 
 
-def producer_command() -> Command:
+def producer_command() -> click.Command:
     from producer.cli import app
 
-    command = typer.main.get_command(app)
-    _plain_typer(command)
-    return command
+    return app
 
 
-def _plain_typer(command: Command) -> None:
-    # typer draws its help with rich (boxes, colours) unless the markup mode is None.
-    command.rich_markup_mode = None
-    for sub in getattr(command, "commands", {}).values():
-        _plain_typer(sub)
-
-
-def walk(command: Command, name: str, parent: Context = None) -> Iterator[tuple[Command, Context]]:
+def walk(
+    command: click.Command, name: str, parent: click.Context | None = None
+) -> Iterator[tuple[click.Command, click.Context]]:
     """Each command with the context its --help is written in, depth first."""
     # The command's own context settings (its help option names among them), as when it runs.
     settings = {**command.context_settings, "terminal_width": WIDTH, "max_content_width": WIDTH}
     ctx = command.context_class(command, info_name=name, parent=parent, **settings)
     yield command, ctx
-    if hasattr(command, "list_commands"):
+    if isinstance(command, click.Group):
         for sub_name in command.list_commands(ctx):
             sub = command.get_command(ctx, sub_name)
             if sub is not None and not sub.hidden:
                 yield from walk(sub, sub_name, ctx)
 
 
-def plain_help(command: Command, ctx: Context) -> str:
+def plain_help(command: click.Command, ctx: click.Context) -> str:
     """`command`'s --help, without the worker settings (listed on the configuration page)."""
     takes_settings = {p.name for p in command.params} >= _SETTINGS
     if takes_settings:
@@ -87,7 +72,7 @@ def plain_help(command: Command, ctx: Context) -> str:
     return text
 
 
-def _section(title: str, command: Command, prog: str) -> list[str]:
+def _section(title: str, command: click.Command, prog: str) -> list[str]:
     out = [f"## {title}\n"]
     for sub, ctx in walk(command, prog):
         out.append(f"### `{ctx.command_path}`\n")
