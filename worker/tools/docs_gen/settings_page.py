@@ -7,7 +7,8 @@ from dataclasses import fields
 
 from worker.config import settings_help
 from worker.config.settings import TOOL_VARIABLES, WorkerConfig
-from worker.tools.docs_gen.markdown import notice, table
+from worker.tools.docs_gen.markdown import notice
+from worker.tools.markdown import table
 
 INTRO = """\
 # Configuration
