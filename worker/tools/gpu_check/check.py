@@ -35,7 +35,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import re
 import signal
 import sys
@@ -68,6 +67,8 @@ from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step, still_compiled
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.logs import configure_logging
+from worker.tools.doctor.environment import environment
+from worker.tools.doctor.serving_step import eager_of, random_batch
 from worker.tools.gpu_check.feed import Feeder
 from worker.tools.gpu_check.report import (
     EXPECTED_TESTS,
@@ -430,30 +431,6 @@ class Deadline:
         return self.at - time.monotonic()
 
 
-def environment() -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "host": platform.node(),
-    }
-    with contextlib.suppress(ImportError):
-        import torchvision
-
-        env["torchvision"] = torchvision.__version__
-    if torch.cuda.is_available():
-        env["device_name"] = torch.cuda.get_device_name(0)
-        env["device_count"] = torch.cuda.device_count()
-        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    return env
-
-
-def _eager_of(fn: Any) -> Any:
-    # torch.compile(module) returns an OptimizedModule that keeps the module it wraps.
-    return getattr(fn, "_orig_mod", fn)
-
-
 async def _measure_pipeline(
     worker: Worker,
     args: argparse.Namespace,
@@ -697,14 +674,6 @@ def decode_rates(
     return out
 
 
-def _example_batch(batch: int, size: int, device: torch.device) -> torch.Tensor:
-    # Made outside inference mode, like the worker's device buffers (the compiled step's
-    # guards would otherwise see another kind of tensor).
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    shape = (batch, size, size, 3)
-    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device)
-
-
 async def run(args: argparse.Namespace, report: Report, deadline: Deadline) -> None:
     overrides: dict[str, Any] = {
         "redis_url": args.redis_url,
@@ -765,7 +734,7 @@ async def _run_phases(
     runner = worker.runner
     device = worker.ctx.device
     step_fn = runner.step
-    eager = _eager_of(step_fn)
+    eager = eager_of(step_fn)
     cudagraphs = compile_report.cudagraphs and device.type == "cuda"
     report.update(
         model=worker.config.model,
@@ -785,7 +754,7 @@ async def _run_phases(
     with report.phase("ceiling"):
 
         def on_launch_thread() -> None:
-            x = _example_batch(worker.batch_size, size, device)
+            x = random_batch(worker.batch_size, size, device)
             ceilings["compiled"] = direct_feed_ceiling(
                 step_fn, x, iters=args.ceiling_iters, warmup=5, cudagraphs=cudagraphs
             )
@@ -854,7 +823,7 @@ async def _run_phases(
             torch.backends.cudnn.benchmark = True
             try:
                 with torch.cuda.stream(stream):
-                    x = _example_batch(worker.batch_size, size, device)
+                    x = random_batch(worker.batch_size, size, device)
                     ceilings["eager_cudnn_benchmark"] = direct_feed_ceiling(
                         eager, x, iters=args.ceiling_iters, warmup=5
                     )
@@ -948,7 +917,7 @@ def main(argv: list[str] | None = None, *, require_cuda: bool = True) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out / "report.json")
     deadline = Deadline(args.deadline_s)
-    report.update(environment=environment(), deadline_s=args.deadline_s)
+    report.update(environment=environment(build=True), deadline_s=args.deadline_s)
     if args.junit:
         report["tests"] = tests_summary(Path(args.junit), args.tests_rc, Path(args.expected_tests))
 
