@@ -373,7 +373,7 @@ def bench(
     from worker.observe.logs import configure_logging
     from worker.pipeline.device import resolve_device
     from worker.tools.bench.profiles import make_profile
-    from worker.tools.bench.report import render_markdown, validate_report
+    from worker.tools.bench.report import NO_PLOT, PLOT_FIX, render_markdown, validate_report
     from worker.tools.bench.suite import run_bench
 
     with exits():
@@ -397,7 +397,10 @@ def bench(
         external_redis=explicit.get("redis_url"),
     )
     click.echo(render_markdown(report))
-    click.echo(f"wrote {out_dir}/report.json, report.md and throughput.png", err=True)
+    if report.get("figure"):
+        click.echo(f"wrote {out_dir}/report.json, report.md and throughput.png", err=True)
+    else:
+        click.echo(f"wrote {out_dir}/report.json and report.md; {NO_PLOT}: {PLOT_FIX}", err=True)
     problems = validate_report(report)
     if problems:
         for problem in problems:

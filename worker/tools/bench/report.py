@@ -943,6 +943,11 @@ def write_figure(report: Mapping[str, Any], path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- files
+# matplotlib is in the `bench` extra only: the worker's own install goes without it.
+NO_PLOT = "matplotlib is not installed here, so no throughput.png was drawn"
+PLOT_FIX = "pip install 'gpufeed[bench]'"
+
+
 def write_all(report: dict[str, Any], out_dir: Path) -> None:
     """report.json, report.md and throughput.png (the figure only where matplotlib is
     installed, as `make setup` does; the report says so otherwise)."""
@@ -950,9 +955,7 @@ def write_all(report: dict[str, Any], out_dir: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        report.setdefault("notes", []).append(
-            "matplotlib is not installed here, so no throughput.png was drawn"
-        )
+        report.setdefault("notes", []).append(f"{NO_PLOT} ({PLOT_FIX})")
         has_matplotlib = False
     else:
         has_matplotlib = True
