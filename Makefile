@@ -21,7 +21,7 @@ setup: $(STAMP) redis-server promtool tmux ## .venv with the packages; redis-ser
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[worker,dev,docs]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[worker,bench,dev,docs]'
 	@touch $(STAMP)
 
 redis-server: ## install redis-server from the OS packages when it is missing

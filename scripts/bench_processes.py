@@ -12,12 +12,12 @@ doing weighs on both alike.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import click  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
 from tests.images import jpeg_bytes  # noqa: E402
 from tests.process_harness import RESULTS, WorkerProcess, submit, worker_env  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
+from worker.tools.command_line import CONTEXT_SETTINGS, parse  # noqa: E402
 
 
 def backlog(n: int, *, unique: bool) -> list[dict[str, bytes | str]]:
@@ -115,13 +117,25 @@ def one_run(
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=20_000)
-    parser.add_argument("--processes", default="1,2", help="comma-separated, run in turn")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--every-job-decoded", action="store_true")
-    args = parser.parse_args()
+@dataclass(frozen=True)
+class Args:
+    jobs: int
+    processes: str
+    rounds: int
+    every_job_decoded: bool
+
+
+@click.command(help=__doc__.split("\n\n")[0], context_settings=CONTEXT_SETTINGS)
+@click.option("--jobs", type=int, default=20_000)
+@click.option("--processes", default="1,2", help="comma-separated, run in turn")
+@click.option("--rounds", type=int, default=2)
+@click.option("--every-job-decoded", is_flag=True)
+def command(**options: Any) -> Args:
+    return Args(**options)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(command, argv, Args)
     counts = [int(p) for p in args.processes.split(",")]
     jobs = backlog(args.jobs, unique=args.every_job_decoded)
     runs = []

@@ -40,7 +40,6 @@ crashed; 1 otherwise; 2 when the run could not be set up.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import random
@@ -57,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import click  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
@@ -82,6 +82,7 @@ from tests.process_harness import (  # noqa: E402
     worker_env,
 )
 from tests.redis_server import RedisServer  # noqa: E402
+from worker.tools.command_line import CONTEXT_SETTINGS, parse  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -383,43 +384,84 @@ def tiny_weights(path: Path) -> Path:
     return path
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--jobs", type=int, default=20_000, help="jobs to submit (default 20000)")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--out", type=Path, default=Path(".soak/report.json"), help="JSON report")
-    p.add_argument("--workdir", type=Path, default=Path(".soak"), help="Redis data, logs")
-    p.add_argument("--bad-fraction", type=float, default=0.10, help="share of bad jobs")
-    p.add_argument("--hostile-fraction", type=float, default=0.03, help="share of hostile jobs")
-    p.add_argument("--rate", type=float, default=0.0, help="jobs/s to submit; 0: no limit")
-    p.add_argument("--backlog", type=int, default=2000, help="max submitted, not answered")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--model", default="mobilenet_v3_small")
-    p.add_argument("--input-size", type=int, default=64)
-    p.add_argument("--weights", default="", help="GPUFEED_WEIGHTS; default: tiny random file")
-    p.add_argument("--device", default="cpu", help="GPUFEED_DEVICE (default cpu)")
-    p.add_argument("--visibility-timeout", type=float, default=5.0)
-    p.add_argument("--no-faults", action="store_true", help="no kills, no Redis restarts")
-    p.add_argument("--redis-down-s", type=float, default=2.0, help="how long Redis stays down")
-    p.add_argument("--warmup-s", type=float, default=10.0, help="RSS baseline after this")
-    p.add_argument("--rss-flag-pct", type=float, default=20.0, help="flag RSS growth over")
-    p.add_argument("--settle-s", type=float, default=3.0, help="wait for late duplicates")
-    p.add_argument("--timeout-s", type=float, default=0.0, help="0: 300 s + 20 ms per job")
-    p.add_argument("--seed", type=int, default=1)
-    cluster = p.add_argument_group("cluster variant (--cluster)")
-    cluster.add_argument(
-        "--cluster",
-        action="store_true",
-        help="a private Redis Cluster (3 masters, 1 replica each), the null model, good jobs "
-        "only, a master SIGKILLed at 50%% answered (not with --no-faults); reports "
-        "duplicates, lost results and jobs/s",
-    )
-    cluster.add_argument("--shards", type=int, default=3, help="GPUFEED_SHARDS (default 3)")
-    cluster.add_argument("--wait-replicas", type=int, default=0, help="GPUFEED_WAIT_REPLICAS")
-    args = p.parse_args(argv)
+@dataclass(frozen=True)
+class SoakArgs:
+    """The command line (`command`)."""
+
+    jobs: int
+    workers: int
+    out: Path
+    workdir: Path
+    bad_fraction: float
+    hostile_fraction: float
+    rate: float
+    backlog: int
+    batch_size: int
+    model: str
+    input_size: int
+    weights: str
+    device: str
+    visibility_timeout: float
+    no_faults: bool
+    redis_down_s: float
+    warmup_s: float
+    rss_flag_pct: float
+    settle_s: float
+    timeout_s: float
+    seed: int
+    cluster: bool
+    shards: int
+    wait_replicas: int
+
+
+_PATH = click.Path(path_type=Path)
+
+
+@click.command(
+    help=__doc__.split("\n\n")[0],
+    # click has no option groups: the epilog says which options belong to the variant.
+    epilog="The cluster variant: --cluster, --shards and --wait-replicas.",
+    context_settings=CONTEXT_SETTINGS,
+)
+@click.option("--jobs", type=int, default=20_000, help="jobs to submit (default 20000)")
+@click.option("--workers", type=int, default=2, help="worker processes (default 2)")
+@click.option("--out", type=_PATH, default=Path(".soak/report.json"), help="JSON report")
+@click.option("--workdir", type=_PATH, default=Path(".soak"), help="Redis data, logs")
+@click.option("--bad-fraction", type=float, default=0.10, help="share of bad jobs")
+@click.option("--hostile-fraction", type=float, default=0.03, help="share of hostile jobs")
+@click.option("--rate", type=float, default=0.0, help="jobs/s to submit; 0: no limit")
+@click.option("--backlog", type=int, default=2000, help="max submitted, not answered")
+@click.option("--batch-size", type=int, default=8)
+@click.option("--model", default="mobilenet_v3_small")
+@click.option("--input-size", type=int, default=64)
+@click.option("--weights", default="", help="GPUFEED_WEIGHTS; default: tiny random file")
+@click.option("--device", default="cpu", help="GPUFEED_DEVICE (default cpu)")
+@click.option("--visibility-timeout", type=float, default=5.0)
+@click.option("--no-faults", is_flag=True, help="no kills, no Redis restarts")
+@click.option("--redis-down-s", type=float, default=2.0, help="how long Redis stays down")
+@click.option("--warmup-s", type=float, default=10.0, help="RSS baseline after this")
+@click.option("--rss-flag-pct", type=float, default=20.0, help="flag RSS growth over")
+@click.option("--settle-s", type=float, default=3.0, help="wait for late duplicates")
+@click.option("--timeout-s", type=float, default=0.0, help="0: 300 s + 20 ms per job")
+@click.option("--seed", type=int, default=1)
+@click.option(
+    "--cluster",
+    is_flag=True,
+    help="a private Redis Cluster (3 masters, 1 replica each), the null model, good jobs "
+    "only, a master SIGKILLed at 50% answered (not with --no-faults); reports "
+    "duplicates, lost results and jobs/s",
+)
+@click.option("--shards", type=int, default=3, help="GPUFEED_SHARDS (default 3)")
+@click.option("--wait-replicas", type=int, default=0, help="GPUFEED_WAIT_REPLICAS")
+def command(**options: Any) -> SoakArgs:
+    args = SoakArgs(**options)
     if args.jobs < 1 or args.workers < 1:
-        p.error("--jobs and --workers must be at least 1")
+        raise click.UsageError("--jobs and --workers must be at least 1")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> SoakArgs:
+    return parse(command, argv, SoakArgs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -643,7 +685,7 @@ def inject(
     client: redis.Redis,
     launch: Any,
     t0: float,
-    args: argparse.Namespace,
+    args: SoakArgs,
     deleted: set[str],
 ) -> None:
     fault.done = True
@@ -703,7 +745,7 @@ def expected_outcome(kind: str) -> str:
 
 
 def build_report(
-    args: argparse.Namespace,
+    args: SoakArgs,
     jobs: list[tuple[str, dict[str, bytes | str]]],
     entries: list[str],
     tally: ResultTally,
@@ -906,7 +948,7 @@ def print_report(r: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- cluster
-def cluster_main(args: argparse.Namespace) -> int:
+def cluster_main(args: SoakArgs) -> int:
     """The cluster variant: sharded job streams on a real cluster, a master killed."""
     from redis.cluster import RedisCluster as ClusterClient
 

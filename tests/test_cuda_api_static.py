@@ -42,6 +42,7 @@ CUDA_PATH = (
     "worker/observe/health.py",
     "worker/tools/gpu_check/check.py",
     "worker/tools/gpu_check/preflight.py",
+    "worker/tools/doctor/environment.py",  # the GPU check's environment section
 )
 
 # Reached through an instance, getattr or hasattr: invisible to the walk.

@@ -132,7 +132,7 @@ def test_bench_figures_page_publishes_the_report_it_measured(
 ) -> None:
     # The benchmark itself is tests/test_bench.py's; here a finished run's files stand in
     # for it, so that only what --figures-page does with them is measured.
-    from worker.tools.bench import runner
+    from worker.tools.bench import suite as runner
 
     def finished_run(*_: Any, out_dir: Path, **__: Any) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -7,18 +7,18 @@ the config's own fields so the two never drift, with its meaning from worker/con
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import fields
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 
 from worker.config import settings_help
-from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.event_loop import run_async
 from worker.quick_exit import exit_now
@@ -28,6 +28,56 @@ F = TypeVar("F", bound=Callable[..., Any])
 EXIT_CONFIG = 2
 EXIT_REDIS = 3
 EXIT_COMPILE = 4
+
+
+def fail(message: str, code: int) -> NoReturn:
+    click.echo(f"gpufeed: {message}", err=True)
+    sys.exit(code)
+
+
+WEIGHTS_FIX = "Set GPUFEED_WEIGHTS=none for random weights or to a local file."
+
+
+def _redis_line(exc: BaseException) -> str:
+    # Its module is loaded: it raised `exc`.
+    from worker.delivery.redis_check import REDIS_FIX
+
+    return f"{exc}; {REDIS_FIX}"
+
+
+# The errors every command ends on: module, class, exit code, and the line said (after
+# "gpufeed: " and the command's own prefix). Named rather than imported: most live in modules
+# that import torch, which a setting error must not wait for; and an error whose module was
+# never imported cannot have been raised, so only loaded modules are looked in.
+EXITS: tuple[tuple[str, str, int, Callable[[BaseException], str]], ...] = (
+    ("worker.config.errors", "ConfigError", EXIT_CONFIG, str),
+    ("worker.model.loader", "WeightsUnavailable", EXIT_CONFIG, lambda e: f"{e}. {WEIGHTS_FIX}"),
+    ("worker.delivery.redis_check", "RedisUnavailable", EXIT_REDIS, _redis_line),
+    ("worker.model.compiler", "CompileRefused", EXIT_COMPILE, str),
+)
+
+
+def exit_for(exc: BaseException) -> tuple[int, str] | None:
+    """The exit code and line EXITS gives `exc`; None for any other error."""
+    for module, name, code, line in EXITS:
+        kind = getattr(sys.modules.get(module), name, None)
+        if isinstance(kind, type) and isinstance(exc, kind):
+            return code, line(exc)
+    return None
+
+
+@contextlib.contextmanager
+def exits(prefix: str = "") -> Iterator[None]:
+    """Ends the command on an error of EXITS with its line and exit code; any other error
+    goes on up."""
+    try:
+        yield
+    except Exception as exc:
+        found = exit_for(exc)
+        if found is None:
+            raise
+        code, line = found
+        fail(prefix + line, code)
 
 
 def config_options(func: F) -> F:
@@ -53,11 +103,6 @@ def load_config(options: dict[str, Any]) -> WorkerConfig:
     if overrides.get("path_root") is not None:
         overrides["path_root"] = Path(overrides["path_root"])
     return WorkerConfig.load(overrides=overrides)
-
-
-def fail(message: str, code: int) -> None:
-    click.echo(f"gpufeed: {message}", err=True)
-    sys.exit(code)
 
 
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
@@ -120,22 +165,15 @@ def run(wait_for_redis: bool, **options: Any) -> None:
     GPUFEED_PROCESSES > 1, a supervisor of that many worker processes."""
     from worker.observe.logs import configure_logging
 
-    try:
+    with exits():
         config = load_config(options)
-    except ConfigError as exc:
-        fail(str(exc), EXIT_CONFIG)
-        return
     configure_logging(config.log_format, config.log_level)
     # Everything that needs neither torch nor the model is checked before torch is imported
     # (seconds): the settings above (model name, model directory manifest), now Redis.
-    from worker.delivery.redis_check import REDIS_FIX, RedisUnavailable, preflight
+    from worker.delivery.redis_check import preflight
 
-    try:
+    with exits():
         run_async(preflight(config, wait=wait_for_redis))
-    except RedisUnavailable as exc:
-        fail(f"{exc}; {REDIS_FIX}", EXIT_REDIS)
-    except ConfigError as exc:
-        fail(str(exc), EXIT_CONFIG)
     if config.processes > 1:
         # The supervisor never imports torch: its children are fresh interpreters.
         from worker.lifecycle.supervisor import run_supervisor
@@ -148,20 +186,10 @@ def run(wait_for_redis: bool, **options: Any) -> None:
     signal.signal(signal.SIGTERM, _exit_before_serving)
 
     from worker.lifecycle.service import Worker
-    from worker.model.compiler import CompileRefused
-    from worker.model.loader import WeightsUnavailable
 
     worker = Worker(config)
-    try:
+    with exits():
         run_async(worker.serve(wait_for_redis=wait_for_redis))
-    except ConfigError as exc:
-        fail(str(exc), EXIT_CONFIG)
-    except WeightsUnavailable as exc:
-        fail(f"{exc}. Set GPUFEED_WEIGHTS=none for random weights or to a local file.", EXIT_CONFIG)
-    except RedisUnavailable as exc:
-        fail(f"{exc}; {REDIS_FIX}", EXIT_REDIS)
-    except CompileRefused as exc:
-        fail(str(exc), EXIT_COMPILE)
 
 
 def _exit_before_serving(signum: int, frame: FrameType | None) -> None:
@@ -241,16 +269,11 @@ def doctor(
     **options: Any,
 ) -> None:
     """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
-    from worker.model.compiler import CompileRefused
-    from worker.model.loader import WeightsUnavailable
     from worker.observe.logs import configure_logging
     from worker.tools.doctor import DoctorOptions, print_json, render, report_console, run_doctor
 
-    try:
+    with exits():
         config = load_config(options)
-    except ConfigError as exc:
-        fail(str(exc), EXIT_CONFIG)
-        return
     # The report is the output: the worker's own log says only what goes wrong.
     level = "warning" if config.log_level == "info" else config.log_level
     configure_logging(config.log_format, level)
@@ -264,17 +287,8 @@ def doctor(
         decode_delay_s=max(0.0, decode_delay_ms) / 1000,
         urls=urls,
     )
-    try:
+    with exits():
         report = run_async(run_doctor(config, settings))
-    except ConfigError as exc:
-        fail(str(exc), EXIT_CONFIG)
-        return
-    except WeightsUnavailable as exc:
-        fail(f"{exc}. Set GPUFEED_WEIGHTS=none for random weights or to a local file.", EXIT_CONFIG)
-        return
-    except CompileRefused as exc:
-        fail(str(exc), EXIT_COMPILE)
-        return
     if json_out:
         print_json(report)
     else:
@@ -304,11 +318,8 @@ def top(interval: float, once: bool, **options: Any) -> None:
     fetch, errors, redis_wait), named under the table."""
     from worker.tools.top.screen import run_top
 
-    try:
+    with exits():
         config = load_config(options)
-    except ConfigError as exc:
-        fail(str(exc), EXIT_CONFIG)
-        return
     sys.exit(run_top(config, interval_s=max(0.2, interval), once=once))
 
 
@@ -362,16 +373,13 @@ def bench(
     from worker.observe.logs import configure_logging
     from worker.pipeline.device import resolve_device
     from worker.tools.bench.profiles import make_profile
-    from worker.tools.bench.report import render_markdown, validate_report
+    from worker.tools.bench.report import NO_PLOT, PLOT_FIX, render_markdown, validate_report
     from worker.tools.bench.suite import run_bench
 
-    try:
+    with exits():
         base = load_config(options)
         explicit = {k: v for k, v in options.items() if v is not None}
         device = resolve_device(str(explicit.get("device") or base.device))
-    except ConfigError as exc:
-        fail(str(exc), EXIT_CONFIG)
-        return
     configure_logging(base.log_format, str(explicit.get("log_level") or "warning"))
     cuda = device.type == "cuda"
     profile = make_profile(profile_name or ("full" if cuda else "quick"), cuda=cuda)
@@ -389,7 +397,10 @@ def bench(
         external_redis=explicit.get("redis_url"),
     )
     click.echo(render_markdown(report))
-    click.echo(f"wrote {out_dir}/report.json, report.md and throughput.png", err=True)
+    if report.get("figure"):
+        click.echo(f"wrote {out_dir}/report.json, report.md and throughput.png", err=True)
+    else:
+        click.echo(f"wrote {out_dir}/report.json and report.md; {NO_PLOT}: {PLOT_FIX}", err=True)
     problems = validate_report(report)
     if problems:
         for problem in problems:
@@ -436,7 +447,6 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     import json
 
     from worker.model.check import check_model, render
-    from worker.model.compiler import CompileRefused
     from worker.model.manifest import looks_like_model_dir
     from worker.model.names import is_null_model
     from worker.observe.logs import configure_logging
@@ -446,17 +456,11 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     typed = str(directory)
     named = looks_like_model_dir(typed) or is_null_model(typed)
     options["model"] = typed if named else f"./{typed}"
-    try:
+    with exits("model check: "):
         config = load_config(options)
         level = "warning" if config.log_level == "info" else config.log_level
         configure_logging(config.log_format, level)
         report = check_model(config, seconds=max(0.1, seconds))
-    except ConfigError as exc:
-        fail(f"model check: {exc}", EXIT_CONFIG)
-        return
-    except CompileRefused as exc:
-        fail(f"model check: {exc}", EXIT_COMPILE)
-        return
     click.echo(json.dumps(report) if json_out else render(report))
 
 

@@ -17,6 +17,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -54,9 +55,18 @@ MAX_PROCESSES = 64
 MAX_META_BYTES = 64 * 1024 * 1024
 MAX_RESULT_BYTES = 256 * 1024 * 1024
 RESULT_HEADROOM_BYTES = 16 * 1024
-# GPUFEED_* variables that are no worker setting yet may be in a worker's environment:
-# scripts/run-workers.sh reads this one to name the workers it starts.
-TOOL_VARIABLES = frozenset({"GPUFEED_WORKER_NAME_PREFIX"})
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+# GPUFEED_* variables that are no worker setting yet may be in a worker's environment: who
+# reads each and what it does (Markdown, as in worker/config/settings_help.py, which shows it).
+TOOL_VARIABLES: Mapping[str, str] = MappingProxyType(
+    {
+        "GPUFEED_WORKER_NAME_PREFIX": (
+            "read by `scripts/run-workers.sh` (`make run-worker`) on a host with several GPUs: "
+            "the worker it starts on GPU N is named `<prefix>-gpu<N>`; default: the short host "
+            "name"
+        ),
+    }
+)
 # Kubernetes gives every pod <SERVICE>_SERVICE_HOST, <SERVICE>_PORT_<n>_TCP... for each
 # Service of its namespace: a Service named gpufeed-* puts those in every worker's env.
 # A bare <SERVICE>_PORT counts only with its tcp://host:port value, so that a misspelt
@@ -77,7 +87,7 @@ def _default_worker_name() -> str:
 @dataclass(frozen=True)
 class WorkerConfig:
     # Redis and the wire contract
-    redis_url: str = field(default="redis://localhost:6379/0", metadata={"env": "REDIS_URL"})
+    redis_url: str = field(default=DEFAULT_REDIS_URL, metadata={"env": "REDIS_URL"})
     stream: str = field(default=wire.DEFAULT_STREAM, metadata={"env": "GPUFEED_STREAM"})
     group: str = field(default=wire.DEFAULT_GROUP, metadata={"env": "GPUFEED_GROUP"})
     priorities: str = field(default="", metadata={"env": "GPUFEED_PRIORITIES"})
@@ -589,7 +599,7 @@ class WorkerConfig:
 def check_unknown_variables(env: Mapping[str, str]) -> None:
     """Refuse a GPUFEED_* variable that is no setting (a misspelt one would otherwise be
     ignored without a word), naming the closest setting."""
-    known = {str(f.metadata["env"]) for f in fields(WorkerConfig)} | TOOL_VARIABLES
+    known = {str(f.metadata["env"]) for f in fields(WorkerConfig)} | TOOL_VARIABLES.keys()
     for var in sorted(env):
         if not var.upper().startswith("GPUFEED_") or var in known or _service_link(var, env[var]):
             continue

@@ -14,12 +14,17 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
-from worker.config.settings import WorkerConfig
+# TOOL_VARIABLES: the GPUFEED_* variables that are no worker setting but that a worker
+# accepts in its environment, each with who reads it and what it does; kept beside the check
+# that accepts them, shown from here.
+from worker.config.settings import DEFAULT_REDIS_URL, TOOL_VARIABLES, WorkerConfig
+
+__all__ = ["SETTINGS", "TOOL_VARIABLES", "default", "meaning", "missing", "plain", "relink"]
 
 # env var: (default, meaning), in markdown; in worker/config/settings.py's order.
 SETTINGS: dict[str, tuple[str, str]] = {
     "REDIS_URL": (
-        "`redis://localhost:6379/0`",
+        f"`{DEFAULT_REDIS_URL}`",
         "`redis://`, `rediss://` (TLS) or `unix://`; `redis://user:password@host:port/db` for "
         "ACL users. The password never appears in logs",
     ),
@@ -268,16 +273,6 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "GPUFEED_LOG_LEVEL": ("`info`", "`debug`, `info`, `warning`, `error`"),
 }
 
-
-# GPUFEED_* variables that are no worker setting but that a worker accepts in its environment
-# (worker/config/settings.py TOOL_VARIABLES): who reads each and what it does.
-TOOL_VARIABLES: dict[str, str] = {
-    "GPUFEED_WORKER_NAME_PREFIX": (
-        "read by `scripts/run-workers.sh` (`make run-worker`) on a host with several GPUs: "
-        "the worker it starts on GPU N is named `<prefix>-gpu<N>`; default: the short host "
-        "name"
-    ),
-}
 
 _LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")
 

@@ -11,14 +11,12 @@ this is a measurement harness, not the hot path. On the CPU it is wall time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from worker.model.step import StepFn
 from worker.pipeline.device import cuda_event, mark_cudagraph_step
-
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 def direct_feed_ceiling(

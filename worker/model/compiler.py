@@ -34,7 +34,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,11 +42,10 @@ import structlog
 import torch
 from torch import nn
 
+from worker.model.step import StepFn
 from worker.pipeline.device import mark_cudagraph_step, prepare_graph_thread
 
 log = structlog.get_logger("gpufeed.compiler")
-
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 class CompileRefused(RuntimeError):

@@ -16,16 +16,13 @@ the launch path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from worker.model.step import InferenceStep, has_exact_reference, reference_copy
+from worker.model.step import InferenceStep, StepFn, has_exact_reference, reference_copy
 from worker.pipeline.device import mark_cudagraph_step
-
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -26,6 +27,10 @@ from worker.pipeline.staging import OutputField
 # its own deprecation on some torch releases (2.11). The copy is right all the same.
 _COPY_WARNING = r".*LeafSpec.*"
 _M = TypeVar("_M", bound=nn.Module)
+
+# A step as the launch path, the compiler, the checks and the tools call it: the uint8
+# staging batch in, the head's output tensors out (compiled, eager or a stand-in).
+StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 def pick_dtype(precision: str, device: torch.device) -> torch.dtype:

@@ -44,16 +44,14 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-import torch
 from redis.exceptions import RedisError
 
 from worker.delivery.redis_scripts import WAITING_HEAD
 from worker.model.readers import Reader
+from worker.model.step import StepFn
 from worker.pipeline.staging import OutputRing
 
 log = structlog.get_logger("gpufeed.degrade")
-
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True, eq=False)

@@ -34,6 +34,7 @@ import torch
 from worker.decode.gpu import GpuDecodeFailed, GpuDecoder
 from worker.decode.pool import DecodeResult
 from worker.jobs import Job
+from worker.model.step import StepFn
 from worker.pipeline.batcher import Batch
 from worker.pipeline.degrade import Serving
 from worker.pipeline.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
@@ -42,7 +43,6 @@ from worker.pipeline.transfer import DeviceTransfer
 
 log = structlog.get_logger("gpufeed.runner")
 
-StepFn = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 CpuDecodeFn = Callable[[Job, npt.NDArray[np.uint8]], Awaitable[DecodeResult]]
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from worker.tools.bench.batch import batch_problems
+from worker.tools.markdown import table
 
 SCHEMA_VERSION = 1
 
@@ -31,14 +32,6 @@ def _fmt(value: Any, digits: int = 1) -> str:
             return f"{value:,.0f}"
         return f"{value:.{digits}f}"
     return str(value)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> list[str]:
-    align = align or "l" + "r" * (len(header) - 1)
-    sep = ["---:" if a == "r" else "---" for a in align]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return lines
 
 
 def is_cache_run(run: Mapping[str, Any]) -> bool:
@@ -139,22 +132,25 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             ]
             for r in runs
         ]
-        out += _table(
-            [
-                "run",
-                "images/s",
-                "p50 ms",
-                "p95 ms",
-                "p99 ms",
-                "CPU %",
-                "GPU %",
-                "vs naive",
-                "vs ceiling",
-                "ideal images/s",
-                "efficiency",
-                "optimisation worth",
-            ],
-            rows,
+        out.append(
+            table(
+                [
+                    "run",
+                    "images/s",
+                    "p50 ms",
+                    "p95 ms",
+                    "p99 ms",
+                    "CPU %",
+                    "GPU %",
+                    "vs naive",
+                    "vs ceiling",
+                    "ideal images/s",
+                    "efficiency",
+                    "optimisation worth",
+                ],
+                rows,
+                align="lr",
+            )
         )
     out += ["", "## Summary", ""]
     rows = []
@@ -175,22 +171,24 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                     _fmt(m["vs_ceiling"], 2),
                 ]
             )
-    out += _table(
-        [
-            "image set",
-            "model",
-            "gpufeed images/s",
-            "naive",
-            "ceiling",
-            "ideal (bound)",
-            "pipeline efficiency",
-            "gpufeed/naive",
-            "ideal ratio",
-            "of ideal ratio",
-            "gpufeed/ceiling",
-        ],
-        rows,
-        "ll" + "r" * 9,
+    out.append(
+        table(
+            [
+                "image set",
+                "model",
+                "gpufeed images/s",
+                "naive",
+                "ceiling",
+                "ideal (bound)",
+                "pipeline efficiency",
+                "gpufeed/naive",
+                "ideal ratio",
+                "of ideal ratio",
+                "gpufeed/ceiling",
+            ],
+            rows,
+            align="llr",
+        )
     )
     out += _cache_lines(report)
     out += _url_lines(report)
@@ -203,19 +201,22 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out += _target_lines(report)
     if report.get("curves"):
         out += ["", "## Latency against throughput, per batcher max wait", ""]
-        out += _table(
-            ["max wait ms", "load", "offered/s", "achieved/s", "p50 ms", "p99 ms"],
-            [
+        out.append(
+            table(
+                ["max wait ms", "load", "offered/s", "achieved/s", "p50 ms", "p99 ms"],
                 [
-                    _fmt(c["max_wait_ms"], 0),
-                    _fmt(c["load"], 2),
-                    _fmt(c["offered_per_s"]),
-                    _fmt(c["achieved_per_s"]),
-                    _fmt(c["p50_ms"], 0),
-                    _fmt(c["p99_ms"], 0),
-                ]
-                for c in report["curves"]
-            ],
+                    [
+                        _fmt(c["max_wait_ms"], 0),
+                        _fmt(c["load"], 2),
+                        _fmt(c["offered_per_s"]),
+                        _fmt(c["achieved_per_s"]),
+                        _fmt(c["p50_ms"], 0),
+                        _fmt(c["p99_ms"], 0),
+                    ]
+                    for c in report["curves"]
+                ],
+                align="lr",
+            )
         )
     if report.get("skipped"):
         out += ["", "Not run:"]
@@ -258,20 +259,22 @@ def overhead_lines(report: Mapping[str, Any]) -> list[str]:
         ]
         for workload, r in o["runs"].items()
     ]
-    out += _table(
-        [
-            "workload",
-            "jobs/s",
-            "event loop µs/job",
-            "worker µs/job",
-            "redis µs/job",
-            "of queue ceiling",
-            "batch fill",
-            "cache hits",
-            "busiest stage",
-        ],
-        rows,
-        "l" + "r" * 7 + "l",
+    out.append(
+        table(
+            [
+                "workload",
+                "jobs/s",
+                "event loop µs/job",
+                "worker µs/job",
+                "redis µs/job",
+                "of queue ceiling",
+                "batch fill",
+                "cache hits",
+                "busiest stage",
+            ],
+            rows,
+            align="lrrrrrrrl",
+        )
     )
     live = o.get("live_producer")
     if live:
@@ -327,22 +330,25 @@ def batch_lines(report: Mapping[str, Any]) -> list[str]:
         "its CPU is every thread of it from the start of the run.",
         "",
     ]
-    out += _table(
-        ["run", "images/s", "client CPU µs/job", "worker CPU µs/job"],
-        [
+    out.append(
+        table(
+            ["run", "images/s", "client CPU µs/job", "worker CPU µs/job"],
             [
-                "inline (jobs queued first)",
-                _fmt(inline["images_per_s"]),
-                _fmt(None),
-                _fmt(inline["worker_cpu_us_per_job"]),
+                [
+                    "inline (jobs queued first)",
+                    _fmt(inline["images_per_s"]),
+                    _fmt(None),
+                    _fmt(inline["worker_cpu_us_per_job"]),
+                ],
+                [
+                    f"producer batch (in flight {s['in_flight']})",
+                    _fmt(batch["images_per_s"]),
+                    _fmt(s["client_cpu_us_per_job"]),
+                    _fmt(None),
+                ],
             ],
-            [
-                f"producer batch (in flight {s['in_flight']})",
-                _fmt(batch["images_per_s"]),
-                _fmt(s["client_cpu_us_per_job"]),
-                _fmt(None),
-            ],
-        ],
+            align="lr",
+        )
     )
     out += [
         "",
@@ -397,7 +403,7 @@ def gil_lines(report: Mapping[str, Any]) -> list[str]:
         "cores; the projection is the lower, with what binds"
         + (f" (timing a call costs {_fmt(cost, 2)} µs here)." if cost is not None else "."),
         "",
-        *_table(
+        table(
             [
                 "run",
                 "jobs/s",
@@ -410,7 +416,7 @@ def gil_lines(report: Mapping[str, Any]) -> list[str]:
                 *(f"{n} cores: jobs/s" for n in cores),
             ],
             rows,
-            "l" + "r" * (7 + len(cores)),
+            align="lr",
         ),
         *(
             [
@@ -472,18 +478,20 @@ def priority_lines(report: Mapping[str, Any]) -> list[str]:
         ]
         for mode, r in p["runs"].items()
     ]
-    out += _table(
-        [
-            "run",
-            "capacity jobs/s",
-            "high p50 ms",
-            "high p99 ms",
-            "low p50 ms",
-            "low p99 ms",
-            "low answered meanwhile",
-        ],
-        rows,
-        "l" + "r" * 6,
+    out.append(
+        table(
+            [
+                "run",
+                "capacity jobs/s",
+                "high p50 ms",
+                "high p99 ms",
+                "low p50 ms",
+                "low p99 ms",
+                "low answered meanwhile",
+            ],
+            rows,
+            align="lr",
+        )
     )
     out += [
         "",
@@ -526,36 +534,41 @@ def accuracy_lines(report: Mapping[str, Any]) -> list[str]:
         ]
         for name, p in a["placements"].items()
     ]
-    out += _table(
-        [
-            "placement",
-            "resized on",
-            "top-1 agreement",
-            "cosine min",
-            "cosine mean",
-            "pixels mean",
-            "pixels max",
-            "met",
-        ],
-        rows,
-        "ll" + "r" * 5 + "l",
+    out.append(
+        table(
+            [
+                "placement",
+                "resized on",
+                "top-1 agreement",
+                "cosine min",
+                "cosine mean",
+                "pixels mean",
+                "pixels max",
+                "met",
+            ],
+            rows,
+            align="llrrrrrl",
+        )
     )
     out += [""]
-    out += _table(
-        ["size class", *(f"{name} mean / max" for name in a["placements"])],
-        [
+    out.append(
+        table(
+            ["size class", *(f"{name} mean / max" for name in a["placements"])],
             [
-                f"{c['width']}x{c['height']}"
-                + (", DCT-scaled" if c["dct_scaled"] else "")
-                + (", reduced on the host" if c["reduced_on_host"] else ""),
-                *(
-                    f"{_fmt(p['by_size_class'][i]['pixel_diff_mean'], 2)} / "
-                    f"{_fmt(p['by_size_class'][i]['pixel_diff_max'], 1)}"
-                    for p in a["placements"].values()
-                ),
-            ]
-            for i, c in enumerate(a["size_classes"])
-        ],
+                [
+                    f"{c['width']}x{c['height']}"
+                    + (", DCT-scaled" if c["dct_scaled"] else "")
+                    + (", reduced on the host" if c["reduced_on_host"] else ""),
+                    *(
+                        f"{_fmt(p['by_size_class'][i]['pixel_diff_mean'], 2)} / "
+                        f"{_fmt(p['by_size_class'][i]['pixel_diff_max'], 1)}"
+                        for p in a["placements"].values()
+                    ),
+                ]
+                for i, c in enumerate(a["size_classes"])
+            ],
+            align="lr",
+        )
     )
     out += ["", f"Device against host placement: at most {_fmt(a['placements_max_diff'], 2)}."]
     for name, p in a["placements"].items():
@@ -690,20 +703,22 @@ def _url_lines(report: Mapping[str, Any]) -> list[str]:
         "modified' (a repeated URL: neither downloaded nor decoded again).",
         "",
     ]
-    out += _table(
-        [
-            "image set",
-            "model",
-            "run",
-            "inline images/s",
-            "by URL images/s",
-            "URL / inline",
-            "fetch ms (mean)",
-            "downloads / 304",
-            "cache hit ratio",
-        ],
-        rows,
-        "lll" + "r" * 6,
+    out.append(
+        table(
+            [
+                "image set",
+                "model",
+                "run",
+                "inline images/s",
+                "by URL images/s",
+                "URL / inline",
+                "fetch ms (mean)",
+                "downloads / 304",
+                "cache hit ratio",
+            ],
+            rows,
+            align="lllr",
+        )
     )
     return out
 
@@ -738,21 +753,23 @@ def _cache_lines(report: Mapping[str, Any]) -> list[str]:
         ]
         for r in runs
     ]
-    out += _table(
-        [
-            "image set",
-            "model",
-            "run",
-            "distinct images",
-            "jobs (repeats)",
-            "images/s",
-            "p50 ms",
-            "CPU %",
-            "cache hit ratio",
-            "cache worth (on / off)",
-        ],
-        rows,
-        "lll" + "r" * 7,
+    out.append(
+        table(
+            [
+                "image set",
+                "model",
+                "run",
+                "distinct images",
+                "jobs (repeats)",
+                "images/s",
+                "p50 ms",
+                "CPU %",
+                "cache hit ratio",
+                "cache worth (on / off)",
+            ],
+            rows,
+            align="lllr",
+        )
     )
     return out
 
@@ -765,28 +782,38 @@ def _stage_rate_lines(report: Mapping[str, Any]) -> list[str]:
         key = (d["image_set"], int(d["input_size"]), d["method"])
         rows.setdefault(key, {})[int(d["threads"])] = d["images_per_s"]
     out = ["", "## Stage rates, each stage alone (images/s)", ""]
-    out += _table(
-        ["image set", "input", "decode method", *(f"{t} thread{'s' * (t > 1)}" for t in threads)],
-        [[k[0], k[1], k[2], *(_fmt(v.get(t)) for t in threads)] for k, v in rows.items()],
-        "lrl" + "r" * len(threads),
+    out.append(
+        table(
+            [
+                "image set",
+                "input",
+                "decode method",
+                *(f"{t} thread{'s' * (t > 1)}" for t in threads),
+            ],
+            [[k[0], k[1], k[2], *(_fmt(v.get(t)) for t in threads)] for k, v in rows.items()],
+            align="lrlr",
+        )
     )
     out += [""]
-    out += _table(
-        ["model", "measured", "batch", "images/s", "ms per batch", "core-ms per image"],
-        [
+    out.append(
+        table(
+            ["model", "measured", "batch", "images/s", "ms per batch", "core-ms per image"],
             [
-                m["model"],
-                "direct-feed ceiling" + ("" if m["variant"] == "gpufeed" else f" ({m['variant']})")
-                if m["kind"] == "ceiling"
-                else "naive forward, batch 1",
-                m["batch"],
-                _fmt(m["images_per_s"]),
-                _fmt(m["ms_per_batch"], 2),
-                _fmt(m.get("core_ms_per_image")),
-            ]
-            for m in rates["model"]
-        ],
-        "llrrrr",
+                [
+                    m["model"],
+                    "direct-feed ceiling"
+                    + ("" if m["variant"] == "gpufeed" else f" ({m['variant']})")
+                    if m["kind"] == "ceiling"
+                    else "naive forward, batch 1",
+                    m["batch"],
+                    _fmt(m["images_per_s"]),
+                    _fmt(m["ms_per_batch"], 2),
+                    _fmt(m.get("core_ms_per_image")),
+                ]
+                for m in rates["model"]
+            ],
+            align="llr",
+        )
     )
     methods = rates.get("decode_methods", {})
     if methods:
@@ -808,21 +835,23 @@ def _target_lines(report: Mapping[str, Any]) -> list[str]:
     if not targets:
         return []
     out = ["", "## Targets", ""]
-    out += _table(
-        ["target", "image set", "model", "measured", "threshold", "met", "limiting stage"],
-        [
+    out.append(
+        table(
+            ["target", "image set", "model", "measured", "threshold", "met", "limiting stage"],
             [
-                t["target"] + (" (issue)" if t["named_in_issue"] else ""),
-                t["image_set"],
-                t["model"],
-                _fmt(t["measured"], 2),
-                _fmt(t["threshold"], 2),
-                "yes" if t["met"] else "**no**",
-                t["limiting_stage"] or "",
-            ]
-            for t in targets
-        ],
-        "lllrrll",
+                [
+                    t["target"] + (" (issue)" if t["named_in_issue"] else ""),
+                    t["image_set"],
+                    t["model"],
+                    _fmt(t["measured"], 2),
+                    _fmt(t["threshold"], 2),
+                    "yes" if t["met"] else "**no**",
+                    t["limiting_stage"] or "",
+                ]
+                for t in targets
+            ],
+            align="lllrrll",
+        )
     )
     missed = [t for t in targets if not t["met"] and t.get("detail")]
     if missed:
@@ -914,6 +943,11 @@ def write_figure(report: Mapping[str, Any], path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- files
+# matplotlib is in the `bench` extra only: the worker's own install goes without it.
+NO_PLOT = "matplotlib is not installed here, so no throughput.png was drawn"
+PLOT_FIX = "pip install 'gpufeed[bench]'"
+
+
 def write_all(report: dict[str, Any], out_dir: Path) -> None:
     """report.json, report.md and throughput.png (the figure only where matplotlib is
     installed, as `make setup` does; the report says so otherwise)."""
@@ -921,9 +955,7 @@ def write_all(report: dict[str, Any], out_dir: Path) -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        report.setdefault("notes", []).append(
-            "matplotlib is not installed here, so no throughput.png was drawn"
-        )
+        report.setdefault("notes", []).append(f"{NO_PLOT} ({PLOT_FIX})")
         has_matplotlib = False
     else:
         has_matplotlib = True

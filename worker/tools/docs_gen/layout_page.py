@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.tools.docs_gen.markdown import table
+from worker.tools.markdown import table
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = ROOT / "worker"

@@ -23,11 +23,12 @@ docs/doctor-schema.md (the table there is `schema_markdown()`).
 
 from __future__ import annotations
 
+from worker.model.step import StepFn
 from worker.tools.doctor.ceiling_section import timed_ceiling
 from worker.tools.doctor.checkup import run_doctor
 from worker.tools.doctor.environment import environment
 from worker.tools.doctor.evidence import evidence_from
-from worker.tools.doctor.options import DoctorOptions, StepFn
+from worker.tools.doctor.options import DoctorOptions
 from worker.tools.doctor.output import print_json, report_console
 from worker.tools.doctor.profile_section import profile_forward
 from worker.tools.doctor.render import render

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from worker.model.ceiling import direct_feed_ceiling
-from worker.tools.doctor.options import DoctorOptions, StepFn
+from worker.model.step import StepFn
+from worker.tools.doctor.options import DoctorOptions
 from worker.tools.doctor.serving_step import eager_of, random_batch
 
 

@@ -14,11 +14,12 @@ import redis.asyncio as aioredis
 import torch
 
 from worker.config.settings import WorkerConfig
+from worker.model.step import StepFn
 from worker.tools.doctor.ceiling_section import ceiling_section
 from worker.tools.doctor.end_to_end import empty_end_to_end, end_to_end_section
 from worker.tools.doctor.environment import environment
 from worker.tools.doctor.evidence import evidence_from
-from worker.tools.doctor.options import DoctorOptions, StepFn
+from worker.tools.doctor.options import DoctorOptions
 from worker.tools.doctor.profile_section import profile_section
 from worker.tools.doctor.redis_access import cleanup, free_port, open_redis
 from worker.tools.doctor.run_config import doctor_config, usable_weights

@@ -1,7 +1,8 @@
-"""The host the doctor ran on: the report's `environment` section."""
+"""The host a tool ran on: the doctor report's `environment` section, and the GPU check's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
@@ -17,9 +18,12 @@ def _cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def environment() -> dict[str, Any]:
+def environment(*, build: bool = False) -> dict[str, Any]:
+    """The host. The doctor's schema allows exactly these keys; with `build` (the GPU
+    check's report) also the CUDA torch was built for, torchvision's version, and on CUDA
+    the device count and the first device's compute capability."""
     cuda = torch.cuda.is_available()
-    return {
+    env: dict[str, Any] = {
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -27,3 +31,13 @@ def environment() -> dict[str, Any]:
         "device_name": torch.cuda.get_device_name(0) if cuda else None,
         "cpu_count": _cpu_count(),
     }
+    if build:
+        env["torch_cuda"] = torch.version.cuda
+        with contextlib.suppress(ImportError):
+            import torchvision
+
+            env["torchvision"] = torchvision.__version__
+        if cuda:
+            env["device_count"] = torch.cuda.device_count()
+            env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    return env

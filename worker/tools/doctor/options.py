@@ -1,14 +1,8 @@
-"""What `doctor` is asked to measure (DoctorOptions), and the step type its sections take."""
+"""What `doctor` is asked to measure (DoctorOptions)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-
-StepFn = Callable[[torch.Tensor], Any]
 
 
 @dataclass(frozen=True)

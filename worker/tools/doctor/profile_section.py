@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from worker.tools.doctor.options import StepFn
+from worker.model.step import StepFn
 from worker.tools.doctor.profile_stats import Event, top_names, trace_stats
 from worker.tools.doctor.quiet_stderr import quiet_native_stderr
 from worker.tools.doctor.serving_step import random_batch

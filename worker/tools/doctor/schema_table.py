@@ -6,11 +6,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from worker.tools.doctor.schema import SCHEMA
+from worker.tools.markdown import table
 
 
 def schema_markdown(schema: Mapping[str, Any] = SCHEMA) -> str:
     """The schema as a Markdown table (docs/doctor-schema.md holds exactly this)."""
-    rows = ["| key | type | unit | meaning |", "| --- | --- | --- | --- |"]
+    rows: list[list[str]] = []
 
     def walk(node: Mapping[str, Any], path: str) -> None:
         types = node.get("type")
@@ -19,7 +20,7 @@ def schema_markdown(schema: Mapping[str, Any] = SCHEMA) -> str:
             type_text += ": " + ", ".join(f"`{v}`" for v in node["enum"])
         if path:
             unit = node.get("unit", "")
-            rows.append(f"| `{path}` | {type_text} | {unit} | {node.get('description', '')} |")
+            rows.append([f"`{path}`", type_text, unit, node.get("description", "")])
         for key, child in node.get("properties", {}).items():
             walk(child, f"{path}.{key}" if path else key)
         extra = node.get("additionalProperties")
@@ -29,4 +30,4 @@ def schema_markdown(schema: Mapping[str, Any] = SCHEMA) -> str:
             walk(node["items"], f"{path}[]")
 
     walk(schema, "")
-    return "\n".join(rows) + "\n"
+    return table(["key", "type", "unit", "meaning"], rows, escape=False) + "\n"

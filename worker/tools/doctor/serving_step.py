@@ -1,4 +1,5 @@
-"""The worker's serving step as (a) and (b) measure it: its eager module, a random batch."""
+"""The worker's serving step as the doctor's (a) and (b) and the GPU check measure it: its eager
+module, a random batch."""
 
 from __future__ import annotations
 

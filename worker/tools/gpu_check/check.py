@@ -30,12 +30,10 @@ points at (scripts/gpu-check.sh starts a private one).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import os
-import platform
 import re
 import signal
 import sys
@@ -43,12 +41,13 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 import redis
 import structlog
 import torch
@@ -68,6 +67,9 @@ from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step, still_compiled
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.logs import configure_logging
+from worker.tools.command_line import CONTEXT_SETTINGS, parse
+from worker.tools.doctor.environment import environment
+from worker.tools.doctor.serving_step import eager_of, random_batch
 from worker.tools.gpu_check.feed import Feeder
 from worker.tools.gpu_check.report import (
     EXPECTED_TESTS,
@@ -430,33 +432,9 @@ class Deadline:
         return self.at - time.monotonic()
 
 
-def environment() -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "cuda_available": torch.cuda.is_available(),
-        "host": platform.node(),
-    }
-    with contextlib.suppress(ImportError):
-        import torchvision
-
-        env["torchvision"] = torchvision.__version__
-    if torch.cuda.is_available():
-        env["device_name"] = torch.cuda.get_device_name(0)
-        env["device_count"] = torch.cuda.device_count()
-        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
-    return env
-
-
-def _eager_of(fn: Any) -> Any:
-    # torch.compile(module) returns an OptimizedModule that keeps the module it wraps.
-    return getattr(fn, "_orig_mod", fn)
-
-
 async def _measure_pipeline(
     worker: Worker,
-    args: argparse.Namespace,
+    args: CheckArgs,
     report: Report,
     window_s: float,
     best_ceiling: float,
@@ -697,15 +675,7 @@ def decode_rates(
     return out
 
 
-def _example_batch(batch: int, size: int, device: torch.device) -> torch.Tensor:
-    # Made outside inference mode, like the worker's device buffers (the compiled step's
-    # guards would otherwise see another kind of tensor).
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    shape = (batch, size, size, 3)
-    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(device)
-
-
-async def run(args: argparse.Namespace, report: Report, deadline: Deadline) -> None:
+async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
     overrides: dict[str, Any] = {
         "redis_url": args.redis_url,
         "model": args.model,
@@ -747,9 +717,7 @@ async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
     return False
 
 
-async def _run_phases(
-    worker: Worker, args: argparse.Namespace, report: Report, deadline: Deadline
-) -> None:
+async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline: Deadline) -> None:
     with report.phase("startup"):
         t0 = time.perf_counter()
         await worker.startup(wait_for_redis=False)
@@ -765,7 +733,7 @@ async def _run_phases(
     runner = worker.runner
     device = worker.ctx.device
     step_fn = runner.step
-    eager = _eager_of(step_fn)
+    eager = eager_of(step_fn)
     cudagraphs = compile_report.cudagraphs and device.type == "cuda"
     report.update(
         model=worker.config.model,
@@ -785,7 +753,7 @@ async def _run_phases(
     with report.phase("ceiling"):
 
         def on_launch_thread() -> None:
-            x = _example_batch(worker.batch_size, size, device)
+            x = random_batch(worker.batch_size, size, device)
             ceilings["compiled"] = direct_feed_ceiling(
                 step_fn, x, iters=args.ceiling_iters, warmup=5, cudagraphs=cudagraphs
             )
@@ -854,7 +822,7 @@ async def _run_phases(
             torch.backends.cudnn.benchmark = True
             try:
                 with torch.cuda.stream(stream):
-                    x = _example_batch(worker.batch_size, size, device)
+                    x = random_batch(worker.batch_size, size, device)
                     ceilings["eager_cudnn_benchmark"] = direct_feed_ceiling(
                         eager, x, iters=args.ceiling_iters, warmup=5
                     )
@@ -895,48 +863,80 @@ async def _run_phases(
         report["cudnn_benchmark_gain"] = round(on / off, 3) if on and off else None
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m worker.tools.gpu_check.check", description="GPU benchmark"
-    )
-    p.add_argument("--model", default=os.environ.get("GPU_CHECK_MODEL", "resnet50"))
-    p.add_argument("--batch", type=int, default=int(os.environ.get("GPU_CHECK_BATCH", "64")))
-    p.add_argument("--precision", default=os.environ.get("GPU_CHECK_PRECISION", "auto"))
-    p.add_argument("--compile", default=os.environ.get("GPU_CHECK_COMPILE", "auto"))
-    p.add_argument("--decode", default=os.environ.get("GPU_CHECK_DECODE", "cpu"))
-    p.add_argument("--resize", default=os.environ.get("GPU_CHECK_RESIZE", "auto"))
-    # Never a silent fallback to the CPU: the check is about the GPU.
-    p.add_argument("--device", default=os.environ.get("GPU_CHECK_DEVICE", "cuda:0"))
-    seconds = float(os.environ.get("GPU_CHECK_SECONDS", "20"))
-    p.add_argument("--seconds", type=float, default=seconds, help="pipeline window")
-    p.add_argument("--warmup-seconds", type=float, default=3.0)
-    p.add_argument(
-        "--sync-seconds", type=float, default=3.0, help="profiled window counting host syncs"
-    )
-    p.add_argument("--ceiling-iters", type=int, default=50)
-    p.add_argument("--width", type=int, default=640)
-    p.add_argument("--height", type=int, default=480)
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
-    p.add_argument("--out", default=os.environ.get("GPU_CHECK_OUT", ".gpu-check/out"))
-    p.add_argument(
-        "--wait-for",
-        default=None,
-        help="after start-up (the compile), wait until this file exists before measuring",
-    )
-    p.add_argument("--junit", default=None, help="pytest --junitxml file of the CUDA tests")
-    p.add_argument("--tests-rc", type=int, default=None, help="pytest's exit status")
-    p.add_argument(
-        "--expected-tests",
-        default=str(EXPECTED_TESTS),
-        help="node ids of every cuda-marked test; each must have run and passed",
-    )
-    p.add_argument(
-        "--deadline-s",
-        type=float,
-        default=float(os.environ.get("GPU_CHECK_BENCH_DEADLINE_S", "170")),
-        help="write the report and stop after this many seconds, whatever is running",
-    )
-    return p.parse_args(argv)
+@dataclass(frozen=True)
+class CheckArgs:
+    """The benchmark's command line (`command`)."""
+
+    model: str
+    batch: int
+    precision: str
+    compile: str
+    decode: str
+    resize: str
+    device: str
+    seconds: float
+    warmup_seconds: float
+    sync_seconds: float
+    ceiling_iters: int
+    width: int
+    height: int
+    redis_url: str
+    out: str
+    wait_for: str | None
+    junit: str | None
+    tests_rc: int | None
+    expected_tests: str
+    deadline_s: float
+
+
+def _env(name: str, default: str) -> Callable[[], str]:
+    # Read when the command line is, not when this module is imported.
+    return lambda: os.environ.get(name, default)
+
+
+@click.command(help="GPU benchmark", context_settings=CONTEXT_SETTINGS)
+@click.option("--model", default=_env("GPU_CHECK_MODEL", "resnet50"))
+@click.option("--batch", type=int, default=_env("GPU_CHECK_BATCH", "64"))
+@click.option("--precision", default=_env("GPU_CHECK_PRECISION", "auto"))
+@click.option("--compile", default=_env("GPU_CHECK_COMPILE", "auto"))
+@click.option("--decode", default=_env("GPU_CHECK_DECODE", "cpu"))
+@click.option("--resize", default=_env("GPU_CHECK_RESIZE", "auto"))
+# Never a silent fallback to the CPU: the check is about the GPU.
+@click.option("--device", default=_env("GPU_CHECK_DEVICE", "cuda:0"))
+@click.option(
+    "--seconds", type=float, default=_env("GPU_CHECK_SECONDS", "20"), help="pipeline window"
+)
+@click.option("--warmup-seconds", type=float, default=3.0)
+@click.option("--sync-seconds", type=float, default=3.0, help="profiled window counting host syncs")
+@click.option("--ceiling-iters", type=int, default=50)
+@click.option("--width", type=int, default=640)
+@click.option("--height", type=int, default=480)
+@click.option("--redis-url", default=_env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+@click.option("--out", default=_env("GPU_CHECK_OUT", ".gpu-check/out"))
+@click.option(
+    "--wait-for",
+    default=None,
+    help="after start-up (the compile), wait until this file exists before measuring",
+)
+@click.option("--junit", default=None, help="pytest --junitxml file of the CUDA tests")
+@click.option("--tests-rc", type=int, default=None, help="pytest's exit status")
+@click.option(
+    "--expected-tests",
+    default=str(EXPECTED_TESTS),
+    help="node ids of every cuda-marked test; each must have run and passed",
+)
+@click.option(
+    "--deadline-s",
+    type=float,
+    default=_env("GPU_CHECK_BENCH_DEADLINE_S", "170"),
+    help="write the report and stop after this many seconds, whatever is running",
+)
+def command(**options: Any) -> CheckArgs:
+    return CheckArgs(**options)
+
+
+def parse_args(argv: list[str] | None) -> CheckArgs:
+    return parse(command, argv, CheckArgs, prog_name="python -m worker.tools.gpu_check.check")
 
 
 def main(argv: list[str] | None = None, *, require_cuda: bool = True) -> int:
@@ -948,7 +948,7 @@ def main(argv: list[str] | None = None, *, require_cuda: bool = True) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = Report(out / "report.json")
     deadline = Deadline(args.deadline_s)
-    report.update(environment=environment(), deadline_s=args.deadline_s)
+    report.update(environment=environment(build=True), deadline_s=args.deadline_s)
     if args.junit:
         report["tests"] = tests_summary(Path(args.junit), args.tests_rc, Path(args.expected_tests))
 

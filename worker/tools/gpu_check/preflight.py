@@ -137,6 +137,9 @@ def check_cuda(device: str) -> tuple[list[str], dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # argparse, not click like the other tools: this runs before the carried wheels (click
+    # among them) are installed, on a host whose Python may have nothing but the standard
+    # library and torch.
     p = argparse.ArgumentParser(
         prog="python -m worker.tools.gpu_check.preflight", description=__doc__
     )

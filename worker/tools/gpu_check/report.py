@@ -11,17 +11,20 @@ report without changing it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
+
+from worker.tools.command_line import CONTEXT_SETTINGS, parse
 from worker.tools.gpu_check.rules import judge, passed, render
 
-EXPECTED_TESTS = Path(__file__).resolve().parents[2] / "tests" / "cuda_tests.txt"
+EXPECTED_TESTS = Path(__file__).resolve().parents[3] / "tests" / "cuda_tests.txt"
 
 
 def expected_cuda_tests(path: Path) -> list[str]:
@@ -169,14 +172,32 @@ def conclude(
     return 0 if ok else 1
 
 
+@dataclass(frozen=True)
+class ConcludeArgs:
+    """The last step's command line (`command`)."""
+
+    out: Path
+    junit: Path | None
+    tests_rc: int | None
+    expected_tests: Path
+    bench_rc: int | None
+
+
+_PATH = click.Path(path_type=Path)
+
+
+@click.command(context_settings=CONTEXT_SETTINGS)
+@click.option("--out", type=_PATH, required=True, help="the folder with report.json")
+@click.option("--junit", type=_PATH, default=None)
+@click.option("--tests-rc", type=int, default=None)
+@click.option("--expected-tests", type=_PATH, default=EXPECTED_TESTS)
+@click.option("--bench-rc", type=int, default=None, help="the benchmark's exit status")
+def command(**options: Any) -> ConcludeArgs:
+    return ConcludeArgs(**options)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.tools.gpu_check.report")
-    p.add_argument("--out", type=Path, required=True, help="the folder with report.json")
-    p.add_argument("--junit", type=Path, default=None)
-    p.add_argument("--tests-rc", type=int, default=None)
-    p.add_argument("--expected-tests", type=Path, default=EXPECTED_TESTS)
-    p.add_argument("--bench-rc", type=int, default=None, help="the benchmark's exit status")
-    args = p.parse_args(argv)
+    args = parse(command, argv, ConcludeArgs, prog_name="python -m worker.tools.gpu_check.report")
     return conclude(args.out, args.junit, args.tests_rc, args.expected_tests, args.bench_rc)
 
 
