@@ -34,9 +34,11 @@ ERROR_CODES: dict[ErrorCode, str] = {
     ErrorCode.IMAGE_TOO_LARGE: (
         "the header announces more than `GPUFEED_MAX_IMAGE_PIXELS` pixels, or pixels that "
         "would take more than `GPUFEED_MAX_DECODE_MB` to decode (at the JPEG DCT scale that "
-        "would be used), or an RLE-compressed BMP over 1,000,000 pixels (Pillow decodes RLE "
-        "in pure Python, about 0.3 s a million pixels); all refused from the header, before "
-        "any pixel is decoded, so a decompression bomb costs nothing"
+        "would be used; a progressive JPEG also holds every coefficient of the whole image "
+        "at full size), a JPEG of more than 100 scans, or an RLE-compressed BMP over "
+        "1,000,000 pixels (Pillow decodes RLE in pure Python, about 0.3 s a million pixels); "
+        "all refused from the header, before any pixel is decoded, so a decompression bomb "
+        "costs nothing"
     ),
     ErrorCode.DECODE_ERROR: (
         "truncated or corrupt image data, zero-sized images; a JPEG whose scan data ends "

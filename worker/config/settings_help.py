@@ -163,9 +163,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`512`",
         "most memory (MiB) one decode may take for its pixels, as Pillow holds them (4 bytes a "
         "pixel for colour modes, 1 for grey and palette, 2 for 16-bit grey) at the JPEG DCT "
-        "scale that would be used, plus the copy converting them to RGB; estimated from the "
-        "header, larger images get `image_too_large`. 10000x10000 RGBA (a 390 KB PNG) needs "
-        "763 MiB",
+        "scale that would be used, plus the copy converting them to RGB, plus, for a "
+        "progressive JPEG (or one of several scans), every DCT coefficient of the whole image "
+        "at full size (about 3 bytes a pixel at 4:2:0), which libjpeg-turbo holds whatever "
+        "the scale; estimated from the header, larger images get `image_too_large`. "
+        "10000x10000 RGBA (a 390 KB PNG) needs 763 MiB",
     ),
     "GPUFEED_DECODE_BUDGET_MS": (
         "`10000`",

@@ -41,6 +41,7 @@ from PIL import (
 )
 
 from producer.wire import ErrorCode
+from worker.decode.jpeg_cost import jpeg_cost_problem
 
 # Importing the plugins registers them now, at import time: otherwise the first
 # Image.open(formats=["WEBP"]) would run Image.init() (a lazy, unlocked registry mutation)
@@ -302,6 +303,12 @@ def _pillow_frame(data: bytes, fmt: str, spec: DecodeSpec) -> Frame:
                 draft_scale = max(1, round(width / drafted[1][2]))
 
         _check_cost(im, spec, width, height, draft_scale)
+        if fmt == "JPEG":
+            problem = jpeg_cost_problem(
+                data, decoded_bytes(im.mode, *im.size), spec.max_decode_bytes
+            )
+            if problem is not None:
+                raise DecodeError(ErrorCode.IMAGE_TOO_LARGE, problem)
         im.load()
         if fmt == "JPEG" and _looks_damaged(im, data):
             _check_jpeg_data(data, im.mode)
@@ -369,6 +376,9 @@ def _turbo_frame(data: bytes, spec: DecodeSpec) -> Frame | None:
             f"{width}x{height} {mode}{at} needs {-(-need // mib)} MiB to decode, over the "
             f"limit of {spec.max_decode_bytes // mib} MiB",
         )
+    problem = jpeg_cost_problem(data, need, spec.max_decode_bytes)
+    if problem is not None:
+        raise DecodeError(ErrorCode.IMAGE_TOO_LARGE, problem)
     space = "GRAY" if grey else "RGB"
     try:
         # Strict: libjpeg-turbo's warnings raise, so data that ends before the image does is

@@ -1,0 +1,125 @@
+"""What a JPEG's markers say its decode will cost, read before any pixel is decoded.
+
+A JPEG of one interleaved scan (nearly every baseline JPEG) is decoded a band of rows at a
+time. Any other (progressive, or sequential with a scan per component) is decoded scan by
+scan into a buffer of every DCT coefficient of the whole image at full size, whatever DCT
+scale the output uses (libjpeg's whole-image coefficient buffer: 64 coefficients of 2 bytes
+a block), and each scan is another pass over it. So such a JPEG's memory is that buffer
+beside the output, and its time grows with its scans: a 400 KB progressive JPEG declaring
+10000x10000 with 1,500 scans holds 286 MiB and takes minutes of CPU.
+
+The scans are counted with one search for the SOS marker after the first scan: in
+entropy-coded data a 0xFF byte is always followed by 0x00 or a restart marker, so FF DA
+there is always a marker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# More scans than any encoder writes for a real image (libjpeg's progressive script has 10,
+# jpegtran's and mozjpeg's optimised ones a few dozen at most); each is a pass over the
+# whole coefficient buffer.
+MAX_SCANS = 100
+_SOS = b"\xff\xda"
+# Start-of-frame markers of the processes that need the whole coefficient buffer whatever
+# their scans: progressive (SOF2, SOF6) and progressive arithmetic (SOF10, SOF14).
+_PROGRESSIVE = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
+_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOFn, not DHT, JPG, DAC
+
+
+@dataclass(frozen=True)
+class JpegCost:
+    width: int
+    height: int
+    progressive: bool
+    scans: int
+    # The whole-image coefficient buffer the decode holds; 0 when it decodes band by band.
+    coefficient_bytes: int
+
+
+def jpeg_cost(data: bytes) -> JpegCost | None:
+    """The cost the markers of `data` declare; None when they cannot be read (the decoder
+    then judges the file as it always has)."""
+    pos, end = 2, len(data)
+    frame: tuple[int, int, int, list[tuple[int, int]]] | None = None
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte before a marker
+            pos += 1
+            continue
+        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # no length field
+            pos += 2
+            continue
+        length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker in _FRAMES:
+            frame = _frame(marker, data[pos + 4 : pos + 2 + length])
+        elif marker == 0xDA:
+            if frame is None:
+                return None
+            sof, height, width, sampling = frame
+            scans = data.count(_SOS, pos)
+            whole = sof in _PROGRESSIVE or scans > 1
+            return JpegCost(
+                width=width,
+                height=height,
+                progressive=sof in _PROGRESSIVE,
+                scans=scans,
+                coefficient_bytes=_coefficient_bytes(width, height, sampling) if whole else 0,
+            )
+        pos += 2 + length
+    return None
+
+
+def _frame(marker: int, body: bytes) -> tuple[int, int, int, list[tuple[int, int]]] | None:
+    """(marker, height, width, [(h, v) sampling of each component]) of a SOF segment."""
+    if len(body) < 6:
+        return None
+    height = int.from_bytes(body[1:3], "big")
+    width = int.from_bytes(body[3:5], "big")
+    count = body[5]
+    sampling = [
+        (body[i + 1] >> 4, body[i + 1] & 0x0F)
+        for i in range(6, 6 + 3 * count, 3)
+        if i + 1 < len(body)
+    ]
+    return marker, height, width, sampling
+
+
+def _coefficient_bytes(width: int, height: int, sampling: list[tuple[int, int]]) -> int:
+    """libjpeg's whole-image coefficient buffer: each component's blocks, padded to whole
+    MCUs, 64 coefficients of 2 bytes each."""
+    if not sampling or width <= 0 or height <= 0:
+        return 0
+    max_h = max(1, *(h for h, _ in sampling))
+    max_v = max(1, *(v for _, v in sampling))
+    mcus_x = -(-width // (8 * max_h))
+    mcus_y = -(-height // (8 * max_v))
+    blocks = sum(mcus_x * h * mcus_y * v for h, v in sampling)
+    return blocks * 64 * 2
+
+
+def jpeg_cost_problem(data: bytes, output_bytes: int, max_decode_bytes: int) -> str | None:
+    """Why a JPEG costs too much to decode (its scans, or its coefficient buffer beside
+    `output_bytes` of output, over the limits); None when it does not, or when its markers
+    cannot be read."""
+    cost = jpeg_cost(data)
+    if cost is None:
+        return None
+    what = f"{cost.width}x{cost.height} {'progressive ' if cost.progressive else ''}JPEG"
+    if cost.scans > MAX_SCANS:
+        return (
+            f"{what} of {cost.scans} scans: at most {MAX_SCANS} are decoded (each is a pass "
+            "over the whole image)"
+        )
+    need = cost.coefficient_bytes + output_bytes
+    if cost.coefficient_bytes and need > max_decode_bytes:
+        mib = 1024 * 1024
+        return (
+            f"{what} needs {-(-need // mib)} MiB to decode "
+            f"({-(-cost.coefficient_bytes // mib)} MiB of coefficients at full size, whatever "
+            f"the scale), over the limit of {max_decode_bytes // mib} MiB"
+        )
+    return None
