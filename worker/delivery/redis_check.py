@@ -5,25 +5,22 @@ cannot use within a second, before seconds of importing torch and loading the mo
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import NoPermissionError
 
 from producer import wire
-from producer.reach import UNREACHABLE, unreachable
+from producer.reach import unreachable
 from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
+from worker.delivery.redis_errors import ANY, NO_REDIS
 from worker.delivery.redis_scripts import CHECK_KEYS
 
 log = structlog.get_logger("gpufeed.worker")
-
-# Redis away (or not Redis at all), and a cluster that cannot serve yet.
-NO_REDIS: tuple[type[Exception], ...] = (*UNREACHABLE, RedisClusterException)
 
 # What an operator does about exit 3, said once where the CLI reports it.
 REDIS_FIX = "start one (make run-redis) or set REDIS_URL; without --no-wait the worker waits for it"
@@ -128,5 +125,5 @@ async def preflight(config: WorkerConfig, *, wait: bool) -> None:
             if not wait:
                 raise
     finally:
-        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+        with contextlib.suppress(*ANY):
             await client.aclose()

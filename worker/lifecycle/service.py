@@ -26,11 +26,9 @@ import structlog
 import torch
 from PIL import Image
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from producer import shards
+from producer.backoff import Backoff
 from producer.reach import unreachable
 from producer.wire import ErrorCode
 from worker.config.errors import ConfigError
@@ -42,15 +40,16 @@ from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
 from worker.decode.pool import DecodePool
 from worker.decode.rows import row_side
 from worker.delivery.cluster_node import ShardNodeClient
-from worker.delivery.reader import InFlight, Reader, ensure_group
+from worker.delivery.in_flight import InFlight
+from worker.delivery.reader import Reader, ensure_group
 from worker.delivery.reclaimer import Reclaimer
 from worker.delivery.redis_check import (
-    NO_REDIS,
     RedisUnavailable,
     check_keys,
     is_cluster_node,
     make_client,
 )
+from worker.delivery.redis_errors import ANY, NO_REDIS, UNREACHABLE
 from worker.delivery.replicas import ReplicaWait
 from worker.delivery.sharding import ShardedWriter, ShardHeld, reply_to_problem, wrong_shard_problem
 from worker.delivery.writer import ResultWriter, WriterSettings
@@ -587,7 +586,7 @@ class Worker:
         await check_keys(self.redis, self.config, cluster=self.cluster)
 
     async def _wait_for_redis(self, wait: bool) -> None:
-        backoff_s = 0.2
+        backoff = Backoff(0.2, 5.0)
         logged = False
         while True:
             try:
@@ -604,8 +603,7 @@ class Worker:
                     logged = True
                 if self.should_exit.is_set():
                     raise RedisUnavailable(message) from None
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 5.0)
+                await backoff.sleep()
 
     # ----------------------------------------------------------------------- main loop
     async def main_loop(self) -> None:
@@ -853,7 +851,7 @@ class Worker:
                         note="they will be reclaimed after "
                         "GPUFEED_VISIBILITY_TIMEOUT_S by the other workers",
                     )
-            except (TimeoutError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            except UNREACHABLE as exc:  # wait_for's TimeoutError among them (an OSError)
                 log.warning("could_not_leave_group", error=str(exc))
         if hasattr(self, "decoder"):
             self.decoder.shutdown()
@@ -861,7 +859,7 @@ class Worker:
             self.runner.shutdown()
         if hasattr(self, "redis"):
             # Any Redis error: what answers may not even be a Redis server.
-            with contextlib.suppress(RedisError, TimeoutError, OSError):
+            with contextlib.suppress(*ANY):
                 await asyncio.wait_for(self.redis.delete(heartbeat_key(self.config.worker_name)), 2)
             await self.redis.aclose()
         for node in self._node_clients:
