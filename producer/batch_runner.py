@@ -40,6 +40,7 @@ from redis.typing import EncodableT, FieldT
 
 from producer import wire
 from producer.admission import ADMIT, AdmissionRefused, BacklogFull, admit_args, admitted
+from producer.backoff import Backoff
 from producer.batch_ids import IdStore, id_hashes
 from producer.batch_output import Existing, Output
 from producer.batch_redis import Fields, RawLink, field_map
@@ -336,7 +337,7 @@ class BatchRun:
         self._chunk = min(SUBMIT_CHUNK, producer.max_backlog or SUBMIT_CHUNK)
         self._fit = self._chunk
         self._refused_until = 0.0
-        self._refused_backoff = REFUSED_BACKOFF_S[0]
+        self._refused_backoff = Backoff(*REFUSED_BACKOFF_S)
         self._last_result = time.monotonic()
         self._last_report = 0.0
         self._checkpoint_at = time.monotonic() + options.checkpoint_s
@@ -451,14 +452,13 @@ class BatchRun:
                 self._fit = room  # a smaller chunk fits now: try it at once
                 return True
             self._fit = max(1, room)
-            self._refused_until = time.monotonic() + self._refused_backoff
-            self._refused_backoff = min(self._refused_backoff * 2, REFUSED_BACKOFF_S[1])
+            self._refused_until = time.monotonic() + self._refused_backoff.next()
             return False
-        self._refused_backoff = REFUSED_BACKOFF_S[0]
+        self._refused_backoff.reset()
         self._fit = self._chunk
         in_flight, prefix = self.in_flight, self._entry_prefix
-        for (item, f), entry in zip(chunk, entries, strict=True):
-            in_flight[prefix + entry] = (f[3], item[1])  # the id (Item.fields), Item.source
+        for (item, _), entry in zip(chunk, entries, strict=True):
+            in_flight[prefix + entry] = (item.id.encode(), item.source)
         self.progress.submitted += len(chunk)
         self.progress.in_flight = len(in_flight)
         del self._ready[: len(chunk)]

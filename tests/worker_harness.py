@@ -43,13 +43,26 @@ async def running_worker(
     decode_hook: Callable[[Job], None] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Worker]:
-    worker = Worker(
-        tiny_config(redis_url, weights, **overrides),
-        decode_delay_s=decode_delay_s,
-        decode_hook=decode_hook,
+    config = tiny_config(redis_url, weights, **overrides)
+    worker = (
+        Worker(config, decode_delay_s=decode_delay_s)
+        if decode_hook is None
+        else HookedWorker(config, decode_hook)
     )
     async with serving(worker):
         yield worker
+
+
+class HookedWorker(Worker):
+    """A worker that runs `hook` in the decode thread before each decode (a slow or stuck
+    decoder)."""
+
+    def __init__(self, config: WorkerConfig, hook: Callable[[Job], None]) -> None:
+        super().__init__(config)
+        self._hook = hook
+
+    def decode_hook(self) -> Callable[[Job], None] | None:
+        return self._hook
 
 
 @asynccontextmanager

@@ -63,12 +63,6 @@ class Lanes:
     def streams(self) -> list[str]:
         return [lane.stream for lane in self.lanes]
 
-    def level_of(self, stream: str) -> str:
-        for lane in self.lanes:
-            if lane.stream == stream:
-                return lane.level
-        return ""
-
     def shares(self, budget: int) -> list[int]:
         """How many entries each lane may read now, of `budget` places (first pass)."""
         if len(self.lanes) == 1:

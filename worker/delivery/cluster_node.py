@@ -18,15 +18,11 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 from redis.commands.core import AsyncScript
-from redis.exceptions import AskError, ClusterDownError, MasterDownError, MovedError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from worker.delivery.redis_errors import REDIRECTED, UNREACHABLE
 
 log = structlog.get_logger("gpufeed.cluster")
-
-# Answers given before a command runs: the slot is elsewhere, or the cluster is failing
-# over. Nothing was done; the writer tries again (after the slot map is read again).
-_REDIRECTS = (MovedError, AskError, TryAgainError, ClusterDownError, MasterDownError)
 
 
 class SlotMoved(RedisConnectionError):
@@ -66,7 +62,7 @@ class ShardNodeClient:
         """Re-read the cluster's slot map (after a failover)."""
         try:
             await self.cluster.nodes_manager.initialize()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except UNREACHABLE as exc:
             log.warning("cluster_map_refresh_failed", error=str(exc))
 
     async def aclose(self) -> None:
@@ -86,10 +82,10 @@ class NodePipeline(Pipeline):
     async def execute(self, raise_on_error: bool = True) -> list[Any]:
         try:
             replies: list[Any] = await super().execute(raise_on_error)
-        except (RedisConnectionError, RedisTimeoutError, OSError, *_REDIRECTS):
+        except (*UNREACHABLE, *REDIRECTED):
             await self._owner.refresh()
             raise
-        if any(isinstance(r, _REDIRECTS) for r in replies):
+        if any(isinstance(r, REDIRECTED) for r in replies):
             await self._owner.refresh()
             raise SlotMoved(f"the slot of {self._owner.key!r} is moving (failover)")
         return replies

@@ -1,9 +1,9 @@
 """The reader: takes jobs from the stream through the consumer group, never more than fit.
 
-The worker holds a fixed number of in-flight tokens; a job holds one from the moment it is
-read until its result is published. XREADGROUP asks only for as many entries as there are
-free tokens, so a backlog of millions stays in Redis, where other workers can take it,
-instead of in this process's memory.
+The worker holds a fixed number of in-flight places (worker/delivery/in_flight.py); a job
+holds one from the moment it is read until its result is published. XREADGROUP asks only
+for as many entries as there are free places, so a backlog of millions stays in Redis, where
+other workers can take it, instead of in this process's memory.
 """
 
 from __future__ import annotations
@@ -15,85 +15,16 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import (
-    ClusterDownError,
-    MasterDownError,
-    RedisClusterException,
-    ResponseError,
-    SlotNotCoveredError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ResponseError
 
 from producer import wire
+from producer.backoff import Backoff
 from worker.config.lanes import Lanes
+from worker.delivery.in_flight import InFlight
+from worker.delivery.redis_errors import AWAY
 from worker.jobs import Job, deleted_entry_job, job_of_entry
 
 log = structlog.get_logger("gpufeed.reader")
-
-# Redis away, or a Redis Cluster between a master's failure and its replica's promotion
-# (CLUSTERDOWN, TRYAGAIN, MASTERDOWN, a slot without a master): back off and read again.
-REDIS_AWAY = (
-    RedisConnectionError,
-    RedisTimeoutError,
-    OSError,
-    ClusterDownError,
-    TryAgainError,
-    MasterDownError,
-    SlotNotCoveredError,
-    RedisClusterException,
-)
-
-
-class InFlight:
-    """Counts jobs between read and published result; `room()` is what may be read now."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.count = 0
-        # Places set aside for stale jobs being reclaimed: new reads leave them free, so a
-        # busy worker still takes over a dead one's jobs promptly.
-        self.reserved = 0
-        self._changed = asyncio.Event()
-
-    def room(self) -> int:
-        """Places free for new reads."""
-        return self.limit - self.count - self.reserved
-
-    def room_for_reclaim(self) -> int:
-        return self.limit - self.count
-
-    def reserve(self, n: int) -> None:
-        self.reserved = max(0, min(n, self.limit))
-        self._changed.set()
-
-    def take(self, n: int) -> None:
-        self.count += n
-
-    def give_back(self, n: int) -> None:
-        self.count -= n
-        self._changed.set()
-
-    async def wait_for_room(self) -> None:
-        while self.room() <= 0:
-            self._changed.clear()
-            await self._changed.wait()
-
-    async def wait_until_free(self, n: int, timeout_s: float) -> bool:
-        """Wait until `n` places are free (reserved ones count); False on timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while self.room_for_reclaim() < n:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), remaining)
-            except TimeoutError:
-                return False
-        return True
 
 
 async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
@@ -139,7 +70,7 @@ class Reader:
         self.block_ms = block_ms
         self._stop = asyncio.Event()
         self._outage_logged = False
-        self._backoff_s = 0.1
+        self._backoff = Backoff(0.1, 5.0)
 
     def stop(self) -> None:
         """Stop reading after the current XREADGROUP returns (at most block_ms)."""
@@ -274,7 +205,7 @@ class Reader:
         return await cluster.execute_command(*args, target_nodes=node)
 
     async def _failed(self, exc: Exception) -> None:
-        if isinstance(exc, ResponseError) and not isinstance(exc, REDIS_AWAY):
+        if isinstance(exc, ResponseError) and not isinstance(exc, AWAY):
             # A stream or the group was deleted under us (before the read, or while it
             # blocked: UNBLOCKED): recreate them and carry on.
             if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
@@ -283,12 +214,11 @@ class Reader:
                     await ensure_group(self.client, stream, self.group)
                 return
             raise exc
-        if isinstance(exc, REDIS_AWAY):
+        if isinstance(exc, AWAY):
             if not self._outage_logged:
                 log.warning("redis_unavailable_for_reads", error=str(exc))
                 self._outage_logged = True
-            await asyncio.sleep(self._backoff_s)
-            self._backoff_s = min(self._backoff_s * 2, 5.0)
+            await self._backoff.sleep()
             return
         raise exc
 
@@ -296,7 +226,7 @@ class Reader:
         if self._outage_logged:
             log.info("redis_back_reading")
             self._outage_logged = False
-            self._backoff_s = 0.1
+            self._backoff = Backoff(0.1, 5.0)
 
 
 Entries = list[tuple[str, dict[bytes, bytes] | None]]

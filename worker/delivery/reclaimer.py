@@ -25,7 +25,9 @@ from redis.exceptions import ResponseError
 from producer.wire import ErrorCode
 from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
-from worker.delivery.reader import REDIS_AWAY, InFlight, ensure_group
+from worker.delivery.in_flight import InFlight
+from worker.delivery.reader import ensure_group
+from worker.delivery.redis_errors import AWAY
 from worker.delivery.redis_scripts import DELETE_IDLE_CONSUMER, REFRESH_OWNED
 from worker.jobs import Job, Outcome, deleted_entry_job, job_of_entry
 
@@ -102,7 +104,7 @@ class Reclaimer:
                 if outage:
                     log.info("redis_back", duty=what)
                     outage = False
-            except REDIS_AWAY as exc:
+            except AWAY as exc:
                 if not outage:
                     log.warning("redis_unavailable", duty=what, error=str(exc))
                     outage = True

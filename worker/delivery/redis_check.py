@@ -1,6 +1,7 @@
 """Redis as the worker finds it at start-up: reachable and a Redis, a cluster or not, and the
-keys it must write usable. Torch-free, so that `python -m worker` can refuse a Redis it
-cannot use within a second, before seconds of importing torch and loading the model.
+keys it must write usable; `RedisLink`, the serving worker's client, which waits for it.
+Torch-free, so that `python -m worker` can refuse a Redis it cannot use within a second,
+before seconds of importing torch and loading the model.
 """
 
 from __future__ import annotations
@@ -12,18 +13,17 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoPermissionError, RedisClusterException, RedisError
+from redis.exceptions import NoPermissionError
 
 from producer import wire
-from producer.reach import UNREACHABLE, unreachable
+from producer.backoff import Backoff
+from producer.reach import unreachable
 from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
+from worker.delivery.redis_errors import ANY, NO_REDIS
 from worker.delivery.redis_scripts import CHECK_KEYS
 
 log = structlog.get_logger("gpufeed.worker")
-
-# Redis away (or not Redis at all), and a cluster that cannot serve yet.
-NO_REDIS: tuple[type[Exception], ...] = (*UNREACHABLE, RedisClusterException)
 
 # What an operator does about exit 3, said once where the CLI reports it.
 REDIS_FIX = "start one (make run-redis) or set REDIS_URL; without --no-wait the worker waits for it"
@@ -128,5 +128,66 @@ async def preflight(config: WorkerConfig, *, wait: bool) -> None:
             if not wait:
                 raise
     finally:
-        with contextlib.suppress(RedisError, OSError, asyncio.TimeoutError):
+        with contextlib.suppress(*ANY):
             await client.aclose()
+
+
+class RedisLink:
+    """The serving worker's client: a cluster client where Redis is a cluster
+    (GPUFEED_REDIS_CLUSTER, or asked once), waited for while it is away."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.cluster = config.redis_cluster == "on"
+        self._cluster_known = config.redis_cluster != "auto"
+        self.client = make_client(config, cluster=self.cluster)
+
+    async def ready(self, *, wait: bool, stop: asyncio.Event) -> None:
+        """Redis answers (waited for with `wait` until `stop` is set, else RedisUnavailable),
+        the client is of its kind, and the keys this worker writes are usable."""
+        await self._answers(wait, stop)
+        await self._find_cluster()
+        await check_keys(self.client, self.config, cluster=self.cluster)
+
+    async def _answers(self, wait: bool, stop: asyncio.Event) -> None:
+        backoff = Backoff(0.2, 5.0)
+        logged = False
+        url = self.config.redacted_url()
+        while True:
+            try:
+                await self.client.ping()
+                if logged:
+                    log.info("redis_reachable", url=url)
+                return
+            except NO_REDIS as exc:
+                message = unreachable(url, exc)
+                if not wait:
+                    raise RedisUnavailable(message) from None
+                if not logged:
+                    log.warning("redis_unreachable_retrying", error=message)
+                    logged = True
+                if stop.is_set():
+                    raise RedisUnavailable(message) from None
+                await backoff.sleep()
+
+    async def _find_cluster(self) -> None:
+        """GPUFEED_REDIS_CLUSTER=auto: ask the node once whether it is a cluster node, and
+        switch to the cluster client if so. A cluster with one shard needs its four key
+        names in one slot."""
+        cfg = self.config
+        if not self._cluster_known:
+            self._cluster_known = True
+            if await is_cluster_node(self.client):
+                await self.client.aclose()
+                self.cluster = True
+                self.client = make_client(cfg, cluster=True)
+        if self.cluster:
+            cfg.check_cluster_keys()
+            log.info("redis_cluster", shards=[s.stream for s in cfg.shard_layout()])
+
+    async def close(self) -> None:
+        """Take this worker's heartbeat away and close the client."""
+        # Any Redis error: what answers may not even be a Redis server.
+        with contextlib.suppress(*ANY):
+            await asyncio.wait_for(self.client.delete(heartbeat_key(self.config.worker_name)), 2)
+        await self.client.aclose()

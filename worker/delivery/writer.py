@@ -32,23 +32,12 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import (
-    AskError,
-    BusyLoadingError,
-    ClusterDownError,
-    MovedError,
-    NoPermissionError,
-    NoScriptError,
-    OutOfMemoryError,
-    ReadOnlyError,
-    RedisError,
-    TryAgainError,
-)
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoPermissionError, NoScriptError, RedisError
 
 from producer import wire
+from producer.backoff import Backoff
 from producer.wire import ErrorCode
+from worker.delivery.redis_errors import ANY, CALL_WIDE, NOT_RUN, PASSING, UNREACHABLE
 from worker.delivery.redis_scripts import PUBLISH_RESULTS
 from worker.delivery.replicas import ReplicaWait
 from worker.jobs import Outcome
@@ -88,25 +77,6 @@ class WriterSettings:
     degraded_weights: str = ""
     # GPUFEED_MAX_RESULT_BYTES: a result's fields (meta and answer included) at most.
     max_result_bytes: int = wire.DEFAULT_MAX_RESULT_BYTES
-
-
-# Errors that concern a whole call, not one of its jobs: Redis unreachable, the script not
-# loaded, or refused under maxmemory (at the call's first write: nothing was written).
-_CALL_WIDE = (RedisConnectionError, RedisTimeoutError, NoScriptError, OutOfMemoryError)
-# Refusals that pass (memory freed, a dataset loaded, a failover or resharding over): the
-# answer is kept and tried again. Any other error Redis gives one job's call alone is about
-# that job's answer, which is then replaced by a small error answer (PublishState.TOO_LARGE).
-_PASSING = (
-    OutOfMemoryError,
-    BusyLoadingError,
-    ReadOnlyError,
-    TryAgainError,
-    ClusterDownError,
-    MovedError,
-    AskError,
-)
-# The writer cannot publish: Redis unreachable, or refusing what it was sent.
-_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 class PublishState:
@@ -224,7 +194,7 @@ class ResultWriter:
         # that already left the pending list nobody else would answer, so they are tried
         # again here. They keep their in-flight places, which bounds this list.
         self._refused: list[Outcome] = []
-        self._refused_backoff_s = REFUSED_BACKOFF_MIN_S
+        self._refused_backoff = Backoff(REFUSED_BACKOFF_MIN_S, REFUSED_BACKOFF_MAX_S)
         # Since when answers wait that cannot be published (monotonic; None: none wait),
         # and why: /live fails past GPUFEED_LIVE_WRITER_STALL_S (worker/observe/health.py).
         self._stalled_since: float | None = None
@@ -259,7 +229,7 @@ class ResultWriter:
         while not closing or self._refused:
             pending: list[Outcome] = []
             if not closing:
-                first = await self._next(self._refused_backoff_s if self._refused else None)
+                first = await self._next(self._refused_backoff.delay_s if self._refused else None)
                 if first is None:
                     closing = True
                 else:
@@ -272,7 +242,7 @@ class ResultWriter:
                     else:
                         pending.extend(more)
             elif self._refused:
-                await asyncio.sleep(self._refused_backoff_s)
+                await asyncio.sleep(self._refused_backoff.delay_s)
             pending.extend(self._take_refused())
             if pending:
                 await self._publish_until_done(pending)
@@ -297,18 +267,18 @@ class ResultWriter:
             await self._publish_until_done(outcomes)
 
     async def _publish_until_done(self, outcomes: list[Outcome]) -> None:
-        backoff_s = 0.05
+        backoff = Backoff(0.05, 2.0)
         outage_logged = False
         apart = False
         states: list[int] = []
         while True:
             try:
                 states = await (self._publish_apart(outcomes) if apart else self.publish(outcomes))
-            except (*_UNREACHABLE, NoScriptError) as exc:
+            except NOT_RUN as exc:
                 if isinstance(exc, NoScriptError):
                     # Still not loaded after the reload in _run_calls (a failover in between:
                     # a promoted replica has no scripts): load it again before the retry.
-                    with contextlib.suppress(RedisError, OSError):
+                    with contextlib.suppress(*ANY):
                         await self.client.script_load(PUBLISH_RESULTS)
                 elif (
                     not apart
@@ -330,8 +300,7 @@ class ResultWriter:
                 if not outage_logged:
                     log.warning("redis_unavailable_for_results", error=str(exc), held=len(outcomes))
                     outage_logged = True
-                await asyncio.sleep(backoff_s)
-                backoff_s = min(backoff_s * 2, 2.0)
+                await backoff.sleep()
                 continue
             break
         refused: list[Outcome] = []
@@ -349,11 +318,10 @@ class ResultWriter:
                 refused=len(refused),
             )
         self._refused.extend(refused)
-        self._refused_backoff_s = (
-            min(self._refused_backoff_s * 2, REFUSED_BACKOFF_MAX_S)
-            if refused
-            else REFUSED_BACKOFF_MIN_S
-        )
+        if refused:
+            self._refused_backoff.next()
+        else:
+            self._refused_backoff.reset()
         if self._refused:
             self._stall(f"Redis refuses {len(self._refused)} answers (see result_publish_refused)")
         else:
@@ -372,7 +340,7 @@ class ResultWriter:
         pipe.execute_command("PING")
         try:
             replies = await asyncio.wait_for(pipe.execute(), PING_TIMEOUT_S)
-        except (RedisError, OSError, TimeoutError):
+        except ANY:
             return False
         finally:
             await pipe.reset()  # type: ignore[no-untyped-call]
@@ -390,7 +358,7 @@ class ResultWriter:
                 try:
                     states += await self.publish([outcome])
                     break
-                except _UNREACHABLE:
+                except UNREACHABLE:
                     if not large or not await self._redis_answers():
                         raise
             else:
@@ -465,11 +433,7 @@ class ResultWriter:
         )
         states = [PublishState.REFUSED] * len(outcomes)
         for where, call, reply in zip(positions, calls, replies, strict=True):
-            if (
-                len(call) > 1
-                and isinstance(reply, RedisError)
-                and not isinstance(reply, _CALL_WIDE)
-            ):
+            if len(call) > 1 and isinstance(reply, RedisError) and not isinstance(reply, CALL_WIDE):
                 # Redis checks a call's keys against the ACL before running it, so one job's
                 # reply_to the worker's user may not write refuses the whole call; and a
                 # command that failed for one job ended the call there. Publish its jobs one
@@ -546,7 +510,7 @@ class ResultWriter:
                 for outcome, state in zip(outcomes, states, strict=True):
                     self._log_state(outcome, state)
             return states
-        if isinstance(reply, RedisConnectionError | RedisTimeoutError | NoScriptError):
+        if isinstance(reply, NOT_RUN):
             raise reply
         if isinstance(reply, NoPermissionError):
             # The call had this one job (see _publish_once). The start-up check showed
@@ -558,7 +522,7 @@ class ResultWriter:
             )
             self._log_state(outcome, state)
             return [state]
-        if len(outcomes) == 1 and not isinstance(reply, _PASSING):
+        if len(outcomes) == 1 and not isinstance(reply, PASSING):
             # A command failed for this call's one job (nothing was written for it: see
             # worker/delivery/redis_scripts.py): what Redis refuses is that job's own result,
             # which no retry would change.

@@ -34,13 +34,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import structlog
 
+from producer.backoff import Backoff
 from worker.config.settings import WorkerConfig
 
 log = structlog.get_logger("gpufeed.supervisor")
@@ -107,7 +108,7 @@ class Child:
     proc: subprocess.Popen[bytes] | None = None
     started_s: float = 0.0
     restart_at_s: float | None = None
-    backoff_s: float = BACKOFF_FIRST_S
+    backoff: Backoff = field(default_factory=lambda: Backoff(BACKOFF_FIRST_S, BACKOFF_MAX_S))
     restarts: int = 0
     exit_code: int | None = None  # set once the child is finished for good
 
@@ -226,9 +227,8 @@ class Supervisor:
             self.stop(signal.SIGTERM)
             return
         if ran_s >= STABLE_AFTER_S:
-            child.backoff_s = BACKOFF_FIRST_S
-        delay = child.backoff_s
-        child.backoff_s = min(BACKOFF_MAX_S, child.backoff_s * 2)
+            child.backoff.reset()
+        delay = child.backoff.next()
         child.restarts += 1
         child.restart_at_s = now + delay
         log.error(

@@ -129,10 +129,6 @@ def _pct(value: float | None, scale: float = 1.0) -> str:
     return "-" if value is None else f"{value * scale:.0f}%"
 
 
-def _stages(stage_ms: Mapping[str, float | None], shown: tuple[str, ...]) -> str:
-    return "/".join(_ms(stage_ms.get(s)) for s in shown)
-
-
 def shown_stages(workers: list[Mapping[str, Any]]) -> tuple[str, ...]:
     """STAGES, less `fetch` where no worker fetched anything (no `url` jobs)."""
     fetched = any(w["stage_ms"].get("fetch") is not None for w in workers)

@@ -1,0 +1,223 @@
+"""The two hand-overs between the stages that are the worker's own decisions: what a read
+returned (answered at once, fetched, or batched: `Intake`), and which step a sealed batch
+runs on and what its failure answers (`Dispatcher`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, replace
+
+import structlog
+
+from producer.shards import Shard
+from producer.wire import ErrorCode
+from worker.decode.cpu import DecodeError
+from worker.delivery.sharding import reply_to_problem, wrong_shard_problem
+from worker.fetch.stage import FetchStage
+from worker.jobs import Job, Outcome, past_deadline
+from worker.pipeline.batcher import Batch
+from worker.pipeline.completion import CompletionWatcher
+from worker.pipeline.degrade import DegradeSwitch, Serving
+from worker.pipeline.job_queue import JobQueue
+from worker.pipeline.launch import Launched, LaunchFailed, ModelRunner
+from worker.pipeline.staging import InputRing
+
+log = structlog.get_logger("gpufeed.worker")
+
+Answer = Callable[[list[Outcome]], Awaitable[None]]
+Deliver = Callable[[list[Job]], Awaitable[None]]
+
+
+class Intake:
+    """Where what one read (or one reclaim) returned goes: answered at once (rejected,
+    late), to the fetch stage (`url` jobs), or to the batcher as one queue item."""
+
+    def __init__(
+        self,
+        *,
+        held: MutableMapping[tuple[str, str], Job],
+        fetcher: FetchStage,
+        jobs: JobQueue,
+        answer: Answer,
+        shards: list[Shard],
+        cluster: bool,
+    ) -> None:
+        self._held = held
+        self._fetcher = fetcher
+        self._jobs = jobs
+        self._answer = answer
+        self._shards = shards
+        self._cluster = cluster
+
+    async def __call__(self, jobs: list[Job]) -> None:
+        now_ms = time.time() * 1000
+        answered: list[Outcome] = []
+        ready: list[Job] = []
+        for job in jobs:
+            self._held[(job.stream, job.entry_id)] = job
+            if job.enqueued_ms > now_ms:
+                # An entry ID from the future (chosen by whoever added it, or numbered after
+                # such an entry) says nothing of when the job came: its time counts from
+                # this read, so the latency metrics are not all zero behind it.
+                job.enqueued_ms = int(now_ms)
+            if job.enqueued_ms:
+                # Time in Redis before this worker read it (server and worker clocks may
+                # differ a little; never negative).
+                job.timings_ms["redis_wait"] = max(0.0, now_ms - job.enqueued_ms)
+            if job.rejected is not None:
+                code, message = job.rejected
+                answered.append(Outcome.failure(job, code, message))
+            elif (late := past_deadline(job, now_ms)) is not None:
+                answered.append(late)
+            elif job.url is not None:
+                # Fetched in the background: the reader goes on, and the job joins a batch
+                # only once its bytes are here.
+                self._fetcher.submit(job)
+            else:
+                ready.append(job)
+        if answered:
+            await self._answer(answered)
+        if ready:
+            await self._jobs.put(ready)
+
+    def of_shard(self, shard: Shard) -> Deliver:
+        """The hand-over of one shard's reader and reclaimer. A job whose own id belongs to
+        another shard is answered `invalid_job` naming that shard's stream, computed
+        nowhere. On a cluster, a reply_to in another slot than the shard's cannot be written
+        by its publish script: such a job is answered `invalid_job` on the shard's results
+        stream."""
+        layout = self._shards
+        cluster = self._cluster
+
+        async def deliver(jobs: list[Job]) -> None:
+            if cluster or len(layout) > 1:
+                for job in jobs:
+                    if job.rejected is None:
+                        problem = wrong_shard_problem(job, shard, layout)
+                        if problem is None and cluster:
+                            problem = reply_to_problem(job, shard)
+                        if problem is not None:
+                            job.reply_to = shard.results_stream
+                            job.rejected = (ErrorCode.INVALID_JOB, problem)
+            await self(jobs)
+
+        return deliver
+
+
+@dataclass
+class Steps:
+    """The steps a batch can run on: the main one, and the degraded one while the switch
+    (GPUFEED_DEGRADE_AFTER_S) is on."""
+
+    main: Serving
+    degraded: Serving | None = None
+    switch: DegradeSwitch | None = None
+
+    def now(self) -> Serving:
+        switch = self.switch
+        if switch is not None and switch.on and self.degraded is not None:
+            return self.degraded
+        return self.main
+
+
+class Dispatcher:
+    """Takes sealed batches in order, launches each on the step of the moment, and hands
+    the launch to the completion watcher; a batch that fails is answered here."""
+
+    def __init__(
+        self,
+        *,
+        sealed: asyncio.Queue[Batch | None],
+        ring: InputRing,
+        runner: ModelRunner,
+        watcher: CompletionWatcher,
+        steps: Steps,
+        answer: Answer,
+        on_launched: Callable[[Launched], None],
+    ) -> None:
+        self._sealed = sealed
+        self._ring = ring
+        self._runner = runner
+        self._watcher = watcher
+        self._steps = steps
+        self._answer = answer
+        self._on_launched = on_launched
+
+    async def run(self) -> None:
+        while True:
+            batch = await self._sealed.get()
+            if batch is None:
+                self._watcher.track(None)
+                return
+            results = await batch.decoded()
+            expire_rows(batch)
+            if not batch.valid_rows:
+                self._ring.release_now(batch.slot)
+                await self._answer(
+                    [
+                        Outcome.failure(job, r.error.code, r.error.message)
+                        for job, r in zip(batch.jobs, results, strict=True)
+                        if r.error is not None
+                    ]
+                )
+                continue
+            # Chosen once per batch: a batch runs whole on one step.
+            serving = self._steps.now()
+            out = await serving.out_ring.acquire()
+            try:
+                launched = await self._runner.launch(batch, out, serving)
+            except Exception as exc:  # noqa: BLE001 - the batch fails, the worker goes on
+                log.error(
+                    "batch_failed",
+                    batch=batch.seq,
+                    error=repr(exc),
+                    job_ids=[j.job_id for j in batch.jobs],
+                )
+                serving.out_ring.release(out)
+                if isinstance(exc, LaunchFailed):
+                    # Device work queued before the failure may still read the slot.
+                    batch.slot.copy_done = exc.fence
+                    self._ring.release_after_copy(batch.slot)
+                else:
+                    self._ring.release_now(batch.slot)
+                await self._answer(
+                    [
+                        Outcome.failure(job, r.error.code, r.error.message)
+                        if r.error is not None
+                        else _failed_on(
+                            serving, Outcome.failure(job, ErrorCode.INFERENCE_ERROR, f"{exc}")
+                        )
+                        for job, r in zip(batch.jobs, results, strict=True)
+                    ]
+                )
+                continue
+            self._on_launched(launched)
+            batch.slot.copy_done = launched.copied
+            self._ring.release_after_copy(batch.slot)
+            self._watcher.track(launched)
+
+
+def _failed_on(serving: Serving, outcome: Outcome) -> Outcome:
+    """An inference_error of the degraded step names that step, as its results would."""
+    if serving.degraded:
+        outcome.extra["degraded"] = True
+    return outcome
+
+
+def expire_rows(batch: Batch) -> None:
+    """Rows whose job's deadline passed while it was decoded are not computed: they become
+    failed rows, answered `deadline_exceeded` with the batch's other failures."""
+    now_ms = time.time() * 1000
+    for row, job in enumerate(batch.jobs):
+        if job.deadline_ms is None or batch.results[row].error is not None:
+            continue
+        late = past_deadline(job, now_ms)
+        if late is not None and late.error_code is not None:
+            batch.results[row] = replace(
+                batch.results[row],
+                info=None,
+                gpu=None,
+                error=DecodeError(late.error_code, late.error_message),
+            )

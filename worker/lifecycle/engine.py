@@ -1,0 +1,341 @@
+"""The model side of a worker, built before it joins the group: the model loaded, compiled
+and warmed up on its one batch shape, the staging rings and the launch thread around it,
+and the decode threads that fill the rings.
+
+`warm_up` returns it as one object; each part that holds threads registers its teardown on
+the worker's exit stack as it is built, so a start-up that fails half-way releases what it
+had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.decode.cache import DecodeCache
+from worker.decode.cpu import DecodeSpec
+from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
+from worker.decode.pool import DecodePool
+from worker.decode.rows import row_side
+from worker.jobs import Job
+from worker.model.compiler import CompileReport, compile_step, mode_uses_cudagraphs
+from worker.model.degraded import DegradedModel, build_degraded
+from worker.model.loaded import LoadedModel
+from worker.model.loader import load_configured
+from worker.model.precision import (
+    AgreementReport,
+    PrecisionReport,
+    output_agreement,
+    precision_check,
+)
+from worker.model.resample import choose_placement, ring_budget, use_rows
+from worker.model.step import build_step, check_step, pick_dtype, resolve_compile_mode
+from worker.observe.health import Health
+from worker.pipeline.device import DeviceContext, make_context
+from worker.pipeline.launch import ModelRunner
+from worker.pipeline.staging import InputRing, OutputRing
+from worker.pipeline.transfer import DeviceTransfer
+
+log = structlog.get_logger("gpufeed.worker")
+
+DecodeHook = Callable[[Job], None]
+
+
+def default_batch_size(device: torch.device) -> int:
+    return 64 if device.type == "cuda" else 8
+
+
+def default_decode_threads() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+@dataclass
+class Engine:
+    """The compiled step and what feeds it, ready to serve."""
+
+    ctx: DeviceContext
+    batch_size: int
+    loaded: LoadedModel
+    dtype: torch.dtype
+    # Where images are resized (`device` or `host`) and, on the device, the side of the rows
+    # that hold the decoded pixels and their geometry (0 on the host).
+    placement: str
+    row_side: int
+    ring: InputRing
+    out_ring: OutputRing
+    transfer: DeviceTransfer
+    ring_budget: dict[str, Any]
+    runner: ModelRunner
+    compile_report: CompileReport
+    precision: PrecisionReport | AgreementReport | None
+    decoder: DecodePool
+    decode_cache: DecodeCache
+    decode_threads: int
+    # Degrade under backlog (GPUFEED_DEGRADE_AFTER_S): the cheaper model, its compiled step
+    # and its output slots (the main ones where its outputs have the same shape).
+    degraded: DegradedModel | None = None
+    degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+    degraded_out_ring: OutputRing | None = None
+
+
+@dataclass
+class _Compiled:
+    """What the launch thread hands back from compiling and checking the steps."""
+
+    report: CompileReport | None = None
+    precision: PrecisionReport | AgreementReport | None = None
+    degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+
+
+async def warm_up(
+    cfg: WorkerConfig,
+    device: torch.device,
+    *,
+    health: Health,
+    exit_stack: contextlib.AsyncExitStack,
+    decode_hook: DecodeHook | None,
+) -> Engine:
+    """Load the model, allocate the rings, compile and warm up the one batch shape, then
+    start the decode threads (GPU decode where GPUFEED_DECODE asks for it)."""
+    ctx = make_context(device)
+    batch_size = cfg.batch_size or default_batch_size(device)
+    # Fixed shapes make cudnn's per-shape tuning useless; turning it off keeps the
+    # first batches from stalling on benchmark runs.
+    torch.backends.cudnn.benchmark = False
+    loaded = load_configured(
+        cfg.model, cfg.weights, input_size=cfg.input_size, batch_size=batch_size
+    )
+    dtype = pick_dtype(cfg.precision, device)
+    step = build_step(loaded, device=device, dtype=dtype, top_k=cfg.top_k)
+    size = loaded.resize_size
+    pin = ctx.is_cuda
+    placement, why = choose_placement(cfg.resize, device, cfg.decode)
+    # Device placement: rows of side R hold the decoded pixels and their geometry.
+    rows = row_side(size) if placement == "device" else 0
+    side = rows or size
+    if rows:
+        use_rows(step, side, size)
+    ring = InputRing(cfg.ring_slots, batch_size, side, pin=pin)
+    out_ring = OutputRing(cfg.ring_slots, batch_size, step.layout, pin=pin)
+    transfer = DeviceTransfer(ctx, cfg.ring_slots, batch_size, side)
+    budget: dict[str, Any] = {
+        "resize_placement_why": why,
+        "ring_pinned": pin,
+        **ring_budget(batch_size, side, cfg.ring_slots),
+    }
+    log.info("resize_placement", placement=placement, **budget)
+    mode = resolve_compile_mode(cfg.compile, device)
+    runner = ModelRunner(ctx, step, transfer, cudagraphs=mode_uses_cudagraphs(mode) and ctx.is_cuda)
+    exit_stack.callback(runner.shutdown)
+    health.watch_launches(lambda: runner.launch_started_s, cfg.ring_slots, device=device)
+    example = torch.zeros((batch_size, side, side, 3), dtype=torch.uint8, device=device)
+    degraded: DegradedModel | None = None
+    degraded_out_ring: OutputRing | None = None
+    if cfg.degrade_after_s > 0:
+        degraded = build_degraded(
+            cfg, loaded, step, device=device, dtype=dtype, batch_size=batch_size
+        )
+        if rows:
+            use_rows(degraded.step, side, size)
+        layout = degraded.step.layout
+        # Outputs of another shape (another model's classes) need slots of their own.
+        degraded_out_ring = (
+            out_ring
+            if layout == step.layout
+            else OutputRing(cfg.ring_slots, batch_size, layout, pin=pin)
+        )
+    compiled = _Compiled()
+
+    def compile_on_launch_thread() -> None:
+        # One eager batch first: a model that fails in the serving dtype or gives
+        # outputs of the wrong shape is a configuration error, not a compile failure.
+        check_step(step, example, what=f"GPUFEED_MODEL: {loaded.name}")
+        # CUDA-graph trees are per thread: compile and warm up where launches happen.
+        fn, report = compile_step(
+            step, example, mode=mode, allow_eager_fallback=cfg.allow_eager_fallback
+        )
+        runner.step = fn
+        compiled.report = report
+        if ctx.is_cuda:
+            # Start-up only (it waits for the GPU): the serving dtype against fp32 eager.
+            graphs = report.cudagraphs
+            check = precision_check if step.layout[0].name == "indices" else output_agreement
+            compiled.precision = check(step, fn, batch=batch_size, batches=1, cudagraphs=graphs)
+        if degraded is not None:
+            compiled.degraded_step = _compile_degraded(
+                degraded, example, mode, report, cfg=cfg, ctx=ctx, batch_size=batch_size
+            )
+        # The fp32 copy served only as the check's reference: give its memory back.
+        step.fp32_weights = ()
+
+    await asyncio.get_running_loop().run_in_executor(
+        None, runner.run_sync, compile_on_launch_thread
+    )
+    report, precision = compiled.report, compiled.precision
+    assert report is not None
+    log.info(
+        "model_ready",
+        model=cfg.model,
+        weights=loaded.weights_label,
+        kind=loaded.output.kind,
+        device=ctx.name,
+        dtype=str(dtype).removeprefix("torch."),
+        batch_size=batch_size,
+        staging_size=size,
+        input_size=loaded.crop_size,
+        outputs={f.name: [*f.shape] for f in step.layout},
+        **report.as_dict(),
+    )
+    if precision is not None:
+        log.info("precision_check", **precision.as_dict())
+    threads = cfg.decode_threads or default_decode_threads()
+    cache = DecodeCache(cfg.decode_cache_mb * 1024 * 1024)
+    decoder = _decode_pool(
+        cfg,
+        loaded,
+        device=device,
+        runner=runner,
+        threads=threads,
+        cache=cache,
+        rows=rows,
+        hook=decode_hook,
+        exit_stack=exit_stack,
+    )
+    return Engine(
+        ctx=ctx,
+        batch_size=batch_size,
+        loaded=loaded,
+        dtype=dtype,
+        placement=placement,
+        row_side=rows,
+        ring=ring,
+        out_ring=out_ring,
+        transfer=transfer,
+        ring_budget=budget,
+        runner=runner,
+        compile_report=report,
+        precision=precision,
+        decoder=decoder,
+        decode_cache=cache,
+        decode_threads=threads,
+        degraded=degraded,
+        degraded_step=compiled.degraded_step,
+        degraded_out_ring=degraded_out_ring,
+    )
+
+
+def _compile_degraded(
+    degraded: DegradedModel,
+    example: torch.Tensor,
+    mode: str,
+    main: CompileReport,
+    *,
+    cfg: WorkerConfig,
+    ctx: DeviceContext,
+    batch_size: int,
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """Check, compile and warm up the degraded step on the launch thread, beside the main
+    one (start-up only). Its graph is not a recompile of the main step's: the main
+    report's baseline moves past it."""
+    dstep, loaded = degraded.step, degraded.loaded
+    check_step(dstep, example, what=f"{degraded.setting}: {loaded.name}")
+    # A main step that fell back to eager (allowed) has a degraded step in eager too.
+    dmode = "off" if main.fell_back_to_eager else mode
+    fn, report = compile_step(dstep, example, mode=dmode, allow_eager_fallback=False, reset=False)
+    if report.baseline is not None:
+        main.baseline = report.baseline
+    precision: PrecisionReport | AgreementReport | None = None
+    if ctx.is_cuda:
+        graphs = report.cudagraphs
+        check = precision_check if dstep.layout[0].name == "indices" else output_agreement
+        precision = check(dstep, fn, batch=batch_size, batches=1, cudagraphs=graphs)
+    dstep.fp32_weights = ()
+    log.info(
+        "degraded_step_ready",
+        model=loaded.name,
+        weights=loaded.weights_label,
+        staging_size=dstep.staging_size,
+        input_size=dstep.crop_size,
+        resized_from=dstep.input_side,
+        after_s=cfg.degrade_after_s,
+        outputs={f.name: [*f.shape] for f in dstep.layout},
+        **report.as_dict(),
+        **({"precision": precision.as_dict()} if precision is not None else {}),
+    )
+    return fn
+
+
+def _decode_pool(
+    cfg: WorkerConfig,
+    loaded: LoadedModel,
+    *,
+    device: torch.device,
+    runner: ModelRunner,
+    threads: int,
+    cache: DecodeCache,
+    rows: int,
+    hook: DecodeHook | None,
+    exit_stack: contextlib.AsyncExitStack,
+) -> DecodePool:
+    """The decode thread pool, and GPU decode where GPUFEED_DECODE asks for it."""
+    spec = DecodeSpec(
+        size=loaded.resize_size,
+        max_bytes=cfg.max_image_bytes,
+        max_pixels=cfg.max_image_pixels,
+        dct_scaling=cfg.dct_scaling,
+        max_decode_bytes=cfg.max_decode_mb * 1024 * 1024,
+        geometry=loaded.resize_mode,
+    )
+    decode = cfg.decode
+    if spec.geometry != "shorter-crop" and decode != "cpu":
+        # The GPU decoder resizes shorter-side-and-crop only.
+        if decode == "gpu":
+            raise ConfigError(
+                f"GPUFEED_DECODE=gpu: the GPU decoder does resize = shorter-crop only; "
+                f"{loaded.name} uses {spec.geometry} (decode on the CPU)"
+            )
+        decode = "cpu"
+    try:
+        # Falls back to CPU decode, logged, on any failure to build a GPU decoder.
+        gpu = setup_gpu_decode(decode, device, spec, threads)
+    except GpuDecodeUnavailable as exc:
+        raise ConfigError(f"GPUFEED_DECODE=gpu: {exc}") from None
+    router = None
+    if gpu is not None:
+        router, gpu_decoder, fields = gpu
+        log.info("gpu_decode", **fields)
+    decoder = DecodePool(
+        spec,
+        threads,
+        cfg.path_root,
+        delay_hook=hook,
+        gpu_router=router,
+        cache=cache,
+        budget_s=cfg.decode_budget_ms / 1000,
+        row_side=rows,
+    )
+    exit_stack.callback(decoder.shutdown)
+    if gpu is not None:
+        runner.use_gpu_decode(gpu_decoder, decoder.decode_on_cpu)
+    return decoder
+
+
+def sleep_hook(delay_s: float) -> DecodeHook | None:
+    """A decode hook that sleeps `delay_s` before each decode (a slow decoder); None for 0."""
+    if not delay_s:
+        return None
+
+    def sleep(job: Job) -> None:
+        time.sleep(delay_s)
+
+    return sleep

@@ -1,0 +1,407 @@
+"""The stages between Redis and the model, built once Redis answers, as one object.
+
+    reader -> [fetch stage, `url` jobs] -> jobs queue -> batcher (row in a staging slot)
+           -> decode threads
+           -> sealed queue -> dispatcher (launch thread: copy in, step, copy out)
+           -> completion watcher (events) -> result writer (publish + ack)
+
+Every queue is bounded. `wire` returns the `Stages` with the duties the main loop runs, each
+with its `Role` (how shutdown treats it); each stage that holds something to release
+registers its teardown on the worker's exit stack as it is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine, MutableMapping
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any, NamedTuple, cast
+
+import redis.asyncio as aioredis
+import torch
+from redis.asyncio.cluster import RedisCluster
+
+from producer import shards
+from worker.config.lanes import Lanes
+from worker.config.settings import WorkerConfig
+from worker.delivery.cluster_node import ShardNodeClient
+from worker.delivery.in_flight import InFlight
+from worker.delivery.reader import Reader
+from worker.delivery.reclaimer import Reclaimer
+from worker.delivery.redis_check import RedisLink, heartbeat_key
+from worker.delivery.replicas import ReplicaWait
+from worker.delivery.sharding import ShardedWriter, ShardHeld
+from worker.delivery.writer import ResultWriter, WriterSettings
+from worker.fetch.stage import FetchSettings, FetchStage
+from worker.jobs import Job, Outcome
+from worker.lifecycle.dispatch import Dispatcher, Intake, Steps
+from worker.lifecycle.engine import Engine
+from worker.model.compiler import still_compiled
+from worker.model.readers import make_reader
+from worker.observe.health import Health
+from worker.observe.observer import Observer
+from worker.pipeline.batcher import Batch, Batcher
+from worker.pipeline.completion import CompletionWatcher
+from worker.pipeline.degrade import DegradeSwitch, Serving
+from worker.pipeline.job_queue import JobQueue
+
+
+class Role(Enum):
+    """How shutdown treats a duty, in the order it comes to them."""
+
+    HOUSEKEEPING = "housekeeping"  # cancelled at once: reclaim, trim, stats, probe, degrade
+    READ = "read"  # asked to stop: nothing new is taken from the streams
+    PIPELINE = "pipeline"  # drained: the sentinel flows batcher -> dispatcher -> watcher
+    PUBLISH = "publish"  # closed once drained: it publishes what is left
+    KEEP_ALIVE = "keep_alive"  # on until the end: the held entries' keep-alive, /live's beat
+
+
+class Duty(NamedTuple):
+    """One task of the main loop: its name (`reader`, `reader-1`, ...), role and body."""
+
+    name: str
+    role: Role
+    run: Callable[[], Coroutine[Any, Any, Any]]
+
+
+@dataclass
+class Stages:
+    engine: Engine
+    in_flight: InFlight
+    # Lists of jobs (one per read), bounded by the jobs they hold.
+    jobs_q: JobQueue
+    sealed_q: asyncio.Queue[Batch | None]
+    # One shard: its writer as it is; several: the router in front of theirs.
+    writer: ResultWriter | ShardedWriter
+    batcher: Batcher
+    steps: Steps
+    watcher: CompletionWatcher
+    # `url` jobs: their bytes arrive here, then they join the jobs queue like the rest.
+    fetcher: FetchStage
+    dispatcher: Dispatcher
+    readers: list[Reader]
+    reclaimers: list[Reclaimer]
+    duties: list[Duty] = field(default_factory=list)
+
+
+def shard_task(name: str, shard: int) -> str:
+    """Task names: `reader`, `trim`, ... for the first shard, `reader-1`, ... after it."""
+    return name if shard == 0 else f"{name}-{shard}"
+
+
+def wire(
+    cfg: WorkerConfig,
+    engine: Engine,
+    link: RedisLink,
+    *,
+    observer: Observer,
+    health: Health,
+    held: MutableMapping[tuple[str, str], Job],
+    device: torch.device,
+    exit_stack: contextlib.AsyncExitStack,
+) -> Stages:
+    """The bounded queues and the stages between them, for every shard of GPUFEED_SHARDS."""
+    layout = cfg.shard_layout()
+    batch_size = engine.batch_size
+    in_flight = InFlight(batch_size * (cfg.ring_slots + 2))
+    jobs_q = JobQueue(batch_size)
+    sealed_q: asyncio.Queue[Batch | None] = asyncio.Queue(cfg.ring_slots)
+
+    def on_published(outcomes: list[Outcome], states: list[int]) -> None:
+        for outcome in outcomes:
+            held.pop((outcome.job.stream, outcome.job.entry_id), None)
+        observer.published(outcomes, states)
+        in_flight.give_back(len(outcomes))
+
+    writers = _writers(
+        cfg,
+        engine,
+        link,
+        observer=observer,
+        on_published=on_published,
+        device=device,
+        exit_stack=exit_stack,
+    )
+    writer: ResultWriter | ShardedWriter = (
+        ShardedWriter(
+            {
+                stream: writers[shard.stream]
+                for shard in layout
+                for stream in cfg.lanes_of(shard.stream).streams
+            }
+        )
+        if len(writers) > 1
+        else next(iter(writers.values()))
+    )
+    health.watch_writer(writer.stalled)
+    batcher = Batcher(
+        engine.ring,
+        engine.decoder,
+        batch_size=batch_size,
+        max_wait_s=cfg.max_wait_ms / 1000,
+        jobs=jobs_q,
+        sealed=sealed_q,
+    )
+    steps = _steps(cfg, engine, observer)
+    watcher = CompletionWatcher(
+        engine.out_ring, writer.put, reader=steps.main.reader, on_batch_done=observer.batch_done
+    )
+    fetcher = FetchStage(
+        FetchSettings.from_config(cfg),
+        ready=jobs_q.put,
+        fail=writer.put,
+        cache=engine.decode_cache,
+        metrics=observer.metrics,
+        # A job waiting for a fetch slot lends its in-flight place back meanwhile.
+        give_back_place=in_flight.give_back,
+        take_place=in_flight.take,
+    )
+    exit_stack.push_async_callback(fetcher.close)
+    intake = Intake(
+        held=held,
+        fetcher=fetcher,
+        jobs=jobs_q,
+        answer=writer.put,
+        shards=layout,
+        cluster=link.cluster,
+    )
+    readers: list[Reader] = []
+    reclaimers: list[Reclaimer] = []
+    for shard in layout:
+        deliver = intake.of_shard(shard)
+        lanes = cfg.lanes_of(shard.stream)
+        readers.append(
+            Reader(
+                link.client,
+                lanes=lanes,
+                group=cfg.group,
+                consumer=cfg.worker_name,
+                default_reply_to=shard.results_stream,
+                in_flight=in_flight,
+                deliver=deliver,
+                max_per_read=batch_size * 2,
+                max_meta_bytes=cfg.max_meta_bytes,
+            )
+        )
+        reclaimers.append(
+            Reclaimer(
+                link.client,
+                replace(
+                    cfg,
+                    stream=shard.stream,
+                    results_stream=shard.results_stream,
+                    result_prefix=shard.result_prefix,
+                    dead_stream=shard.dead_stream,
+                ),
+                in_flight=in_flight,
+                lanes=lanes,
+                held=ShardHeld(held, lanes.streams),
+                deliver=deliver,
+                publish_now=writers[shard.stream].publish_now,
+                on_event=observer.delivery_event,
+            )
+        )
+    dispatcher = Dispatcher(
+        sealed=sealed_q,
+        ring=engine.ring,
+        runner=engine.runner,
+        watcher=watcher,
+        steps=steps,
+        answer=writer.put,
+        on_launched=health.launched,
+    )
+    stages = Stages(
+        engine=engine,
+        in_flight=in_flight,
+        jobs_q=jobs_q,
+        sealed_q=sealed_q,
+        writer=writer,
+        batcher=batcher,
+        steps=steps,
+        watcher=watcher,
+        fetcher=fetcher,
+        dispatcher=dispatcher,
+        readers=readers,
+        reclaimers=reclaimers,
+    )
+    stages.duties = _duties(cfg, stages, link.client, observer, health)
+    return stages
+
+
+def _writers(
+    cfg: WorkerConfig,
+    engine: Engine,
+    link: RedisLink,
+    *,
+    observer: Observer,
+    on_published: Callable[[list[Outcome], list[int]], None],
+    device: torch.device,
+    exit_stack: contextlib.AsyncExitStack,
+) -> dict[str, ResultWriter]:
+    """Each shard's result writer, by the shard's stream."""
+    replica_wait = (
+        ReplicaWait(
+            cfg.wait_replicas,
+            cfg.wait_replicas_timeout_ms,
+            on_short=lambda n: observer.delivery_event("replica_wait_timeout", n),
+        )
+        if cfg.wait_replicas
+        else None
+    )
+    loaded, degraded = engine.loaded, engine.degraded
+    return {
+        shard.stream: ResultWriter(
+            _writer_client(cfg, link, shard, exit_stack),
+            WriterSettings(
+                stream=shard.stream,
+                group=cfg.group,
+                result_prefix=shard.result_prefix,
+                result_ttl_s=cfg.result_ttl_s,
+                results_maxlen=cfg.results_maxlen,
+                worker_name=cfg.worker_name,
+                model_name=loaded.name,
+                weights=loaded.weights_label,
+                device=str(device),
+                dead_stream=shard.dead_stream,
+                default_reply_to=shard.results_stream,
+                degraded_model=degraded.loaded.name if degraded else "",
+                degraded_weights=degraded.loaded.weights_label if degraded else "",
+                max_result_bytes=cfg.max_result_bytes,
+            ),
+            max_queued=cfg.ring_slots * 2,
+            on_published=on_published,
+            replicas=replica_wait,
+        )
+        for shard in cfg.shard_layout()
+    }
+
+
+def _writer_client(
+    cfg: WorkerConfig,
+    link: RedisLink,
+    shard: shards.Shard,
+    exit_stack: contextlib.AsyncExitStack,
+) -> aioredis.Redis:
+    """The client a shard's writer publishes with: on a cluster, the shard's master
+    itself (a cluster pipeline takes no scripts, and WAIT needs the writes' connection)."""
+    if not link.cluster:
+        return link.client
+    node = ShardNodeClient(cast(RedisCluster, link.client), cfg.redis_url, shard.stream)
+    exit_stack.push_async_callback(node.aclose)
+    return cast(aioredis.Redis, node)
+
+
+def _steps(cfg: WorkerConfig, engine: Engine, observer: Observer) -> Steps:
+    """The main step, and the degraded one with its switch where GPUFEED_DEGRADE_AFTER_S
+    asks for it."""
+    loaded = engine.loaded
+    main = Serving(
+        model=loaded.name,
+        weights=loaded.weights_label,
+        degraded=False,
+        out_ring=engine.out_ring,
+        reader=make_reader(loaded.output, loaded.categories),
+    )
+    if engine.degraded is None:
+        return Steps(main)
+    assert engine.degraded_out_ring is not None
+    d = engine.degraded.loaded
+    degraded = Serving(
+        model=d.name,
+        weights=d.weights_label,
+        degraded=True,
+        out_ring=engine.degraded_out_ring,
+        reader=make_reader(d.output, d.categories),
+        step=engine.degraded_step,
+    )
+    metrics = observer.metrics
+
+    def changed(on: bool, age_s: float) -> None:
+        metrics.degraded.set(1 if on else 0)
+        metrics.degrade_switches.labels("on" if on else "off").inc()
+
+    return Steps(main, degraded, DegradeSwitch(after_s=cfg.degrade_after_s, on_change=changed))
+
+
+def _duties(
+    cfg: WorkerConfig,
+    stages: Stages,
+    client: aioredis.Redis,
+    observer: Observer,
+    health: Health,
+) -> list[Duty]:
+    in_flight = stages.in_flight
+    duties = [
+        Duty("writer", Role.PUBLISH, stages.writer.run),
+        Duty("watcher", Role.PIPELINE, stages.watcher.run),
+        Duty("dispatcher", Role.PIPELINE, stages.dispatcher.run),
+        Duty("batcher", Role.PIPELINE, stages.batcher.run),
+        *(Duty(shard_task("reader", i), Role.READ, r.run) for i, r in enumerate(stages.readers)),
+        Duty(
+            "stats",
+            Role.HOUSEKEEPING,
+            lambda: observer.run(
+                client,
+                key=heartbeat_key(cfg.worker_name),
+                # Every shard's streams: the lag and pending gauges are the worker's.
+                lanes=Lanes([ln for sh in cfg.shard_layout() for ln in cfg.lanes_of(sh.stream)]),
+                group=cfg.group,
+                in_flight=lambda: in_flight.count,
+            ),
+        ),
+    ]
+    for i, rc in enumerate(stages.reclaimers):
+        duties += [
+            # The keep-alive goes on while the pipeline drains: what it holds stays its own.
+            Duty(shard_task("keepalive", i), Role.KEEP_ALIVE, rc.run_keepalive),
+            Duty(shard_task("reclaim", i), Role.HOUSEKEEPING, rc.run_reclaim),
+            Duty(shard_task("trim", i), Role.HOUSEKEEPING, rc.run_trim),
+        ]
+    # /live and /ready: proof that the loop runs, and whether Redis answers.
+    duties += [
+        Duty("beat", Role.KEEP_ALIVE, health.beat),
+        Duty("redis_probe", Role.HOUSEKEEPING, lambda: health.probe_redis(client)),
+    ]
+    switch = stages.steps.switch
+    if switch is not None:
+        streams = [st for sh in cfg.shard_layout() for st in cfg.lanes_of(sh.stream).streams]
+        duties.append(
+            Duty(
+                "degrade",
+                Role.HOUSEKEEPING,
+                lambda: switch.run(client, streams=streams, group=cfg.group),
+            )
+        )
+    return duties
+
+
+def observe(
+    observer: Observer, stages: Stages, cfg: WorkerConfig, lanes: Lanes, device: torch.device
+) -> None:
+    """The observer's gauges and info, read from the stages."""
+    engine = stages.engine
+    report = engine.compile_report
+    observer.start_sampler(device.index if engine.ctx.is_cuda else None)
+    observer.watch(
+        jobs=stages.jobs_q.qsize,
+        fetching=lambda: stages.fetcher.in_progress,
+        sealed=stages.sealed_q.qsize,
+        results=lambda: stages.writer.queued,
+        in_flight=lambda: stages.in_flight.count,
+    )
+    observer.info = {
+        "model": cfg.model,
+        "weights": engine.loaded.weights_label,
+        "device": engine.ctx.name,
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "batch_size": engine.batch_size,
+        "compile": report.mode,
+        "compiled": report.compiled,
+        "stream": cfg.stream,
+        "group": cfg.group,
+        "priorities": ",".join(lane.level for lane in lanes if lane.level),
+        "shards": len(cfg.shard_layout()),
+    }
+    observer.compile_check = lambda: still_compiled(report)
