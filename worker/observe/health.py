@@ -30,8 +30,8 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
-from redis.exceptions import RedisError
 
+from worker.delivery import redis_errors
 from worker.observe.metrics import WorkerMetrics
 
 log = structlog.get_logger("gpufeed.health")
@@ -137,7 +137,7 @@ class Health:
             try:
                 await asyncio.wait_for(client.ping(), REDIS_PROBE_TIMEOUT_S)
                 ok, error = True, ""
-            except (RedisError, OSError, TimeoutError) as exc:
+            except redis_errors.ANY as exc:
                 ok, error = False, str(exc) or type(exc).__name__
             if ok != self.redis_ok:
                 if ok:

@@ -23,10 +23,9 @@ import msgpack
 import redis.asyncio as aioredis
 import structlog
 from prometheus_client import Counter
-from redis.exceptions import RedisError
 
 from worker.config.lanes import Lanes
-from worker.delivery import redis_check
+from worker.delivery import redis_check, redis_errors
 from worker.delivery.writer import PublishState
 from worker.jobs import Job, Outcome
 from worker.observe.gpu_sampler import GpuSampler
@@ -290,7 +289,7 @@ class Observer:
                 snap = self.snapshot(in_flight())
                 await write_heartbeat(client, key, snap, ttl_s=int(HEARTBEAT_INTERVAL_S * 5))
                 outage = False
-            except (RedisError, OSError) as exc:
+            except redis_errors.ANY as exc:
                 if not outage:
                     log.warning("heartbeat_failed", error=str(exc))
                     outage = True

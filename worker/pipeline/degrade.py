@@ -44,8 +44,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
 
+from worker.delivery import redis_errors
 from worker.delivery.redis_scripts import WAITING_HEAD
 from worker.model.readers import Reader
 from worker.model.step import StepFn
@@ -128,7 +128,7 @@ class DegradeSwitch:
         while True:
             try:
                 age = await clock.oldest_waiting_s(client, streams, group)
-            except (RedisError, OSError) as exc:
+            except redis_errors.ANY as exc:
                 # Keep the current step: Redis trouble says nothing about the backlog.
                 if not failing:
                     log.warning("degrade_check_failed", error=str(exc))

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from worker.config.settings import WorkerConfig
+from worker.delivery import redis_errors
 from worker.observe import gil_account
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.metrics import STAGES
@@ -201,7 +202,6 @@ async def _queue_ceiling(
     """The queue ceiling on keys beside the run's stream (deleted after), or None with the
     reason in `out["not_measured"]`."""
     import redis.asyncio as aioredis
-    from redis.exceptions import RedisError
 
     from producer.shards import connect_async
     from worker.tools.bench.queue_ceiling import queue_ceiling
@@ -220,7 +220,7 @@ async def _queue_ceiling(
             batch=batch,
             top_k=cfg.top_k,
         )
-    except (RedisError, OSError) as exc:
+    except redis_errors.ANY as exc:
         out["not_measured"].append(f"queue ceiling: {type(exc).__name__}: {exc}")
         return None
     finally:
