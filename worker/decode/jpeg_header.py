@@ -1,4 +1,5 @@
-"""What a JPEG's markers say its decode will cost, read before any pixel is decoded.
+"""A JPEG's header, read before any pixel is decoded: its segments, and what its markers
+say its decode will cost.
 
 A JPEG of one interleaved scan (nearly every baseline JPEG) is decoded a band of rows at a
 time. Any other (progressive, or sequential with a scan per component) is decoded scan by
@@ -15,6 +16,7 @@ there is always a marker.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # More scans than any encoder writes for a real image (libjpeg's progressive script has 10,
@@ -38,14 +40,14 @@ class JpegCost:
     coefficient_bytes: int
 
 
-def jpeg_cost(data: bytes) -> JpegCost | None:
-    """The cost the markers of `data` declare; None when they cannot be read (the decoder
-    then judges the file as it always has)."""
+def segments(data: bytes) -> Iterator[tuple[int, int, int]]:
+    """(marker, offset, length) of each segment of a JPEG's header, up to and including the
+    first scan's (SOS); it ends early where the header is not a JPEG's. A walk over a
+    handful of segments, never a search of the whole file."""
     pos, end = 2, len(data)
-    frame: tuple[int, int, int, list[tuple[int, int]]] | None = None
     while pos + 4 <= end:
         if data[pos] != 0xFF:
-            return None
+            return
         marker = data[pos + 1]
         if marker == 0xFF:  # fill byte before a marker
             pos += 1
@@ -54,11 +56,20 @@ def jpeg_cost(data: bytes) -> JpegCost | None:
             pos += 2
             continue
         length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        yield marker, pos, length
+        if marker == 0xDA:
+            return
+        pos += 2 + length
+
+
+def jpeg_cost(data: bytes) -> JpegCost | None:
+    """The cost the markers of `data` declare; None when they cannot be read (the decoder
+    then judges the file as it always has)."""
+    frame: tuple[int, int, int, list[tuple[int, int]]] | None = None
+    for marker, pos, length in segments(data):
         if marker in _FRAMES:
             frame = _frame(marker, data[pos + 4 : pos + 2 + length])
-        elif marker == 0xDA:
-            if frame is None:
-                return None
+        elif marker == 0xDA and frame is not None:
             sof, height, width, sampling = frame
             scans = data.count(_SOS, pos)
             whole = sof in _PROGRESSIVE or scans > 1
@@ -69,7 +80,6 @@ def jpeg_cost(data: bytes) -> JpegCost | None:
                 scans=scans,
                 coefficient_bytes=_coefficient_bytes(width, height, sampling) if whole else 0,
             )
-        pos += 2 + length
     return None
 
 

@@ -20,7 +20,7 @@ from producer.wire import ErrorCode
 from tests.images import photo_like
 from worker.decode import cpu
 from worker.decode.cpu import DecodeError, DecodeSpec, decode_frame
-from worker.decode.jpeg_cost import MAX_SCANS, jpeg_cost
+from worker.decode.jpeg_header import MAX_SCANS, jpeg_cost
 
 MIB = 1024 * 1024
 
