@@ -39,7 +39,7 @@ from worker.tools.doctor.profile_stats import (
     top_names,
     trace_stats,
 )
-from worker.tools.doctor.verdict import VERDICTS
+from worker.tools.doctor.verdict import LAUNCH_TINY_SHARE, VERDICTS
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"ceiling_seconds": 0.3, "sync_launches": 3, "image_size": (320, 240)}
@@ -145,7 +145,9 @@ async def test_tiny_ops_model_gives_a_launch_bound_hint(redis_url: str, tiny_wei
     prof = report["profile"]
     assert prof["step"] == "injected" and prof["unit"] == "ops"
     assert prof["stats"]["count"] >= 300
-    assert prof["stats"]["tiny_share"] > 0.9
+    # Wall times of CPU operators: on a loaded host a few of them outlast 10 µs (0.887 was
+    # seen), so the share is held to what makes the hint, not to a quiet host's figure.
+    assert prof["stats"]["tiny_share"] >= LAUNCH_TINY_SHARE
     hints = [f for f in report["verdict"]["also"] if f["name"] == "launch-bound"]
     assert len(hints) == 1 and hints[0]["hint"], report["verdict"]
     assert any("ops per forward" in line for line in hints[0]["evidence"])
