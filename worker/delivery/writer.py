@@ -27,7 +27,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import redis.asyncio as aioredis
@@ -612,10 +612,10 @@ def script_sha(script: str) -> str:
     return hashlib.sha1(script.encode()).hexdigest()
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):
     """One outcome as a publish call carries it: its result fields, built once, and the
-    bytes it adds to the call (fields, dead-letter copy and reply stream name, about)."""
+    bytes it adds to the call (fields, dead-letter copy and reply stream name, about). A
+    tuple: one is made per job."""
 
     outcome: Outcome
     fields: list[bytes | str]
