@@ -45,6 +45,7 @@ COMPILE_MODES = (
 )
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DECODE_MODES = ("cpu", "gpu", "auto")
+MAX_DECODE_PROCESSES = 64
 RESIZE_PLACEMENTS = ("device", "host", "auto")
 LOG_FORMATS = ("auto", "console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -140,6 +141,7 @@ class WorkerConfig:
     # Pipeline sizing
     max_wait_ms: float = field(default=10.0, metadata={"env": "GPUFEED_MAX_WAIT_MS"})
     decode_threads: int = field(default=0, metadata={"env": "GPUFEED_DECODE_THREADS"})
+    decode_processes: str = field(default="auto", metadata={"env": "GPUFEED_DECODE_PROCESSES"})
     decode: str = field(default="cpu", metadata={"env": "GPUFEED_DECODE"})
     dct_scaling: bool = field(default=True, metadata={"env": "GPUFEED_DCT_SCALING"})
     resize: str = field(default="auto", metadata={"env": "GPUFEED_RESIZE"})
@@ -338,6 +340,17 @@ class WorkerConfig:
             0 <= self.decode_threads <= 256,
             "GPUFEED_DECODE_THREADS",
             "must be between 1 and 256 (0 picks one per CPU core, at most 16)",
+        )
+        need(
+            self.decode_processes == "auto"
+            or (
+                self.decode_processes.isascii()
+                and self.decode_processes.isdigit()
+                and int(self.decode_processes) <= MAX_DECODE_PROCESSES
+            ),
+            "GPUFEED_DECODE_PROCESSES",
+            f"must be auto, 0 (decode threads in the worker) or a number of processes up to "
+            f"{MAX_DECODE_PROCESSES} (got {_plain(self.decode_processes)})",
         )
         need(
             self.decode in DECODE_MODES,

@@ -135,7 +135,17 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "the degraded step: a smaller model directory (same output kind and resize mode)",
     ),
     "GPUFEED_MAX_WAIT_MS": ("`10`", "how long a batch waits to fill before it runs padded"),
-    "GPUFEED_DECODE_THREADS": ("`0`", "decode threads; 0: one per CPU core, at most 16"),
+    "GPUFEED_DECODE_THREADS": (
+        "`0`",
+        "decode threads when decoding in the worker (GPUFEED_DECODE_PROCESSES=0); 0: one per "
+        "CPU core, at most 16",
+    ),
+    "GPUFEED_DECODE_PROCESSES": (
+        "`auto`",
+        "decode processes writing into shared staging memory; `0`: decode threads in the "
+        "worker instead (needed for GPUFEED_DECODE=gpu); `auto`: one per CPU core but the "
+        "worker's, at least 2, at most 32 (threads where shared memory files are missing)",
+    ),
     "GPUFEED_DECODE": (
         "`cpu`",
         "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up)",

@@ -22,12 +22,15 @@ import torch
 
 from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
+from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
 from worker.decode.pool import DecodePool
+from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
 from worker.jobs import Job
+from worker.lifecycle.feed_plan import FeedPlan, plan_feed
 from worker.model.compiler import CompileReport, compile_step, mode_uses_cudagraphs
 from worker.model.degraded import DegradedModel, build_degraded
 from worker.model.loaded import LoadedModel
@@ -43,12 +46,19 @@ from worker.model.step import build_step, check_step, pick_dtype, resolve_compil
 from worker.observe.health import Health
 from worker.pipeline.device import DeviceContext, make_context
 from worker.pipeline.launch import ModelRunner
-from worker.pipeline.staging import InputRing, OutputRing
+from worker.pipeline.staging import (
+    InputRing,
+    OutputRing,
+    PinError,
+    register_pinned,
+    unregister_pinned,
+)
 from worker.pipeline.transfer import DeviceTransfer
 
 log = structlog.get_logger("gpufeed.worker")
 
 DecodeHook = Callable[[Job], None]
+AnyDecodePool = DecodePool | ProcessDecodePool
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -78,9 +88,10 @@ class Engine:
     runner: ModelRunner
     compile_report: CompileReport
     precision: PrecisionReport | AgreementReport | None
-    decoder: DecodePool
+    decoder: AnyDecodePool
     decode_cache: DecodeCache
     decode_threads: int
+    plan: FeedPlan
     # Degrade under backlog (GPUFEED_DEGRADE_AFTER_S): the cheaper model, its compiled step
     # and its output slots (the main ones where its outputs have the same shape).
     degraded: DegradedModel | None = None
@@ -125,7 +136,16 @@ async def warm_up(
     side = rows or size
     if rows:
         use_rows(step, side, size)
-    ring = InputRing(cfg.ring_slots, batch_size, side, pin=pin)
+    plan = plan_feed(
+        cfg,
+        placement=placement,
+        placement_why=why,
+        thread_only_hook=decode_hook is not None and not isinstance(decode_hook, SleepHook),
+        default_threads=default_decode_threads(),
+    )
+    log.info("feed_plan", plan=plan.line(), **plan.as_dict())
+    arena = _shared_arena(plan, batch_size, side, pin=pin, exit_stack=exit_stack)
+    ring = InputRing(cfg.ring_slots, batch_size, side, pin=pin, arena=arena)
     out_ring = OutputRing(cfg.ring_slots, batch_size, step.layout, pin=pin)
     transfer = DeviceTransfer(ctx, cfg.ring_slots, batch_size, side)
     budget: dict[str, Any] = {
@@ -198,19 +218,24 @@ async def warm_up(
     )
     if precision is not None:
         log.info("precision_check", **precision.as_dict())
-    threads = cfg.decode_threads or default_decode_threads()
+    threads = plan.decode_processes or plan.decode_threads
     cache = DecodeCache(cfg.decode_cache_mb * 1024 * 1024)
-    decoder = _decode_pool(
-        cfg,
-        loaded,
-        device=device,
-        runner=runner,
-        threads=threads,
-        cache=cache,
-        rows=rows,
-        hook=decode_hook,
-        exit_stack=exit_stack,
-    )
+    decoder: AnyDecodePool
+    if arena is not None:
+        decoder = _process_pool(cfg, loaded, plan, arena, rows=rows, hook=decode_hook)
+        exit_stack.callback(decoder.shutdown)
+    else:
+        decoder = _decode_pool(
+            cfg,
+            loaded,
+            device=device,
+            runner=runner,
+            threads=threads,
+            cache=cache,
+            rows=rows,
+            hook=decode_hook,
+            exit_stack=exit_stack,
+        )
     return Engine(
         ctx=ctx,
         batch_size=batch_size,
@@ -228,6 +253,7 @@ async def warm_up(
         decoder=decoder,
         decode_cache=cache,
         decode_threads=threads,
+        plan=plan,
         degraded=degraded,
         degraded_step=compiled.degraded_step,
         degraded_out_ring=degraded_out_ring,
@@ -275,6 +301,75 @@ def _compile_degraded(
     return fn
 
 
+def _shared_arena(
+    plan: FeedPlan,
+    batch_size: int,
+    side: int,
+    *,
+    pin: bool,
+    exit_stack: contextlib.AsyncExitStack,
+) -> SharedArena | None:
+    """The ring's memory shared with the decode processes (None with decode threads),
+    registered with CUDA as pinned on a CUDA host."""
+    if not plan.decode_processes:
+        return None
+    layout = ArenaLayout(
+        rows=plan.ring_slots * batch_size, side=side, processes=plan.decode_processes
+    )
+    try:
+        arena = SharedArena.create(layout)
+    except OSError as exc:
+        raise ConfigError(
+            f"GPUFEED_DECODE_PROCESSES: cannot allocate {layout.size:,} bytes of shared "
+            f"staging memory ({exc}); lower GPUFEED_RING_SLOTS or GPUFEED_BATCH_SIZE, or set "
+            "GPUFEED_DECODE_PROCESSES=0"
+        ) from None
+    exit_stack.callback(arena.close)
+    if pin:
+        try:
+            register_pinned(arena)
+        except PinError as exc:
+            raise ConfigError(f"GPUFEED_DECODE_PROCESSES: {exc}; set it to 0") from None
+        exit_stack.callback(unregister_pinned, arena)
+    return arena
+
+
+def _process_pool(
+    cfg: WorkerConfig,
+    loaded: LoadedModel,
+    plan: FeedPlan,
+    arena: SharedArena,
+    *,
+    rows: int,
+    hook: DecodeHook | None,
+) -> ProcessDecodePool:
+    try:
+        return ProcessDecodePool(
+            _decode_spec(cfg, loaded),
+            plan.decode_processes,
+            cfg.path_root,
+            arena=arena,
+            budget_s=cfg.decode_budget_ms / 1000,
+            row_side=rows,
+            cache_bytes=cfg.decode_cache_mb * 1024 * 1024,
+            delay_s=hook.delay_s if isinstance(hook, SleepHook) else 0.0,
+            max_image_pixels=cfg.max_image_pixels,
+        )
+    except DecodeProcessesFailed as exc:
+        raise ConfigError(f"GPUFEED_DECODE_PROCESSES: {exc}; set it to 0") from None
+
+
+def _decode_spec(cfg: WorkerConfig, loaded: LoadedModel) -> DecodeSpec:
+    return DecodeSpec(
+        size=loaded.resize_size,
+        max_bytes=cfg.max_image_bytes,
+        max_pixels=cfg.max_image_pixels,
+        dct_scaling=cfg.dct_scaling,
+        max_decode_bytes=cfg.max_decode_mb * 1024 * 1024,
+        geometry=loaded.resize_mode,
+    )
+
+
 def _decode_pool(
     cfg: WorkerConfig,
     loaded: LoadedModel,
@@ -288,14 +383,7 @@ def _decode_pool(
     exit_stack: contextlib.AsyncExitStack,
 ) -> DecodePool:
     """The decode thread pool, and GPU decode where GPUFEED_DECODE asks for it."""
-    spec = DecodeSpec(
-        size=loaded.resize_size,
-        max_bytes=cfg.max_image_bytes,
-        max_pixels=cfg.max_image_pixels,
-        dct_scaling=cfg.dct_scaling,
-        max_decode_bytes=cfg.max_decode_mb * 1024 * 1024,
-        geometry=loaded.resize_mode,
-    )
+    spec = _decode_spec(cfg, loaded)
     decode = cfg.decode
     if spec.geometry != "shorter-crop" and decode != "cpu":
         # The GPU decoder resizes shorter-side-and-crop only.
@@ -330,12 +418,17 @@ def _decode_pool(
     return decoder
 
 
+class SleepHook:
+    """A decode hook that sleeps `delay_s` before each decode (a slow decoder): threads call
+    it, decode processes sleep as long themselves."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, job: Job) -> None:
+        time.sleep(self.delay_s)
+
+
 def sleep_hook(delay_s: float) -> DecodeHook | None:
     """A decode hook that sleeps `delay_s` before each decode (a slow decoder); None for 0."""
-    if not delay_s:
-        return None
-
-    def sleep(job: Job) -> None:
-        time.sleep(delay_s)
-
-    return sleep
+    return SleepHook(delay_s) if delay_s else None

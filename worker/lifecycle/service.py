@@ -25,7 +25,6 @@ from PIL import Image
 from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.cache import DecodeCache
-from worker.decode.pool import DecodePool
 from worker.delivery.in_flight import InFlight
 from worker.delivery.reader import Reader, ensure_group
 from worker.delivery.reclaimer import Reclaimer
@@ -35,6 +34,7 @@ from worker.delivery.sharding import ShardedWriter
 from worker.delivery.writer import ResultWriter
 from worker.jobs import Job
 from worker.lifecycle.engine import (
+    AnyDecodePool,
     DecodeHook,
     Engine,
     default_batch_size,
@@ -380,11 +380,11 @@ class Worker:
         return self.engine.decode_threads
 
     @property
-    def decoder(self) -> DecodePool:
+    def decoder(self) -> AnyDecodePool:
         return self.engine.decoder
 
     @decoder.setter
-    def decoder(self, pool: DecodePool) -> None:
+    def decoder(self, pool: AnyDecodePool) -> None:
         """Another decode pool in its place (the bench's ablations); shut down on exit like
         the one it replaces."""
         self.engine.decoder = pool

@@ -16,15 +16,18 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from worker.decode.pool import DecodePool, DecodeResult, RowGroup
+from worker.decode.processes import ProcessDecodePool, ProcessGroup
 from worker.jobs import Job
 from worker.pipeline.job_queue import JobQueue
 from worker.pipeline.staging import InputRing, InputSlot
 
 # A batch's rows: groups of rows from the decode pool, or one future per row.
-Rows = RowGroup | asyncio.Future[DecodeResult]
-SettleFn = Callable[[Sequence[Rows]], Awaitable[list[DecodeResult]]]
+Rows = RowGroup | ProcessGroup | asyncio.Future[DecodeResult]
+# Each decode pool settles the rows it handed out (Any: each takes its own kind).
+SettleFn = Callable[[Sequence[Any]], Awaitable[list[DecodeResult]]]
 
 
 @dataclass(eq=False)
@@ -66,7 +69,7 @@ class Batcher:
     def __init__(
         self,
         ring: InputRing,
-        decoder: DecodePool,
+        decoder: DecodePool | ProcessDecodePool,
         *,
         batch_size: int,
         max_wait_s: float,

@@ -13,6 +13,13 @@ step returns, fixed at start-up, so the ring is still allocated once.
 
 Both rings are driven from the event loop thread only; decode threads touch slot memory but
 never the bookkeeping.
+
+With decode processes (GPUFEED_DECODE_PROCESSES) the input slots are views of the memory
+shared with them (worker/decode/arena.py): the processes decode into the same pages the
+copy to the device reads. On CUDA those pages are registered as pinned once, at start-up
+(`cudaHostRegister`); torch then sees them as pinned and copies from them asynchronously,
+but does not track them, which is why a slot is reused only after its copy's event, as
+above.
 """
 
 from __future__ import annotations
@@ -28,7 +35,34 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from worker.decode.arena import SharedArena
 from worker.pipeline.device import Event
+
+# cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinned memory is.
+_REGISTER_PORTABLE = 1
+
+
+class PinError(RuntimeError):
+    """The shared staging memory could not be registered with CUDA."""
+
+
+def register_pinned(arena: SharedArena) -> None:
+    """Register the arena's pages with CUDA once (start-up); `unregister_pinned` at exit."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    # cudaHostRegister returns its error code instead of raising.
+    code = int(cudart.cudaHostRegister(arena.base, arena.layout.size, _REGISTER_PORTABLE))
+    if code != 0:
+        raise PinError(
+            f"cudaHostRegister of {arena.layout.size:,} bytes of shared staging memory "
+            f"failed with CUDA error {code}"
+        )
+
+
+def unregister_pinned(arena: SharedArena) -> None:
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    code = int(cudart.cudaHostUnregister(arena.base))
+    if code != 0:
+        raise PinError(f"cudaHostUnregister of the shared staging memory failed: {code}")
 
 
 @dataclass(eq=False)
@@ -107,12 +141,22 @@ class OutputSlot:
 class InputRing:
     """K input slots; `acquire` waits for a free one, which is how decoding is throttled."""
 
-    def __init__(self, slots: int, batch: int, size: int, *, pin: bool) -> None:
+    def __init__(
+        self, slots: int, batch: int, size: int, *, pin: bool, arena: SharedArena | None = None
+    ) -> None:
+        """`arena`: slots are views of its rows (decode processes write them); `pin` then
+        means they are registered with CUDA already."""
         self.batch = batch
         self.size = size
+        self.arena = arena
         self.slots: list[InputSlot] = []
+        if arena is not None and arena.rows.shape != (slots * batch, size, size, 3):
+            raise ValueError(f"the arena holds {arena.rows.shape}, not {slots} slots of {batch}")
         for i in range(slots):
-            t = torch.empty((batch, size, size, 3), dtype=torch.uint8, pin_memory=pin)
+            if arena is None:
+                t = torch.empty((batch, size, size, 3), dtype=torch.uint8, pin_memory=pin)
+            else:
+                t = torch.from_numpy(arena.rows[i * batch : (i + 1) * batch])
             self.slots.append(InputSlot(index=i, images=t, array=t.numpy()))
         self._free: deque[InputSlot] = deque(self.slots)
         # Slots whose copy was queued but has not been seen to finish yet.

@@ -1,0 +1,156 @@
+"""Staging memory shared between the worker and its decode processes.
+
+One anonymous memory file (memfd) holds, side by side:
+
+- the input ring's rows (`slots * batch` rows of R x R x 3 uint8), which decode processes
+  write and the worker copies to the device from, registered once as pinned on CUDA;
+- a result table, one record per row: what the decode of that row found (format, size,
+  DCT scale, time, error), written by the process before it says the row is done;
+- one progress record per decode process: which row it works on and since when, so the
+  worker can end a decode over its budget without a message per image.
+
+A memfd is anonymous shared memory: it is counted against the container's memory, not
+against `/dev/shm` (64 MB under Docker's defaults), needs no file system and disappears
+with the last process holding it. Its descriptor is inherited by the decode processes,
+which map the same pages.
+
+Only numpy, mmap and os here: the decode processes import this module and must not pay
+for torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from producer.wire import ErrorCode
+
+# Row states in the result table. The worker sets PENDING before it sends a row; the decode
+# process writes the record's fields, then the state, last.
+PENDING = 0
+DONE = 1
+FAILED = 2
+
+MESSAGE_BYTES = 240
+ERROR_CODES: tuple[ErrorCode, ...] = tuple(ErrorCode)
+
+RESULT = np.dtype(
+    [
+        ("state", "<i4"),
+        ("width", "<i4"),
+        ("height", "<i4"),
+        ("draft_scale", "<i4"),
+        ("decode_us", "<i8"),
+        ("cached", "u1"),
+        ("reduced", "u1"),
+        ("error", "<i2"),
+        ("format", "S8"),
+        ("message", f"S{MESSAGE_BYTES}"),
+    ]
+)
+
+# `token` names the work item (0: idle), `row` its row in the ring, `started_ns` when the
+# decode of that row began (CLOCK_MONOTONIC, the same clock in every process).
+PROGRESS = np.dtype([("token", "<i8"), ("row", "<i8"), ("started_ns", "<i8")])
+
+_ALIGN = 4096
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    """Where each part lies in the memory file; sent to the decode processes as is."""
+
+    rows: int  # rows in the ring: slots * batch
+    side: int  # a row is side x side x 3 bytes
+    processes: int  # progress records (the most decode processes alive at once)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.side * self.side * 3
+
+    @property
+    def rows_offset(self) -> int:
+        return 0
+
+    @property
+    def table_offset(self) -> int:
+        return _aligned(self.rows * self.row_bytes)
+
+    @property
+    def progress_offset(self) -> int:
+        return self.table_offset + _aligned(self.rows * RESULT.itemsize)
+
+    @property
+    def size(self) -> int:
+        return self.progress_offset + _aligned(self.processes * PROGRESS.itemsize)
+
+    def as_args(self) -> list[str]:
+        return [str(self.rows), str(self.side), str(self.processes)]
+
+    @classmethod
+    def from_args(cls, args: list[str]) -> ArenaLayout:
+        rows, side, processes = (int(a) for a in args)
+        return cls(rows=rows, side=side, processes=processes)
+
+
+class SharedArena:
+    """The memory file and the three views over it; `open` maps an inherited one."""
+
+    def __init__(self, layout: ArenaLayout, fd: int, memory: mmap.mmap) -> None:
+        self.layout = layout
+        self.fd = fd
+        self.memory = memory
+        self.rows: npt.NDArray[np.uint8] = np.ndarray(
+            (layout.rows, layout.side, layout.side, 3),
+            dtype=np.uint8,
+            buffer=memory,
+            offset=layout.rows_offset,
+        )
+        self.table: npt.NDArray[np.void] = np.ndarray(
+            (layout.rows,), dtype=RESULT, buffer=memory, offset=layout.table_offset
+        )
+        self.progress: npt.NDArray[np.void] = np.ndarray(
+            (layout.processes,), dtype=PROGRESS, buffer=memory, offset=layout.progress_offset
+        )
+        self.base = self.rows.__array_interface__["data"][0]
+
+    @classmethod
+    def create(cls, layout: ArenaLayout) -> SharedArena:
+        fd = os.memfd_create("gpufeed-staging", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, layout.size)
+            memory = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED)
+        except OSError:
+            os.close(fd)
+            raise
+        return cls(layout, fd, memory)
+
+    @classmethod
+    def open(cls, layout: ArenaLayout, fd: int) -> SharedArena:
+        memory = mmap.mmap(fd, layout.size, flags=mmap.MAP_SHARED)
+        return cls(layout, fd, memory)
+
+    def row_index(self, rows: npt.NDArray[np.uint8]) -> int:
+        """The index of the first ring row `rows` (a view of `self.rows`) starts at."""
+        offset = rows.__array_interface__["data"][0] - self.base
+        index, rest = divmod(offset, self.layout.row_bytes)
+        if rest or not 0 <= index < self.layout.rows:
+            raise ValueError("rows are not ring rows of this arena")
+        return int(index)
+
+    def close(self) -> None:
+        """Unmap and close; views still alive keep the mapping until they go."""
+        # numpy views (the torch tensors over the ring) may still hold it: the mapping goes
+        # with them then.
+        with contextlib.suppress(BufferError):
+            self.memory.close()
+        os.close(self.fd)

@@ -1,0 +1,225 @@
+"""A decode process: decodes the rows the worker sends it, straight into the shared ring.
+
+Started by worker/decode/processes.py as ``python -m worker.decode.process_main``, with the
+staging memory file and one end of a socket pair inherited. It imports the decoders and
+numpy, never torch, so it starts in a fraction of a second and holds tens of MB.
+
+What crosses the socket, per work item (a run of one batch's rows, not an image):
+the worker sends a header, the item's description (pickled: row indices, payload lengths,
+paths, reply streams) and the payload bytes back to back; the process answers 16 bytes
+(the item's token) once every row of it has its record in the result table. The pixels
+and each row's record go through shared memory, never through the socket.
+
+The process has no state the worker needs: it can be killed at any moment (a decode over
+its budget) and replaced, and the rows it had not finished are sent to its replacement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pickle
+import socket
+import struct
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
+
+from producer.wire import ErrorCode
+from worker.decode.arena import DONE, ERROR_CODES, FAILED, MESSAGE_BYTES, ArenaLayout, SharedArena
+from worker.decode.cache import DecodeCache, cache_key
+from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_pixels, write_row
+from worker.decode.rows import decode_row, write_decoded_row
+from worker.fetch.path import read_job_path
+
+# magic, description length, payload length
+HEADER = struct.Struct("<4sIQ")
+MAGIC = b"GFDI"
+# token (0: the process is ready), spare
+ANSWER = struct.Struct("<qq")
+
+_ERROR_INDEX = {code: i for i, code in enumerate(ERROR_CODES)}
+
+
+def spec_args(spec: DecodeSpec) -> str:
+    return json.dumps(spec.__dict__)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view`; False at end of stream (the worker closed its end)."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+class RowDecoder:
+    """Decodes one row at a time into the arena; everything a row may raise ends in its
+    record."""
+
+    def __init__(
+        self,
+        arena: SharedArena,
+        spec: DecodeSpec,
+        *,
+        row_side: int,
+        path_root: Path | None,
+        cache_bytes: int,
+        delay_s: float,
+    ) -> None:
+        self.arena = arena
+        self.spec = spec
+        self.row_side = row_side
+        self.path_root = path_root
+        self.cache = DecodeCache(cache_bytes) if cache_bytes > 0 else None
+        self.delay_s = delay_s
+
+    def decode(
+        self,
+        row: int,
+        data: bytes | memoryview | None,
+        path: bytes | None,
+        key: bytes | None,
+        ns: str,
+    ) -> None:
+        record = self.arena.table[row]
+        start = time.perf_counter()
+        try:
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if path is not None:
+                data = read_job_path(path, self.path_root, self.spec.max_bytes)
+            if not data:
+                raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
+            info, cached, reduced = self._decode(row, data, key, ns)
+        except DecodeError as exc:
+            _failed(record, exc.code, exc.message, start)
+            return
+        except Exception as exc:  # noqa: BLE001 - one bad image must never end the process
+            _failed(record, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", start)
+            return
+        record["width"] = info.width
+        record["height"] = info.height
+        record["draft_scale"] = info.draft_scale
+        record["format"] = info.format.encode("ascii", "replace")[:8]
+        record["cached"] = cached
+        record["reduced"] = reduced
+        record["error"] = -1
+        record["decode_us"] = int((time.perf_counter() - start) * 1e6)
+        record["state"] = DONE
+
+    def _decode(
+        self, row: int, data: bytes | memoryview, key: bytes | None, ns: str
+    ) -> tuple[DecodeInfo, bool, bool]:
+        out: npt.NDArray[np.uint8] = self.arena.rows[row]
+        blob = bytes(data)
+        if self.cache is not None:
+            key = key or cache_key(blob, ns)
+            entry = self.cache.get(key)
+            if entry is not None:
+                np.copyto(out, entry[0])
+                return entry[1], True, False
+        reduced = False
+        if self.row_side:
+            decoded, info = decode_row(blob, self.spec, self.row_side)
+            write_decoded_row(out, decoded)
+            reduced = decoded.reduced
+        else:
+            pixels, info = decode_pixels(blob, self.spec)
+            write_row(out, pixels)
+        if self.cache is not None and key is not None:
+            self.cache.put(key, out, info)
+        return info, False, reduced
+
+
+def _failed(record: Any, code: ErrorCode, message: str, start: float) -> None:
+    record["error"] = _ERROR_INDEX[code]
+    record["message"] = message.encode("utf-8", "replace")[:MESSAGE_BYTES]
+    record["decode_us"] = int((time.perf_counter() - start) * 1e6)
+    record["cached"] = 0
+    record["reduced"] = 0
+    record["state"] = FAILED
+
+
+def serve(
+    sock: socket.socket,
+    answers: socket.socket,
+    arena: SharedArena,
+    index: int,
+    decoder: RowDecoder,
+) -> None:
+    progress = arena.progress[index : index + 1]
+    header = bytearray(HEADER.size)
+    payload = bytearray(1 << 20)
+    answers.sendall(ANSWER.pack(0, 0))
+    while True:
+        if not _recv_exact(sock, memoryview(header)):
+            return
+        magic, meta_len, payload_len = HEADER.unpack(header)
+        if magic != MAGIC:
+            raise SystemExit(f"decode process {index}: bad message from the worker")
+        meta = bytearray(meta_len)
+        if not _recv_exact(sock, memoryview(meta)):
+            return
+        if payload_len > len(payload):
+            payload = bytearray(payload_len)
+        view = memoryview(payload)[:payload_len]
+        if not _recv_exact(sock, view):
+            return
+        token, rows, lengths, paths, keys, namespaces = pickle.loads(meta)
+        progress["token"] = token
+        offset = 0
+        for row, length, path, key, ns in zip(rows, lengths, paths, keys, namespaces, strict=True):
+            # Start time before row: the worker reads row, then the time, so it never
+            # pairs a row with a time older than that row's start.
+            progress["started_ns"] = time.monotonic_ns()
+            progress["row"] = row
+            data = view[offset : offset + length] if path is None else None
+            offset += max(length, 0)
+            decoder.decode(row, data, path, key, ns)
+        progress["token"] = 0
+        answers.sendall(ANSWER.pack(token, 0))
+
+
+def main(argv: list[str]) -> int:
+    arena_fd, sock_fd, answers_fd, index = (int(a) for a in argv[:4])
+    layout = ArenaLayout.from_args(argv[4:7])
+    spec = DecodeSpec(**json.loads(argv[7]))
+    row_side = int(argv[8])
+    path_root = Path(argv[9]) if argv[9] else None
+    cache_bytes = int(argv[10])
+    delay_s = float(argv[11])
+    max_image_pixels = int(argv[12])
+    # What the worker sets at start-up (GPUFEED_MAX_IMAGE_PIXELS is checked from the header).
+    Image.MAX_IMAGE_PIXELS = max(max_image_pixels, Image.MAX_IMAGE_PIXELS or 0)
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+    arena = SharedArena.open(layout, arena_fd)
+    decoder = RowDecoder(
+        arena,
+        spec,
+        row_side=row_side,
+        path_root=path_root,
+        cache_bytes=cache_bytes,
+        delay_s=delay_s,
+    )
+    with (
+        socket.socket(fileno=sock_fd) as sock,
+        socket.socket(fileno=answers_fd) as answers,
+        contextlib.suppress(BrokenPipeError, ConnectionResetError),
+    ):
+        serve(sock, answers, arena, index, decoder)
+    return 0
+
+
+if __name__ == "__main__":
+    # The worker owns this process: it ends when the worker closes its end or kills it.
+    sys.exit(main(sys.argv[1:]))

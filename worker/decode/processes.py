@@ -1,0 +1,539 @@
+"""Decode in processes: the worker only hands out rows; K processes decode them.
+
+Threads that retake the GIL for every image starve behind a busy event loop (the GIL's
+switch interval is paid at each retake), so past a few cores an in-process decode pool
+cannot feed a GPU. Here each decode process (worker/decode/process_main.py) runs
+libjpeg-turbo and Pillow with a GIL of its own and writes pixels straight into the staging
+ring, which lives in memory shared with the worker (worker/decode/arena.py) and is the
+very memory the host-to-device copy reads: no copy between decode and the device.
+
+What the worker does per group of rows (what one read gave a batch) is one message per
+process: the rows are cut into at most K contiguous runs, each sent with its payload bytes
+by that process's sender thread (a blocking send, without the GIL), and each process
+answers once per run. Each row's outcome is a record in the shared result table.
+
+The decode budget (GPUFEED_DECODE_BUDGET_MS) is enforced by ending the process: each
+process notes in shared memory which row it works on and since when; a row past the
+budget has its process killed and replaced, the row answered `decode_timeout`, and the
+rows that process had not finished are sent to its replacement. A process that dies on its
+own (a crash in a codec) is handled the same way: its row is answered `internal_error`,
+the others are decoded by the replacement, no job is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from producer.wire import ErrorCode
+from worker.decode.arena import DONE, ERROR_CODES, PENDING, SharedArena
+from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
+from worker.decode.pool import DecodeResult
+from worker.decode.process_main import ANSWER, HEADER, MAGIC, spec_args
+from worker.decode.rows import write_decoded_row
+from worker.jobs import Job
+
+log = structlog.get_logger("gpufeed.decode")
+
+_PROJECT = str(Path(__file__).resolve().parents[2])
+# sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
+_IOV = 512
+_START_TIMEOUT_S = 60.0
+_Message = list[bytes | memoryview]
+# Processes that die before they are ready, in a row, before the pool gives up on them.
+_MAX_FAILED_STARTS = 3
+
+
+class DecodeProcessesFailed(RuntimeError):
+    """The decode processes cannot start (a broken install, no memory)."""
+
+
+class ProcessGroup:
+    """Rows of one batch sent to the processes together; `settle` waits for it."""
+
+    def __init__(self, future: asyncio.Future[None], jobs: Sequence[Job], rows: list[int]) -> None:
+        self.future = future
+        self.jobs = jobs
+        self.rows = rows  # rows[i]: the ring row of jobs[i]
+        self.results: list[DecodeResult | None] = [None] * len(jobs)
+        self.left = len(jobs)
+
+    @property
+    def complete(self) -> bool:
+        return self.left == 0 or self.future.done()
+
+    def set(self, position: int, result: DecodeResult) -> None:
+        if self.results[position] is not None:
+            return
+        self.results[position] = result
+        self.left -= 1
+        if self.left == 0 and not self.future.done():
+            self.future.set_result(None)
+
+
+@dataclass(eq=False)
+class _Item:
+    """A run of one group's rows sent to one process, answered by one message."""
+
+    token: int
+    group: ProcessGroup
+    positions: list[int]  # indices into group.jobs
+
+
+@dataclass(eq=False)
+class _Process:
+    slot: int  # its progress record in the arena
+    popen: subprocess.Popen[bytes]
+    data: socket.socket  # the worker sends on it (the sender thread, blocking)
+    answers: socket.socket  # the worker reads from it (the event loop, non-blocking)
+    outbox: queue.SimpleQueue[_Message | None]
+    sender: threading.Thread
+    items: dict[int, _Item] = field(default_factory=dict)
+    ready: bool = False
+    received: bytearray = field(default_factory=bytearray)
+
+
+class ProcessDecodePool:
+    """K decode processes writing into the shared ring; the worker's side of them."""
+
+    kind = "processes"
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        processes: int,
+        path_root: Path | None,
+        *,
+        arena: SharedArena,
+        budget_s: float = 10.0,
+        row_side: int = 0,
+        cache_bytes: int = 0,
+        delay_s: float = 0.0,
+        max_image_pixels: int = 0,
+    ) -> None:
+        if budget_s <= 0:
+            raise ValueError(f"budget_s must be positive (got {budget_s})")
+        if not 1 <= processes <= arena.layout.processes:
+            raise ValueError(f"processes must be between 1 and {arena.layout.processes}")
+        self.spec = spec
+        self.processes = processes
+        self.arena = arena
+        self.path_root = path_root
+        self.budget_s = budget_s
+        self.row_side = row_side
+        # Each process keeps its own decode cache: an equal share of the setting.
+        self.cache_bytes = cache_bytes // processes
+        self.delay_s = delay_s
+        self.max_image_pixels = max_image_pixels or spec.max_pixels
+        self.gpu_router = None
+        self.cache = None
+        self.given_up = 0
+        self.crashed = 0
+        self.replaced = 0
+        self.reduced = 0
+        self.reduced_ms = 0.0
+        self.broken: str | None = None
+        self._failed_starts = 0
+        self._tokens = itertools.count(1)
+        self._next = 0  # the process that gets the next group's first run
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        self._procs = [self._spawn(slot) for slot in range(processes)]
+        self._wait_ready()
+
+    # The doctor, bench and GPU check count decoders as threads.
+    @property
+    def threads(self) -> int:
+        return self.processes
+
+    @property
+    def spare_threads(self) -> int:
+        return 0
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self._procs]
+
+    # ---------------------------------------------------------------- processes
+    def _spawn(self, slot: int) -> _Process:
+        self.arena.progress[slot] = (0, -1, 0)
+        data_parent, data_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        answers_parent, answers_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(OSError):
+            data_parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT, env.get("PYTHONPATH")) if p)
+        args = [
+            sys.executable,
+            "-m",
+            "worker.decode.process_main",
+            str(self.arena.fd),
+            str(data_child.fileno()),
+            str(answers_child.fileno()),
+            str(slot),
+            *self.arena.layout.as_args(),
+            spec_args(self.spec),
+            str(self.row_side),
+            str(self.path_root or ""),
+            str(self.cache_bytes),
+            repr(self.delay_s),
+            str(self.max_image_pixels),
+        ]
+        try:
+            popen = subprocess.Popen(
+                args,
+                pass_fds=(self.arena.fd, data_child.fileno(), answers_child.fileno()),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            data_child.close()
+            answers_child.close()
+        answers_parent.setblocking(False)
+        outbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
+        sender = threading.Thread(
+            target=_send_loop,
+            args=(data_parent, outbox),
+            name=f"gpufeed-decode-send-{slot}",
+            daemon=True,
+        )
+        proc = _Process(slot, popen, data_parent, answers_parent, outbox, sender)
+        sender.start()
+        self._loop.add_reader(answers_parent.fileno(), self._on_answer, proc)
+        return proc
+
+    def _wait_ready(self) -> None:
+        """Start-up only: every process imported its decoders and answered."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        for proc in self._procs:
+            proc.answers.setblocking(True)
+            try:
+                while not proc.ready:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise DecodeProcessesFailed("decode processes did not start in 60 s")
+                    proc.answers.settimeout(left)
+                    try:
+                        chunk = proc.answers.recv(ANSWER.size)
+                    except TimeoutError:
+                        continue
+                    if not chunk:
+                        code = proc.popen.wait()
+                        raise DecodeProcessesFailed(
+                            f"decode process {proc.slot} exited with {code} before it was ready"
+                            " (its error is above)"
+                        )
+                    proc.received += chunk
+                    self._take_answers(proc)
+            except DecodeProcessesFailed:
+                self.shutdown()
+                raise
+            finally:
+                proc.answers.setblocking(False)
+
+    def _on_answer(self, proc: _Process) -> None:
+        try:
+            chunk = proc.answers.recv(64 * ANSWER.size)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            if proc in self._procs:
+                self._retire(proc, cause="crash")
+            return
+        proc.received += chunk
+        self._take_answers(proc)
+
+    def _take_answers(self, proc: _Process) -> None:
+        while len(proc.received) >= ANSWER.size:
+            token, _ = ANSWER.unpack_from(proc.received)
+            del proc.received[: ANSWER.size]
+            if token == 0:
+                proc.ready = True
+                self._failed_starts = 0
+                continue
+            item = proc.items.pop(token, None)
+            if item is not None:
+                self._collect(item)
+
+    def _collect(self, item: _Item) -> None:
+        group = item.group
+        for position in item.positions:
+            if group.results[position] is None:
+                group.set(position, self._result(group.rows[position]))
+
+    def _result(self, row: int) -> DecodeResult:
+        record = self.arena.table[row]
+        ms = int(record["decode_us"]) / 1000
+        if int(record["state"]) == DONE:
+            info = DecodeInfo(
+                record["format"].decode("ascii", "replace"),
+                int(record["width"]),
+                int(record["height"]),
+                int(record["draft_scale"]),
+            )
+            if record["reduced"]:
+                self.reduced += 1
+                self.reduced_ms += ms
+            return DecodeResult(info, None, ms, cached=bool(record["cached"]))
+        code = ERROR_CODES[int(record["error"])]
+        message = record["message"].decode("utf-8", "replace")
+        return DecodeResult(None, DecodeError(code, message), ms)
+
+    def _retire(
+        self, proc: _Process, *, cause: str, row: int | None = None, elapsed_ms: float = 0.0
+    ) -> None:
+        """End `proc` (over budget or dead), answer the row it was on, and send the rows it
+        had not finished to a new process in its place."""
+        token = int(self.arena.progress["token"][proc.slot])
+        if row is None and token in proc.items:
+            row = int(self.arena.progress["row"][proc.slot])
+        self._stop(proc)
+        code = proc.popen.returncode
+        index = self._procs.index(proc)
+        if not proc.ready:
+            self._failed_starts += 1
+        if self._closed:
+            return
+        if self._failed_starts >= _MAX_FAILED_STARTS:
+            self.broken = f"decode processes exit before they are ready (last exit code {code})"
+            log.error("decode_processes_broken", reason=self.broken)
+        replacement = None if self.broken else self._spawn(proc.slot)
+        if replacement is not None:
+            self._procs[index] = replacement
+            self.replaced += 1
+        else:
+            self._procs.pop(index)
+        budget_ms = round(self.budget_s * 1000)
+        for item in proc.items.values():
+            group = item.group
+            left: list[int] = []
+            for position in item.positions:
+                ring_row = group.rows[position]
+                if group.results[position] is not None:
+                    continue
+                if int(self.arena.table["state"][ring_row]) != PENDING:
+                    group.set(position, self._result(ring_row))
+                elif ring_row == row and item.token == token:
+                    job = group.jobs[position]
+                    if cause == "timeout":
+                        self.given_up += 1
+                        error = DecodeError(
+                            ErrorCode.DECODE_TIMEOUT,
+                            f"decoding took longer than the budget of {budget_ms} ms; "
+                            "the batch went on without this image",
+                        )
+                        log.warning(
+                            "decode_over_budget",
+                            job_id=job.job_id,
+                            entry=job.entry_id,
+                            budget_ms=budget_ms,
+                            process_replaced=True,
+                        )
+                    else:
+                        self.crashed += 1
+                        error = DecodeError(
+                            ErrorCode.INTERNAL_ERROR,
+                            f"the decode process ended (exit code {code}) while decoding this "
+                            "image; it was replaced",
+                        )
+                        log.error(
+                            "decode_process_died",
+                            job_id=job.job_id,
+                            entry=job.entry_id,
+                            exit_code=code,
+                        )
+                    group.set(position, DecodeResult(None, error, elapsed_ms))
+                else:
+                    left.append(position)
+            if left:
+                if replacement is None:
+                    self._fail(group, left, self.broken or "decode processes are gone")
+                else:
+                    self._send(replacement, group, left)
+        proc.items.clear()
+
+    def _stop(self, proc: _Process) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(proc.answers.fileno())
+        proc.outbox.put(None)
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5)
+        # Closing both ends also ends a sender blocked on a full socket.
+        with contextlib.suppress(OSError):
+            proc.data.shutdown(socket.SHUT_RDWR)
+        proc.data.close()
+        proc.answers.close()
+
+    # ---------------------------------------------------------------- rows
+    def submit_rows(
+        self, jobs: Sequence[Job], rows: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]]
+    ) -> ProcessGroup:
+        """Send `jobs` to be decoded into `rows` (ring rows, rows[i] for jobs[i]); `settle`
+        waits for them."""
+        if isinstance(rows, np.ndarray):
+            first = self.arena.row_index(rows)
+            ring_rows = list(range(first, first + len(jobs)))
+        else:
+            ring_rows = [self.arena.row_index(r) for r in rows]
+        group = ProcessGroup(self._loop.create_future(), jobs, ring_rows)
+        self.arena.table["state"][ring_rows] = PENDING
+        todo: list[int] = []
+        for position, job in enumerate(jobs):
+            if job.cached_row is not None:
+                # A `url` job the server said had not changed: its row from the fetch cache.
+                row, info = job.cached_row
+                writer = write_decoded_row if self.row_side else write_row
+                writer(self.arena.rows[ring_rows[position]], row)
+                group.set(position, DecodeResult(info, None, 0.0, cached=True))
+            else:
+                todo.append(position)
+        if self.broken is not None:
+            self._fail(group, todo, self.broken)
+            return group
+        runs = min(len(todo), len(self._procs))
+        for k in range(runs):
+            part = todo[k * len(todo) // runs : (k + 1) * len(todo) // runs]
+            self._send(self._procs[(self._next + k) % len(self._procs)], group, part)
+        self._next = (self._next + max(runs, 1)) % len(self._procs)
+        return group
+
+    def _send(self, proc: _Process, group: ProcessGroup, positions: list[int]) -> None:
+        token = next(self._tokens)
+        item = _Item(token, group, positions)
+        proc.items[token] = item
+        rows: list[int] = []
+        lengths: list[int] = []
+        paths: list[bytes | None] = []
+        keys: list[bytes | None] = []
+        namespaces: list[str] = []
+        payloads: list[bytes | memoryview] = []
+        for position in positions:
+            job = group.jobs[position]
+            rows.append(group.rows[position])
+            keys.append(job.cache_key)
+            namespaces.append(job.reply_to)
+            if job.image is not None:
+                payloads.append(job.image)
+                lengths.append(len(job.image))
+                paths.append(None)
+            else:
+                lengths.append(-1 if job.path is not None else 0)
+                paths.append(job.path)
+        meta = pickle.dumps((token, rows, lengths, paths, keys, namespaces), protocol=5)
+        size = sum(len(p) for p in payloads)
+        proc.outbox.put([HEADER.pack(MAGIC, len(meta), size), meta, *payloads])
+
+    def _fail(self, group: ProcessGroup, positions: list[int], why: str) -> None:
+        for position in positions:
+            error = DecodeError(ErrorCode.INTERNAL_ERROR, why)
+            group.set(position, DecodeResult(None, error, 0.0))
+
+    async def settle(self, rows: Sequence[object]) -> list[DecodeResult]:
+        """The results of a batch's rows in order (`rows`: what `submit_rows` returned). A
+        row still decoding `budget_s` after its process started on it ends that process
+        (see the module's docstring)."""
+        parts = [r for r in rows if isinstance(r, ProcessGroup)]
+        if len(parts) != len(rows):
+            raise TypeError("decode processes settle only the groups they were given")
+        check_s = max(0.02, min(self.budget_s / 4, 0.5))
+        while True:
+            waiting = [g.future for g in parts if not g.complete]
+            if not waiting:
+                break
+            deadline = self._enforce_budget()
+            timeout = check_s if deadline is None else max(0.0, min(deadline, check_s))
+            await asyncio.wait(waiting, timeout=timeout)
+            self._enforce_budget()
+        results: list[DecodeResult] = []
+        for group in parts:
+            if group.future.cancelled():
+                raise asyncio.CancelledError
+            results.extend(r for r in group.results if r is not None)
+        return results
+
+    def _enforce_budget(self) -> float | None:
+        """Retire every process over budget; seconds until the next one could be."""
+        budget_ns = int(self.budget_s * 1e9)
+        soonest: float | None = None
+        progress = self.arena.progress
+        for proc in list(self._procs):
+            token = int(progress["token"][proc.slot])
+            if token not in proc.items:
+                continue
+            row = int(progress["row"][proc.slot])
+            started = int(progress["started_ns"][proc.slot])
+            elapsed = time.monotonic_ns() - started
+            if elapsed >= budget_ns:
+                self._retire(proc, cause="timeout", row=row, elapsed_ms=elapsed / 1e6)
+            else:
+                left = (budget_ns - elapsed) / 1e9
+                soonest = left if soonest is None else min(soonest, left)
+        return soonest
+
+    def shutdown(self) -> None:
+        """Close the processes' sockets (they exit once their current run is done); kill
+        those still running after the budget. Rows not answered are cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + self.budget_s
+        for proc in self._procs:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(proc.answers.fileno())
+            proc.outbox.put(None)
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            self._stop(proc)
+            for item in proc.items.values():
+                if not item.group.future.done():
+                    item.group.future.cancel()
+        self._procs = []
+
+
+def _send_loop(sock: socket.socket, outbox: queue.SimpleQueue[_Message | None]) -> None:
+    """A process's sender thread: blocking sends, the GIL released while the kernel copies."""
+    try:
+        while (buffers := outbox.get()) is not None:
+            _send_all(sock, buffers)
+    except OSError:
+        # The process is gone: the event loop sees its answers end and replaces it.
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+
+
+def _send_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
+    views = [memoryview(b) for b in buffers if len(b)]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + _IOV])
+        while sent and i < len(views):
+            n = views[i].nbytes
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0

@@ -1,0 +1,127 @@
+"""The feed plan: how many decode processes (or threads), how deep the ring, where images
+are resized; chosen at start-up from the host and the settings, each choice with its reason.
+
+The worker logs it as one line (`feed_plan`); `doctor` and the bench print it. Every
+choice follows a setting when one is given; `auto` picks from the host:
+
+- decode processes: one per core but one, left to the worker's own process (the event
+  loop, Redis, the launches), at least 2 and at most 32. Measured on a 2-core host with a
+  second Python thread busy in the worker's process (as its event loop is under load): two
+  decode threads fell from 882 to 47 images/s of 640x480 JPEGs, two decode processes kept
+  457 (784 with the process quiet); so processes are the default even there. Threads stay
+  where processes cannot run: GPU decode (its router runs in the worker), a decode hook
+  that only a thread can run (tests), or no memory files (memfd, Linux only);
+- ring slots: GPUFEED_RING_SLOTS;
+- resize placement: worker/model/resample.py (`choose_placement`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+
+MIN_AUTO_PROCESSES = 2
+MAX_AUTO_PROCESSES = 32
+
+
+@dataclass(frozen=True)
+class FeedPlan:
+    decode_processes: int  # 0: decode threads in the worker's process
+    decode_threads: int  # threads when decode_processes is 0
+    decoders_why: str
+    ring_slots: int
+    ring_why: str
+    placement: str  # where images are resized: device or host
+    placement_why: str
+    cores: int
+
+    @property
+    def decoders(self) -> str:
+        if self.decode_processes:
+            return f"{self.decode_processes} decode processes"
+        return f"{self.decode_threads} decode threads"
+
+    def line(self) -> str:
+        """The plan in one line, for a log or a report."""
+        return (
+            f"{self.decoders} ({self.decoders_why}); ring {self.ring_slots} slots "
+            f"({self.ring_why}); resize on the {self.placement} ({self.placement_why})"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decode_processes": self.decode_processes,
+            "decode_threads": self.decode_threads if not self.decode_processes else 0,
+            "decoders_why": self.decoders_why,
+            "ring_slots": self.ring_slots,
+            "ring_why": self.ring_why,
+            "placement": self.placement,
+            "placement_why": self.placement_why,
+            "cores": self.cores,
+            "line": self.line(),
+        }
+
+
+def shared_memory_files() -> bool:
+    """Whether this system has anonymous memory files (memfd), which decode processes use."""
+    return hasattr(os, "memfd_create")
+
+
+def plan_feed(
+    cfg: WorkerConfig,
+    *,
+    placement: str,
+    placement_why: str,
+    thread_only_hook: bool,
+    default_threads: int,
+    cores: int | None = None,
+) -> FeedPlan:
+    """The plan for `cfg` on this host. `thread_only_hook`: a decode hook is set that only
+    a thread can run. Raises ConfigError where the settings ask for what cannot be."""
+    cores = cores or os.cpu_count() or 1
+    setting = cfg.decode_processes
+    threads = cfg.decode_threads or default_threads
+    if setting == "auto":
+        if cfg.decode != "cpu":
+            k, why = 0, f"auto: GPUFEED_DECODE={cfg.decode} routes images from the worker's threads"
+        elif not shared_memory_files():
+            k, why = 0, "auto: this system has no memory files (memfd) to share with processes"
+        elif thread_only_hook:
+            k, why = 0, "auto: a decode hook is set that runs in threads only"
+        else:
+            k = max(MIN_AUTO_PROCESSES, min(MAX_AUTO_PROCESSES, cores - 1))
+            why = f"auto: {cores} cores, one left to the worker"
+    else:
+        k = int(setting)
+        why = f"GPUFEED_DECODE_PROCESSES={k}"
+        if k and cfg.decode != "cpu":
+            raise ConfigError(
+                f"GPUFEED_DECODE_PROCESSES={k}: GPUFEED_DECODE={cfg.decode} decodes from the "
+                "worker's threads; set GPUFEED_DECODE_PROCESSES=0 or GPUFEED_DECODE=cpu"
+            )
+        if k and not shared_memory_files():
+            raise ConfigError(
+                f"GPUFEED_DECODE_PROCESSES={k}: this system has no memory files (memfd); "
+                "set GPUFEED_DECODE_PROCESSES=0"
+            )
+        if k and thread_only_hook:
+            raise ConfigError(f"GPUFEED_DECODE_PROCESSES={k}: a decode hook runs in threads only")
+    if k == 0:
+        source = (
+            f"GPUFEED_DECODE_THREADS={cfg.decode_threads}" if cfg.decode_threads else "per core"
+        )
+        why += f"; {threads} threads ({source})"
+    return FeedPlan(
+        decode_processes=k,
+        decode_threads=threads,
+        decoders_why=why,
+        ring_slots=cfg.ring_slots,
+        ring_why=f"GPUFEED_RING_SLOTS={cfg.ring_slots}",
+        placement=placement,
+        placement_why=placement_why,
+        cores=cores,
+    )
