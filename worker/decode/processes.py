@@ -43,6 +43,7 @@ import structlog
 
 from producer.wire import ErrorCode
 from worker.decode.arena import DONE, ERROR_CODES, PENDING, SharedArena
+from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
 from worker.decode.pool import DecodeResult
 from worker.decode.process_main import ANSWER, HEADER, MAGIC, spec_args
@@ -124,9 +125,13 @@ class ProcessDecodePool:
         budget_s: float = 10.0,
         row_side: int = 0,
         cache_bytes: int = 0,
+        cache_counts: DecodeCache | None = None,
         delay_s: float = 0.0,
         max_image_pixels: int = 0,
     ) -> None:
+        """`cache_bytes`: the decode cache, split among the processes (each image goes to
+        the process its bytes' fingerprint names, so a repeated image meets its cached
+        row); `cache_counts`: where hits and misses are counted (the worker's cache)."""
         if budget_s <= 0:
             raise ValueError(f"budget_s must be positive (got {budget_s})")
         if not 1 <= processes <= arena.layout.processes:
@@ -139,6 +144,7 @@ class ProcessDecodePool:
         self.row_side = row_side
         # Each process keeps its own decode cache: an equal share of the setting.
         self.cache_bytes = cache_bytes // processes
+        self.cache_counts = cache_counts
         self.delay_s = delay_s
         self.max_image_pixels = max_image_pixels or spec.max_pixels
         self.gpu_router = None
@@ -292,7 +298,13 @@ class ProcessDecodePool:
             if record["reduced"]:
                 self.reduced += 1
                 self.reduced_ms += ms
-            return DecodeResult(info, None, ms, cached=bool(record["cached"]))
+            cached = bool(record["cached"])
+            if self.cache_counts is not None and self.cache_bytes:
+                if cached:
+                    self.cache_counts.hits += 1
+                else:
+                    self.cache_counts.misses += 1
+            return DecodeResult(info, None, ms, cached=cached)
         code = ERROR_CODES[int(record["error"])]
         message = record["message"].decode("utf-8", "replace")
         return DecodeResult(None, DecodeError(code, message), ms)
@@ -410,12 +422,30 @@ class ProcessDecodePool:
         if self.broken is not None:
             self._fail(group, todo, self.broken)
             return group
+        if self.cache_bytes:
+            self._send_by_fingerprint(group, todo)
+            return group
         runs = min(len(todo), len(self._procs))
         for k in range(runs):
             part = todo[k * len(todo) // runs : (k + 1) * len(todo) // runs]
             self._send(self._procs[(self._next + k) % len(self._procs)], group, part)
         self._next = (self._next + max(runs, 1)) % len(self._procs)
         return group
+
+    def _send_by_fingerprint(self, group: ProcessGroup, todo: list[int]) -> None:
+        """With the cache on: each row to the process its image's fingerprint names (its
+        length and last 64 bytes: a JPEG's entropy-coded tail, where images differ, unlike
+        their headers), so the same bytes meet the same process's cache."""
+        count = len(self._procs)
+        parts: list[list[int]] = [[] for _ in range(count)]
+        for position in todo:
+            job = group.jobs[position]
+            data = job.image if job.image is not None else job.path
+            mark = hash((len(data), data[-64:])) if data is not None else position
+            parts[mark % count].append(position)
+        for proc, part in zip(self._procs, parts, strict=True):
+            if part:
+                self._send(proc, group, part)
 
     def _send(self, proc: _Process, group: ProcessGroup, positions: list[int]) -> None:
         token = next(self._tokens)

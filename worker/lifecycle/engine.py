@@ -222,7 +222,7 @@ async def warm_up(
     cache = DecodeCache(cfg.decode_cache_mb * 1024 * 1024)
     decoder: AnyDecodePool
     if arena is not None:
-        decoder = _process_pool(cfg, loaded, plan, arena, rows=rows, hook=decode_hook)
+        decoder = _process_pool(cfg, loaded, plan, arena, rows=rows, hook=decode_hook, cache=cache)
         exit_stack.callback(decoder.shutdown)
     else:
         decoder = _decode_pool(
@@ -342,6 +342,7 @@ def _process_pool(
     *,
     rows: int,
     hook: DecodeHook | None,
+    cache: DecodeCache,
 ) -> ProcessDecodePool:
     try:
         return ProcessDecodePool(
@@ -352,6 +353,7 @@ def _process_pool(
             budget_s=cfg.decode_budget_ms / 1000,
             row_side=rows,
             cache_bytes=cfg.decode_cache_mb * 1024 * 1024,
+            cache_counts=cache,
             delay_s=hook.delay_s if isinstance(hook, SleepHook) else 0.0,
             max_image_pixels=cfg.max_image_pixels,
         )
