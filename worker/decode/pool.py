@@ -230,6 +230,8 @@ class RowFuture(asyncio.Future[DecodeResult]):
 
 
 class DecodePool:
+    kind = "threads"
+
     def __init__(
         self,
         spec: DecodeSpec,

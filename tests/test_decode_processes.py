@@ -1,0 +1,211 @@
+"""Decode processes (worker/decode/processes.py): the same rows as the decode threads, a
+decode over budget ends its process and the batch goes on, a crash loses no row, and the
+worker switches between processes and threads with one setting."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+
+from producer.wire import ErrorCode, JobResult
+from tests.images import (
+    encode,
+    jpeg_bytes,
+    photo_like,
+    png_bytes,
+    truncated_jpeg_bytes,
+)
+from tests.worker_harness import running_worker, tiny_config, wait_results
+from worker.config.errors import ConfigError
+from worker.decode.arena import ArenaLayout, SharedArena
+from worker.decode.cpu import DecodeSpec
+from worker.decode.pool import DecodePool, DecodeResult
+from worker.decode.processes import ProcessDecodePool
+from worker.decode.rows import row_side
+from worker.jobs import Job
+from worker.lifecycle.feed_plan import plan_feed
+
+SIZE = 48
+
+
+def _job(i: int, data: bytes, reply_to: str = "r") -> Job:
+    return Job(
+        entry_id=f"{i}-0", job_id=f"j{i}", reply_to=reply_to, meta=None, image=data, path=None
+    )
+
+
+def _images() -> list[bytes]:
+    rotated = photo_like(80, 60, seed=5)
+    exif = rotated.getexif()
+    exif[0x0112] = 6
+    return [
+        jpeg_bytes(640, 480, seed=1),
+        jpeg_bytes(64, 64, seed=2),
+        png_bytes(90, 30, seed=3),
+        encode(photo_like(70, 50, seed=4).convert("L"), "JPEG"),
+        encode(rotated, "JPEG", exif=exif.tobytes()),
+        b"not an image at all",
+        truncated_jpeg_bytes(),
+        png_bytes(3000, 100, seed=6),  # too wide for a device row: fitted on the host
+    ]
+
+
+@pytest.fixture
+async def shared_pool() -> AsyncIterator[tuple[ProcessDecodePool, SharedArena]]:
+    """Two decode processes, rows for the device placement (the CUDA default)."""
+    side = row_side(SIZE)
+    arena = SharedArena.create(ArenaLayout(rows=16, side=side, processes=2))
+    pool = ProcessDecodePool(DecodeSpec(size=SIZE), 2, None, arena=arena, budget_s=5, row_side=side)
+    yield pool, arena
+    pool.shutdown()
+    arena.close()
+
+
+def _same(a: DecodeResult, b: DecodeResult) -> None:
+    assert (a.error is None) == (b.error is None), (a, b)
+    if a.error is not None and b.error is not None:
+        assert a.error.code == b.error.code
+        assert a.error.message == b.error.message
+    assert a.info == b.info
+
+
+@pytest.mark.parametrize("device_rows", [True, False], ids=["device-rows", "host-rows"])
+async def test_processes_write_the_rows_threads_write(device_rows: bool) -> None:
+    side = row_side(SIZE) if device_rows else SIZE
+    spec = DecodeSpec(size=SIZE)
+    images = _images()
+    jobs = [_job(i, d) for i, d in enumerate(images)]
+    arena = SharedArena.create(ArenaLayout(rows=len(jobs), side=side, processes=2))
+    procs = ProcessDecodePool(spec, 2, None, arena=arena, row_side=side if device_rows else 0)
+    threads = DecodePool(spec, 2, None, row_side=side if device_rows else 0)
+    try:
+        expected_rows = np.zeros((len(jobs), side, side, 3), np.uint8)
+        expected = await threads.settle([threads.submit_rows(jobs, expected_rows)])
+        got = await procs.settle([procs.submit_rows(jobs, arena.rows)])
+    finally:
+        procs.shutdown()
+        threads.shutdown()
+    assert len(got) == len(jobs)
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        _same(a, b)
+        if a.error is None:
+            assert np.array_equal(arena.rows[i], expected_rows[i]), f"row {i} differs"
+    codes = [r.error.code if r.error else None for r in got]
+    assert codes[5] is ErrorCode.UNSUPPORTED_FORMAT
+    assert codes[6] is not None and codes[0] is None
+    if device_rows:
+        assert procs.reduced == 1
+    arena.close()
+
+
+async def test_the_staging_memory_is_an_anonymous_memory_file() -> None:
+    # Docker gives /dev/shm 64 MB by default: the ring must not live there.
+    arena = SharedArena.create(ArenaLayout(rows=64, side=row_side(224), processes=2))
+    try:
+        assert arena.layout.size > 64 * 1024 * 1024
+        assert os.readlink(f"/proc/self/fd/{arena.fd}").startswith("/memfd:gpufeed-staging")
+    finally:
+        arena.close()
+
+
+async def test_a_decode_over_budget_ends_its_process_and_the_batch_goes_on() -> None:
+    spec = DecodeSpec(size=SIZE)
+    arena = SharedArena.create(ArenaLayout(rows=4, side=SIZE, processes=1))
+    # One process, so the small image waits behind the slow one in the same run.
+    pool = ProcessDecodePool(spec, 1, None, arena=arena, budget_s=0.05)
+    slow = png_bytes(4000, 4000, seed=7)
+    try:
+        first_pid = pool.pids[0]
+        results = await pool.settle(
+            [pool.submit_rows([_job(0, slow), _job(1, jpeg_bytes(64, 64))], arena.rows[:2])]
+        )
+        assert results[0].error is not None
+        assert results[0].error.code is ErrorCode.DECODE_TIMEOUT
+        assert "budget of 50 ms" in results[0].error.message
+        assert results[1].error is None and results[1].info is not None
+        assert pool.given_up == 1 and pool.replaced == 1
+        assert pool.pids[0] != first_pid
+        with pytest.raises(ProcessLookupError):
+            os.kill(first_pid, 0)
+        # The replacement decodes what comes next.
+        small = _job(2, jpeg_bytes(64, 64))
+        again = await pool.settle([pool.submit_rows([small], arena.rows[2:3])])
+        assert again[0].error is None
+    finally:
+        pool.shutdown()
+        arena.close()
+
+
+async def test_a_process_that_dies_loses_no_row() -> None:
+    spec = DecodeSpec(size=SIZE)
+    arena = SharedArena.create(ArenaLayout(rows=8, side=SIZE, processes=2))
+    # Every decode sleeps 0.3 s first, so the kill lands while a row is being decoded.
+    pool = ProcessDecodePool(spec, 2, None, arena=arena, budget_s=30, delay_s=0.3)
+    try:
+        jobs = [_job(i, jpeg_bytes(64, 64, seed=i)) for i in range(6)]
+        group = pool.submit_rows(jobs, arena.rows[:6])
+        await asyncio.sleep(0.45)
+        victim = pool.pids[0]
+        os.kill(victim, signal.SIGKILL)
+        results = await pool.settle([group])
+        assert len(results) == 6
+        failed = [r for r in results if r.error is not None]
+        assert len(failed) == 1, results
+        assert failed[0].error is not None
+        assert failed[0].error.code is ErrorCode.INTERNAL_ERROR
+        assert "decode process ended" in failed[0].error.message
+        assert pool.crashed == 1 and victim not in pool.pids
+    finally:
+        pool.shutdown()
+        arena.close()
+
+
+def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
+    weights = tmp_path / "w.pt"
+    cfg = tiny_config("redis://127.0.0.1:1/0", weights)
+    kw: dict[str, Any] = {"placement": "host", "placement_why": "test", "default_threads": 3}
+    auto = plan_feed(cfg, thread_only_hook=False, cores=16, **kw)
+    assert auto.decode_processes == 15
+    assert "16 cores" in auto.line()
+    assert plan_feed(cfg, thread_only_hook=False, cores=2, **kw).decode_processes == 2
+    hooked = plan_feed(cfg, thread_only_hook=True, cores=16, **kw)
+    assert hooked.decode_processes == 0 and "2 decode threads" in hooked.line()
+    off = tiny_config("redis://127.0.0.1:1/0", weights, decode_processes="0")
+    assert plan_feed(off, thread_only_hook=False, cores=16, **kw).decode_processes == 0
+    gpu = tiny_config("redis://127.0.0.1:1/0", weights, decode_processes="4", decode="gpu")
+    with pytest.raises(ConfigError, match="GPUFEED_DECODE_PROCESSES=0"):
+        plan_feed(gpu, thread_only_hook=False, cores=16, **kw)
+    with pytest.raises(ConfigError, match="GPUFEED_DECODE_PROCESSES"):
+        tiny_config("redis://127.0.0.1:1/0", weights, decode_processes="many")
+
+
+async def test_the_worker_answers_the_same_with_processes_and_with_threads(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    images = _images()
+    answers: dict[str, list[tuple[str, str, object]]] = {}
+    for setting in ("2", "0"):
+        redis_client.delete("gpufeed:jobs", "gpufeed:results")
+        async with running_worker(
+            redis_url, tiny_weights, decode_processes=setting, decode_cache_mb=0
+        ) as worker:
+            assert worker.decoder.kind == ("processes" if setting == "2" else "threads")
+            for i, data in enumerate(images):
+                redis_client.xadd("gpufeed:jobs", {"id": f"img{i}", "image": data})
+            results = await wait_results(redis_client, "gpufeed:results", len(images))
+        parsed = [JobResult.from_fields(fields) for _, fields in results]
+        answers[setting] = sorted(
+            (r.id, r.status, r.error if r.error else (r.top1, round(r.score or 0, 4)))
+            for r in parsed
+        )
+    assert len(answers["2"]) == len(images)
+    assert answers["2"] == answers["0"]
+    assert [s for _, s, _ in answers["2"]].count("ok") == 6
