@@ -7,7 +7,6 @@ import copy
 import io
 import json
 import math
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -103,14 +102,25 @@ def test_the_runs_cover_naive_defaults_and_each_ablation(
     tiny: tuple[dict[str, Any], Path],
 ) -> None:
     report, _ = tiny
-    expected = {"naive", "gpufeed", "gpufeed-no-dct", "gpufeed-cpu-preprocess"}
-    if (os.cpu_count() or 1) > 1:
-        expected.add("gpufeed-1-decode-thread")
+    # Decode processes by default (two at least): one of them alone, and the switch back.
+    expected = {
+        "naive",
+        "gpufeed",
+        "gpufeed-no-dct",
+        "gpufeed-cpu-preprocess",
+        "gpufeed-1-decode-process",
+        "gpufeed-decode-threads",
+    }
     for image_set in report["summary"]:
         names = {r["name"] for r in report["runs"] if r["image_set"] == image_set}
         assert expected <= names
     gpufeed = [r for r in report["runs"] if r["kind"] == "gpufeed"]
     assert all(r["settings"]["batch_size"] == 4 for r in gpufeed)
+    by_name = {r["name"]: r["settings"] for r in gpufeed}
+    assert by_name["gpufeed"]["decode_processes"] >= 2
+    assert by_name["gpufeed-decode-threads"]["decode_processes"] == 0
+    assert "decode processes" in by_name["gpufeed"]["feed_plan"]
+    assert 0 < by_name["gpufeed"]["staged_bytes_per_image"] <= 3 * 1024 * 1024
     assert {r["settings"]["dct_scaling"] for r in gpufeed} == {True, False}
     assert any(r["settings"]["cpu_preprocess"] for r in gpufeed)
     skipped = {s["what"] for s in report["skipped"]}
@@ -224,12 +234,16 @@ def test_the_overhead_section_runs_the_null_model_beside_the_queue_ceiling(
     # Repeats of 8 images with the cache on hit after the first round; unique bytes never do.
     assert hits["cache_hit_ratio"] > 0.5 and every["cache_hit_ratio"] == 0
     assert len(o["targets"]) == 5
-    # What holds the GIL per job with every job decoded: the loop and the decode threads
-    # both do; the projection for 16 cores names the bound that is lower.
+    # What holds the GIL per job with every job decoded: the loop does, and the threads that
+    # send the decode processes their rows, which release it in the kernel's copy; the
+    # processes' own CPU counts in the projection. The projection for 16 cores names the
+    # bound that is lower.
     gil = every["gil"]
     assert gil["jobs"] == every["jobs"]
+    assert every["settings"]["decode_processes"] >= 2
     assert gil["gil_us_per_job"]["event_loop"] > 0 and gil["gil_us_per_job"]["decode"] > 0
     assert gil["decode_released_us_per_job"] > 0 and gil["launch_computes_model"] is False
+    assert 0 < gil["decode_processes_cpu_us_per_job"] < gil["process_cpu_us_per_job"]
     sixteen = next(p for p in gil["projections"] if p["cores"] == 16)
     assert sixteen["binds"] in ("GIL", "cores")
     assert sixteen["jobs_per_s"] == min(

@@ -83,8 +83,30 @@ def plan_feed(
     """The plan for `cfg` on this host. `thread_only_hook`: a decode hook is set that only
     a thread can run. Raises ConfigError where the settings ask for what cannot be."""
     cores = cores or os.cpu_count() or 1
-    setting = cfg.decode_processes
     threads = cfg.decode_threads or default_threads
+    k, why = decode_processes_for(cfg, cores, thread_only_hook=thread_only_hook)
+    if k == 0:
+        source = (
+            f"GPUFEED_DECODE_THREADS={cfg.decode_threads}" if cfg.decode_threads else "per core"
+        )
+        why += f"; {threads} threads ({source})"
+    return FeedPlan(
+        decode_processes=k,
+        decode_threads=threads,
+        decoders_why=why,
+        ring_slots=cfg.ring_slots,
+        ring_why=f"GPUFEED_RING_SLOTS={cfg.ring_slots}",
+        placement=placement,
+        placement_why=placement_why,
+        cores=cores,
+    )
+
+
+def decode_processes_for(
+    cfg: WorkerConfig, cores: int, *, thread_only_hook: bool = False
+) -> tuple[int, str]:
+    """(decode processes, why) for `cfg` on a host of `cores`; 0: decode threads."""
+    setting = cfg.decode_processes
     if setting == "auto":
         if cfg.decode != "cpu":
             k, why = 0, f"auto: GPUFEED_DECODE={cfg.decode} routes images from the worker's threads"
@@ -110,18 +132,4 @@ def plan_feed(
             )
         if k and thread_only_hook:
             raise ConfigError(f"GPUFEED_DECODE_PROCESSES={k}: a decode hook runs in threads only")
-    if k == 0:
-        source = (
-            f"GPUFEED_DECODE_THREADS={cfg.decode_threads}" if cfg.decode_threads else "per core"
-        )
-        why += f"; {threads} threads ({source})"
-    return FeedPlan(
-        decode_processes=k,
-        decode_threads=threads,
-        decoders_why=why,
-        ring_slots=cfg.ring_slots,
-        ring_why=f"GPUFEED_RING_SLOTS={cfg.ring_slots}",
-        placement=placement,
-        placement_why=placement_why,
-        cores=cores,
-    )
+    return k, why

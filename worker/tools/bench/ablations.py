@@ -61,7 +61,20 @@ ONE_DECODE_THREAD = Variant(
     "gpufeed-1-decode-thread",
     "parallel decode off (1 thread)",
     "parallel_decode",
-    (("decode_threads", 1),),
+    (("decode_processes", "0"), ("decode_threads", 1)),
+)
+ONE_DECODE_PROCESS = Variant(
+    "gpufeed-1-decode-process",
+    "parallel decode off (1 decode process)",
+    "parallel_decode",
+    (("decode_processes", "1"),),
+)
+# The switch back: decode threads in the worker's process, as before decode processes.
+DECODE_THREADS = Variant(
+    "gpufeed-decode-threads",
+    "decode processes off (threads in the worker)",
+    "decode_processes",
+    (("decode_processes", "0"),),
 )
 CPU_PREPROCESS = Variant(
     "gpufeed-cpu-preprocess",

@@ -59,6 +59,9 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
         "compile": report.mode if report is not None else cfg.compile,
         "compiled": bool(report and report.compiled),
         "decode_threads": worker.decoder.threads,
+        "decode_processes": worker.engine.plan.decode_processes,
+        "feed_plan": worker.engine.plan.line(),
+        "staged_bytes_per_image": worker.ring_budget["h2d_bytes_per_batch"] // worker.batch_size,
         "dct_scaling": cfg.dct_scaling,
         "decode_cache_mb": cfg.decode_cache_mb,
         "cpu_preprocess": variant.cpu_preprocess,
@@ -106,7 +109,9 @@ async def gpufeed_run(
             await asyncio.to_thread(
                 push_jobs, b.client, keys.jobs, images, sp.jobs, keys.run_id, unique=unique
             )
-        probe = RunProbe(b.device, redis_pid=b.redis_pid).start()
+        probe = RunProbe(
+            b.device, redis_pid=b.redis_pid, decoder_pids=getattr(worker.decoder, "pids", ())
+        ).start()
         with count_host_syncs() as syncs, gil_account.timing_releases():
             t0_ms = time.time() * 1000
             main = asyncio.create_task(worker.main_loop(), name="bench-main-loop")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import psutil
@@ -72,7 +73,15 @@ def _names() -> dict[int, str]:
 class RunProbe:
     """start() before the measured window, stop() after it; `result()` then says what it cost."""
 
-    def __init__(self, device: torch.device, *, redis_pid: int | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        redis_pid: int | None = None,
+        decoder_pids: Sequence[int] = (),
+    ) -> None:
+        """`decoder_pids`: the worker's decode processes, whose CPU counts as the worker's
+        in the projection (their GIL is their own)."""
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.sampler = GpuSampler(device.index or 0, interval_s=0.1)
@@ -83,6 +92,12 @@ class RunProbe:
         if redis_pid is not None:
             with contextlib.suppress(psutil.Error):
                 self._redis = psutil.Process(redis_pid)
+        self._decoders: list[psutil.Process] = []
+        for pid in decoder_pids:
+            with contextlib.suppress(psutil.Error):
+                self._decoders.append(psutil.Process(pid))
+        self._decoders_before = 0.0
+        self._decoders_after = 0.0
         self._before: dict[int, float] = {}
         self._after: dict[int, float] = {}
         self._names: dict[int, str] = {}
@@ -107,11 +122,21 @@ class RunProbe:
             return 0.0
         return float(times.user + times.system)
 
+    def _decoders_cpu_s(self) -> float:
+        total = 0.0
+        for proc in self._decoders:
+            # A decode process replaced mid-run (over budget) takes its CPU with it.
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += float(times.user + times.system)
+        return total
+
     def start(self) -> RunProbe:
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.sampler.start()
         self._redis_before = self._redis_cpu_s()
+        self._decoders_before = self._decoders_cpu_s()
         self._host_before = host_busy_s()
         self._before = thread_cpu_s()
         self._loop_tid = threading.get_native_id()
@@ -126,6 +151,7 @@ class RunProbe:
         self._after = thread_cpu_s()
         self._names = _names()
         self._redis_after = self._redis_cpu_s()
+        self._decoders_after = self._decoders_cpu_s()
         self._host_after = host_busy_s()
         self.sampler.stop()
         return self
@@ -142,6 +168,7 @@ class RunProbe:
             loop_tid=self._loop_tid,
             cores=tuple(sorted({16, cores})),
             model_on_cpu=model_on_cpu,
+            decoders_cpu_s=max(0.0, self._decoders_after - self._decoders_before),
         )
         if figures is not None:
             figures["timed_call_us"] = round(gil_account.timing_cost_us(), 3)
@@ -154,6 +181,7 @@ class RunProbe:
             if delta > 0:
                 out[_group(self._names.get(tid))] += delta
         out["redis_server"] = max(0.0, self._redis_after - self._redis_before)
+        out["decode_processes"] = max(0.0, self._decoders_after - self._decoders_before)
         ours = sum(out.values())
         out["other_processes"] = max(0.0, self._host_after - self._host_before - ours)
         return out
@@ -168,7 +196,12 @@ class RunProbe:
         self.sampler.close()
         per_image = {k: round(v * 1000 / max(images, 1), 3) for k, v in cpu.items()}
         per_image["total"] = round(
-            sum(v for k, v in per_image.items() if k in (*GROUPS, "redis_server")), 3
+            sum(
+                v
+                for k, v in per_image.items()
+                if k in (*GROUPS, "redis_server", "decode_processes")
+            ),
+            3,
         )
         out: dict[str, Any] = {
             "cpu_process_pct": round(100 * process_s / wall, 1),

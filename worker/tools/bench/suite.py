@@ -48,6 +48,7 @@ import redis.asyncio as aioredis
 import torch
 
 from worker.config.settings import WorkerConfig
+from worker.lifecycle.feed_plan import decode_processes_for
 from worker.lifecycle.service import default_decode_threads
 from worker.model.step import resolve_compile_mode
 from worker.pipeline.device import resolve_device
@@ -56,10 +57,12 @@ from worker.tools.bench.ablations import (
     CACHE_OFF_REPEATS,
     COMPILED,
     CPU_PREPROCESS,
+    DECODE_THREADS,
     DEFAULTS,
     DEVICE_RESIZE_OFF,
     NO_COMPILE,
     NO_DCT,
+    ONE_DECODE_PROCESS,
     ONE_DECODE_THREAD,
     URL_UNIQUE,
     Variant,
@@ -91,12 +94,15 @@ def _stderr(message: str) -> None:
 def variants_for(b: Bench) -> list[Variant]:
     """The ablations that apply here; the others go to `b.skipped` with the reason."""
     out = [NO_DCT]
-    if b.decode_threads > 1:
-        out.append(ONE_DECODE_THREAD)
+    processes, _ = decode_processes_for(b.base, b.cores)
+    one = ONE_DECODE_PROCESS if processes else ONE_DECODE_THREAD
+    if (processes or b.decode_threads) > 1:
+        out.append(one)
     else:
-        b.skipped.append(
-            {"what": ONE_DECODE_THREAD.name, "reason": "the worker already decodes on 1 thread"}
-        )
+        b.skipped.append({"what": one.name, "reason": "the worker already decodes on 1 decoder"})
+    if processes:
+        # The switch back (GPUFEED_DECODE_PROCESSES=0), measured beside the default.
+        out.append(DECODE_THREADS)
     out.append(CPU_PREPROCESS)
     if b.is_cuda:
         out.append(DEVICE_RESIZE_OFF)

@@ -91,6 +91,10 @@ async def run_doctor(
                 "staging_size": worker.loaded.resize_size,
                 "decode": config.decode,
                 "decode_threads": worker.decoder.threads,
+                "decode_processes": worker.engine.plan.decode_processes,
+                "feed_plan": worker.engine.plan.line(),
+                "staged_bytes_per_image": worker.ring_budget["h2d_bytes_per_batch"]
+                // worker.batch_size,
                 "dct_scaling": config.dct_scaling,
                 "resize": worker.placement,
                 "resize_why": worker.ring_budget["resize_placement_why"],

@@ -31,6 +31,7 @@ def evidence_from(report: Mapping[str, Any]) -> Evidence:
         decode=cfg["decode"],
         dct_scaling=cfg["dct_scaling"],
         decode_threads=e2e["decode_threads"] or cfg["decode_threads"],
+        decode_processes=cfg.get("decode_processes", 0),
         cpu_count=report["environment"]["cpu_count"],
         ceiling_images_per_s=None if serving is None else serving["images_per_s"],
         eager_ceiling_images_per_s=(ceiling["eager"] or {}).get("images_per_s"),

@@ -43,13 +43,15 @@ def render(report: Mapping[str, Any], console: Console) -> None:
         f"host {env['host']}: {env['cpu_count']} CPU cores, torch {env['torch']}, "
         + (f"CUDA device {env['device_name']}" if env["cuda_available"] else "no CUDA device")
         + f"; input {cfg['input_size']} px (staging {cfg['staging_size']}), "
-        f"{cfg['decode_threads']} decode threads ({cfg['decode']})"
+        f"decode {cfg['decode']}"
     )
+    console.print(f"feed plan: {cfg['feed_plan']}")
     mib = 1024 * 1024
     console.print(
         f"resize on the {cfg['resize']} ({cfg['resize_why']}); rows {cfg['row_side']} px, "
         f"input ring {cfg['ring_pinned_bytes'] / mib:.0f} MiB, "
-        f"{cfg['h2d_bytes_per_batch'] / mib:.1f} MiB host-to-device per batch"
+        f"{cfg['h2d_bytes_per_batch'] / mib:.1f} MiB host-to-device per batch "
+        f"({cfg['staged_bytes_per_image']:,} bytes per image)"
     )
     for note in cfg["notes"]:
         console.print(f"[yellow]note:[/] {note}")
@@ -155,7 +157,9 @@ def render(report: Mapping[str, Any], console: Console) -> None:
         grid.add_row(
             "decode capacity",
             f"{_num(e2e['decode_capacity_images_per_s'])} images/s = "
-            f"{e2e['decode_threads']} threads / {_num(decode_ms, ',.1f')} ms",
+            f"{e2e['decode_threads']} "
+            f"{'processes' if report['config'].get('decode_processes') else 'threads'} / "
+            f"{_num(decode_ms, ',.1f')} ms",
         )
         grid.add_row(
             "model capacity",

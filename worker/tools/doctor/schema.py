@@ -194,7 +194,18 @@ SCHEMA: dict[str, Any] = _obj(
                 "input_size": _t("integer", "model input side", "px"),
                 "staging_size": _t("integer", "staging (resize) side", "px"),
                 "decode": _t("string", "GPUFEED_DECODE"),
-                "decode_threads": _t("integer", "decode threads", "threads"),
+                "decode_threads": _t(
+                    "integer", "decoders: processes, or threads when there are none", "decoders"
+                ),
+                "decode_processes": _t(
+                    "integer", "decode processes (0: threads in the worker)", "processes"
+                ),
+                "feed_plan": _t(
+                    "string", "the feed plan's line: decoders, ring and resize, each with why"
+                ),
+                "staged_bytes_per_image": _t(
+                    "integer", "host bytes staged and copied to the device per image", "bytes"
+                ),
                 "dct_scaling": _t("boolean", "GPUFEED_DCT_SCALING"),
                 "resize": _t("string", "where images are resized (`host` or `device`)"),
                 "resize_why": _t("string", "why that placement (GPUFEED_RESIZE and the device)"),

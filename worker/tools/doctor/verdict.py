@@ -103,7 +103,8 @@ class Evidence:
     precision: str | None = None  # the serving dtype, e.g. "bfloat16"
     decode: str = "cpu"  # GPUFEED_DECODE
     dct_scaling: bool = True  # GPUFEED_DCT_SCALING
-    decode_threads: int | None = None
+    decode_threads: int | None = None  # decoders: processes, or threads without them
+    decode_processes: int = 0  # GPUFEED_DECODE_PROCESSES as resolved (0: threads)
     cpu_count: int | None = None
     # (a) images/s of the serving step fed from device memory, and both variants
     ceiling_images_per_s: float | None = None
@@ -266,12 +267,17 @@ def _fetch_bound(ev: Evidence) -> Finding | None:
     )
 
 
+def _decoders(ev: Evidence) -> str:
+    return "processes" if ev.decode_processes else "threads"
+
+
 def _decode_knob(ev: Evidence) -> str:
     threads = ev.decode_threads if ev.decode_threads is not None else "?"
     cores = f"; this host has {ev.cpu_count} cores" if ev.cpu_count else ""
     if ev.cpu_count and ev.decode_threads and ev.decode_threads >= ev.cpu_count:
-        cores += ", so more threads help only while decode waits on I/O"
-    parts = [f"raise GPUFEED_DECODE_THREADS (now {threads}{cores})"]
+        cores += f", so more {_decoders(ev)} help only while decode waits on I/O"
+    setting = "GPUFEED_DECODE_PROCESSES" if ev.decode_processes else "GPUFEED_DECODE_THREADS"
+    parts = [f"raise {setting} (now {threads}{cores})"]
     if ev.device_type == "cuda" and ev.decode != "gpu":
         parts.append(f"or set GPUFEED_DECODE=gpu (now {ev.decode}) to decode JPEGs on the GPU")
     elif ev.device_type != "cuda":
@@ -296,7 +302,7 @@ def _feed_starved(ev: Evidence, ratio_limit: float = FEED_STARVED_RATIO) -> Find
     evidence = [_throughput_line(ev)]
     if capacity is not None and ev.decode_ms_mean is not None:
         evidence.append(
-            f"decode capacity {_rate(capacity)} = {ev.decode_threads} threads / "
+            f"decode capacity {_rate(capacity)} = {ev.decode_threads} {_decoders(ev)} / "
             f"{ev.decode_ms_mean:.1f} ms per image "
             f"({capacity / ev.e2e_images_per_s:.2f}x the throughput; binding below "
             f"{DECODE_BINDING_MARGIN:.1f}x)"
@@ -440,7 +446,8 @@ def _compute_bound(ev: Evidence) -> Finding | None:
         else "the model is the binding stage: the CPU runs it about as fast as it can",
         _lines(*evidence),
         "a CUDA device (GPUFEED_DEVICE=cuda), a smaller GPUFEED_MODEL or GPUFEED_INPUT_SIZE, "
-        f"or more cores (decode threads, now {threads}, share the {cores} cores with the model)",
+        f"or more cores (decode {_decoders(ev)}, now {threads}, share the {cores} cores with the "
+        "model)",
     )
 
 
