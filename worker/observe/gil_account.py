@@ -37,10 +37,11 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
+import psutil
 import simplejpeg  # type: ignore[import-untyped]
 from PIL import Image, ImageFile
 
@@ -205,6 +206,17 @@ def _task_system_s(tid: int) -> float:
         return int(fields[12]) * _TICK_S
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def processes_cpu_s(pids: Iterable[int]) -> float:
+    """CPU seconds (user and system) the processes `pids` used so far; a process gone (a
+    decode process replaced mid-run) counts as nothing."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += float(times.user + times.system)
+    return total
 
 
 def thread_kind(name: str | None, *, is_loop: bool) -> str:

@@ -92,10 +92,7 @@ class RunProbe:
         if redis_pid is not None:
             with contextlib.suppress(psutil.Error):
                 self._redis = psutil.Process(redis_pid)
-        self._decoders: list[psutil.Process] = []
-        for pid in decoder_pids:
-            with contextlib.suppress(psutil.Error):
-                self._decoders.append(psutil.Process(pid))
+        self._decoder_pids = tuple(decoder_pids)
         self._decoders_before = 0.0
         self._decoders_after = 0.0
         self._before: dict[int, float] = {}
@@ -123,13 +120,7 @@ class RunProbe:
         return float(times.user + times.system)
 
     def _decoders_cpu_s(self) -> float:
-        total = 0.0
-        for proc in self._decoders:
-            # A decode process replaced mid-run (over budget) takes its CPU with it.
-            with contextlib.suppress(psutil.Error):
-                times = proc.cpu_times()
-                total += float(times.user + times.system)
-        return total
+        return gil_account.processes_cpu_s(self._decoder_pids)
 
     def start(self) -> RunProbe:
         if self.is_cuda:

@@ -78,6 +78,9 @@ async def end_to_end_section(
     # loop's (the worker's reader, batcher, writer and Redis client, and the feeder).
     loop_cpu0 = time.thread_time()
     pushed0 = feeder.pushed
+    decoder_pids = tuple(getattr(worker.decoder, "pids", ()))
+    decoders0 = gil_account.processes_cpu_s(decoder_pids)
+    decoders_s = 0.0
     gil0 = gil_account.snapshot()
     gil1 = gil0
     main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
@@ -113,6 +116,7 @@ async def end_to_end_section(
         t_end = time.perf_counter()
         loop_cpu_s = time.thread_time() - loop_cpu0
         gil1 = gil_account.snapshot()  # while the worker's threads are alive
+        decoders_s = gil_account.processes_cpu_s(decoder_pids) - decoders0
     finally:
         feeding.cancel()
         sampler.close()
@@ -134,6 +138,7 @@ async def end_to_end_section(
         cores=tuple(sorted({16, os.cpu_count() or 1})),
         exclude_loop_s=feeder_s,
         model_on_cpu=not cuda and cfg.model != "null",
+        decoders_cpu_s=max(0.0, decoders_s),
     )
     if gil is not None:
         gil["feeder_us_per_job_excluded"] = round(1e6 * feeder_s / n_end, 1)

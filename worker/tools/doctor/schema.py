@@ -89,12 +89,18 @@ _GIL = _obj(
             },
         ),
         "process_cpu_us_per_job": _t(
-            "number", "the process's CPU per job, less the doctor's feeder", "µs"
+            "number",
+            "the worker's CPU per job (its decode processes' included), less the doctor's feeder",
+            "µs",
+        ),
+        "decode_processes_cpu_us_per_job": _t(
+            "number", "the decode processes' CPU per job (0 with decode threads)", "µs"
         ),
         "decode_released_us_per_job": _t(
             "number",
             "decode threads' time inside libjpeg-turbo, Pillow's decode and resize and the "
-            "row copy, which release the GIL",
+            "row copy, and the time sending rows to decode processes: calls that release the "
+            "GIL",
             "µs",
         ),
         "timed_calls_per_job": _t("number", "timed GIL-releasing calls per job", "calls"),
