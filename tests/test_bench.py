@@ -95,6 +95,14 @@ def test_every_figure_is_a_real_measurement(tiny: tuple[dict[str, Any], Path]) -
         assert rate["images_per_s"] > 0 and math.isfinite(rate["images_per_s"])
     kinds = {m["kind"] for m in report["stage_rates"]["model"]}
     assert kinds == {"ceiling", "naive_batch_1"}
+    # Decode processes alone, one and N, for each image set the defaults ran on.
+    scaling = report["stage_rates"]["decode_processes"]
+    assert {s["image_set"] for s in scaling} == {s["name"] for s in report["image_sets"]}
+    for s in scaling:
+        one, many = s["rates"]
+        assert one["processes"] == 1 and many["processes"] >= 2
+        assert one["images_per_s"] > 0 and many["images_per_s"] > 0
+        assert s["scaling"] == pytest.approx(many["images_per_s"] / one["images_per_s"], abs=0.01)
 
 
 @pytest.mark.slow

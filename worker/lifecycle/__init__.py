@@ -1,6 +1,7 @@
 """A worker's life: `service.py` reads serve -> startup -> main_loop -> shutdown;
-`engine.py` warms the model side up after `feed_plan.py` chose its decoders, `wiring.py` builds the stages as one object whose
-teardown is registered as each is built, `dispatch.py` hands reads and batches on;
+`engine.py` warms the model side up after `feed_plan.py` chose its decoders, `wiring.py`
+builds the stages as one object whose teardown is registered as each is built,
+`dispatch.py` hands reads and batches on;
 `supervisor.py` runs several worker processes on one device; `event_loop.py` is the loop
 every command runs in.
 

@@ -818,6 +818,19 @@ def _stage_rate_lines(report: Mapping[str, Any]) -> list[str]:
     methods = rates.get("decode_methods", {})
     if methods:
         out += [""] + [f"- `{name}`: {text}" for name, text in methods.items()]
+    scaling = rates.get("decode_processes") or []
+    if scaling:
+        out += ["", "Decode processes (every image decoded into the shared ring, alone):", ""]
+        out += [
+            f"- {s['image_set']}, staging {s['staging_size']} px: "
+            + ", ".join(
+                f"{r['processes']} process{'es' * (r['processes'] > 1)} "
+                f"{_fmt(r['images_per_s'])} images/s"
+                for r in s["rates"]
+            )
+            + f" ({_fmt(s['scaling'], 2)}x)"
+            for s in scaling
+        ]
     queue = rates.get("queue") or []
     if queue:
         out += ["", "Queue ceiling (gpufeed's Redis work alone, the jobs of the set):", ""]

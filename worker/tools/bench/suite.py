@@ -79,6 +79,7 @@ from worker.tools.bench.latency_curve import curve_runs
 from worker.tools.bench.naive_run import naive_run
 from worker.tools.bench.overhead import overhead_section
 from worker.tools.bench.priority import priority_section
+from worker.tools.bench.process_scaling import process_scaling
 from worker.tools.bench.profiles import ModelPlan, Profile, SetPlan
 from worker.tools.bench.provenance import host_extras
 from worker.tools.bench.queue_ceiling import queue_ceiling
@@ -202,7 +203,41 @@ async def _bench(b: Bench) -> RateTable:
     if b.profile.priority is not None:
         b.echo("priority: high-priority jobs behind a low-priority burst, with and without levels")
         b.priority = await priority_section(b, b.profile.priority)
-    return await asyncio.to_thread(stage_rates, b)
+    rates = await asyncio.to_thread(stage_rates, b)
+    b.process_scaling = await asyncio.to_thread(process_scaling_rows, b)
+    return rates
+
+
+def process_scaling_rows(b: Bench) -> list[dict[str, Any]]:
+    """Per image set of the defaults runs: decode rates with 1 and N decode processes (N:
+    the defaults' decoders, at least 2), and N's over 1's."""
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[str, int]] = set()
+    for run in b.runs:
+        s = run["settings"]
+        key = (run["image_set"], int(s["staging_size"]))
+        if run["name"] != DEFAULTS.name or key in seen:
+            continue
+        seen.add(key)
+        n = max(2, int(s.get("decode_processes") or 0))
+        b.echo(f"decode processes: {key[0]}, 1 and {n}")
+        rates = process_scaling(
+            b.sets[key[0]].images[: b.profile.stage_images],
+            staging_size=key[1],
+            device_rows=s.get("resize_placement") == "device",
+            counts=(1, n),
+            min_time_s=b.profile.stage_min_s,
+        )
+        one, many = rates[0]["images_per_s"], rates[-1]["images_per_s"]
+        out.append(
+            {
+                "image_set": key[0],
+                "staging_size": key[1],
+                "rates": rates,
+                "scaling": round(many / one, 2) if one else None,
+            }
+        )
+    return out
 
 
 async def measure_queue_ceiling(b: Bench, plan: ModelPlan, sp: SetPlan) -> None:
@@ -385,6 +420,7 @@ def run_bench(
             ],
             "model": b.model_rates,
             "queue": list(b.queue_ceilings.values()),
+            "decode_processes": b.process_scaling,
         },
         "runs": b.runs,
         "url_runs": b.url_runs,
