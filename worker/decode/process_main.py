@@ -5,7 +5,7 @@ staging memory file and one end of a socket pair inherited. It imports the decod
 numpy, never torch, so it starts in a fraction of a second and holds tens of MB.
 
 What crosses the socket, per work item (a run of one batch's rows, not an image):
-the worker sends a header, the item's description (pickled: row indices, payload lengths,
+the worker sends a header, the item's description (msgpack: row indices, payload lengths,
 paths, reply streams) and the payload bytes back to back; the process answers 16 bytes
 (the item's token) once every row of it has its record in the result table. The pixels
 and each row's record go through shared memory, never through the socket.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import pickle
 import socket
 import struct
 import sys
@@ -27,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import numpy.typing as npt
 from PIL import Image
@@ -88,8 +88,7 @@ class RowDecoder:
         row: int,
         data: bytes | memoryview | None,
         path: bytes | None,
-        key: bytes | None,
-        ns: str,
+        ns: str | None,
     ) -> None:
         record = self.arena.table[row]
         start = time.perf_counter()
@@ -100,7 +99,7 @@ class RowDecoder:
                 data = read_job_path(path, self.path_root, self.spec.max_bytes)
             if not data:
                 raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
-            info, cached, reduced = self._decode(row, data, key, ns)
+            info, cached, reduced = self._decode(row, data, ns)
         except DecodeError as exc:
             _failed(record, exc.code, exc.message, start)
             return
@@ -118,12 +117,15 @@ class RowDecoder:
         record["state"] = DONE
 
     def _decode(
-        self, row: int, data: bytes | memoryview, key: bytes | None, ns: str
+        self, row: int, data: bytes | memoryview, ns: str | None
     ) -> tuple[DecodeInfo, bool, bool]:
+        """`ns`: the reply stream the cache key includes; None: not cached here (a `url`
+        job's row, which the worker caches under its URL's key)."""
         out: npt.NDArray[np.uint8] = self.arena.rows[row]
         blob = bytes(data)
-        if self.cache is not None:
-            key = key or cache_key(blob, ns)
+        key = None
+        if self.cache is not None and ns is not None:
+            key = cache_key(blob, ns)
             entry = self.cache.get(key)
             if entry is not None:
                 np.copyto(out, entry[0])
@@ -175,17 +177,17 @@ def serve(
         view = memoryview(payload)[:payload_len]
         if not _recv_exact(sock, view):
             return
-        token, rows, lengths, paths, keys, namespaces = pickle.loads(meta)
+        token, rows, lengths, paths, namespaces = msgpack.unpackb(meta)
         progress["token"] = token
         offset = 0
-        for row, length, path, key, ns in zip(rows, lengths, paths, keys, namespaces, strict=True):
+        for row, length, path, ns in zip(rows, lengths, paths, namespaces, strict=True):
             # Start time before row: the worker reads row, then the time, so it never
             # pairs a row with a time older than that row's start.
             progress["started_ns"] = time.monotonic_ns()
             progress["row"] = row
             data = view[offset : offset + length] if path is None else None
             offset += max(length, 0)
-            decoder.decode(row, data, path, key, ns)
+            decoder.decode(row, data, path, ns)
         progress["token"] = 0
         answers.sendall(ANSWER.pack(token, 0))
 

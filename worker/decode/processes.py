@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import pickle
 import queue
 import socket
 import subprocess
@@ -37,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import numpy.typing as npt
 import structlog
@@ -132,7 +132,9 @@ class ProcessDecodePool:
     ) -> None:
         """`cache_bytes`: the decode cache, split among the processes (each image goes to
         the process its bytes' fingerprint names, so a repeated image meets its cached
-        row); `cache_counts`: where hits and misses are counted (the worker's cache)."""
+        row); `cache_counts`: the worker's own cache, where hits and misses are counted and
+        `url` jobs' rows are kept under their URL's key (the fetch stage serves a 304 from
+        it)."""
         if budget_s <= 0:
             raise ValueError(f"budget_s must be positive (got {budget_s})")
         if not 1 <= processes <= arena.layout.processes:
@@ -146,6 +148,7 @@ class ProcessDecodePool:
         # Each process keeps its own decode cache: an equal share of the setting.
         self.cache_bytes = cache_bytes // processes
         self.cache_counts = cache_counts
+        self.url_cache = cache_counts if cache_counts is not None and cache_counts.enabled else None
         self.delay_s = delay_s
         self.max_image_pixels = max_image_pixels or spec.max_pixels
         self.gpu_router = None
@@ -284,7 +287,13 @@ class ProcessDecodePool:
         group = item.group
         for position in item.positions:
             if group.results[position] is None:
-                group.set(position, self._result(group.rows[position]))
+                row = group.rows[position]
+                result = self._result(row)
+                key = group.jobs[position].cache_key
+                if key is not None and result.info is not None and self.url_cache is not None:
+                    # The fetch stage serves this URL's next 304 from here.
+                    self.url_cache.put(key, self.arena.rows[row], result.info)
+                group.set(position, result)
 
     def _result(self, row: int) -> DecodeResult:
         record = self.arena.table[row]
@@ -455,14 +464,14 @@ class ProcessDecodePool:
         rows: list[int] = []
         lengths: list[int] = []
         paths: list[bytes | None] = []
-        keys: list[bytes | None] = []
-        namespaces: list[str] = []
+        namespaces: list[str | None] = []
         payloads: list[bytes | memoryview] = []
         for position in positions:
             job = group.jobs[position]
             rows.append(group.rows[position])
-            keys.append(job.cache_key)
-            namespaces.append(job.reply_to)
+            # A `url` job with a validator is cached here under its URL's key (the fetch
+            # stage looks it up on a 304), not in the process under its bytes'.
+            namespaces.append(None if job.cache_key is not None else job.reply_to)
             if job.image is not None:
                 payloads.append(job.image)
                 lengths.append(len(job.image))
@@ -470,7 +479,7 @@ class ProcessDecodePool:
             else:
                 lengths.append(-1 if job.path is not None else 0)
                 paths.append(job.path)
-        meta = pickle.dumps((token, rows, lengths, paths, keys, namespaces), protocol=5)
+        meta = msgpack.packb((token, rows, lengths, paths, namespaces))
         size = sum(len(p) for p in payloads)
         proc.outbox.put([HEADER.pack(MAGIC, len(meta), size), meta, *payloads])
 

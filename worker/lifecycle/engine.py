@@ -219,7 +219,10 @@ async def warm_up(
     if precision is not None:
         log.info("precision_check", **precision.as_dict())
     threads = plan.decode_processes or plan.decode_threads
-    cache = DecodeCache(cfg.decode_cache_mb * 1024 * 1024)
+    cache_bytes = cfg.decode_cache_mb * 1024 * 1024
+    # With decode processes, half the cache is theirs (rows by their bytes), half the
+    # worker's (`url` jobs' rows by their URL), so the two stay within the setting.
+    cache = DecodeCache(cache_bytes // 2 if arena is not None else cache_bytes)
     decoder: AnyDecodePool
     if arena is not None:
         decoder = _process_pool(cfg, loaded, plan, arena, rows=rows, hook=decode_hook, cache=cache)
@@ -352,7 +355,7 @@ def _process_pool(
             arena=arena,
             budget_s=cfg.decode_budget_ms / 1000,
             row_side=rows,
-            cache_bytes=cfg.decode_cache_mb * 1024 * 1024,
+            cache_bytes=cfg.decode_cache_mb * 1024 * 1024 // 2,
             cache_counts=cache,
             delay_s=hook.delay_s if isinstance(hook, SleepHook) else 0.0,
             max_image_pixels=cfg.max_image_pixels,

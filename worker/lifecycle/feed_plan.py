@@ -66,6 +66,14 @@ class FeedPlan:
         }
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (a cpuset or taskset narrows them), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
 def shared_memory_files() -> bool:
     """Whether this system has anonymous memory files (memfd), which decode processes use."""
     return hasattr(os, "memfd_create")
@@ -82,7 +90,7 @@ def plan_feed(
 ) -> FeedPlan:
     """The plan for `cfg` on this host. `thread_only_hook`: a decode hook is set that only
     a thread can run. Raises ConfigError where the settings ask for what cannot be."""
-    cores = cores or os.cpu_count() or 1
+    cores = cores or usable_cores()
     threads = cfg.decode_threads or default_threads
     k, why = decode_processes_for(cfg, cores, thread_only_hook=thread_only_hook)
     if k == 0:
