@@ -115,7 +115,7 @@ async def test_slow_decoder_is_feed_starved(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
     redis_client.xadd("gpufeed:jobs", {"id": "production-job", "image": b"x"})
-    config = tiny_config(redis_url, tiny_weights, decode_threads=2)
+    config = tiny_config(redis_url, tiny_weights, decode_processes="2")
     options = DoctorOptions(jobs=24, decode_delay_s=0.15, **FAST)  # type: ignore[arg-type]
     report = await run_doctor(config, options)
 
@@ -125,11 +125,12 @@ async def test_slow_decoder_is_feed_starved(
     e2e = report["end_to_end"]
     assert e2e["measured"] and e2e["results_ok"] == 24 and e2e["redis"] == "existing"
     assert e2e["stage_ms"]["decode"] >= 150
-    # 2 threads / ~0.15 s: the decoders can supply about 13 images/s, and that is all.
+    # 2 decode processes / ~0.15 s: they can supply about 13 images/s, and that is all.
     assert 8 < e2e["decode_capacity_images_per_s"] < 14
     assert e2e["images_per_s"] < 0.7 * report["ceiling"]["eager"]["images_per_s"]
     assert any("decode capacity" in line for line in v["evidence"])
-    assert "GPUFEED_DECODE_THREADS (now 2" in v["knob"]
+    assert report["config"]["decode_processes"] == 2
+    assert "GPUFEED_DECODE_PROCESSES (now 2" in v["knob"]
     # The run's keys are gone; the production stream was not touched.
     assert keys_left(redis_url) == []
     assert redis_client.xlen("gpufeed:jobs") == 1
@@ -197,7 +198,7 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
         REDIS_URL=redis_url,
         GPUFEED_MODEL="null",
         GPUFEED_BATCH_SIZE="16",
-        GPUFEED_DECODE_THREADS="2",
+        GPUFEED_DECODE_PROCESSES="2",
     )
     args = ["doctor", "--json", "--jobs", "64", "--ceiling-seconds", "0.2"]
     proc = run_module("worker", *args, "--image-size", "64x64", env=env)
@@ -209,12 +210,16 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
     assert e2e["results_ok"] == 64 and e2e["results_error"] == 0
     assert e2e["queue_capacity_jobs_per_s"] > 0 and e2e["queue_client_cpu_us_per_job"] > 0
     assert e2e["loop_cpu_us_per_job"] > 0
-    # What holds the GIL per job: the loop and the decode threads both do, and the
-    # projection says which bound is lower on 16 cores and on this host's.
+    # What holds the GIL per job: the loop does, and the threads that send the decode
+    # processes their rows (releasing it in the kernel's copy: one timed call per message,
+    # not per job); the processes' CPU counts in the projection, which says which bound is
+    # lower on 16 cores and on this host's.
     gil = e2e["gil"]
+    assert report["config"]["decode_processes"] == 2
     assert gil["jobs"] == 64 and gil["threads"]["decode"] >= 2
     assert gil["gil_us_per_job"]["event_loop"] > 0 and gil["gil_us_per_job"]["decode"] > 0
-    assert gil["decode_released_us_per_job"] > 0 and gil["timed_calls_per_job"] >= 1
+    assert gil["decode_released_us_per_job"] > 0 and 0 < gil["timed_calls_per_job"] < 1
+    assert gil["decode_processes_cpu_us_per_job"] > 0
     assert gil["launch_computes_model"] is False  # the null model: the launch is the feed's
     assert 16 in [p["cores"] for p in gil["projections"]]
     for p in gil["projections"]:
