@@ -175,7 +175,9 @@ def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
     auto = plan_feed(cfg, thread_only_hook=False, cores=16, **kw)
     assert auto.decode_processes == 15
     assert "16 cores" in auto.line()
-    assert plan_feed(cfg, thread_only_hook=False, cores=2, **kw).decode_processes == 2
+    few = plan_feed(cfg, thread_only_hook=False, cores=2, **kw)
+    assert few.decode_processes == 0 and "2 cores, under 4" in few.line()
+    assert plan_feed(cfg, thread_only_hook=False, cores=4, **kw).decode_processes == 3
     hooked = plan_feed(cfg, thread_only_hook=True, cores=16, **kw)
     assert hooked.decode_processes == 0 and "2 decode threads" in hooked.line()
     off = tiny_config("redis://127.0.0.1:1/0", weights, decode_processes="0")

@@ -143,8 +143,9 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "GPUFEED_DECODE_PROCESSES": (
         "`auto`",
         "decode processes writing into shared staging memory; `0`: decode threads in the "
-        "worker instead (needed for GPUFEED_DECODE=gpu); `auto`: one per CPU core but the "
-        "worker's, at least 2, at most 32 (threads where shared memory files are missing)",
+        "worker instead (needed for GPUFEED_DECODE=gpu); `auto`: on 4 cores or more one per "
+        "core but the worker's, at most 32; threads below 4 cores, where the worker's own "
+        "CPU would compete with them, and where shared memory files are missing",
     ),
     "GPUFEED_DECODE": (
         "`cpu`",

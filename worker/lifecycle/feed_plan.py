@@ -4,13 +4,18 @@ are resized; chosen at start-up from the host and the settings, each choice with
 The worker logs it as one line (`feed_plan`); `doctor` and the bench print it. Every
 choice follows a setting when one is given; `auto` picks from the host:
 
-- decode processes: one per core but one, left to the worker's own process (the event
-  loop, Redis, the launches), at least 2 and at most 32. Measured on a 2-core host with a
-  second Python thread busy in the worker's process (as its event loop is under load): two
-  decode threads fell from 882 to 47 images/s of 640x480 JPEGs, two decode processes kept
-  457 (784 with the process quiet); so processes are the default even there. Threads stay
-  where processes cannot run: GPU decode (its router runs in the worker), a decode hook
-  that only a thread can run (tests), or no memory files (memfd, Linux only);
+- decode processes: on 4 cores or more, one per core but one, left to the worker's own
+  process (the event loop, Redis, the launches), at most 32. Where one process's GIL binds
+  (many cores), processes take decode out of it: measured on a 2-core host with a second
+  Python thread busy in the worker's process (as its event loop is under load), two decode
+  threads fell from 882 to 47 images/s of 640x480 JPEGs while two decode processes kept
+  457; and the worker's GIL account projects 2,147 jobs/s on 16 cores with processes
+  against 1,487 with threads (null model, 640x480, every job decoded). Where the cores
+  bind (few), the worker's own CPU competes with K busy processes: on that 2-core host the
+  worker served 730 jobs/s with 2 decode threads and 630 with 2 decode processes (64x64:
+  1,414 and 1,068), so below 4 cores `auto` keeps threads. Threads stay too where
+  processes cannot run: GPU decode (its router runs in the worker), a decode hook that only
+  a thread can run (tests), or no memory files (memfd, Linux only);
 - ring slots: GPUFEED_RING_SLOTS;
 - resize placement: worker/model/resample.py (`choose_placement`).
 """
@@ -24,7 +29,8 @@ from typing import Any
 from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
 
-MIN_AUTO_PROCESSES = 2
+# Below this many cores `auto` decodes on threads (see the module's docstring).
+MIN_CORES_FOR_PROCESSES = 4
 MAX_AUTO_PROCESSES = 32
 
 
@@ -122,8 +128,14 @@ def decode_processes_for(
             k, why = 0, "auto: this system has no memory files (memfd) to share with processes"
         elif thread_only_hook:
             k, why = 0, "auto: a decode hook is set that runs in threads only"
+        elif cores < MIN_CORES_FOR_PROCESSES:
+            k = 0
+            why = (
+                f"auto: {cores} cores, under {MIN_CORES_FOR_PROCESSES}: the worker's own CPU "
+                "would compete with busy decode processes"
+            )
         else:
-            k = max(MIN_AUTO_PROCESSES, min(MAX_AUTO_PROCESSES, cores - 1))
+            k = min(MAX_AUTO_PROCESSES, cores - 1)
             why = f"auto: {cores} cores, one left to the worker"
     else:
         k = int(setting)

@@ -69,6 +69,13 @@ ONE_DECODE_PROCESS = Variant(
     "parallel_decode",
     (("decode_processes", "1"),),
 )
+# Decode processes, where the defaults decode on threads (hosts under 4 cores).
+DECODE_PROCESSES = Variant(
+    "gpufeed-decode-processes",
+    "decode processes on (2, instead of threads)",
+    "decode_processes",
+    (("decode_processes", "2"),),
+)
 # The switch back: decode threads in the worker's process, as before decode processes.
 DECODE_THREADS = Variant(
     "gpufeed-decode-threads",

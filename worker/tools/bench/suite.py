@@ -57,6 +57,7 @@ from worker.tools.bench.ablations import (
     CACHE_OFF_REPEATS,
     COMPILED,
     CPU_PREPROCESS,
+    DECODE_PROCESSES,
     DECODE_THREADS,
     DEFAULTS,
     DEVICE_RESIZE_OFF,
@@ -101,9 +102,8 @@ def variants_for(b: Bench) -> list[Variant]:
         out.append(one)
     else:
         b.skipped.append({"what": one.name, "reason": "the worker already decodes on 1 decoder"})
-    if processes:
-        # The switch back (GPUFEED_DECODE_PROCESSES=0), measured beside the default.
-        out.append(DECODE_THREADS)
+    # Decode processes and threads, measured side by side whichever the default is.
+    out.append(DECODE_THREADS if processes else DECODE_PROCESSES)
     out.append(CPU_PREPROCESS)
     if b.is_cuda:
         out.append(DEVICE_RESIZE_OFF)
