@@ -352,8 +352,33 @@ def test_half_precision_agrees_with_fp32(dtype: torch.dtype) -> None:
     assert report.max_abs_top1_prob_diff < 0.05, report
 
 
+def test_shared_staging_is_registered_pinned_and_copies_asynchronously() -> None:
+    """Decode processes' ring: memfd pages registered with CUDA read as pinned, and a
+    non-blocking copy from them on a side stream lands whole."""
+    from worker.decode.arena import ArenaLayout, SharedArena
+    from worker.pipeline.staging import InputRing, register_pinned, unregister_pinned
+
+    arena = SharedArena.create(ArenaLayout(rows=8, side=32, processes=1))
+    register_pinned(arena)
+    try:
+        ring = InputRing(2, 4, 32, pin=True, arena=arena)
+        slot = ring.slots[1]
+        assert slot.images.is_pinned()
+        slot.array[:] = np.arange(slot.array.size, dtype=np.uint64).reshape(slot.array.shape) % 251
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            on_device = slot.images.to("cuda", non_blocking=True)
+        side.synchronize()
+        assert torch.equal(on_device.cpu(), slot.images)
+        del ring, slot, on_device
+    finally:
+        unregister_pinned(arena)
+        arena.close()
+
+
+@pytest.mark.parametrize("decode_processes", ["0", "2"])
 async def test_worker_on_cuda_matches_the_cpu_reference(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, decode_processes: str
 ) -> None:
     from producer.wire import JobResult
     from tests.images import jpeg_bytes
@@ -362,9 +387,15 @@ async def test_worker_on_cuda_matches_the_cpu_reference(
 
     images = [jpeg_bytes(200 + 10 * i, 150, seed=i) for i in range(6)]
     async with running_worker(
-        redis_url, tiny_weights, device="cuda", batch_size=4, compile="auto"
+        redis_url,
+        tiny_weights,
+        device="cuda",
+        batch_size=4,
+        compile="auto",
+        decode_processes=decode_processes,
     ) as worker:
         assert worker.compile_report is not None and worker.compile_report.compiled
+        assert worker.decoder.kind == ("processes" if decode_processes != "0" else "threads")
         for i, data in enumerate(images):
             redis_client.xadd("gpufeed:jobs", {"id": f"j{i}", "image": data})
         entries = await wait_results(redis_client, "gpufeed:results", len(images))
