@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from producer.wire import ErrorCode, JobResult
 from tests.images import (
@@ -211,3 +213,43 @@ async def test_the_worker_answers_the_same_with_processes_and_with_threads(
     assert len(answers["2"]) == len(images)
     assert answers["2"] == answers["0"]
     assert [s for _, s, _ in answers["2"]].count("ok") == 6
+
+
+_SMALL_JPEG = jpeg_bytes(96, 72, seed=9)
+
+
+@st.composite
+def _damaged_jpegs(draw: st.DrawFn) -> bytes:
+    data = bytearray(_SMALL_JPEG)
+    at = draw(st.integers(0, len(data) - 1))
+    data[at] = draw(st.integers(0, 255))
+    return bytes(data[: draw(st.integers(0, len(data)))])
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.one_of(st.binary(max_size=40), _damaged_jpegs()), min_size=1, max_size=10))
+def test_processes_answer_any_bytes_as_threads_do(blobs: list[bytes]) -> None:
+    """Whatever a job carries, a decode process answers it as a decode thread does: the
+    same error code and message, or the same size and pixels."""
+
+    async def compare() -> None:
+        spec = DecodeSpec(size=SIZE)
+        arena = SharedArena.create(ArenaLayout(rows=len(blobs), side=SIZE, processes=2))
+        procs = ProcessDecodePool(spec, 2, None, arena=arena)
+        threads = DecodePool(spec, 2, None)
+        jobs = [_job(i, b) for i, b in enumerate(blobs)]
+        try:
+            rows = np.zeros((len(jobs), SIZE, SIZE, 3), np.uint8)
+            expected = await threads.settle([threads.submit_rows(jobs, rows)])
+            got = await procs.settle([procs.submit_rows(jobs, arena.rows)])
+            assert len(got) == len(jobs)
+            for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+                _same(a, b)
+                if a.error is None:
+                    assert np.array_equal(arena.rows[i], rows[i])
+        finally:
+            procs.shutdown()
+            threads.shutdown()
+            arena.close()
+
+    asyncio.run(compare())

@@ -97,7 +97,7 @@ class RowDecoder:
                 time.sleep(self.delay_s)
             if path is not None:
                 data = read_job_path(path, self.path_root, self.spec.max_bytes)
-            if not data:
+            if data is None:
                 raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
             info, cached, reduced = self._decode(row, data, ns)
         except DecodeError as exc:
@@ -185,7 +185,8 @@ def serve(
             # pairs a row with a time older than that row's start.
             progress["started_ns"] = time.monotonic_ns()
             progress["row"] = row
-            data = view[offset : offset + length] if path is None else None
+            # length: the payload's bytes; -1: a path job (read here); -2: nothing to decode.
+            data = view[offset : offset + length] if length >= 0 else None
             offset += max(length, 0)
             decoder.decode(row, data, path, ns)
         progress["token"] = 0

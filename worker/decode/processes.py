@@ -60,6 +60,8 @@ _START_TIMEOUT_S = 60.0
 _Message = list[bytes | memoryview]
 # Processes that die before they are ready, in a row, before the pool gives up on them.
 _MAX_FAILED_STARTS = 3
+# Processes ending on the same rows with none of them started, before those rows fail.
+_MAX_ATTEMPTS = 3
 
 
 class DecodeProcessesFailed(RuntimeError):
@@ -96,6 +98,10 @@ class _Item:
     token: int
     group: ProcessGroup
     positions: list[int]  # indices into group.jobs
+    # How many processes ended while holding these rows, none of them blamed on a row: a
+    # process that dies before it starts a row (a fault outside any decode) would otherwise
+    # have the rows sent on for ever.
+    attempts: int = 0
 
 
 @dataclass(eq=False)
@@ -344,6 +350,13 @@ class ProcessDecodePool:
         else:
             self._procs.pop(index)
         budget_ms = round(self.budget_s * 1000)
+        # The process was on a row of its own: that row is answered, the others are not at
+        # fault. Otherwise it ended between rows, and every row it held counts an attempt.
+        blamed = (
+            row is not None
+            and token in proc.items
+            and int(self.arena.table["state"][row]) == PENDING
+        )
         for item in proc.items.values():
             group = item.group
             left: list[int] = []
@@ -386,10 +399,18 @@ class ProcessDecodePool:
                 else:
                     left.append(position)
             if left:
+                attempts = item.attempts if blamed else item.attempts + 1
                 if replacement is None:
                     self._fail(group, left, self.broken or "decode processes are gone")
+                elif attempts >= _MAX_ATTEMPTS:
+                    self._fail(
+                        group,
+                        left,
+                        f"decode processes ended {attempts} times before decoding this image "
+                        f"(last exit code {code})",
+                    )
                 else:
-                    self._send(replacement, group, left)
+                    self._send(replacement, group, left, attempts=attempts)
         proc.items.clear()
 
     def _stop(self, proc: _Process) -> None:
@@ -457,9 +478,11 @@ class ProcessDecodePool:
             if part:
                 self._send(proc, group, part)
 
-    def _send(self, proc: _Process, group: ProcessGroup, positions: list[int]) -> None:
+    def _send(
+        self, proc: _Process, group: ProcessGroup, positions: list[int], *, attempts: int = 0
+    ) -> None:
         token = next(self._tokens)
-        item = _Item(token, group, positions)
+        item = _Item(token, group, positions, attempts)
         proc.items[token] = item
         rows: list[int] = []
         lengths: list[int] = []
@@ -477,7 +500,7 @@ class ProcessDecodePool:
                 lengths.append(len(job.image))
                 paths.append(None)
             else:
-                lengths.append(-1 if job.path is not None else 0)
+                lengths.append(-1 if job.path is not None else -2)
                 paths.append(job.path)
         meta = msgpack.packb((token, rows, lengths, paths, namespaces))
         size = sum(len(p) for p in payloads)
