@@ -111,8 +111,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             f"{s['jobs']} jobs per run; {model}",
             "",
             f"gpufeed: batch {st.get('batch_size')}, {st.get('dtype')}, compile "
-            f"{st.get('compile')}, {st.get('decode_threads')} decode threads, max wait "
-            f"{_fmt(st.get('max_wait_ms'), 0)} ms; weights {st.get('weights')}.",
+            f"{st.get('compile')}, {st.get('decode_threads')} decode "
+            f"{'processes' if st.get('decode_processes') else 'threads'}, max wait "
+            f"{_fmt(st.get('max_wait_ms'), 0)} ms; weights {st.get('weights')}; "
+            f"{_fmt(st.get('staged_bytes_per_image'), 0)} bytes staged per image.",
+            "",
+            f"Feed plan: {st.get('feed_plan')}.",
             "",
         ]
         rows = [
