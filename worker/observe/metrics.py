@@ -46,7 +46,7 @@ STAGE_INFO = (
     Stage("queue", "queue", "read, waiting for a batch row",
           "the model binds; GPUFEED_RING_SLOTS"),
     Stage("decode", "decode", "decoding and resizing",
-          "GPUFEED_DECODE_THREADS, GPUFEED_DECODE"),
+          "GPUFEED_DECODE_PROCESSES, GPUFEED_DECODE"),
     Stage("batch_wait", "model_wait", "sealed batch waiting to run",
           "faster step, not GPUFEED_MAX_WAIT_MS"),
     Stage("compute", "compute", "model step, per batch",
