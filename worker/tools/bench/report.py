@@ -402,9 +402,11 @@ def gil_lines(report: Mapping[str, Any]) -> list[str]:
         "µs per job holding the GIL, by thread: the event loop (reader, batcher, completion, "
         "writer, Redis client) and the launch thread count their CPU time; decode threads "
         "their CPU time less the time inside calls that release the GIL (libjpeg-turbo, "
-        "Pillow's decode and resize, the row copy: in brackets). One process serves at most "
-        "1e6 / (the GIL µs of all threads) jobs/s, and N x 1e6 / (its CPU µs per job) on N "
-        "cores; the projection is the lower, with what binds"
+        "Pillow's decode and resize, the row copy: in brackets). With decode processes the "
+        "decode column is the threads that send them rows (less the kernel's copy, in "
+        "brackets); the processes hold GILs of their own, and their CPU counts in the CPU "
+        "column. One process serves at most 1e6 / (the GIL µs of all threads) jobs/s, and N x "
+        "1e6 / (the CPU µs per job) on N cores; the projection is the lower, with what binds"
         + (f" (timing a call costs {_fmt(cost, 2)} µs here)." if cost is not None else "."),
         "",
         table(
