@@ -97,8 +97,9 @@ bench: setup ## the benchmark report (bench/out/); MODEL=DIR for a model directo
 # 20,000 mixed good and bad jobs through 2 worker processes, with a worker SIGKILLed and
 # restarted and Redis restarted; prints a report, writes .soak/report.json (scripts/soak.py
 # --help for --jobs, --workers, --out). Fails if a job is missing or answered twice.
+# SOAK_DECODE_PROCESSES=2 runs the workers with 2 decode processes each (0: decode threads).
 soak: setup ## 20,000 jobs with a worker killed and Redis restarted (.soak/report.json)
-	$(PY) scripts/soak.py
+	$(PY) scripts/soak.py $(if $(SOAK_DECODE_PROCESSES),--decode-processes $(SOAK_DECODE_PROCESSES))
 
 # The cluster variant: a private Redis Cluster (3 masters, 1 replica each), 3 shards, 2
 # workers on the null model, a master SIGKILLed at 50% answered; reports duplicates, lost

@@ -401,6 +401,7 @@ class SoakArgs:
     input_size: int
     weights: str
     device: str
+    decode_processes: str
     visibility_timeout: float
     no_faults: bool
     redis_down_s: float
@@ -436,6 +437,9 @@ _PATH = click.Path(path_type=Path)
 @click.option("--input-size", type=int, default=64)
 @click.option("--weights", default="", help="GPUFEED_WEIGHTS; default: tiny random file")
 @click.option("--device", default="cpu", help="GPUFEED_DEVICE (default cpu)")
+@click.option(
+    "--decode-processes", default="auto", help="GPUFEED_DECODE_PROCESSES (0: decode threads)"
+)
 @click.option("--visibility-timeout", type=float, default=5.0)
 @click.option("--no-faults", is_flag=True, help="no kills, no Redis restarts")
 @click.option("--redis-down-s", type=float, default=2.0, help="how long Redis stays down")
@@ -490,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         GPUFEED_INPUT_SIZE=str(args.input_size),
         GPUFEED_BATCH_SIZE=str(args.batch_size),
         GPUFEED_DEVICE=args.device,
+        GPUFEED_DECODE_PROCESSES=args.decode_processes,
         GPUFEED_VISIBILITY_TIMEOUT_S=str(args.visibility_timeout),
         GPUFEED_CLAIM_INTERVAL_S="1",
         GPUFEED_CONSUMER_EXPIRY_S=str(max(30.0, args.visibility_timeout)),
