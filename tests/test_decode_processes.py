@@ -123,7 +123,7 @@ async def test_a_decode_over_budget_ends_its_process_and_the_batch_goes_on() -> 
     arena = SharedArena.create(ArenaLayout(rows=4, side=SIZE, processes=1))
     # One process, so the small image waits behind the slow one in the same run.
     pool = ProcessDecodePool(spec, 1, None, arena=arena, budget_s=0.05)
-    slow = png_bytes(4000, 4000, seed=7)
+    slow = png_bytes(3000, 3000, seed=7)
     try:
         first_pid = pool.pids[0]
         results = await pool.settle(
