@@ -245,9 +245,12 @@ def test_config_precedence_flags_over_env_over_defaults() -> None:
 
 
 @contextmanager
-def worker_process(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+def worker_process(
+    env: dict[str, str], *, own_group: bool = False
+) -> Iterator[subprocess.Popen[str]]:
     """`python -m worker` with `env`, its output captured; killed on the way out if a test
-    left it running."""
+    left it running. `own_group`: in a process group of its own, as a terminal or a service
+    manager starts it, so a signal can go to the group."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "worker"],
         cwd=ROOT,
@@ -255,6 +258,7 @@ def worker_process(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=own_group,
     )
     try:
         yield proc
@@ -264,9 +268,12 @@ def worker_process(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
             proc.wait()
 
 
+@pytest.mark.parametrize("decode_processes", ["0", "2"], ids=["decode-threads", "decode-processes"])
 def test_a_real_worker_process_answers_and_drains_on_sigterm(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, decode_processes: str
 ) -> None:
+    """With decode processes the signal goes to the whole process group (a terminal's
+    Ctrl-C, systemd's stop): the decode processes must outlive it until the drain ends."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
     env.update(
         {
@@ -277,9 +284,11 @@ def test_a_real_worker_process_answers_and_drains_on_sigterm(
             "GPUFEED_BATCH_SIZE": "4",
             "GPUFEED_LOG_FORMAT": "json",
             "GPUFEED_WORKER_NAME": "cli-worker",
+            "GPUFEED_DECODE_PROCESSES": decode_processes,
         }
     )
-    with worker_process(env) as proc:
+    group = decode_processes != "0"
+    with worker_process(env, own_group=group) as proc:
         redis_client.xadd("gpufeed:jobs", {"id": "t1", "image": jpeg_bytes()})
         deadline = time.monotonic() + 90
         while not redis_client.exists("gpufeed:result:t1"):
@@ -290,7 +299,10 @@ def test_a_real_worker_process_answers_and_drains_on_sigterm(
         for i in range(12):
             redis_client.xadd("gpufeed:jobs", {"id": f"late-{i}", "image": jpeg_bytes(seed=i)})
         time.sleep(0.3)
-        proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
     assert redis_client.hget("gpufeed:result:t1", "status") == b"ok"
@@ -303,6 +315,11 @@ def test_a_real_worker_process_answers_and_drains_on_sigterm(
     unread = group["lag"] if group["lag"] is not None else 0
     assert pending == 0
     assert answered + unread == 13
+    # Answered means answered well: no row lost to a decoder stopped by the signal, and no
+    # decode process ended before the drain did.
+    statuses = {f[b"status"] for _, f in redis_client.xrange("gpufeed:results")}
+    assert statuses == {b"ok"}, stderr
+    assert "decode_process_replaced" not in stderr
 
 
 def test_sigterm_while_starting_exits_cleanly(redis_url: str, tiny_weights: Path) -> None:

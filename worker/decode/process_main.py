@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import socket
 import struct
 import sys
@@ -194,6 +195,11 @@ def serve(
 
 
 def main(argv: list[str]) -> int:
+    # A terminal's Ctrl-C and systemd's stop signal reach the whole process group, this
+    # process too: the worker drains its batches first and ends this process by closing
+    # its socket (its own death closes it as well), so the signals are the worker's alone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     arena_fd, sock_fd, answers_fd, index = (int(a) for a in argv[:4])
     layout = ArenaLayout.from_args(argv[4:7])
     spec = DecodeSpec(**json.loads(argv[7]))

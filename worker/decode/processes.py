@@ -337,6 +337,13 @@ class ProcessDecodePool:
         self._stop(proc)
         code = proc.popen.returncode
         index = self._procs.index(proc)
+        log.warning(
+            "decode_process_replaced",
+            cause=cause,
+            pid=proc.popen.pid,
+            exit_code=code,
+            rows_held=sum(len(item.positions) for item in proc.items.values()),
+        )
         if not proc.ready:
             self._failed_starts += 1
         if self._closed:
