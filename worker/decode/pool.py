@@ -351,11 +351,7 @@ class DecodePool:
         started = ticket.started_s if ticket.started_s is not None else time.monotonic()
         elapsed_ms = (time.monotonic() - started) * 1000
         budget_ms = round(self.budget_s * 1000)
-        error = DecodeError(
-            ErrorCode.DECODE_TIMEOUT,
-            f"decoding took longer than the budget of {budget_ms} ms; "
-            "the batch went on without this image",
-        )
+        error = over_budget(budget_ms)
         if not group.give_up(row, self._reserve_spare, DecodeResult(None, error, elapsed_ms)):
             return False
         self.given_up += 1
@@ -501,6 +497,15 @@ class DecodePool:
         deadline = time.monotonic() + self.budget_s
         for thread in self._spawned:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def over_budget(budget_ms: int) -> DecodeError:
+    """The error of a row given up over the decode budget (threads and processes alike)."""
+    return DecodeError(
+        ErrorCode.DECODE_TIMEOUT,
+        f"decoding took longer than the budget of {budget_ms} ms; "
+        "the batch went on without this image",
+    )
 
 
 def _wake(group: RowGroup) -> None:

@@ -45,7 +45,7 @@ from producer.wire import ErrorCode
 from worker.decode.arena import DONE, ERROR_CODES, PENDING, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
-from worker.decode.pool import DecodeResult
+from worker.decode.pool import DecodeResult, over_budget
 from worker.decode.process_main import ANSWER, HEADER, MAGIC, spec_args
 from worker.decode.rows import write_decoded_row
 from worker.jobs import Job
@@ -357,7 +357,6 @@ class ProcessDecodePool:
             self.replaced += 1
         else:
             self._procs.pop(index)
-        budget_ms = round(self.budget_s * 1000)
         # The process was on a row of its own: that row is answered, the others are not at
         # fault. Otherwise it ended between rows, and every row it held counts an attempt.
         blamed = (
@@ -375,34 +374,7 @@ class ProcessDecodePool:
                 if int(self.arena.table["state"][ring_row]) != PENDING:
                     group.set(position, self._result(ring_row))
                 elif ring_row == row and item.token == token:
-                    job = group.jobs[position]
-                    if cause == "timeout":
-                        self.given_up += 1
-                        error = DecodeError(
-                            ErrorCode.DECODE_TIMEOUT,
-                            f"decoding took longer than the budget of {budget_ms} ms; "
-                            "the batch went on without this image",
-                        )
-                        log.warning(
-                            "decode_over_budget",
-                            job_id=job.job_id,
-                            entry=job.entry_id,
-                            budget_ms=budget_ms,
-                            process_replaced=True,
-                        )
-                    else:
-                        self.crashed += 1
-                        error = DecodeError(
-                            ErrorCode.INTERNAL_ERROR,
-                            f"the decode process ended (exit code {code}) while decoding this "
-                            "image; it was replaced",
-                        )
-                        log.error(
-                            "decode_process_died",
-                            job_id=job.job_id,
-                            entry=job.entry_id,
-                            exit_code=code,
-                        )
+                    error = self._blame(group.jobs[position], cause, code)
                     group.set(position, DecodeResult(None, error, elapsed_ms))
                 else:
                     left.append(position)
@@ -420,6 +392,27 @@ class ProcessDecodePool:
                 else:
                     self._send(replacement, group, left, attempts=attempts)
         proc.items.clear()
+
+    def _blame(self, job: Job, cause: str, code: int | None) -> DecodeError:
+        """The error of the row a process was on when it ended: over budget, or dead."""
+        if cause == "timeout":
+            self.given_up += 1
+            budget_ms = round(self.budget_s * 1000)
+            log.warning(
+                "decode_over_budget",
+                job_id=job.job_id,
+                entry=job.entry_id,
+                budget_ms=budget_ms,
+                process_replaced=True,
+            )
+            return over_budget(budget_ms)
+        self.crashed += 1
+        log.error("decode_process_died", job_id=job.job_id, entry=job.entry_id, exit_code=code)
+        return DecodeError(
+            ErrorCode.INTERNAL_ERROR,
+            f"the decode process ended (exit code {code}) while decoding this image; it was "
+            "replaced",
+        )
 
     def _stop(self, proc: _Process) -> None:
         with contextlib.suppress(ValueError, OSError):
