@@ -231,6 +231,10 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
     render(report, Console(file=text, width=200))
     sixteen = next(p for p in gil["projections"] if p["cores"] == 16)
     line = next(x for x in text.getvalue().splitlines() if x.startswith("16 cores "))
+    # The feed plan, with the reason for each choice, and what each image costs to stage.
+    plan = next(x for x in text.getvalue().splitlines() if x.startswith("feed plan: "))
+    assert plan.startswith("feed plan: 2 decode processes (GPUFEED_DECODE_PROCESSES=2)")
+    assert report["config"]["staged_bytes_per_image"] == 64 * 64 * 3
     assert f"at most {sixteen['jobs_per_s']:,.1f} jobs/s, bound by the {sixteen['binds']}" in line
     assert report["verdict"]["name"] in VERDICTS
     # The queue ceiling's keys are deleted with the run's.
