@@ -42,6 +42,7 @@ from tests.process_harness import (
 )
 from tests.redis_server import RedisServer
 from worker.config.settings import WorkerConfig
+from worker.lifecycle import supervisor
 from worker.lifecycle.supervisor import Supervisor, child_env
 
 HEALTHCHECK = ROOT / "deploy" / "container" / "healthcheck.py"
@@ -229,6 +230,20 @@ def test_children_get_the_supervisors_settings_their_own_name_and_port() -> None
     assert child.processes == 1
     assert (child.model, child.batch_size, child.dct_scaling) == ("null", 32, False)
     assert envs[1]["PATH"] == "/bin"
+
+
+@pytest.mark.parametrize(("children", "each"), [(2, "7"), (4, "3"), (8, "0")])
+def test_each_child_plans_decode_processes_for_its_share_of_the_cores(
+    monkeypatch: pytest.MonkeyPatch, children: int, each: str
+) -> None:
+    """16 cores shared by N children: each takes its share less one (threads below 4)."""
+    monkeypatch.setattr(supervisor, "usable_cores", lambda: 16)
+    config = WorkerConfig.load(env={}, overrides={"processes": children, "worker_name": "w"})
+    assert {child_env(config, i, {})["GPUFEED_DECODE_PROCESSES"] for i in range(children)} == {each}
+    chosen = WorkerConfig.load(
+        env={}, overrides={"processes": 2, "worker_name": "w", "decode_processes": "5"}
+    )
+    assert child_env(chosen, 0, {})["GPUFEED_DECODE_PROCESSES"] == "5"
 
 
 def test_metrics_stay_off_for_every_child_when_off() -> None:

@@ -43,6 +43,7 @@ import structlog
 
 from producer.backoff import Backoff
 from worker.config.settings import WorkerConfig
+from worker.lifecycle.feed_plan import decode_processes_for, usable_cores
 
 log = structlog.get_logger("gpufeed.supervisor")
 
@@ -81,6 +82,11 @@ def child_env(config: WorkerConfig, index: int, base: Mapping[str, str]) -> dict
     for f in fields(config):
         env[str(f.metadata["env"])] = _env_value(getattr(config, f.name))
     env["GPUFEED_PROCESSES"] = "1"
+    if config.decode_processes == "auto":
+        # Each child plans for its share of the cores: N children each taking one decode
+        # process per core would run N times as many as the host has cores.
+        share = max(1, usable_cores() // config.processes)
+        env["GPUFEED_DECODE_PROCESSES"] = str(decode_processes_for(config, share)[0])
     env["GPUFEED_WORKER_NAME"] = child_name(config, index)
     env["GPUFEED_METRICS_PORT"] = str(child_metrics_port(config, index))
     return env
