@@ -27,10 +27,11 @@ from tests.images import (
 )
 from tests.worker_harness import running_worker, tiny_config, wait_results
 from worker.config.errors import ConfigError
+from worker.decode import processes
 from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cpu import DecodeSpec
 from worker.decode.pool import DecodePool, DecodeResult
-from worker.decode.processes import ProcessDecodePool
+from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
 from worker.jobs import Job
 from worker.lifecycle.feed_plan import plan_feed
@@ -143,6 +144,18 @@ async def test_a_decode_over_budget_ends_its_process_and_the_batch_goes_on() -> 
         assert again[0].error is None
     finally:
         pool.shutdown()
+        arena.close()
+
+
+async def test_processes_that_cannot_start_are_an_error_at_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(processes, "CHILD_MODULE", "worker.decode.no_such_module")
+    arena = SharedArena.create(ArenaLayout(rows=2, side=SIZE, processes=2))
+    try:
+        with pytest.raises(DecodeProcessesFailed, match="exited with 1 before it was ready"):
+            ProcessDecodePool(DecodeSpec(size=SIZE), 2, None, arena=arena)
+    finally:
         arena.close()
 
 

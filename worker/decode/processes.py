@@ -54,6 +54,8 @@ from worker.observe import gil_account
 log = structlog.get_logger("gpufeed.decode")
 
 _PROJECT = str(Path(__file__).resolve().parents[2])
+# What each decode process runs (`python -m`).
+CHILD_MODULE = "worker.decode.process_main"
 # sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
 _IOV = 512
 _START_TIMEOUT_S = 60.0
@@ -157,8 +159,6 @@ class ProcessDecodePool:
         self.url_cache = cache_counts if cache_counts is not None and cache_counts.enabled else None
         self.delay_s = delay_s
         self.max_image_pixels = max_image_pixels or spec.max_pixels
-        self.gpu_router = None
-        self.cache = None
         self.given_up = 0
         self.crashed = 0
         self.replaced = 0
@@ -198,7 +198,7 @@ class ProcessDecodePool:
         args = [
             sys.executable,
             "-m",
-            "worker.decode.process_main",
+            CHILD_MODULE,
             str(self.arena.fd),
             str(data_child.fileno()),
             str(answers_child.fileno()),
@@ -237,31 +237,35 @@ class ProcessDecodePool:
     def _wait_ready(self) -> None:
         """Start-up only: every process imported its decoders and answered."""
         deadline = time.monotonic() + _START_TIMEOUT_S
-        for proc in self._procs:
-            proc.answers.setblocking(True)
-            try:
-                while not proc.ready:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise DecodeProcessesFailed("decode processes did not start in 60 s")
-                    proc.answers.settimeout(left)
-                    try:
-                        chunk = proc.answers.recv(ANSWER.size)
-                    except TimeoutError:
-                        continue
-                    if not chunk:
-                        code = proc.popen.wait()
-                        raise DecodeProcessesFailed(
-                            f"decode process {proc.slot} exited with {code} before it was ready"
-                            " (its error is above)"
-                        )
-                    proc.received += chunk
-                    self._take_answers(proc)
-            except DecodeProcessesFailed:
-                self.shutdown()
-                raise
-            finally:
-                proc.answers.setblocking(False)
+        try:
+            for proc in self._procs:
+                self._wait_one(proc, deadline)
+        except DecodeProcessesFailed:
+            self.shutdown()
+            raise
+
+    def _wait_one(self, proc: _Process, deadline: float) -> None:
+        proc.answers.setblocking(True)
+        try:
+            while not proc.ready:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DecodeProcessesFailed("decode processes did not start in 60 s")
+                proc.answers.settimeout(left)
+                try:
+                    chunk = proc.answers.recv(ANSWER.size)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    code = proc.popen.wait()
+                    raise DecodeProcessesFailed(
+                        f"decode process {proc.slot} exited with {code} before it was ready"
+                        " (its error is above)"
+                    )
+                proc.received += chunk
+                self._take_answers(proc)
+        finally:
+            proc.answers.setblocking(False)
 
     def _on_answer(self, proc: _Process) -> None:
         try:
