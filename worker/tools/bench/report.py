@@ -113,11 +113,16 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             f"gpufeed: batch {st.get('batch_size')}, {st.get('dtype')}, compile "
             f"{st.get('compile')}, {st.get('decode_threads')} decode "
             f"{'processes' if st.get('decode_processes') else 'threads'}, max wait "
-            f"{_fmt(st.get('max_wait_ms'), 0)} ms; weights {st.get('weights')}; "
-            f"{_fmt(st.get('staged_bytes_per_image'), 0)} bytes staged per image.",
+            f"{_fmt(st.get('max_wait_ms'), 0)} ms; weights {st.get('weights')}"
+            # Reports from before the feed plan have neither.
+            + (
+                f"; {_fmt(st['staged_bytes_per_image'], 0)} bytes staged per image"
+                if "staged_bytes_per_image" in st
+                else ""
+            )
+            + ".",
             "",
-            f"Feed plan: {st.get('feed_plan')}.",
-            "",
+            *([f"Feed plan: {st['feed_plan']}.", ""] if "feed_plan" in st else []),
         ]
         rows = [
             [
