@@ -159,6 +159,27 @@ async def test_processes_that_cannot_start_are_an_error_at_start_up(
         arena.close()
 
 
+async def test_rows_whose_processes_keep_ending_before_any_row_fail_instead_of_looping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(processes, "CHILD_MODULE", "tests.decoder_that_dies")
+    arena = SharedArena.create(ArenaLayout(rows=4, side=SIZE, processes=1))
+    pool = ProcessDecodePool(DecodeSpec(size=SIZE), 1, None, arena=arena)
+    try:
+        jobs = [_job(i, jpeg_bytes(64, 64, seed=i)) for i in range(3)]
+        results = await asyncio.wait_for(
+            pool.settle([pool.submit_rows(jobs, arena.rows[:3])]), timeout=60
+        )
+        assert [r.error.code if r.error else None for r in results] == [
+            ErrorCode.INTERNAL_ERROR
+        ] * 3
+        assert all("ended 3 times" in (r.error.message if r.error else "") for r in results)
+        assert pool.replaced == 3
+    finally:
+        pool.shutdown()
+        arena.close()
+
+
 async def test_a_process_that_dies_loses_no_row() -> None:
     spec = DecodeSpec(size=SIZE)
     arena = SharedArena.create(ArenaLayout(rows=8, side=SIZE, processes=2))
