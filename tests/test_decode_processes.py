@@ -109,6 +109,46 @@ async def test_processes_write_the_rows_threads_write(device_rows: bool) -> None
     arena.close()
 
 
+@pytest.mark.parametrize("with_root", [True, False], ids=["root", "no-root"])
+async def test_path_jobs_are_read_by_the_decode_process_as_threads_read_them(
+    tmp_path: Path, with_root: bool
+) -> None:
+    """The process reads a path job's file itself (its bytes never cross the worker), with
+    the same checks and answers as a decode thread."""
+    root = tmp_path / "images"
+    root.mkdir()
+    (root / "ok.jpg").write_bytes(jpeg_bytes(80, 60, seed=3))
+    (tmp_path / "secret.jpg").write_bytes(jpeg_bytes(80, 60, seed=4))
+    names = [b"ok.jpg", b"../secret.jpg", b"missing.jpg", b"", str(root / "ok.jpg").encode()]
+    jobs = [
+        Job(entry_id=f"{i}-0", job_id=f"p{i}", reply_to="r", meta=None, image=None, path=name)
+        for i, name in enumerate(names)
+    ]
+    base = root if with_root else None
+    spec = DecodeSpec(size=SIZE)
+    arena = SharedArena.create(ArenaLayout(rows=len(jobs), side=SIZE, processes=2))
+    procs = ProcessDecodePool(spec, 2, base, arena=arena)
+    threads = DecodePool(spec, 2, base)
+    try:
+        rows = np.zeros((len(jobs), SIZE, SIZE, 3), np.uint8)
+        expected = await threads.settle([threads.submit_rows(jobs, rows)])
+        got = await procs.settle([procs.submit_rows(jobs, arena.rows)])
+    finally:
+        procs.shutdown()
+        threads.shutdown()
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+        _same(a, b)
+        if a.error is None:
+            assert np.array_equal(arena.rows[i], rows[i])
+    codes = [r.error.code if r.error else None for r in got]
+    if with_root:
+        assert codes[0] is None and codes[4] is None
+        assert codes[1] is ErrorCode.FORBIDDEN_PATH and codes[2] is ErrorCode.PATH_NOT_FOUND
+    else:
+        assert set(codes) == {ErrorCode.PATH_DISABLED}
+    arena.close()
+
+
 async def test_the_staging_memory_is_an_anonymous_memory_file() -> None:
     # Docker gives /dev/shm 64 MB by default: the ring must not live there.
     arena = SharedArena.create(ArenaLayout(rows=64, side=row_side(224), processes=2))
