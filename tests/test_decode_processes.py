@@ -246,23 +246,32 @@ async def test_a_process_that_dies_loses_no_row() -> None:
 
 def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
     weights = tmp_path / "w.pt"
-    cfg = tiny_config("redis://127.0.0.1:1/0", weights)
+    url = "redis://127.0.0.1:1/0"
+    cfg = tiny_config(url, weights, decode_threads=0)
     kw: dict[str, Any] = {"placement": "host", "placement_why": "test", "default_threads": 3}
     auto = plan_feed(cfg, thread_only_hook=False, cores=16, **kw)
     assert auto.decode_processes == 15
     assert "16 cores" in auto.line()
     few = plan_feed(cfg, thread_only_hook=False, cores=2, **kw)
     assert few.decode_processes == 0 and "2 cores, under 4" in few.line()
+    assert "3 decode threads" in few.line()
     assert plan_feed(cfg, thread_only_hook=False, cores=4, **kw).decode_processes == 3
     hooked = plan_feed(cfg, thread_only_hook=True, cores=16, **kw)
-    assert hooked.decode_processes == 0 and "2 decode threads" in hooked.line()
-    off = tiny_config("redis://127.0.0.1:1/0", weights, decode_processes="0")
+    assert hooked.decode_processes == 0 and "decode hook" in hooked.line()
+    # Decode threads sized by the operator are kept under auto, and named where unused.
+    sized = tiny_config(url, weights, decode_threads=2)
+    kept = plan_feed(sized, thread_only_hook=False, cores=16, **kw)
+    assert kept.decode_processes == 0 and "2 decode threads" in kept.line()
+    both = tiny_config(url, weights, decode_threads=2, decode_processes="4")
+    line = plan_feed(both, thread_only_hook=False, cores=16, **kw).line()
+    assert line.startswith("4 decode processes") and "GPUFEED_DECODE_THREADS=2 unused" in line
+    off = tiny_config(url, weights, decode_processes="0")
     assert plan_feed(off, thread_only_hook=False, cores=16, **kw).decode_processes == 0
-    gpu = tiny_config("redis://127.0.0.1:1/0", weights, decode_processes="4", decode="gpu")
+    gpu = tiny_config(url, weights, decode_processes="4", decode="gpu")
     with pytest.raises(ConfigError, match="GPUFEED_DECODE_PROCESSES=0"):
         plan_feed(gpu, thread_only_hook=False, cores=16, **kw)
     with pytest.raises(ConfigError, match="GPUFEED_DECODE_PROCESSES"):
-        tiny_config("redis://127.0.0.1:1/0", weights, decode_processes="many")
+        tiny_config(url, weights, decode_processes="many")
 
 
 async def test_the_worker_answers_the_same_with_processes_and_with_threads(

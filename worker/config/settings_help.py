@@ -138,7 +138,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "GPUFEED_DECODE_THREADS": (
         "`0`",
         "decode threads when decoding in the worker (GPUFEED_DECODE_PROCESSES=0); 0: one per "
-        "CPU core, at most 16",
+        "CPU core, at most 16. Set, it keeps GPUFEED_DECODE_PROCESSES=auto on threads",
     ),
     "GPUFEED_DECODE_PROCESSES": (
         "`auto`",

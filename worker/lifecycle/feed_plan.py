@@ -4,7 +4,8 @@ are resized; chosen at start-up from the host and the settings, each choice with
 The worker logs it as one line (`feed_plan`); `doctor` and the bench print it. Every
 choice follows a setting when one is given; `auto` picks from the host:
 
-- decode processes: on 4 cores or more, one per core but one, left to the worker's own
+- decode processes: unless GPUFEED_DECODE_THREADS is set (an operator who sized the
+  threads keeps them), on 4 cores or more, one per core but one, left to the worker's own
   process (the event loop, Redis, the launches), at most 32. Where one process's GIL binds
   (many cores), processes take decode out of it: measured on a 2-core host with a second
   Python thread busy in the worker's process (as its event loop is under load), two decode
@@ -99,6 +100,8 @@ def plan_feed(
     cores = cores or usable_cores()
     threads = cfg.decode_threads or default_threads
     k, why = decode_processes_for(cfg, cores, thread_only_hook=thread_only_hook)
+    if k and cfg.decode_threads:
+        why += f"; GPUFEED_DECODE_THREADS={cfg.decode_threads} unused (it sizes decode threads)"
     if k == 0:
         source = (
             f"GPUFEED_DECODE_THREADS={cfg.decode_threads}" if cfg.decode_threads else "per core"
@@ -128,6 +131,9 @@ def decode_processes_for(
             k, why = 0, "auto: this system has no memory files (memfd) to share with processes"
         elif thread_only_hook:
             k, why = 0, "auto: a decode hook is set that runs in threads only"
+        elif cfg.decode_threads:
+            # An operator who sized the decode threads keeps them.
+            k, why = 0, "auto: GPUFEED_DECODE_THREADS is set"
         elif cores < MIN_CORES_FOR_PROCESSES:
             k = 0
             why = (
