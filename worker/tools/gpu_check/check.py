@@ -520,6 +520,11 @@ async def _measure_pipeline(
                     else None,
                     "jobs_pushed": feeder.pushed,
                     "decode_threads": worker.decoder.threads,
+                    # Decode processes or threads, and why (the feed plan's line).
+                    "decode_processes": worker.engine.plan.decode_processes,
+                    "feed_plan": worker.engine.plan.line(),
+                    "staged_bytes_per_image": worker.ring_budget["h2d_bytes_per_batch"]
+                    // worker.batch_size,
                 },
             )
         # The sync window: the profiler (every thread's CUDA calls, C++ and libraries
