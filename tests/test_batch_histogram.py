@@ -4,10 +4,11 @@ prometheus_client's own Histogram and the per-answer reading showed."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from worker.model.readers import ClassifyReader
-from worker.observe.metrics import _SECONDS, STAGES, BatchHistogram
+from worker.observe.metrics import _SECONDS, FOLD_AT, STAGES, BatchHistogram
 
 
 def _samples(registry: CollectorRegistry) -> dict[str, float]:
@@ -56,6 +57,34 @@ def test_unlabelled_batch_histogram_counts_every_flush() -> None:
     assert got['gpufeed_job_seconds_bucket{le="+Inf"}'] == 4
     assert got["gpufeed_job_seconds_count"] == 4
     assert np.isclose(got["gpufeed_job_seconds_sum"], 2.65)
+
+
+def test_values_kept_past_the_fold_and_under_it_all_count() -> None:
+    """Flushes are counted in bulk once FOLD_AT values wait, the rest at the scrape: every
+    value is counted once, whichever way it went."""
+    registry = CollectorRegistry()
+    hist = BatchHistogram(
+        "gpufeed_stage_seconds", "doc", (0.1, 1.0), label="stage", values=STAGES,
+        registry=registry,
+    )  # fmt: skip
+    flush = [0.05, 0.5, 5.0]
+    flushes = FOLD_AT // len(flush) + 7
+    for _ in range(flushes):
+        hist.observe_series({"decode": flush, "write": [500.0]}, scale=1 / 1000)
+        hist.observe_series({"decode": [v * 1000 for v in flush]}, scale=1 / 1000)
+    got = _samples(registry)
+    assert got['gpufeed_stage_seconds_count{stage="decode"}'] == 6 * flushes
+    assert got['gpufeed_stage_seconds_bucket{le="0.1",stage="decode"}'] == 4 * flushes
+    assert got['gpufeed_stage_seconds_bucket{le="1.0",stage="write"}'] == flushes
+    assert np.isclose(got['gpufeed_stage_seconds_sum{stage="decode"}'], 5.55555 * flushes)
+    # A scrape counts what waits; a second scrape counts nothing twice.
+    assert _samples(registry) == got
+
+
+def test_a_series_the_histogram_has_not_is_refused_when_observed() -> None:
+    hist = BatchHistogram("gpufeed_stage_seconds", "doc", (0.1,), label="stage", values=STAGES)
+    with pytest.raises(KeyError, match="nowhere"):
+        hist.observe_series({"nowhere": [1.0]})
 
 
 def test_classify_reader_names_and_rounds_per_batch() -> None:

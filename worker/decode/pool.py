@@ -33,9 +33,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -60,8 +59,10 @@ from worker.observe import gil_account
 log = structlog.get_logger("gpufeed.decode")
 
 
-@dataclass(frozen=True)
-class DecodeResult:
+class DecodeResult(NamedTuple):
+    """A row's decode: what it holds, or why it holds nothing (a named tuple, as
+    DecodeInfo: one per image)."""
+
     info: DecodeInfo | None
     error: DecodeError | None
     decode_ms: float

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import structlog
 
@@ -215,8 +215,7 @@ def expire_rows(batch: Batch) -> None:
             continue
         late = past_deadline(job, now_ms)
         if late is not None and late.error_code is not None:
-            batch.results[row] = replace(
-                batch.results[row],
+            batch.results[row] = batch.results[row]._replace(
                 info=None,
                 gpu=None,
                 error=DecodeError(late.error_code, late.error_message),

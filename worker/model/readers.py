@@ -51,16 +51,19 @@ class ClassifyReader:
         cats = self._cats
         if cats is None:
             return None if self.categories is None else indices.astype(str).astype(object)
-        names: npt.NDArray[Any] = cats[np.clip(indices, 0, len(cats) - 1)]
-        outside = (indices < 0) | (indices >= len(cats))
-        if outside.any():
+        # ndarray methods, not numpy's functions: their Python wrappers cost more than the
+        # work on a batch's few hundred indices.
+        last = len(cats) - 1
+        names: npt.NDArray[Any] = cats[indices.clip(0, last)]
+        if indices.min() < 0 or indices.max() > last:
+            outside = (indices < 0) | (indices > last)
             names[outside] = indices[outside].astype(str).astype(object)
         return names
 
     def read(self, arrays: Arrays, rows: Sequence[int]) -> list[Answer]:
         all_indices = arrays[0].tolist()
         # Rounded for the wire here, once per batch, not per answer.
-        all_scores = np.round(arrays[1].astype(np.float64), SCORE_DECIMALS).tolist()
+        all_scores = arrays[1].astype(np.float64).round(SCORE_DECIMALS).tolist()
         names_of = self._batch_names(arrays[0])
         all_names = names_of.tolist() if names_of is not None else None
         if self.threshold is None:

@@ -6,7 +6,6 @@ published, never from the launch path. worker.observe.health serves them over HT
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import deque
@@ -67,6 +66,9 @@ DELIVERY_EVENTS = (
     "already_answered", "refused", "consumer_removed", "trimmed", "replica_wait_timeout",
 )  # fmt: skip
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# How many observed values a BatchHistogram keeps before it counts them (a scrape counts
+# them at once): a few hundred kilobytes at most.
+FOLD_AT = 16384
 _FILL = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875, 1.0)
 
 
@@ -104,6 +106,9 @@ class BatchHistogram(Collector):
         self._counts = {k: np.zeros(len(buckets) + 1, dtype=np.int64) for k in keys}
         self._sums = dict.fromkeys(keys, 0.0)
         self._lock = threading.Lock()
+        # Values observed and not yet counted, by (series, scale); see observe_series.
+        self._pending: dict[tuple[str, float], list[float]] = {}
+        self._waiting = 0
         if registry is not None:
             registry.register(self)
 
@@ -112,29 +117,38 @@ class BatchHistogram(Collector):
         self.observe_series({key: values})
 
     def observe_series(self, series: Mapping[str, Values], scale: float = 1.0) -> None:
-        """Count each series' values times `scale` (giving seconds) in that series, all of
-        them in one pass: a flush's stages cost a few numpy calls together, not each."""
-        keys = [k for k, v in series.items() if len(v)]
-        if not keys:
-            return
-        lengths = [len(series[k]) for k in keys]
-        arr = np.fromiter(
-            itertools.chain.from_iterable(series[k] for k in keys),
-            dtype=np.float64,
-            count=sum(lengths),
-        )
-        if scale != 1.0:
-            arr *= scale
-        width = len(self._les)
-        which = np.repeat(np.arange(len(keys)), lengths)
-        # side="left": a value equal to a bound counts in that bound's bucket (le).
-        slots = np.searchsorted(self._bounds, arr, side="left") + which * width
-        counts = np.bincount(slots, minlength=len(keys) * width).reshape(len(keys), width)
-        totals = np.bincount(which, weights=arr, minlength=len(keys)).tolist()
+        """Count each series' values times `scale` (giving seconds) in that series.
+
+        The values are only kept here (a list extend per series, on the event loop); they
+        are counted into the buckets in bulk, once FOLD_AT wait or a scrape reads the
+        histogram: the numpy calls of a count cost about as much for 30 values as for
+        thousands, so counting per flush cost the loop microseconds per job."""
         with self._lock:
-            for i, key in enumerate(keys):
-                self._counts[key] += counts[i]
-                self._sums[key] += totals[i]
+            pending = self._pending
+            for key, values in series.items():
+                if len(values):
+                    kept = pending.get((key, scale))
+                    if kept is None:
+                        if key not in self._counts:
+                            raise KeyError(f"{self.name} has no series {key!r}")
+                        pending[key, scale] = kept = []
+                    kept.extend(values)
+                    self._waiting += len(values)
+            if self._waiting >= FOLD_AT:
+                self._fold()
+
+    def _fold(self) -> None:
+        """Count the kept values into the buckets (the lock held)."""
+        pending, self._pending, self._waiting = self._pending, {}, 0
+        width = len(self._les)
+        for (key, scale), values in pending.items():
+            arr = np.asarray(values, dtype=np.float64)
+            if scale != 1.0:
+                arr *= scale
+            # side="left": a value equal to a bound counts in that bound's bucket (le).
+            slots = np.searchsorted(self._bounds, arr, side="left")
+            self._counts[key] += np.bincount(slots, minlength=width)
+            self._sums[key] += float(arr.sum())
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(
@@ -146,6 +160,7 @@ class BatchHistogram(Collector):
             self.name, self.documentation, labels=[self.label] if self.label else None
         )
         with self._lock:
+            self._fold()
             series = [(k, c.cumsum().tolist(), self._sums[k]) for k, c in self._counts.items()]
         for key, cumulative, total in series:
             family.add_metric(
