@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import redis
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,11 +31,13 @@ from worker.config.errors import ConfigError
 from worker.decode import processes
 from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cpu import DecodeSpec
+from worker.decode.packed import BYTES_WORD, HEADER_BYTES, packed_side
 from worker.decode.pool import DecodePool, DecodeResult
 from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
 from worker.jobs import Job
 from worker.lifecycle.feed_plan import plan_feed
+from worker.model.resample import PackedResampler, RowResampler
 
 SIZE = 48
 
@@ -106,6 +109,50 @@ async def test_processes_write_the_rows_threads_write(device_rows: bool) -> None
     assert codes[6] is not None and codes[0] is None
     if device_rows:
         assert procs.reduced == 1
+    arena.close()
+
+
+async def test_packed_processes_stage_what_threads_stage_in_rows() -> None:
+    """Decode processes packing a slot (the device placement's default with processes):
+    every image's step input equals the one from the rows decode threads write, errors
+    are the same, and an image met twice is served by the process's cache, packed too."""
+    spec = DecodeSpec(size=SIZE)
+    r = row_side(SIZE)
+    images = [*_images(), _images()[0]]
+    jobs = [_job(i, d) for i, d in enumerate(images)]
+    batch = len(jobs)
+    layout = ArenaLayout(rows=batch, side=packed_side(r), processes=2, batch=batch)
+    arena = SharedArena.create(layout)
+    assert arena.packed is not None
+    arena.packed.reset(0)
+    procs = ProcessDecodePool(spec, 2, None, arena=arena, row_side=r, cache_bytes=8 << 20)
+    threads = DecodePool(spec, 2, None, row_side=r)
+    try:
+        rows = np.zeros((batch, r, r, 3), np.uint8)
+        expected = await threads.settle([threads.submit_rows(jobs[:-1], rows[:-1])])
+        # The repeated image after the first is in, so that the cache has it.
+        first = await procs.settle([procs.submit_rows(jobs[:-1], arena.rows[:-1])])
+        again = await procs.settle([procs.submit_rows(jobs[-1:], arena.rows[-1:])])
+    finally:
+        procs.shutdown()
+        threads.shutdown()
+    for a, b in zip(first, expected, strict=True):
+        _same(a, b)
+    assert again[0].cached and again[0].info == first[0].info
+    rows[-1] = rows[0]
+    slot = torch.from_numpy(arena.rows.reshape(1, -1)).view(batch, *arena.rows.shape[1:])
+    with torch.inference_mode():
+        got = PackedResampler(r, SIZE, SIZE, SIZE)(slot)
+        want = RowResampler(r, SIZE, SIZE, SIZE)(torch.from_numpy(rows))
+    ok = [i for i, res in enumerate([*first, *again]) if res.error is None]
+    assert len(ok) == 7
+    assert torch.equal(got[ok], want[ok])
+    # Staged: a record per row and each image's stored pixels, nothing more.
+    records = arena.rows.reshape(-1)[: batch * HEADER_BYTES].view("<i4").reshape(batch, -1)
+    stored = records[:, 0] * records[:, 1] * 3
+    assert (records[ok, BYTES_WORD] == stored[ok]).all()
+    assert arena.packed.used_bytes(0) == batch * HEADER_BYTES + int(stored[ok].sum())
+    assert arena.packed.used_bytes(0) < rows.nbytes // 5
     arena.close()
 
 
@@ -274,20 +321,32 @@ def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
         tiny_config(url, weights, decode_processes="many")
 
 
+@pytest.mark.parametrize("resize", ["host", "device"])
 async def test_the_worker_answers_the_same_with_processes_and_with_threads(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, resize: str
 ) -> None:
+    """The switch back: the same answers either way; with the device placement the
+    processes' slots are packed and the threads' are rows, and both give the same pixels."""
     images = _images()
     answers: dict[str, list[tuple[str, str, object]]] = {}
     for setting in ("2", "0"):
         redis_client.delete("gpufeed:jobs", "gpufeed:results")
         async with running_worker(
-            redis_url, tiny_weights, decode_processes=setting, decode_cache_mb=0
+            redis_url, tiny_weights, decode_processes=setting, decode_cache_mb=0, resize=resize
         ) as worker:
             assert worker.decoder.kind == ("processes" if setting == "2" else "threads")
+            assert worker.engine.plan.packed == (setting == "2" and resize == "device")
             for i, data in enumerate(images):
                 redis_client.xadd("gpufeed:jobs", {"id": f"img{i}", "image": data})
             results = await wait_results(redis_client, "gpufeed:results", len(images))
+            staged = worker.engine.staged_bytes_per_image()
+        row_bytes = worker.ring_budget["h2d_bytes_per_batch"] // worker.batch_size
+        if worker.engine.plan.packed:
+            # Measured: what the images took, against the fixed rows' bytes (one 640x480
+            # photo among thumbnails: a quarter of them on average).
+            assert 0 < staged < row_bytes // 4
+        else:
+            assert staged == row_bytes
         parsed = [JobResult.from_fields(fields) for _, fields in results]
         answers[setting] = sorted(
             (r.id, r.status, r.error if r.error else (r.top1, round(r.score or 0, 4)))

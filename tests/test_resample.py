@@ -295,14 +295,23 @@ def test_on_cuda_the_captured_resampling_matches_the_cpu() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("decode_processes", ["0", "2"])
 async def test_on_cuda_the_device_placement_replays_one_graph(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, decode_processes: str
 ) -> None:
+    """Rows (decode threads) and packed rows (decode processes: one copy of the used bytes
+    out of registered shared memory) both run in the captured graph."""
     images = [oriented_jpeg(200 + 10 * i, 150, 1 + i % 8, seed=i) for i in range(8)]
     async with running_worker(
-        redis_url, tiny_weights, device="cuda", compile="reduce-overhead", batch_size=4
+        redis_url,
+        tiny_weights,
+        device="cuda",
+        compile="reduce-overhead",
+        batch_size=4,
+        decode_processes=decode_processes,
     ) as worker:
         assert worker.placement == "device"
+        assert worker.engine.plan.packed == (decode_processes == "2")
         report = worker.compile_report
         assert report is not None and report.compiled and report.cudagraph_replays > 0
         for i, data in enumerate(images):

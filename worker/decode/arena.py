@@ -7,15 +7,15 @@ One anonymous memory file (memfd) holds, side by side:
 - a result table, one record per row: what the decode of that row found (format, size,
   DCT scale, time, error), written by the process before it says the row is done;
 - one progress record per decode process: which row it works on and since when, so the
-  worker can end a decode over its budget without a message per image.
+  worker can end a decode over its budget without a message per image;
+- with packed rows (worker/decode/packed.py), one fill counter per slot.
 
 A memfd is anonymous shared memory: it is counted against the container's memory, not
 against `/dev/shm` (64 MB under Docker's defaults), needs no file system and disappears
 with the last process holding it. Its descriptor is inherited by the decode processes,
 which map the same pages.
 
-Only numpy, mmap and os here: the decode processes import this module and must not pay
-for torch.
+No torch here: the decode processes import this module and must not pay for it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from producer.wire import ErrorCode
+from worker.decode.packed import PackedSlots
 
 # Row states in the result table. The worker sets PENDING before it sends a row; the decode
 # process writes the record's fields, then the state, last.
@@ -72,6 +73,13 @@ class ArenaLayout:
     rows: int  # rows in the ring: slots * batch
     side: int  # a row is side x side x 3 bytes
     processes: int  # progress records (the most decode processes alive at once)
+    # Packed rows (worker/decode/packed.py): the rows per slot, whose memory each slot packs
+    # its images into; 0: fixed rows.
+    batch: int = 0
+
+    @property
+    def slots(self) -> int:
+        return self.rows // self.batch if self.batch else 0
 
     @property
     def row_bytes(self) -> int:
@@ -90,16 +98,21 @@ class ArenaLayout:
         return self.table_offset + _aligned(self.rows * RESULT.itemsize)
 
     @property
-    def size(self) -> int:
+    def fill_offset(self) -> int:
+        """Where the packed slots' fill counters lie (one int64 per slot)."""
         return self.progress_offset + _aligned(self.processes * PROGRESS.itemsize)
 
+    @property
+    def size(self) -> int:
+        return self.fill_offset + _aligned(self.slots * 8)
+
     def as_args(self) -> list[str]:
-        return [str(self.rows), str(self.side), str(self.processes)]
+        return [str(self.rows), str(self.side), str(self.processes), str(self.batch)]
 
     @classmethod
     def from_args(cls, args: list[str]) -> ArenaLayout:
-        rows, side, processes = (int(a) for a in args)
-        return cls(rows=rows, side=side, processes=processes)
+        rows, side, processes, batch = (int(a) for a in args)
+        return cls(rows=rows, side=side, processes=processes, batch=batch)
 
 
 class SharedArena:
@@ -122,6 +135,25 @@ class SharedArena:
             (layout.processes,), dtype=PROGRESS, buffer=memory, offset=layout.progress_offset
         )
         self.base = self.rows.__array_interface__["data"][0]
+        self.packed: PackedSlots | None = None
+        if layout.batch:
+            slots = np.ndarray(
+                (layout.slots, layout.batch * layout.row_bytes),
+                dtype=np.uint8,
+                buffer=memory,
+                offset=layout.rows_offset,
+            )
+            fill: npt.NDArray[np.int64] = np.ndarray(
+                (layout.slots,), dtype="<i8", buffer=memory, offset=layout.fill_offset
+            )
+            self.packed = PackedSlots(
+                slots,
+                fill,
+                batch=layout.batch,
+                row_side=layout.side - 1,
+                fd=fd,
+                fill_offset=layout.fill_offset,
+            )
 
     @classmethod
     def create(cls, layout: ArenaLayout) -> SharedArena:

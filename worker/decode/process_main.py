@@ -8,7 +8,8 @@ What crosses the socket, per work item (a run of one batch's rows, not an image)
 the worker sends a header, the item's description (msgpack: row indices, payload lengths,
 paths, reply streams) and the payload bytes back to back; the process answers 16 bytes
 (the item's token) once every row of it has its record in the result table. The pixels
-and each row's record go through shared memory, never through the socket.
+and each row's record go through shared memory, never through the socket; with packed rows
+(worker/decode/packed.py) each image takes its place in its slot as its decode ends.
 
 The process has no state the worker needs: it can be killed at any moment (a decode over
 its budget) and replaced, and the rows it had not finished are sent to its replacement.
@@ -36,6 +37,7 @@ from producer.wire import ErrorCode
 from worker.decode.arena import DONE, ERROR_CODES, FAILED, MESSAGE_BYTES, ArenaLayout, SharedArena
 from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_pixels, write_row
+from worker.decode.packed import SlotFull
 from worker.decode.rows import decode_row, write_decoded_row
 from worker.fetch.path import read_job_path
 
@@ -104,6 +106,9 @@ class RowDecoder:
         except DecodeError as exc:
             _failed(record, exc.code, exc.message, start)
             return
+        except SlotFull as exc:
+            _failed(record, ErrorCode.INTERNAL_ERROR, str(exc), start)
+            return
         except Exception as exc:  # noqa: BLE001 - one bad image must never end the process
             _failed(record, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", start)
             return
@@ -122,6 +127,7 @@ class RowDecoder:
     ) -> tuple[DecodeInfo, bool, bool]:
         """`ns`: the reply stream the cache key includes; None: not cached here (a `url`
         job's row, which the worker caches under its URL's key)."""
+        packed = self.arena.packed
         out: npt.NDArray[np.uint8] = self.arena.rows[row]
         blob = bytes(data)
         key = None
@@ -129,18 +135,25 @@ class RowDecoder:
             key = cache_key(blob, ns)
             entry = self.cache.get(key)
             if entry is not None:
-                np.copyto(out, entry[0])
+                if packed is not None:
+                    packed.write_entry(row, entry[0])
+                else:
+                    np.copyto(out, entry[0])
                 return entry[1], True, False
         reduced = False
         if self.row_side:
             decoded, info = decode_row(blob, self.spec, self.row_side)
-            write_decoded_row(out, decoded)
+            if packed is not None:
+                packed.write(row, decoded)
+            else:
+                write_decoded_row(out, decoded)
             reduced = decoded.reduced
         else:
             pixels, info = decode_pixels(blob, self.spec)
             write_row(out, pixels)
         if self.cache is not None and key is not None:
-            self.cache.put(key, out, info)
+            # Packed: the cache keeps the image at its own size, not a whole row.
+            self.cache.put(key, packed.entry(row) if packed is not None else out, info)
         return info, False, reduced
 
 
@@ -201,13 +214,13 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     arena_fd, sock_fd, answers_fd, index = (int(a) for a in argv[:4])
-    layout = ArenaLayout.from_args(argv[4:7])
-    spec = DecodeSpec(**json.loads(argv[7]))
-    row_side = int(argv[8])
-    path_root = Path(argv[9]) if argv[9] else None
-    cache_bytes = int(argv[10])
-    delay_s = float(argv[11])
-    max_image_pixels = int(argv[12])
+    layout = ArenaLayout.from_args(argv[4:8])
+    spec = DecodeSpec(**json.loads(argv[8]))
+    row_side = int(argv[9])
+    path_root = Path(argv[10]) if argv[10] else None
+    cache_bytes = int(argv[11])
+    delay_s = float(argv[12])
+    max_image_pixels = int(argv[13])
     # What the worker sets at start-up (GPUFEED_MAX_IMAGE_PIXELS is checked from the header).
     Image.MAX_IMAGE_PIXELS = max(max_image_pixels, Image.MAX_IMAGE_PIXELS or 0)
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)

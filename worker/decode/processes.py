@@ -45,6 +45,7 @@ from producer.wire import ErrorCode
 from worker.decode.arena import DONE, ERROR_CODES, PENDING, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
+from worker.decode.packed import SlotFull
 from worker.decode.pool import DecodeResult, over_budget
 from worker.decode.process_main import ANSWER, HEADER, MAGIC, spec_args
 from worker.decode.rows import write_decoded_row
@@ -301,7 +302,9 @@ class ProcessDecodePool:
             key = group.jobs[position].cache_key
             if key is not None and result.info is not None and self.url_cache is not None:
                 # The fetch stage serves this URL's next 304 from here.
-                self.url_cache.put(key, self.arena.rows[row], result.info)
+                packed = self.arena.packed
+                kept = packed.entry(row) if packed is not None else self.arena.rows[row]
+                self.url_cache.put(key, kept, result.info)
             group.set(position, result)
 
     def _result(self, row: int) -> DecodeResult:
@@ -450,8 +453,17 @@ class ProcessDecodePool:
             if job.cached_row is not None:
                 # A `url` job the server said had not changed: its row from the fetch cache.
                 row, info = job.cached_row
-                writer = write_decoded_row if self.row_side else write_row
-                writer(self.arena.rows[ring_rows[position]], row)
+                packed = self.arena.packed
+                if packed is not None:
+                    try:
+                        packed.write_entry(ring_rows[position], row)
+                    except SlotFull as exc:
+                        error = DecodeError(ErrorCode.INTERNAL_ERROR, str(exc))
+                        group.set(position, DecodeResult(None, error, 0.0))
+                        continue
+                else:
+                    writer = write_decoded_row if self.row_side else write_row
+                    writer(self.arena.rows[ring_rows[position]], row)
                 group.set(position, DecodeResult(info, None, 0.0, cached=True))
             else:
                 todo.append(position)

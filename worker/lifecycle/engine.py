@@ -26,6 +26,7 @@ from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
+from worker.decode.packed import packed_side
 from worker.decode.pool import DecodePool
 from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
@@ -41,7 +42,7 @@ from worker.model.precision import (
     output_agreement,
     precision_check,
 )
-from worker.model.resample import choose_placement, ring_budget, use_rows
+from worker.model.resample import choose_placement, ring_budget, use_packed, use_rows
 from worker.model.step import build_step, check_step, pick_dtype, resolve_compile_mode
 from worker.observe.health import Health
 from worker.pipeline.device import DeviceContext, make_context
@@ -98,6 +99,15 @@ class Engine:
     degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
     degraded_out_ring: OutputRing | None = None
 
+    def staged_bytes_per_image(self) -> int:
+        """Bytes staged (and copied to the device) per image: with packed rows, what the
+        batches so far took (their pixels and a record each); else a whole row or image."""
+        packed = self.ring.arena.packed if self.ring.arena is not None else None
+        measured = packed.staged_bytes_per_image() if packed is not None else None
+        if measured is not None:
+            return round(measured)
+        return int(self.ring_budget["h2d_bytes_per_batch"]) // self.batch_size
+
 
 @dataclass
 class _Compiled:
@@ -131,11 +141,6 @@ async def warm_up(
     size = loaded.resize_size
     pin = ctx.is_cuda
     placement, why = choose_placement(cfg.resize, device, cfg.decode)
-    # Device placement: rows of side R hold the decoded pixels and their geometry.
-    rows = row_side(size) if placement == "device" else 0
-    side = rows or size
-    if rows:
-        use_rows(step, side, size)
     plan = plan_feed(
         cfg,
         placement=placement,
@@ -144,7 +149,15 @@ async def warm_up(
         default_threads=default_decode_threads(),
     )
     log.info("feed_plan", plan=plan.line(), **plan.as_dict())
-    arena = _shared_arena(plan, batch_size, side, pin=pin, exit_stack=exit_stack)
+    # Device placement: rows of side R hold the decoded pixels and their geometry; decode
+    # processes pack them (worker/decode/packed.py) in the memory of rows of side R + 1.
+    rows = row_side(size) if placement == "device" else 0
+    packed = bool(rows) and plan.packed
+    side = packed_side(rows) if packed else rows or size
+    use_input = use_packed if packed else use_rows
+    if rows:
+        use_input(step, rows, size)
+    arena = _shared_arena(plan, batch_size, side, packed=packed, pin=pin, exit_stack=exit_stack)
     ring = InputRing(cfg.ring_slots, batch_size, side, pin=pin, arena=arena)
     out_ring = OutputRing(cfg.ring_slots, batch_size, step.layout, pin=pin)
     transfer = DeviceTransfer(ctx, cfg.ring_slots, batch_size, side)
@@ -166,7 +179,7 @@ async def warm_up(
             cfg, loaded, step, device=device, dtype=dtype, batch_size=batch_size
         )
         if rows:
-            use_rows(degraded.step, side, size)
+            use_input(degraded.step, rows, size)
         layout = degraded.step.layout
         # Outputs of another shape (another model's classes) need slots of their own.
         degraded_out_ring = (
@@ -309,6 +322,7 @@ def _shared_arena(
     batch_size: int,
     side: int,
     *,
+    packed: bool,
     pin: bool,
     exit_stack: contextlib.AsyncExitStack,
 ) -> SharedArena | None:
@@ -317,7 +331,10 @@ def _shared_arena(
     if not plan.decode_processes:
         return None
     layout = ArenaLayout(
-        rows=plan.ring_slots * batch_size, side=side, processes=plan.decode_processes
+        rows=plan.ring_slots * batch_size,
+        side=side,
+        processes=plan.decode_processes,
+        batch=batch_size if packed else 0,
     )
     try:
         arena = SharedArena.create(layout)

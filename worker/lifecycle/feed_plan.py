@@ -52,11 +52,23 @@ class FeedPlan:
             return f"{self.decode_processes} decode processes"
         return f"{self.decode_threads} decode threads"
 
+    @property
+    def packed(self) -> bool:
+        """Whether a slot holds its images packed at their decoded size (the device
+        placement fed by decode processes, worker/decode/packed.py)."""
+        return self.placement == "device" and self.decode_processes > 0
+
     def line(self) -> str:
         """The plan in one line, for a log or a report."""
+        staged = (
+            "; rows packed at their decoded size (decode processes, device placement)"
+            if self.packed
+            else ""
+        )
         return (
             f"{self.decoders} ({self.decoders_why}); ring {self.ring_slots} slots "
             f"({self.ring_why}); resize on the {self.placement} ({self.placement_why})"
+            f"{staged}"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,6 +80,7 @@ class FeedPlan:
             "ring_why": self.ring_why,
             "placement": self.placement,
             "placement_why": self.placement_why,
+            "packed_rows": self.packed,
             "cores": self.cores,
             "line": self.line(),
         }

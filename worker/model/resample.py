@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from worker.config.errors import ConfigError
+from worker.decode.packed import HEADER_BYTES, HEADER_WORDS, OFFSET_WORD, packed_side
 from worker.decode.rows import GEOMETRY_WORDS
 
 if TYPE_CHECKING:
@@ -60,13 +61,29 @@ class RowResampler(nn.Module):
             "output_index", torch.arange(crop_size).view(1, -1, 1, 1), persistent=False
         )
 
+    def _words(self, head: torch.Tensor) -> torch.Tensor:
+        """[B, N, 4] bytes -> [B, N] little-endian int32 values (as int64): by arithmetic
+        (no dtype view: any strides, any alignment)."""
+        word = (head.to(torch.int64) * self.byte_weights).sum(dim=2)
+        return torch.where(word >= 2**31, word - 2**32, word)
+
+    def _header(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's words: line 0's first GEOMETRY_WORDS int32."""
+        b, r = x.shape[0], self.side
+        return self._words(
+            x[:, 0].reshape(b, r * 3)[:, : 4 * GEOMETRY_WORDS].view(b, GEOMETRY_WORDS, 4)
+        )
+
+    def _lines(self, x: torch.Tensor, index: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        """Stored lines `index` ([B, C]) of each row, whole: [B, C, R, 3] uint8."""
+        b = x.shape[0]
+        batch = torch.arange(b, device=x.device).view(b, 1)
+        return x[:, 1:][batch, index]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, r = x.shape[0], self.side
-        # Line 0's first bytes, as int32 words: [B, GEOMETRY_WORDS].
-        head = x[:, 0].reshape(b, r * 3)[:, : 4 * GEOMETRY_WORDS].view(b, GEOMETRY_WORDS, 4)
-        # Little-endian int32 from its bytes by arithmetic (no dtype view: any strides).
-        word = (head.to(torch.int64) * self.byte_weights).sum(dim=2)
-        g = torch.where(word >= 2**31, word - 2**32, word).to(torch.float32)
+        words = self._header(x)
+        g = words[:, :GEOMETRY_WORDS].to(torch.float32)
         h = g[:, 0].clamp(1, r - 1)
         w = g[:, 1].clamp(1, r)
         o = g[:, 2]
@@ -86,13 +103,13 @@ class RowResampler(nn.Module):
         start_x = torch.where(swap, top, left)
         idx_y, wt_y = self._taps(h, out_y, start_y, flip_y)  # [B, C, T]
         idx_x, wt_x = self._taps(w, out_x, start_x, flip_x)
-        pixels = x[:, 1:]  # [B, R - 1, R, 3]
         batch = torch.arange(b, device=x.device).view(b, 1)
         # Pass 1, along stored lines, one tap at a time (a fixed, unrolled count: the
         # compiled graph fuses them; eager holds one [B, C, R, 3] term at a time).
-        y = pixels[batch, idx_y[:, :, 0]].to(torch.float32) * wt_y[:, :, 0, None, None]
+        y = self._lines(x, idx_y[:, :, 0], words).to(torch.float32) * wt_y[:, :, 0, None, None]
         for t in range(1, self.taps):
-            y = y + pixels[batch, idx_y[:, :, t]].to(torch.float32) * wt_y[:, :, t, None, None]
+            line = self._lines(x, idx_y[:, :, t], words)
+            y = y + line.to(torch.float32) * wt_y[:, :, t, None, None]
         # Pass 2, along stored columns: [B, C, C, 3].
         rows = self.output_index.view(1, -1, 1)
         batch3 = batch.view(b, 1, 1)
@@ -123,6 +140,46 @@ class RowResampler(nn.Module):
         stored = torch.where(flip[:, None, None], n - 1.0 - q, q)
         index = stored.clamp_min(0.0).minimum(n - 1.0).long()
         return index, weight
+
+
+class PackedResampler(RowResampler):
+    """x: a slot of packed rows (worker/decode/packed.py), the memory of [B, R + 1, R + 1, 3]
+    uint8 -> [B, 3, C, C] float32, as RowResampler gives for the same images in rows.
+
+    Only where the pixels are read from differs: each row's record in the slot's header
+    holds its geometry and where its pixels start; stored line y of a row of width w starts
+    w * 3 * y bytes after that. A line is gathered as R * 3 bytes from its start, out of a
+    sliding-window view of the slot (`unfold`: no copy, one start per line gathered), so a
+    pass reads what RowResampler's does: the bytes past the row's width belong to other
+    lines, and no tap reads them (taps stop at the stored width)."""
+
+    def __init__(self, side: int, geometry_size: int, staging_size: int, crop_size: int) -> None:
+        super().__init__(side, geometry_size, staging_size, crop_size)
+
+    def _header(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.shape[0]
+        head = x.reshape(-1)[: b * HEADER_BYTES].view(b, HEADER_WORDS, 4)
+        return self._words(head)
+
+    def _lines(self, x: torch.Tensor, index: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+        b, c = index.shape
+        r = self.side
+        windows = x.reshape(-1).unfold(0, r * 3, 1)  # [N - 3R + 1, 3R], a view
+        width = words[:, 1].clamp(1, r)
+        start = words[:, OFFSET_WORD, None] + index * (width[:, None] * 3)
+        # A row never written reads zeros from the header's start; the clamp only keeps a
+        # damaged record inside the slot.
+        start = start.clamp(0, windows.shape[0] - 1)
+        return windows[start].view(b, c, r, 3)
+
+
+def use_packed(step: InferenceStep, side: int, geometry_size: int) -> None:
+    """Make `step` read slots of packed rows of row side `side` (the memory of rows of side
+    packed_side(side)) whose geometry was computed for staging size `geometry_size`."""
+    step.rows = PackedResampler(side, geometry_size, step.staging_size, step.crop_size).to(
+        step.scale.device
+    )
+    step.input_side = packed_side(side)
 
 
 def use_rows(step: InferenceStep, side: int, geometry_size: int) -> None:

@@ -16,7 +16,9 @@ never the bookkeeping.
 
 With decode processes (GPUFEED_DECODE_PROCESSES) the input slots are views of the memory
 shared with them (worker/decode/arena.py): the processes decode into the same pages the
-copy to the device reads. On CUDA those pages are registered as pinned once, at start-up
+copy to the device reads; with the device placement a slot holds its images packed
+(worker/decode/packed.py), and the copy takes only the bytes they use. On CUDA those pages
+are registered as pinned once, at start-up
 (`cudaHostRegister`); torch then sees them as pinned and copies from them asynchronously,
 but does not track them, which is why a slot is reused only after its copy's event, as
 above.
@@ -36,6 +38,7 @@ import numpy.typing as npt
 import torch
 
 from worker.decode.arena import SharedArena
+from worker.decode.packed import PackedSlots
 from worker.pipeline.device import Event
 
 # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinned memory is.
@@ -75,6 +78,15 @@ class InputSlot:
     # Set by the launcher once the copy out of this slot is queued; the slot is reusable
     # when it reports completion.
     copy_done: Event | None = None
+    # Packed rows (worker/decode/packed.py): the slot's packed view; its copy to the device
+    # takes `copy_bytes()` bytes from the start, not the whole slot.
+    packed: PackedSlots | None = None
+
+    def copy_bytes(self) -> int:
+        """The bytes the copy to the device takes from the start of the slot."""
+        if self.packed is None:
+            return self.images.numel()
+        return self.packed.used_bytes(self.index)
 
 
 @dataclass(frozen=True)
@@ -157,7 +169,8 @@ class InputRing:
                 t = torch.empty((batch, size, size, 3), dtype=torch.uint8, pin_memory=pin)
             else:
                 t = torch.from_numpy(arena.rows[i * batch : (i + 1) * batch])
-            self.slots.append(InputSlot(index=i, images=t, array=t.numpy()))
+            packed = arena.packed if arena is not None else None
+            self.slots.append(InputSlot(index=i, images=t, array=t.numpy(), packed=packed))
         self._free: deque[InputSlot] = deque(self.slots)
         # Slots whose copy was queued but has not been seen to finish yet.
         self._copying: deque[InputSlot] = deque()
@@ -188,7 +201,10 @@ class InputRing:
         while True:
             self.poll()
             if self._free:
-                return self._free.popleft()
+                slot = self._free.popleft()
+                if slot.packed is not None:
+                    slot.packed.reset(slot.index)
+                return slot
             self._changed.clear()
             if self._copying:
                 # Copies finish in well under a millisecond; polling a few times per copy is

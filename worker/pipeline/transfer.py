@@ -92,7 +92,11 @@ class DeviceTransfer:
         if after is not None:
             copy_stream.wait_event(after)  # type: ignore[arg-type]
         with torch.cuda.stream(copy_stream):
-            if not skip_rows:
+            if slot.packed is not None:
+                # Packed rows: one run, the header and the pixels the batch's images use.
+                used = slot.copy_bytes()
+                twin.view(-1)[:used].copy_(slot.images.view(-1)[:used], non_blocking=True)
+            elif not skip_rows:
                 # x: [B, S, S, 3] uint8, pinned -> device; asynchronous because pinned.
                 twin.copy_(slot.images, non_blocking=True)
             else:

@@ -61,7 +61,7 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
         "decode_threads": worker.decoder.threads,
         "decode_processes": worker.engine.plan.decode_processes,
         "feed_plan": worker.engine.plan.line(),
-        "staged_bytes_per_image": worker.ring_budget["h2d_bytes_per_batch"] // worker.batch_size,
+        "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
         "dct_scaling": cfg.dct_scaling,
         "decode_cache_mb": cfg.decode_cache_mb,
         "cpu_preprocess": variant.cpu_preprocess,

@@ -93,8 +93,7 @@ async def run_doctor(
                 "decode_threads": worker.decoder.threads,
                 "decode_processes": worker.engine.plan.decode_processes,
                 "feed_plan": worker.engine.plan.line(),
-                "staged_bytes_per_image": worker.ring_budget["h2d_bytes_per_batch"]
-                // worker.batch_size,
+                "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
                 "dct_scaling": config.dct_scaling,
                 "resize": worker.placement,
                 "resize_why": worker.ring_budget["resize_placement_why"],
@@ -118,6 +117,8 @@ async def run_doctor(
                     )
                 except Exception as exc:  # noqa: BLE001 - reported with what was measured
                     e2e["not_measured"].append(f"the run failed: {type(exc).__name__}: {exc}")
+            # Packed rows: what the run's batches staged per image, measured.
+            cfg["staged_bytes_per_image"] = worker.engine.staged_bytes_per_image()
         finally:
             await worker.shutdown()
             if redis_url is not None:

@@ -210,7 +210,10 @@ SCHEMA: dict[str, Any] = _obj(
                     "string", "the feed plan's line: decoders, ring and resize, each with why"
                 ),
                 "staged_bytes_per_image": _t(
-                    "integer", "host bytes staged and copied to the device per image", "bytes"
+                    "integer",
+                    "host bytes staged and copied to the device per image (packed rows: "
+                    "measured over the run, the decoded pixels and a 64-byte record)",
+                    "bytes",
                 ),
                 "dct_scaling": _t("boolean", "GPUFEED_DCT_SCALING"),
                 "resize": _t("string", "where images are resized (`host` or `device`)"),
@@ -220,7 +223,9 @@ SCHEMA: dict[str, Any] = _obj(
                     "integer", "the input ring's host memory, all slots (pinned on CUDA)", "bytes"
                 ),
                 "h2d_bytes_per_batch": _t(
-                    "integer", "bytes copied host-to-device per batch", "bytes"
+                    "integer",
+                    "bytes copied host-to-device per batch (packed rows: at most)",
+                    "bytes",
                 ),
                 "max_wait_ms": _t("number", "GPUFEED_MAX_WAIT_MS", "ms"),
                 "fetch_concurrency": _t(

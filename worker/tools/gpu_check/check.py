@@ -523,8 +523,7 @@ async def _measure_pipeline(
                     # Decode processes or threads, and why (the feed plan's line).
                     "decode_processes": worker.engine.plan.decode_processes,
                     "feed_plan": worker.engine.plan.line(),
-                    "staged_bytes_per_image": worker.ring_budget["h2d_bytes_per_batch"]
-                    // worker.batch_size,
+                    "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
                 },
             )
         # The sync window: the profiler (every thread's CUDA calls, C++ and libraries

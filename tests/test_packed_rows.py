@@ -1,0 +1,128 @@
+"""Packed rows: each image staged at its decoded size, and the same pixels out of the step.
+
+The cases are the resample bench's (every size class in every EXIF orientation, a panorama
+reduced on the host, a thumbnail); the device placement runs here on the CPU, and on CUDA
+through a captured graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from worker.decode.cpu import DecodeSpec
+from worker.decode.packed import HEADER_BYTES, PackedSlots, SlotFull, packed_side
+from worker.decode.rows import decode_row
+from worker.model.resample import PackedResampler, RowResampler
+from worker.tools.bench.accuracy import CROP, SIDE, STAGING, cases, decode_rows
+
+S, C, R = STAGING, CROP, SIDE
+
+
+def packed_slot(images: list[bytes], *, order: list[int] | None = None) -> tuple[
+    torch.Tensor, PackedSlots
+]:  # fmt: skip
+    """One slot of len(images) packed rows, written in `order` (the order decodes end in)."""
+    batch = len(images)
+    side = packed_side(R)
+    memory = np.zeros((1, batch * side * side * 3), dtype=np.uint8)
+    slots = PackedSlots(memory, np.zeros(1, dtype=np.int64), batch=batch, row_side=R)
+    slots.reset(0)
+    for i in order if order is not None else range(batch):
+        decoded, _ = decode_row(images[i], DecodeSpec(size=S), R)
+        slots.write(i, decoded)
+    return torch.from_numpy(memory.reshape(batch, side, side, 3)), slots
+
+
+@pytest.fixture(scope="module")
+def images() -> list[bytes]:
+    return [c.data for c in cases()]
+
+
+def test_packed_rows_give_the_pixels_rows_give(images: list[bytes]) -> None:
+    """The same images, as rows and packed (written in a shuffled order, as parallel
+    decodes end): the step's input is equal, bit for bit, for every size class and EXIF
+    orientation, and at a smaller staging size (the degraded step's)."""
+    order = list(np.random.default_rng(0).permutation(len(images)))
+    slot, _ = packed_slot(images, order=order)
+    rows = decode_rows(images)[0]
+    with torch.inference_mode():
+        for staging, crop in ((S, C), (40, 32)):
+            want = RowResampler(R, S, staging, crop)(rows)
+            got = PackedResampler(R, S, staging, crop)(slot)
+            assert torch.equal(got, want), (staging, crop)
+
+
+def test_staged_bytes_are_the_decoded_pixels_and_a_record(images: list[bytes]) -> None:
+    _, slots = packed_slot(images)
+    decoded = [decode_row(data, DecodeSpec(size=S), R)[0] for data in images]
+    pixels = sum(d.pixels.shape[0] * d.pixels.shape[1] * 3 for d in decoded)
+    assert slots.used_bytes(0) == len(images) * HEADER_BYTES + pixels
+    # Against the fixed rows: a 40x30 thumbnail stages 3,664 bytes, not R * R * 3.
+    thumbnail = decoded[0].pixels
+    assert thumbnail.shape[:2] == (30, 40)
+    assert 30 * 40 * 3 + HEADER_BYTES < R * R * 3 // 10
+
+
+def test_a_cached_entry_is_placed_back_as_it_was_read(images: list[bytes]) -> None:
+    """A row kept by a cache (its record and pixels) and written into another batch's slot
+    reads as the original."""
+    first, slots = packed_slot(images[:4])
+    entries = [slots.entry(i) for i in range(4)]
+    assert all(e.flags.owndata for e in entries)
+    memory = np.zeros_like(slots.memory)
+    again = PackedSlots(memory, np.zeros(1, dtype=np.int64), batch=4, row_side=R)
+    again.reset(0)
+    for i in (2, 0, 3, 1):
+        again.write_entry(i, entries[i])
+    second = torch.from_numpy(memory.reshape(first.shape))
+    with torch.inference_mode():
+        resampler = PackedResampler(R, S, S, C)
+        assert torch.equal(resampler(second), resampler(first))
+
+
+def test_a_slot_refuses_what_it_cannot_hold_and_a_reset_empties_it(images: list[bytes]) -> None:
+    big, _ = decode_row(images[-9], DecodeSpec(size=S), R)  # a DCT-scaled photo
+    side = packed_side(R)
+    memory = np.zeros((1, side * side * 3), dtype=np.uint8)
+    slots = PackedSlots(memory, np.zeros(1, dtype=np.int64), batch=1, row_side=R)
+    slots.reset(0)
+    # Even one row of the largest size fits a slot of one (B = 1).
+    largest = np.zeros((R - 1, R, 3), dtype=np.uint8)
+    slots.write(0, replace(big, pixels=largest))
+    with pytest.raises(SlotFull, match="no room"):
+        slots.write(0, big)
+    slots.reset(0)
+    assert slots.used_bytes(0) == HEADER_BYTES
+    slots.write(0, big)
+
+
+def test_unwritten_and_damaged_records_read_inside_the_slot() -> None:
+    """A padded row's record is zeros; random bytes anywhere (a record never written right)
+    give finite pixels and no read outside the slot."""
+    gen = torch.Generator().manual_seed(0)
+    side = packed_side(R)
+    slot = torch.randint(0, 256, (6, side, side, 3), dtype=torch.uint8, generator=gen)
+    slot.view(-1)[: 2 * HEADER_BYTES] = 0
+    with torch.inference_mode():
+        out = PackedResampler(R, S, S, C)(slot)
+    assert out.shape == (6, 3, C, C) and torch.isfinite(out).all()
+    assert out.min() >= 0 and out.max() <= 255
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_captured_packed_resampling_matches_the_cpu(images: list[bytes]) -> None:
+    slot, _ = packed_slot(images)
+    with torch.inference_mode():
+        want = PackedResampler(R, S, S, C)(slot)
+    resampler = PackedResampler(R, S, S, C).cuda()
+    compiled = torch.compile(resampler, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    on_device = slot.cuda()
+    with torch.inference_mode():
+        for _ in range(3):  # record, then replay the graph
+            got = compiled(on_device)
+        torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=0)
