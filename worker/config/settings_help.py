@@ -134,7 +134,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "unset",
         "the degraded step: a smaller model directory (same output kind and resize mode)",
     ),
-    "GPUFEED_MAX_WAIT_MS": ("`10`", "how long a batch waits to fill before it runs padded"),
+    "GPUFEED_MAX_WAIT_MS": (
+        "`10`",
+        "how long a batch waits to fill before it runs padded; past it, a batch the device "
+        "cannot take yet keeps filling until it can",
+    ),
     "GPUFEED_DECODE_THREADS": (
         "`0`",
         "decode threads when decoding in the worker (GPUFEED_DECODE_PROCESSES=0); 0: one per "

@@ -20,6 +20,7 @@ from worker.jobs import Job, Outcome, past_deadline
 from worker.pipeline.batcher import Batch
 from worker.pipeline.completion import CompletionWatcher
 from worker.pipeline.degrade import DegradeSwitch, Serving
+from worker.pipeline.device_room import DeviceRoom
 from worker.pipeline.job_queue import JobQueue
 from worker.pipeline.launch import Launched, LaunchFailed, ModelRunner
 from worker.pipeline.staging import InputRing
@@ -136,7 +137,9 @@ class Dispatcher:
         steps: Steps,
         answer: Answer,
         on_launched: Callable[[Launched], None],
+        room: DeviceRoom | None = None,
     ) -> None:
+        self._room = room
         self._sealed = sealed
         self._ring = ring
         self._runner = runner
@@ -154,6 +157,7 @@ class Dispatcher:
             results = await batch.decoded()
             expire_rows(batch)
             if not batch.valid_rows:
+                self._dropped()
                 self._ring.release_now(batch.slot)
                 await self._answer(
                     [
@@ -176,6 +180,7 @@ class Dispatcher:
                     job_ids=[j.job_id for j in batch.jobs],
                 )
                 serving.out_ring.release(out)
+                self._dropped()
                 if isinstance(exc, LaunchFailed):
                     # Device work queued before the failure may still read the slot.
                     batch.slot.copy_done = exc.fence
@@ -197,6 +202,12 @@ class Dispatcher:
             batch.slot.copy_done = launched.copied
             self._ring.release_after_copy(batch.slot)
             self._watcher.track(launched)
+
+    def _dropped(self) -> None:
+        """A sealed batch that will not reach the completion watcher leaves the device's
+        room (the watcher frees it for the batches that ran)."""
+        if self._room is not None:
+            self._room.finished()
 
 
 def _failed_on(serving: Serving, outcome: Outcome) -> Outcome:

@@ -45,6 +45,7 @@ from worker.observe.observer import Observer
 from worker.pipeline.batcher import Batch, Batcher
 from worker.pipeline.completion import CompletionWatcher
 from worker.pipeline.degrade import DegradeSwitch, Serving
+from worker.pipeline.device_room import DeviceRoom
 from worker.pipeline.job_queue import JobQueue
 
 
@@ -136,6 +137,9 @@ def wire(
         else next(iter(writers.values()))
     )
     health.watch_writer(writer.stalled)
+    # One batch running and one queued behind it on CUDA; on the CPU the step runs on the
+    # launch thread, and a second sealed batch would only wait behind it.
+    room = DeviceRoom(2 if engine.ctx.is_cuda else 1, on_room=jobs_q.wake)
     batcher = Batcher(
         engine.ring,
         engine.decoder,
@@ -143,10 +147,15 @@ def wire(
         max_wait_s=cfg.max_wait_ms / 1000,
         jobs=jobs_q,
         sealed=sealed_q,
+        room=room,
     )
     steps = _steps(cfg, engine, observer)
     watcher = CompletionWatcher(
-        engine.out_ring, writer.put, reader=steps.main.reader, on_batch_done=observer.batch_done
+        engine.out_ring,
+        writer.put,
+        reader=steps.main.reader,
+        on_batch_done=observer.batch_done,
+        room=room,
     )
     fetcher = FetchStage(
         FetchSettings.from_config(cfg),
@@ -211,6 +220,7 @@ def wire(
         steps=steps,
         answer=writer.put,
         on_launched=health.launched,
+        room=room,
     )
     stages = Stages(
         engine=engine,

@@ -21,6 +21,7 @@ from typing import Any
 from worker.decode.pool import DecodePool, DecodeResult, RowGroup
 from worker.decode.processes import ProcessDecodePool, ProcessGroup
 from worker.jobs import Job
+from worker.pipeline.device_room import DeviceRoom
 from worker.pipeline.job_queue import JobQueue
 from worker.pipeline.staging import InputRing, InputSlot
 
@@ -75,8 +76,12 @@ class Batcher:
         max_wait_s: float,
         jobs: JobQueue,
         sealed: asyncio.Queue[Batch | None],
+        room: DeviceRoom | None = None,
     ) -> None:
         self.ring = ring
+        # A batch past its max wait is sealed only when the device has room for it
+        # (worker/pipeline/device_room.py); None: at its max wait, whatever the device does.
+        self.room = room
         self.decoder = decoder
         self.batch_size = batch_size
         self.max_wait_s = max_wait_s
@@ -106,8 +111,10 @@ class Batcher:
                     remaining = self._deadline_s - time.monotonic()
                     if remaining <= 0:
                         # Max wait passed and nothing is queued: the stream has nothing
-                        # more to give right now.
-                        await self._seal()
+                        # more to give right now. Sealed if the device can take it; else it
+                        # keeps filling, and the room's wake-up comes back here.
+                        if self.room is None or self.room.has_room():
+                            await self._seal()
                     else:
                         # A wake-up left over from a batch sealed full, or a timer that
                         # fired a hair early: wait out the rest of this batch's max wait.
@@ -169,4 +176,6 @@ class Batcher:
         batch.sealed_s = time.monotonic()
         if self.on_sealed is not None:
             self.on_sealed(batch)
+        if self.room is not None:
+            self.room.sealed()
         await self._sealed.put(batch)

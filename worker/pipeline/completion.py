@@ -17,6 +17,7 @@ from typing import Any
 
 from worker.jobs import Outcome
 from worker.model.readers import ClassifyReader, Reader
+from worker.pipeline.device_room import DeviceRoom
 from worker.pipeline.launch import Launched
 from worker.pipeline.staging import OutputRing
 
@@ -33,7 +34,10 @@ class CompletionWatcher:
         reader: Reader | None = None,
         poll_interval_s: float = 0.0005,
         on_batch_done: BatchDoneFn | None = None,
+        room: DeviceRoom | None = None,
     ) -> None:
+        # Told when a batch finished on the device, so that the open batch may be sealed.
+        self._room = room
         self.out_ring = out_ring
         self._publish = publish
         self._reader = reader or ClassifyReader()
@@ -65,6 +69,8 @@ class CompletionWatcher:
                 await asyncio.sleep(self._poll_s)
                 continue
             self._pending.popleft()
+            if self._room is not None:
+                self._room.finished()
             await self._finish(head)
 
     async def _finish(self, launched: Launched) -> None:
