@@ -80,6 +80,28 @@ def test_every_job_of_every_run_was_answered(tiny: tuple[dict[str, Any], Path]) 
 
 
 @pytest.mark.slow
+def test_latency_under_load_puts_both_designs_at_the_same_offered_load(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, out = tiny
+    section = report["latency_under_load"]
+    points = {(p["worker"], p["load"]): p for p in section["points"]}
+    assert set(points) == {
+        ("naive", "naive_80"),
+        ("gpufeed", "naive_80"),
+        ("gpufeed", "gpufeed_80"),
+    }
+    naive_rate = 0.8 * section["naive_capacity_per_s"]
+    assert points["naive", "naive_80"]["offered_per_s"] == pytest.approx(naive_rate, abs=0.01)
+    assert points["gpufeed", "naive_80"]["offered_per_s"] == pytest.approx(naive_rate, abs=0.01)
+    for p in points.values():
+        assert p["results"] == p["jobs"] and 0 < p["p50_ms"] <= p["p99_ms"]
+    ours, theirs = points["gpufeed", "naive_80"]["p99_ms"], points["naive", "naive_80"]["p99_ms"]
+    assert section["p99_over_naive_at_naive_80"] == pytest.approx(ours / theirs, abs=0.01)
+    assert "## Latency under load" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
 def test_every_figure_is_a_real_measurement(tiny: tuple[dict[str, Any], Path]) -> None:
     report, _ = tiny
     for run in report["runs"]:

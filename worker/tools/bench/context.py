@@ -48,6 +48,8 @@ class Bench:
     url_runs: list[dict[str, Any]] = field(default_factory=list)
     model_rates: list[dict[str, Any]] = field(default_factory=list)
     curves: list[dict[str, Any]] = field(default_factory=list)
+    # Latency under load (worker/tools/bench/load_latency.py); None: not run.
+    load_latency: dict[str, Any] | None = None
     skipped: list[dict[str, str]] = field(default_factory=list)
     # The queue ceiling per (image set, batch size), measured before the set's runs.
     queue_ceilings: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)

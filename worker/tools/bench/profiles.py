@@ -58,6 +58,14 @@ class CurvePlan:
 
 
 @dataclass(frozen=True)
+class LoadLatencyPlan:
+    """Latency under load (worker/tools/bench/load_latency.py): seconds of offered load per
+    point, at 80% of the naive worker's capacity and of gpufeed's."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class OverheadPlan:
     """The overhead section (worker/tools/bench/overhead.py): tiny JPEGs, the null model."""
 
@@ -104,6 +112,7 @@ class Profile:
     overhead: OverheadPlan | None = None
     priority: PriorityPlan | None = None
     batch: BatchPlan | None = None
+    load_latency: LoadLatencyPlan | None = None
 
     def with_models(self, models: tuple[ModelPlan, ...]) -> Profile:
         return replace(self, models=models)
@@ -144,6 +153,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             overhead=OverheadPlan(jobs=192, batch_size=32, distinct=8, live_s=1.0),
             priority=PriorityPlan(seconds=0.5),
             batch=BatchPlan(jobs=256, batch_size=32, distinct=8),
+            load_latency=LoadLatencyPlan(seconds=1.0),
         )
     if cuda:
         models = (
@@ -175,6 +185,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             # Enough images that the run's start and end (listing the first page, opening
             # the output, the final rename) weigh little in the client's CPU per job.
             batch=BatchPlan(jobs=30_000),
+            load_latency=LoadLatencyPlan(seconds=5.0),
         )
     sets = (
         (photo_set(256, 4096), large_set(64, 512))
@@ -194,4 +205,5 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         overhead=OverheadPlan(jobs=20_000, live_s=8.0),
         priority=PriorityPlan(seconds=5.0),
         batch=BatchPlan(jobs=40_000),
+        load_latency=LoadLatencyPlan(seconds=10.0),
     )

@@ -227,6 +227,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 align="lr",
             )
         )
+    out += load_latency_lines(report)
     if report.get("skipped"):
         out += ["", "Not run:"]
         out += [f"- {s['what']}: {s['reason']}" for s in report["skipped"]]
@@ -1041,6 +1042,63 @@ def _all_numbers(obj: Any, path: str = "") -> Iterator[tuple[str, float]]:
         yield path, float(obj)
 
 
+def load_latency_lines(report: Mapping[str, Any]) -> list[str]:
+    """The latency-under-load section (worker/tools/bench/load_latency.py), if it ran."""
+    section = report.get("latency_under_load")
+    if not section:
+        return []
+    loads = {
+        "naive_80": f"80% of the naive worker's {_fmt(section['naive_capacity_per_s'])}/s",
+        "gpufeed_80": f"80% of gpufeed's {_fmt(section['gpufeed_capacity_per_s'])}/s",
+    }
+    out = [
+        "",
+        f"## Latency under load ({section['model']}, {section['image_set']}, XADD to result)",
+        "",
+        table(
+            ["worker", "offered load", "offered/s", "achieved/s", "p50 ms", "p99 ms"],
+            [
+                [
+                    p["worker"],
+                    loads.get(p["load"], p["load"]),
+                    _fmt(p["offered_per_s"]),
+                    _fmt(p["achieved_per_s"]),
+                    _fmt(p["p50_ms"], 0),
+                    _fmt(p["p99_ms"], 0),
+                ]
+                for p in section["points"]
+            ],
+            align="llrrrr",
+        ),
+        "",
+        f"- gpufeed's p99 over the naive worker's at the naive worker's 80%: "
+        f"{_fmt(section['p99_over_naive_at_naive_80'], 2)} (target <= 1.5)",
+        f"- gpufeed's p99 at its own 80% against 2 B / C + max wait "
+        f"({_fmt(section['p99_bound_at_gpufeed_80_ms'], 0)} ms at batch "
+        f"{section['batch_size']}): "
+        + ("within" if section["p99_at_gpufeed_80_within_bound"] else "over"),
+    ]
+    return out
+
+
+def _load_latency_problems(section: Any) -> list[str]:
+    if section is None:
+        return []
+    problems = []
+    points = section.get("points") or []
+    if len(points) != 3:
+        problems.append(f"latency_under_load has {len(points)} points, want 3")
+    for p in points:
+        for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms"):
+            if not _positive(p.get(key)):
+                problems.append(f"latency_under_load point {p} has no positive {key}")
+        if p.get("results") != p.get("jobs"):
+            problems.append(
+                f"latency_under_load point {p}: {p.get('results')} results for {p.get('jobs')} jobs"
+            )
+    return problems
+
+
 def validate_report(report: Mapping[str, Any]) -> list[str]:
     """Everything wrong with `report` against docs/bench-schema.md (empty: nothing)."""
     problems: list[str] = []
@@ -1123,6 +1181,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
     problems += batch_problems(report.get("batch"))
     problems += _priority_problems(report.get("priority"))
     problems += _accuracy_problems(report.get("accuracy"))
+    problems += _load_latency_problems(report.get("latency_under_load"))
     for c in report.get("curves") or []:
         for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms"):
             if not _positive(c.get(key)):

@@ -77,6 +77,7 @@ from worker.tools.bench.context import Bench
 from worker.tools.bench.gpufeed_run import gpufeed_run
 from worker.tools.bench.images import ImageSet, load_image_set
 from worker.tools.bench.latency_curve import curve_runs
+from worker.tools.bench.load_latency import load_latency_section
 from worker.tools.bench.naive_run import naive_run
 from worker.tools.bench.overhead import overhead_section
 from worker.tools.bench.priority import priority_section
@@ -197,6 +198,23 @@ async def _bench(b: Bench) -> RateTable:
         )
         b.echo(f"latency/throughput curve: {plan.model}, {sp.spec.name}")
         await curve_runs(b, plan, sp, capacity)
+    if b.profile.load_latency is not None:
+        plan, sp = b.profile.models[0], b.profile.sets[0]
+
+        def capacity(name: str) -> float:
+            return float(
+                next(
+                    r["images_per_s"]
+                    for r in b.runs
+                    if r["name"] == name and r["model"] == plan.model
+                    and r["image_set"] == sp.spec.name
+                )
+            )  # fmt: skip
+
+        b.echo(f"latency under load: {plan.model}, {sp.spec.name}, naive and gpufeed")
+        b.load_latency = await load_latency_section(
+            b, plan, sp, naive_per_s=capacity("naive"), gpufeed_per_s=capacity(DEFAULTS.name)
+        )
     if b.profile.overhead is not None:
         b.echo("overhead: the null model on 64x64 JPEGs, with the queue ceiling")
         b.overhead = await overhead_section(b, b.profile.overhead)
@@ -425,6 +443,7 @@ def run_bench(
         "runs": b.runs,
         "url_runs": b.url_runs,
         "curves": b.curves,
+        "latency_under_load": b.load_latency,
         "overhead": b.overhead,
         "priority": b.priority,
         "batch": batch,
