@@ -525,6 +525,26 @@ def test_pixel_limit_names_dimensions_and_limit() -> None:
     assert "10000000" in err.message
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+@pytest.mark.parametrize("side", [12_000, 15_000, 60_000])
+def test_a_too_large_image_quotes_the_workers_limit(fmt: str, side: int) -> None:
+    """Under, at twice and past twice GPUFEED_MAX_IMAGE_PIXELS as the worker sets it up
+    (Pillow's own bomb check refuses from twice the limit, inside its open, with a text of
+    its own): the answer quotes the setting's limit, whichever check refused the image."""
+    data = png_header_only(side, side) if fmt == "PNG" else jpeg_with_dimensions(side, side)
+    limit = 100_000_000
+    before = Image.MAX_IMAGE_PIXELS
+    try:
+        Image.MAX_IMAGE_PIXELS = limit  # what allow_large_images leaves at the default
+        err = decode_error(data, DecodeSpec(size=S, max_pixels=limit))
+    finally:
+        Image.MAX_IMAGE_PIXELS = before
+    assert err.code is ErrorCode.IMAGE_TOO_LARGE
+    assert f"over the limit of {limit} pixels" in err.message
+    assert str(side * side) in err.message
+    assert str(2 * limit) not in err.message
+
+
 def test_pixel_limit_is_inclusive() -> None:
     _, info = decode(png_bytes(64, 48), DecodeSpec(size=S, max_pixels=64 * 48))
     assert info.width == 64

@@ -22,6 +22,7 @@ hundred times slower than its C codecs.
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
@@ -218,11 +219,12 @@ def decode_checked(data: bytes, spec: DecodeSpec) -> Frame:
     if fmt is None:
         raise DecodeError(ErrorCode.UNSUPPORTED_FORMAT, "not a JPEG, PNG, WebP, BMP or GIF image")
 
-    return guarded(lambda: decode_frame(data, fmt, spec), fmt)
+    return guarded(lambda: decode_frame(data, fmt, spec), fmt, max_pixels=spec.max_pixels)
 
 
-def guarded(work: Callable[[], _T], fmt: str) -> _T:
-    """`work()`, with whatever it raises turned into DecodeError as `decode_pixels` does."""
+def guarded(work: Callable[[], _T], fmt: str, *, max_pixels: int | None = None) -> _T:
+    """`work()`, with whatever it raises turned into DecodeError as `decode_pixels` does.
+    `max_pixels`: the limit an image too large for Pillow is said to be over."""
     try:
         return work()
     except DecodeError:
@@ -230,7 +232,9 @@ def guarded(work: Callable[[], _T], fmt: str) -> _T:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # Pillow's own bomb check runs inside Image.open, before ours can (the warning
         # only arrives here as an exception when warnings are errors, e.g. under pytest).
-        raise DecodeError(ErrorCode.IMAGE_TOO_LARGE, _message(exc)) from None
+        # Its text quotes Pillow's limit (twice GPUFEED_MAX_IMAGE_PIXELS, as the worker sets
+        # it): the answer quotes the setting, as the header check's does.
+        raise DecodeError(ErrorCode.IMAGE_TOO_LARGE, _bomb_message(exc, max_pixels)) from None
     except MemoryError:
         raise DecodeError(ErrorCode.DECODE_ERROR, "out of memory decoding the image") from None
     except Exception as exc:  # noqa: BLE001
@@ -627,6 +631,17 @@ def _letterbox(im: Image.Image, s: int) -> npt.NDArray[np.uint8]:
     canvas = Image.new(fitted.mode, (s, s), 0)
     canvas.paste(fitted, (left, top))
     return np.asarray(canvas, dtype=np.uint8)
+
+
+_BOMB_PIXELS = re.compile(r"\((\d+) pixels\)")
+
+
+def _bomb_message(exc: BaseException, max_pixels: int | None) -> str:
+    """Pillow's decompression-bomb error, told against `max_pixels` where it is known."""
+    found = _BOMB_PIXELS.search(str(exc))
+    if max_pixels is None or found is None:
+        return _message(exc)
+    return f"the image is {found.group(1)} pixels, over the limit of {max_pixels} pixels"
 
 
 def _message(exc: BaseException, fmt: str | None = None) -> str:
