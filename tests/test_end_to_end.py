@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import redis
 import torch
+from torchvision.models import MobileNet_V3_Small_Weights
 
 from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
@@ -132,3 +133,18 @@ async def test_path_jobs_under_the_root(
     assert results["p-ok"].ok
     assert results["p-escape"].error_code == "forbidden_path"
     assert results["p-missing"].error_code == "path_not_found"
+
+
+async def test_a_random_weights_worker_answers_with_the_published_class_names(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    """GPUFEED_WEIGHTS=none: the answers are meaningless, but they read as a pretrained
+    model's do, with the class names torchvision ships for the model's weights."""
+    names = MobileNet_V3_Small_Weights.DEFAULT.meta["categories"]
+    async with running_worker(redis_url, Path("none")):
+        redis_client.xadd("gpufeed:jobs", {"id": "r1", "image": jpeg_bytes(64, 48)})
+        (entry,) = await wait_results(redis_client, "gpufeed:results", 1)
+    result = JobResult.from_fields(entry[1])
+    assert result.ok and result.top1 is not None
+    assert result.label == names[result.top1]
+    assert redis_client.hget("gpufeed:result:r1", "label") == names[result.top1].encode()

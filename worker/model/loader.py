@@ -91,6 +91,10 @@ def load_model(name: str, weights: str, *, input_size: int = 0) -> LoadedModel:
     if weights.lower() == "none":
         tv_weights = None
         label = "none (random init)"
+        # The class names of the model's published weights (metadata that ships with
+        # torchvision: no download), so a random-weights worker answers with labels, as
+        # meaningless as its answers but read the same way.
+        categories = _published_categories(name)
     elif _looks_like_path(weights):
         path = Path(weights).expanduser()
         if not path.is_file():
@@ -150,6 +154,17 @@ def save_weights_file(module: nn.Module, path: Path, categories: list[str] | Non
     if categories:
         payload["categories"] = list(categories)
     torch.save(payload, path)
+
+
+def _published_categories(model: str) -> tuple[str, ...] | None:
+    """The class names of `model`'s default torchvision weights, when they name the 1000
+    classes a model built without weights has; else None."""
+    try:
+        meta = get_model_weights(model).DEFAULT.meta
+    except (ValueError, KeyError, AttributeError):
+        return None
+    names = tuple(str(c) for c in meta.get("categories") or ())
+    return names if len(names) == 1000 else None
 
 
 def _looks_like_path(weights: str) -> bool:
