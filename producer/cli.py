@@ -462,6 +462,7 @@ def submit(
         ids = url_job_ids(url_list, id_prefix=id_prefix)
     else:
         ids = file_job_ids(files, id_prefix=id_prefix)
+        _refuse_empty_files(files)
     meta_bytes = None if meta is None else meta.encode()
 
     def job(i: int) -> Job:
@@ -506,6 +507,25 @@ def submit(
                 ids, timeout, on_result=lambda _: progress.advance(progress.task_ids[0])
             )
     _report(ids, results, timeout, json_out)
+
+
+def _refuse_empty_files(files: list[Path]) -> None:
+    """Exit 2 naming the empty files, before anything is submitted: an empty image can only
+    fail, and a submit is all or nothing (`producer batch` records such a file as an error
+    row and goes on)."""
+    try:
+        empty = [f for f in files if f.stat().st_size == 0]
+    except OSError as exc:
+        raise _fail(f"cannot read {exc.filename}: {exc.strerror}", EXIT_USAGE) from None
+    if empty:
+        named = ", ".join(str(f) for f in empty[:3])
+        more = f" and {len(empty) - 3} more" if len(empty) > 3 else ""
+        raise _fail(
+            f"{named}{more}: empty (0 bytes), so nothing was submitted; remove "
+            f"{'them' if len(empty) > 1 else 'it'}, or run `producer batch`, which records "
+            "an empty file as an error row",
+            EXIT_USAGE,
+        )
 
 
 def _report(

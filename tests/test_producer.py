@@ -510,6 +510,17 @@ def test_cli_submit_json(image_dir: Path, redis_url: str, redis_client: redis.Re
     assert stored["a.jpg"][b"meta"] == b"batch-7"
 
 
+def test_cli_submit_names_an_empty_file_and_submits_nothing(
+    image_dir: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    (image_dir / "nested" / "empty.jpg").write_bytes(b"")
+    proc = gpufeed("submit", str(image_dir), "--redis-url", redis_url)
+    assert proc.returncode == 2
+    assert str(image_dir / "nested" / "empty.jpg") in proc.stderr
+    assert "nothing was submitted" in proc.stderr and "producer batch" in proc.stderr
+    assert redis_client.exists("gpufeed:jobs") == 0
+
+
 def test_cli_options_before_the_command_and_from_env(
     image_dir: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
