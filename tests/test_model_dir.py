@@ -359,10 +359,13 @@ def test_squash_and_letterbox_reach_the_model(tmp_path: Path, resize: str) -> No
 async def run_jobs(
     redis_url: str, client: redis.Redis, root: Path, images: list[bytes], **settings: Any
 ) -> dict[str, JobResult]:
-    async with running_worker(redis_url, Path("unused"), model=str(root), **settings):
+    async with running_worker(redis_url, Path("unused"), model=str(root), **settings) as worker:
         for i, data in enumerate(images):
             client.xadd("gpufeed:jobs", {"id": f"j{i}", "image": data})
         entries = await wait_results(client, "gpufeed:results", len(images))
+        # Metrics and heartbeats name the model as its results do: by the directory's
+        # name, not by the path as typed.
+        assert worker.observer.info["model"] == root.name
     results = {r.id: r for r in (JobResult.from_fields(f) for _, f in entries)}
     assert len(results) == len(images) and all(r.ok for r in results.values()), results
     # The hash holds what the stream entry holds.

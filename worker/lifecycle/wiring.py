@@ -402,7 +402,9 @@ def observe(
         in_flight=lambda: stages.in_flight.count,
     )
     observer.info = {
-        "model": cfg.model,
+        # The model's name as results give it (a directory's name, not the path as typed):
+        # one label for the same model in metrics, heartbeats and results.
+        "model": engine.loaded.name,
         "weights": engine.loaded.weights_label,
         "device": engine.ctx.name,
         "dtype": str(engine.dtype).removeprefix("torch."),
