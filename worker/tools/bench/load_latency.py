@@ -28,6 +28,7 @@ from worker.tools.bench.ablations import DEFAULTS
 from worker.tools.bench.context import Bench
 from worker.tools.bench.gpufeed_run import stop_worker, watch
 from worker.tools.bench.naive import NaiveWorker
+from worker.tools.bench.naive_run import naive_worker
 from worker.tools.bench.profiles import ModelPlan, SetPlan
 from worker.tools.bench.redis_env import Answer, collect, paced_push, push_jobs
 
@@ -55,27 +56,11 @@ async def _naive_at(
     b: Bench, plan: ModelPlan, sp: SetPlan, rate: float, count: int
 ) -> list[Answer]:
     keys = b.keys(plan.model, sp.spec.name, "latency-naive")
-    settings = b.model_settings(plan)
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(1, thread_name_prefix="bench-naive")
     naive: NaiveWorker | None = None
     try:
-        naive = await loop.run_in_executor(
-            executor,
-            functools.partial(
-                NaiveWorker,
-                redis_url=b.redis_url,
-                stream=keys.jobs,
-                group="naive",
-                results_stream=keys.results,
-                result_prefix=keys.result_prefix,
-                result_ttl_s=3600,
-                model=str(settings["model"]),
-                weights=str(settings["weights"]),
-                input_size=int(settings["input_size"]),
-                device=b.device,
-            ),
-        )
+        naive = await loop.run_in_executor(executor, naive_worker, b, plan, keys)
         worker = naive
         worker.ensure_group()
         serving = loop.run_in_executor(executor, worker.serve, count)

@@ -13,33 +13,35 @@ from worker.tools.bench.measurement import summarise, timed_ceiling
 from worker.tools.bench.naive import NaiveWorker
 from worker.tools.bench.probe import RunProbe
 from worker.tools.bench.profiles import ModelPlan, SetPlan
-from worker.tools.bench.redis_env import collect, push_jobs
+from worker.tools.bench.redis_env import RunKeys, collect, push_jobs
+
+
+def naive_worker(b: Bench, plan: ModelPlan, keys: RunKeys) -> NaiveWorker:
+    """The naive reference worker for `plan`, reading and answering on `keys`' streams
+    (built on the thread that will run it: its model loads there)."""
+    settings = b.model_settings(plan)
+    return NaiveWorker(
+        redis_url=b.redis_url,
+        stream=keys.jobs,
+        group="naive",
+        results_stream=keys.results,
+        result_prefix=keys.result_prefix,
+        result_ttl_s=3600,
+        model=str(settings["model"]),
+        weights=str(settings["weights"]),
+        input_size=int(settings["input_size"]),
+        device=b.device,
+    )
 
 
 async def naive_run(b: Bench, plan: ModelPlan, sp: SetPlan, *, with_model: bool) -> dict[str, Any]:
     keys = b.keys(plan.model, sp.spec.name, "naive")
-    settings = b.model_settings(plan)
     loop = asyncio.get_running_loop()
     # The naive worker's one thread (named, so the probe can tell its CPU apart).
     executor = ThreadPoolExecutor(1, thread_name_prefix="bench-naive")
     naive: NaiveWorker | None = None
     try:
-
-        def build() -> NaiveWorker:
-            return NaiveWorker(
-                redis_url=b.redis_url,
-                stream=keys.jobs,
-                group="naive",
-                results_stream=keys.results,
-                result_prefix=keys.result_prefix,
-                result_ttl_s=3600,
-                model=str(settings["model"]),
-                weights=str(settings["weights"]),
-                input_size=int(settings["input_size"]),
-                device=b.device,
-            )
-
-        naive = await loop.run_in_executor(executor, build)
+        naive = await loop.run_in_executor(executor, naive_worker, b, plan, keys)
         worker = naive
         worker.ensure_group()
         model_b1: dict[str, Any] | None = None
