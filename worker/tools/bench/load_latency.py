@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from worker.lifecycle.service import Worker
@@ -27,8 +26,7 @@ from worker.observe.gpu_sampler import percentile
 from worker.tools.bench.ablations import DEFAULTS
 from worker.tools.bench.context import Bench
 from worker.tools.bench.gpufeed_run import stop_worker, watch
-from worker.tools.bench.naive import NaiveWorker
-from worker.tools.bench.naive_run import naive_worker
+from worker.tools.bench.naive_run import naive_on_thread
 from worker.tools.bench.profiles import ModelPlan, SetPlan
 from worker.tools.bench.redis_env import Answer, collect, paced_push, push_jobs
 
@@ -57,12 +55,7 @@ async def _naive_at(
 ) -> list[Answer]:
     keys = b.keys(plan.model, sp.spec.name, "latency-naive")
     loop = asyncio.get_running_loop()
-    executor = ThreadPoolExecutor(1, thread_name_prefix="bench-naive")
-    naive: NaiveWorker | None = None
-    try:
-        naive = await loop.run_in_executor(executor, naive_worker, b, plan, keys)
-        worker = naive
-        worker.ensure_group()
+    async with naive_on_thread(b, plan, keys) as (worker, executor):
         serving = loop.run_in_executor(executor, worker.serve, count)
 
         def alive() -> None:
@@ -81,12 +74,6 @@ async def _naive_at(
         worker.stop.set()
         await serving
         return answers
-    finally:
-        if naive is not None:
-            naive.stop.set()
-            naive.close()
-        executor.shutdown(wait=True)
-        await b.cleanup(keys)
 
 
 async def _gpufeed_at(

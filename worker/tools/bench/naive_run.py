@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from typing import Any
 
 from worker.tools.bench.context import Bench
@@ -34,16 +36,32 @@ def naive_worker(b: Bench, plan: ModelPlan, keys: RunKeys) -> NaiveWorker:
     )
 
 
-async def naive_run(b: Bench, plan: ModelPlan, sp: SetPlan, *, with_model: bool) -> dict[str, Any]:
-    keys = b.keys(plan.model, sp.spec.name, "naive")
+@asynccontextmanager
+async def naive_on_thread(
+    b: Bench, plan: ModelPlan, keys: RunKeys
+) -> AsyncIterator[tuple[NaiveWorker, ThreadPoolExecutor]]:
+    """The naive worker, built on a thread of its own (named, so the probe can tell its CPU
+    apart), its group made; on the way out it is stopped and closed, the thread ended and
+    the run's keys removed."""
     loop = asyncio.get_running_loop()
-    # The naive worker's one thread (named, so the probe can tell its CPU apart).
     executor = ThreadPoolExecutor(1, thread_name_prefix="bench-naive")
     naive: NaiveWorker | None = None
     try:
         naive = await loop.run_in_executor(executor, naive_worker, b, plan, keys)
-        worker = naive
-        worker.ensure_group()
+        naive.ensure_group()
+        yield naive, executor
+    finally:
+        if naive is not None:
+            naive.stop.set()
+            naive.close()
+        executor.shutdown(wait=True)
+        await b.cleanup(keys)
+
+
+async def naive_run(b: Bench, plan: ModelPlan, sp: SetPlan, *, with_model: bool) -> dict[str, Any]:
+    keys = b.keys(plan.model, sp.spec.name, "naive")
+    loop = asyncio.get_running_loop()
+    async with naive_on_thread(b, plan, keys) as (worker, executor):
         model_b1: dict[str, Any] | None = None
         if with_model:
 
@@ -106,9 +124,3 @@ async def naive_run(b: Bench, plan: ModelPlan, sp: SetPlan, *, with_model: bool)
         if model_b1 is not None:
             run["model_batch_1"] = model_b1
         return run
-    finally:
-        if naive is not None:
-            naive.stop.set()
-            naive.close()
-        executor.shutdown(wait=True)
-        await b.cleanup(keys)

@@ -1089,13 +1089,22 @@ def _load_latency_problems(section: Any) -> list[str]:
     if len(points) != 3:
         problems.append(f"latency_under_load has {len(points)} points, want 3")
     for p in points:
-        for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms"):
-            if not _positive(p.get(key)):
-                problems.append(f"latency_under_load point {p} has no positive {key}")
-        if p.get("results") != p.get("jobs"):
-            problems.append(
-                f"latency_under_load point {p}: {p.get('results')} results for {p.get('jobs')} jobs"
-            )
+        problems += _load_point_problems("latency_under_load point", p)
+    return problems
+
+
+def _load_point_problems(what: str, point: Mapping[str, Any]) -> list[str]:
+    """A point of offered load (a curve's, latency under load's): positive rates and
+    latencies, and every job answered."""
+    problems = [
+        f"{what} {point} has no positive {key}"
+        for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms")
+        if not _positive(point.get(key))
+    ]
+    if point.get("results") != point.get("jobs"):
+        problems.append(
+            f"{what} {point}: {point.get('results')} results for {point.get('jobs')} jobs"
+        )
     return problems
 
 
@@ -1183,9 +1192,5 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
     problems += _accuracy_problems(report.get("accuracy"))
     problems += _load_latency_problems(report.get("latency_under_load"))
     for c in report.get("curves") or []:
-        for key in ("offered_per_s", "achieved_per_s", "p50_ms", "p99_ms"):
-            if not _positive(c.get(key)):
-                problems.append(f"curve point {c} has no positive {key}")
-        if c.get("results") != c.get("jobs"):
-            problems.append(f"curve point {c}: {c.get('results')} results for {c.get('jobs')} jobs")
+        problems += _load_point_problems("curve point", c)
     return problems
