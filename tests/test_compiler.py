@@ -106,20 +106,27 @@ def test_the_step_is_compiled_without_graph_partitions() -> None:
 
 
 @pytest.mark.slow
-def test_fixed_shape_compiles_to_one_graph_and_a_second_shape_is_a_recompile() -> None:
+def test_each_batch_size_compiles_to_one_graph_and_another_shape_is_a_recompile() -> None:
+    """Batch 4 and the smaller size 1 (GPUFEED_BATCH_SIZES) are compiled at start-up; a
+    later call on either is no recompile, a batch of 3 is."""
     step = Fixed().eval()
     fn, report = compile_step(
-        step, example(), mode="default", allow_eager_fallback=False, warmup_iters=2
+        step, example(b=4), mode="default", allow_eager_fallback=False, warmup_iters=2, sizes=[1]
     )
     assert report.compiled, report.reason
     assert report.graph_breaks == 0 and report.recompiles == 0
     assert report.graph_partitions == 0
     assert report.inductor_options == {"graph_partition": False}
     assert report.compile_s > 0 and report.baseline is not None
+    assert sorted(report.size_costs) == [1, 4]
+    assert all(first_s > 0 for first_s, _ in report.size_costs.values())
     assert still_compiled(report) == []
-    same, other = example(), example(b=3)  # made outside inference mode, like the ring's
+    # Made outside inference mode, like the ring's; size 1 as launches give it, a view of
+    # the first row of the slot's buffer.
+    same, other = example(b=4), example(b=3)
     with torch.inference_mode():
-        fn(same)  # same shape: no new graph
+        assert fn(same)[0].shape == (4, 2)
+        assert fn(same[:1])[0].shape == (1, 2)
     assert changes_since(report.baseline)["recompiles"] == 0
 
     with torch.inference_mode():

@@ -35,6 +35,7 @@ from worker.model.compiler import (
     still_compiled,
 )
 from worker.model.precision import precision_check
+from worker.model.sizes import BatchSizes
 from worker.model.step import InferenceStep
 from worker.pipeline.batcher import Batch
 from worker.pipeline.device import make_context
@@ -59,7 +60,9 @@ class Pipeline:
     """The worker's hot path without Redis: rings, transfer, runner, as service.py wires
     them (dispatcher: launch, then release the slot after its copy)."""
 
-    def __init__(self, step: Any, *, slots: int = 3, compile_mode: str = "off") -> None:
+    def __init__(
+        self, step: Any, *, slots: int = 3, compile_mode: str = "off", sizes: tuple[int, ...] = ()
+    ) -> None:
         self.device = torch.device("cuda", 0)
         self.ctx = make_context(self.device)
         self.ring = InputRing(slots, B, S, pin=True)
@@ -73,27 +76,31 @@ class Pipeline:
 
             def compile_here() -> None:
                 fn, report = compile_step(
-                    step, example, mode=compile_mode, allow_eager_fallback=False
+                    step, example, mode=compile_mode, allow_eager_fallback=False, sizes=sizes
                 )
                 self.runner.step = fn
                 self.report = report
 
             self.runner.run_sync(compile_here)
+        self.runner.sizes = BatchSizes((*sizes, B))
         self._seq = 0
 
-    async def launch(self, pixels: np.ndarray, *, before_copy: Any = None) -> Launched:
+    async def launch(
+        self, pixels: np.ndarray, *, before_copy: Any = None, rows: int = B
+    ) -> Launched:
+        """Launch a batch of `rows` jobs (the first rows of `pixels`; the rest padding)."""
         slot = await self.ring.acquire()
         slot.array[:] = pixels
         loop = asyncio.get_running_loop()
         futures = []
-        for _ in range(B):
+        for _ in range(rows):
             f: asyncio.Future[DecodeResult] = loop.create_future()
             f.set_result(OK)
             futures.append(f)
         self._seq += 1
         jobs = [
             Job(entry_id=f"0-{i}", job_id=f"j{i}", reply_to="r", meta=None, image=b"", path=None)
-            for i in range(B)
+            for i in range(rows)
         ]
         batch = Batch(seq=self._seq, slot=slot, jobs=jobs, futures=futures, opened_s=0.0)
         await batch.decoded()
@@ -215,6 +222,38 @@ async def test_wrapper_catches_a_pageable_copy() -> None:
     x = torch.zeros(4)
     with reject_pageable_h2d(), pytest.raises(AssertionError, match="pageable"):
         x.to("cuda", non_blocking=True)
+
+
+async def test_each_batch_size_replays_one_graph_with_no_host_sync() -> None:
+    """Batches of 1 to B jobs run on shapes 1, 4 and B (GPUFEED_BATCH_SIZES=1,4), each one
+    graph replay, with no host sync and no recompile, and give the synchronised run's
+    answers for their rows."""
+    step = cuda_step()
+    pipe = Pipeline(step, compile_mode="reduce-overhead", sizes=(1, 4))
+    assert pipe.report is not None and pipe.report.compiled, pipe.report
+    assert sorted(pipe.report.size_costs) == [1, 4, B]
+    counts = [1, 3, B, 1, 5, 4, 2, B]
+    inputs = batches(len(counts))
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        with count_cudagraph_replays() as replays:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                results = []
+                for pixels, rows in zip(inputs, counts, strict=True):
+                    launched = await pipe.launch(pixels, rows=rows)
+                    assert launched.size == {1: 1, 2: 4, 3: 4, 4: 4}.get(rows, B)
+                    results.append(await pipe.collect(launched))
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        assert replays.count == len(counts)
+        assert still_compiled(pipe.report) == [], "a batch size recompiled"
+        for pixels, rows, (idx, sc) in zip(inputs, counts, results, strict=True):
+            ref_idx, ref_sc = reference(step, pixels)
+            np.testing.assert_allclose(sc[:rows], ref_sc[:rows], atol=1e-4, rtol=1e-4)
+            assert (idx[:rows, 0] == ref_idx[:rows, 0]).mean() >= 0.99
+    finally:
+        pipe.close()
 
 
 def test_compile_counts_replays_and_takes_no_skips() -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.images import jpeg_bytes
 from worker.decode.cpu import DecodeSpec
 from worker.decode.packed import HEADER_BYTES, PackedSlots, SlotFull, packed_side
 from worker.decode.rows import decode_row
@@ -22,17 +23,22 @@ from worker.tools.bench.accuracy import CROP, SIDE, STAGING, cases, decode_rows
 S, C, R = STAGING, CROP, SIDE
 
 
-def packed_slot(images: list[bytes], *, order: list[int] | None = None) -> tuple[
-    torch.Tensor, PackedSlots
-]:  # fmt: skip
-    """One slot of len(images) packed rows, written in `order` (the order decodes end in)."""
-    batch = len(images)
+def packed_slot(
+    images: list[bytes],
+    *,
+    order: list[int] | None = None,
+    batch: int = 0,
+    spec: DecodeSpec | None = None,
+) -> tuple[torch.Tensor, PackedSlots]:
+    """One slot of `batch` (default len(images)) packed rows, the images written in `order`
+    (the order decodes end in)."""
+    batch = batch or len(images)
     side = packed_side(R)
     memory = np.zeros((1, batch * side * side * 3), dtype=np.uint8)
     slots = PackedSlots(memory, np.zeros(1, dtype=np.int64), batch=batch, row_side=R)
     slots.reset(0)
-    for i in order if order is not None else range(batch):
-        decoded, _ = decode_row(images[i], DecodeSpec(size=S), R)
+    for i in order if order is not None else range(len(images)):
+        decoded, _ = decode_row(images[i], spec or DecodeSpec(size=S), R)
         slots.write(i, decoded)
     return torch.from_numpy(memory.reshape(batch, side, side, 3)), slots
 
@@ -98,6 +104,29 @@ def test_a_slot_refuses_what_it_cannot_hold_and_a_reset_empties_it(images: list[
     slots.reset(0)
     assert slots.used_bytes(0) == HEADER_BYTES
     slots.write(0, big)
+
+
+@pytest.mark.parametrize("written", [1, 3, 8])
+def test_a_smaller_batch_shape_reads_the_same_pixels_from_the_rows_the_slot_spans(
+    images: list[bytes], written: int
+) -> None:
+    """A batch of `written` images in a slot of 64 rows runs on a shape of its first k rows
+    (worker/model/sizes.py): k holds its rows and every byte their lines reach, so the step
+    reads from them what it reads from the whole slot. Images of the largest size a row
+    holds, (R - 1) x R, take more rows than they are, with the header of 64 records."""
+    largest = DecodeSpec(size=S, dct_scaling=False), [jpeg_bytes(R, R - 1, seed=3)] * written
+    for spec, chosen in ((DecodeSpec(size=S), images[:written]), largest):
+        slot, slots = packed_slot(chosen, batch=64, spec=spec)
+        k = max(written, slots.rows_spanned(0))
+        with torch.inference_mode():
+            want = PackedResampler(R, S, S, C)(slot)[:written]
+            got = PackedResampler(R, S, S, C)(slot[:k])[:written]
+        assert torch.equal(got, want)
+        reach = slots.used_bytes(0) + R * 3
+        assert (k - 1) * slot[0].numel() < reach <= k * slot[0].numel() or k == written
+    if written == 1:
+        # One image of the largest size and the header of 64 records reach a second row.
+        assert k == 2
 
 
 def test_unwritten_and_damaged_records_read_inside_the_slot() -> None:

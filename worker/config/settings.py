@@ -34,6 +34,7 @@ from worker.fetch.objects import object_allow_problem
 from worker.fetch.policy import parse_host_list
 from worker.model.manifest import looks_like_model_dir, read_manifest
 from worker.model.names import check_name
+from worker.model.sizes import parse_batch_sizes, planned_sizes
 
 COMPILE_MODES = (
     "off",
@@ -125,6 +126,7 @@ class WorkerConfig:
     device: str = field(default="auto", metadata={"env": "GPUFEED_DEVICE"})
     processes: int = field(default=1, metadata={"env": "GPUFEED_PROCESSES"})
     batch_size: int = field(default=0, metadata={"env": "GPUFEED_BATCH_SIZE"})
+    batch_sizes: str = field(default="auto", metadata={"env": "GPUFEED_BATCH_SIZES"})
     compile: str = field(default="auto", metadata={"env": "GPUFEED_COMPILE"})
     precision: str = field(default="auto", metadata={"env": "GPUFEED_PRECISION"})
     input_size: int = field(default=0, metadata={"env": "GPUFEED_INPUT_SIZE"})
@@ -318,6 +320,13 @@ class WorkerConfig:
             "GPUFEED_BATCH_SIZE",
             "must be between 1 and 4096 (0 picks 64 on CUDA, 8 on CPU)",
         )
+        try:
+            sizes = parse_batch_sizes(self.batch_sizes)
+            # With the batch size chosen by the device, the engine checks this at start-up.
+            if sizes and self.batch_size:
+                planned_sizes(sizes, self.batch_size)
+        except ValueError as exc:
+            need(False, "GPUFEED_BATCH_SIZES", str(exc))
         need(
             self.compile in COMPILE_MODES,
             "GPUFEED_COMPILE",

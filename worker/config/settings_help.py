@@ -100,7 +100,18 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "supervisor that forwards signals and restarts a process that dies; see "
         "[GPU hosts](gpu-hosts.md)",
     ),
-    "GPUFEED_BATCH_SIZE": ("`0` (auto)", "the one fixed batch shape; auto: 64 on CUDA, 8 on CPU"),
+    "GPUFEED_BATCH_SIZE": (
+        "`0` (auto)",
+        "the largest batch shape (how many images a batch holds); auto: 64 on CUDA, 8 on CPU",
+    ),
+    "GPUFEED_BATCH_SIZES": (
+        "`auto`",
+        "the smaller batch shapes the step is also compiled for; a batch runs on the "
+        "smallest that holds it (see [Concepts](concepts.md#which-batch-size-runs)). `auto`: "
+        "1, B/8, B/2 and B, less any measured at start-up to be no faster than the next "
+        "larger; a list such as `1,16` (the batch size is always added, at most 6 sizes); "
+        "`off`: the batch size alone",
+    ),
     "GPUFEED_COMPILE": (
         "`auto`",
         "`off` (eager: the rollback switch), `auto` (`reduce-overhead` on CUDA, `off` on "

@@ -123,6 +123,13 @@ class PackedSlots:
         """The bytes of `slot` a copy to the device must take: the header and the pixels."""
         return self.header_bytes + int(self.fill[slot])
 
+    def rows_spanned(self, slot: int) -> int:
+        """How many of the slot's rows (of side R + 1) its used bytes and the resampler's
+        spare line reach into: the fewest first rows a step may be given for it."""
+        row_bytes = self.slot_bytes // self.batch
+        reach = self.used_bytes(slot) + self.row_side * 3
+        return int(min(self.batch, -(-reach // row_bytes)))
+
     def pixel_bytes(self, slot: int) -> int:
         return int(self.fill[slot])
 

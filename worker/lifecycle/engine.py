@@ -1,5 +1,5 @@
 """The model side of a worker, built before it joins the group: the model loaded, compiled
-and warmed up on its one batch shape, the staging rings and the launch thread around it,
+and warmed up on its batch shapes, the staging rings and the launch thread around it,
 and the decode threads that fill the rings.
 
 `warm_up` returns it as one object; each part that holds threads registers its teardown on
@@ -32,18 +32,26 @@ from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
 from worker.jobs import Job
 from worker.lifecycle.feed_plan import FeedPlan, plan_feed
-from worker.model.compiler import CompileReport, compile_step, mode_uses_cudagraphs
+from worker.model.compiler import CompileReport, compile_step, mode_uses_cudagraphs, time_sizes
 from worker.model.degraded import DegradedModel, build_degraded
 from worker.model.loaded import LoadedModel
 from worker.model.loader import load_configured
 from worker.model.precision import (
     AgreementReport,
     PrecisionReport,
+    merge_reports,
     output_agreement,
     precision_check,
 )
 from worker.model.resample import choose_placement, ring_budget, use_packed, use_rows
-from worker.model.step import build_step, check_step, pick_dtype, resolve_compile_mode
+from worker.model.sizes import (
+    BatchSizes,
+    SizeReport,
+    keep_faster,
+    parse_batch_sizes,
+    planned_sizes,
+)
+from worker.model.step import StepFn, build_step, check_step, pick_dtype, resolve_compile_mode
 from worker.observe.health import Health
 from worker.pipeline.device import DeviceContext, make_context
 from worker.pipeline.launch import ModelRunner
@@ -109,6 +117,32 @@ class Engine:
         return int(self.ring_budget["h2d_bytes_per_batch"]) // self.batch_size
 
 
+def choose_sizes(
+    fn: StepFn,
+    example: torch.Tensor,
+    planned: tuple[int, ...],
+    report: CompileReport,
+    *,
+    auto: bool,
+) -> BatchSizes:
+    """Time each compiled size (start-up: it waits for the device) and keep those that run
+    faster than the next larger one (`auto`) or all of them (listed by the operator); the
+    report gets one SizeReport per size."""
+    ms = time_sizes(fn, example, planned, cudagraphs=report.cudagraphs)
+    kept = keep_faster(ms) if auto else planned
+    report.batch_sizes = [
+        SizeReport(
+            size=size,
+            compile_s=report.size_costs.get(size, (0.0, 0))[0],
+            step_ms=ms[size],
+            graph_bytes=report.size_costs.get(size, (0.0, 0))[1],
+            kept=size in kept,
+        )
+        for size in planned
+    ]
+    return BatchSizes(kept)
+
+
 @dataclass
 class _Compiled:
     """What the launch thread hands back from compiling and checking the steps."""
@@ -126,7 +160,7 @@ async def warm_up(
     exit_stack: contextlib.AsyncExitStack,
     decode_hook: DecodeHook | None,
 ) -> Engine:
-    """Load the model, allocate the rings, compile and warm up the one batch shape, then
+    """Load the model, allocate the rings, compile and warm up the batch shapes, then
     start the decode threads (GPU decode where GPUFEED_DECODE asks for it)."""
     ctx = make_context(device)
     batch_size = cfg.batch_size or default_batch_size(device)
@@ -189,21 +223,38 @@ async def warm_up(
         )
     compiled = _Compiled()
 
+    try:
+        sizes_setting = parse_batch_sizes(cfg.batch_sizes)
+        planned, sizes_why = planned_sizes(sizes_setting, batch_size)
+    except ValueError as exc:
+        raise ConfigError(f"GPUFEED_BATCH_SIZES: {exc}") from None
+
     def compile_on_launch_thread() -> None:
         # One eager batch first: a model that fails in the serving dtype or gives
         # outputs of the wrong shape is a configuration error, not a compile failure.
         check_step(step, example, what=f"GPUFEED_MODEL: {loaded.name}")
         # CUDA-graph trees are per thread: compile and warm up where launches happen.
         fn, report = compile_step(
-            step, example, mode=mode, allow_eager_fallback=cfg.allow_eager_fallback
+            step,
+            example,
+            mode=mode,
+            allow_eager_fallback=cfg.allow_eager_fallback,
+            sizes=planned[:-1],
         )
         runner.step = fn
         compiled.report = report
+        graphs = report.cudagraphs
+        runner.sizes = choose_sizes(fn, example, planned, report, auto=sizes_setting is None)
         if ctx.is_cuda:
-            # Start-up only (it waits for the GPU): the serving dtype against fp32 eager.
-            graphs = report.cudagraphs
+            # Start-up only (it waits for the GPU): the serving dtype against fp32 eager,
+            # on each size that runs.
             check = precision_check if step.layout[0].name == "indices" else output_agreement
-            compiled.precision = check(step, fn, batch=batch_size, batches=1, cudagraphs=graphs)
+            compiled.precision = merge_reports(
+                [
+                    check(step, fn, batch=size, batches=1, cudagraphs=graphs)
+                    for size in runner.sizes.sizes
+                ]
+            )
         if degraded is not None:
             compiled.degraded_step = _compile_degraded(
                 degraded, example, mode, report, cfg=cfg, ctx=ctx, batch_size=batch_size
@@ -216,6 +267,12 @@ async def warm_up(
     )
     report, precision = compiled.report, compiled.precision
     assert report is not None
+    log.info(
+        "batch_sizes",
+        sizes=list(runner.sizes.sizes),
+        why=sizes_why,
+        compiled=[r.as_dict() for r in report.batch_sizes],
+    )
     log.info(
         "model_ready",
         model=cfg.model,

@@ -34,7 +34,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ import structlog
 import torch
 from torch import nn
 
+from worker.model.sizes import SizeReport
 from worker.model.step import StepFn
 from worker.pipeline.device import mark_cudagraph_step, prepare_graph_thread
 
@@ -83,6 +84,12 @@ class CompileReport:
     reason: str = ""
     torch_version: str = torch.__version__
     baseline: CompileBaseline | None = None
+    # Per batch size compiled (the example's and `sizes`): (first call's seconds, device bytes
+    # its compile and warm-up reserved).
+    size_costs: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # The shapes as start-up measured and chose them (worker/model/sizes.py); set by the
+    # engine once it has timed them.
+    batch_sizes: list[SizeReport] = field(default_factory=list)
 
     @property
     def cudagraphs(self) -> bool:
@@ -104,6 +111,7 @@ class CompileReport:
             "inductor_options": self.inductor_options,
             "fell_back_to_eager": self.fell_back_to_eager,
             "reason": self.reason,
+            "batch_sizes": [r.as_dict() for r in self.batch_sizes],
         }
 
 
@@ -293,9 +301,12 @@ def compile_step(
     warmup_iters: int = 3,
     inductor_overrides: dict[str, Any] | None = None,
     reset: bool = True,
+    sizes: Sequence[int] = (),
 ) -> tuple[StepFn, CompileReport]:
     """Returns the function to launch and a report. Runs the step `1 + warmup_iters` times on
-    `example` (which must have the production shape, dtype and device, and like the
+    `example`, then as often on the first `size` rows of it for each of `sizes` (smaller
+    batch sizes the same function serves, each its own graph; a later call on any of these
+    shapes is no recompile) (which must have the production shape, dtype and device, and like the
     production buffers must not be an inference tensor: guards check that), on the calling
     thread: with CUDA graphs that must be the thread that launches later (graph trees are
     per thread), under the stream it will launch on. `inductor_overrides` (tests) change
@@ -306,8 +317,11 @@ def compile_step(
     step's graphs, and the report counts what changed during this compile only. A refused
     second step is then never explained or replaced by eager (both reset dynamo): it raises.
     """
+    batch = int(example.shape[0])
+    if any(not 1 <= size < batch for size in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"sizes {list(sizes)} must be distinct and under the batch {batch}")
     if mode == "off":
-        return _eager(step, example, warmup_iters)
+        return _eager(step, example, warmup_iters, sizes)
 
     if reset:
         torch._dynamo.reset()
@@ -327,34 +341,44 @@ def compile_step(
     report.uses_cudagraphs = cudagraphs
     if cudagraphs:
         prepare_graph_thread()
+    # The example's batch first, then each smaller size on the first rows of the example,
+    # as launches give them (a view of the first rows of a slot's buffer).
+    shapes = [example, *(example[:size] for size in sizes)]
+    recompiles = 0
     with _capture_skips() as skips, count_cudagraph_replays() as replays:
-        t0 = time.perf_counter()
-        try:
+        for x in shapes:
+            reserved = _reserved(x)
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    if cudagraphs:
+                        mark_cudagraph_step()
+                    out = compiled(x)
+                _sync(out[0])
+            except Exception as exc:  # noqa: BLE001 - dynamo raises many kinds; all mean "not compiled"
+                report.compiled = False
+                explained = _explain_breaks(step, example) if reset else 0
+                report.graph_breaks = max(1, _graph_break_count() - before.graph_breaks, explained)
+                report.reason = f"{report.graph_breaks} graph break(s): {_first_line(exc)}"
+                return _refuse_or_fall_back(
+                    step, example, report, allow_eager_fallback, warmup_iters, sizes=sizes
+                )
+            first_s = time.perf_counter() - t0
+            report.compile_s += first_s
+            # Each shape's first call compiles it; its warm-up must compile nothing more.
+            baseline = snapshot()
+            t1 = time.perf_counter()
             with torch.inference_mode():
-                if cudagraphs:
-                    mark_cudagraph_step()
-                out = compiled(example)
+                for _ in range(max(1, warmup_iters)):
+                    if cudagraphs:
+                        mark_cudagraph_step()
+                    out = compiled(x)
             _sync(out[0])
-        except Exception as exc:  # noqa: BLE001 - dynamo raises many kinds; all mean "not compiled"
-            report.compiled = False
-            explained = _explain_breaks(step, example) if reset else 0
-            report.graph_breaks = max(1, _graph_break_count() - before.graph_breaks, explained)
-            report.reason = f"{report.graph_breaks} graph break(s): {_first_line(exc)}"
-            return _refuse_or_fall_back(step, example, report, allow_eager_fallback, warmup_iters)
-        report.compile_s = time.perf_counter() - t0
-        baseline = snapshot()
-
-        t1 = time.perf_counter()
-        with torch.inference_mode():
-            for _ in range(max(1, warmup_iters)):
-                if cudagraphs:
-                    mark_cudagraph_step()
-                out = compiled(example)
-        _sync(out[0])
-        report.warmup_s = time.perf_counter() - t1
-    changes = changes_since(baseline)
+            report.warmup_s += time.perf_counter() - t1
+            recompiles += changes_since(baseline)["recompiles"]
+            report.size_costs[int(x.shape[0])] = (first_s, _reserved(x) - reserved)
     report.graph_breaks = _graph_break_count() - before.graph_breaks
-    report.recompiles = changes["recompiles"]
+    report.recompiles = recompiles
     report.cudagraph_replays = replays.count
     report.graph_partitions = _count("inductor", "cudagraph_partitions") - before.graph_partitions
     if cudagraphs:
@@ -370,20 +394,25 @@ def compile_step(
     if problems:
         report.compiled = False
         report.reason = ", ".join(problems)
-        return _refuse_or_fall_back(step, example, report, allow_eager_fallback, warmup_iters)
+        return _refuse_or_fall_back(
+            step, example, report, allow_eager_fallback, warmup_iters, sizes=sizes
+        )
     return compiled, report
 
 
 def _eager(
-    step: nn.Module | StepFn, example: torch.Tensor, warmup_iters: int
+    step: nn.Module | StepFn, example: torch.Tensor, warmup_iters: int, sizes: Sequence[int]
 ) -> tuple[StepFn, CompileReport]:
     report = CompileReport(mode="off", compiled=False)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for _ in range(max(1, warmup_iters)):
-            out = step(example)
-    _sync(out[0])
-    report.warmup_s = time.perf_counter() - t0
+    for x in [example, *(example[:size] for size in sizes)]:
+        reserved = _reserved(x)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(max(1, warmup_iters)):
+                out = step(x)
+        _sync(out[0])
+        report.warmup_s += time.perf_counter() - t0
+        report.size_costs[int(x.shape[0])] = (0.0, _reserved(x) - reserved)
     return step, report
 
 
@@ -393,6 +422,8 @@ def _refuse_or_fall_back(
     report: CompileReport,
     allow_eager_fallback: bool,
     warmup_iters: int,
+    *,
+    sizes: Sequence[int],
 ) -> tuple[StepFn, CompileReport]:
     message = (
         f"torch.compile(mode={report.mode!r}) did not produce one fixed-shape graph: "
@@ -405,10 +436,36 @@ def _refuse_or_fall_back(
         )
     log.error("compile_fell_back_to_eager", reason=report.reason, mode=report.mode)
     torch._dynamo.reset()
-    eager, eager_report = _eager(step, example, warmup_iters)
+    eager, eager_report = _eager(step, example, warmup_iters, sizes)
     report.fell_back_to_eager = True
     report.warmup_s = eager_report.warmup_s
+    report.size_costs = eager_report.size_costs
     return eager, report
+
+
+def time_sizes(
+    fn: StepFn, example: torch.Tensor, sizes: Sequence[int], *, cudagraphs: bool, iters: int = 3
+) -> dict[int, float]:
+    """Milliseconds per step of `fn` on the first `size` rows of `example`, for each size
+    (the best of `iters`; start-up only: it waits for the device after each step)."""
+    out: dict[int, float] = {}
+    for size in sizes:
+        x = example[:size]
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(max(1, iters)):
+                t0 = time.perf_counter()
+                if cudagraphs:
+                    mark_cudagraph_step()
+                result = fn(x)
+                _sync(result[0])
+                best = min(best, time.perf_counter() - t0)
+        out[size] = best * 1000
+    return out
+
+
+def _reserved(x: torch.Tensor) -> int:
+    return torch.cuda.memory_reserved(x.device) if x.is_cuda else 0
 
 
 def _explain_breaks(step: nn.Module | StepFn, example: torch.Tensor) -> int:

@@ -163,3 +163,37 @@ def output_agreement(
         min_cosine=min_cos,
         max_abs_diff=max_diff,
     )
+
+
+def merge_reports(
+    reports: list[PrecisionReport | AgreementReport],
+) -> PrecisionReport | AgreementReport | None:
+    """One report over the checks of several batch sizes: images summed, agreement over
+    all of them, the worst difference (None for no report)."""
+    if not reports:
+        return None
+    first = reports[0]
+    if isinstance(first, AgreementReport):
+        agreements = [r for r in reports if isinstance(r, AgreementReport)]
+        return AgreementReport(
+            dtype=first.dtype,
+            reference=first.reference,
+            images=sum(r.images for r in agreements),
+            min_cosine=min(r.min_cosine for r in agreements),
+            max_abs_diff=max(r.max_abs_diff for r in agreements),
+        )
+    checks = [r for r in reports if isinstance(r, PrecisionReport)]
+    images = sum(r.images for r in checks)
+    confident = sum(r.confident_rows for r in checks)
+    agree = sum(r.top1_agreement * r.images for r in checks)
+    confident_agree = sum(r.top1_agreement_confident * r.confident_rows for r in checks)
+    return PrecisionReport(
+        dtype=first.dtype,
+        reference=first.reference,
+        images=images,
+        top1_agreement=agree / max(images, 1),
+        confident_rows=confident,
+        top1_agreement_confident=confident_agree / confident if confident else 1.0,
+        max_abs_top1_prob_diff=max(r.max_abs_top1_prob_diff for r in checks),
+        margin=first.margin,
+    )

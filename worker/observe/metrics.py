@@ -213,7 +213,12 @@ class WorkerMetrics:
             ["status", "code"],
             registry=r,
         )
-        self.batches = Counter("gpufeed_batches", "Batches run on the model.", registry=r)
+        self.batches = Counter(
+            "gpufeed_batches",
+            "Batches run on the model, by the batch shape they ran on (GPUFEED_BATCH_SIZES).",
+            ["size"],
+            registry=r,
+        )
         self.rows = Counter(
             "gpufeed_batch_rows", "Batch rows run, real or padding.", ["kind"], registry=r
         )

@@ -141,9 +141,11 @@ class Observer:
         c.batches += 1
         c.real_rows += real
         m = self.metrics
-        m.batches.inc()
+        # The rows the step ran: the batch shape it ran on, padding past its real rows.
+        size = launched.size or self.batch_size
+        m.batches.labels(str(size)).inc()
         m.rows.labels("real").inc(real)
-        m.rows.labels("padding").inc(self.batch_size - real)
+        m.rows.labels("padding").inc(size - real)
         m.batch_fill.observe(fill)
         m.batch_gpu_seconds.observe(gpu_ms / 1000)
         self.gpu_ms.add(gpu_ms)

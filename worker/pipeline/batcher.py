@@ -1,4 +1,5 @@
-"""The batcher: one fixed batch shape, filled row by row, sealed when full or after max wait.
+"""The batcher: slots of the largest batch shape, filled row by row, sealed when full or after
+max wait.
 
 Jobs arrive in lists (what one read returned); the rows a list takes in a batch go to the
 decode pool as one group. Each job gets a row of a staging slot *before* it is decoded, so
@@ -6,7 +7,8 @@ the decode thread writes its pixels straight into the buffer that will be copied
 device. A batch is sealed when all
 B rows are taken or when `max_wait_s` has passed since its first row; rows never taken (and
 rows whose decode failed or ran past the decode budget) are padding, masked out of the
-results. The compiled model always sees the same shape, so it never recompiles and cuDNN
+results. The step runs on the smallest compiled batch shape that holds the sealed rows
+(worker/model/sizes.py), always one compiled at start-up, so it never recompiles and cuDNN
 never re-tunes.
 """
 

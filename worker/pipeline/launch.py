@@ -34,6 +34,7 @@ import torch
 from worker.decode.gpu import GpuDecodeFailed, GpuDecoder
 from worker.decode.pool import DecodeResult
 from worker.jobs import Job
+from worker.model.sizes import BatchSizes
 from worker.model.step import StepFn
 from worker.pipeline.batcher import Batch
 from worker.pipeline.degrade import Serving
@@ -72,6 +73,7 @@ class Launched:
     start: Event  # compute start (CUDA: timing event)
     done: Event  # results are in `out` once this fired
     launched_s: float  # when the launch began: the end of the batch's wait
+    size: int = 0  # the batch shape it ran on (worker/model/sizes.py)
     # The step the batch ran on, with its output ring and reader; None: the main step, read
     # by the completion watcher's own reader.
     serving: Serving | None = None
@@ -90,6 +92,8 @@ class ModelRunner:
     ) -> None:
         self.ctx = ctx
         self.step = step
+        # The shapes `step` serves (set once compiled); the degraded step serves B alone.
+        self.sizes = BatchSizes((transfer.batch,))
         self.transfer = transfer
         self._cudagraphs = cudagraphs
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpufeed-launch")
@@ -170,13 +174,18 @@ class ModelRunner:
         self, batch: Batch, out: OutputSlot, rows: DeviceRows, serving: Serving | None
     ) -> Launched:
         began_s = self.launch_started_s = time.monotonic()
-        step = serving.step if serving is not None and serving.step is not None else self.step
+        if serving is not None and serving.step is not None:
+            step, size = serving.step, self.transfer.batch
+        else:
+            step, size = self.step, self.sizes.pick(_rows_taken(batch))
         try:
             # inference_mode is thread-local: it must be entered on the launch thread itself.
             with torch.inference_mode():
                 if self.ctx.is_cuda:
                     try:
-                        launched = self._launch_cuda(batch, out, rows, began_s, step)
+                        launched = self._launch_cuda(
+                            batch, out, rows, began_s, step=step, size=size
+                        )
                     except Exception as exc:
                         # Work queued before the failure may still read the pinned slot or
                         # write the twin: both wait for this fence, never the host.
@@ -184,7 +193,7 @@ class ModelRunner:
                         raise LaunchFailed(f"{type(exc).__name__}: {exc}", fence) from exc
                 else:
                     try:
-                        launched = self._launch_cpu(batch, out, began_s, step)
+                        launched = self._launch_cpu(batch, out, began_s, step, size)
                     except Exception as exc:
                         raise LaunchFailed(f"{type(exc).__name__}: {exc}", DoneEvent()) from exc
             launched.serving = serving
@@ -193,12 +202,19 @@ class ModelRunner:
             self.launch_started_s = None
 
     def _launch_cuda(
-        self, batch: Batch, out: OutputSlot, rows: DeviceRows, began_s: float, step: StepFn
+        self,
+        batch: Batch,
+        out: OutputSlot,
+        rows: DeviceRows,
+        began_s: float,
+        *,
+        step: StepFn,
+        size: int,
     ) -> Launched:
         stream = self.ctx.compute_stream
         assert stream is not None
         x, copied = self.transfer.to_device(
-            batch.slot, skip_rows=rows.on_device, after=rows.copy_after
+            batch.slot, rows=size, skip_rows=rows.on_device, after=rows.copy_after
         )
         if rows.ready is not None:
             # Rows decoded on the GPU: stream-to-stream wait, no host wait.
@@ -208,28 +224,31 @@ class ModelRunner:
             start.record(stream)
             if self._cudagraphs:
                 mark_cudagraph_step()
-            # x: [B, S, S, 3] uint8 on the device -> the kind's outputs, e.g. indices and
-            # scores [B, K] (classify) or vectors [B, D] (embed)
-            outputs = step(x)
+            # x: [b, S, S, 3] uint8 on the device, the first b rows of the twin (b: the
+            # size that runs) -> the kind's outputs, e.g. indices and scores [b, K]
+            # (classify) or vectors [b, D] (embed)
+            outputs = step(x[:size])
             consumed = cuda_event()
             consumed.record(stream)
             # The replay's outputs live in graph-owned memory that the next replay
             # overwrites: copy them out now, queued behind the step on the same stream,
             # into pinned memory so the copies are asynchronous.
             for dst, src in zip(out.tensors, outputs, strict=True):
-                dst.copy_(src, non_blocking=True)
+                dst[:size].copy_(src, non_blocking=True)
             done = cuda_event(timing=True)
             done.record(stream)
         self.transfer.mark_consumed(batch.slot, consumed)
-        return Launched(batch, out, copied, start, done, began_s)
+        return Launched(batch, out, copied, start, done, began_s, size=size)
 
-    def _launch_cpu(self, batch: Batch, out: OutputSlot, began_s: float, step: StepFn) -> Launched:
-        x, copied = self.transfer.to_device(batch.slot)
+    def _launch_cpu(
+        self, batch: Batch, out: OutputSlot, began_s: float, step: StepFn, size: int
+    ) -> Launched:
+        x, copied = self.transfer.to_device(batch.slot, rows=size)
         start = DoneEvent(time.perf_counter())
-        for dst, src in zip(out.tensors, step(x), strict=True):
-            dst.copy_(src)
+        for dst, src in zip(out.tensors, step(x[:size]), strict=True):
+            dst[:size].copy_(src)
         done = DoneEvent(time.perf_counter())
-        return Launched(batch, out, copied, start, done, began_s)
+        return Launched(batch, out, copied, start, done, began_s, size=size)
 
     def run_sync(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the launch thread and wait (start-up only: warm-up, checks), under the
@@ -248,6 +267,17 @@ class ModelRunner:
         self._executor.shutdown(wait=True, cancel_futures=True)
         if self.gpu_decoder is not None:
             self.gpu_decoder.shutdown()
+
+
+def _rows_taken(batch: Batch) -> int:
+    """How many of the slot's first rows the batch's data takes: its jobs' rows, or with
+    packed rows as many rows' worth of bytes as its images (and the resampler's spare
+    line) reach into."""
+    rows = len(batch.jobs)
+    packed = batch.slot.packed
+    if packed is not None:
+        rows = max(rows, packed.rows_spanned(batch.slot.index))
+    return rows
 
 
 def _with_ms(result: DecodeResult, extra_ms: float) -> DecodeResult:

@@ -69,12 +69,14 @@ class DeviceTransfer:
         self,
         slot: InputSlot,
         *,
+        rows: int = 0,
         skip_rows: Collection[int] = (),
         after: Event | None = None,
     ) -> tuple[torch.Tensor, Event]:
-        """Queue the copy of `slot` (less `skip_rows`); returns the device tensor and the
-        copy's event. `after`: other work that writes the twin (a GPU decode that failed
-        part-way) and must be done before the copy writes it.
+        """Queue the copy of `slot`'s first `rows` rows (0: all; less `skip_rows`); returns
+        the device tensor (the whole twin) and the copy's event. `after`: other work that
+        writes the twin (a GPU decode that failed part-way) and must be done before the copy
+        writes it.
 
         Called on the launch thread. The compute stream is made to wait on the event, so
         the caller can launch work on the result right away.
@@ -91,16 +93,18 @@ class DeviceTransfer:
             copy_stream.wait_event(consumed)  # type: ignore[arg-type]
         if after is not None:
             copy_stream.wait_event(after)  # type: ignore[arg-type]
+        rows = rows or self.batch
         with torch.cuda.stream(copy_stream):
             if slot.packed is not None:
                 # Packed rows: one run, the header and the pixels the batch's images use.
                 used = slot.copy_bytes()
                 twin.view(-1)[:used].copy_(slot.images.view(-1)[:used], non_blocking=True)
             elif not skip_rows:
-                # x: [B, S, S, 3] uint8, pinned -> device; asynchronous because pinned.
-                twin.copy_(slot.images, non_blocking=True)
+                # x: [b, S, S, 3] uint8, pinned -> device; asynchronous because pinned. Rows
+                # past the size that runs are padding the step never reads.
+                twin[:rows].copy_(slot.images[:rows], non_blocking=True)
             else:
-                for start, stop in copy_runs(self.batch, skip_rows):
+                for start, stop in copy_runs(rows, skip_rows):
                     # A slice of a pinned tensor is pinned too: still asynchronous.
                     twin[start:stop].copy_(slot.images[start:stop], non_blocking=True)
             copied = cuda_event()

@@ -54,6 +54,8 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
     report = worker.compile_report
     return {
         "batch_size": worker.batch_size,
+        # The batch shapes compiled at start-up (GPUFEED_BATCH_SIZES), as doctor gives them.
+        "batch_sizes": [r.as_dict() for r in report.batch_sizes] if report is not None else [],
         "dtype": str(getattr(worker.runner.step, "dtype", "")).removeprefix("torch.")
         or cfg.precision,
         "compile": report.mode if report is not None else cfg.compile,

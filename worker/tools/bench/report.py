@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from worker.model.sizes import batch_shapes_line
 from worker.tools.bench.batch import batch_problems
 from worker.tools.markdown import table
 
@@ -123,6 +124,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             + ".",
             "",
             *([f"Feed plan: {st['feed_plan']}.", ""] if "feed_plan" in st else []),
+            # Reports from before several batch shapes have none.
+            *(
+                [f"Batch shapes: {batch_shapes_line(st['batch_sizes'])}.", ""]
+                if st.get("batch_sizes")
+                else []
+            ),
         ]
         rows = [
             [

@@ -82,6 +82,7 @@ async def run_doctor(
                 "weights": worker.loaded.weights_label,
                 "device": worker.ctx.name,
                 "batch_size": worker.batch_size,
+                "batch_sizes": [r.as_dict() for r in compile_report.batch_sizes],
                 "compile": config.compile,
                 "compile_mode": compile_report.mode,
                 "compiled": compile_report.compiled,

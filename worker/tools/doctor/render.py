@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from worker.model.sizes import batch_shapes_line
+
 
 def _num(value: Any, fmt: str = ",.1f", unit: str = "") -> str:
     if value is None:
@@ -46,6 +48,7 @@ def render(report: Mapping[str, Any], console: Console) -> None:
         f"decode {cfg['decode']}"
     )
     console.print(f"feed plan: {cfg['feed_plan']}")
+    console.print("batch shapes: " + batch_shapes_line(cfg["batch_sizes"]))
     mib = 1024 * 1024
     console.print(
         f"resize on the {cfg['resize']} ({cfg['resize_why']}); rows {cfg['row_side']} px, "

@@ -189,7 +189,26 @@ SCHEMA: dict[str, Any] = _obj(
                 "model": _t("string", "GPUFEED_MODEL"),
                 "weights": _t("string", "the weights loaded"),
                 "device": _t("string", "the device used, e.g. `cpu`, `cuda:0 (NVIDIA H200)`"),
-                "batch_size": _t("integer", "the one batch shape", "images"),
+                "batch_size": _t("integer", "the largest batch shape", "images"),
+                "batch_sizes": _list(
+                    "each batch shape compiled at start-up (GPUFEED_BATCH_SIZES); a batch runs "
+                    "on the smallest kept one that holds it",
+                    _obj(
+                        "one batch shape",
+                        {
+                            "size": _t("integer", "the batch shape", "images"),
+                            "compile_s": _t("number", "its compile (0 in eager)", "s"),
+                            "step_ms": _t("number", "one step, timed at start-up", "ms"),
+                            "graph_mib": _t(
+                                "number", "device memory its compile and warm-up took", "MiB"
+                            ),
+                            "kept": _t(
+                                "boolean",
+                                "run for batches (false: no faster than the next larger)",
+                            ),
+                        },
+                    ),
+                ),
                 "compile": _t("string", "GPUFEED_COMPILE as configured"),
                 "compile_mode": _t(
                     "string", "the resolved mode of the serving step (`off`: eager)"
