@@ -130,7 +130,8 @@ def phases_on_cpu(
     argv = [
         "--device", "cpu", "--model", "mobilenet_v3_small", "--batch", "4",
         "--precision", "fp32", "--seconds", str(seconds), "--warmup-seconds", "0.2",
-        "--ceiling-iters", "2", "--width", "96", "--height", "64",
+        "--ceiling-iters", "2", "--width", "96", "--height", "64", "--latency-seconds", "1",
+        "--backlog", "64",
         # The placement `auto` picks on a GPU host: the ceiling feeds the ring's rows.
         "--resize", "device",
         "--redis-url", redis_url, "--out", str(out), "--junit", str(junit),
@@ -165,13 +166,24 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     report = json.loads((tmp_path / "report.json").read_text())
     assert "error" not in report, report.get("traceback")
     phases = report["phases"]
-    assert [phases[p]["status"] for p in ("startup", "ceiling", "pipeline", "decode")] == [
-        "done"
-    ] * 4
+    assert [
+        phases[p]["status"] for p in ("startup", "ceiling", "pipeline", "latency", "decode")
+    ] == ["done"] * 5
     assert phases["cudnn"] == {"status": "skipped", "why": "not a CUDA device"}
     assert report["resize"]["placement"] == "device"
     assert report["ceiling_images_per_s"]["eager"] > 0
     assert report["pipeline_images_per_s"] > 0
+    # Jobs offered at 80% of that rate after the window: each answered, p50 <= p99, and the
+    # bound they are held to (two batches at that rate plus the max wait).
+    latency = report["latency_at_80"]
+    assert latency["offered_per_s"] == pytest.approx(0.8 * report["pipeline_images_per_s"], 0.01)
+    assert latency["results"] >= 16 and 0 <= latency["p50_ms"] <= latency["p99_ms"]
+    assert latency["bound_ms"] == pytest.approx(
+        2 * 4 / report["pipeline_images_per_s"] * 1000 + latency["max_wait_ms"], abs=0.2
+    )
+    assert latency["within_bound"] == (latency["p99_ms"] <= latency["bound_ms"])
+    # Each batch shape the worker compiled, with its step time, in the compile report.
+    assert [s["size"] for s in report["compile"]["batch_sizes"]] == [1, 2, 4]
     grey = report["gpu_decode_vs_cpu"]["torchvision"]["modes"]["L"]
     assert grey["decoded"] and grey["mean_abs_diff"] < 4
     # Everything measured, but a CUDA test was skipped: the check fails.

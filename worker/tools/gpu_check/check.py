@@ -71,6 +71,7 @@ from worker.tools.command_line import CONTEXT_SETTINGS, parse
 from worker.tools.doctor.environment import environment
 from worker.tools.doctor.serving_step import eager_of, random_batch
 from worker.tools.gpu_check.feed import Feeder
+from worker.tools.gpu_check.latency import measure_latency
 from worker.tools.gpu_check.report import (
     EXPECTED_TESTS,
     add_verdict,
@@ -451,7 +452,7 @@ async def _measure_pipeline(
         "decode_cache_mb": cfg.decode_cache_mb,
     }
     client = redis.Redis.from_url(cfg.redis_url)
-    backlog = max(2048, worker.batch_size * 32)
+    backlog = max(args.backlog, worker.batch_size * 32)
     feeder = Feeder(cfg.redis_url, cfg.stream, images, backlog)
 
     def done_count() -> int:
@@ -547,6 +548,12 @@ async def _measure_pipeline(
             report["host_syncs"] = found
             if main.done():
                 main.result()
+        if args.latency_seconds > 0:
+            await _measure_latency(
+                worker, args, report, images=images, feeder=feeder, main=main, done=done_count
+            )
+        else:
+            report.skip("latency", "--latency-seconds 0")
     finally:
         telling.cancel()
         feeder.stop()
@@ -555,6 +562,45 @@ async def _measure_pipeline(
             await asyncio.wait_for(main, 60)
         sampler.close()
         client.close()
+
+
+async def _measure_latency(
+    worker: Worker,
+    args: CheckArgs,
+    report: Report,
+    *,
+    images: list[bytes],
+    feeder: Feeder,
+    main: asyncio.Task[None],
+    done: Callable[[], int],
+) -> None:
+    """Phase `latency`: the backlog feeder stopped and its jobs answered, jobs offered at
+    80% of the window's rate; p50 / p99 from XADD to the result (gpu_check/latency.py)."""
+    capacity = report.data.get("pipeline_images_per_s")
+    if not capacity:
+        report.skip("latency", "no pipeline rate measured")
+        return
+
+    def alive() -> None:
+        if main.done():
+            main.result()
+            raise RuntimeError("the worker stopped during the latency phase")
+
+    with report.phase("latency") as entry:
+        feeder.stop()
+        pushed = feeder.pushed
+        found = await measure_latency(
+            worker,
+            images,
+            capacity_per_s=float(capacity),
+            seconds=args.latency_seconds,
+            first=pushed,
+            answered=done,
+            pushed=pushed,
+            alive=alive,
+        )
+        entry["window_s"] = args.latency_seconds
+        report["latency_at_80"] = found
 
 
 def _recorded_event(device: torch.device) -> Any:
@@ -774,7 +820,9 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
     report["ceiling_best_images_per_s"] = best
     # Keep time for the decode phase (~10 s) and the end of the run; the rest of the phase
     # is warm-up, the sync window with its profiler read-out, and the worker's drain.
-    room = deadline.left() - 20 - args.warmup_seconds - args.sync_seconds - 10
+    room = (
+        deadline.left() - 20 - args.warmup_seconds - args.sync_seconds - args.latency_seconds - 10
+    )
     window = min(args.seconds, room)
     if room < min(args.seconds, 5.0):
         why = f"not measured: {deadline.left():.0f} s left, no room for a window"
@@ -881,6 +929,8 @@ class CheckArgs:
     seconds: float
     warmup_seconds: float
     sync_seconds: float
+    latency_seconds: float
+    backlog: int
     ceiling_iters: int
     width: int
     height: int
@@ -912,6 +962,18 @@ def _env(name: str, default: str) -> Callable[[], str]:
 )
 @click.option("--warmup-seconds", type=float, default=3.0)
 @click.option("--sync-seconds", type=float, default=3.0, help="profiled window counting host syncs")
+@click.option(
+    "--latency-seconds",
+    type=float,
+    default=4.0,
+    help="jobs offered at 80%% of the pipeline's rate, for p50 / p99 (0: no latency phase)",
+)
+@click.option(
+    "--backlog",
+    type=int,
+    default=2048,
+    help="jobs kept ahead of the worker's answers in the window (at least 32 batches)",
+)
 @click.option("--ceiling-iters", type=int, default=50)
 @click.option("--width", type=int, default=640)
 @click.option("--height", type=int, default=480)

@@ -39,13 +39,22 @@ class FeedPlan:
     images: Sequence[bytes]
     # Jobs kept ahead of the worker's answers.
     backlog: int
+    # Paced instead (the latency phase): `count` jobs at this rate, open loop (the schedule
+    # ignores the answers), numbered from `first` so that their bytes are new too.
+    rate_per_s: float = 0.0
+    count: int = 0
+    first: int = 0
 
 
 def feed(
     plan: FeedPlan, stop: EventType, pushed: Synchronized[int], done: Synchronized[int]
 ) -> None:
     """Keep `plan.backlog` jobs ahead of the worker's answers (`done`, kept by the parent)
-    until `stop` is set; `pushed` counts what was added."""
+    until `stop` is set, or with a rate push the plan's paced jobs; `pushed` counts what was
+    added."""
+    if plan.rate_per_s > 0:
+        paced(plan, stop, pushed)
+        return
     client = redis.Redis.from_url(plan.redis_url)
     images = plan.images
     n = 0
@@ -65,15 +74,50 @@ def feed(
         client.close()
 
 
+def paced(plan: FeedPlan, stop: EventType, pushed: Synchronized[int]) -> None:
+    """`plan.count` jobs at `plan.rate_per_s`, each pipeline holding the jobs due by then."""
+    client = redis.Redis.from_url(plan.redis_url)
+    images = plan.images
+    t0 = time.perf_counter()
+    sent = 0
+    try:
+        while sent < plan.count and not stop.is_set():
+            due = int((time.perf_counter() - t0) * plan.rate_per_s) + 1
+            due = min(plan.count, max(sent + 1, due))
+            pipe = client.pipeline(transaction=False)
+            for i in range(sent, due):
+                n = plan.first + i
+                data = unique_jpeg(images[n % len(images)], n)
+                pipe.xadd(plan.stream, {"id": f"l{n}", "image": data})
+            pipe.execute()
+            sent = due
+            pushed.value = sent
+            pause = t0 + sent / plan.rate_per_s - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+    finally:
+        client.close()
+
+
 class Feeder:
     """`feed` in a spawned process, with the counters it shares with the check."""
 
-    def __init__(self, redis_url: str, stream: str, images: Sequence[bytes], backlog: int):
+    def __init__(
+        self,
+        redis_url: str,
+        stream: str,
+        images: Sequence[bytes],
+        backlog: int,
+        *,
+        rate_per_s: float = 0.0,
+        count: int = 0,
+        first: int = 0,
+    ):
         ctx = multiprocessing.get_context("spawn")
         self._stop = ctx.Event()
         self._pushed: Synchronized[int] = ctx.Value("q", 0)
         self._done: Synchronized[int] = ctx.Value("q", 0)
-        plan = FeedPlan(redis_url, stream, list(images), backlog)
+        plan = FeedPlan(redis_url, stream, list(images), backlog, rate_per_s, count, first)
         args: tuple[Any, ...] = (plan, self._stop, self._pushed, self._done)
         self._process = ctx.Process(target=feed, args=args, name="gpu-check-feed", daemon=True)
 
