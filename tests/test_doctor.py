@@ -128,6 +128,10 @@ async def test_slow_decoder_is_feed_starved(
     # 2 decode processes / ~0.15 s: they can supply about 13 images/s, and that is all.
     assert 8 < e2e["decode_capacity_images_per_s"] < 14
     assert e2e["images_per_s"] < 0.7 * report["ceiling"]["eager"]["images_per_s"]
+    # 24 jobs at once through ~13 decodes/s: the last waits well over a second, the median
+    # at least the 150 ms decode.
+    assert 150 <= e2e["latency_p50_ms"] <= e2e["latency_p99_ms"]
+    assert e2e["latency_p99_ms"] > 1000
     assert any("decode capacity" in line for line in v["evidence"])
     assert report["config"]["decode_processes"] == 2
     assert "GPUFEED_DECODE_PROCESSES (now 2" in v["knob"]

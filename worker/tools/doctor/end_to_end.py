@@ -16,6 +16,7 @@ from worker.delivery import redis_errors
 from worker.observe import gil_account
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.metrics import STAGES
+from worker.observe.observer import Observer
 from worker.tools.doctor.job_feeder import Feeder
 from worker.tools.doctor.options import DoctorOptions
 
@@ -164,6 +165,7 @@ async def end_to_end_section(
         images_per_s=None if rate is None else round(rate, 2),
         elapsed_s=round(t_end - t_start, 3),
         first_result_s=None if first_t is None else round(first_t - t_start, 3),
+        **_latency(obs),
         timed_out=timed_out,
         results_ok=counters.results_ok,
         results_error=counters.results_error,
@@ -247,6 +249,8 @@ def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
         "images_per_s": None,
         "elapsed_s": None,
         "first_result_s": None,
+        "latency_p50_ms": None,
+        "latency_p99_ms": None,
         "timed_out": False,
         "results_ok": None,
         "results_error": None,
@@ -268,4 +272,14 @@ def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
         "process_cpu_pct": None,
         "system_cpu_pct": None,
         "not_measured": [],
+    }
+
+
+def _latency(obs: Observer) -> dict[str, float | None]:
+    """p50 / p99 from XADD to the published result over the run's last jobs (at most the
+    observer's window; a burst: time in the backlog included)."""
+    p50, p99 = obs.latency_ms.percentiles(50, 99)
+    return {
+        "latency_p50_ms": None if p50 is None else round(p50, 1),
+        "latency_p99_ms": None if p99 is None else round(p99, 1),
     }

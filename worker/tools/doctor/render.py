@@ -140,6 +140,11 @@ def render(report: Mapping[str, Any], console: Console) -> None:
             f"{e2e['results_ok']}, error {e2e['results_error']}; first result at "
             f"{_num(e2e['first_result_s'], '.2f')} s, last at {_num(e2e['elapsed_s'], '.2f')} s)",
         )
+        grid.add_row(
+            "latency",
+            f"p50 {_num(e2e['latency_p50_ms'], ',.0f')} ms, p99 "
+            f"{_num(e2e['latency_p99_ms'], ',.0f')} ms from XADD to result (all jobs at once)",
+        )
         if e2e["decode_delay_ms"]:
             grid.add_row("test hook", f"+{e2e['decode_delay_ms']:.0f} ms in every decode")
         stage_ms = e2e["stage_ms"] or {}

@@ -371,6 +371,13 @@ SCHEMA: dict[str, Any] = _obj(
                 ),
                 "elapsed_s": _t(["number", "null"], "main loop start to the last result", "s"),
                 "first_result_s": _t(["number", "null"], "main loop start to the first", "s"),
+                "latency_p50_ms": _t(
+                    ["number", "null"],
+                    "median time from XADD to the published result (all jobs pushed at once: "
+                    "the wait behind the backlog included; the bench measures paced loads)",
+                    "ms",
+                ),
+                "latency_p99_ms": _t(["number", "null"], "99th percentile of the same", "ms"),
                 "timed_out": _t("boolean", "the run hit --timeout before all results"),
                 "results_ok": _t(["integer", "null"], "ok results", "jobs"),
                 "results_error": _t(["integer", "null"], "error results", "jobs"),
