@@ -7,6 +7,7 @@ Machine-readable output (`--json`) goes to stdout; progress bars and errors go t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -602,6 +603,12 @@ def _report(
     show_envvar=True,
     help="a local file over this is an error row, never read past it (the workers' limit)",
 )
+@click.option(
+    "--local",
+    is_flag=True,
+    help="start a private Redis and one worker per GPU (one CPU worker without a GPU) for "
+    "this run, with the model GPUFEED_MODEL names, and stop them after it (REDIS_URL unused)",
+)
 @click.option("--json", "json_out", is_flag=True, help="JSON progress lines and summary on stdout")
 @_connection("stream", "group", "results_stream", "result_prefix", "priorities")
 def batch(
@@ -619,10 +626,12 @@ def batch(
     max_backlog: int,
     max_memory_share: float,
     max_image_bytes: int,
+    local: bool,
     json_out: bool,
 ) -> None:
     """Run every image of SOURCE and write one row per job to --out, resumably: run the
-    same command again after a crash and only the ids not in the output are submitted."""
+    same command again after a crash and only the ids not in the output are submitted.
+    With --local, on this machine alone: nothing needs to run before, nothing runs after."""
     from producer.batch_output import OutputError, output_format
     from producer.batch_runner import BatchOptions, run_batch
     from producer.batch_sources import SourceError, open_source
@@ -643,6 +652,9 @@ def batch(
         src = open_source(source, path_root=path_root)
     except (SourceError, OutputError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
+    if local:
+        _batch_local(settings, src, out_path, options, json_out=json_out)
+        return
     with _session(settings) as producer:
         producer.group = settings.group
         producer.max_backlog = max_backlog
@@ -663,6 +675,67 @@ def batch(
     # The exit code says what the output holds, whichever run wrote its rows.
     if progress.output_errors:
         raise _fail(failed_message(progress), EXIT_FAILED)
+
+
+def _batch_local(
+    settings: Settings, src: Any, out_path: Path, options: Any, *, json_out: bool
+) -> None:
+    """`batch --local`: the run against a private Redis and workers of its own, stopped and
+    removed when it ends, however it ends."""
+    from producer.batch_runner import run_batch
+    from producer.batch_view import BatchView, failed_message, ignored_message, print_json, summary
+    from producer.local_run import LocalRunError, LocalService, local_service
+
+    def on_state(svc: LocalService) -> None:
+        if json_out:
+            print_json({"local": [_worker_line(w) for w in svc.workers]})
+        states = ", ".join(f"{w.name} ({w.device}): {w.state}" for w in svc.workers)
+        status.update(f"starting {len(svc.workers)} local worker(s): {states}")
+
+    with contextlib.ExitStack() as stack:
+        with err.status("starting the local service") as status:
+            try:
+                service = stack.enter_context(local_service(on_state=on_state))
+            except LocalRunError as exc:
+                raise _fail(f"--local: {exc}", EXIT_FAILED) from None
+        # Said before the workers drain and Redis stops (the stack unwinds last-in first).
+        stack.callback(err.print, "local: stopping the workers and Redis")
+        err.print(
+            f"local: Redis at {service.redis_url}, "
+            + ", ".join(f"worker {w.name} on {w.device}" for w in service.workers)
+        )
+        with _session(settings.merged(redis_url=service.redis_url)) as producer:
+            producer.group = settings.group
+            try:
+                with BatchView(err, json_lines=json_out) as on_progress:
+                    progress = run_batch(src, out_path, producer, options, on_progress=on_progress)
+            except (ValueError, UnknownPriority) as exc:
+                raise _fail(str(exc), EXIT_USAGE) from None
+            except KeyboardInterrupt:
+                if service.ended is not None:
+                    raise _fail(
+                        f"--local: {service.ended_message()}; the output keeps the rows "
+                        "written so far: run the same command again to go on",
+                        EXIT_FAILED,
+                    ) from None
+                raise _fail("interrupted: run the same command again to go on", 130) from None
+    if json_out:
+        print_json({"summary": progress.to_dict()})
+    else:
+        summary(progress, out)
+    if progress.ignored:
+        print(f"warning: {ignored_message(progress)}", file=sys.stderr)
+    if progress.output_errors:
+        raise _fail(failed_message(progress), EXIT_FAILED)
+
+
+def _worker_line(worker: Any) -> dict[str, Any]:
+    return {
+        "worker": worker.name,
+        "device": worker.device,
+        "state": worker.state,
+        "pid": worker.process.pid,
+    }
 
 
 @app.command()
