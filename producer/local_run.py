@@ -254,11 +254,11 @@ def local_service(
     start_timeout_s: float = START_TIMEOUT_S,
 ) -> Iterator[LocalService]:
     """A private Redis and one worker per GPU (or one CPU worker), ready when this yields;
-    all stopped and their folder removed when it exits. `env` (default: this process's)
-    holds the workers' settings. `on_state` is called as the workers load; `on_end`, from
+    all stopped and their folder removed when it exits. `env`: the workers' settings, over
+    this process's environment. `on_state` is called as the workers load; `on_end`, from
     another thread, when a worker exits while the caller's run goes on (by default the
     main thread is interrupted, as by ^C: `service.ended` then says which worker)."""
-    base = dict(os.environ if env is None else env)
+    base = {**os.environ, **(env or {})}
     folder = Path(tempfile.mkdtemp(prefix="gpufeed-local-"))
     redis_process: subprocess.Popen[bytes] | None = None
     service: LocalService | None = None

@@ -34,9 +34,7 @@ def folder_of_images(root: Path, count: int) -> Path:
 
 
 def local_env(weights: Path, **more: str) -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("GPUFEED_", "REDIS_"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUFEED_", "REDIS_"))}
     env.update(
         GPUFEED_MODEL="mobilenet_v3_small",
         GPUFEED_WEIGHTS=str(weights),

@@ -1,6 +1,7 @@
-"""README.md's commands work as written: every fenced `sh` and `python` block runs, in the
-order README shows it, in an empty folder, with the virtualenv's bin/ first on PATH (as after
-`source .venv/bin/activate`), REDIS_URL naming a private redis-server, and no network.
+"""README.md's commands, and those of the site's getting-started page, work as written:
+every fenced `sh` and `python` block runs, in the order the page shows it, in an empty
+folder, with the virtualenv's bin/ first on PATH (as after `source .venv/bin/activate`),
+REDIS_URL naming a private redis-server, and no network.
 
 A block preceded by `<!-- readme-test: skip (why) -->` is not run, and must say why; one
 preceded by `<!-- readme-test: background -->` is a long-running command (a worker): it
@@ -25,6 +26,7 @@ from tests.cli_runner import ROOT, clean_env
 from tests.redis_server import free_port
 
 README = ROOT / "README.md"
+GETTING_STARTED = ROOT / "docs" / "getting-started.md"
 
 _BLOCK = re.compile(
     r"(?:^<!-- readme-test: (?P<marker>[^\n]*?) -->\n)?^```(?P<lang>[a-z]*)\n(?P<body>.*?)^```$",
@@ -40,24 +42,25 @@ class Block:
     line: int
 
 
-def readme_blocks() -> list[Block]:
-    text = README.read_text()
+def readme_blocks(page: Path = README) -> list[Block]:
+    text = page.read_text()
     return [
         Block(m["lang"], m["body"], m["marker"] or "", text.count("\n", 0, m.start()) + 1)
         for m in _BLOCK.finditer(text)
     ]
 
 
-def test_every_block_is_run_or_says_why_not() -> None:
-    blocks = readme_blocks()
-    assert blocks, "README.md has no fenced blocks"
+@pytest.mark.parametrize("page", [README, GETTING_STARTED], ids=lambda p: p.name)
+def test_every_block_is_run_or_says_why_not(page: Path) -> None:
+    blocks = readme_blocks(page)
+    assert blocks, f"{page.name} has no fenced blocks"
     for block in blocks:
-        assert block.lang in ("sh", "python"), f"README.md:{block.line}: ```{block.lang}"
+        assert block.lang in ("sh", "python"), f"{page.name}:{block.line}: ```{block.lang}"
         assert (
             block.marker == "background"
             or block.marker == ""
             or (re.fullmatch(r"skip \(.{10,}\)", block.marker))
-        ), f"README.md:{block.line}: a skipped block says why: {block.marker!r}"
+        ), f"{page.name}:{block.line}: a skipped block says why: {block.marker!r}"
     run = [b for b in blocks if not b.marker.startswith("skip")]
     assert any(b.marker == "background" for b in run)
     assert "make test     #" in README.read_text()
@@ -77,8 +80,8 @@ def _stop(proc: subprocess.Popen[bytes], log: Path) -> None:
     assert rc == 0, f"a worker exited {rc} after SIGINT:\n{log.read_text()[-3000:]}"
 
 
-@pytest.mark.slow
-def test_readme_commands_work_as_written(tmp_path: Path, redis_url: str) -> None:
+def run_blocks(page: Path, tmp_path: Path, redis_url: str) -> tuple[list[str], Path]:
+    """Run `page`'s blocks as the module docstring says; their outputs and the folder."""
     venv_bin = Path(sys.executable).parent
     dead_proxy = f"http://127.0.0.1:{free_port()}"  # no network: any download fails at once
     env = clean_env(
@@ -100,7 +103,7 @@ def test_readme_commands_work_as_written(tmp_path: Path, redis_url: str) -> None
     outputs: list[str] = []
     background: tuple[subprocess.Popen[bytes], Path] | None = None
     try:
-        for n, block in enumerate(readme_blocks()):
+        for n, block in enumerate(readme_blocks(page)):
             if block.marker.startswith("skip"):
                 continue
             if block.marker == "background":
@@ -124,12 +127,12 @@ def test_readme_commands_work_as_written(tmp_path: Path, redis_url: str) -> None
                 else [sys.executable, "-c", block.body]
             )
             done = subprocess.run(
-                argv, cwd=work, env=env, capture_output=True, timeout=120, check=False
+                argv, cwd=work, env=env, capture_output=True, timeout=180, check=False
             )
             # redis-cli prints binary fields (msgpack, vectors) as they are.
             stdout = done.stdout.decode(errors="replace")
             stderr = done.stderr.decode(errors="replace")
-            where = f"README.md:{block.line}"
+            where = f"{page.name}:{block.line}"
             if background is not None and background[0].poll() is not None:
                 raise AssertionError(
                     f"the worker stopped early:\n{background[1].read_text()[-3000:]}"
@@ -143,7 +146,12 @@ def test_readme_commands_work_as_written(tmp_path: Path, redis_url: str) -> None
         if background is not None and background[0].poll() is None:
             os.killpg(background[0].pid, signal.SIGKILL)
             background[0].wait()
+    return outputs, work
 
+
+@pytest.mark.slow
+def test_readme_commands_work_as_written(tmp_path: Path, redis_url: str) -> None:
+    outputs, work = run_blocks(README, tmp_path, redis_url)
     shown = "\n".join(outputs)
     # What README's comments promise: the redis-cli job's status, the embedding's size...
     assert re.search(r"^ok$", shown, re.M), shown
@@ -201,3 +209,19 @@ def test_the_default_model_offline_exits_2_as_readme_says(tmp_path: Path, redis_
     shown = " ".join(README.read_text().split())
     assert "`gpufeed: cannot fetch ResNet50_Weights.IMAGENET1K_V2: ..." in shown
     assert "Set GPUFEED_WEIGHTS=none for random weights or to a local file.`" in shown
+
+
+@pytest.mark.slow
+def test_getting_started_commands_work_as_written(tmp_path: Path, redis_url: str) -> None:
+    """The page's folder becomes a Parquet file three ways (--local from the shell and from
+    Python, then through the worker the page starts), each image answered ok and labelled."""
+    import pyarrow.parquet as pq
+
+    outputs, work = run_blocks(GETTING_STARTED, tmp_path, redis_url)
+    for name in ("photos.parquet", "again.parquet", "served.parquet"):
+        rows = pq.read_table(work / name).to_pylist()
+        assert sorted(r["id"] for r in rows) == ["navy.jpg", "orange.jpg", "teal.jpg"], name
+        assert all(r["status"] == "ok" and r["label"] for r in rows), rows
+    shown = "\n".join(outputs)
+    assert "3 ok, 0 errors" in shown, shown
+    assert "teal.jpg" in shown and "ok" in shown
