@@ -266,7 +266,8 @@ class ProducerBase(Generic[C]):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             w = Waiter(mine, left, on_result, self._entries)
             watched = list(self._shard_replies[index])
-            found.update((yield from w.steps(watched, shard.result_prefix, False)))
+            others = tuple(s.result_prefix for s in self.shards if s is not shard)
+            found.update((yield from w.steps(watched, shard.result_prefix, False, others)))
         results = {i: found[i] for i in wanted if i in found}
         if raise_on_timeout and len(results) < len(wanted):
             raise ResultsTimeout(results, [i for i in wanted if i not in found])

@@ -57,6 +57,7 @@ class Waiter:
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.recheck_at = time.monotonic() + RECHECK_S
         self.on_result = on_result
+        self.misplaced_prefixes: tuple[str, ...] = ()
 
     def take(self, result: wire.JobResult | None) -> None:
         if result is None:
@@ -104,10 +105,17 @@ class Waiter:
         return results
 
     def steps(
-        self, watched: list[str], result_prefix: str, raise_on_timeout: bool
+        self,
+        watched: list[str],
+        result_prefix: str,
+        raise_on_timeout: bool,
+        misplaced_prefixes: tuple[str, ...] = (),
     ) -> Steps[dict[str, wire.JobResult]]:
         """All of `wait` once something is pending: watch the streams in `watched` and look
-        in the result hashes until nothing is pending or time is up."""
+        in the result hashes until nothing is pending or time is up. `misplaced_prefixes`:
+        the other shards' result prefixes, looked in after the id's own (a job added by
+        hand to another shard's stream is refused there, in that shard's hash)."""
+        self.misplaced_prefixes = misplaced_prefixes
         # The cursors are taken before the hashes are read: a result published in between
         # is in both, one published later is in the stream after the cursor.
         replies = yield Batch(tuple(call("xrevrange", s, count=1) for s in watched))
@@ -129,6 +137,12 @@ class Waiter:
                 wire.result_key(self.entries[job_id], result_prefix)
                 for job_id in chunk
                 if job_id in self.entries
+            ]
+            # After the id's own keys, so that a result there is taken first.
+            keys += [
+                wire.result_key(job_id, prefix)
+                for prefix in self.misplaced_prefixes
+                for job_id in chunk
             ]
             self.take_hashes((yield Batch(tuple(call("hgetall", k) for k in keys))))
 

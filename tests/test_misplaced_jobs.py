@@ -15,6 +15,7 @@ from pathlib import Path
 
 import redis
 
+from producer.client import Producer
 from producer.shards import layout, shard_of_id
 from producer.wire import JobResult
 from tests.images import jpeg_bytes
@@ -105,3 +106,19 @@ async def test_a_job_on_another_shards_stream_is_answered_invalid_job_and_not_co
     (served,) = answers(redis_client, right.results_stream)
     assert served.ok and served.duplicate_of is None
     assert len(got) == 2 and computed == 1
+
+
+async def test_a_refusal_on_another_shard_is_found_by_waiting_on_the_id(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """A job added by hand to the wrong shard only: its refusal is stored on that shard,
+    and `producer wait ID` (which reads the id's own shard first) finds it there."""
+    shards = layout(2)
+    wrong = shards[1 - shard_of_id("order-78", 2)]
+    misplaced = redis_client.xadd(wrong.stream, {"id": "order-78", "image": IMAGE}).decode()
+    async with running_worker(redis_url, tiny_weights, shards=2, **NULL):
+        await wait_answers(redis_client, [wrong.results_stream], 1)
+    with Producer(redis_url, shard_count=2) as producer:
+        found = await asyncio.to_thread(producer.wait_one, "order-78", 10.0)
+    assert found.entry == misplaced and found.error_code == "invalid_job"
+    assert "belongs to shard" in (found.error or "")
