@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-stamp
 REDIS_PORT ?= 6379
 FUZZ_MINUTES ?= 10
 
-.PHONY: help setup redis-server promtool tmux test fuzz lint demo run-worker run-redis bench soak \
+.PHONY: help setup redis-server promtool tmux chromium test fuzz lint demo run-worker run-redis bench soak \
 	soak-cluster gpu-check gpu-check-prepare docs docs-serve docs-gen docs-figures clean
 
 help: ## this list
@@ -17,7 +17,7 @@ help: ## this list
 	  | sed -E 's/^([a-zA-Z0-9_-]+):.*## (.*)$$/\1\t\2/' \
 	  | while IFS=$$'\t' read -r target text; do printf '  make %-18s %s\n' "$$target" "$$text"; done
 
-setup: $(STAMP) redis-server promtool tmux ## .venv with the packages; redis-server, promtool and tmux from the OS packages
+setup: $(STAMP) redis-server promtool tmux chromium ## .venv with the packages; redis-server, promtool, tmux and chromium from the OS packages
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,15 @@ tmux: ## install tmux from the OS packages when it is missing
 	  echo "installing tmux from the OS packages"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq tmux >/dev/null; }
+
+# chromium is the browser the docs site is opened in with the network cut (the diagram is
+# drawn, no page asks for an outside host); the tests that need it are skipped without it.
+chromium: ## install chromium from the OS packages when it is missing
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  echo "installing chromium from the OS packages"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  { $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "chromium could not be installed: the tests that need it will be skipped"; }
 
 # promtool checks deploy/prometheus (rule syntax, alert unit tests, the dashboard's
 # queries). Only the binary is taken out of Debian's `prometheus` package, into the venv:
