@@ -68,19 +68,24 @@ def error_fields(job_id: str, code: wire.ErrorCode, message: str) -> Fields:
 
 
 class Rows:
-    """Results (their raw fields) and their sources, in arrival order."""
+    """Results (their raw fields), their sources and the manifest's kept columns (`keep`,
+    one value each in `extras`), in arrival order."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: tuple[str, ...] = ()) -> None:
         self.fields: list[Fields] = []
         self.sources: list[str] = []
+        self.keep = keep
+        self.extras: list[tuple[str | None, ...]] = []
         self._details: list[dict[str, Any]] | None = None
 
     def __len__(self) -> int:
         return len(self.fields)
 
-    def add(self, fields: Fields, source: str) -> None:
+    def add(self, fields: Fields, source: str, extra: tuple[str | None, ...] = ()) -> None:
         self.fields.append(fields)
         self.sources.append(source)
+        if self.keep:
+            self.extras.append(extra)
         self._details = None
 
     def changed(self) -> None:
@@ -120,13 +125,22 @@ class Rows:
         try:
             if any(d is _BROKEN for d in details):
                 raise ValueError("a result map is not msgpack")
-            return _batch(
+            batch = _batch(
                 _columns(self.fields, self.sources, details), self.fields, details, embedding
             )
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
             checked = [_checked(f, d) for f, d in zip(self.fields, details, strict=True)]
             details = [_unpack(c.get(wire.RES_RESULT)) for c in checked]
-            return _batch(_columns(checked, self.sources, details), checked, details, embedding)
+            batch = _batch(_columns(checked, self.sources, details), checked, details, embedding)
+        if not self.keep:
+            return batch
+        # The kept manifest columns, as text, after the output's own.
+        kept = [
+            pa.array([e[i] if i < len(e) else None for e in self.extras], pa.string())
+            for i in range(len(self.keep))
+        ]
+        schema = pa.schema([*batch.schema, *(pa.field(n, pa.string()) for n in self.keep)])
+        return pa.RecordBatch.from_arrays([*batch.columns, *kept], schema=schema)
 
 
 # The details of a result whose `result` field is not msgpack: its row is made the slow way.
@@ -223,6 +237,11 @@ def _columns(
         cols["dtype"] = none
     cols["timings_ms"] = detail("timings_ms")
     return cols
+
+
+def output_columns() -> list[str]:
+    """Every column an output can have (but kept manifest columns)."""
+    return [f.name for f in base_fields()] + ["embedding"]
 
 
 def base_fields() -> list[pa.Field[Any]]:
@@ -380,6 +399,9 @@ def json_rows(batch: pa.RecordBatch) -> list[Row]:
     the batch has none), the timings as an object, raw output bytes as base64."""
     names = set(batch.schema.names)
     columns = {k: batch.column(k).to_pylist() if k in names else None for k in JSON_KEYS}
+    # Kept manifest columns (--keep-columns): every column that is not the output's own.
+    own = {*JSON_KEYS, "embedding"}
+    columns.update({k: batch.column(k).to_pylist() for k in batch.schema.names if k not in own})
     rows: list[Row] = []
     for i in range(batch.num_rows):
         row = {k: (v[i] if v is not None else None) for k, v in columns.items()}

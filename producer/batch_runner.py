@@ -52,6 +52,8 @@ from producer.replies import last_id, xread_entries
 from producer.stats import collect_stats
 
 JobFields = dict[FieldT, EncodableT]
+# What the run keeps of a job it submitted: its id, its source and its kept columns.
+InFlight = tuple[bytes, str, tuple[str | None, ...]]
 
 log = logging.getLogger("producer.batch")
 
@@ -318,10 +320,10 @@ class BatchRun:
         self.stream = level_stream(producer.shards[0].stream, self.level)
         # How results name this run's entries: `<level>:<entry ID>` on a level's stream.
         self._entry_prefix = f"{self.level}:".encode() if self.level else b""
-        # entry reference -> (id, source): an answer counts only where it names an entry
-        # this run added, for the id that entry holds.
-        self.in_flight: dict[bytes, tuple[bytes, str]] = {}
-        self.rows = Rows()
+        # entry reference -> (id, source, kept manifest columns): an answer counts only where
+        # it names an entry this run added, for the id that entry holds.
+        self.in_flight: dict[bytes, InFlight] = {}
+        self.rows = Rows(source.keep)
         limit = options.in_flight
         if limit is None:
             limit = default_in_flight(producer, self.stream)
@@ -458,7 +460,7 @@ class BatchRun:
         self._fit = self._chunk
         in_flight, prefix = self.in_flight, self._entry_prefix
         for (item, _), entry in zip(chunk, entries, strict=True):
-            in_flight[prefix + entry] = (item.id.encode(), item.source)
+            in_flight[prefix + entry] = (item.id.encode(), item.source, item.extra)
         self.progress.submitted += len(chunk)
         self.progress.in_flight = len(in_flight)
         del self._ready[: len(chunk)]
@@ -515,12 +517,15 @@ class BatchRun:
         pop = self.in_flight.pop
         taken = self.rows.fields
         sources = self.rows.sources
+        extras = self.rows.extras if self.rows.keep else None
         for _, raw in entries:
             fields = field_map(raw)
             job = pop(fields.get(wire.RES_ENTRY, b""), None)
             if job is not None and job[0] == fields.get(wire.RES_ID):
                 taken.append(fields)
                 sources.append(job[1])
+                if extras is not None:
+                    extras.append(job[2])
             else:
                 self._ignore(fields, job)
         if len(self.rows) > before:
@@ -542,7 +547,7 @@ class BatchRun:
                 progress.error_codes[code] += 1
         progress.in_flight = len(self.in_flight)
 
-    def _ignore(self, fields: Fields, job: tuple[bytes, str] | None) -> None:
+    def _ignore(self, fields: Fields, job: InFlight | None) -> None:
         """An answer to no job this run waits on: counted and logged, never written."""
         entry = fields.get(wire.RES_ENTRY, b"")
         if job is not None:  # the entry is ours, the id is not its id: it still waits
@@ -560,7 +565,7 @@ class BatchRun:
 
     def _error(self, item: Item, code: wire.ErrorCode, message: str) -> None:
         before = len(self.rows)
-        self.rows.add(error_fields(item.id, code, message), item.source)
+        self.rows.add(error_fields(item.id, code, message), item.source, item.extra)
         self._answered(before)
 
     def _recheck(self) -> None:
@@ -576,11 +581,11 @@ class BatchRun:
         for start in range(0, len(outstanding), HASH_CHUNK):
             chunk = outstanding[start : start + HASH_CHUNK]
             with self.producer.client.pipeline(transaction=False) as pipe:
-                for ref, (job_id, _) in chunk:
+                for ref, (job_id, _, _) in chunk:
                     pipe.hgetall(prefix + job_id)
                     pipe.hgetall(prefix + ref)
                 replies = pipe.execute()
-            for n, (ref, (job_id, source)) in enumerate(chunk):
+            for n, (ref, (job_id, source, extra)) in enumerate(chunk):
                 # Either hash counts only where it holds this entry's answer for this id:
                 # an id's hash may hold an earlier job's answer, and a hash named like an
                 # entry reference may be another job's (whose id was chosen so).
@@ -591,7 +596,7 @@ class BatchRun:
                         and found.get(wire.RES_ID) == job_id
                         and self.in_flight.pop(ref, None) is not None
                     ):
-                        self.rows.add(found, source)
+                        self.rows.add(found, source, extra)
                         break
         if len(self.rows) > before:
             self._answered(before)
@@ -599,7 +604,7 @@ class BatchRun:
     def _flush(self) -> None:
         if len(self.rows):
             self.output.write(self.rows)
-            self.rows = Rows()
+            self.rows = Rows(self.source.keep)
 
     def _report(self, *, force: bool = False) -> None:
         now = time.monotonic()

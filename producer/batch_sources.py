@@ -22,7 +22,7 @@ import operator
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 from urllib.parse import urlsplit
@@ -39,6 +39,8 @@ READ_PAGE = 4096
 # The longest manifest line read (its url, path and id fit in far less): a file without
 # line breaks is refused at this point, not read whole.
 MAX_LINE_BYTES = 1 << 20
+# The manifests whose rows have named columns, that --keep-columns can copy.
+KEEP_FORMATS = ("csv", "jsonl", "parquet")
 
 # Called with a folder entry that is not taken and why (a FIFO, a device, a broken link...).
 OnSkip = Callable[[str, str], None]
@@ -137,6 +139,8 @@ class Item(NamedTuple):
     url: str | None = None
     file: str | None = None
     path: str | None = None
+    # The manifest's --keep-columns values, as text (null where the row has none).
+    extra: tuple[str | None, ...] = ()
 
     def fields(
         self, buffer: bytearray | None = None, limit: int = wire.DEFAULT_MAX_IMAGE_BYTES
@@ -146,7 +150,7 @@ class Item(NamedTuple):
         regular, over `limit` bytes). The checks `Job.fields` makes hold by construction: a
         source's ids fit and its urls have a scheme. `buffer`: see `read_file`."""
         # One unpacking: a named tuple's attributes cost a descriptor call each.
-        job_id, _, url, file, path = self
+        job_id, _, url, file, path, _ = self
         if file is not None:
             image = read_file(file, buffer, limit)
             if not image:
@@ -167,6 +171,8 @@ class Source:
     kind: str  # folder, manifest or prefix
     total: int | None
     path_root: Path | None = None
+    # Manifest columns carried into each output row (--keep-columns).
+    keep: tuple[str, ...] = ()
 
     def pages(self, on_skip: OnSkip | None = None) -> Iterator[list[Item]]:
         """The items, a page at a time; a folder's entries that are not regular image
@@ -175,13 +181,77 @@ class Source:
             return _folder_pages(Path(self.spec), self.path_root, on_skip)
         if self.kind == "prefix":
             return _prefix_pages(self.spec)
-        return _manifest_pages(Path(self.spec), self.path_root)
+        return _manifest_pages(Path(self.spec), self.path_root, self.keep)
 
 
-def open_source(spec: str, *, path_root: str | os.PathLike[str] | None = None) -> Source:
+def open_source(
+    spec: str,
+    *,
+    path_root: str | os.PathLike[str] | None = None,
+    keep_columns: Sequence[str] = (),
+) -> Source:
     """The source `spec` names: `s3://`, `gs://` or `az://` a prefix, a folder, else a
     manifest file. With `path_root`, local files are sent as `path` jobs relative to it
-    (the folder the workers know as GPUFEED_PATH_ROOT) instead of being read and sent."""
+    (the folder the workers know as GPUFEED_PATH_ROOT) instead of being read and sent.
+    `keep_columns`: columns of a .csv, .jsonl or .parquet manifest copied into each row of
+    the output, as text."""
+    source = _open_source(spec, path_root)
+    keep = tuple(dict.fromkeys(n.strip() for n in keep_columns if n.strip()))
+    if not keep:
+        return source
+    return replace(source, keep=_checked_keep(source, keep))
+
+
+def _checked_keep(source: Source, keep: tuple[str, ...]) -> tuple[str, ...]:
+    if source.kind != "manifest" or _format(Path(source.spec)) not in KEEP_FORMATS:
+        raise SourceError(
+            f"--keep-columns needs a {', '.join('.' + f for f in KEEP_FORMATS)} manifest; "
+            f"{source.spec} is a {source.kind if source.kind != 'manifest' else 'text manifest'}"
+        )
+    from producer.batch_rows import output_columns
+
+    taken = sorted(set(keep) & set(output_columns()))
+    if taken:
+        raise SourceError(
+            f"--keep-columns {', '.join(taken)}: the output has a column of that name "
+            "(rename it in the manifest)"
+        )
+    manifest = Path(source.spec)
+    known = _header(manifest)
+    missing = [n for n in keep if known is not None and n not in known]
+    if missing:
+        raise SourceError(
+            f"--keep-columns {', '.join(missing)}: {manifest} has no such column "
+            f"(it has {', '.join(known or [])})"
+        )
+    return keep
+
+
+def _header(manifest: Path) -> list[str] | None:
+    """A .csv manifest's header or a .parquet one's columns; None for JSON lines, whose
+    rows each have their own keys (a key a row lacks is null in its output row)."""
+    fmt = _format(manifest)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(manifest).names)
+    if fmt == "csv":
+        try:
+            with manifest.open(encoding="utf-8", newline="") as f:
+                return next(csv.reader(f), [])
+        except (OSError, UnicodeDecodeError, csv.Error) as exc:
+            raise SourceError(f"cannot read the header of {manifest}: {exc}") from None
+    return None
+
+
+def _kept(value: Any) -> str | None:
+    """A kept column's value as the output holds it: text as it is, anything else as JSON."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _open_source(spec: str, path_root: str | os.PathLike[str] | None) -> Source:
     root = None if path_root is None else Path(path_root).absolute()
     if root is not None and not root.is_dir():
         raise SourceError(f"--path-root {path_root}: no such folder")
@@ -316,16 +386,20 @@ def _count_entries(manifest: Path) -> int | None:
     return max(0, lines - 1) if fmt == "csv" else lines
 
 
-def _manifest_pages(manifest: Path, root: Path | None) -> Iterator[list[Item]]:
+def _manifest_pages(
+    manifest: Path, root: Path | None, keep: tuple[str, ...] = ()
+) -> Iterator[list[Item]]:
     # A relative path is one under the workers' root with --path-root, else a file next
     # to the manifest.
     base = str(root if root is not None else manifest.parent)
     label = f"{manifest} {'row' if _format(manifest) == 'parquet' else 'line'}"
-    rows = _manifest_rows(manifest)
+    rows = _manifest_rows(manifest, keep)
     page: list[Item] = []
     for line, row in rows:
         item = _row_item(label, line, row, base, root)
         if item is not None:
+            if keep:
+                item = item._replace(extra=tuple(_kept(row.get(k)) for k in keep))
             page.append(item)
             if len(page) >= READ_PAGE:
                 yield page
@@ -370,11 +444,13 @@ def _cell(value: Any, label: str, line: int, column: str) -> str | None:
     return value or None
 
 
-def _manifest_rows(manifest: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _manifest_rows(
+    manifest: Path, keep: tuple[str, ...] = ()
+) -> Iterator[tuple[int, dict[str, Any]]]:
     fmt = _format(manifest)
     try:
         if fmt == "parquet":
-            yield from _parquet_rows(manifest)
+            yield from _parquet_rows(manifest, keep)
             return
         with manifest.open("rb") as f:
             lines = _lines(f, manifest)
@@ -450,13 +526,15 @@ def _check_columns(manifest: Path, columns: Sequence[str]) -> None:
         raise SourceError(f"{manifest}: needs a `url` or `path` column (has {columns})")
 
 
-def _parquet_rows(manifest: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def _parquet_rows(
+    manifest: Path, keep: tuple[str, ...] = ()
+) -> Iterator[tuple[int, dict[str, Any]]]:
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(manifest)
     names = parquet.schema_arrow.names
     _check_columns(manifest, names)
-    wanted = [c for c in ("id", "url", "path") if c in names]
+    wanted = list(dict.fromkeys(c for c in ("id", "url", "path", *keep) if c in names))
     row = 0
     for batch in parquet.iter_batches(batch_size=READ_PAGE, columns=wanted):
         for values in batch.to_pylist():

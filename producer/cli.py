@@ -604,6 +604,13 @@ def _report(
     help="a local file over this is an error row, never read past it (the workers' limit)",
 )
 @click.option(
+    "--keep-columns",
+    default="",
+    show_default=False,
+    help="columns of a .csv, .jsonl or .parquet manifest to copy into each output row, "
+    "separated by commas (e.g. product_id,caption), as text",
+)
+@click.option(
     "--local",
     is_flag=True,
     help="start a private Redis and one worker per GPU (one CPU worker without a GPU) for "
@@ -626,6 +633,7 @@ def batch(
     max_backlog: int,
     max_memory_share: float,
     max_image_bytes: int,
+    keep_columns: str,
     local: bool,
     json_out: bool,
 ) -> None:
@@ -649,7 +657,7 @@ def batch(
     )
     try:
         output_format(out_path)
-        src = open_source(source, path_root=path_root)
+        src = open_source(source, path_root=path_root, keep_columns=keep_columns.split(","))
     except (SourceError, OutputError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
     if local:

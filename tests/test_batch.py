@@ -19,7 +19,7 @@ import redis
 
 from producer import Producer
 from producer.batch_runner import BatchOptions, Progress, run_batch
-from producer.batch_sources import SourceError, open_source
+from producer.batch_sources import Source, SourceError, open_source
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker
@@ -62,9 +62,10 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run(redis_url: str, source: str | Path, out: Path, **options: Any) -> Progress:
+def run(redis_url: str, source: str | Path | Source, out: Path, **options: Any) -> Progress:
     with Producer(redis_url) as producer:
-        return run_batch(str(source), out, producer, BatchOptions(**options))
+        given = source if isinstance(source, Source) else str(source)
+        return run_batch(given, out, producer, BatchOptions(**options))
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
@@ -133,6 +134,87 @@ async def test_manifests_of_each_format_give_their_ids_and_repeats_run_once(
     assert sorted(r["id"] for r in outs["list.jsonl"]) == sorted(str(folder / f) for f in files)
     assert sorted(r["id"] for r in outs["list.parquet"]) == sorted(f"p{n}" for n in range(6))
     assert all(r["status"] == "ok" for rows in outs.values() for r in rows)
+
+
+async def test_kept_manifest_columns_reach_each_output_row(
+    redis_url: str, tiny_weights: Path, tmp_path: Path
+) -> None:
+    """--keep-columns: a product id and a caption ride along with each job, error rows
+    included, from each manifest format into Parquet and JSON lines; a value that is not
+    text is its JSON, a key a JSON line lacks is null."""
+    folder = tmp_path / "m"
+    make_folder(folder, good=5, broken=1)
+    files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*.jpg"))
+    products = {rel: f"sku-{n:03d}" for n, rel in enumerate(files)}
+    captions = {rel: f"a photo, number {n}" for n, rel in enumerate(files)}
+    with (folder / "list.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "product_id", "caption", "unused"])
+        for rel in files:
+            w.writerow([rel, products[rel], captions[rel], "x"])
+    (folder / "list.jsonl").write_text(
+        "\n".join(
+            json.dumps({"path": rel, "product_id": n, "caption": {"text": captions[rel]}})
+            if n
+            else json.dumps({"path": rel})
+            for n, rel in enumerate(files)
+        )
+        + "\n"
+    )
+    pq.write_table(
+        pa.table({"path": files, "product_id": [products[r] for r in files], "n": [1] * 6}),
+        folder / "list.parquet",
+    )
+    keep = ["product_id", "caption"]
+    async with running_worker(redis_url, tiny_weights, **NULL):
+        outs = {}
+        for name, suffix in (
+            ("list.csv", ".parquet"),
+            ("list.csv", ".jsonl"),
+            ("list.jsonl", ".parquet"),
+        ):
+            out = tmp_path / f"{name}{suffix}"
+            source = open_source(str(folder / name), keep_columns=keep)
+            await asyncio.to_thread(run, redis_url, source, out, in_flight=4)
+            outs[out.name] = read_rows(out)
+        parquet_out = tmp_path / "from-parquet.parquet"
+        source = open_source(str(folder / "list.parquet"), keep_columns=["product_id"])
+        await asyncio.to_thread(run, redis_url, source, parquet_out, in_flight=4)
+
+    for name in ("list.csv.parquet", "list.csv.jsonl"):
+        rows = outs[name]
+        assert len(rows) == 6 and sum(r["status"] == "error" for r in rows) == 1
+        for row in rows:
+            assert row["product_id"] == products[row["id"]], name
+            assert row["caption"] == captions[row["id"]]
+            assert "unused" not in row
+    by_id = {r["id"]: r for r in outs["list.jsonl.parquet"]}
+    assert by_id[files[0]]["product_id"] is None and by_id[files[0]]["caption"] is None
+    assert by_id[files[2]]["product_id"] == "2"  # a JSON number, as its JSON text
+    assert json.loads(by_id[files[2]]["caption"]) == {"text": captions[files[2]]}
+    table = pq.read_table(parquet_out)
+    assert table.schema.field("product_id").type == pa.string()
+    assert {r["id"]: r["product_id"] for r in table.to_pylist()} == products
+
+
+def test_kept_columns_must_be_a_manifests_own(tmp_path: Path) -> None:
+    manifest = tmp_path / "list.csv"
+    manifest.write_text("path,product_id\na.jpg,1\n")
+    with pytest.raises(SourceError, match=r"list\.csv has no such column"):
+        open_source(str(manifest), keep_columns=["product_id", "caption"])
+    with pytest.raises(SourceError, match="--keep-columns label: the output has a column"):
+        open_source(str(manifest), keep_columns=["label"])
+    (tmp_path / "list.txt").write_text("a.jpg\n")
+    with pytest.raises(SourceError, match=r"needs a \.csv, \.jsonl, \.parquet manifest"):
+        open_source(str(tmp_path / "list.txt"), keep_columns=["x"])
+    with pytest.raises(SourceError, match=r"needs a \.csv, \.jsonl, \.parquet manifest"):
+        open_source(str(tmp_path), keep_columns=["x"])
+    # The command line says the same, and exits 2.
+    done = run_module(
+        "producer", "batch", str(manifest), "--out", str(tmp_path / "o.parquet"),
+        "--keep-columns", "caption", "--redis-url", "redis://127.0.0.1:1/0",
+    )  # fmt: skip
+    assert done.returncode == 2 and "has no such column" in done.stderr
 
 
 def test_a_source_that_cannot_be_read_is_named(tmp_path: Path) -> None:
