@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import Any
 
 import pytest
+import torch
 
 from producer.wire import ErrorCode
 from worker.decode.cpu import DecodeError, DecodeInfo
@@ -143,3 +145,35 @@ async def test_failed_and_padding_rows(rings: tuple[InputRing, OutputRing]) -> N
     assert first.names == ["a", "a"]
     assert third.names == ["2", "2"]  # out of the category range: the index
     assert published[0].job.timings_ms["compute"] == 4.0
+
+
+async def test_a_batch_on_a_smaller_shape_reads_only_the_rows_it_wrote(
+    rings: tuple[InputRing, OutputRing],
+) -> None:
+    """One job run on shape 1 of a batch of 4: rows 1-3 of the output slot hold whatever
+    was there (here: what uninitialised memory can hold, signalling NaNs that a float cast
+    traps on, and indices out of range); the reader takes row 0 only, with no warning and
+    no effect from the rest."""
+    in_ring, out_ring = rings
+    published: list[Outcome] = []
+
+    async def publish(outcomes: list[Outcome]) -> None:
+        published.extend(outcomes)
+
+    watcher = CompletionWatcher(
+        out_ring, publish, reader=ClassifyReader(["a", "b"]), poll_interval_s=0.001
+    )
+    launched, done = await make_launched(1, in_ring, out_ring, [OK], base=0)
+    launched.out.indices[1:] = 2**30
+    launched.out.scores[1:].view(torch.int32)[:] = 0x7F800001  # a signalling NaN
+    launched.size = 1
+    done.fired = True
+    task = asyncio.create_task(watcher.run())
+    watcher.track(launched)
+    watcher.track(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        await asyncio.wait_for(task, 1)
+    (only,) = published
+    assert only.ok and isinstance(only.answer, Classification)
+    assert only.answer.indices == [0, 0] and only.answer.names == ["a", "a"]

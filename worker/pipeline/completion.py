@@ -84,9 +84,14 @@ class CompletionWatcher:
         reader = serving.reader if serving is not None else self._reader
         out_ring = serving.out_ring if serving is not None else self.out_ring
         degraded = serving is not None and serving.degraded
-        # Only rows holding a decoded image are read; padding and failed rows are not.
+        # Only rows holding a decoded image are read; padding and failed rows are not. The
+        # reader works on whole columns: only those of the rows the step wrote (the batch
+        # shape it ran on), never a row it left as an earlier batch wrote it.
         valid = batch.valid_rows
-        answers = dict(zip(valid, reader.read(out.arrays, valid), strict=True))
+        arrays = out.arrays
+        if launched.size and launched.size < len(arrays[0]):
+            arrays = tuple(a[: launched.size] for a in arrays)
+        answers = dict(zip(valid, reader.read(arrays, valid), strict=True))
         batch_wait_ms = (launched.launched_s - batch.sealed_s) * 1000
         # `degraded`: the writer names the degraded step's model in the result.
         marks: dict[str, Any] = {"degraded": True} if degraded else {}

@@ -240,11 +240,13 @@ class OutputRing:
         """`layout`: the step's output fields, or a top-k for the softmax classifier's."""
         fields = classify_layout(layout) if isinstance(layout, int) else tuple(layout)
         self.layout = fields
+        # Zeros, not empty: a batch run on a smaller shape (worker/model/sizes.py) writes its
+        # first rows only, and no row read whole with the rest may be uninitialised memory.
         self.slots = [
             OutputSlot(
                 index=i,
                 tensors=tuple(
-                    torch.empty((batch, *f.shape), dtype=f.dtype, pin_memory=pin) for f in fields
+                    torch.zeros((batch, *f.shape), dtype=f.dtype, pin_memory=pin) for f in fields
                 ),
                 layout=fields,
             )
