@@ -304,12 +304,12 @@ def compile_step(
     sizes: Sequence[int] = (),
 ) -> tuple[StepFn, CompileReport]:
     """Returns the function to launch and a report. Runs the step `1 + warmup_iters` times on
-    `example`, then as often on the first `size` rows of it for each of `sizes` (smaller
-    batch sizes the same function serves, each its own graph; a later call on any of these
-    shapes is no recompile) (which must have the production shape, dtype and device, and like the
-    production buffers must not be an inference tensor: guards check that), on the calling
-    thread: with CUDA graphs that must be the thread that launches later (graph trees are
-    per thread), under the stream it will launch on. `inductor_overrides` (tests) change
+    `example` (which must have the production shape, dtype and device, and like the
+    production buffers must not be an inference tensor: guards check that), then as often on
+    its first `size` rows for each of `sizes` (smaller batch shapes the same function
+    serves, each its own graph: a later call on any of these shapes is no recompile), on
+    the calling thread: with CUDA graphs that must be the thread that launches later (graph
+    trees are per thread), under the stream it will launch on. `inductor_overrides` (tests) change
     the inductor options the step is compiled with.
 
     `reset=False` compiles a second step beside one already compiled (the degraded step):
