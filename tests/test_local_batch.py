@@ -114,8 +114,8 @@ def test_a_folder_becomes_a_parquet_file_and_nothing_is_left_running(
 def test_a_worker_that_dies_ends_the_run_with_its_reason_and_nothing_is_left(
     tmp_path: Path, tiny_weights: Path
 ) -> None:
-    """The worker killed mid-run: the client says which worker ended and how, stops the
-    rest, and a second run finishes the output (resumable as any batch)."""
+    """The worker killed mid-run: the client says which worker ended and how, and stops
+    the rest."""
     folder = folder_of_images(tmp_path, 60)
     out = tmp_path / "out.parquet"
     before = local_folders()
@@ -148,18 +148,10 @@ def test_a_worker_that_dies_ends_the_run_with_its_reason_and_nothing_is_left(
     assert not any(alive(pid) for pid in pids)
     assert local_folders() == before
 
-    again = subprocess.run(
-        [*batch_command(folder, out), "--local"],
-        cwd=ROOT,
-        env=local_env(tiny_weights),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert again.returncode == 1, again.stderr[-3000:]  # the broken file's error row
-    rows = pq.read_table(out).to_pylist()
-    assert len(rows) == 61 and len({r["id"] for r in rows}) == 61
+    # What was answered before the kill is committed in the output's segments, for the
+    # same command to go on from (tests/test_batch_resume.py has the resuming).
+    segments = sorted((tmp_path / "out.parquet.parts").glob("r*.parquet"))
+    assert sum(pq.read_metadata(s).num_rows for s in segments) >= 2
 
 
 def test_a_worker_that_cannot_start_is_named_with_its_error(
