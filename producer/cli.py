@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import click
@@ -35,6 +35,14 @@ from producer.jobs import IMAGE_EXTENSIONS, Job, file_job_ids, read_url_list, ur
 from producer.priorities import UnknownPriority, level_stream, pick_level
 from producer.reach import UNREACHABLE, unreachable
 from producer.stats import collect_stats
+
+if TYPE_CHECKING:
+    # The batch modules need the batch extras (pyarrow, numpy): imported when a command
+    # runs, named here for the annotations only.
+    from producer.batch_runner import BatchOptions
+    from producer.batch_runner import Progress as BatchProgress
+    from producer.batch_sources import Source
+    from producer.local_run import LocalService, LocalWorker
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -641,9 +649,9 @@ def batch(
     same command again after a crash and only the ids not in the output are submitted.
     With --local, on this machine alone: nothing needs to run before, nothing runs after."""
     from producer.batch_output import OutputError, output_format
-    from producer.batch_runner import BatchOptions, run_batch
+    from producer.batch_runner import BatchOptions
     from producer.batch_sources import SourceError, open_source
-    from producer.batch_view import BatchView, failed_message, ignored_message, print_json, summary
+    from producer.batch_view import failed_message, ignored_message, print_json, summary
 
     options = BatchOptions(
         in_flight=in_flight,
@@ -661,19 +669,22 @@ def batch(
     except (SourceError, OutputError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
     if local:
-        _batch_local(settings, src, out_path, options, json_out=json_out)
-        return
-    with _session(settings) as producer:
-        producer.group = settings.group
-        producer.max_backlog = max_backlog
-        producer.max_memory_share = max_memory_share
-        try:
-            with BatchView(err, json_lines=json_out) as on_progress:
-                progress = run_batch(src, out_path, producer, options, on_progress=on_progress)
-        except (ValueError, UnknownPriority) as exc:  # SourceError, OutputError among them
-            raise _fail(str(exc), EXIT_USAGE) from None
-        except KeyboardInterrupt:
-            raise _fail("interrupted: run the same command again to go on", 130) from None
+        with contextlib.ExitStack() as stack:
+            service = _local_service(stack, json_out=json_out)
+            local_settings = settings.merged(redis_url=service.redis_url)
+            progress = _run_batch(
+                local_settings, src, out_path, options, json_out=json_out, service=service
+            )
+    else:
+        progress = _run_batch(
+            settings,
+            src,
+            out_path,
+            options,
+            json_out=json_out,
+            max_backlog=max_backlog,
+            max_memory_share=max_memory_share,
+        )
     if json_out:
         print_json({"summary": progress.to_dict()})
     else:
@@ -685,14 +696,46 @@ def batch(
         raise _fail(failed_message(progress), EXIT_FAILED)
 
 
-def _batch_local(
-    settings: Settings, src: Any, out_path: Path, options: Any, *, json_out: bool
-) -> None:
-    """`batch --local`: the run against a private Redis and workers of its own, stopped and
-    removed when it ends, however it ends."""
+def _run_batch(
+    settings: Settings,
+    src: Source,
+    out_path: Path,
+    options: BatchOptions,
+    *,
+    json_out: bool,
+    max_backlog: int = 0,
+    max_memory_share: float = 0.0,
+    service: LocalService | None = None,
+) -> BatchProgress:
+    """The run, its errors as one line and an exit code; `service`: the --local one, whose
+    ended worker is what a run interrupted from inside means."""
     from producer.batch_runner import run_batch
-    from producer.batch_view import BatchView, failed_message, ignored_message, print_json, summary
-    from producer.local_run import LocalRunError, LocalService, local_service
+    from producer.batch_view import BatchView
+
+    with _session(settings) as producer:
+        producer.group = settings.group
+        producer.max_backlog = max_backlog
+        producer.max_memory_share = max_memory_share
+        try:
+            with BatchView(err, json_lines=json_out) as on_progress:
+                return run_batch(src, out_path, producer, options, on_progress=on_progress)
+        except (ValueError, UnknownPriority) as exc:  # SourceError, OutputError among them
+            raise _fail(str(exc), EXIT_USAGE) from None
+        except KeyboardInterrupt:
+            if service is not None and service.ended is not None:
+                raise _fail(
+                    f"--local: {service.ended_message()}; the output keeps the rows written "
+                    "so far: run the same command again to go on",
+                    EXIT_FAILED,
+                ) from None
+            raise _fail("interrupted: run the same command again to go on", 130) from None
+
+
+def _local_service(stack: contextlib.ExitStack, *, json_out: bool) -> LocalService:
+    """`batch --local`: a private Redis and workers of its own, ready, entered on `stack`
+    (which stops them and removes their files when it closes, however it closes)."""
+    from producer.batch_view import print_json
+    from producer.local_run import LocalRunError, local_service
 
     def on_state(svc: LocalService) -> None:
         if json_out:
@@ -700,44 +743,21 @@ def _batch_local(
         states = ", ".join(f"{w.name} ({w.device}): {w.state}" for w in svc.workers)
         status.update(f"starting {len(svc.workers)} local worker(s): {states}")
 
-    with contextlib.ExitStack() as stack:
-        with err.status("starting the local service") as status:
-            try:
-                service = stack.enter_context(local_service(on_state=on_state))
-            except LocalRunError as exc:
-                raise _fail(f"--local: {exc}", EXIT_FAILED) from None
-        # Said before the workers drain and Redis stops (the stack unwinds last-in first).
-        stack.callback(err.print, "local: stopping the workers and Redis")
-        err.print(
-            f"local: Redis at {service.redis_url}, "
-            + ", ".join(f"worker {w.name} on {w.device}" for w in service.workers)
-        )
-        with _session(settings.merged(redis_url=service.redis_url)) as producer:
-            producer.group = settings.group
-            try:
-                with BatchView(err, json_lines=json_out) as on_progress:
-                    progress = run_batch(src, out_path, producer, options, on_progress=on_progress)
-            except (ValueError, UnknownPriority) as exc:
-                raise _fail(str(exc), EXIT_USAGE) from None
-            except KeyboardInterrupt:
-                if service.ended is not None:
-                    raise _fail(
-                        f"--local: {service.ended_message()}; the output keeps the rows "
-                        "written so far: run the same command again to go on",
-                        EXIT_FAILED,
-                    ) from None
-                raise _fail("interrupted: run the same command again to go on", 130) from None
-    if json_out:
-        print_json({"summary": progress.to_dict()})
-    else:
-        summary(progress, out)
-    if progress.ignored:
-        print(f"warning: {ignored_message(progress)}", file=sys.stderr)
-    if progress.output_errors:
-        raise _fail(failed_message(progress), EXIT_FAILED)
+    with err.status("starting the local service") as status:
+        try:
+            service = stack.enter_context(local_service(on_state=on_state))
+        except LocalRunError as exc:
+            raise _fail(f"--local: {exc}", EXIT_FAILED) from None
+    # Said before the workers drain and Redis stops (the stack unwinds last-in first).
+    stack.callback(err.print, "local: stopping the workers and Redis")
+    err.print(
+        f"local: Redis at {service.redis_url}, "
+        + ", ".join(f"worker {w.name} on {w.device}" for w in service.workers)
+    )
+    return service
 
 
-def _worker_line(worker: Any) -> dict[str, Any]:
+def _worker_line(worker: LocalWorker) -> dict[str, Any]:
     return {
         "worker": worker.name,
         "device": worker.device,

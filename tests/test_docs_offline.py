@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.redis_server import free_port
+from tests.test_docs_site import build as build_site
 
 pytest.importorskip("mkdocs", reason="the docs extra is not installed (make setup installs it)")
 pytest.importorskip("material", reason="the docs extra is not installed (make setup installs it)")
@@ -40,15 +40,7 @@ PAGE_REQUEST = re.compile(r"HeadlessChrome|sec-ch-ua")
 
 
 def build(source: Path, site: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=source,
-        env={"PATH": "/usr/local/bin:/usr/bin:/bin", "NO_MKDOCS_2_WARNING": "1"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = build_site(source, site)
     assert done.returncode == 0, done.stderr
 
 
