@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -735,7 +736,7 @@ def _local_service(stack: contextlib.ExitStack, *, json_out: bool) -> LocalServi
     """`batch --local`: a private Redis and workers of its own, ready, entered on `stack`
     (which stops them and removes their files when it closes, however it closes)."""
     from producer.batch_view import print_json
-    from producer.local_run import LocalRunError, local_service
+    from producer.local_run import LocalRunError, local_service, replaced_settings
 
     def on_state(svc: LocalService) -> None:
         if json_out:
@@ -750,6 +751,9 @@ def _local_service(stack: contextlib.ExitStack, *, json_out: bool) -> LocalServi
             raise _fail(f"--local: {exc}", EXIT_FAILED) from None
     # Said before the workers drain and Redis stops (the stack unwinds last-in first).
     stack.callback(err.print, "local: stopping the workers and Redis")
+    replaced = replaced_settings(os.environ)
+    if replaced:
+        err.print(f"local: {', '.join(replaced)} set here, not used: a local run has its own")
     err.print(
         f"local: Redis at {service.redis_url}, "
         + ", ".join(f"worker {w.name} on {w.device}" for w in service.workers)

@@ -51,6 +51,12 @@ class LocalRunError(RuntimeError):
     """The local service could not start, or a worker ended during the run."""
 
 
+def replaced_settings(env: Mapping[str, str]) -> list[str]:
+    """The settings `env` gives that a local run replaces with its own (said, not ignored
+    silently): its Redis, the workers' names and metrics ports, one process per worker."""
+    return [name for name in REPLACED if env.get(name)]
+
+
 def gpu_count(env: Mapping[str, str]) -> int:
     """GPUs the workers may use: CUDA_VISIBLE_DEVICES where set, else what `nvidia-smi -L`
     lists (0 without it). GPUFEED_DEVICE=cpu: none."""

@@ -109,6 +109,8 @@ def test_a_folder_becomes_a_parquet_file_and_nothing_is_left_running(
     assert not any(alive(pid) for pid in pids)
     assert local_folders() == before
     assert "local: Redis at redis://127.0.0.1:" in done.stderr
+    # The environment's REDIS_URL is said to be unused, not ignored silently.
+    assert "local: REDIS_URL set here, not used: a local run has its own" in done.stderr
 
 
 def test_a_worker_that_dies_ends_the_run_with_its_reason_and_nothing_is_left(

@@ -404,11 +404,13 @@ def _eager(
     step: nn.Module | StepFn, example: torch.Tensor, warmup_iters: int, sizes: Sequence[int]
 ) -> tuple[StepFn, CompileReport]:
     report = CompileReport(mode="off", compiled=False)
-    for x in [example, *(example[:size] for size in sizes)]:
+    for n, x in enumerate([example, *(example[:size] for size in sizes)]):
         reserved = _reserved(x)
         t0 = time.perf_counter()
+        # Eager has nothing to record: the smaller shapes are run once here (time_sizes runs
+        # each again), only the batch shape as often as asked.
         with torch.inference_mode():
-            for _ in range(max(1, warmup_iters)):
+            for _ in range(max(1, warmup_iters if n == 0 else 1)):
                 out = step(x)
         _sync(out[0])
         report.warmup_s += time.perf_counter() - t0
