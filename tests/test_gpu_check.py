@@ -243,6 +243,27 @@ def test_a_run_terminated_mid_phase_keeps_what_it_measured(redis_url: str, tmp_p
     assert report["error"] == "signal 15 during phase 'pipeline'"
     assert report["phases"]["ceiling"]["status"] == "done"
     assert report["ceiling_images_per_s"]["eager"] > 0  # measured before the cut
+    # The check's job feeder (its own process) ends with it.
+    deadline = time.monotonic() + 10
+    while (left := processes_of(os.environ["PYTEST_CURRENT_TEST"])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left == []
+
+
+def processes_of(test: str) -> list[int]:
+    """Live processes started under `test` (their environment names it), this one aside."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        if int(proc.name) == os.getpid():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().split(") ", 1)[1][0]
+        except OSError:
+            continue
+        if f"PYTEST_CURRENT_TEST={test}".encode() in environ and state != "Z":
+            found.append(int(proc.name))
+    return found
 
 
 # ------------------------------------------------------------------ the rules and the judge

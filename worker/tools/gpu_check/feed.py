@@ -10,6 +10,7 @@ upstream service would. Imports no torch.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,9 +58,10 @@ def feed(
         return
     client = redis.Redis.from_url(plan.redis_url)
     images = plan.images
+    parent = os.getppid()
     n = 0
     try:
-        while not stop.is_set():
+        while not stop.is_set() and not _orphaned(parent):
             if n - done.value >= plan.backlog:
                 time.sleep(0.002)
                 continue
@@ -74,14 +76,21 @@ def feed(
         client.close()
 
 
+def _orphaned(parent: int) -> bool:
+    """The check that started this process has ended: a check cut by its deadline or a
+    signal leaves with os._exit, stopping nothing, and its feeder must not push for ever."""
+    return os.getppid() != parent
+
+
 def paced(plan: FeedPlan, stop: EventType, pushed: Synchronized[int]) -> None:
     """`plan.count` jobs at `plan.rate_per_s`, each pipeline holding the jobs due by then."""
     client = redis.Redis.from_url(plan.redis_url)
     images = plan.images
+    parent = os.getppid()
     t0 = time.perf_counter()
     sent = 0
     try:
-        while sent < plan.count and not stop.is_set():
+        while sent < plan.count and not stop.is_set() and not _orphaned(parent):
             due = int((time.perf_counter() - t0) * plan.rate_per_s) + 1
             due = min(plan.count, max(sent + 1, due))
             pipe = client.pipeline(transaction=False)
