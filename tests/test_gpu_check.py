@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from click.testing import CliRunner
 
@@ -566,3 +567,22 @@ def test_the_sync_debug_mode_notice_is_not_a_host_sync() -> None:
     )
     assert not is_sync_warning(notice)
     assert is_sync_warning("called a synchronizing CUDA operation")
+
+
+@pytest.mark.parametrize("rate", [0.0, 100.0])
+def test_a_feeder_whose_check_is_gone_pushes_nothing(redis_url: str, rate: float) -> None:
+    """The feeder is told its check's pid by the check: started after the check was cut
+    (its parent is another process by then), it ends at once, backlog or paced."""
+    import multiprocessing
+
+    from worker.tools.gpu_check.feed import FeedPlan, feed
+
+    ctx = multiprocessing.get_context("spawn")
+    pushed, done = ctx.Value("q", 0), ctx.Value("q", 0)
+    gone = FeedPlan(redis_url, "gpu-check:orphan", [b"\xff\xd8"], 64, rate, 50, 0, parent=-1)
+    feed(gone, ctx.Event(), pushed, done)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert pushed.value == 0 and client.xlen("gpu-check:orphan") == 0
+    finally:
+        client.close()

@@ -45,6 +45,9 @@ class FeedPlan:
     rate_per_s: float = 0.0
     count: int = 0
     first: int = 0
+    # The check's pid: the feeder ends once it is no longer its parent. Taken by the check,
+    # not by the feeder: a check cut while the feeder was still starting is already gone.
+    parent: int = 0
 
 
 def feed(
@@ -58,10 +61,9 @@ def feed(
         return
     client = redis.Redis.from_url(plan.redis_url)
     images = plan.images
-    parent = os.getppid()
     n = 0
     try:
-        while not stop.is_set() and not _orphaned(parent):
+        while not stop.is_set() and not _orphaned(plan.parent):
             if n - done.value >= plan.backlog:
                 time.sleep(0.002)
                 continue
@@ -86,11 +88,10 @@ def paced(plan: FeedPlan, stop: EventType, pushed: Synchronized[int]) -> None:
     """`plan.count` jobs at `plan.rate_per_s`, each pipeline holding the jobs due by then."""
     client = redis.Redis.from_url(plan.redis_url)
     images = plan.images
-    parent = os.getppid()
     t0 = time.perf_counter()
     sent = 0
     try:
-        while sent < plan.count and not stop.is_set() and not _orphaned(parent):
+        while sent < plan.count and not stop.is_set() and not _orphaned(plan.parent):
             due = int((time.perf_counter() - t0) * plan.rate_per_s) + 1
             due = min(plan.count, max(sent + 1, due))
             pipe = client.pipeline(transaction=False)
@@ -126,7 +127,9 @@ class Feeder:
         self._stop = ctx.Event()
         self._pushed: Synchronized[int] = ctx.Value("q", 0)
         self._done: Synchronized[int] = ctx.Value("q", 0)
-        plan = FeedPlan(redis_url, stream, list(images), backlog, rate_per_s, count, first)
+        plan = FeedPlan(
+            redis_url, stream, list(images), backlog, rate_per_s, count, first, os.getpid()
+        )
         args: tuple[Any, ...] = (plan, self._stop, self._pushed, self._done)
         self._process = ctx.Process(target=feed, args=args, name="gpu-check-feed", daemon=True)
 
