@@ -214,6 +214,21 @@ def processes_cpu_s(pids: Iterable[int]) -> float:
     return sum(_process_cpu_s(pid) for pid in pids)
 
 
+def processes_cpu_by_pid(pids: Iterable[int]) -> dict[int, float]:
+    """CPU seconds each of the processes `pids` used so far."""
+    return {pid: _process_cpu_s(pid) for pid in pids}
+
+
+def processes_cpu_since(before: dict[int, float], pids: Iterable[int]) -> float:
+    """CPU seconds the processes `pids` used since `before` (processes_cpu_by_pid): each
+    one's own difference, a process started since (a replacement) whole. A process gone
+    since counts as nothing, rather than taking its earlier CPU off the others'."""
+    total = 0.0
+    for pid, now in processes_cpu_by_pid(pids).items():
+        total += max(0.0, now - before.get(pid, 0.0))
+    return total
+
+
 def _process_cpu_s(pid: int) -> float:
     """Linux's scheduler account (/proc/PID/task/*/schedstat, nanoseconds on the CPU per
     thread) where there is one: the user and system times psutil reads are in clock ticks

@@ -79,8 +79,7 @@ async def end_to_end_section(
     # loop's (the worker's reader, batcher, writer and Redis client, and the feeder).
     loop_cpu0 = time.thread_time()
     pushed0 = feeder.pushed
-    decoder_pids = tuple(getattr(worker.decoder, "pids", ()))
-    decoders0 = gil_account.processes_cpu_s(decoder_pids)
+    decoders0 = gil_account.processes_cpu_by_pid(getattr(worker.decoder, "pids", ()))
     decoders_s = 0.0
     gil0 = gil_account.snapshot()
     gil1 = gil0
@@ -117,7 +116,8 @@ async def end_to_end_section(
         t_end = time.perf_counter()
         loop_cpu_s = time.thread_time() - loop_cpu0
         gil1 = gil_account.snapshot()  # while the worker's threads are alive
-        decoders_s = gil_account.processes_cpu_s(decoder_pids) - decoders0
+        # The processes of now: one replaced mid-run counts from its start.
+        decoders_s = gil_account.processes_cpu_since(decoders0, getattr(worker.decoder, "pids", ()))
     finally:
         feeding.cancel()
         sampler.close()
