@@ -96,6 +96,11 @@ async def test_a_worker_runs_with_an_acl_user_limited_to_its_keys_and_commands(
         await worker.reclaimer.keepalive()
         await worker.reclaimer.reclaim_and_tidy()
         assert await worker.reclaimer.trim() >= 0
+        # So does the fleet's hot list: its script, and the read a starting worker makes.
+        hot = worker.stages.hot
+        assert hot is not None
+        assert await hot.add({'["path","gpufeed:results","a.jpg"]': 2}) == 1
+        assert [e.ref for e in await hot.top()] == ["a.jpg"]
     assert admin.xpending("gpufeed:jobs", "gpufeed")["pending"] == 0
     admin.close()
     restricted.close()

@@ -47,6 +47,8 @@ COMPILE_MODES = (
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DECODE_MODES = ("cpu", "gpu", "auto")
 MAX_DECODE_PROCESSES = 64
+# The hot list is read whole (ZREVRANGEBYSCORE) by each starting worker and doctor.
+MAX_HOT_LIST = 100_000
 RESIZE_PLACEMENTS = ("device", "host", "auto")
 LOG_FORMATS = ("auto", "console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -148,6 +150,8 @@ class WorkerConfig:
     dct_scaling: bool = field(default=True, metadata={"env": "GPUFEED_DCT_SCALING"})
     resize: str = field(default="auto", metadata={"env": "GPUFEED_RESIZE"})
     decode_cache_mb: int = field(default=256, metadata={"env": "GPUFEED_DECODE_CACHE_MB"})
+    hot_list: int = field(default=1000, metadata={"env": "GPUFEED_HOT_LIST"})
+    warm_start_s: float = field(default=30.0, metadata={"env": "GPUFEED_WARM_START_S"})
     ring_slots: int = field(default=4, metadata={"env": "GPUFEED_RING_SLOTS"})
     max_image_bytes: int = field(
         default=wire.DEFAULT_MAX_IMAGE_BYTES, metadata={"env": "GPUFEED_MAX_IMAGE_BYTES"}
@@ -375,6 +379,16 @@ class WorkerConfig:
             0 <= self.decode_cache_mb <= 1_048_576,
             "GPUFEED_DECODE_CACHE_MB",
             "must be between 0 (off) and 1048576",
+        )
+        need(
+            0 <= self.hot_list <= MAX_HOT_LIST,
+            "GPUFEED_HOT_LIST",
+            f"must be between 0 (no hot list) and {MAX_HOT_LIST}",
+        )
+        need(
+            0 <= self.warm_start_s <= 3600,
+            "GPUFEED_WARM_START_S",
+            "must be between 0 (start cold) and 3600 seconds",
         )
         need(2 <= self.ring_slots <= 64, "GPUFEED_RING_SLOTS", "must be between 2 and 64")
         need(self.max_image_bytes >= 1024, "GPUFEED_MAX_IMAGE_BYTES", "must be at least 1024")

@@ -182,6 +182,19 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "host memory for decoded rows of images seen before (keyed by a hash of their bytes "
         "and the job's reply stream); a repeated image skips decoding; 0: off",
     ),
+    "GPUFEED_HOT_LIST": (
+        "`1000`",
+        "how many images the fleet's hot list keeps (`<GPUFEED_STREAM>:hot` in Redis): the "
+        "`url` and `path` images answered most often from the decode cache, each hit worth "
+        "half as much every 10 minutes. A starting worker decodes them into its cache before "
+        "it takes a job. 0: no hot list (nothing counted, nothing warmed); off too while "
+        "GPUFEED_DECODE_CACHE_MB is 0. See [Warm start](operations.md#warm-start)",
+    ),
+    "GPUFEED_WARM_START_S": (
+        "`30`",
+        "the most time a starting worker spends decoding the hot list into its cache before "
+        "it joins the group (checked between batches of images); 0: start cold",
+    ),
     "GPUFEED_RING_SLOTS": ("`4`", "staging slots (batches in flight between decode and results)"),
     "GPUFEED_MAX_IMAGE_BYTES": ("`52428800`", "largest encoded image accepted"),
     "GPUFEED_MAX_IMAGE_PIXELS": ("`100000000`", "largest width x height accepted"),

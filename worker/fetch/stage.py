@@ -341,6 +341,16 @@ class FetchStage:
         await self.store.close()
 
     async def _run(self, job: Job) -> None:
+        outcome = await self.prepare(job)
+        if outcome is not None:
+            await self._fail([outcome])
+            return
+        await self._ready([job])
+
+    async def prepare(self, job: Job) -> Outcome | None:
+        """Fetch `job.url` and give the job its bytes (or, on a 304, its decoded row); the
+        failure to answer it with, or None. Warm start fetches its images through it too,
+        so their validators are remembered as any job's are."""
         assert job.url is not None
         url = job.url
         start = time.monotonic()
@@ -375,9 +385,7 @@ class FetchStage:
                 url=loggable_url(url),
                 error=outcome.error_text,
             )
-            await self._fail([outcome])
-            return
-        await self._ready([job])
+        return outcome
 
     async def _fetch(
         self, source: str, host: str, url: str, namespace: str

@@ -42,7 +42,8 @@ from worker.lifecycle.engine import (
     sleep_hook,
     warm_up,
 )
-from worker.lifecycle.wiring import Role, Stages, observe, wire
+from worker.lifecycle.warm_start import WarmReport, warm_start
+from worker.lifecycle.wiring import Role, Stages, hot_list_off, observe, wire
 from worker.model.compiler import CompileReport
 from worker.model.degraded import DegradedModel
 from worker.model.loaded import LoadedModel
@@ -86,6 +87,8 @@ class Worker:
         self._stages: Stages | None = None
         self._duties: dict[Role, list[asyncio.Task[Any]]] = {role: [] for role in Role}
         self._tasks: dict[str, asyncio.Task[Any]] = {}
+        # What the warm start did (worker/lifecycle/warm_start.py); set by startup().
+        self.warm: WarmReport | None = None
         # Entries read and not yet answered, by (job stream, entry ID): the keep-alive
         # refreshes them. Two streams (priority levels, shards) may hold the same entry ID.
         self._held: dict[tuple[str, str], Job] = {}
@@ -140,6 +143,7 @@ class Worker:
             device=device,
             exit_stack=self._exit,
         )
+        await self._warm_start()
         self._announce_ready(device)
 
     async def main_loop(self) -> None:
@@ -204,6 +208,26 @@ class Worker:
         nothing."""
         return sleep_hook(self.decode_delay_s)
 
+    async def _warm_start(self) -> None:
+        """Decode the fleet's hot list into the cache before the readers start."""
+        cfg, stages = self.config, self.stages
+        hot = stages.hot
+        if hot is None:
+            self.warm = WarmReport(why_not=f"no hot list: {hot_list_off(cfg)}")
+        elif cfg.warm_start_s <= 0:
+            self.warm = WarmReport(why_not="GPUFEED_WARM_START_S is 0")
+        else:
+            engine = self.engine
+            self.warm = await warm_start(
+                hot,
+                budget_s=cfg.warm_start_s,
+                fetcher=stages.fetcher,
+                decoder=engine.decoder,
+                ring=engine.ring,
+                cache=engine.decode_cache,
+            )
+        log.info("warm_start", hot_list=hot.key if hot else None, **self.warm.as_dict())
+
     def _announce_ready(self, device: torch.device) -> None:
         cfg = self.config
         observe(self.observer, self.stages, cfg, self.lanes, device)
@@ -265,7 +289,13 @@ class Worker:
                 )
             except Exception as exc:  # noqa: BLE001 - shutdown must go on to release resources
                 log.error("drain_failed", error=repr(exc))
-        # 3. Cancel whatever is left, with the reason in the log above.
+        # 3. The hits counted since the last flush go to the hot list: the next worker to
+        #    start warms what this one served.
+        built = self._stages
+        if built is not None and built.hot is not None and built.hot_counts is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(built.hot.flush(built.hot_counts), 5)
+        # 4. Cancel whatever is left, with the reason in the log above.
         tasks = self._tasks.values()
         for task in tasks:
             if not task.done():
