@@ -115,6 +115,12 @@ async def test_slow_decoder_is_feed_starved(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
     redis_client.xadd("gpufeed:jobs", {"id": "production-job", "image": b"x"})
+    # The fleet's hot list, as workers leave it: doctor shows it and leaves it alone.
+    hot = {
+        '["path","gpufeed:results","cats/1.jpg"]': 3.0,
+        '["url","tenant:out","https://cdn.example/logo.png"]': 7.5,
+    }
+    redis_client.zadd("gpufeed:jobs:hot", hot)
     config = tiny_config(redis_url, tiny_weights, decode_processes="2")
     options = DoctorOptions(jobs=24, decode_delay_s=0.15, **FAST)  # type: ignore[arg-type]
     report = await run_doctor(config, options)
@@ -139,6 +145,18 @@ async def test_slow_decoder_is_feed_starved(
     assert keys_left(redis_url) == []
     assert redis_client.xlen("gpufeed:jobs") == 1
     assert redis_client.xinfo_groups("gpufeed:jobs") == []
+    listed = report["hot_list"]
+    assert listed["images"] == 2 and listed["not_measured"] == []
+    assert [(e["kind"], e["ref"]) for e in listed["top"]] == [
+        ("url", "https://cdn.example/logo.png"),
+        ("path", "cats/1.jpg"),
+    ]
+    assert redis_client.zrange("gpufeed:jobs:hot", 0, -1, withscores=True) == sorted(
+        ((k.encode(), v) for k, v in hot.items()), key=lambda kv: kv[1]
+    )
+    out = io.StringIO()
+    render(report, Console(file=out, width=120))
+    assert "2 of at most 1,000" in out.getvalue() and "cats/1.jpg" in out.getvalue()
 
 
 async def test_tiny_ops_model_gives_a_launch_bound_hint(redis_url: str, tiny_weights: Path) -> None:

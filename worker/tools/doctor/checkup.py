@@ -19,6 +19,7 @@ from worker.tools.doctor.ceiling_section import ceiling_section
 from worker.tools.doctor.end_to_end import empty_end_to_end, end_to_end_section
 from worker.tools.doctor.environment import environment
 from worker.tools.doctor.evidence import evidence_from
+from worker.tools.doctor.hot_list_section import hot_list_section
 from worker.tools.doctor.options import DoctorOptions
 from worker.tools.doctor.profile_section import profile_section
 from worker.tools.doctor.redis_access import cleanup, free_port, open_redis
@@ -136,10 +137,11 @@ async def run_doctor(
         "profile": prof,
         "host_syncs": syncs,
         "end_to_end": e2e,
+        "hot_list": await hot_list_section(config, e2e["redis"] == "existing"),
     }
     report["not_measured"] = [
         f"{section}: {line}"
-        for section in ("ceiling", "profile", "host_syncs", "end_to_end")
+        for section in ("ceiling", "profile", "host_syncs", "end_to_end", "hot_list")
         for line in report[section]["not_measured"]
     ]
     report["verdict"] = verdict(evidence_from(report)).as_dict()

@@ -209,6 +209,29 @@ def render(report: Mapping[str, Any], console: Console) -> None:
     _not_measured(grid, e2e["not_measured"])
     console.print(grid)
 
+    hot = report["hot_list"]
+    _heading(console, f"warm start: the fleet's hot list ({hot['key']})")
+    grid = _grid()
+    if hot["off"]:
+        grid.add_row("off", hot["off"])
+    elif hot["images"] is not None:
+        grid.add_row(
+            "images",
+            f"{hot['images']:,} of at most {hot['size']:,}; a starting worker decodes them "
+            + (
+                f"into its cache for up to {hot['warm_start_s']:g} s before it joins the group"
+                if hot["warm_start_s"] > 0
+                else "into its cache only with GPUFEED_WARM_START_S above 0"
+            ),
+        )
+        for entry in hot["top"]:
+            grid.add_row(
+                f"{entry['score']:,.1f} hits",
+                Text(f"{entry['kind']} {entry['ref']} (answered on {entry['reply_to']})"),
+            )
+    _not_measured(grid, hot["not_measured"])
+    console.print(grid)
+
     v = report["verdict"]
     _heading(console, f"(e) verdict: {v['name'].upper()}")
     grid = _grid()

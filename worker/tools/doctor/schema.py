@@ -433,6 +433,32 @@ SCHEMA: dict[str, Any] = _obj(
                 "not_measured": _NOT_MEASURED,
             },
         ),
+        "hot_list": _obj(
+            "the fleet's hot list in the configured Redis: what a worker with these settings "
+            "decodes into its cache before it joins the group (docs/operations.md, Warm start)",
+            {
+                "key": _t("string", "its key, `<GPUFEED_STREAM>:hot`"),
+                "size": _t("integer", "GPUFEED_HOT_LIST: the most images it keeps", "images"),
+                "warm_start_s": _t(
+                    "number", "GPUFEED_WARM_START_S: a starting worker's warming budget", "s"
+                ),
+                "off": _t("string", "why a worker with these settings keeps none, or empty"),
+                "images": _t(["integer", "null"], "images on it now", "images"),
+                "top": _list(
+                    "its best entries, best first (at most 5)",
+                    _obj(
+                        "one image",
+                        {
+                            "kind": _t("string", "how jobs name it", enum=["path", "url"]),
+                            "reply_to": _t("string", "the reply stream of the jobs it serves"),
+                            "ref": _t("string", "the path or URL"),
+                            "score": _t("number", "its cache hits, each halved every 10 minutes"),
+                        },
+                    ),
+                ),
+                "not_measured": _NOT_MEASURED,
+            },
+        ),
         "verdict": _obj(
             "(e) the verdict (rules and thresholds: worker/tools/doctor/verdict.py)",
             {
