@@ -588,3 +588,23 @@ def test_the_cli_refuses_an_unknown_profile() -> None:
     assert "tiny" in result.output and "quick" in result.output
     help_text = CliRunner().invoke(cli, ["bench", "--help"]).output
     assert "BENCH_PROFILE" in help_text
+
+
+@pytest.mark.slow
+def test_the_warm_start_section_measures_a_restarted_worker_cold_and_warm(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, out = tiny
+    w = report["warm_start"]
+    assert list(w["runs"]) == ["learn", "cold", "warm"]
+    for r in w["runs"].values():
+        assert r["results_ok"] == r["jobs"] == w["jobs"] and 0 <= r["hits"] <= r["jobs"]
+    cold, warm = w["runs"]["cold"]["warm_start"], w["runs"]["warm"]["warm_start"]
+    assert cold["why_not"] == "GPUFEED_WARM_START_S is 0" and cold["warmed"] == 0
+    assert warm["why_not"] == "" and 0 < warm["warmed"] == warm["listed"] <= w["images"]
+    # The same window of jobs: warmed, the images the last worker hit are hits from the start.
+    assert w["hit_rate_warm"] > w["hit_rate_cold"]
+    assert "## Warm start:" in (out / "report.md").read_text()
+    bad = copy.deepcopy(report)
+    bad["warm_start"]["runs"]["cold"]["results_ok"] -= 1
+    assert any("warm_start.runs.cold" in p for p in validate_report(bad))

@@ -57,6 +57,8 @@ class Bench:
     overhead: dict[str, Any] | None = None
     # The priority section (priority.py), when the profile has one.
     priority: dict[str, Any] | None = None
+    # The warm-start section (warm_start.py), when the profile has one.
+    warm_start: dict[str, Any] | None = None
     # Decode rates by number of decode processes, per image set (process_scaling.py).
     process_scaling: list[dict[str, Any]] = field(default_factory=list)
 

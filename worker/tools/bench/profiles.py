@@ -14,6 +14,10 @@
 - every profile: the batch section (worker/tools/bench/batch.py): `producer batch` over a
   folder of unique 64x64 JPEGs against one null-model worker at batch 256 (32 in tiny),
   beside the same images pushed inline; 256 images (tiny), 30,000 (quick), 40,000 (full).
+- every profile: the warm-start section (worker/tools/bench/warm_start.py): the last model,
+  a restarted worker's first jobs over Zipf-popular 640x480 `path` images, started cold
+  and warm from the hot list its predecessor left; 1,200 jobs over 300 images in quick on
+  the CPU (6,000 on CUDA), 6,000 over 1,000 in full (20,000 on CUDA), 48 small ones in tiny.
 - `full`: more jobs, the compile variant on the CPU too, the decode-cache pair on both
   sets, and the latency/throughput curve for three batcher max waits; the default on CUDA
   hosts.
@@ -85,6 +89,16 @@ class PriorityPlan:
 
 
 @dataclass(frozen=True)
+class WarmStartPlan:
+    """The warm-start section (worker/tools/bench/warm_start.py): a restarted worker's
+    first `jobs` jobs over `images` distinct images, cold and warm."""
+
+    jobs: int
+    images: int
+    side: tuple[int, int] = (640, 480)
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """The batch section (worker/tools/bench/batch.py): `producer batch` over a folder."""
 
@@ -113,6 +127,7 @@ class Profile:
     priority: PriorityPlan | None = None
     batch: BatchPlan | None = None
     load_latency: LoadLatencyPlan | None = None
+    warm_start: WarmStartPlan | None = None
 
     def with_models(self, models: tuple[ModelPlan, ...]) -> Profile:
         return replace(self, models=models)
@@ -154,6 +169,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             priority=PriorityPlan(seconds=0.5),
             batch=BatchPlan(jobs=256, batch_size=32, distinct=8),
             load_latency=LoadLatencyPlan(seconds=1.0),
+            warm_start=WarmStartPlan(jobs=48, images=16, side=(160, 120)),
         )
     if cuda:
         models = (
@@ -186,6 +202,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             # the output, the final rename) weigh little in the client's CPU per job.
             batch=BatchPlan(jobs=30_000),
             load_latency=LoadLatencyPlan(seconds=5.0),
+            warm_start=WarmStartPlan(jobs=6000 if cuda else 1200, images=300),
         )
     sets = (
         (photo_set(256, 4096), large_set(64, 512))
@@ -206,4 +223,5 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         priority=PriorityPlan(seconds=5.0),
         batch=BatchPlan(jobs=40_000),
         load_latency=LoadLatencyPlan(seconds=10.0),
+        warm_start=WarmStartPlan(jobs=20_000 if cuda else 6000, images=1000),
     )

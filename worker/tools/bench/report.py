@@ -212,6 +212,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out += batch_lines(report)
     out += gil_lines(report)
     out += priority_lines(report)
+    out += warm_start_lines(report)
     out += accuracy_lines(report)
     out += _stage_rate_lines(report)
     out += _target_lines(report)
@@ -520,6 +521,49 @@ def priority_lines(report: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def warm_start_lines(report: Mapping[str, Any]) -> list[str]:
+    """The warm-start section (worker/tools/bench/warm_start.py): a restarted worker's
+    first jobs, cold and warm."""
+    w = report.get("warm_start")
+    if not w:
+        return []
+    out = [
+        "",
+        f"## Warm start: {w['model']}, a restarted worker's first {w['jobs']:,} jobs over "
+        f"{w['images']:,} Zipf-popular images ({w['distinct_in_window']:,} distinct in the "
+        "window)",
+        "",
+        "Hit rate: results answered from the decode cache (`cached`) over ok results; every "
+        "repeat is the same bytes, so the cache serves it. `learn` left its hits on the hot "
+        "list; `cold` started without warming, `warm` decoded the list first.",
+        "",
+    ]
+    rows = []
+    for mode, r in w["runs"].items():
+        warm = r.get("warm_start") or {}
+        rows.append(
+            [
+                mode,
+                f"{r['hit_rate']:.1%}",
+                _fmt(r["window_s"], 2),
+                _fmt(r["jobs_per_s"]),
+                f"{warm.get('warmed', 0)} of {warm.get('listed', 0)} in "
+                f"{_fmt(warm.get('seconds'), 2)} s"
+                if mode == "warm"
+                else "",
+            ]
+        )
+    out.append(
+        table(["run", "hit rate", "window s", "jobs/s", "warmed before joining"], rows, align="lr")
+    )
+    out += [
+        "",
+        f"Warm over cold: hit rate {w['hit_rate_warm']:.1%} against {w['hit_rate_cold']:.1%}; "
+        f"the window took {_fmt(w['window_speedup'], 2)}x less time.",
+    ]
+    return out
+
+
 def accuracy_lines(report: Mapping[str, Any]) -> list[str]:
     """Both resize placements against torchvision's eval transforms."""
     a = report.get("accuracy")
@@ -652,6 +696,23 @@ def _priority_problems(p: Any) -> list[str]:
         for key in ("p50_ms", "p99_ms"):
             if not _positive((r.get("high") or {}).get(key)):
                 problems.append(f"priority.runs.{name}.high.{key} must be a positive number")
+    return problems
+
+
+def _warm_start_problems(w: Any) -> list[str]:
+    if w is None:
+        return []
+    if not isinstance(w, Mapping):
+        return ["warm_start must be an object or null"]
+    problems = []
+    runs = w.get("runs") or {}
+    if list(runs) != ["learn", "cold", "warm"]:
+        problems.append("warm_start.runs must be learn, cold and warm")
+    for name, r in runs.items():
+        if r.get("results_ok") != r.get("jobs"):
+            problems.append(
+                f"warm_start.runs.{name}: {r.get('results_ok')} ok results for {r.get('jobs')}"
+            )
     return problems
 
 
@@ -1196,6 +1257,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
     problems += _overhead_problems(report.get("overhead"))
     problems += batch_problems(report.get("batch"))
     problems += _priority_problems(report.get("priority"))
+    problems += _warm_start_problems(report.get("warm_start"))
     problems += _accuracy_problems(report.get("accuracy"))
     problems += _load_latency_problems(report.get("latency_under_load"))
     for c in report.get("curves") or []:

@@ -88,6 +88,7 @@ from worker.tools.bench.queue_ceiling import queue_ceiling
 from worker.tools.bench.rate_table import RateTable, stage_rates
 from worker.tools.bench.redis_env import bench_redis
 from worker.tools.bench.stage_rates import DECODE_METHODS
+from worker.tools.bench.warm_start import warm_start_section
 
 
 def _stderr(message: str) -> None:
@@ -221,6 +222,9 @@ async def _bench(b: Bench) -> RateTable:
     if b.profile.priority is not None:
         b.echo("priority: high-priority jobs behind a low-priority burst, with and without levels")
         b.priority = await priority_section(b, b.profile.priority)
+    if b.profile.warm_start is not None:
+        b.echo("warm start: a restarted worker's first jobs, cold and warm from the hot list")
+        b.warm_start = await warm_start_section(b, b.profile.warm_start)
     rates = await asyncio.to_thread(stage_rates, b)
     b.process_scaling = await asyncio.to_thread(process_scaling_rows, b)
     return rates
@@ -446,6 +450,7 @@ def run_bench(
         "latency_under_load": b.load_latency,
         "overhead": b.overhead,
         "priority": b.priority,
+        "warm_start": b.warm_start,
         "batch": batch,
         "accuracy": accuracy,
         "summary": summary,
