@@ -145,8 +145,14 @@ async def test_jobs_over_three_shards_are_answered_exactly_once_by_two_workers(
     # The three shards live on three different masters.
     assert len({cluster.master_of(s.stream).port for s in shards}) == 3
     async with AsyncExitStack() as stack:
-        for name in ("w1", "w2"):
+        workers = [
             await stack.enter_async_context(running(null_config(cluster.url, prefix, name)))
+            for name in ("w1", "w2")
+        ]
+        # The fleet's hot list is one key: its script runs on that key's node.
+        hot = workers[0].stages.hot
+        assert hot is not None and await hot.add({'["path","x","a.jpg"]': 1}) == 1
+        assert [e.ref for e in await hot.top()] == ["a.jpg"]
         own = [Job(image=image, id=f"job-{i}") for i in range(60)]
         anonymous = [Job(image=image) for _ in range(30)]
         mine = [Job(image=image, id=f"mine-{i}", reply_to=f"{prefix}:mine") for i in range(9)]
