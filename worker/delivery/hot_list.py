@@ -14,7 +14,8 @@ The reply stream is part of each member because it is part of each decode-cache 
 (worker/decode/cache.py): a warmed row serves only jobs answered where the hits were. A
 URL with a query string is never listed: it is often signed, and a signature must not
 outlive its job in Redis (it has expired by the time a worker starts anyway). Inline
-`image` jobs have nothing to fetch again and are not listed either.
+`image` jobs have nothing to fetch again and are not listed either, nor are names with a
+control character (doctor shows the list on a terminal).
 
 A worker counts the hits of each batch in memory (HotCounts, bounded) and adds them every
 FLUSH_INTERVAL_S and when it stops, in one script that also ages the scores, drops those
@@ -109,6 +110,9 @@ def member_of(job: Job) -> str | None:
         kind, ref = "url", job.url
     else:
         return None
+    if not (ref.isprintable() and job.reply_to.isprintable()):
+        # Shown by doctor on a terminal: no control character reaches it from a job.
+        return None
     return json.dumps([kind, job.reply_to, ref], ensure_ascii=False, separators=(",", ":"))
 
 
@@ -129,7 +133,8 @@ def entry_of(member: bytes | str, score: float) -> HotEntry | None:
         or len(reply_to.encode("utf-8", "surrogatepass")) > wire.MAX_REPLY_TO_BYTES
         or not ref
         or len(ref.encode("utf-8", "surrogatepass")) > limit
-        or "\x00" in ref
+        or not ref.isprintable()
+        or not reply_to.isprintable()
         or (kind == "url" and "?" in ref)
     ):
         return None
