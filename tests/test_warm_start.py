@@ -211,6 +211,9 @@ async def test_a_restarted_worker_answers_its_first_hot_list_jobs_from_its_cache
             redis_url, tiny_weights, decode_processes="2", **common
         ) as worker:
             assert worker.warm is not None and worker.warm.warmed == 4, worker.warm
+            # Prometheus sees it too.
+            exported = worker.observer.metrics.render().decode()
+            assert 'gpufeed_warm_start_images{state="warmed"} 4.0' in exported
             first = await send(
                 redis_client,
                 {**{f"c-{k}": v for k, v in hot.items()}, "c-logo": {"url": logo}},

@@ -226,7 +226,12 @@ class Worker:
                 ring=engine.ring,
                 cache=engine.decode_cache,
             )
-        log.info("warm_start", hot_list=hot.key if hot else None, **self.warm.as_dict())
+        warm = self.warm
+        log.info("warm_start", hot_list=hot.key if hot else None, **warm.as_dict())
+        metrics = self.observer.metrics
+        for state in ("listed", "warmed", "failed"):
+            metrics.warm_start_images.labels(state).set(getattr(warm, state))
+        metrics.warm_start_seconds.set(warm.seconds)
 
     def _announce_ready(self, device: torch.device) -> None:
         cfg = self.config

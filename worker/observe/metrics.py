@@ -295,6 +295,19 @@ class WorkerMetrics:
             registry=r,
         )
 
+        # What this worker's warm start did (worker/lifecycle/warm_start.py), set once.
+        self.warm_start_images = Gauge(
+            "gpufeed_warm_start_images",
+            "Images of the fleet's hot list at this worker's start, by state (listed; warmed: "
+            "decoded into the decode cache before it joined the group; failed).",
+            ["state"],
+            registry=r,
+        )
+        self.warm_start_seconds = Gauge(
+            "gpufeed_warm_start_seconds",
+            "How long this worker's warm start took (0: it did not warm).",
+            registry=r,
+        )
         self.degraded = Gauge(
             "gpufeed_degraded",
             "1 while batches run on the cheaper degraded step (GPUFEED_DEGRADE_AFTER_S).",
