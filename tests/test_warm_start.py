@@ -144,13 +144,12 @@ async def test_a_refused_flush_is_said_once_and_the_worker_goes_on(
     client = aioredis.Redis.from_url(redis_url)
     try:
         hot = HotList(client, "gpufeed:jobs", size=10)
-        counts = HotCounts(limit=10)
-        counts.add([job(path=b"a")])
-        await hot.flush(counts)  # WRONGTYPE: no exception, the list is off
+        hot.counts.add([job(path=b"a")])
+        await hot.flush()  # WRONGTYPE: no exception, the list is off
         assert hot.refused is not None and "WRONGTYPE" in hot.refused
         assert redis_client.get(HOT) == b"someone else's key"
         # Its flush loop ends rather than ask again every interval.
-        await asyncio.wait_for(hot.run(counts, interval_s=0.01), 1)
+        await asyncio.wait_for(hot.run(interval_s=0.01), 1)
     finally:
         await client.aclose()
 

@@ -17,9 +17,9 @@ outlive its job in Redis (it has expired by the time a worker starts anyway). In
 `image` jobs have nothing to fetch again and are not listed either, nor are names with a
 control character (doctor shows the list on a terminal).
 
-A worker counts the hits of each batch in memory (HotCounts, bounded) and adds them every
-FLUSH_INTERVAL_S and when it stops, in one script that also ages the scores, drops those
-worth less than MIN_SCORE and keeps the `GPUFEED_HOT_LIST` best. The script keeps the time
+A worker counts the hits of each batch in memory (`HotList.counts`, bounded) and adds
+them every FLUSH_INTERVAL_S and when it stops, in one script that also ages the scores,
+drops those worth less than MIN_SCORE and keeps the `GPUFEED_HOT_LIST` best. The script keeps the time
 it last aged the list in the set itself, as the (negative) score of the member `*aging*`,
 which no image member can equal and which ranks below every image.
 """
@@ -179,6 +179,9 @@ class HotList:
     ) -> None:
         self.key = hot_list_key(stream)
         self.size = size
+        # This worker's hits since the last flush; past four times the list's size, new
+        # images wait for the next flush to be counted.
+        self.counts = HotCounts(4 * size)
         self.half_life_s = half_life_s
         self._client = client
         self._add = client.register_script(ADD_HITS)
@@ -212,9 +215,10 @@ class HotList:
         """How many images the list holds."""
         return int(await self._client.zcount(self.key, 0, "+inf"))
 
-    async def flush(self, counts: HotCounts) -> None:
-        """Add what `counts` holds; a refusal is said once and turns the list off."""
-        hits = counts.take()
+    async def flush(self) -> None:
+        """Add the hits counted since the last flush; a refusal is said once and turns the
+        list off."""
+        hits = self.counts.take()
         if not hits or self.refused is not None:
             return
         try:
@@ -233,8 +237,8 @@ class HotList:
                 # Redis away for a moment: these hits are lost, the next ones are counted.
                 log.info("hot_list_not_flushed", key=self.key, error=str(exc))
 
-    async def run(self, counts: HotCounts, interval_s: float = FLUSH_INTERVAL_S) -> None:
-        """Flush `counts` every `interval_s` until cancelled."""
+    async def run(self, interval_s: float = FLUSH_INTERVAL_S) -> None:
+        """Flush the counted hits every `interval_s` until cancelled."""
         while self.refused is None:
             await asyncio.sleep(interval_s)
-            await self.flush(counts)
+            await self.flush()

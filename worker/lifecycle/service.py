@@ -297,9 +297,9 @@ class Worker:
         # 3. The hits counted since the last flush go to the hot list: the next worker to
         #    start warms what this one served.
         built = self._stages
-        if built is not None and built.hot is not None and built.hot_counts is not None:
+        if built is not None and built.hot is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(built.hot.flush(built.hot_counts), 5)
+                await asyncio.wait_for(built.hot.flush(), 5)
         # 4. Cancel whatever is left, with the reason in the log above.
         tasks = self._tasks.values()
         for task in tasks:

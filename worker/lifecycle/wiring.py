@@ -27,7 +27,7 @@ from producer import shards
 from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
 from worker.delivery.cluster_node import ShardNodeClient
-from worker.delivery.hot_list import HotCounts, HotList
+from worker.delivery.hot_list import HotList
 from worker.delivery.in_flight import InFlight
 from worker.delivery.reader import Reader
 from worker.delivery.reclaimer import Reclaimer
@@ -86,10 +86,9 @@ class Stages:
     dispatcher: Dispatcher
     readers: list[Reader]
     reclaimers: list[Reclaimer]
-    # The fleet's hot list and the hits counted for it (None: GPUFEED_HOT_LIST is 0 or the
-    # decode cache is off).
+    # The fleet's hot list, with the hits counted for it (None: GPUFEED_HOT_LIST is 0 or
+    # the decode cache is off).
     hot: HotList | None = None
-    hot_counts: HotCounts | None = None
     duties: list[Duty] = field(default_factory=list)
 
 
@@ -156,14 +155,12 @@ def wire(
         room=room,
     )
     steps = _steps(cfg, engine, observer)
-    hot, hot_counts = hot_list_of(cfg, link.client)
+    hot = None if hot_list_off(cfg) else HotList(link.client, cfg.stream, cfg.hot_list)
     watcher = CompletionWatcher(
         engine.out_ring,
         writer.put,
         reader=steps.main.reader,
-        on_batch_done=(
-            observer.batch_done if hot_counts is None else _counting(observer, hot_counts)
-        ),
+        on_batch_done=observer.batch_done if hot is None else _counting(observer, hot),
         room=room,
     )
     fetcher = FetchStage(
@@ -245,21 +242,9 @@ def wire(
         readers=readers,
         reclaimers=reclaimers,
         hot=hot,
-        hot_counts=hot_counts,
     )
     stages.duties = _duties(cfg, stages, link.client, observer, health)
     return stages
-
-
-def hot_list_of(
-    cfg: WorkerConfig, client: aioredis.Redis
-) -> tuple[HotList | None, HotCounts | None]:
-    """The fleet's hot list and this worker's counts for it, unless there is none (see
-    `hot_list_off`)."""
-    if hot_list_off(cfg):
-        return None, None
-    # Past four times the list's size, new images wait for the next flush to be counted.
-    return HotList(client, cfg.stream, cfg.hot_list), HotCounts(4 * cfg.hot_list)
 
 
 def hot_list_off(cfg: WorkerConfig) -> str:
@@ -271,14 +256,14 @@ def hot_list_off(cfg: WorkerConfig) -> str:
     return ""
 
 
-def _counting(observer: Observer, counts: HotCounts) -> Callable[[Launched, float], None]:
+def _counting(observer: Observer, hot: HotList) -> Callable[[Launched, float], None]:
     """The watcher's per-batch call: the observer's counts, and the batch's cache hits for
     the hot list."""
 
     def batch_done(launched: Launched, gpu_ms: float) -> None:
         observer.batch_done(launched, gpu_ms)
         batch = launched.batch
-        counts.add(
+        hot.counts.add(
             job
             for job, result in zip(batch.jobs, batch.results, strict=False)
             if result.cached and result.error is None
@@ -416,9 +401,8 @@ def _duties(
             Duty(shard_task("reclaim", i), Role.HOUSEKEEPING, rc.run_reclaim),
             Duty(shard_task("trim", i), Role.HOUSEKEEPING, rc.run_trim),
         ]
-    hot, counts = stages.hot, stages.hot_counts
-    if hot is not None and counts is not None:
-        duties.append(Duty("hot_list", Role.HOUSEKEEPING, lambda: hot.run(counts)))
+    if stages.hot is not None:
+        duties.append(Duty("hot_list", Role.HOUSEKEEPING, stages.hot.run))
     # /live and /ready: proof that the loop runs, and whether Redis answers.
     duties += [
         Duty("beat", Role.KEEP_ALIVE, health.beat),

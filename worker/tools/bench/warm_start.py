@@ -32,8 +32,8 @@ import numpy as np
 
 from worker.lifecycle.service import Worker
 from worker.tools.bench.ablations import Variant
-from worker.tools.bench.context import Bench, BenchError
-from worker.tools.bench.gpufeed_run import stop_worker
+from worker.tools.bench.context import Bench
+from worker.tools.bench.gpufeed_run import stop_worker, watch
 from worker.tools.bench.images import ImageSetSpec, load_image_set
 from worker.tools.bench.profiles import WarmStartPlan
 from worker.tools.bench.redis_env import RunKeys, read_answers, wait_for_results
@@ -102,12 +102,7 @@ async def _run(
     try:
         await worker.startup(wait_for_redis=False)
         main = asyncio.create_task(worker.main_loop(), name=f"bench-warm-start-{mode}")
-
-        def alive() -> None:
-            if main.done():
-                main.result()
-                raise BenchError(f"{keys.run_id}: the worker stopped before all results were in")
-
+        alive = watch(main, keys)
         before = await b.aclient.xlen(keys.results)
         t0 = time.perf_counter()
         await asyncio.to_thread(_push_paths, b, keys.jobs, draw, mode)
