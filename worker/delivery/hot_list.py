@@ -19,9 +19,9 @@ control character (doctor shows the list on a terminal).
 
 A worker counts the hits of each batch in memory (`HotList.counts`, bounded) and adds
 them every FLUSH_INTERVAL_S and when it stops, in one script that also ages the scores,
-drops those worth less than MIN_SCORE and keeps the `GPUFEED_HOT_LIST` best. The script keeps the time
-it last aged the list in the set itself, as the (negative) score of the member `*aging*`,
-which no image member can equal and which ranks below every image.
+drops those worth less than MIN_SCORE and keeps the `GPUFEED_HOT_LIST` best. The script
+keeps the time it last aged the list in the set itself, as the (negative) score of the
+member `*aging*`, which no image member can equal and which ranks below every image.
 """
 
 from __future__ import annotations
