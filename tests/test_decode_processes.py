@@ -319,6 +319,18 @@ def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
         plan_feed(gpu, thread_only_hook=False, cores=16, **kw)
     with pytest.raises(ConfigError, match="GPUFEED_DECODE_PROCESSES"):
         tiny_config(url, weights, decode_processes="many")
+    # The result writer: a process of its own from 4 cores, as decode processes; the
+    # setting wins either way, and the line says which and why.
+    assert auto.result_writer == "process" and "results published from a process" in auto.line()
+    assert few.result_writer == "loop" and "results published from the event loop" in few.line()
+    for setting in ("process", "loop"):
+        named = tiny_config(url, weights, result_writer=setting)
+        for cores in (2, 16):
+            plan = plan_feed(named, thread_only_hook=False, cores=cores, **kw)
+            assert plan.result_writer == setting
+            assert f"GPUFEED_RESULT_WRITER={setting}" in plan.line()
+    with pytest.raises(ConfigError, match="GPUFEED_RESULT_WRITER"):
+        tiny_config(url, weights, result_writer="thread")
 
 
 @pytest.mark.parametrize("resize", ["host", "device"])
@@ -326,15 +338,25 @@ async def test_the_worker_answers_the_same_with_processes_and_with_threads(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path, resize: str
 ) -> None:
     """The switch back: the same answers either way; with the device placement the
-    processes' slots are packed and the threads' are rows, and both give the same pixels."""
+    processes' slots are packed and the threads' are rows, and both give the same pixels.
+    The feed of processes publishes from the result writer's process, the threads' from the
+    event loop: both answer alike."""
     images = _images()
     answers: dict[str, list[tuple[str, str, object]]] = {}
     for setting in ("2", "0"):
         redis_client.delete("gpufeed:jobs", "gpufeed:results")
+        writer = "process" if setting == "2" else "loop"
         async with running_worker(
-            redis_url, tiny_weights, decode_processes=setting, decode_cache_mb=0, resize=resize
+            redis_url,
+            tiny_weights,
+            decode_processes=setting,
+            decode_cache_mb=0,
+            resize=resize,
+            result_writer=writer,
         ) as worker:
             assert worker.decoder.kind == ("processes" if setting == "2" else "threads")
+            assert worker.engine.plan.result_writer == writer
+            assert len(worker.writer_pids) == (1 if writer == "process" else 0)
             assert worker.engine.plan.packed == (setting == "2" and resize == "device")
             for i, data in enumerate(images):
                 redis_client.xadd("gpufeed:jobs", {"id": f"img{i}", "image": data})

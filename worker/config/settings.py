@@ -46,6 +46,7 @@ COMPILE_MODES = (
 )
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DECODE_MODES = ("cpu", "gpu", "auto")
+RESULT_WRITERS = ("auto", "process", "loop")
 MAX_DECODE_PROCESSES = 64
 # The hot list is read whole (ZREVRANGEBYSCORE) by each starting worker and doctor.
 MAX_HOT_LIST = 100_000
@@ -146,6 +147,7 @@ class WorkerConfig:
     max_wait_ms: float = field(default=10.0, metadata={"env": "GPUFEED_MAX_WAIT_MS"})
     decode_threads: int = field(default=0, metadata={"env": "GPUFEED_DECODE_THREADS"})
     decode_processes: str = field(default="auto", metadata={"env": "GPUFEED_DECODE_PROCESSES"})
+    result_writer: str = field(default="auto", metadata={"env": "GPUFEED_RESULT_WRITER"})
     decode: str = field(default="cpu", metadata={"env": "GPUFEED_DECODE"})
     dct_scaling: bool = field(default=True, metadata={"env": "GPUFEED_DCT_SCALING"})
     resize: str = field(default="auto", metadata={"env": "GPUFEED_RESIZE"})
@@ -364,6 +366,11 @@ class WorkerConfig:
             "GPUFEED_DECODE_PROCESSES",
             f"must be auto, 0 (decode threads in the worker) or a number of processes up to "
             f"{MAX_DECODE_PROCESSES} (got {_plain(self.decode_processes)})",
+        )
+        need(
+            self.result_writer in RESULT_WRITERS,
+            "GPUFEED_RESULT_WRITER",
+            f"must be one of {', '.join(RESULT_WRITERS)} (got {_plain(self.result_writer)})",
         )
         need(
             self.decode in DECODE_MODES,

@@ -162,6 +162,12 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "core but the worker's, at most 32; threads below 4 cores, where the worker's own "
         "CPU would compete with them, and where shared memory files are missing",
     ),
+    "GPUFEED_RESULT_WRITER": (
+        "`auto`",
+        "where results are built and published: `process` (a process of the worker's own, "
+        "off the worker's GIL), `loop` (on the worker's event loop) or `auto` (a process on "
+        "4 cores or more, as decode processes)",
+    ),
     "GPUFEED_DECODE": (
         "`cpu`",
         "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up)",

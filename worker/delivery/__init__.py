@@ -4,7 +4,11 @@ acknowledgement in one script (`writer.py`, `redis_scripts.py`), shards and Redi
 (`sharding.py`, `cluster_node.py`), replica waits (`replicas.py`), the start-up checks
 of what the worker's Redis user may do (`redis_check.py`), the in-flight budget
 (`in_flight.py`), the fleet's hot list of images worth decoding before a worker starts
-(`hot_list.py`) and the Redis errors told apart (`redis_errors.py`).
+(`hot_list.py`), the Redis errors told apart (`redis_errors.py`), and the result writer in a
+process of its own (`writer_process.py`, the worker's side; `writer_main.py`, the process;
+`outcome_wire.py`, what crosses between them). It imports model for the answer kinds, which
+the writer's process rebuilds from their rows, and observe for the logs that process sets up
+as the worker does.
 
-May import: config, jobs, producer.
+May import: config, jobs, model, observe, producer.
 """

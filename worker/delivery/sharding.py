@@ -48,8 +48,12 @@ class ShardedWriter:
     """The per-shard writers behind the one `put` the pipeline calls."""
 
     def __init__(self, writers: Mapping[str, ResultWriter]) -> None:
+        """`writers`: by every job stream the worker reads (a shard's priority levels share
+        their shard's writer)."""
         self.writers = dict(writers)
         self._first = next(iter(self.writers.values()))
+        # Each writer once: one queue each, counted once, closed and run once.
+        self._each = list({id(w): w for w in self.writers.values()}.values())
 
     def _split(self, outcomes: list[Outcome]) -> dict[str, list[Outcome]]:
         groups: dict[str, list[Outcome]] = {}
@@ -62,15 +66,19 @@ class ShardedWriter:
 
     @property
     def queued(self) -> int:
-        return sum(w.queued for w in self.writers.values())
+        return sum(w.queued for w in self._each)
 
     @property
     def published(self) -> int:
-        return sum(w.published for w in self.writers.values())
+        return sum(w.published for w in self._each)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(w.duplicates for w in self._each)
 
     def stalled(self) -> tuple[float, str]:
         """The longest stall of the shards' writers, and its reason."""
-        return max((w.stalled() for w in self.writers.values()), key=lambda s: s[0])
+        return max((w.stalled() for w in self._each), key=lambda s: s[0])
 
     async def put(self, outcomes: list[Outcome]) -> None:
         for stream, group in self._split(outcomes).items():
@@ -81,11 +89,11 @@ class ShardedWriter:
             await self._writer(stream).publish_now(group)
 
     async def close(self) -> None:
-        for writer in self.writers.values():
+        for writer in self._each:
             await writer.close()
 
     async def run(self) -> None:
-        tasks = [asyncio.create_task(w.run(), name="writer") for w in self.writers.values()]
+        tasks = [asyncio.create_task(w.run(), name="writer") for w in self._each]
         try:
             await asyncio.gather(*tasks)
         finally:

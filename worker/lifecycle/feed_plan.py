@@ -18,7 +18,12 @@ choice follows a setting when one is given; `auto` picks from the host:
   processes cannot run: GPU decode (its router runs in the worker), a decode hook that only
   a thread can run (tests), or no memory files (memfd, Linux only);
 - ring slots: GPUFEED_RING_SLOTS;
-- resize placement: worker/model/resample.py (`choose_placement`).
+- resize placement: worker/model/resample.py (`choose_placement`);
+- the result writer: unless GPUFEED_RESULT_WRITER names it, in a process of its own on 4
+  cores or more (worker/delivery/writer_process.py), for the reason decode goes to
+  processes there: building and publishing results is per-job Python, and on a GPU host
+  the worker's GIL binds. On fewer cores the writer's process would compete for the same
+  cores as the rest, so it stays on the event loop.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class FeedPlan:
     placement: str  # where images are resized: device or host
     placement_why: str
     cores: int
+    result_writer: str = "loop"  # process: worker/delivery/writer_process.py
+    writer_why: str = ""
 
     @property
     def decoders(self) -> str:
@@ -65,10 +72,11 @@ class FeedPlan:
             if self.packed
             else ""
         )
+        writer = "a process of its own" if self.result_writer == "process" else "the event loop"
         return (
             f"{self.decoders} ({self.decoders_why}); ring {self.ring_slots} slots "
             f"({self.ring_why}); resize on the {self.placement} ({self.placement_why})"
-            f"{staged}"
+            f"{staged}; results published from {writer} ({self.writer_why})"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -81,6 +89,8 @@ class FeedPlan:
             "placement": self.placement,
             "placement_why": self.placement_why,
             "packed_rows": self.packed,
+            "result_writer": self.result_writer,
+            "writer_why": self.writer_why,
             "cores": self.cores,
             "line": self.line(),
         }
@@ -120,6 +130,7 @@ def plan_feed(
             f"GPUFEED_DECODE_THREADS={cfg.decode_threads}" if cfg.decode_threads else "per core"
         )
         why += f"; {threads} threads ({source})"
+    writer, writer_why = result_writer_for(cfg, cores)
     return FeedPlan(
         decode_processes=k,
         decode_threads=threads,
@@ -129,7 +140,21 @@ def plan_feed(
         placement=placement,
         placement_why=placement_why,
         cores=cores,
+        result_writer=writer,
+        writer_why=writer_why,
     )
+
+
+def result_writer_for(cfg: WorkerConfig, cores: int) -> tuple[str, str]:
+    """(`process` or `loop`, why) for `cfg` on a host of `cores`."""
+    if cfg.result_writer != "auto":
+        return cfg.result_writer, f"GPUFEED_RESULT_WRITER={cfg.result_writer}"
+    if cores < MIN_CORES_FOR_PROCESSES:
+        return "loop", (
+            f"auto: {cores} cores, under {MIN_CORES_FOR_PROCESSES}: a writer process would "
+            "compete for them"
+        )
+    return "process", f"auto: {cores} cores, off the worker's GIL"
 
 
 def decode_processes_for(

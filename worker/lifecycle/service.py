@@ -30,8 +30,7 @@ from worker.delivery.reader import Reader, ensure_group
 from worker.delivery.reclaimer import Reclaimer
 from worker.delivery.redis_check import RedisLink, RedisUnavailable
 from worker.delivery.redis_errors import UNREACHABLE
-from worker.delivery.sharding import ShardedWriter
-from worker.delivery.writer import ResultWriter
+from worker.delivery.writer_process import WriterProcess
 from worker.jobs import Job
 from worker.lifecycle.engine import (
     AnyDecodePool,
@@ -43,7 +42,7 @@ from worker.lifecycle.engine import (
     warm_up,
 )
 from worker.lifecycle.warm_start import WarmReport, warm_start
-from worker.lifecycle.wiring import Role, Stages, hot_list_off, observe, wire
+from worker.lifecycle.wiring import Role, Stages, Writer, hot_list_off, observe, wire
 from worker.model.compiler import CompileReport
 from worker.model.degraded import DegradedModel
 from worker.model.loaded import LoadedModel
@@ -430,8 +429,14 @@ class Worker:
         return self.stages.in_flight
 
     @property
-    def writer(self) -> ResultWriter | ShardedWriter:
+    def writer(self) -> Writer:
         return self.stages.writer
+
+    @property
+    def writer_pids(self) -> list[int]:
+        """The result writer's process (GPUFEED_RESULT_WRITER=process), or none."""
+        writer = self._stages.writer if self._stages is not None else None
+        return [writer.pid] if isinstance(writer, WriterProcess) else []
 
     @property
     def batcher(self) -> Batcher:

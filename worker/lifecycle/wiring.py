@@ -35,6 +35,8 @@ from worker.delivery.redis_check import RedisLink, heartbeat_key
 from worker.delivery.replicas import ReplicaWait
 from worker.delivery.sharding import ShardedWriter, ShardHeld
 from worker.delivery.writer import ResultWriter, WriterSettings
+from worker.delivery.writer_main import WriterInit
+from worker.delivery.writer_process import WriterProcess
 from worker.fetch.stage import FetchSettings, FetchStage
 from worker.jobs import Job, Outcome
 from worker.lifecycle.dispatch import Dispatcher, Intake, Steps
@@ -76,8 +78,9 @@ class Stages:
     # Lists of jobs (one per read), bounded by the jobs they hold.
     jobs_q: JobQueue
     sealed_q: asyncio.Queue[Batch | None]
-    # One shard: its writer as it is; several: the router in front of theirs.
-    writer: ResultWriter | ShardedWriter
+    # One shard: its writer as it is; several: the router in front of theirs; or the
+    # worker's side of the writers' process (GPUFEED_RESULT_WRITER).
+    writer: Writer
     batcher: Batcher
     steps: Steps
     watcher: CompletionWatcher
@@ -121,7 +124,7 @@ def wire(
         observer.published(outcomes, states)
         in_flight.give_back(len(outcomes))
 
-    writers = _writers(
+    writer = _writer(
         cfg,
         engine,
         link,
@@ -129,17 +132,6 @@ def wire(
         on_published=on_published,
         device=device,
         exit_stack=exit_stack,
-    )
-    writer: ResultWriter | ShardedWriter = (
-        ShardedWriter(
-            {
-                stream: writers[shard.stream]
-                for shard in layout
-                for stream in cfg.lanes_of(shard.stream).streams
-            }
-        )
-        if len(writers) > 1
-        else next(iter(writers.values()))
     )
     health.watch_writer(writer.stalled)
     # One batch running and one queued behind it on CUDA; on the CPU the step runs on the
@@ -214,7 +206,7 @@ def wire(
                 lanes=lanes,
                 held=ShardHeld(held, lanes.streams),
                 deliver=deliver,
-                publish_now=writers[shard.stream].publish_now,
+                publish_now=writer.publish_now,
                 on_event=observer.delivery_event,
             )
         )
@@ -272,7 +264,10 @@ def _counting(observer: Observer, hot: HotList) -> Callable[[Launched, float], N
     return batch_done
 
 
-def _writers(
+Writer = ResultWriter | ShardedWriter | WriterProcess
+
+
+def _writer(
     cfg: WorkerConfig,
     engine: Engine,
     link: RedisLink,
@@ -281,8 +276,26 @@ def _writers(
     on_published: Callable[[list[Outcome], list[int]], None],
     device: torch.device,
     exit_stack: contextlib.AsyncExitStack,
-) -> dict[str, ResultWriter]:
-    """Each shard's result writer, by the shard's stream."""
+) -> Writer:
+    """What the pipeline hands its outcomes to: each shard's result writer, on the event
+    loop or in the writers' process, as the feed plan says."""
+    layout = cfg.shard_layout()
+    settings = _writer_settings(cfg, engine, device)
+    if engine.plan.result_writer == "process":
+        init = WriterInit(
+            config=cfg,
+            cluster=link.cluster,
+            writers=list(settings.values()),
+            routes={
+                stream: shard.stream
+                for shard in layout
+                for stream in cfg.lanes_of(shard.stream).streams
+            },
+            max_queued=cfg.ring_slots * 2,
+        )
+        proxy = WriterProcess(init, on_published=on_published, on_event=observer.delivery_event)
+        exit_stack.callback(proxy.shutdown)
+        return proxy
     replica_wait = (
         ReplicaWait(
             cfg.wait_replicas,
@@ -292,29 +305,48 @@ def _writers(
         if cfg.wait_replicas
         else None
     )
-    loaded, degraded = engine.loaded, engine.degraded
-    return {
+    writers = {
         shard.stream: ResultWriter(
             _writer_client(cfg, link, shard, exit_stack),
-            WriterSettings(
-                stream=shard.stream,
-                group=cfg.group,
-                result_prefix=shard.result_prefix,
-                result_ttl_s=cfg.result_ttl_s,
-                results_maxlen=cfg.results_maxlen,
-                worker_name=cfg.worker_name,
-                model_name=loaded.name,
-                weights=loaded.weights_label,
-                device=str(device),
-                dead_stream=shard.dead_stream,
-                default_reply_to=shard.results_stream,
-                degraded_model=degraded.loaded.name if degraded else "",
-                degraded_weights=degraded.loaded.weights_label if degraded else "",
-                max_result_bytes=cfg.max_result_bytes,
-            ),
+            settings[shard.stream],
             max_queued=cfg.ring_slots * 2,
             on_published=on_published,
             replicas=replica_wait,
+        )
+        for shard in layout
+    }
+    if len(writers) == 1:
+        return next(iter(writers.values()))
+    return ShardedWriter(
+        {
+            stream: writers[shard.stream]
+            for shard in layout
+            for stream in cfg.lanes_of(shard.stream).streams
+        }
+    )
+
+
+def _writer_settings(
+    cfg: WorkerConfig, engine: Engine, device: torch.device
+) -> dict[str, WriterSettings]:
+    """Each shard's writer settings, by the shard's stream."""
+    loaded, degraded = engine.loaded, engine.degraded
+    return {
+        shard.stream: WriterSettings(
+            stream=shard.stream,
+            group=cfg.group,
+            result_prefix=shard.result_prefix,
+            result_ttl_s=cfg.result_ttl_s,
+            results_maxlen=cfg.results_maxlen,
+            worker_name=cfg.worker_name,
+            model_name=loaded.name,
+            weights=loaded.weights_label,
+            device=str(device),
+            dead_stream=shard.dead_stream,
+            default_reply_to=shard.results_stream,
+            degraded_model=degraded.loaded.name if degraded else "",
+            degraded_weights=degraded.loaded.weights_label if degraded else "",
+            max_result_bytes=cfg.max_result_bytes,
         )
         for shard in cfg.shard_layout()
     }

@@ -63,6 +63,7 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
         "decode_threads": worker.decoder.threads,
         "decode_processes": worker.engine.plan.decode_processes,
         "feed_plan": worker.engine.plan.line(),
+        "result_writer": worker.engine.plan.result_writer,
         "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
         "dct_scaling": cfg.dct_scaling,
         "decode_cache_mb": cfg.decode_cache_mb,
@@ -112,7 +113,10 @@ async def gpufeed_run(
                 push_jobs, b.client, keys.jobs, images, sp.jobs, keys.run_id, unique=unique
             )
         probe = RunProbe(
-            b.device, redis_pid=b.redis_pid, decoder_pids=getattr(worker.decoder, "pids", ())
+            b.device,
+            redis_pid=b.redis_pid,
+            decoder_pids=getattr(worker.decoder, "pids", ()),
+            writer_pids=worker.writer_pids,
         ).start()
         with count_host_syncs() as syncs, gil_account.timing_releases():
             t0_ms = time.time() * 1000

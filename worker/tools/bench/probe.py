@@ -79,9 +79,11 @@ class RunProbe:
         *,
         redis_pid: int | None = None,
         decoder_pids: Sequence[int] = (),
+        writer_pids: Sequence[int] = (),
     ) -> None:
-        """`decoder_pids`: the worker's decode processes, whose CPU counts as the worker's
-        in the projection (their GIL is their own)."""
+        """`decoder_pids` and `writer_pids`: the worker's decode processes and its result
+        writer's, whose CPU counts as the worker's in the projection (their GIL is their
+        own)."""
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.sampler = GpuSampler(device.index or 0, interval_s=0.1)
@@ -93,6 +95,9 @@ class RunProbe:
             with contextlib.suppress(psutil.Error):
                 self._redis = psutil.Process(redis_pid)
         self._decoder_pids = tuple(decoder_pids)
+        self._writer_pids = tuple(writer_pids)
+        self._writer_before: dict[int, float] = {}
+        self._writer_s = 0.0
         self._decoders_before = 0.0
         self._decoders_after = 0.0
         self._before: dict[int, float] = {}
@@ -128,6 +133,7 @@ class RunProbe:
         self.sampler.start()
         self._redis_before = self._redis_cpu_s()
         self._decoders_before = self._decoders_cpu_s()
+        self._writer_before = gil_account.processes_cpu_by_pid(self._writer_pids)
         self._host_before = host_busy_s()
         self._before = thread_cpu_s()
         self._loop_tid = threading.get_native_id()
@@ -143,6 +149,7 @@ class RunProbe:
         self._names = _names()
         self._redis_after = self._redis_cpu_s()
         self._decoders_after = self._decoders_cpu_s()
+        self._writer_s = gil_account.processes_cpu_since(self._writer_before, self._writer_pids)
         self._host_after = host_busy_s()
         self.sampler.stop()
         return self
@@ -160,6 +167,7 @@ class RunProbe:
             cores=tuple(sorted({16, cores})),
             model_on_cpu=model_on_cpu,
             decoders_cpu_s=max(0.0, self._decoders_after - self._decoders_before),
+            writer_cpu_s=self._writer_s,
         )
         if figures is not None:
             figures["timed_call_us"] = round(gil_account.timing_cost_us(), 3)
@@ -173,6 +181,7 @@ class RunProbe:
                 out[_group(self._names.get(tid))] += delta
         out["redis_server"] = max(0.0, self._redis_after - self._redis_before)
         out["decode_processes"] = max(0.0, self._decoders_after - self._decoders_before)
+        out["writer_process"] = self._writer_s
         ours = sum(out.values())
         out["other_processes"] = max(0.0, self._host_after - self._host_before - ours)
         return out
@@ -190,7 +199,7 @@ class RunProbe:
             sum(
                 v
                 for k, v in per_image.items()
-                if k in (*GROUPS, "redis_server", "decode_processes")
+                if k in (*GROUPS, "redis_server", "decode_processes", "writer_process")
             ),
             3,
         )

@@ -95,6 +95,7 @@ async def run_doctor(
                 "decode_threads": worker.decoder.threads,
                 "decode_processes": worker.engine.plan.decode_processes,
                 "feed_plan": worker.engine.plan.line(),
+                "result_writer": worker.engine.plan.result_writer,
                 "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
                 "dct_scaling": config.dct_scaling,
                 "resize": worker.placement,

@@ -80,7 +80,8 @@ async def end_to_end_section(
     loop_cpu0 = time.thread_time()
     pushed0 = feeder.pushed
     decoders0 = gil_account.processes_cpu_by_pid(getattr(worker.decoder, "pids", ()))
-    decoders_s = 0.0
+    writer0 = gil_account.processes_cpu_by_pid(worker.writer_pids)
+    decoders_s = writer_s = 0.0
     gil0 = gil_account.snapshot()
     gil1 = gil0
     main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
@@ -118,6 +119,7 @@ async def end_to_end_section(
         gil1 = gil_account.snapshot()  # while the worker's threads are alive
         # The processes of now: one replaced mid-run counts from its start.
         decoders_s = gil_account.processes_cpu_since(decoders0, getattr(worker.decoder, "pids", ()))
+        writer_s = gil_account.processes_cpu_since(writer0, worker.writer_pids)
     finally:
         feeding.cancel()
         sampler.close()
@@ -140,6 +142,7 @@ async def end_to_end_section(
         exclude_loop_s=feeder_s,
         model_on_cpu=not cuda and cfg.model != "null",
         decoders_cpu_s=max(0.0, decoders_s),
+        writer_cpu_s=writer_s,
     )
     if gil is not None:
         gil["feeder_us_per_job_excluded"] = round(1e6 * feeder_s / n_end, 1)

@@ -90,11 +90,17 @@ _GIL = _obj(
         ),
         "process_cpu_us_per_job": _t(
             "number",
-            "the worker's CPU per job (its decode processes' included), less the doctor's feeder",
+            "the worker's CPU per job (its decode and writer processes' included), less the "
+            "doctor's feeder",
             "µs",
         ),
         "decode_processes_cpu_us_per_job": _t(
             "number", "the decode processes' CPU per job (0 with decode threads)", "µs"
+        ),
+        "writer_process_cpu_us_per_job": _t(
+            "number",
+            "the result writer's process's CPU per job (0 with GPUFEED_RESULT_WRITER=loop)",
+            "µs",
         ),
         "decode_released_us_per_job": _t(
             "number",
@@ -226,7 +232,13 @@ SCHEMA: dict[str, Any] = _obj(
                     "integer", "decode processes (0: threads in the worker)", "processes"
                 ),
                 "feed_plan": _t(
-                    "string", "the feed plan's line: decoders, ring and resize, each with why"
+                    "string",
+                    "the feed plan's line: decoders, ring, resize and result writer, each with why",
+                ),
+                "result_writer": _t(
+                    "string",
+                    "where results are built and published: `process` or `loop` "
+                    "(GPUFEED_RESULT_WRITER as resolved)",
                 ),
                 "staged_bytes_per_image": _t(
                     "integer",

@@ -1,0 +1,244 @@
+"""The result writer in a process of its own (GPUFEED_RESULT_WRITER=process): what it
+publishes is what the event loop's writer publishes, and no job is lost or answered twice
+when its process dies or Redis refuses it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgpack
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from producer.wire import ErrorCode
+from worker.config.settings import WorkerConfig
+from worker.delivery.outcome_wire import outcome_rows, outcomes_of
+from worker.delivery.writer import PublishCall, PublishState, WriterSettings
+from worker.delivery.writer_main import WriterInit
+from worker.delivery.writer_process import WriterProcess
+from worker.jobs import Job, Outcome, job_of_entry
+from worker.model.answers import Answer, Classification, Embedding, RawOutput
+
+SETTINGS = WriterSettings(
+    stream="j",
+    group="g",
+    result_prefix="gpufeed:result:",
+    result_ttl_s=600,
+    results_maxlen=10_000,
+    worker_name="w1",
+    model_name="m",
+    weights="w.pt",
+    degraded_model="small",
+    degraded_weights="s.pt",
+)
+
+_text = st.text(max_size=12)
+_floats = st.floats(allow_nan=False, width=64)
+_answers: st.SearchStrategy[Answer] = st.one_of(
+    st.builds(
+        Classification,
+        st.lists(st.integers(0, 999), min_size=1, max_size=5),
+        st.lists(_floats, min_size=1, max_size=5),
+        st.none() | st.lists(_text, min_size=1, max_size=5),
+        st.none() | _floats,
+        st.none() | st.lists(st.integers(0, 999), max_size=3),
+        st.none() | st.lists(_floats, max_size=3),
+        st.none() | st.lists(_text, max_size=3),
+    ),
+    st.builds(Embedding, st.binary(max_size=64), st.integers(1, 16), st.sampled_from(["float16"])),
+    st.builds(
+        RawOutput,
+        st.binary(max_size=64),
+        st.tuples(st.integers(1, 9), st.integers(1, 9)),
+        st.sampled_from(["float32"]),
+    ),
+)
+
+
+@st.composite
+def _outcomes(draw: st.DrawFn) -> Outcome:
+    n = draw(st.integers(0, 10**6))
+    job = Job(
+        entry_id=f"1700000000000-{n}",
+        job_id=draw(st.just(f"1700000000000-{n}") | _text.filter(bool)),
+        reply_to=draw(st.sampled_from(["gpufeed:results", "tenant:{a}:out"])),
+        meta=draw(st.none() | st.binary(max_size=40)),
+        image=b"\xff\xd8 the image's bytes never travel",
+        path=None,
+        timings_ms=draw(st.dictionaries(st.sampled_from(["decode", "queue", "total"]), _floats)),
+        has_own_id=draw(st.booleans()),
+        stream=draw(st.sampled_from(["", "j", "j:high"])),
+        level=draw(st.sampled_from(["", "high"])),
+    )
+    extra = draw(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "degraded": st.just(True),
+                "format": st.sampled_from(["JPEG", "PNG"]),
+                "width": st.integers(1, 10_000),
+                "cached": st.booleans(),
+            },
+        )
+    )
+    dead = draw(st.none() | st.lists(st.binary(max_size=8) | _text, max_size=4))
+    if draw(st.booleans()):
+        return Outcome(job=job, ok=True, answer=draw(_answers), extra=extra, dead_fields=dead)
+    code = draw(st.none() | st.sampled_from(list(ErrorCode)))
+    return Outcome(
+        job=job, ok=False, error_code=code, error_message=draw(_text), extra=extra, dead_fields=dead
+    )
+
+
+@settings(max_examples=150)
+@given(st.lists(_outcomes(), min_size=1, max_size=8))
+def test_what_the_writer_process_receives_publishes_as_the_loop_would(
+    outcomes: list[Outcome],
+) -> None:
+    """Through the frame's msgpack, every outcome keeps what its result is made of: the same
+    publish call (keys, arguments, result fields) comes out of either side."""
+    frame = msgpack.packb(outcome_rows(outcomes), use_bin_type=True)
+    received = outcomes_of(msgpack.unpackb(frame, raw=False, strict_map_key=False))
+    assert b"the image's bytes" not in frame
+    call = PublishCall(SETTINGS)
+    sent = [call.record(o) for o in outcomes]
+    got = [call.record(o) for o in received]
+    assert [r.fields for r in got] == [r.fields for r in sent]
+    assert [r.size for r in got] == [r.size for r in sent]
+    assert call.split(received) == call.split(outcomes)
+    for where in call.split(outcomes):
+        assert call.args([got[i] for i in where]) == call.args([sent[i] for i in where])
+
+
+def _read_jobs(client: redis.Redis, n: int, *, dead: bool = False) -> list[Outcome]:
+    """`n` new entries of stream `j` read by group `g`, each with an ok outcome, or a dead
+    letter's."""
+    for _ in range(n):
+        client.xadd("j", {"image": b"x", "meta": b"m"})
+    if not client.exists("j") or not client.xinfo_groups("j"):
+        client.xgroup_create("j", "g", id="0")
+    read = client.xreadgroup("g", "c", {"j": ">"}, count=n)
+    outcomes = []
+    for entry_id, fields in read[0][1]:
+        job = job_of_entry(entry_id.decode(), fields, "gpufeed:results").read_from("j", "")
+        if dead:
+            outcome = Outcome.failure(job, ErrorCode.DEAD_LETTER, "delivered too often")
+            outcome.dead_fields = [b"image", b"x"]
+        else:
+            outcome = Outcome(job=job, ok=True, answer=Classification([3], [0.5]))
+        outcomes.append(outcome)
+    return outcomes
+
+
+Published = list[tuple[str, int]]
+
+
+@pytest.fixture
+async def writer_process(
+    redis_url: str,
+) -> AsyncIterator[Callable[[], tuple[WriterProcess, Published]]]:
+    made: list[WriterProcess] = []
+
+    def make() -> tuple[WriterProcess, Published]:
+        cfg = WorkerConfig.load(
+            env={}, overrides={"redis_url": redis_url, "stream": "j", "group": "g"}
+        )
+        published: Published = []
+        proxy = WriterProcess(
+            WriterInit(cfg, False, [SETTINGS], {"j": "j"}, max_queued=4),
+            on_published=lambda outs, states: published.extend(
+                (o.job.entry_id, s) for o, s in zip(outs, states, strict=True)
+            ),
+            on_event=lambda name, n: None,
+        )
+        made.append(proxy)
+        return proxy, published
+
+    yield make
+    for proxy in made:
+        proxy.shutdown()
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_writer_process_that_dies_loses_no_answer_and_writes_none_twice(
+    redis_client: redis.Redis,
+    writer_process: Callable[[], tuple[WriterProcess, Published]],
+) -> None:
+    outcomes = _read_jobs(redis_client, 40)
+    proxy, published = writer_process()
+    run = asyncio.create_task(proxy.run())
+    first = proxy.pid
+    # Redis holds the writes back: the process has the outcomes (and may have sent its
+    # call) when it is killed.
+    redis_client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+    await proxy.put(outcomes[:20])
+    await proxy.put(outcomes[20:])
+    await asyncio.sleep(0.3)
+    assert published == [] and proxy.queued == 40
+    os.kill(first, signal.SIGKILL)
+    await _until(lambda: proxy.pid != first)
+    await _until(lambda: len(published) == 40)
+    await proxy.close()
+    await asyncio.wait_for(run, 20)
+    # Each job answered once, acknowledged, reported once to the worker.
+    assert redis_client.xlen("gpufeed:results") == 40
+    assert redis_client.xpending("j", "g")["pending"] == 0
+    assert sorted(e for e, _ in published) == sorted(o.job.entry_id for o in outcomes)
+    assert {s for _, s in published} <= {PublishState.PUBLISHED, PublishState.NOT_OURS}
+    assert all("write" in o.job.timings_ms for o in outcomes)
+    assert proxy.queued == 0
+
+
+async def test_refusals_show_as_a_stall_and_publish_once_redis_takes_them(
+    redis_client: redis.Redis,
+    writer_process: Callable[[], tuple[WriterProcess, Published]],
+) -> None:
+    """Under maxmemory Redis refuses the script: the stall the worker's /live reads comes
+    from the writer's process, and the answers go out once Redis has room."""
+    # Entries whose stream is gone (no one else would answer them): their publish's first
+    # write is the result's XADD, which Redis refuses under maxmemory.
+    outcomes = [
+        Outcome.failure(
+            job_of_entry(f"1-{i}", {b"image": b"x"}, "gpufeed:results").read_from("gone", ""),
+            ErrorCode.INVALID_JOB,
+            "test",
+        )
+        for i in range(1, 6)
+    ]
+    proxy, published = writer_process()
+    run = asyncio.create_task(proxy.run())
+    redis_client.set("filler", b"x" * 2_000_000)
+    # Once the SET's query buffer is given back (Redis's client cron), the filler stays.
+    await asyncio.sleep(0.3)
+    used = int(redis_client.info("memory")["used_memory"])
+    redis_client.config_set("maxmemory", str(used - 1_000_000))
+    try:
+        await proxy.put(outcomes)
+        await _until(lambda: proxy.stalled()[0] > 0 or bool(published))
+        assert published == []
+        assert "refuses" in proxy.stalled()[1]
+    finally:
+        redis_client.delete("filler")
+        redis_client.config_set("maxmemory", "0")
+    await _until(lambda: len(published) == 5)
+    await _until(lambda: proxy.stalled()[0] == 0)
+    # Dead letters go through publish_now (the reclaimer), which waits for Redis.
+    dead = _read_jobs(redis_client, 2, dead=True)
+    await proxy.publish_now(dead)
+    assert len(published) == 7
+    await proxy.close()
+    await asyncio.wait_for(run, 20)
+    assert redis_client.xlen("gpufeed:results") == 7
+    assert proxy.published == 7

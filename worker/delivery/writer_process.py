@@ -1,0 +1,395 @@
+"""The result writer in a process of its own (GPUFEED_RESULT_WRITER=process).
+
+Building a job's result (its fields, their msgpack map, the publish call's arguments) and
+parsing the script's answers is per-job Python: on the event loop it is the largest share
+of what the worker's GIL holds per job once decode runs in processes (measured on 64x64
+JPEGs: the loop went from 56-65 to 32-39 µs per job with publishing stubbed out). Here the
+writer (worker/delivery/writer.py, one per shard, unchanged) runs in its own process
+(worker/delivery/writer_main.py), and the worker's side is this proxy, with the interface
+of a ResultWriter: per batch it packs the outcomes' rows (worker/delivery/outcome_wire.py)
+into one frame, sent by a thread of its own (a blocking send, without the GIL), and it
+reads one report per publish of a batch back on the event loop, where the worker's
+bookkeeping (held entries, in-flight places, metrics) goes on as before.
+
+Nothing of a job's guarantee moves to the proxy: a job is acknowledged only with its
+result, by the script, in Redis. A writer process that dies is replaced and sent every
+outcome it had not reported published; one it had published but not reported meets its
+entry acknowledged already (the script answers NOT_OURS) and nothing is written twice. A
+writer process that dies again and again without publishing anything ends the worker, as
+a failed writer task does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import pickle
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+
+from worker.delivery.outcome_wire import outcome_rows
+from worker.delivery.writer_main import FRAME, WriterInit
+from worker.jobs import Outcome
+
+log = structlog.get_logger("gpufeed.writer")
+
+_PROJECT = str(Path(__file__).resolve().parents[2])
+CHILD_MODULE = "worker.delivery.writer_main"
+_START_TIMEOUT_S = 60.0
+# Writer processes that end in a row without publishing anything before the worker stops.
+MAX_RESTARTS = 3
+# How long a writer process may take to end once its socket is closed.
+_EXIT_WAIT_S = 5.0
+
+_pack = msgpack.Packer(use_bin_type=True).pack
+
+
+class WriterProcessFailed(RuntimeError):
+    """The result writer's process cannot start, or ends again and again."""
+
+
+@dataclass(eq=False)
+class _Item:
+    """Outcomes sent under one token; `left` of them not reported published yet."""
+
+    outcomes: list[Outcome]
+    done: bytearray
+    left: int
+    now: asyncio.Future[None] | None = None  # publish_now's waiter
+
+
+@dataclass(eq=False)
+class _Child:
+    popen: subprocess.Popen[bytes]
+    data: socket.socket  # the sender thread writes on it (blocking)
+    sock: socket.socket  # its reports are read from it (the event loop, non-blocking)
+    outbox: queue.SimpleQueue[bytes | None]
+    sender: threading.Thread
+    received: bytearray
+    ready: bool = False
+
+
+class WriterProcess:
+    """The worker's side of its writer process: what the pipeline calls a result writer."""
+
+    def __init__(
+        self,
+        init: WriterInit,
+        *,
+        on_published: Callable[[list[Outcome], list[int]], None],
+        on_event: Callable[[str, int], None],
+    ) -> None:
+        self._init = init
+        self._on_published = on_published
+        self._on_event = on_event
+        self._max_items = init.max_queued
+        self._tokens = itertools.count(1)
+        self._items: dict[int, _Item] = {}
+        self._room = asyncio.Event()
+        self._room.set()
+        self._loop = asyncio.get_running_loop()
+        self._closing = False
+        self._ended: asyncio.Future[None] = self._loop.create_future()
+        # Counts of the writer processes before the current one, and its own.
+        self._counted = (0, 0)
+        self._counts = (0, 0)
+        self._stalled_since: float | None = None
+        self._stall_reason = ""
+        self._restarting_since: float | None = None
+        self._restarts = 0  # in a row without a publish
+        self._child = self._spawn()
+        self._wait_ready()
+
+    # ------------------------------------------------------------- writer's interface
+    @property
+    def published(self) -> int:
+        return self._counted[0] + self._counts[0]
+
+    @property
+    def duplicates(self) -> int:
+        return self._counted[1] + self._counts[1]
+
+    @property
+    def queued(self) -> int:
+        return sum(item.left for item in self._items.values())
+
+    @property
+    def pid(self) -> int:
+        return self._child.popen.pid
+
+    def stalled(self) -> tuple[float, str]:
+        """How long answers have waited that could not be published, and why (0: none)."""
+        now = time.monotonic()
+        if self._restarting_since is not None:
+            return now - self._restarting_since, "the result writer's process is restarting"
+        since = self._stalled_since
+        return (0.0, "") if since is None else (now - since, self._stall_reason)
+
+    async def put(self, outcomes: list[Outcome]) -> None:
+        if not outcomes:
+            return
+        # Bounded as the writer's own queue is: in batches not yet published.
+        while len(self._items) >= self._max_items and not self._ended.done():
+            self._room.clear()
+            await self._room.wait()
+        self._submit("put", outcomes)
+
+    async def publish_now(self, outcomes: list[Outcome]) -> None:
+        """Publish outside the queue; returns once the writer's process has (see
+        ResultWriter.publish_now)."""
+        if outcomes:
+            now = self._loop.create_future()
+            self._submit("now", outcomes, now)
+            await now
+
+    async def close(self) -> None:
+        """Ask `run` to finish once everything sent before this call is published."""
+        self._closing = True
+        self._child.outbox.put(_frame(["close"]))
+
+    async def run(self) -> None:
+        try:
+            await self._ended
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """End the writer's process (its socket closed; killed if it does not end)."""
+        child = self._child
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(child.sock.fileno())
+        child.outbox.put(None)
+        try:
+            child.popen.wait(timeout=_EXIT_WAIT_S if self._ended.done() else 0.1)
+        except subprocess.TimeoutExpired:
+            child.popen.kill()
+            child.popen.wait()
+        child.sender.join(_EXIT_WAIT_S)
+        child.sock.close()
+        child.data.close()
+        for item in self._items.values():
+            if item.now is not None and not item.now.done():
+                item.now.cancel()
+        if not self._ended.done():
+            self._ended.cancel()
+        self._room.set()
+
+    # --------------------------------------------------------------------- sending
+    def _submit(self, kind: str, outcomes: list[Outcome], now: Any = None) -> None:
+        if self._ended.done():
+            raise WriterProcessFailed("the result writer's process has ended")
+        token = next(self._tokens)
+        self._items[token] = _Item(outcomes, bytearray(len(outcomes)), len(outcomes), now)
+        self._child.outbox.put(_frame([kind, token, outcome_rows(outcomes)]))
+
+    # ------------------------------------------------------------------- processes
+    def _spawn(self) -> _Child:
+        data, data_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        reports, reports_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT, env.get("PYTHONPATH")) if p)
+        fds = (data_child.fileno(), reports_child.fileno())
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", CHILD_MODULE, *map(str, fds)],
+                pass_fds=fds,
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            data_child.close()
+            reports_child.close()
+        outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        init = pickle.dumps(self._init)
+        outbox.put(FRAME.pack(len(init)) + init)
+        sender = threading.Thread(
+            target=_send_loop, args=(data, outbox), name="gpufeed-writer-send", daemon=True
+        )
+        sender.start()
+        reports.setblocking(False)
+        child = _Child(popen, data, reports, outbox, sender, bytearray())
+        self._loop.add_reader(reports.fileno(), self._on_readable, child)
+        return child
+
+    def _wait_ready(self) -> None:
+        """Start-up only: the writer's process imported its modules and built its writers."""
+        child = self._child
+        self._loop.remove_reader(child.sock.fileno())
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        child.sock.setblocking(True)
+        try:
+            while not child.ready:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.shutdown()
+                    raise WriterProcessFailed("the result writer's process did not start in 60 s")
+                child.sock.settimeout(left)
+                try:
+                    chunk = child.sock.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    code = child.popen.wait()
+                    self.shutdown()
+                    raise WriterProcessFailed(
+                        f"the result writer's process exited with {code} before it was ready"
+                        " (its error is above)"
+                    )
+                child.received += chunk
+                self._take_frames(child)
+        finally:
+            child.sock.setblocking(False)
+        self._loop.add_reader(child.sock.fileno(), self._on_readable, child)
+
+    def _on_readable(self, child: _Child) -> None:
+        try:
+            chunk = child.sock.recv(1 << 18)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            if child is self._child:
+                self._ended_child(child)
+            return
+        child.received += chunk
+        self._take_frames(child)
+
+    def _take_frames(self, child: _Child) -> None:
+        buf = child.received
+        start = 0
+        while len(buf) - start >= FRAME.size:
+            (size,) = FRAME.unpack_from(buf, start)
+            end = start + FRAME.size + size
+            if len(buf) < end:
+                break
+            self._handle(child, msgpack.unpackb(buf[start + FRAME.size : end], raw=False))
+            start = end
+        del buf[:start]
+
+    def _handle(self, child: _Child, message: list[Any]) -> None:
+        kind = message[0]
+        if kind == "done":
+            _, token, positions, states, write_ms, published, duplicates = message
+            self._counts = (published, duplicates)
+            self._restarts = 0
+            self._done(token, positions, states, write_ms)
+        elif kind == "now_done":
+            item = self._items.get(message[1])
+            if item is not None and item.now is not None:
+                if not item.now.done():
+                    item.now.set_result(None)
+                item.now = None
+                self._forget(message[1], item)
+        elif kind == "stall":
+            _, seconds, reason = message
+            self._stalled_since = time.monotonic() - seconds if seconds > 0 else None
+            self._stall_reason = reason
+        elif kind == "event":
+            self._on_event(message[1], message[2])
+        elif kind == "ready":
+            child.ready = True
+            self._restarting_since = None
+        elif kind == "closed" and not self._ended.done():
+            self._ended.set_result(None)
+
+    def _done(
+        self, token: int, positions: list[int], states: list[int], write_ms: list[float]
+    ) -> None:
+        item = self._items.get(token)
+        if item is None:
+            return
+        outcomes = item.outcomes
+        done = item.done
+        published: list[Outcome] = []
+        kept: list[int] = []
+        for position, state, ms in zip(positions, states, write_ms, strict=True):
+            if done[position]:
+                continue
+            done[position] = 1
+            outcome = outcomes[position]
+            outcome.job.timings_ms["write"] = ms
+            published.append(outcome)
+            kept.append(state)
+        item.left -= len(published)
+        if published:
+            self._on_published(published, kept)
+        self._forget(token, item)
+
+    def _forget(self, token: int, item: _Item) -> None:
+        if item.left == 0 and item.now is None:
+            del self._items[token]
+            self._room.set()
+
+    def _ended_child(self, child: _Child) -> None:
+        """The writer's process ended without being asked: a new one gets what it had not
+        reported published."""
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(child.sock.fileno())
+        child.outbox.put(None)
+        code = child.popen.wait()
+        child.sender.join(_EXIT_WAIT_S)
+        child.sock.close()
+        child.data.close()
+        self._counted = (self.published, self.duplicates)
+        self._counts = (0, 0)
+        self._restarts += 1
+        held = self.queued
+        if self._restarts > MAX_RESTARTS:
+            log.error("result_writer_process_failed", exit_code=code, held=held)
+            self._ended.set_exception(
+                WriterProcessFailed(
+                    f"the result writer's process ended {self._restarts} times in a row without"
+                    f" publishing (last exit code {code}); {held} answers stay pending in Redis"
+                )
+            )
+            self._room.set()
+            return
+        log.error(
+            "result_writer_process_ended",
+            exit_code=code,
+            held=held,
+            note="a new one publishes what it held; nothing is written twice",
+        )
+        self._restarting_since = self._restarting_since or time.monotonic()
+        self._child = self._spawn()
+        for token, item in list(self._items.items()):
+            del self._items[token]
+            todo = [o for o, d in zip(item.outcomes, item.done, strict=True) if not d]
+            if todo:
+                self._submit("now" if item.now is not None else "put", todo, item.now)
+            elif item.now is not None:
+                self._submit("now", [], item.now)
+        if self._closing:
+            self._child.outbox.put(_frame(["close"]))
+
+
+def _frame(message: list[Any]) -> bytes:
+    body = _pack(message)
+    return FRAME.pack(len(body)) + body
+
+
+def _send_loop(sock: socket.socket, outbox: queue.SimpleQueue[bytes | None]) -> None:
+    """The sender thread: blocking sends, the GIL released while the kernel copies."""
+    try:
+        while (frame := outbox.get()) is not None:
+            sock.sendall(frame)
+    except OSError:
+        # The process is gone: the event loop sees its socket end and replaces it.
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
