@@ -402,6 +402,7 @@ class SoakArgs:
     weights: str
     device: str
     decode_processes: str
+    result_writer: str
     visibility_timeout: float
     no_faults: bool
     redis_down_s: float
@@ -439,6 +440,11 @@ _PATH = click.Path(path_type=Path)
 @click.option("--device", default="cpu", help="GPUFEED_DEVICE (default cpu)")
 @click.option(
     "--decode-processes", default="auto", help="GPUFEED_DECODE_PROCESSES (0: decode threads)"
+)
+@click.option(
+    "--result-writer",
+    default="process",
+    help="GPUFEED_RESULT_WRITER (default process: its guarantees under kills and restarts)",
 )
 @click.option("--visibility-timeout", type=float, default=5.0)
 @click.option("--no-faults", is_flag=True, help="no kills, no Redis restarts")
@@ -495,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         GPUFEED_BATCH_SIZE=str(args.batch_size),
         GPUFEED_DEVICE=args.device,
         GPUFEED_DECODE_PROCESSES=args.decode_processes,
+        GPUFEED_RESULT_WRITER=args.result_writer,
         GPUFEED_VISIBILITY_TIMEOUT_S=str(args.visibility_timeout),
         GPUFEED_CLAIM_INTERVAL_S="1",
         GPUFEED_CONSUMER_EXPIRY_S=str(max(30.0, args.visibility_timeout)),

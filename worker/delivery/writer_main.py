@@ -117,7 +117,10 @@ class WriterService:
     def _published(self, outcomes: list[Outcome], states: list[int]) -> None:
         by_token: dict[int, tuple[list[int], list[int], list[float]]] = {}
         for outcome, state in zip(outcomes, states, strict=True):
-            token, position = self._origin.pop(id(outcome))
+            origin = self._origin.pop(id(outcome), None)
+            if origin is None:
+                continue  # reported already
+            token, position = origin
             got = by_token.get(token)
             if got is None:
                 got = by_token[token] = ([], [], [])

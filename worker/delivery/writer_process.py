@@ -262,7 +262,10 @@ class WriterProcess:
         except OSError:
             chunk = b""
         if not chunk:
-            if child is self._child:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(child.sock.fileno())
+            # After its last report ("closed") a process ends as asked: nothing to replace.
+            if child is self._child and not self._ended.done():
                 self._ended_child(child)
             return
         child.received += chunk
@@ -340,7 +343,12 @@ class WriterProcess:
         with contextlib.suppress(ValueError, OSError):
             self._loop.remove_reader(child.sock.fileno())
         child.outbox.put(None)
-        code = child.popen.wait()
+        try:
+            code = child.popen.wait(timeout=_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            # Its socket closed, yet it runs on: it is replaced all the same.
+            child.popen.kill()
+            code = child.popen.wait()
         child.sender.join(_EXIT_WAIT_S)
         child.sock.close()
         child.data.close()
