@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pickle
 import signal
 import socket
@@ -64,8 +65,13 @@ class WriterInit:
     max_queued: int
 
 
+# Each side packs from one thread only (its event loop), so one Packer each will do.
+_pack = msgpack.Packer(use_bin_type=True).pack
+
+
 def pack_frame(message: list[Any]) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
+    """`message` as a frame: its length, then its msgpack."""
+    body = _pack(message)
     return FRAME.pack(len(body)) + body
 
 
@@ -153,6 +159,7 @@ class WriterService:
 
     async def serve(self, reader: asyncio.StreamReader) -> None:
         run = asyncio.create_task(self.writer.run(), name="writer")
+        run.add_done_callback(_end_if_failed)
         watch = asyncio.create_task(self._watch_stall(), name="writer-stall")
         now: set[asyncio.Task[None]] = set()
         try:
@@ -182,6 +189,15 @@ class WriterService:
             for root in self._roots:
                 with contextlib.suppress(Exception):
                     await root.aclose()
+
+
+def _end_if_failed(run: asyncio.Task[None]) -> None:
+    """A writer task that failed ends this process at once: the frames still coming would
+    wait on its queue for ever, while the worker replaces an ended process and sends it what
+    was not published."""
+    if not run.cancelled() and (exc := run.exception()) is not None:
+        log.error("result_writer_failed", error=repr(exc))
+        os._exit(70)
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> list[Any] | None:

@@ -41,7 +41,7 @@ import msgpack
 import structlog
 
 from worker.delivery.outcome_wire import outcome_rows
-from worker.delivery.writer_main import FRAME, WriterInit
+from worker.delivery.writer_main import FRAME, WriterInit, pack_frame
 from worker.jobs import Outcome
 
 log = structlog.get_logger("gpufeed.writer")
@@ -53,8 +53,6 @@ _START_TIMEOUT_S = 60.0
 MAX_RESTARTS = 3
 # How long a writer process may take to end once its socket is closed.
 _EXIT_WAIT_S = 5.0
-
-_pack = msgpack.Packer(use_bin_type=True).pack
 
 
 class WriterProcessFailed(RuntimeError):
@@ -158,7 +156,7 @@ class WriterProcess:
     async def close(self) -> None:
         """Ask `run` to finish once everything sent before this call is published."""
         self._closing = True
-        self._child.outbox.put(_frame(["close"]))
+        self._child.outbox.put(pack_frame(["close"]))
 
     async def run(self) -> None:
         try:
@@ -193,7 +191,7 @@ class WriterProcess:
             raise WriterProcessFailed("the result writer's process has ended")
         token = next(self._tokens)
         self._items[token] = _Item(outcomes, bytearray(len(outcomes)), len(outcomes), now)
-        self._child.outbox.put(_frame([kind, token, outcome_rows(outcomes)]))
+        self._child.outbox.put(pack_frame([kind, token, outcome_rows(outcomes)]))
 
     # ------------------------------------------------------------------- processes
     def _spawn(self) -> _Child:
@@ -382,12 +380,7 @@ class WriterProcess:
             elif item.now is not None:
                 self._submit("now", [], item.now)
         if self._closing:
-            self._child.outbox.put(_frame(["close"]))
-
-
-def _frame(message: list[Any]) -> bytes:
-    body = _pack(message)
-    return FRAME.pack(len(body)) + body
+            self._child.outbox.put(pack_frame(["close"]))
 
 
 def _send_loop(sock: socket.socket, outbox: queue.SimpleQueue[bytes | None]) -> None:
