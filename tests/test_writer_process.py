@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -242,3 +244,24 @@ async def test_refusals_show_as_a_stall_and_publish_once_redis_takes_them(
     await asyncio.wait_for(run, 20)
     assert redis_client.xlen("gpufeed:results") == 7
     assert proxy.published == 7
+
+
+def test_a_writer_task_that_fails_ends_its_process_for_the_worker_to_replace() -> None:
+    """Frames would otherwise wait on the failed writer's queue for ever; an ended process
+    is what the worker replaces (the test above), so a failure ends it."""
+    script = (
+        "import asyncio\n"
+        "from worker.delivery.writer_main import _end_if_failed\n"
+        "async def fails():\n"
+        "    raise RuntimeError('the writer failed')\n"
+        "async def main():\n"
+        "    asyncio.create_task(fails()).add_done_callback(_end_if_failed)\n"
+        "    await asyncio.sleep(30)\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 70
+    assert "result_writer_failed" in done.stdout + done.stderr
+    assert "the writer failed" in done.stdout + done.stderr
