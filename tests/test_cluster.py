@@ -145,10 +145,15 @@ async def test_jobs_over_three_shards_are_answered_exactly_once_by_two_workers(
     # The three shards live on three different masters.
     assert len({cluster.master_of(s.stream).port for s in shards}) == 3
     async with AsyncExitStack() as stack:
+        # One worker publishes from its event loop, the other from its writer's process,
+        # through a shard master's client of its own.
         workers = [
-            await stack.enter_async_context(running(null_config(cluster.url, prefix, name)))
-            for name in ("w1", "w2")
+            await stack.enter_async_context(
+                running(null_config(cluster.url, prefix, name, result_writer=writer))
+            )
+            for name, writer in (("w1", "loop"), ("w2", "process"))
         ]
+        assert len(workers[1].writer_pids) == 1
         # The fleet's hot list is one key: its script runs on that key's node.
         hot = workers[0].stages.hot
         assert hot is not None and await hot.add({'["path","x","a.jpg"]': 1}) == 1
@@ -177,12 +182,15 @@ async def test_priority_levels_of_each_shard_share_its_slot_and_are_all_served(
     cluster: RedisCluster,
 ) -> None:
     """GPUFEED_PRIORITIES with shards: each shard has a stream per level, in the shard's
-    slot, and a worker reads them all."""
+    slot, and a worker reads them all; its writer's process routes each level's answers
+    to its shard's writer."""
     prefix = "levels"
     image = jpeg_bytes(48, 48)
     client = SyncCluster.from_url(node_url(cluster))
     producer = Producer(client, shard_count=3, priorities="high,low", **names(prefix))
-    config = null_config(node_url(cluster), prefix, "w-levels", priorities="high,low")
+    config = null_config(
+        node_url(cluster), prefix, "w-levels", priorities="high,low", result_writer="process"
+    )
     async with running(config):
         high = [Job(image=image, id=f"hi-{i}") for i in range(12)]
         low = [Job(image=image, id=f"lo-{i}") for i in range(12)]

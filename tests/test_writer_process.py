@@ -153,7 +153,7 @@ async def writer_process(
         )
         published: Published = []
         proxy = WriterProcess(
-            WriterInit(cfg, False, [SETTINGS], {"j": "j"}, max_queued=4),
+            WriterInit.of(cfg, cluster=False, writers=[SETTINGS], routes={"j": "j"}, max_queued=4),
             on_published=lambda outs, states: published.extend(
                 (o.job.entry_id, s) for o, s in zip(outs, states, strict=True)
             ),

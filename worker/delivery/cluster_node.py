@@ -10,6 +10,7 @@ refreshed and the writer, which retries what Redis did not take, goes to the new
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -19,6 +20,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import ConnectionPool
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import SlotNotCoveredError
 
 from worker.delivery.redis_errors import REDIRECTED, UNREACHABLE
 
@@ -39,6 +41,7 @@ class ShardNodeClient:
         # The URL's credentials and TLS settings, for a direct connection to each master.
         self._template = ConnectionPool.from_url(url)
         self._clients: dict[str, aioredis.Redis] = {}
+        self._refreshing: asyncio.Future[None] | None = None
 
     def register_script(self, script: str) -> AsyncScript:
         return self.cluster.register_script(script)
@@ -47,8 +50,15 @@ class ShardNodeClient:
         return await self.cluster.script_load(script)
 
     def pipeline(self, transaction: bool = False) -> Pipeline:
-        node = self.cluster.get_node_from_key(self.key)
+        try:
+            node = self.cluster.get_node_from_key(self.key)
+        except SlotNotCoveredError:
+            node = None
         if node is None:
+            # No slot map yet (a client that has not met the cluster), or one without this
+            # slot: read it again; the writer takes this for an outage and tries again.
+            if self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.ensure_future(self.refresh())
             raise RedisConnectionError(f"no master known for the slot of {self.key!r} yet")
         client = self._clients.get(node.name)
         if client is None:

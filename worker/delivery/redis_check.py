@@ -40,15 +40,16 @@ def heartbeat_key(worker_name: str) -> str:
 
 
 def make_client(
-    config: WorkerConfig, *, cluster: bool, connect_timeout_s: float | None = None
+    url: str, *, cluster: bool, connect_timeout_s: float | None = None
 ) -> aioredis.Redis:
-    """The worker's client; `connect_timeout_s` bounds a connect that gets no answer (an
-    address that drops packets) where waiting the system's minutes would be wrong."""
+    """The worker's client for GPUFEED_REDIS_URL `url`; `connect_timeout_s` bounds a connect
+    that gets no answer (an address that drops packets) where waiting the system's minutes
+    would be wrong."""
     if not cluster:
         # TCP keepalive is no option of a Unix socket connection (redis-py refuses it).
-        tcp = not config.redis_url.startswith("unix:")
+        tcp = not url.startswith("unix:")
         return aioredis.from_url(
-            config.redis_url,
+            url,
             **({"socket_keepalive": True} if tcp else {}),
             health_check_interval=30,
             socket_connect_timeout=connect_timeout_s,
@@ -56,7 +57,7 @@ def make_client(
     # RedisCluster speaks the same commands, each routed to the node of its key's slot
     # (MOVED and failovers followed); the stages take it where they take a Redis.
     cluster_client = RedisCluster.from_url(
-        config.redis_url, socket_keepalive=True, socket_connect_timeout=connect_timeout_s
+        url, socket_keepalive=True, socket_connect_timeout=connect_timeout_s
     )
     return cast(aioredis.Redis, cluster_client)
 
@@ -109,14 +110,16 @@ async def preflight(config: WorkerConfig, *, wait: bool) -> None:
     answer (only with wait=False: a waiting worker loads its model meanwhile and retries
     later), ConfigError for a cluster layout or keys it cannot serve."""
     cluster = config.redis_cluster == "on"
-    client = make_client(config, cluster=cluster, connect_timeout_s=PREFLIGHT_CONNECT_S)
+    client = make_client(config.redis_url, cluster=cluster, connect_timeout_s=PREFLIGHT_CONNECT_S)
     try:
         try:
             await ping(client, config)
             if config.redis_cluster == "auto" and await is_cluster_node(client):
                 await client.aclose()
                 cluster = True
-                client = make_client(config, cluster=True, connect_timeout_s=PREFLIGHT_CONNECT_S)
+                client = make_client(
+                    config.redis_url, cluster=True, connect_timeout_s=PREFLIGHT_CONNECT_S
+                )
             if cluster:
                 config.check_cluster_keys()
             await check_keys(client, config, cluster=cluster)
@@ -140,7 +143,7 @@ class RedisLink:
         self.config = config
         self.cluster = config.redis_cluster == "on"
         self._cluster_known = config.redis_cluster != "auto"
-        self.client = make_client(config, cluster=self.cluster)
+        self.client = make_client(config.redis_url, cluster=self.cluster)
 
     async def ready(self, *, wait: bool, stop: asyncio.Event) -> None:
         """Redis answers (waited for with `wait` until `stop` is set, else RedisUnavailable),
@@ -180,7 +183,7 @@ class RedisLink:
             if await is_cluster_node(self.client):
                 await self.client.aclose()
                 self.cluster = True
-                self.client = make_client(cfg, cluster=True)
+                self.client = make_client(cfg.redis_url, cluster=True)
         if self.cluster:
             cfg.check_cluster_keys()
             log.info("redis_cluster", shards=[s.stream for s in cfg.shard_layout()])

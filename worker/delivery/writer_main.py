@@ -9,7 +9,7 @@ what moves is its Python per job. It imports redis and msgpack, never torch or n
 
 Frames both ways are a 4-byte length and a msgpack array. The worker sends:
 
-- ``init``: a pickle of `WriterInit` (first frame only; the worker is this process's parent);
+- ``[init]``: the `WriterInit`, first frame only;
 - ``["put", token, rows]``: a batch's outcomes for the queue (worker/delivery/outcome_wire.py);
 - ``["now", token, rows]``: outcomes published outside the queue (`publish_now`);
 - ``["close"]``: publish what is queued, then end.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pickle
 import signal
 import socket
 import struct
@@ -56,13 +55,50 @@ STALL_POLL_S = 0.25
 
 @dataclass(frozen=True)
 class WriterInit:
-    """What the process needs to build the worker's writers."""
+    """What the process needs to build the worker's writers: plain values, sent as the
+    first frame (msgpack, as the rest)."""
 
-    config: WorkerConfig
+    redis_url: str  # GPUFEED_REDIS_URL, credentials included: a socket pair, not argv
     cluster: bool
     writers: list[WriterSettings]  # one per shard
     routes: dict[str, str]  # every job stream the worker reads -> its shard's stream
     max_queued: int
+    wait_replicas: int = 0
+    wait_replicas_timeout_ms: int = 1000
+    log_format: str = "auto"
+    log_level: str = "info"
+
+    @classmethod
+    def of(
+        cls,
+        cfg: WorkerConfig,
+        *,
+        cluster: bool,
+        writers: list[WriterSettings],
+        routes: dict[str, str],
+        max_queued: int,
+    ) -> WriterInit:
+        return cls(
+            redis_url=cfg.redis_url,
+            cluster=cluster,
+            writers=writers,
+            routes=routes,
+            max_queued=max_queued,
+            wait_replicas=cfg.wait_replicas,
+            wait_replicas_timeout_ms=cfg.wait_replicas_timeout_ms,
+            log_format=cfg.log_format,
+            log_level=cfg.log_level,
+        )
+
+    def frame(self) -> bytes:
+        fields = {**self.__dict__, "writers": [w.__dict__ for w in self.writers]}
+        return pack_frame([fields])
+
+    @classmethod
+    def from_frame(cls, body: bytes) -> WriterInit:
+        (fields,) = msgpack.unpackb(body, raw=False)
+        writers = [WriterSettings(**w) for w in fields.pop("writers")]
+        return cls(writers=writers, **fields)
 
 
 # Each side packs from one thread only (its event loop), so one Packer each will do.
@@ -80,26 +116,24 @@ class WriterService:
 
     def __init__(self, init: WriterInit, send: Any) -> None:
         self._send = send
-        cfg = init.config
+        url = init.redis_url
         self._clients: list[Any] = []
-        cluster_client = make_client(cfg, cluster=True) if init.cluster else None
+        cluster_client = make_client(url, cluster=True) if init.cluster else None
         replicas = (
             ReplicaWait(
-                cfg.wait_replicas,
-                cfg.wait_replicas_timeout_ms,
+                init.wait_replicas,
+                init.wait_replicas_timeout_ms,
                 on_short=lambda n: self._send(["event", "replica_wait_timeout", n]),
             )
-            if cfg.wait_replicas
+            if init.wait_replicas
             else None
         )
-        plain = None if init.cluster else make_client(cfg, cluster=False)
+        plain = None if init.cluster else make_client(url, cluster=False)
         writers: dict[str, ResultWriter] = {}
         for settings in init.writers:
             client: Any
             if cluster_client is not None:
-                client = ShardNodeClient(
-                    cast(RedisCluster, cluster_client), cfg.redis_url, settings.stream
-                )
+                client = ShardNodeClient(cast(RedisCluster, cluster_client), url, settings.stream)
             else:
                 client = plain
             self._clients.append(client)
@@ -158,6 +192,12 @@ class WriterService:
             await asyncio.sleep(STALL_POLL_S)
 
     async def serve(self, reader: asyncio.StreamReader) -> None:
+        for client in self._clients:
+            if isinstance(client, ShardNodeClient):
+                # This process's cluster client has not met the cluster yet: its slot map
+                # tells each shard's writer its master (read again on failovers).
+                await client.refresh()
+                break
         run = asyncio.create_task(self.writer.run(), name="writer")
         run.add_done_callback(_end_if_failed)
         watch = asyncio.create_task(self._watch_stall(), name="writer-stall")
@@ -217,8 +257,8 @@ async def _main(data: socket.socket, reports: socket.socket) -> int:
     reader, data_writer = await asyncio.open_connection(sock=data)
     _, writer = await asyncio.open_connection(sock=reports)
     head = await reader.readexactly(FRAME.size)
-    init: WriterInit = pickle.loads(await reader.readexactly(FRAME.unpack(head)[0]))
-    configure_logging(init.config.log_format, init.config.log_level)
+    init = WriterInit.from_frame(await reader.readexactly(FRAME.unpack(head)[0]))
+    configure_logging(init.log_format, init.log_level)
     service = WriterService(init, lambda message: writer.write(pack_frame(message)))
     try:
         await service.serve(reader)

@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import itertools
 import os
-import pickle
 import queue
 import socket
 import subprocess
@@ -211,8 +210,7 @@ class WriterProcess:
             data_child.close()
             reports_child.close()
         outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        init = pickle.dumps(self._init)
-        outbox.put(FRAME.pack(len(init)) + init)
+        outbox.put(self._init.frame())
         sender = threading.Thread(
             target=_send_loop, args=(data, outbox), name="gpufeed-writer-send", daemon=True
         )

@@ -282,8 +282,8 @@ def _writer(
     layout = cfg.shard_layout()
     settings = _writer_settings(cfg, engine, device)
     if engine.plan.result_writer == "process":
-        init = WriterInit(
-            config=cfg,
+        init = WriterInit.of(
+            cfg,
             cluster=link.cluster,
             writers=list(settings.values()),
             routes={
