@@ -29,7 +29,8 @@ class Job:
     job_id: str
     reply_to: str
     meta: bytes | None
-    image: bytes | None
+    # bytes, or with the intake's process a read-only view of the shared payload memory.
+    image: bytes | memoryview | None
     path: bytes | None
     # A `url` job: where its bytes are (the fetch stage sets `image` once they arrived).
     url: str | None = None
@@ -59,6 +60,11 @@ class Job:
     stream: str = ""
     # The priority level of that stream; "" without priorities.
     level: str = ""
+    # With the intake's process (worker/delivery/intake_process.py): where `image` lies in
+    # the shared payload memory (its offset there, -1: `image` is bytes of its own) and the
+    # read whose payloads hold that memory until the job's result is published.
+    payload_at: int = -1
+    payload_span: int = -1
 
     @property
     def entry_ref(self) -> str:

@@ -47,6 +47,7 @@ COMPILE_MODES = (
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 DECODE_MODES = ("cpu", "gpu", "auto")
 RESULT_WRITERS = ("auto", "process", "loop")
+INTAKES = ("auto", "process", "loop")
 MAX_DECODE_PROCESSES = 64
 # The hot list is read whole (ZREVRANGEBYSCORE) by each starting worker and doctor.
 MAX_HOT_LIST = 100_000
@@ -148,6 +149,7 @@ class WorkerConfig:
     decode_threads: int = field(default=0, metadata={"env": "GPUFEED_DECODE_THREADS"})
     decode_processes: str = field(default="auto", metadata={"env": "GPUFEED_DECODE_PROCESSES"})
     result_writer: str = field(default="auto", metadata={"env": "GPUFEED_RESULT_WRITER"})
+    intake: str = field(default="auto", metadata={"env": "GPUFEED_INTAKE"})
     decode: str = field(default="cpu", metadata={"env": "GPUFEED_DECODE"})
     dct_scaling: bool = field(default=True, metadata={"env": "GPUFEED_DCT_SCALING"})
     resize: str = field(default="auto", metadata={"env": "GPUFEED_RESIZE"})
@@ -371,6 +373,11 @@ class WorkerConfig:
             self.result_writer in RESULT_WRITERS,
             "GPUFEED_RESULT_WRITER",
             f"must be one of {', '.join(RESULT_WRITERS)} (got {_plain(self.result_writer)})",
+        )
+        need(
+            self.intake in INTAKES,
+            "GPUFEED_INTAKE",
+            f"must be one of {', '.join(INTAKES)} (got {_plain(self.intake)})",
         )
         need(
             self.decode in DECODE_MODES,

@@ -168,6 +168,13 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "off the worker's GIL), `loop` (on the worker's event loop) or `auto` (a process on "
         "4 cores or more, as decode processes)",
     ),
+    "GPUFEED_INTAKE": (
+        "`auto`",
+        "where jobs are read from Redis: `process` (a process of the worker's own puts image "
+        "bytes into memory shared with the decode processes, never into the worker's), "
+        "`loop` (on the worker's event loop) or `auto` (a process where there are decode "
+        "processes and one Redis, not a cluster)",
+    ),
     "GPUFEED_DECODE": (
         "`cpu`",
         "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up)",

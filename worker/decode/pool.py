@@ -423,7 +423,8 @@ class DecodePool:
                     row_info, None, (time.perf_counter() - start) * 1000, cached=True
                 )
             if job.image is not None:
-                data = job.image
+                # Bytes of its own: a view of the payload memory only reaches decode processes.
+                data = job.image if isinstance(job.image, bytes) else bytes(job.image)
             elif job.path is not None:
                 data = read_job_path(job.path, self.path_root, self.spec.max_bytes)
             else:

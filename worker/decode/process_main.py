@@ -38,6 +38,7 @@ from worker.decode.arena import DONE, ERROR_CODES, FAILED, MESSAGE_BYTES, ArenaL
 from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_pixels, write_row
 from worker.decode.packed import SlotFull
+from worker.decode.payloads import open_payloads
 from worker.decode.rows import decode_row, write_decoded_row
 from worker.fetch.path import read_job_path
 
@@ -172,7 +173,11 @@ def serve(
     arena: SharedArena,
     index: int,
     decoder: RowDecoder,
+    *,
+    payloads: memoryview | None = None,
 ) -> None:
+    """`payloads`: the payload memory the intake's process fills (worker/decode/payloads.py);
+    a row whose place is not -1 reads its bytes there instead of from the message."""
     progress = arena.progress[index : index + 1]
     header = bytearray(HEADER.size)
     payload = bytearray(1 << 20)
@@ -191,17 +196,21 @@ def serve(
         view = memoryview(payload)[:payload_len]
         if not _recv_exact(sock, view):
             return
-        token, rows, lengths, paths, namespaces = msgpack.unpackb(meta)
+        token, rows, lengths, paths, namespaces, places = msgpack.unpackb(meta)
         progress["token"] = token
         offset = 0
-        for row, length, path, ns in zip(rows, lengths, paths, namespaces, strict=True):
+        for row, length, path, ns, at in zip(rows, lengths, paths, namespaces, places, strict=True):
             # Start time before row: the worker reads row, then the time, so it never
             # pairs a row with a time older than that row's start.
             progress["started_ns"] = time.monotonic_ns()
             progress["row"] = row
             # length: the payload's bytes; -1: a path job (read here); -2: nothing to decode.
-            data = view[offset : offset + length] if length >= 0 else None
-            offset += max(length, 0)
+            data: memoryview | None = None
+            if at >= 0 and payloads is not None:
+                data = payloads[at : at + length]
+            elif length >= 0:
+                data = view[offset : offset + length]
+                offset += length
             decoder.decode(row, data, path, ns)
         progress["token"] = 0
         answers.sendall(ANSWER.pack(token, 0))
@@ -221,6 +230,8 @@ def main(argv: list[str]) -> int:
     cache_bytes = int(argv[11])
     delay_s = float(argv[12])
     max_image_pixels = int(argv[13])
+    payloads_fd, payloads_size = int(argv[14]), int(argv[15])
+    payloads = open_payloads(payloads_fd, payloads_size, write=False) if payloads_fd >= 0 else None
     # What the worker sets at start-up (GPUFEED_MAX_IMAGE_PIXELS is checked from the header).
     Image.MAX_IMAGE_PIXELS = max(max_image_pixels, Image.MAX_IMAGE_PIXELS or 0)
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
@@ -238,7 +249,7 @@ def main(argv: list[str]) -> int:
         socket.socket(fileno=answers_fd) as answers,
         contextlib.suppress(BrokenPipeError, ConnectionResetError),
     ):
-        serve(sock, answers, arena, index, decoder)
+        serve(sock, answers, arena, index, decoder, payloads=payloads)
     return 0
 
 

@@ -46,6 +46,7 @@ from worker.decode.arena import DONE, ERROR_CODES, PENDING, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
 from worker.decode.packed import SlotFull
+from worker.decode.payloads import PayloadMemory
 from worker.decode.pool import DecodeResult, over_budget
 from worker.decode.process_main import ANSWER, HEADER, MAGIC, spec_args
 from worker.decode.rows import write_decoded_row
@@ -138,12 +139,14 @@ class ProcessDecodePool:
         cache_counts: DecodeCache | None = None,
         delay_s: float = 0.0,
         max_image_pixels: int = 0,
+        payloads: PayloadMemory | None = None,
     ) -> None:
         """`cache_bytes`: the decode cache, split among the processes (each image goes to
         the process its bytes' fingerprint names, so a repeated image meets its cached
         row); `cache_counts`: the worker's own cache, where hits and misses are counted and
         `url` jobs' rows are kept under their URL's key (the fetch stage serves a 304 from
-        it)."""
+        it); `payloads`: the payload memory the intake's process fills, which the processes
+        read a job's bytes from where its `payload_at` says."""
         if budget_s <= 0:
             raise ValueError(f"budget_s must be positive (got {budget_s})")
         if not 1 <= processes <= arena.layout.processes:
@@ -159,6 +162,7 @@ class ProcessDecodePool:
         self.cache_counts = cache_counts
         self.url_cache = cache_counts if cache_counts is not None and cache_counts.enabled else None
         self.delay_s = delay_s
+        self.payloads = payloads
         self.max_image_pixels = max_image_pixels or spec.max_pixels
         self.given_up = 0
         self.crashed = 0
@@ -191,6 +195,7 @@ class ProcessDecodePool:
     def _spawn(self, slot: int) -> _Process:
         self.arena.progress[slot] = (0, -1, 0)
         data_parent, data_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        memory = self.payloads
         answers_parent, answers_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         with contextlib.suppress(OSError):
             data_parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
@@ -211,11 +216,14 @@ class ProcessDecodePool:
             str(self.cache_bytes),
             repr(self.delay_s),
             str(self.max_image_pixels),
+            str(memory.fd if memory is not None else -1),
+            str(memory.size if memory is not None else 0),
         ]
+        fds = (self.arena.fd, data_child.fileno(), answers_child.fileno())
         try:
             popen = subprocess.Popen(
                 args,
-                pass_fds=(self.arena.fd, data_child.fileno(), answers_child.fileno()),
+                pass_fds=fds if memory is None else (*fds, memory.fd),
                 env=env,
                 stdin=subprocess.DEVNULL,
             )
@@ -506,20 +514,24 @@ class ProcessDecodePool:
         paths: list[bytes | None] = []
         namespaces: list[str | None] = []
         payloads: list[bytes | memoryview] = []
+        # Where a payload lies in the payload memory (-1: among this message's bytes).
+        places: list[int] = []
         for position in positions:
             job = group.jobs[position]
             rows.append(group.rows[position])
             # A `url` job with a validator is cached here under its URL's key (the fetch
             # stage looks it up on a 304), not in the process under its bytes'.
             namespaces.append(None if job.cache_key is not None else job.reply_to)
+            places.append(job.payload_at)
             if job.image is not None:
-                payloads.append(job.image)
+                if job.payload_at < 0:
+                    payloads.append(job.image)
                 lengths.append(len(job.image))
                 paths.append(None)
             else:
                 lengths.append(-1 if job.path is not None else -2)
                 paths.append(job.path)
-        meta = msgpack.packb((token, rows, lengths, paths, namespaces))
+        meta = msgpack.packb((token, rows, lengths, paths, namespaces, places))
         size = sum(len(p) for p in payloads)
         proc.outbox.put([HEADER.pack(MAGIC, len(meta), size), meta, *payloads])
 

@@ -11,6 +11,12 @@ from __future__ import annotations
 import asyncio
 
 
+def in_flight_places(batch_size: int, ring_slots: int) -> int:
+    """The worker's places: a batch in each ring slot, one being gathered and one being
+    published."""
+    return batch_size * (ring_slots + 2)
+
+
 class InFlight:
     """Counts jobs between read and published result; `room()` is what may be read now."""
 

@@ -21,6 +21,7 @@ from producer import wire
 from producer.backoff import Backoff
 from worker.config.lanes import Lanes
 from worker.delivery.in_flight import InFlight
+from worker.delivery.intake_process import Entries, IntakeProcess
 from worker.delivery.redis_errors import AWAY
 from worker.jobs import Job, deleted_entry_job, job_of_entry
 
@@ -53,7 +54,10 @@ class Reader:
         max_per_read: int,
         block_ms: int = 1000,
         max_meta_bytes: int = wire.DEFAULT_MAX_META_BYTES,
+        intake: IntakeProcess | None = None,
     ) -> None:
+        """`intake`: the XREADGROUPs run in the intake's process (payloads into shared
+        memory, worker/delivery/intake_process.py) instead of on this client."""
         self.client = client
         # A Redis Cluster client (the service hands one over as a Redis): reads go to the
         # master of the shard's slot (see _xreadgroup).
@@ -71,6 +75,9 @@ class Reader:
         self._stop = asyncio.Event()
         self._outage_logged = False
         self._backoff = Backoff(0.1, 5.0)
+        self.intake = intake if self._cluster is None else None
+        # The payload span of the last read through the intake (-1: none); its jobs carry it.
+        self._span = -1
 
     def stop(self) -> None:
         """Stop reading after the current XREADGROUP returns (at most block_ms)."""
@@ -139,12 +146,15 @@ class Reader:
             return
         # Highest level first: its jobs join the batches ahead of the others'.
         jobs: list[Job] = []
+        span = self._span
         for lane in self.lanes:
-            for entry_id, fields in reply.get(lane.stream, []):
+            for entry_id, fields, at in reply.get(lane.stream, []):
                 if fields is None:
                     job = deleted_entry_job(entry_id, self.default_reply_to)
                 else:
                     job = job_of_entry(entry_id, fields, self.default_reply_to, self.max_meta_bytes)
+                    if at >= 0:
+                        job.payload_at, job.payload_span = at, span
                 job.read_from(lane.stream, lane.level)
                 jobs.append(job)
         if jobs:
@@ -157,6 +167,10 @@ class Reader:
     ) -> dict[str, Entries] | None:
         """XREADGROUP; None when it failed (Redis away, the group recreated): read again."""
         try:
+            if self.intake is not None:
+                replies, self._span = await self.intake.read([(streams, count, block)])
+                self._back()
+                return replies[0]
             reply = await self._xreadgroup(streams, count, block)
         except Exception as exc:  # noqa: BLE001 - _failed re-raises what it cannot handle
             await self._failed(exc)
@@ -167,6 +181,11 @@ class Reader:
     async def _xread_each(self, reads: list[tuple[str, int]]) -> dict[str, Entries] | None:
         """Non-blocking XREADGROUPs with a count each, in one round trip."""
         try:
+            if self.intake is not None:
+                calls = [({st: ">"}, n, None) for st, n in reads]
+                parsed, self._span = await self.intake.read(calls)
+                self._back()
+                return {stream: rows for reply in parsed for stream, rows in reply.items()}
             if self._cluster is not None:
                 # One node serves a shard's levels; its reads one after the other (a cluster
                 # pipeline would ask for each XREADGROUP's keys, as below).
@@ -229,9 +248,6 @@ class Reader:
             self._backoff = Backoff(0.1, 5.0)
 
 
-Entries = list[tuple[str, dict[bytes, bytes] | None]]
-
-
 def _by_stream(reply: Any) -> dict[str, Entries]:
     """XREADGROUP's reply as {stream: [(entry id, fields)]}; fields None for an entry that
     is pending but was deleted."""
@@ -243,7 +259,7 @@ def _by_stream(reply: Any) -> dict[str, Entries]:
         stream = raw_stream.decode() if isinstance(raw_stream, bytes) else str(raw_stream)
         rows = raw_entries[0] if isinstance(reply, dict) else raw_entries
         out[stream] = [
-            (raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id), fields or None)
+            (raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id), fields or None, -1)
             for raw_id, fields in rows
         ]
     return out

@@ -27,9 +27,11 @@ from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
 from worker.decode.packed import packed_side
+from worker.decode.payloads import PayloadMemory, payload_bytes
 from worker.decode.pool import DecodePool
 from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
+from worker.delivery.in_flight import in_flight_places
 from worker.jobs import Job
 from worker.lifecycle.feed_plan import FeedPlan, plan_feed
 from worker.model.compiler import CompileReport, compile_step, mode_uses_cudagraphs, time_sizes
@@ -101,6 +103,9 @@ class Engine:
     decode_cache: DecodeCache
     decode_threads: int
     plan: FeedPlan
+    # With the intake's process: the memory it reads image bytes into, which the decode
+    # processes read them from (worker/decode/payloads.py).
+    payloads: PayloadMemory | None = None
     # Degrade under backlog (GPUFEED_DEGRADE_AFTER_S): the cheaper model, its compiled step
     # and its output slots (the main ones where its outputs have the same shape).
     degraded: DegradedModel | None = None
@@ -294,8 +299,13 @@ async def warm_up(
     # worker's (`url` jobs' rows by their URL), so the two stay within the setting.
     cache = DecodeCache(cache_bytes // 2 if arena is not None else cache_bytes)
     decoder: AnyDecodePool
+    payloads: PayloadMemory | None = None
     if arena is not None:
-        decoder = _process_pool(cfg, loaded, plan, arena, rows=rows, hook=decode_hook, cache=cache)
+        if plan.intake == "process":
+            payloads = _payload_memory(cfg, batch_size, exit_stack)
+        decoder = _process_pool(
+            cfg, loaded, plan, arena, rows=rows, hook=decode_hook, cache=cache, payloads=payloads
+        )
         exit_stack.callback(decoder.shutdown)
     else:
         decoder = _decode_pool(
@@ -327,6 +337,7 @@ async def warm_up(
         decode_cache=cache,
         decode_threads=threads,
         plan=plan,
+        payloads=payloads,
         degraded=degraded,
         degraded_step=compiled.degraded_step,
         degraded_out_ring=degraded_out_ring,
@@ -411,6 +422,21 @@ def _shared_arena(
     return arena
 
 
+def _payload_memory(
+    cfg: WorkerConfig, batch_size: int, exit_stack: contextlib.AsyncExitStack
+) -> PayloadMemory:
+    size = payload_bytes(in_flight_places(batch_size, cfg.ring_slots))
+    try:
+        memory = PayloadMemory(size)
+    except OSError as exc:
+        raise ConfigError(
+            f"GPUFEED_INTAKE: cannot allocate {size:,} bytes of shared payload memory ({exc}); "
+            "set GPUFEED_INTAKE=loop"
+        ) from None
+    exit_stack.callback(memory.close)
+    return memory
+
+
 def _process_pool(
     cfg: WorkerConfig,
     loaded: LoadedModel,
@@ -420,6 +446,7 @@ def _process_pool(
     rows: int,
     hook: DecodeHook | None,
     cache: DecodeCache,
+    payloads: PayloadMemory | None,
 ) -> ProcessDecodePool:
     try:
         return ProcessDecodePool(
@@ -433,6 +460,7 @@ def _process_pool(
             cache_counts=cache,
             delay_s=hook.delay_s if isinstance(hook, SleepHook) else 0.0,
             max_image_pixels=cfg.max_image_pixels,
+            payloads=payloads,
         )
     except DecodeProcessesFailed as exc:
         raise ConfigError(f"GPUFEED_DECODE_PROCESSES: {exc}; set it to 0") from None

@@ -52,6 +52,8 @@ class FeedPlan:
     cores: int
     result_writer: str = "loop"  # process: worker/delivery/writer_process.py
     writer_why: str = ""
+    intake: str = "loop"  # process: worker/delivery/intake_process.py
+    intake_why: str = ""
 
     @property
     def decoders(self) -> str:
@@ -73,10 +75,12 @@ class FeedPlan:
             else ""
         )
         writer = "a process of its own" if self.result_writer == "process" else "the event loop"
+        intake = "a process of its own" if self.intake == "process" else "the event loop"
         return (
             f"{self.decoders} ({self.decoders_why}); ring {self.ring_slots} slots "
             f"({self.ring_why}); resize on the {self.placement} ({self.placement_why})"
-            f"{staged}; results published from {writer} ({self.writer_why})"
+            f"{staged}; jobs read from {intake} ({self.intake_why}); results published from "
+            f"{writer} ({self.writer_why})"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -91,6 +95,8 @@ class FeedPlan:
             "packed_rows": self.packed,
             "result_writer": self.result_writer,
             "writer_why": self.writer_why,
+            "intake": self.intake,
+            "intake_why": self.intake_why,
             "cores": self.cores,
             "line": self.line(),
         }
@@ -131,6 +137,7 @@ def plan_feed(
         )
         why += f"; {threads} threads ({source})"
     writer, writer_why = result_writer_for(cfg, cores)
+    intake, intake_why = intake_for(cfg, k)
     return FeedPlan(
         decode_processes=k,
         decode_threads=threads,
@@ -142,7 +149,29 @@ def plan_feed(
         cores=cores,
         result_writer=writer,
         writer_why=writer_why,
+        intake=intake,
+        intake_why=intake_why,
     )
+
+
+def intake_for(cfg: WorkerConfig, decode_processes: int) -> tuple[str, str]:
+    """(`process` or `loop`, why): where the reads run, given the decode processes chosen.
+    Only decode processes can read a payload from the intake's shared memory; a Redis
+    Cluster is read on the loop (its reads go to each shard's master), which the worker
+    learns once connected (worker/lifecycle/wiring.py)."""
+    if cfg.intake == "loop":
+        return "loop", "GPUFEED_INTAKE=loop"
+    if cfg.intake == "process":
+        if not decode_processes:
+            raise ConfigError(
+                "GPUFEED_INTAKE=process: image bytes go from the intake's process to decode "
+                "processes only; set GPUFEED_DECODE_PROCESSES to 1 or more, or GPUFEED_INTAKE "
+                "to auto or loop"
+            )
+        return "process", "GPUFEED_INTAKE=process"
+    if not decode_processes:
+        return "loop", "auto: decode threads read image bytes from the worker's memory"
+    return "process", "auto: image bytes straight from Redis to the decode processes"
 
 
 def result_writer_for(cfg: WorkerConfig, cores: int) -> tuple[str, str]:

@@ -142,6 +142,9 @@ class Worker:
             device=device,
             exit_stack=self._exit,
         )
+        for reader in self._stages.readers:
+            if reader.intake is not None:
+                await reader.intake.start()
         await self._warm_start()
         self._announce_ready(device)
 

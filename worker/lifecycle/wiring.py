@@ -20,18 +20,21 @@ from enum import Enum
 from typing import Any, NamedTuple, cast
 
 import redis.asyncio as aioredis
+import structlog
 import torch
 from redis.asyncio.cluster import RedisCluster
 
 from producer import shards
+from worker.config.errors import ConfigError
 from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
 from worker.delivery.cluster_node import ShardNodeClient
 from worker.delivery.hot_list import HotList
-from worker.delivery.in_flight import InFlight
+from worker.delivery.in_flight import InFlight, in_flight_places
+from worker.delivery.intake_process import IntakeProcess
 from worker.delivery.reader import Reader
 from worker.delivery.reclaimer import Reclaimer
-from worker.delivery.redis_check import RedisLink, heartbeat_key
+from worker.delivery.redis_check import PREFLIGHT_CONNECT_S, RedisLink, heartbeat_key
 from worker.delivery.replicas import ReplicaWait
 from worker.delivery.sharding import ShardedWriter, ShardHeld
 from worker.delivery.writer import ResultWriter, WriterSettings
@@ -51,6 +54,8 @@ from worker.pipeline.degrade import DegradeSwitch, Serving
 from worker.pipeline.device_room import DeviceRoom
 from worker.pipeline.job_queue import JobQueue
 from worker.pipeline.launch import Launched
+
+log = structlog.get_logger("gpufeed.wiring")
 
 
 class Role(Enum):
@@ -114,13 +119,20 @@ def wire(
     """The bounded queues and the stages between them, for every shard of GPUFEED_SHARDS."""
     layout = cfg.shard_layout()
     batch_size = engine.batch_size
-    in_flight = InFlight(batch_size * (cfg.ring_slots + 2))
+    in_flight = InFlight(in_flight_places(batch_size, cfg.ring_slots))
     jobs_q = JobQueue(batch_size)
     sealed_q: asyncio.Queue[Batch | None] = asyncio.Queue(cfg.ring_slots)
 
+    intakes = _intakes(cfg, engine, link, exit_stack)
+
     def on_published(outcomes: list[Outcome], states: list[int]) -> None:
         for outcome in outcomes:
-            held.pop((outcome.job.stream, outcome.job.entry_id), None)
+            job = outcome.job
+            held.pop((job.stream, job.entry_id), None)
+            if job.payload_span >= 0:
+                # Its payload is no longer read by anyone: its memory may come free.
+                intakes[job.stream].release(job.payload_span)
+                job.payload_span = -1
         observer.published(outcomes, states)
         in_flight.give_back(len(outcomes))
 
@@ -190,6 +202,7 @@ def wire(
                 deliver=deliver,
                 max_per_read=batch_size * 2,
                 max_meta_bytes=cfg.max_meta_bytes,
+                intake=intakes.get(lanes.streams[0]),
             )
         )
         reclaimers.append(
@@ -365,6 +378,42 @@ def _writer_client(
     node = ShardNodeClient(cast(RedisCluster, link.client), cfg.redis_url, shard.stream)
     exit_stack.push_async_callback(node.aclose)
     return cast(aioredis.Redis, node)
+
+
+def _intakes(
+    cfg: WorkerConfig, engine: Engine, link: RedisLink, exit_stack: contextlib.AsyncExitStack
+) -> dict[str, IntakeProcess]:
+    """Each shard's intake process, by the job streams its reader reads (none: the reads
+    run on the event loop). Each shard's ring has its own part of the payload memory."""
+    memory = engine.payloads
+    if memory is None:
+        return {}
+    if link.cluster:
+        if cfg.intake == "process":
+            raise ConfigError(
+                "GPUFEED_INTAKE=process reads one Redis; a Redis Cluster is read on the event "
+                "loop (each shard's reads go to its master): set GPUFEED_INTAKE to auto or loop"
+            )
+        log.info("intake_on_event_loop", why="a Redis Cluster: its reads go to each master")
+        return {}
+    layout = cfg.shard_layout()
+    share = memory.size // len(layout)
+    intakes: dict[str, IntakeProcess] = {}
+    for i, shard in enumerate(layout):
+        intake = IntakeProcess(
+            url=cfg.redis_url,
+            group=cfg.group,
+            consumer=cfg.worker_name,
+            connect_timeout_s=PREFLIGHT_CONNECT_S,
+            memory_fd=memory.fd,
+            memory_size=memory.size,
+            view=memory.view,
+            region=(i * share, (i + 1) * share),
+        )
+        exit_stack.callback(intake.shutdown)
+        for stream in cfg.lanes_of(shard.stream).streams:
+            intakes[stream] = intake
+    return intakes
 
 
 def _steps(cfg: WorkerConfig, engine: Engine, observer: Observer) -> Steps:

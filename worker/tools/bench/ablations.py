@@ -213,7 +213,7 @@ class CpuPreprocessPool(DecodePool):
             if job.image is None:
                 raise DecodeError(ErrorCode.INVALID_JOB, "the benchmark sends image jobs only")
             row = np.zeros_like(out)
-            info = self.preprocess.into(job.image, row)
+            info = self.preprocess.into(bytes(job.image), row)
             ticket.write(out, row)
             return DecodeResult(info, None, (time.perf_counter() - start) * 1000)
         except DecodeError as exc:

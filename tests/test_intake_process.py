@@ -1,0 +1,246 @@
+"""The intake's process (worker/delivery/intake_process.py): the reads run there, image
+bytes go to the payload memory and never into the worker's process; a full ring sends them
+as bytes instead; Redis's refusals and outages reach the reader as they would on the loop;
+an intake process killed mid-read loses no job."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from producer.wire import JobResult
+from tests.images import jpeg_bytes
+from tests.worker_harness import running_worker, tiny_config, wait_results
+from worker.config.errors import ConfigError
+from worker.decode.payloads import PayloadMemory
+from worker.delivery.intake_process import IntakeProcess
+from worker.delivery.payload_ring import PayloadRing
+from worker.lifecycle import engine as engine_module
+from worker.lifecycle.feed_plan import plan_feed
+
+# ------------------------------------------------------------------------ the ring
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("read"), st.integers(1, 6), st.integers(1, 400)),
+            st.tuples(st.just("publish"), st.integers(0, 50), st.just(0)),
+        ),
+        max_size=60,
+    )
+)
+def test_the_ring_never_offers_memory_a_job_still_holds(ops: list[tuple[str, int, int]]) -> None:
+    """Whatever the order reads and results come in: a region offered never overlaps a span
+    with a job left in it, and once every job is published the whole ring is offered."""
+    ring = PayloadRing(100, 1100)
+    live: list[tuple[int, int, int]] = []  # (span, start, end) per job still held
+    for op, n, size in ops:
+        start, end = ring.offer()
+        assert 100 <= start <= end <= 1100
+        for _, s, e in live:
+            assert end <= s or e <= start, f"offered [{start}, {end}) overlaps held [{s}, {e})"
+        if op == "read":
+            used = min(end, start + size)
+            span = ring.taken(start, used, n)
+            if used > start:
+                live.extend((span, start, used) for _ in range(n))
+        elif live:
+            span, _, _ = live.pop(n % len(live))
+            ring.release(span)
+    for span, _, _ in live:
+        ring.release(span)
+    assert ring.offer() == (100, 1100)
+    assert ring.held_bytes == 0
+
+
+# ------------------------------------------------------------------ the process
+
+
+def _intake(
+    url: str, memory: PayloadMemory, region: tuple[int, int] | None = None
+) -> IntakeProcess:
+    return IntakeProcess(
+        url=url,
+        group="g",
+        consumer="c",
+        connect_timeout_s=2.0,
+        memory_fd=memory.fd,
+        memory_size=memory.size,
+        view=memory.view,
+        region=region or (0, memory.size),
+    )
+
+
+@pytest.fixture
+def memory() -> Any:
+    mem = PayloadMemory(1 << 20)
+    yield mem
+    mem.close()
+
+
+async def test_payloads_land_in_shared_memory_and_what_does_not_fit_comes_as_bytes(
+    redis_url: str, redis_client: redis.Redis, memory: PayloadMemory
+) -> None:
+    redis_client.xgroup_create("s", "g", id="0", mkstream=True)
+    images = [os.urandom(300_000), os.urandom(300_000), os.urandom(300_000), b"x" * 10]
+    for i, data in enumerate(images):
+        redis_client.xadd("s", {"id": f"j{i}", "image": data, "meta": b"m"})
+    redis_client.xadd("s", {"id": "p", "path": "a/b.jpg"})
+    # 700 KB of room: two payloads fit, the third comes as bytes, the small one fits after.
+    intake = _intake(redis_url, memory, region=(0, 700_000))
+    await intake.start()
+    try:
+        replies, span = await intake.read([({"s": ">"}, 10, None)])
+        entries = replies[0]["s"]
+        assert len(entries) == 5
+        got = [fields for _, fields, _ in entries]
+        for fields, data in zip(got, images, strict=False):
+            assert bytes(fields[b"image"]) == data
+            assert fields[b"meta"] == b"m"
+        places = [at for _, _, at in entries]
+        assert places[0] == 0 and places[1] == 300_000
+        assert places[2] == -1 and isinstance(got[2][b"image"], bytes)
+        assert places[3] == 600_000
+        assert places[4] == -1 and got[4][b"path"] == b"a/b.jpg" and b"image" not in got[4]
+        # The worker's view is read-only: it never writes a payload.
+        with pytest.raises(TypeError):
+            got[0][b"image"][0] = 1
+        # Three jobs hold the span; the ring gives its memory back after the third.
+        assert span >= 0 and intake.ring.held_bytes == 600_010
+        for _ in range(3):
+            intake.release(span)
+        assert intake.ring.held_bytes == 0
+    finally:
+        intake.shutdown()
+
+
+async def test_refusals_and_outages_reach_the_reader_as_redis_py_raises_them(
+    redis_url: str, redis_client: redis.Redis, memory: PayloadMemory
+) -> None:
+    intake = _intake(redis_url, memory)
+    await intake.start()
+    try:
+        # No group on that stream: the reader's NOGROUP handling recreates it.
+        with pytest.raises(ResponseError, match="NOGROUP"):
+            await intake.read([({"missing": ">"}, 1, None)])
+        pid = intake.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(RedisConnectionError, match="intake's process ended"):
+            await intake.read([({"missing": ">"}, 1, None)])
+        # The next read starts a new process and goes on.
+        redis_client.xgroup_create("s", "g", id="0", mkstream=True)
+        redis_client.xadd("s", {"image": b"abc"})
+        replies, _ = await intake.read([({"s": ">"}, 1, None)])
+        assert bytes(replies[0]["s"][0][1][b"image"]) == b"abc"
+        assert intake.restarts == 1 and intake.pid != pid
+    finally:
+        intake.shutdown()
+    away = _intake("redis://127.0.0.1:1/0", memory)
+    await away.start()
+    try:
+        with pytest.raises(RedisConnectionError):
+            await away.read([({"s": ">"}, 1, None)])
+    finally:
+        away.shutdown()
+
+
+def test_the_plan_reads_through_a_process_only_where_decode_processes_read_the_bytes(
+    tmp_path: Path,
+) -> None:
+    url, weights = "redis://127.0.0.1:1/0", tmp_path / "w.pt"
+    kw: dict[str, Any] = {"placement": "host", "placement_why": "t", "default_threads": 2}
+    auto = plan_feed(tiny_config(url, weights, decode_processes="2"), thread_only_hook=False, **kw)
+    assert auto.intake == "process" and "jobs read from a process of its own" in auto.line()
+    threads = plan_feed(
+        tiny_config(url, weights, decode_processes="0"), thread_only_hook=False, **kw
+    )
+    assert threads.intake == "loop" and "jobs read from the event loop" in threads.line()
+    off = tiny_config(url, weights, decode_processes="2", intake="loop")
+    assert plan_feed(off, thread_only_hook=False, **kw).intake == "loop"
+    wrong = tiny_config(url, weights, decode_processes="0", intake="process")
+    with pytest.raises(ConfigError, match="GPUFEED_INTAKE=process"):
+        plan_feed(wrong, thread_only_hook=False, **kw)
+    with pytest.raises(ConfigError, match="GPUFEED_INTAKE"):
+        tiny_config(url, weights, intake="thread")
+
+
+# ------------------------------------------------------------------ the worker
+
+
+async def test_a_small_payload_memory_wraps_and_overflows_and_every_job_is_answered(
+    redis_url: str,
+    redis_client: redis.Redis,
+    tiny_weights: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Payload memory for a few images only: the ring wraps, the rest travel as bytes, the
+    answers are those of the loop's reads, and at the end no memory is held."""
+    monkeypatch.setattr(engine_module, "payload_bytes", lambda _in_flight: 120_000)
+    images = [jpeg_bytes(160 + 8 * (i % 5), 120, seed=i) for i in range(40)]
+    answers: dict[str, list[tuple[str, str, object]]] = {}
+    for intake in ("process", "loop"):
+        redis_client.delete("gpufeed:jobs", "gpufeed:results")
+        async with running_worker(
+            redis_url, tiny_weights, decode_processes="1", decode_cache_mb=0, intake=intake
+        ) as worker:
+            reader = worker.stages.readers[0]
+            assert (reader.intake is not None) == (intake == "process")
+            for i, data in enumerate(images):
+                redis_client.xadd("gpufeed:jobs", {"id": f"j{i}", "image": data})
+            results = await wait_results(redis_client, "gpufeed:results", len(images))
+            if reader.intake is not None:
+                assert reader.intake.ring.held_bytes == 0
+        parsed = [JobResult.from_fields(fields) for _, fields in results]
+        answers[intake] = sorted((r.id, r.status, (r.top1, round(r.score or 0, 4))) for r in parsed)
+    assert answers["process"] == answers["loop"]
+    assert {status for _, status, _ in answers["process"]} == {"ok"}
+
+
+async def test_an_intake_process_killed_holding_a_read_loses_no_job(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """Killed after Redis handed it entries and before it answered: those entries stay
+    pending under the worker's name and the reclaimer takes them back; every job gets
+    exactly one result."""
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        decode_processes="1",
+        decode_cache_mb=0,
+        visibility_timeout_s=1.0,
+        claim_interval_s=0.3,
+    ) as worker:
+        intake = worker.stages.readers[0].intake
+        assert intake is not None and intake.pid is not None
+        pid = intake.pid
+        await asyncio.sleep(0.3)  # it blocks in XREADGROUP
+        os.kill(pid, signal.SIGSTOP)
+        for i in range(6):
+            redis_client.xadd("gpufeed:jobs", {"id": f"k{i}", "image": jpeg_bytes(seed=i)})
+        deadline = time.monotonic() + 10
+        # Redis hands the blocked read its entries: they are pending, their answer unread.
+        while redis_client.xpending("gpufeed:jobs", "gpufeed")["pending"] < 1:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        for i in range(6, 10):
+            redis_client.xadd("gpufeed:jobs", {"id": f"k{i}", "image": jpeg_bytes(seed=i)})
+        results = await wait_results(redis_client, "gpufeed:results", 10, timeout_s=30)
+        assert intake.restarts >= 1 and intake.pid != pid
+    ids = sorted(JobResult.from_fields(f).id for _, f in results)
+    assert ids == sorted(f"k{i}" for i in range(10))
+    assert {JobResult.from_fields(f).status for _, f in results} == {"ok"}

@@ -1,0 +1,232 @@
+"""The worker's side of the intake's process: the reader's XREADGROUPs, run elsewhere.
+
+With decode processes, an image's bytes need never enter the worker's process: the
+intake's process (worker/delivery/intake_main.py) reads them from Redis into the payload
+memory (worker/decode/payloads.py), the decode processes read them there, and the worker
+holds each job's fields, an offset and a length. The reader (worker/delivery/reader.py)
+keeps every decision (what to read, how much, the priority levels' shares, the outages'
+back-off); only the reads themselves and their payloads' bytes move.
+
+Which memory a read may fill is decided here (worker/delivery/payload_ring.py), not in
+the intake's process, so the process can be replaced at any moment: one that dies ends
+the read it was running with a Redis connection error (the reader backs off and reads
+again, as through an outage), a replacement starts, and the entries that read had taken
+stay pending under this worker's name until the reclaimer takes them back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from producer import wire
+from worker.delivery.intake_main import FRAME, frame
+from worker.delivery.payload_ring import PayloadRing
+
+log = structlog.get_logger("gpufeed.intake")
+
+_PROJECT = str(Path(__file__).resolve().parents[2])
+CHILD_MODULE = "worker.delivery.intake_main"
+_START_TIMEOUT_S = 60.0
+# Intake processes that end in a row without one read answered, before the reader fails.
+MAX_RESTARTS = 3
+
+# One XREADGROUP: {stream: id}, COUNT, BLOCK in ms (None: do not block).
+Call = tuple[dict[str, str], int, int | None]
+# A stream's entries: (entry id, fields or None for a deleted entry, payload offset or -1).
+Entries = list[tuple[str, dict[bytes, Any] | None, int]]
+
+
+class IntakeProcessFailed(RuntimeError):
+    """The intake's process cannot run (it ends as soon as it starts)."""
+
+
+class IntakeProcess:
+    """One reader's intake process and the ring of payload memory it fills."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        group: str,
+        consumer: str,
+        connect_timeout_s: float | None,
+        memory_fd: int,
+        memory_size: int,
+        view: memoryview,
+        region: tuple[int, int],
+    ) -> None:
+        self._init = {
+            "url": url,
+            "group": group,
+            "consumer": consumer,
+            "connect_timeout_s": connect_timeout_s,
+        }
+        self._memory_fd = memory_fd
+        self._memory_size = memory_size
+        self._view = view
+        self.ring = PayloadRing(*region)
+        self.restarts = 0  # processes replaced, over the worker's life
+        self._failed_starts = 0  # in a row, without one read answered
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def pid(self) -> int | None:
+        return self._popen.pid if self._popen is not None else None
+
+    async def start(self) -> None:
+        """Start the process and wait until it is ready (it imported redis-py)."""
+        await self._start()
+
+    async def read(self, calls: Sequence[Call]) -> tuple[list[dict[str, Entries]], int]:
+        """The XREADGROUPs' entries, per call, and the span their payloads hold (-1: none);
+        a payload in the memory is a read-only view as the job's `image`. Raises as
+        redis-py would: a connection error when Redis (or the intake's process) is away, a
+        ResponseError for what Redis refused."""
+        async with self._lock:
+            if self._streams is None:
+                await self._start()
+            start, end = self.ring.offer()
+            wanted = [[list(streams.items()), count, block] for streams, count, block in calls]
+            answer = await self._ask(["read", wanted, start, end])
+        kind = answer[0]
+        if kind == b"error":
+            _, what, message = answer
+            text = message.decode("utf-8", "replace") if isinstance(message, bytes) else message
+            if what == b"away":
+                raise RedisConnectionError(text)
+            if what == b"response":
+                raise ResponseError(text)
+            raise RuntimeError(f"the intake's process: {text}")
+        _, replies, used = answer
+        self._failed_starts = 0
+        placed = 0
+        view = self._view
+        out: list[dict[str, Entries]] = []
+        for reply in replies:
+            streams: dict[str, Entries] = {}
+            for raw_stream, entries in reply:
+                rows: Entries = []
+                for raw_id, fields, at, length in entries:
+                    if at >= 0:
+                        fields[wire.JOB_IMAGE] = view[at : at + length]
+                        placed += 1
+                    rows.append((raw_id.decode(), fields, at))
+                streams[raw_stream.decode()] = rows
+            out.append(streams)
+        return out, self.ring.taken(start, used, placed)
+
+    def release(self, span: int) -> None:
+        """A job of `span` had its result published: its payload's memory may come free."""
+        self.ring.release(span)
+
+    async def _ask(self, message: list[Any]) -> Any:
+        streams = self._streams
+        assert streams is not None
+        reader, writer = streams
+        try:
+            writer.write(frame(message))
+            await writer.drain()
+            head = await reader.readexactly(FRAME.size)
+            body = await reader.readexactly(FRAME.unpack(head)[0])
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            code = self._end()
+            raise RedisConnectionError(
+                f"the intake's process ended (exit code {code}); a new one reads next"
+            ) from exc
+        except BaseException:
+            # Cancelled mid-read (the worker stopping): its answer would come to the next
+            # request, so this process goes.
+            self._end()
+            raise
+        return msgpack.unpackb(body, raw=True, strict_map_key=False)
+
+    async def _start(self) -> None:
+        if self._failed_starts >= MAX_RESTARTS:
+            raise IntakeProcessFailed(
+                f"the intake's process ended {self._failed_starts} times in a row before it "
+                "answered a read (its errors are above); set GPUFEED_INTAKE=loop"
+            )
+        if self._popen is not None:
+            self.restarts += 1
+        self._failed_starts += 1
+        self._popen, mine = self._spawn()
+        self._streams = await asyncio.open_unix_connection(sock=mine)
+        try:
+            ready = await asyncio.wait_for(self._ask(["init", self._init]), _START_TIMEOUT_S)
+        except TimeoutError:
+            self._end()
+            raise IntakeProcessFailed("the intake's process did not start in 60 s") from None
+        if ready != [b"ready"]:
+            self._end()
+            raise IntakeProcessFailed(f"the intake's process answered {ready!r} at start")
+        log.info("intake_process_started", pid=self._popen.pid, restarts=self.restarts)
+
+    def _spawn(self) -> tuple[subprocess.Popen[bytes], socket.socket]:
+        """The process (started: it has not yet imported anything) and the worker's end of
+        its socket."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT, env.get("PYTHONPATH")) if p)
+        try:
+            popen = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    CHILD_MODULE,
+                    str(theirs.fileno()),
+                    str(self._memory_fd),
+                    str(self._memory_size),
+                ],
+                pass_fds=(theirs.fileno(), self._memory_fd),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        mine.setblocking(False)
+        return popen, mine
+
+    def _end(self) -> int | None:
+        """End the current process (killed if need be); its exit code."""
+        streams, self._streams = self._streams, None
+        if streams is not None:
+            streams[1].close()
+        popen = self._popen
+        if popen is None:
+            return None
+        try:
+            return popen.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            return popen.wait()
+
+    def shutdown(self) -> None:
+        """End the process: its socket closed (it ends at once; killed if it does not)."""
+        streams, self._streams = self._streams, None
+        if streams is not None:
+            streams[1].close()
+        popen = self._popen
+        if popen is None or popen.poll() is not None:
+            return
+        deadline = time.monotonic() + 2.0
+        while popen.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError):
+            popen.kill()
+        popen.wait()
