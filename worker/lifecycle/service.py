@@ -442,6 +442,12 @@ class Worker:
         return [writer.pid] if isinstance(writer, WriterProcess) else []
 
     @property
+    def intake_pids(self) -> list[int]:
+        """The intake's processes (GPUFEED_INTAKE=process), one per shard, or none."""
+        readers = self._stages.readers if self._stages is not None else []
+        return [r.intake.pid for r in readers if r.intake is not None and r.intake.pid]
+
+    @property
     def batcher(self) -> Batcher:
         return self.stages.batcher
 

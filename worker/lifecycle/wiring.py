@@ -394,7 +394,9 @@ def _intakes(
                 "GPUFEED_INTAKE=process reads one Redis; a Redis Cluster is read on the event "
                 "loop (each shard's reads go to its master): set GPUFEED_INTAKE to auto or loop"
             )
-        log.info("intake_on_event_loop", why="a Redis Cluster: its reads go to each master")
+        why = "auto: a Redis Cluster, whose reads go to each shard's master"
+        engine.plan = replace(engine.plan, intake="loop", intake_why=why)
+        log.info("intake_on_event_loop", why=why, plan=engine.plan.line())
         return {}
     layout = cfg.shard_layout()
     share = memory.size // len(layout)

@@ -289,6 +289,7 @@ def gil_figures(
     model_on_cpu: bool = False,
     decoders_cpu_s: float = 0.0,
     writer_cpu_s: float = 0.0,
+    intake_cpu_s: float = 0.0,
 ) -> dict[str, Any] | None:
     """Per job, by thread kind: GIL-holding µs and CPU µs between two snapshots, and the
     projection for each number of cores in `cores`. `after` names the threads: take it
@@ -298,7 +299,8 @@ def gil_figures(
     (the flag travels with the figures). `decoders_cpu_s`: the CPU of the worker's decode
     processes, which hold no GIL of this process but share its cores (the core-bound
     projection counts it); `writer_cpu_s`: the CPU of its result writer's process
-    (GPUFEED_RESULT_WRITER=process), counted alike. None without jobs or without
+    (GPUFEED_RESULT_WRITER=process), and `intake_cpu_s` its intake's processes'
+    (GPUFEED_INTAKE=process), counted alike. None without jobs or without
     per-thread clocks."""
     if jobs <= 0 or not after.cpu_s:
         return None
@@ -328,7 +330,7 @@ def gil_figures(
     per_job = 1e6 / jobs
     gil_us = {k: round(v * per_job, 1) for k, v in held.items()}
     cpu_us = {k: round(v * per_job, 1) for k, v in cpu.items()}
-    process_us = (process_s + decoders_cpu_s + writer_cpu_s) * per_job
+    process_us = (process_s + decoders_cpu_s + writer_cpu_s + intake_cpu_s) * per_job
     return {
         "jobs": jobs,
         "threads": threads,
@@ -337,10 +339,11 @@ def gil_figures(
         # Of that CPU, the part in the kernel: system calls release the GIL, so this is
         # how loose the bound of the threads whose whole CPU time counts as held is.
         "system_us_per_job": {k: round(v * per_job, 1) for k, v in system.items()},
-        # The worker's CPU per job, its decode and writer processes' included.
+        # The worker's CPU per job, its decode, writer and intake processes' included.
         "process_cpu_us_per_job": round(process_us, 1),
         "decode_processes_cpu_us_per_job": round(decoders_cpu_s * per_job, 1),
         "writer_process_cpu_us_per_job": round(writer_cpu_s * per_job, 1),
+        "intake_process_cpu_us_per_job": round(intake_cpu_s * per_job, 1),
         "decode_released_us_per_job": round(released * per_job, 1),
         "timed_calls_per_job": round(timed_calls / jobs, 2),
         # True: the launch thread's figure (and so the projection) is the model's compute on

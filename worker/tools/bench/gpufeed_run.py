@@ -117,6 +117,7 @@ async def gpufeed_run(
             redis_pid=b.redis_pid,
             decoder_pids=getattr(worker.decoder, "pids", ()),
             writer_pids=worker.writer_pids,
+            intake_pids=worker.intake_pids,
         ).start()
         with count_host_syncs() as syncs, gil_account.timing_releases():
             t0_ms = time.time() * 1000

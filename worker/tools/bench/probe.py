@@ -80,10 +80,11 @@ class RunProbe:
         redis_pid: int | None = None,
         decoder_pids: Sequence[int] = (),
         writer_pids: Sequence[int] = (),
+        intake_pids: Sequence[int] = (),
     ) -> None:
         """`decoder_pids` and `writer_pids`: the worker's decode processes and its result
-        writer's, whose CPU counts as the worker's in the projection (their GIL is their
-        own)."""
+        writer's, `intake_pids` its intake's, whose CPU counts as the worker's in the
+        projection (their GIL is their own)."""
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.sampler = GpuSampler(device.index or 0, interval_s=0.1)
@@ -98,6 +99,9 @@ class RunProbe:
         self._writer_pids = tuple(writer_pids)
         self._writer_before: dict[int, float] = {}
         self._writer_s = 0.0
+        self._intake_pids = tuple(intake_pids)
+        self._intake_before: dict[int, float] = {}
+        self._intake_s = 0.0
         self._decoders_before = 0.0
         self._decoders_after = 0.0
         self._before: dict[int, float] = {}
@@ -134,6 +138,7 @@ class RunProbe:
         self._redis_before = self._redis_cpu_s()
         self._decoders_before = self._decoders_cpu_s()
         self._writer_before = gil_account.processes_cpu_by_pid(self._writer_pids)
+        self._intake_before = gil_account.processes_cpu_by_pid(self._intake_pids)
         self._host_before = host_busy_s()
         self._before = thread_cpu_s()
         self._loop_tid = threading.get_native_id()
@@ -150,6 +155,7 @@ class RunProbe:
         self._redis_after = self._redis_cpu_s()
         self._decoders_after = self._decoders_cpu_s()
         self._writer_s = gil_account.processes_cpu_since(self._writer_before, self._writer_pids)
+        self._intake_s = gil_account.processes_cpu_since(self._intake_before, self._intake_pids)
         self._host_after = host_busy_s()
         self.sampler.stop()
         return self
@@ -168,6 +174,7 @@ class RunProbe:
             model_on_cpu=model_on_cpu,
             decoders_cpu_s=max(0.0, self._decoders_after - self._decoders_before),
             writer_cpu_s=self._writer_s,
+            intake_cpu_s=self._intake_s,
         )
         if figures is not None:
             figures["timed_call_us"] = round(gil_account.timing_cost_us(), 3)
@@ -182,6 +189,7 @@ class RunProbe:
         out["redis_server"] = max(0.0, self._redis_after - self._redis_before)
         out["decode_processes"] = max(0.0, self._decoders_after - self._decoders_before)
         out["writer_process"] = self._writer_s
+        out["intake_process"] = self._intake_s
         ours = sum(out.values())
         out["other_processes"] = max(0.0, self._host_after - self._host_before - ours)
         return out
@@ -199,7 +207,8 @@ class RunProbe:
             sum(
                 v
                 for k, v in per_image.items()
-                if k in (*GROUPS, "redis_server", "decode_processes", "writer_process")
+                if k
+                in (*GROUPS, "redis_server", "decode_processes", "writer_process", "intake_process")
             ),
             3,
         )

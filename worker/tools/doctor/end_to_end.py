@@ -81,7 +81,8 @@ async def end_to_end_section(
     pushed0 = feeder.pushed
     decoders0 = gil_account.processes_cpu_by_pid(getattr(worker.decoder, "pids", ()))
     writer0 = gil_account.processes_cpu_by_pid(worker.writer_pids)
-    decoders_s = writer_s = 0.0
+    intake0 = gil_account.processes_cpu_by_pid(worker.intake_pids)
+    decoders_s = writer_s = intake_s = 0.0
     gil0 = gil_account.snapshot()
     gil1 = gil0
     main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
@@ -120,6 +121,7 @@ async def end_to_end_section(
         # The processes of now: one replaced mid-run counts from its start.
         decoders_s = gil_account.processes_cpu_since(decoders0, getattr(worker.decoder, "pids", ()))
         writer_s = gil_account.processes_cpu_since(writer0, worker.writer_pids)
+        intake_s = gil_account.processes_cpu_since(intake0, worker.intake_pids)
     finally:
         feeding.cancel()
         sampler.close()
@@ -143,6 +145,7 @@ async def end_to_end_section(
         model_on_cpu=not cuda and cfg.model != "null",
         decoders_cpu_s=max(0.0, decoders_s),
         writer_cpu_s=writer_s,
+        intake_cpu_s=intake_s,
     )
     if gil is not None:
         gil["feeder_us_per_job_excluded"] = round(1e6 * feeder_s / n_end, 1)

@@ -102,6 +102,11 @@ _GIL = _obj(
             "the result writer's process's CPU per job (0 with GPUFEED_RESULT_WRITER=loop)",
             "µs",
         ),
+        "intake_process_cpu_us_per_job": _t(
+            "number",
+            "the intake's processes' CPU per job (0 with GPUFEED_INTAKE=loop)",
+            "µs",
+        ),
         "decode_released_us_per_job": _t(
             "number",
             "decode threads' time inside libjpeg-turbo, Pillow's decode and resize and the "
