@@ -17,8 +17,11 @@ from worker.observe import gil_account
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.metrics import STAGES
 from worker.observe.observer import Observer
-from worker.tools.doctor.job_feeder import Feeder
 from worker.tools.doctor.options import DoctorOptions
+from worker.tools.gpu_check.feed import Feeder
+
+# How long the feeder's process may take to push the backlog the run starts from.
+_BACKLOG_WAIT_S = 120.0
 
 
 def _mean(summary: Mapping[str, Any], metric: str) -> float | None:
@@ -49,17 +52,29 @@ async def end_to_end_section(
         image_urls = [server.url(f"/doctor/{i}.jpg") for i in range(len(images))]
     out["source"] = "url" if options.urls else "image"
     ahead = held + max(128, 4 * worker.batch_size)
-    feeder = Feeder(cfg.redis_url, cfg.stream, images, jobs, ahead, image_urls=image_urls)
     # The third isolated stage: what Redis allows for the same jobs and batch, with
     # gpufeed's own publish script (worker/tools/bench/queue_ceiling.py), before the run.
     queue = await _queue_ceiling(cfg, images[0], jobs, worker.batch_size, out)
-    # A full backlog before the worker reads: the feed starts steady. Nothing else runs on
-    # the loop yet, so its CPU per pushed job is the feeder's own: taken out of the loop's
-    # GIL figure for the jobs it pushes during the run.
-    feed_cpu0 = time.thread_time()
-    while await feeder.push(0):
-        pass
-    feed_s_per_job = (time.thread_time() - feed_cpu0) / max(1, feeder.pushed)
+    # The jobs come from a process of their own, as from an upstream service: the worker's
+    # GIL and event loop are measured with nothing of the doctor's on them. At most `ahead`
+    # jobs beyond those answered, so a production Redis never holds more than that many
+    # images for the doctor (the worker's own trimming removes the processed ones).
+    feeder = Feeder(
+        cfg.redis_url,
+        cfg.stream,
+        [u.encode() for u in image_urls] if image_urls else images,
+        ahead,
+        total=jobs,
+        prefix="doctor-",
+        unique=False,
+        field="url" if image_urls else "image",
+    )
+    feeder.start()
+    try:
+        await _full_backlog(feeder, min(jobs, ahead))
+    except BaseException:
+        feeder.stop()
+        raise
 
     cuda = worker.ctx.is_cuda
     sampler = GpuSampler((worker.ctx.device.index or 0) if cuda else 0, interval_s=0.2)
@@ -76,9 +91,8 @@ async def end_to_end_section(
     sampler.start()
     t_start = time.perf_counter()
     # This coroutine runs on the event loop's thread: its CPU time there over the run is the
-    # loop's (the worker's reader, batcher, writer and Redis client, and the feeder).
+    # loop's (the worker's reader, batcher, writer and Redis client, and this poll).
     loop_cpu0 = time.thread_time()
-    pushed0 = feeder.pushed
     decoders0 = gil_account.processes_cpu_by_pid(getattr(worker.decoder, "pids", ()))
     writer0 = gil_account.processes_cpu_by_pid(worker.writer_pids)
     intake0 = gil_account.processes_cpu_by_pid(worker.intake_pids)
@@ -86,7 +100,6 @@ async def end_to_end_section(
     gil0 = gil_account.snapshot()
     gil1 = gil0
     main = asyncio.create_task(worker.main_loop(), name="doctor-main-loop")
-    feeding = asyncio.create_task(feeder.run(lambda: counters.results), name="doctor-feeder")
     first_t: float | None = None
     first_n = 0
     timed_out = False
@@ -97,20 +110,22 @@ async def end_to_end_section(
         with syncs_cm as syncs, gil_account.timing_releases():
             while True:
                 n = counters.results
+                feeder.answered(n)
                 now = time.perf_counter()
+                pushed = feeder.pushed
                 if first_t is None and n > 0:
                     first_t, first_n = now, n
-                if first_t is not None and not feeding.done():
+                if first_t is not None and pushed < jobs:
                     fed_polls += 1
-                    if feeder.pushed - n > worker.in_flight.count:
+                    if pushed - n > worker.in_flight.count:
                         backlog_polls += 1
                 if n >= jobs:
                     break
                 if main.done():
                     main.result()  # a failed stage raises here
                     break
-                if feeding.done():
-                    feeding.result()
+                if pushed < jobs and not feeder.alive:
+                    raise RuntimeError("the doctor's job feeder process ended early")
                 if now - t_start > options.timeout_s:
                     timed_out = True
                     break
@@ -123,32 +138,27 @@ async def end_to_end_section(
         writer_s = gil_account.processes_cpu_since(writer0, worker.writer_pids)
         intake_s = gil_account.processes_cpu_since(intake0, worker.intake_pids)
     finally:
-        feeding.cancel()
+        feeder.stop()
         sampler.close()
         if server is not None:
             server.__exit__()
         worker.handle_exit()
         with contextlib.suppress(asyncio.CancelledError, TimeoutError):
             await asyncio.wait_for(main, 60)
-        with contextlib.suppress(asyncio.CancelledError):
-            await feeding
 
     n_end = counters.results
-    feeder_s = feed_s_per_job * (feeder.pushed - pushed0)
     gil = gil_account.gil_figures(
         gil0,
         gil1,
         n_end,
         loop_tid=threading.get_native_id(),
         cores=tuple(sorted({16, os.cpu_count() or 1})),
-        exclude_loop_s=feeder_s,
         model_on_cpu=not cuda and cfg.model != "null",
         decoders_cpu_s=max(0.0, decoders_s),
         writer_cpu_s=writer_s,
         intake_cpu_s=intake_s,
     )
     if gil is not None:
-        gil["feeder_us_per_job_excluded"] = round(1e6 * feeder_s / n_end, 1)
         gil["timed_call_us"] = round(gil_account.timing_cost_us(), 3)
     else:
         out["not_measured"].append("GIL per job: no result, or no per-thread CPU clock here")
@@ -207,6 +217,21 @@ async def end_to_end_section(
     if summary["samples"] == 0:
         out["not_measured"].append("CPU utilisation: the run was shorter than one sample (0.2 s)")
     return None if syncs is None else int(syncs.total)
+
+
+async def _full_backlog(feeder: Feeder, count: int) -> None:
+    """Wait until the feeder's process pushed `count` jobs: the run starts from a full
+    backlog, so the feed is steady from the first read."""
+    deadline = time.monotonic() + _BACKLOG_WAIT_S
+    while feeder.pushed < count:
+        if not feeder.alive:
+            raise RuntimeError("the doctor's job feeder process ended before the run")
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"the doctor's job feeder pushed {feeder.pushed} of {count} jobs in "
+                f"{_BACKLOG_WAIT_S:.0f} s"
+            )
+        await asyncio.sleep(0.01)
 
 
 async def _queue_ceiling(

@@ -90,8 +90,7 @@ _GIL = _obj(
         ),
         "process_cpu_us_per_job": _t(
             "number",
-            "the worker's CPU per job (its decode and writer processes' included), less the "
-            "doctor's feeder",
+            "the worker's CPU per job (its decode, writer and intake processes' included)",
             "µs",
         ),
         "decode_processes_cpu_us_per_job": _t(
@@ -121,11 +120,6 @@ _GIL = _obj(
             "its figure, and so the projection, is a loose bound, not a GPU host's launch cost",
         ),
         "timed_call_us": _t("number", "what timing one call costs on this host", "µs"),
-        "feeder_us_per_job_excluded": _t(
-            "number",
-            "the doctor's feeder's CPU on the loop thread, taken out of the event loop's",
-            "µs",
-        ),
         "projections": _list(
             "for 16 cores and this host's",
             _obj(
@@ -437,7 +431,8 @@ SCHEMA: dict[str, Any] = _obj(
                 "loop_cpu_us_per_job": _t(
                     ["number", "null"],
                     "the event loop thread's CPU per result during the run (the worker's "
-                    "reader, batcher, writer, Redis client, and the doctor's feeder)",
+                    "reader, batcher, writer and Redis client; the doctor's jobs come from a "
+                    "process of their own)",
                     "µs",
                 ),
                 "gil": _GIL,

@@ -1,10 +1,10 @@
-"""The GPU check's job producer, in a process of its own.
+"""The GPU check's and `doctor`'s job producer, in a process of its own.
 
 Building each job's bytes and redis-py's packing of a pipeline of XADDs are Python work:
-run on a thread of the worker's process, they took turns of the worker's GIL away from the
-pipeline the check measures. In its own process (spawned: nothing of torch or CUDA is
-inherited) the producer costs the measured worker nothing but Redis's time, as an
-upstream service would. Imports no torch.
+run on a thread of the worker's process (or on its event loop, as the doctor's once was),
+they took turns of the worker's GIL away from the pipeline the check measures. In its own
+process (spawned: nothing of torch or CUDA is inherited) the producer costs the measured
+worker nothing but Redis's time, as an upstream service would. Imports no torch.
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ class FeedPlan:
     # The check's pid: the feeder ends once it is no longer its parent. Taken by the check,
     # not by the feeder: a check cut while the feeder was still starting is already gone.
     parent: int = 0
+    # Kept ahead: at most this many jobs in all (0: until stopped).
+    total: int = 0
+    # Job ids are the prefix and the job's number.
+    prefix: str = "g"
+    # Each job's image made bytes of its own (no cache can answer it), or the image as given.
+    unique: bool = True
+    # The field `images` fill: `image`, or `url` (then they are URLs, as bytes).
+    field: str = "image"
 
 
 def feed(
@@ -64,13 +72,19 @@ def feed(
     n = 0
     try:
         while not stop.is_set() and not _orphaned(plan.parent):
-            if n - done.value >= plan.backlog:
+            if plan.total and n >= plan.total:
+                return
+            room = plan.backlog - (n - done.value)
+            if room <= 0:
                 time.sleep(0.002)
                 continue
+            chunk = min(CHUNK, room, plan.total - n) if plan.total else CHUNK
             pipe = client.pipeline(transaction=False)
-            for _ in range(CHUNK):
-                data = unique_jpeg(images[n % len(images)], n)
-                pipe.xadd(plan.stream, {"id": f"g{n}", "image": data})
+            for _ in range(chunk):
+                data = images[n % len(images)]
+                if plan.unique:
+                    data = unique_jpeg(data, n)
+                pipe.xadd(plan.stream, {"id": f"{plan.prefix}{n}", plan.field: data})
                 n += 1
             pipe.execute()
             pushed.value = n
@@ -122,13 +136,28 @@ class Feeder:
         rate_per_s: float = 0.0,
         count: int = 0,
         first: int = 0,
+        total: int = 0,
+        prefix: str = "g",
+        unique: bool = True,
+        field: str = "image",
     ):
         ctx = multiprocessing.get_context("spawn")
         self._stop = ctx.Event()
         self._pushed: Synchronized[int] = ctx.Value("q", 0)
         self._done: Synchronized[int] = ctx.Value("q", 0)
         plan = FeedPlan(
-            redis_url, stream, list(images), backlog, rate_per_s, count, first, os.getpid()
+            redis_url,
+            stream,
+            list(images),
+            backlog,
+            rate_per_s,
+            count,
+            first,
+            os.getpid(),
+            total=total,
+            prefix=prefix,
+            unique=unique,
+            field=field,
         )
         args: tuple[Any, ...] = (plan, self._stop, self._pushed, self._done)
         self._process = ctx.Process(target=feed, args=args, name="gpu-check-feed", daemon=True)
