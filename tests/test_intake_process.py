@@ -9,12 +9,13 @@ import asyncio
 import os
 import signal
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -24,6 +25,7 @@ from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, tiny_config, wait_results
 from worker.config.errors import ConfigError
 from worker.decode.payloads import PayloadMemory
+from worker.delivery.intake_main import Intake
 from worker.delivery.intake_process import IntakeProcess
 from worker.delivery.payload_ring import PayloadRing
 from worker.lifecycle import engine as engine_module
@@ -258,3 +260,101 @@ async def test_an_intake_process_killed_holding_a_read_loses_no_job(
     ids = sorted(JobResult.from_fields(f).id for _, f in results)
     assert ids == sorted(f"k{i}" for i in range(10))
     assert {JobResult.from_fields(f).status for _, f in results} == {"ok"}
+
+
+# ------------------------------------------------------------------ the raw reply
+
+
+_FIELD_NAMES = st.sampled_from([b"image", b"id", b"meta", b"reply_to", b"x\r\ny", b""])
+
+
+@st.composite
+def _entries(draw: st.DrawFn) -> list[dict[bytes, bytes]]:
+    return draw(
+        st.lists(
+            st.dictionaries(_FIELD_NAMES, st.binary(max_size=3000), min_size=1, max_size=4),
+            min_size=0,
+            max_size=6,
+        )
+    )
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    streams=st.lists(_entries(), min_size=1, max_size=3),
+    room=st.integers(0, 8000),
+    deleted=st.booleans(),
+)
+def test_the_raw_reply_reads_what_redis_py_reads(
+    redis_url: str, streams: list[list[dict[bytes, bytes]]], room: int, deleted: bool
+) -> None:
+    """Whatever the entries carry (binary values with CRLF in them, empty ones, no image,
+    entries deleted while pending, a stream with nothing new): the intake's reply reader
+    gives the fields redis-py gives, each `image` that fits the room in the payload memory
+    and the others as bytes."""
+    client = redis.Redis.from_url(redis_url)
+    names = [f"raw-{uuid.uuid4().hex}-{i}" for i in range(len(streams))]
+    for name, entries in zip(names, streams, strict=True):
+        client.xgroup_create(name, "g", id="0", mkstream=True)
+        for fields in entries:
+            client.xadd(name, fields)
+    memory = bytearray(8000)
+    intake = Intake(
+        {b"url": redis_url.encode(), b"group": b"g", b"consumer": b"c", b"connect_timeout_s": 2.0},
+        memoryview(memory),
+    )
+    try:
+        status, replies, used = intake.read([[[[n, ">"] for n in names], 100, None]], 0, room)
+        assert status == b"ok" and used <= room
+        expected = client.xreadgroup("g", "c", {n: "0" for n in names}, count=100)
+        if deleted:
+            for name, entries in zip(names, streams, strict=True):
+                if entries:
+                    first = client.xrange(name, count=1)[0][0]
+                    client.xdel(name, first)
+            # The consumer's history: entries deleted while pending come back as nil.
+            status, replies, _ = intake.read([[[[n, "0"] for n in names], 100, None]], 0, 0)
+            expected = client.xreadgroup("g", "c", {n: "0" for n in names}, count=100)
+        got = {}
+        for stream, entries in replies[0]:
+            rows = []
+            for entry_id, fields, at, length in entries:
+                read = fields
+                if fields is not None and at >= 0:
+                    read = {**fields, b"image": bytes(memory[at : at + length])}
+                rows.append((entry_id, read))
+            got[stream] = rows
+        want = {
+            stream: [(entry_id, fields or None) for entry_id, fields in entries]
+            for stream, entries in expected
+        }
+        # redis-py leaves out a stream with nothing to give; so does Redis's reply.
+        assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.items() if v}
+    finally:
+        intake.client.close()
+        client.delete(*names)
+        client.close()
+
+
+async def test_a_blocking_read_that_times_out_and_an_error_among_calls_keep_the_connection(
+    redis_url: str, redis_client: redis.Redis
+) -> None:
+    redis_client.xgroup_create("s", "g", id="0", mkstream=True)
+    memory = bytearray(1000)
+    intake = Intake(
+        {b"url": redis_url.encode(), b"group": b"g", b"consumer": b"c", b"connect_timeout_s": 2.0},
+        memoryview(memory),
+    )
+    try:
+        assert intake.read([[[[b"s", b">"]], 5, 50]], 0, 1000) == [b"ok", [[]], 0]
+        status, kind, message = intake.read(
+            [[[[b"s", b">"]], 5, None], [[[b"nope", b">"]], 5, None]], 0, 1000
+        )
+        assert (status, kind) == (b"error", b"response") and "NOGROUP" in message
+        redis_client.xadd("s", {"image": b"abc"})
+        status, _, used = intake.read([[[[b"s", b">"]], 5, None]], 0, 1000)
+        assert status == b"ok" and used == 3 and bytes(memory[:3]) == b"abc"
+    finally:
+        intake.client.close()

@@ -41,6 +41,7 @@ from redis.exceptions import ResponseError
 
 from producer import wire
 from worker.delivery.redis_errors import AWAY
+from worker.delivery.stream_reply import ErrorReply, ReplyReader
 
 FRAME = struct.Struct("<I")
 _IMAGE = wire.JOB_IMAGE
@@ -75,72 +76,88 @@ def frame(message: Any) -> bytes:
     return FRAME.pack(len(body)) + body
 
 
-def place(replies: list[Any], memory: memoryview, start: int, end: int) -> tuple[list[Any], int]:
-    """`replies` (redis-py's XREADGROUP answers) with each payload that fits [start, end)
-    written there and taken out of its fields; the answers as the worker reads them and
-    where the written part ends."""
-    at = start
-    out: list[Any] = []
-    for reply in replies:
-        items = reply.items() if isinstance(reply, dict) else (reply or [])
-        streams: list[Any] = []
-        for stream, raw_entries in items:
-            entries = raw_entries[0] if isinstance(reply, dict) else raw_entries
-            placed: list[Any] = []
-            for entry_id, fields in entries:
-                image = fields.get(_IMAGE) if fields else None
-                if image and at + len(image) <= end:
-                    memory[at : at + len(image)] = image
-                    del fields[_IMAGE]
-                    placed.append([entry_id, fields, at, len(image)])
-                    at += len(image)
-                else:
-                    placed.append([entry_id, fields or None, -1, 0])
-            streams.append([stream, placed])
-        out.append(streams)
-    return out, at
-
-
 class Intake:
-    """One worker's reads, on its own Redis connection."""
+    """One worker's reads, on a Redis connection of its own."""
 
     def __init__(self, init: dict[bytes, Any], memory: memoryview) -> None:
         url = init[b"url"].decode()
         tcp = not url.startswith("unix:")
+        # RESP2: the reply shape stream_reply.py reads.
         self.client = redis.Redis.from_url(
             url,
             **({"socket_keepalive": True} if tcp else {}),
             health_check_interval=30,
             socket_connect_timeout=init[b"connect_timeout_s"],
+            protocol=2,
         )
         self.group = init[b"group"].decode()
         self.consumer = init[b"consumer"].decode()
         self.memory = memory
+        self._conn: Any = None
+        self._reader: ReplyReader | None = None
 
     def read(self, calls: list[Any], start: int, end: int) -> list[Any]:
         try:
-            replies = self._xreadgroups(calls)
+            answers, used = self._xreadgroups(calls, start, end)
+        except ErrorReply as reply:
+            # The connection is in step: kept. Told apart as redis-py tells them apart.
+            error = reply.error
+            kind = b"away" if isinstance(error, AWAY) else b"response"
+            if not isinstance(error, (*AWAY, ResponseError)):
+                kind = b"other"
+            return [b"error", kind, str(error) if kind == b"response" else repr(error)]
         except AWAY as exc:
+            self._drop()
             return [b"error", b"away", f"{type(exc).__name__}: {exc}"]
-        except ResponseError as exc:
-            return [b"error", b"response", str(exc)]
         except Exception as exc:  # noqa: BLE001 - the worker decides; this process goes on
+            self._drop()
             return [b"error", b"other", f"{type(exc).__name__}: {exc}"]
-        answers, used = place(replies, self.memory, start, end)
         return [b"ok", answers, used]
 
-    def _xreadgroups(self, calls: list[Any]) -> list[Any]:
-        if len(calls) == 1:
-            streams, count, block = calls[0]
-            return [self._xreadgroup(streams, count, block)]
-        with self.client.pipeline(transaction=False) as pipe:
-            for streams, count, block in calls:
-                pipe.xreadgroup(self.group, self.consumer, dict(streams), count=count, block=block)
-            return list(pipe.execute())
+    def _xreadgroups(self, calls: list[Any], at: int, end: int) -> tuple[list[Any], int]:
+        """Every call sent in one round trip, each reply read in turn (all of them, so the
+        connection stays in step when one is an error; the first error is raised)."""
+        conn = self._connection()
+        commands = []
+        for streams, count, block in calls:
+            args: list[Any] = ["XREADGROUP", "GROUP", self.group, self.consumer, "COUNT", count]
+            if block is not None:
+                args += ["BLOCK", block]
+            args += ["STREAMS", *(s for s, _ in streams), *(i for _, i in streams)]
+            commands.append(args)
+        conn.send_packed_command(conn.pack_commands(commands))
+        reader = self._reader_of(conn)
+        answers: list[Any] = []
+        error: ErrorReply | None = None
+        for _ in commands:
+            try:
+                streams_read, at = reader.xreadgroup(at, end)
+            except ErrorReply as exc:
+                error = error or exc
+                streams_read = []
+            answers.append(streams_read)
+        if error is not None:
+            raise error
+        return answers, at
 
-    def _xreadgroup(self, streams: list[Any], count: int, block: int | None) -> Any:
-        wanted: dict[Any, Any] = dict(streams)
-        return self.client.xreadgroup(self.group, self.consumer, wanted, count=count, block=block)
+    def _connection(self) -> Any:
+        if self._conn is None:
+            self._conn = self.client.connection_pool.get_connection()
+        # Connects (authenticates, selects the database) where it is not connected.
+        self._conn.connect()
+        return self._conn
+
+    def _reader_of(self, conn: Any) -> ReplyReader:
+        sock = conn._sock  # the reply is read off redis-py's own socket
+        if self._reader is None or self._reader.sock is not sock:
+            self._reader = ReplyReader(sock, self.memory, _IMAGE)
+        return self._reader
+
+    def _drop(self) -> None:
+        """A connection out of step (or gone) is closed: the next read opens a new one."""
+        if self._conn is not None:
+            self._conn.disconnect()
+        self._reader = None
 
 
 def serve(sock: socket.socket, memory: memoryview) -> None:

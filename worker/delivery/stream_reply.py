@@ -1,0 +1,172 @@
+"""XREADGROUP's reply read straight off the socket, each image's bytes received into the
+payload memory where the decode processes will read them.
+
+redis-py reads a reply in socket-sized chunks, hands them to its parser (a copy) and makes
+a Python bytes object of every value (another); the intake's process then copied each
+payload into the shared memory (a third): measured on a 2-core host, ~115 µs of CPU per
+84 KB payload, which would cap one intake process near 9,000 jobs/s. Here the bytes of an
+`image` value go from the kernel into the payload memory once (`recv_into`); the other
+fields are small and become bytes as before. Only the reply is read here: the connection
+(its authentication, TLS, database, health checks, reconnects) is redis-py's.
+
+The reply is RESP2 (the client is made with protocol 2): a nil array when a blocking read
+timed out, else an array of [stream, entries], each entry [id, fields], fields a flat array
+of bulk strings or nil for an entry deleted while pending; or an error line.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from redis._parsers.base import BaseParser
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+_CRLF = b"\r\n"
+# redis-py's own mapping of an error answer to the exception it raises.
+_PARSE_ERROR: Callable[[str], Exception] = BaseParser.parse_error
+# How much is received at a time outside payloads (ids, small fields, the array headers).
+_CHUNK = 1 << 18
+
+# A stream's entries: [entry id, fields or None, payload offset (-1: none), payload length].
+Entry = list[Any]
+
+
+class ErrorReply(Exception):
+    """Redis answered the command with an error: the reply was read whole, the connection
+    is in step. `error` is what redis-py raises for that answer (ResponseError for
+    NOGROUP, BusyLoadingError for LOADING, ...)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.error: Exception = _PARSE_ERROR(message)
+
+
+class BrokenReply(RedisConnectionError):
+    """The reply ended early or is not what XREADGROUP answers: the connection is out of
+    step and must be dropped."""
+
+
+class ReplyReader:
+    """Reads replies from `sock`; payloads whose field is `image_field` go into `memory`."""
+
+    def __init__(self, sock: socket.socket, memory: memoryview, image_field: bytes) -> None:
+        self.sock = sock
+        self._memory = memory
+        self._image = image_field
+        self._buf = bytearray(_CHUNK)
+        self._pos = 0  # next unread byte in _buf
+        self._end = 0  # end of the received bytes in _buf
+
+    @property
+    def pending(self) -> int:
+        """Bytes received and not yet read: 0 between replies on a connection in step."""
+        return self._end - self._pos
+
+    def xreadgroup(self, at: int, end: int) -> tuple[list[list[Any]], int]:
+        """One XREADGROUP reply, [[stream, [entry, ...]], ...], and where the payloads it
+        wrote into [at, end) of the memory end; a payload that does not fit stays among its
+        fields as bytes. Raises ErrorReply for an error reply, BrokenReply for a reply that
+        cannot be read."""
+        head = self._line()
+        if head[:1] == b"-":
+            raise ErrorReply(head[1:].decode("utf-8", "replace"))
+        streams: list[list[Any]] = []
+        for _ in range(max(_count(head, b"*"), 0)):
+            _expect(_count(self._line(), b"*"), 2)
+            stream = self._bulk()
+            entries: list[Entry] = []
+            for _ in range(_count(self._line(), b"*")):
+                _expect(_count(self._line(), b"*"), 2)
+                entry_id = self._bulk()
+                n = _count(self._line(), b"*")
+                if n < 0:
+                    entries.append([entry_id, None, -1, 0])
+                    continue
+                fields: dict[bytes, bytes] = {}
+                place, length = -1, 0
+                for _ in range(n // 2):
+                    key = self._bulk()
+                    size = _count(self._line(), b"$")
+                    if key == self._image and place < 0 and 0 < size <= end - at:
+                        self._into(self._memory[at : at + size])
+                        place, length = at, size
+                        at += size
+                    else:
+                        fields[key] = self._take(size)
+                entries.append([entry_id, fields, place, length])
+            streams.append([stream, entries])
+        return streams, at
+
+    # ------------------------------------------------------------------ reading
+    def _fill(self) -> None:
+        """Receive more; keeps what is unread at the front of the buffer."""
+        if self._pos:
+            left = self._end - self._pos
+            self._buf[:left] = self._buf[self._pos : self._end]
+            self._pos, self._end = 0, left
+        if self._end == len(self._buf):
+            # A value larger than the buffer (an image that did not fit the payload memory).
+            self._buf.extend(bytes(len(self._buf)))
+        with memoryview(self._buf) as view:
+            n = self.sock.recv_into(view[self._end :])
+        if n == 0:
+            raise BrokenReply("Redis closed the connection in the middle of a reply")
+        self._end += n
+
+    def _line(self) -> bytes:
+        while True:
+            at = self._buf.find(_CRLF, self._pos, self._end)
+            if at >= 0:
+                line = bytes(self._buf[self._pos : at])
+                self._pos = at + 2
+                return line
+            self._fill()
+
+    def _bulk(self) -> bytes:
+        return self._take(_count(self._line(), b"$"))
+
+    def _take(self, size: int) -> bytes:
+        """A bulk string's `size` bytes (its header read), and its CRLF."""
+        if size < 0:
+            raise BrokenReply("unexpected nil in an XREADGROUP reply")
+        while self._end - self._pos < size + 2:
+            self._fill()
+        value = bytes(self._buf[self._pos : self._pos + size])
+        self._pos += size + 2
+        if len(self._buf) > 4 * _CHUNK and self._pos == self._end:
+            # Grown for one large value: not kept for the life of the process.
+            self._buf = bytearray(_CHUNK)
+            self._pos = self._end = 0
+        return value
+
+    def _into(self, target: memoryview) -> None:
+        """A bulk string's bytes (its header read) into `target`, and its CRLF: what is
+        buffered is copied, the rest received straight into it."""
+        have = min(self._end - self._pos, len(target))
+        target[:have] = self._buf[self._pos : self._pos + have]
+        self._pos += have
+        got = have
+        while got < len(target):
+            n = self.sock.recv_into(target[got:])
+            if n == 0:
+                raise BrokenReply("Redis closed the connection in the middle of a reply")
+            got += n
+        while self._end - self._pos < 2:
+            self._fill()
+        self._pos += 2
+
+
+def _count(line: bytes, kind: bytes) -> int:
+    if line[:1] != kind:
+        raise BrokenReply(f"unexpected {line[:40]!r} in an XREADGROUP reply")
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise BrokenReply(f"unexpected {line[:40]!r} in an XREADGROUP reply") from None
+
+
+def _expect(got: int, wanted: int) -> None:
+    if got != wanted:
+        raise BrokenReply(f"an XREADGROUP reply element of {got} items, not {wanted}")
