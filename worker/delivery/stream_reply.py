@@ -112,7 +112,7 @@ class ReplyReader:
         with memoryview(self._buf) as view:
             n = self.sock.recv_into(view[self._end :])
         if n == 0:
-            raise BrokenReply("Redis closed the connection in the middle of a reply")
+            raise BrokenReply("Redis closed the connection before its reply was complete")
         self._end += n
 
     def _line(self) -> bytes:
@@ -151,7 +151,7 @@ class ReplyReader:
         while got < len(target):
             n = self.sock.recv_into(target[got:])
             if n == 0:
-                raise BrokenReply("Redis closed the connection in the middle of a reply")
+                raise BrokenReply("Redis closed the connection before its reply was complete")
             got += n
         while self._end - self._pos < 2:
             self._fill()
