@@ -238,6 +238,8 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
     # lower on 16 cores and on this host's.
     gil = e2e["gil"]
     assert report["config"]["decode_processes"] == 2
+    # The jobs' bytes came through the intake's process, whose CPU counts as the worker's.
+    assert report["config"]["intake"] == "process" and gil["intake_process_cpu_us_per_job"] > 0
     assert gil["jobs"] == 64 and gil["threads"]["decode"] >= 2
     assert gil["gil_us_per_job"]["event_loop"] > 0 and gil["gil_us_per_job"]["decode"] > 0
     assert gil["decode_released_us_per_job"] > 0 and 0 < gil["timed_calls_per_job"] < 1

@@ -164,18 +164,23 @@ async def test_an_answer_refused_under_maxmemory_is_retried_until_written(
     run = asyncio.create_task(writer.run())
     redis_client.set("filler", b"x" * 2_000_000)
     used = int(redis_client.info("memory")["used_memory"])
-    redis_client.config_set("maxmemory", str(used - 1_000_000))
+    # Well under what is used, so each retry is refused too while the filler stays.
+    redis_client.config_set("maxmemory", str(used // 2))
     try:
         await writer.publish_now(answers)
         assert writer.queued == 3  # refused: nothing written, kept
         assert redis_client.xlen("gpufeed:results") == 0
-        await asyncio.sleep(0.5)  # tried again, refused again
-        assert writer.queued == 3
+        await asyncio.sleep(0.5)  # tried again, refused again: still nothing written
+        assert redis_client.xlen("gpufeed:results") == 0
+        assert writer.stalled()[0] > 0
     finally:
         redis_client.delete("filler")
         redis_client.config_set("maxmemory", "0")
     try:
-        await wait_results(redis_client, "gpufeed:results", 3, timeout_s=20)
+        # Written by the writer's own retries (its back-off is at most 5 s), with nothing
+        # else queued behind them: not only when the writer closes.
+        got = await wait_results(redis_client, "gpufeed:results", 3, timeout_s=8)
+        assert len(got) == 3
         await writer.close()
         await asyncio.wait_for(run, 10)
     finally:

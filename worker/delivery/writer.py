@@ -195,6 +195,8 @@ class ResultWriter:
         # again here. They keep their in-flight places, which bounds this list.
         self._refused: list[Outcome] = []
         self._refused_backoff = Backoff(REFUSED_BACKOFF_MIN_S, REFUSED_BACKOFF_MAX_S)
+        # Empty items put on the queue to wake `run` (see publish_now): not outcomes.
+        self._wakes = 0
         # Since when answers wait that cannot be published (monotonic; None: none wait),
         # and why: /live fails past GPUFEED_LIVE_WRITER_STALL_S (worker/observe/health.py).
         self._stalled_since: float | None = None
@@ -214,7 +216,7 @@ class ResultWriter:
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize() + len(self._refused)
+        return self._queue.qsize() - self._wakes + len(self._refused)
 
     async def put(self, outcomes: list[Outcome]) -> None:
         if outcomes:
@@ -249,12 +251,16 @@ class ResultWriter:
 
     async def _next(self, timeout_s: float | None) -> list[Outcome] | None:
         """The next queued outcomes; [] when `timeout_s` passed first."""
-        if timeout_s is None:
-            return await self._queue.get()
         try:
-            return await asyncio.wait_for(self._queue.get(), timeout_s)
+            if timeout_s is None:
+                item = await self._queue.get()
+            else:
+                item = await asyncio.wait_for(self._queue.get(), timeout_s)
         except TimeoutError:
             return []
+        if item == []:
+            self._wakes -= 1
+        return item
 
     def _take_refused(self) -> list[Outcome]:
         taken, self._refused = self._refused, []
@@ -265,6 +271,13 @@ class ResultWriter:
         what Redis refuses is handed to `run`, which tries it again."""
         if outcomes:
             await self._publish_until_done(outcomes)
+            if self._refused and self._queue.empty():
+                # `run` may wait on an empty queue, having had nothing refused when it began
+                # to: woken, it tries these again after their back-off instead of only when
+                # the next batch comes (an idle worker's dead letters would wait for ever).
+                with contextlib.suppress(asyncio.QueueFull):
+                    self._queue.put_nowait([])
+                    self._wakes += 1
 
     async def _publish_until_done(self, outcomes: list[Outcome]) -> None:
         backoff = Backoff(0.05, 2.0)

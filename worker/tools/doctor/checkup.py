@@ -96,6 +96,7 @@ async def run_doctor(
                 "decode_processes": worker.engine.plan.decode_processes,
                 "feed_plan": worker.engine.plan.line(),
                 "result_writer": worker.engine.plan.result_writer,
+                "intake": worker.engine.plan.intake,
                 "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
                 "dct_scaling": config.dct_scaling,
                 "resize": worker.placement,

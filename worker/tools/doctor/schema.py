@@ -232,12 +232,18 @@ SCHEMA: dict[str, Any] = _obj(
                 ),
                 "feed_plan": _t(
                     "string",
-                    "the feed plan's line: decoders, ring, resize and result writer, each with why",
+                    "the feed plan's line: decoders, ring, resize, intake and result writer, each "
+                    "with why",
                 ),
                 "result_writer": _t(
                     "string",
                     "where results are built and published: `process` or `loop` "
                     "(GPUFEED_RESULT_WRITER as resolved)",
+                ),
+                "intake": _t(
+                    "string",
+                    "where jobs are read from Redis: `process` (image bytes straight into "
+                    "memory the decode processes read) or `loop` (GPUFEED_INTAKE as resolved)",
                 ),
                 "staged_bytes_per_image": _t(
                     "integer",
