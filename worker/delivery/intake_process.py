@@ -17,12 +17,10 @@ stay pending under this worker's name until the reclaimer takes them back.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -202,8 +200,9 @@ class IntakeProcess:
         mine.setblocking(False)
         return popen, mine
 
-    def _end(self) -> int | None:
-        """End the current process (killed if need be); its exit code."""
+    def _end(self, wait_s: float = 0.5) -> int | None:
+        """End the current process: its socket closed, it ends at once (killed if it has
+        not within `wait_s`); its exit code."""
         streams, self._streams = self._streams, None
         if streams is not None:
             streams[1].close()
@@ -211,22 +210,11 @@ class IntakeProcess:
         if popen is None:
             return None
         try:
-            return popen.wait(timeout=0.5)
+            return popen.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             popen.kill()
             return popen.wait()
 
     def shutdown(self) -> None:
-        """End the process: its socket closed (it ends at once; killed if it does not)."""
-        streams, self._streams = self._streams, None
-        if streams is not None:
-            streams[1].close()
-        popen = self._popen
-        if popen is None or popen.poll() is not None:
-            return
-        deadline = time.monotonic() + 2.0
-        while popen.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with contextlib.suppress(ProcessLookupError):
-            popen.kill()
-        popen.wait()
+        """End the process, for good (the worker is stopping)."""
+        self._end(wait_s=2.0)
