@@ -117,6 +117,27 @@ def test_scans_are_counted_from_the_first_scan_and_a_thumbnail_is_not_one() -> N
     assert progressive.progressive and 2 <= progressive.scans <= 12
 
 
+def test_a_sequential_jpeg_of_one_scan_is_not_searched_and_later_scans_are_refused() -> None:
+    # Its markers are read without a search of the data: its first scan holds every
+    # component, so libjpeg decodes it as the only one. Scans appended after it cannot cost
+    # a pass each: the decode refuses the file at the second.
+    clean = io.BytesIO()
+    photo_like(640, 480, 0).save(clean, "JPEG", quality=80)
+    data = clean.getvalue()
+    first = data.index(b"\xff\xda")
+    header = data[first : first + 2 + int.from_bytes(data[first + 2 : first + 4], "big")]
+    hostile = data[:-2] + (header + data[first + len(header) : first + len(header) + 500]) * 1500
+    hostile += b"\xff\xd9"
+    for each in (data, hostile):
+        cost = jpeg_cost(each)
+        assert cost is not None
+        assert (cost.scans, cost.progressive, cost.coefficient_bytes) == (1, False, 0)
+    assert cpu.decode_checked(data, DecodeSpec(size=224)).info.width == 640
+    with pytest.raises(DecodeError) as refused:
+        cpu.decode_checked(hostile, DecodeSpec(size=224))
+    assert refused.value.code == ErrorCode.DECODE_ERROR
+
+
 @given(st.integers(min_value=0, max_value=2000), st.binary(max_size=8))
 @example(cut=163, junk=b"\xff")
 def test_any_cut_or_damage_of_the_markers_is_a_cost_or_none(cut: int, junk: bytes) -> None:

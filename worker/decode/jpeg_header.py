@@ -11,7 +11,9 @@ beside the output, and its time grows with its scans: a 400 KB progressive JPEG 
 
 The scans are counted with one search for the SOS marker after the first scan: in
 entropy-coded data a 0xFF byte is always followed by 0x00 or a restart marker, so FF DA
-there is always a marker.
+there is always a marker. A sequential JPEG whose first scan holds every component has no
+other (libjpeg refuses a second one), so it is not searched: that search cost about 80 us
+of an 84 KB photo's ~1.1 ms decode.
 """
 
 from __future__ import annotations
@@ -71,7 +73,14 @@ def jpeg_cost(data: bytes) -> JpegCost | None:
             frame = _frame(marker, data[pos + 4 : pos + 2 + length])
         elif marker == 0xDA and frame is not None:
             sof, height, width, sampling = frame
-            scans = data.count(_SOS, pos)
+            in_scan = data[pos + 4] if pos + 4 < len(data) else 0
+            if sof not in _PROGRESSIVE and in_scan >= len(sampling) > 0:
+                # A sequential first scan of every component is the only scan: libjpeg
+                # decides so at that scan and refuses any later one ("Didn't expect more
+                # than one scan"), so the file (nearly every baseline JPEG) is not searched.
+                scans = 1
+            else:
+                scans = data.count(_SOS, pos)
             whole = sof in _PROGRESSIVE or scans > 1
             return JpegCost(
                 width=width,
@@ -84,7 +93,8 @@ def jpeg_cost(data: bytes) -> JpegCost | None:
 
 
 def _frame(marker: int, body: bytes) -> tuple[int, int, int, list[tuple[int, int]]] | None:
-    """(marker, height, width, [(h, v) sampling of each component]) of a SOF segment."""
+    """(marker, height, width, [(h, v) sampling of each component]) of a SOF segment; None
+    when it does not hold every component it declares."""
     if len(body) < 6:
         return None
     height = int.from_bytes(body[1:3], "big")
@@ -95,6 +105,8 @@ def _frame(marker: int, body: bytes) -> tuple[int, int, int, list[tuple[int, int
         for i in range(6, 6 + 3 * count, 3)
         if i + 1 < len(body)
     ]
+    if len(sampling) != count:
+        return None
     return marker, height, width, sampling
 
 
