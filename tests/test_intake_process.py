@@ -133,6 +133,8 @@ async def test_payloads_land_in_shared_memory_and_what_does_not_fit_comes_as_byt
         for _ in range(3):
             intake.release(span)
         assert intake.ring.held_bytes == 0
+        # Its socket closed, it ends by itself at once: not killed after the wait.
+        assert intake.shutdown() == 0
     finally:
         intake.shutdown()
 
@@ -243,7 +245,9 @@ async def test_an_intake_process_killed_holding_a_read_loses_no_job(
         intake = worker.stages.readers[0].intake
         assert intake is not None and intake.pid is not None
         pid = intake.pid
-        await asyncio.sleep(0.3)  # it blocks in XREADGROUP
+        # Its next read blocks in XREADGROUP longer than the test takes to add the jobs.
+        worker.stages.readers[0].block_ms = 30_000
+        await asyncio.sleep(0.6)
         os.kill(pid, signal.SIGSTOP)
         for i in range(6):
             redis_client.xadd("gpufeed:jobs", {"id": f"k{i}", "image": jpeg_bytes(seed=i)})

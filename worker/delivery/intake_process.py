@@ -17,6 +17,7 @@ stay pending under this worker's name until the reclaimer takes them back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -81,6 +82,8 @@ class IntakeProcess:
         self._failed_starts = 0  # in a row, without one read answered
         self._popen: subprocess.Popen[bytes] | None = None
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        # The streams' socket, which the transport wraps without shutdown() under uvloop.
+        self._sock: socket.socket | None = None
         self._lock = asyncio.Lock()
 
     @property
@@ -164,6 +167,7 @@ class IntakeProcess:
             self.restarts += 1
         self._failed_starts += 1
         self._popen, mine = self._spawn()
+        self._sock = mine
         self._streams = await asyncio.open_unix_connection(sock=mine)
         try:
             ready = await asyncio.wait_for(self._ask(["init", self._init]), _START_TIMEOUT_S)
@@ -205,7 +209,13 @@ class IntakeProcess:
         not within `wait_s`); its exit code."""
         streams, self._streams = self._streams, None
         if streams is not None:
+            # The transport closes its socket only on the loop's next turn, and the wait
+            # below holds the loop: shut it down now so the process sees its end at once.
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
             streams[1].close()
+        self._sock = None
         popen = self._popen
         if popen is None:
             return None
@@ -215,6 +225,7 @@ class IntakeProcess:
             popen.kill()
             return popen.wait()
 
-    def shutdown(self) -> None:
-        """End the process, for good (the worker is stopping)."""
-        self._end(wait_s=2.0)
+    def shutdown(self) -> int | None:
+        """End the process, for good (the worker is stopping); its exit code (0: it ended
+        by itself, as it should once its socket closes; negative: killed)."""
+        return self._end(wait_s=2.0)
