@@ -232,6 +232,10 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
     assert e2e["results_ok"] == 64 and e2e["results_error"] == 0
     assert e2e["queue_capacity_jobs_per_s"] > 0 and e2e["queue_client_cpu_us_per_job"] > 0
     assert e2e["loop_cpu_us_per_job"] > 0
+    # What each job cost Redis itself: the command thread's CPU (Redis 6+ reports it), and
+    # the rate at which that thread would be busy all the time; the text says both.
+    assert e2e["redis_cpu_main_thread"] is True and e2e["redis_cpu_us_per_job"] > 0
+    assert e2e["redis_jobs_per_s_max"] == round(1e6 / e2e["redis_cpu_us_per_job"])
     # What holds the GIL per job: the loop does, and the threads that send the decode
     # processes their rows (releasing it in the kernel's copy: one timed call per message,
     # not per job); the processes' CPU counts in the projection, which says which bound is
@@ -260,6 +264,9 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
     assert plan.startswith("feed plan: 2 decode processes (GPUFEED_DECODE_PROCESSES=2)")
     assert report["config"]["staged_bytes_per_image"] == 64 * 64 * 3
     assert f"at most {sixteen['jobs_per_s']:,.1f} jobs/s, bound by the {sixteen['binds']}" in line
+    redis_line = next(x for x in text.getvalue().splitlines() if x.startswith("Redis "))
+    assert f"{e2e['redis_cpu_us_per_job']:,.1f} µs of redis-server's main thread" in redis_line
+    assert f"at most {e2e['redis_jobs_per_s_max']:,.0f} such jobs/s" in redis_line
     assert report["verdict"]["name"] in VERDICTS
     # The queue ceiling's keys are deleted with the run's.
     assert keys_left(redis_url) == []

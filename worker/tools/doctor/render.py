@@ -180,6 +180,14 @@ def render(report: Mapping[str, Any], console: Console) -> None:
             f"{_num(e2e['queue_client_cpu_us_per_job'])} µs client CPU per job); the event "
             f"loop spent {_num(e2e['loop_cpu_us_per_job'])} µs of CPU per job in the run",
         )
+        if e2e.get("redis_cpu_us_per_job") is not None:
+            thread = "main thread" if e2e["redis_cpu_main_thread"] else "process"
+            grid.add_row(
+                "Redis",
+                f"{_num(e2e['redis_cpu_us_per_job'], ',.1f')} µs of redis-server's {thread} "
+                f"per job (its XADD, the reads, results and acks): one Redis serves at most "
+                f"{_num(e2e['redis_jobs_per_s_max'], ',.0f')} such jobs/s",
+            )
         gil = e2e.get("gil")
         if gil is not None:
             held = gil["gil_us_per_job"]

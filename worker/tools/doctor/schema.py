@@ -441,6 +441,24 @@ SCHEMA: dict[str, Any] = _obj(
                     "process of their own)",
                     "µs",
                 ),
+                "redis_cpu_us_per_job": _t(
+                    ["number", "null"],
+                    "redis-server's CPU per job over the run (INFO cpu): each job's XADD and "
+                    "the worker's reads, results and acks; its main thread's where Redis "
+                    "reports it (null on a cluster, or where INFO is refused)",
+                    "µs",
+                ),
+                "redis_cpu_main_thread": _t(
+                    ["boolean", "null"],
+                    "redis_cpu_us_per_job is the main thread's (the one that runs every "
+                    "command), not the whole process's",
+                ),
+                "redis_jobs_per_s_max": _t(
+                    ["number", "null"],
+                    "1e6 / redis_cpu_us_per_job: the most such jobs one Redis serves, its "
+                    "command thread busy all the time",
+                    "jobs/s",
+                ),
                 "gil": _GIL,
                 "gpu_util_pct": _t(["number", "null"], "NVML GPU utilisation, mean", "%"),
                 "mem_bw_util_pct": _t(["number", "null"], "NVML memory utilisation, mean", "%"),
