@@ -214,6 +214,25 @@ def test_queue_bound_when_the_worker_runs_near_the_queue_ceiling() -> None:
     assert "`path` or `url`" in v.knob
 
 
+def test_queue_bound_when_redis_s_command_thread_is_busy_all_the_run() -> None:
+    # 84 KB jobs: the worker is far below the queue ceiling measured with small reads, but
+    # Redis's one command thread spends 1.8 ms per job of XADD and reads: 90% of the run.
+    v = verdict(
+        gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=5000.0, redis_cpu_us_per_job=1800.0)
+    )
+    assert v.name == "queue-bound" and "Redis is the limit" in v.headline
+    assert (
+        "redis-server's command thread 1,800.0 µs per job (each job's XADD, reads, results, "
+        "acks) = busy 90% of the run" in v.evidence
+    )
+    assert "`path` or `url`" in v.knob
+    # Not busy enough: the usual fallbacks.
+    idle = verdict(
+        gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=5000.0, redis_cpu_us_per_job=1500.0)
+    )
+    assert idle.name == "feed-starved"
+
+
 def test_worker_overhead_bound_when_the_event_loop_is_busy_far_below_the_queue() -> None:
     v = verdict(
         gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=5000.0, loop_cpu_us_per_job=1800.0)

@@ -57,4 +57,5 @@ def evidence_from(report: Mapping[str, Any]) -> Evidence:
         fetch_concurrency=cfg["fetch_concurrency"],
         queue_ceiling_jobs_per_s=e2e["queue_capacity_jobs_per_s"],
         loop_cpu_us_per_job=e2e["loop_cpu_us_per_job"],
+        redis_cpu_us_per_job=e2e["redis_cpu_us_per_job"],
     )

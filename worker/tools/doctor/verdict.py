@@ -26,7 +26,9 @@ that hold are listed under `also`):
                   above holds, and decode binds (as in 2, between 70% and 90%).
 6b. queue-bound   (fallback, decode does not bind) end-to-end >= QUEUE_BOUND_RATIO (80%)
                   of the queue ceiling: gpufeed's Redis work alone (read, publish, ack) for
-                  the same jobs and batch is about as fast as the whole worker.
+                  the same jobs and batch is about as fast as the whole worker; or Redis's
+                  command thread was busy >= QUEUE_BOUND_RATIO of the run with these jobs
+                  (its CPU per job x jobs/s; INFO cpu, producers' XADDs included).
 6c. worker-overhead-bound  (fallback, decode does not bind) end-to-end < QUEUE_BOUND_RATIO
                   of the queue ceiling, and the event loop's thread was busy >= LOOP_BUSY
                   (60%) of the run (its CPU per job x jobs/s): per-job work in the worker's
@@ -137,6 +139,9 @@ class Evidence:
     # job during the end-to-end run
     queue_ceiling_jobs_per_s: float | None = None
     loop_cpu_us_per_job: float | None = None
+    # redis-server's command-thread CPU per job over the run (INFO cpu): each job's XADD and
+    # the worker's reads, results and acks
+    redis_cpu_us_per_job: float | None = None
 
     @property
     def loop_busy(self) -> float | None:
@@ -144,6 +149,13 @@ class Evidence:
         if self.loop_cpu_us_per_job is None or self.e2e_images_per_s is None:
             return None
         return self.loop_cpu_us_per_job * self.e2e_images_per_s / 1e6
+
+    @property
+    def redis_busy(self) -> float | None:
+        """Share of the run Redis's command thread was on a CPU for these jobs."""
+        if self.redis_cpu_us_per_job is None or self.e2e_images_per_s is None:
+            return None
+        return self.redis_cpu_us_per_job * self.e2e_images_per_s / 1e6
 
     @property
     def ratio(self) -> float | None:
@@ -497,20 +509,27 @@ def _feed_fallback(ev: Evidence) -> Finding | None:
 def _queue_or_overhead(ev: Evidence, evidence: list[str | None]) -> Finding | None:
     """Rules 6b and 6c, given the fallback's evidence so far (decode does not bind)."""
     queue, e2e, busy = ev.queue_ceiling_jobs_per_s, ev.e2e_images_per_s, ev.loop_busy
-    if not queue or e2e is None:
+    redis_busy = ev.redis_busy
+    if e2e is None or not (queue or redis_busy):
         return None
-    share = e2e / queue
-    lines = [
-        *evidence,
-        f"end-to-end {e2e:,.1f} jobs/s = {_pct(share)} of the queue ceiling ({queue:,.1f} "
-        "jobs/s: gpufeed's read, publish and ack alone on this Redis)",
-    ]
+    share = e2e / queue if queue else 0.0
+    lines = [*evidence]
+    if queue:
+        lines.append(
+            f"end-to-end {e2e:,.1f} jobs/s = {_pct(share)} of the queue ceiling ({queue:,.1f} "
+            "jobs/s: gpufeed's read, publish and ack alone on this Redis)"
+        )
+    if redis_busy is not None and ev.redis_cpu_us_per_job is not None:
+        lines.append(
+            f"redis-server's command thread {ev.redis_cpu_us_per_job:,.1f} µs per job (each "
+            f"job's XADD, reads, results, acks) = busy {_pct(redis_busy)} of the run"
+        )
     if busy is not None and ev.loop_cpu_us_per_job is not None:
         lines.append(
             f"event loop {ev.loop_cpu_us_per_job:,.1f} µs of CPU per job = busy {_pct(busy)} "
             "of the run"
         )
-    if share >= QUEUE_BOUND_RATIO:
+    if share >= QUEUE_BOUND_RATIO or (redis_busy or 0.0) >= QUEUE_BOUND_RATIO:
         return Finding(
             "queue-bound",
             "Redis is the limit: the worker goes about as fast as gpufeed's Redis work alone "
