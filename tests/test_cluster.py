@@ -145,15 +145,16 @@ async def test_jobs_over_three_shards_are_answered_exactly_once_by_two_workers(
     # The three shards live on three different masters.
     assert len({cluster.master_of(s.stream).port for s in shards}) == 3
     async with AsyncExitStack() as stack:
-        # One worker publishes from its event loop, the other from its writer's process,
-        # through a shard master's client of its own.
+        # One worker reads and publishes on its event loop; the other reads through an
+        # intake process per shard (each reading its shard's master, the payloads into
+        # memory its decode process reads) and publishes from its writer's process, through
+        # a shard master's client of its own.
+        apart = {"result_writer": "process", "intake": "process", "decode_processes": "1"}
         workers = [
-            await stack.enter_async_context(
-                running(null_config(cluster.url, prefix, name, result_writer=writer))
-            )
-            for name, writer in (("w1", "loop"), ("w2", "process"))
+            await stack.enter_async_context(running(null_config(cluster.url, prefix, name, **kw)))
+            for name, kw in (("w1", {"result_writer": "loop", "intake": "loop"}), ("w2", apart))
         ]
-        assert len(workers[1].writer_pids) == 1
+        assert len(workers[1].writer_pids) == 1 and len(workers[1].intake_pids) == 3
         # The fleet's hot list is one key: its script runs on that key's node.
         hot = workers[0].stages.hot
         assert hot is not None and await hot.add({'["path","x","a.jpg"]': 1}) == 1
@@ -267,8 +268,12 @@ async def test_a_master_killed_mid_run_every_job_ends_with_a_result(
     streams = [s.results_stream for s in shards]
     with ResultWatcher(node_url(cluster), streams) as watcher:
         async with AsyncExitStack() as stack:
-            for name in ("k1", "k2"):
-                config = null_config(node_url(cluster), prefix, name, wait_replicas=wait_replicas)
+            # k2 reads through its intake processes: they follow the failover too.
+            intake = {"intake": "process", "decode_processes": "1"}
+            for name, kw in (("k1", {}), ("k2", intake)):
+                config = null_config(
+                    node_url(cluster), prefix, name, wait_replicas=wait_replicas, **kw
+                )
                 await stack.enter_async_context(running(config))
             # Mid-run: some results written, most jobs still to do.
             await asyncio.to_thread(wait_for_results, client, shards[0].results_stream, 20)

@@ -173,7 +173,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "where jobs are read from Redis: `process` (a process of the worker's own puts image "
         "bytes into memory shared with the decode processes, never into the worker's), "
         "`loop` (on the worker's event loop) or `auto` (a process where there are decode "
-        "processes and one Redis, not a cluster)",
+        "processes; on a Redis Cluster, one per shard, reading its master)",
     ),
     "GPUFEED_DECODE": (
         "`cpu`",

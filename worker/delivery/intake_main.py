@@ -80,32 +80,38 @@ class Intake:
     """One worker's reads, on a Redis connection of its own."""
 
     def __init__(self, init: dict[bytes, Any], memory: memoryview) -> None:
-        url = init[b"url"].decode()
+        self.url = url = init[b"url"].decode()
         tcp = not url.startswith("unix:")
         # RESP2: the reply shape stream_reply.py reads.
-        self.client = redis.Redis.from_url(
-            url,
+        self._options: dict[str, Any] = {
             **({"socket_keepalive": True} if tcp else {}),
-            health_check_interval=30,
-            socket_connect_timeout=init[b"connect_timeout_s"],
-            protocol=2,
-        )
+            "health_check_interval": 30,
+            "socket_connect_timeout": init[b"connect_timeout_s"],
+            "protocol": 2,
+        }
+        self.client = redis.Redis.from_url(url, **self._options)
+        # On a Redis Cluster each read names the master of its shard's slot (host:port),
+        # which the worker's slot map knows: connected to with the URL's credentials and TLS.
+        self._node: bytes | None = None
         self.group = init[b"group"].decode()
         self.consumer = init[b"consumer"].decode()
         self.memory = memory
         self._conn: Any = None
         self._reader: ReplyReader | None = None
 
-    def read(self, calls: list[Any], start: int, end: int) -> list[Any]:
+    def read(self, calls: list[Any], start: int, end: int, node: bytes | None = None) -> list[Any]:
         try:
+            if node != self._node:
+                self._to_node(node)
             answers, used = self._xreadgroups(calls, start, end)
         except ErrorReply as reply:
-            # The connection is in step: kept. Told apart as redis-py tells them apart.
+            # The connection is in step: kept. Told apart as redis-py tells them apart; a
+            # refusal goes back as Redis said it, for the worker to raise as redis-py would.
             error = reply.error
             kind = b"away" if isinstance(error, AWAY) else b"response"
             if not isinstance(error, (*AWAY, ResponseError)):
                 kind = b"other"
-            return [b"error", kind, str(error) if kind == b"response" else repr(error)]
+            return [b"error", kind, str(reply) if kind == b"response" else repr(error)]
         except AWAY as exc:
             self._drop()
             return [b"error", b"away", f"{type(exc).__name__}: {exc}"]
@@ -153,6 +159,22 @@ class Intake:
             self._reader = ReplyReader(sock, self.memory, _IMAGE)
         return self._reader
 
+    def _to_node(self, node: bytes | None) -> None:
+        """Read from `node` (host:port of a cluster master; None: the URL's Redis) from now
+        on: the connection to the one before is closed."""
+        self._drop()
+        self._conn = None
+        self.client.close()
+        if node is None:
+            self.client = redis.Redis.from_url(self.url, **self._options)
+        else:
+            host, _, port = node.decode().rpartition(":")
+            template = redis.ConnectionPool.from_url(self.url, **self._options)
+            kwargs = {**template.connection_kwargs, "host": host, "port": int(port)}
+            pool = redis.ConnectionPool(connection_class=template.connection_class, **kwargs)
+            self.client = redis.Redis(connection_pool=pool)
+        self._node = node
+
     def _drop(self) -> None:
         """A connection out of step (or gone) is closed: the next read opens a new one."""
         if self._conn is not None:
@@ -171,10 +193,10 @@ def serve(sock: socket.socket, memory: memoryview) -> None:
         request = read_frame(sock)
         if request is None:
             return
-        kind, calls, start, end = request
+        kind, calls, start, end, node = request
         if kind != b"read":
             raise SystemExit(f"intake process: unknown request {kind!r}")
-        sock.sendall(frame(intake.read(calls, start, end)))
+        sock.sendall(frame(intake.read(calls, start, end, node)))
 
 
 def main(argv: list[str]) -> int:

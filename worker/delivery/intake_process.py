@@ -22,18 +22,21 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import structlog
+from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 
 from producer import wire
 from worker.delivery.intake_main import FRAME, frame
 from worker.delivery.payload_ring import PayloadRing
+
+# redis-py's own mapping of an error answer to the exception it raises.
+_PARSE_ERROR: Callable[[str], Exception] = BaseParser.parse_error
 
 log = structlog.get_logger("gpufeed.intake")
 
@@ -94,17 +97,20 @@ class IntakeProcess:
         """Start the process and wait until it is ready (it imported redis-py)."""
         await self._start()
 
-    async def read(self, calls: Sequence[Call]) -> tuple[list[dict[str, Entries]], int]:
+    async def read(
+        self, calls: Sequence[Call], node: str | None = None
+    ) -> tuple[list[dict[str, Entries]], int]:
         """The XREADGROUPs' entries, per call, and the span their payloads hold (-1: none);
-        a payload in the memory is a read-only view as the job's `image`. Raises as
-        redis-py would: a connection error when Redis (or the intake's process) is away, a
-        ResponseError for what Redis refused."""
+        a payload in the memory is a read-only view as the job's `image`. `node`: host:port
+        of the Redis Cluster master to read from (None: the URL's Redis). Raises as
+        redis-py would: a connection error when Redis (or the intake's process) is away,
+        what redis-py raises for what Redis refused (MovedError for MOVED, ...)."""
         async with self._lock:
             if self._streams is None:
                 await self._start()
             start, end = self.ring.offer()
             wanted = [[list(streams.items()), count, block] for streams, count, block in calls]
-            answer = await self._ask(["read", wanted, start, end])
+            answer = await self._ask(["read", wanted, start, end, node])
         kind = answer[0]
         if kind == b"error":
             _, what, message = answer
@@ -112,7 +118,7 @@ class IntakeProcess:
             if what == b"away":
                 raise RedisConnectionError(text)
             if what == b"response":
-                raise ResponseError(text)
+                raise _PARSE_ERROR(text)
             raise RuntimeError(f"the intake's process: {text}")
         _, replies, used = answer
         self._failed_starts = 0

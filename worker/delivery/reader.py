@@ -15,14 +15,15 @@ from typing import Any
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError, SlotNotCoveredError
 
 from producer import wire
 from producer.backoff import Backoff
 from worker.config.lanes import Lanes
 from worker.delivery.in_flight import InFlight
 from worker.delivery.intake_process import Entries, IntakeProcess
-from worker.delivery.redis_errors import AWAY
+from worker.delivery.redis_errors import ANY, AWAY, REDIRECTED
 from worker.jobs import Job, deleted_entry_job, job_of_entry
 
 log = structlog.get_logger("gpufeed.reader")
@@ -59,7 +60,9 @@ class Reader:
         intake: IntakeProcess | None = None,
     ) -> None:
         """`intake`: the XREADGROUPs run in the intake's process (payloads into shared
-        memory, worker/delivery/intake_process.py) instead of on this client."""
+        memory, worker/delivery/intake_process.py) instead of on this client; on a Redis
+        Cluster each read goes to the master of the shard's slot, as this client's slot
+        map says."""
         self.client = client
         # A Redis Cluster client (the service hands one over as a Redis): reads go to the
         # master of the shard's slot (see _xreadgroup).
@@ -77,7 +80,7 @@ class Reader:
         self._stop = asyncio.Event()
         self._outage_logged = False
         self._backoff = Backoff(0.1, 5.0)
-        self.intake = intake if self._cluster is None else None
+        self.intake = intake
         # The payload span of the last read through the intake (-1: none); its jobs carry it.
         self._span = -1
 
@@ -170,7 +173,8 @@ class Reader:
         """XREADGROUP; None when it failed (Redis away, the group recreated): read again."""
         try:
             if self.intake is not None:
-                replies, self._span = await self.intake.read([(streams, count, block)])
+                node = self._node()
+                replies, self._span = await self.intake.read([(streams, count, block)], node)
                 self._back()
                 return replies[0]
             reply = await self._xreadgroup(streams, count, block)
@@ -185,7 +189,7 @@ class Reader:
         try:
             if self.intake is not None:
                 calls = [({st: ">"}, n, None) for st, n in reads]
-                parsed, self._span = await self.intake.read(calls)
+                parsed, self._span = await self.intake.read(calls, self._node())
                 self._back()
                 return {stream: rows for reply in parsed for stream, rows in reply.items()}
             if self._cluster is not None:
@@ -225,7 +229,34 @@ class Reader:
         args += ["STREAMS", *streams, *streams.values()]
         return await cluster.execute_command(*args, target_nodes=node)
 
+    def _node(self) -> str | None:
+        """host:port of the master serving the shard's slot (its streams share one), for the
+        intake's process; None on one Redis."""
+        cluster = self._cluster
+        if cluster is None:
+            return None
+        stream = next(iter(self.lanes.streams))
+        try:
+            node = cluster.get_node_from_key(stream)
+        except SlotNotCoveredError:
+            node = None
+        if node is None:
+            raise RedisConnectionError(f"no master known for the slot of {stream!r}")
+        return f"{node.host}:{node.port}"
+
     async def _failed(self, exc: Exception) -> None:
+        if self._cluster is not None and self.intake is not None:
+            # The intake's process reads the master this client's slot map names: after a
+            # failover (the node away, or answering MOVED) the map is read again, and the
+            # next read goes to the new master.
+            if isinstance(exc, (*AWAY, *REDIRECTED)):
+                try:
+                    await self._cluster.nodes_manager.initialize()
+                except ANY as refresh:
+                    log.debug("cluster_map_refresh_failed", error=str(refresh))
+            if isinstance(exc, REDIRECTED) and not isinstance(exc, AWAY):
+                await self._backoff.sleep()
+                return
         if isinstance(exc, ResponseError) and not isinstance(exc, AWAY):
             # A stream or the group was deleted under us (before the read, or while it
             # blocked: UNBLOCKED): recreate them and carry on.

@@ -156,9 +156,8 @@ def plan_feed(
 
 def intake_for(cfg: WorkerConfig, decode_processes: int) -> tuple[str, str]:
     """(`process` or `loop`, why): where the reads run, given the decode processes chosen.
-    Only decode processes can read a payload from the intake's shared memory; a Redis
-    Cluster is read on the loop (its reads go to each shard's master), which the worker
-    learns once connected (worker/lifecycle/wiring.py)."""
+    Only decode processes can read a payload from the intake's shared memory (on a Redis
+    Cluster, one intake's process per shard reads its master)."""
     if cfg.intake == "loop":
         return "loop", "GPUFEED_INTAKE=loop"
     if cfg.intake == "process":

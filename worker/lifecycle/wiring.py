@@ -25,7 +25,6 @@ import torch
 from redis.asyncio.cluster import RedisCluster
 
 from producer import shards
-from worker.config.errors import ConfigError
 from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
 from worker.delivery.cluster_node import ShardNodeClient
@@ -384,20 +383,12 @@ def _intakes(
     cfg: WorkerConfig, engine: Engine, link: RedisLink, exit_stack: contextlib.AsyncExitStack
 ) -> dict[str, IntakeProcess]:
     """Each shard's intake process, by the job streams its reader reads (none: the reads
-    run on the event loop). Each shard's ring has its own part of the payload memory."""
+    run on the event loop). Each shard's ring has its own part of the payload memory; on a
+    Redis Cluster each process reads its shard's master."""
     memory = engine.payloads
     if memory is None:
         return {}
-    if link.cluster:
-        if cfg.intake == "process":
-            raise ConfigError(
-                "GPUFEED_INTAKE=process reads one Redis; a Redis Cluster is read on the event "
-                "loop (each shard's reads go to its master): set GPUFEED_INTAKE to auto or loop"
-            )
-        why = "auto: a Redis Cluster, whose reads go to each shard's master"
-        engine.plan = replace(engine.plan, intake="loop", intake_why=why)
-        log.info("intake_on_event_loop", why=why, plan=engine.plan.line())
-        return {}
+    # On a Redis Cluster the URL is one node's: each read names its shard's master.
     layout = cfg.shard_layout()
     share = memory.size // len(layout)
     intakes: dict[str, IntakeProcess] = {}
