@@ -175,6 +175,10 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     assert report["resize"]["placement"] == "device"
     assert report["ceiling_images_per_s"]["eager"] > 0
     assert report["pipeline_images_per_s"] > 0
+    # What the window's jobs cost Redis's command thread, and the rate one Redis carries.
+    pipeline = report["pipeline"]
+    assert pipeline["redis_cpu_main_thread"] is True and pipeline["redis_cpu_us_per_job"] > 0
+    assert pipeline["redis_jobs_per_s_max"] == round(1e6 / pipeline["redis_cpu_us_per_job"])
     # Jobs offered at 80% of that rate after the window: each answered, p50 <= p99, and the
     # bound they are held to (two batches at that rate plus the max wait).
     latency = report["latency_at_80"]

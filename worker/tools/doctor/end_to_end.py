@@ -17,6 +17,7 @@ from worker.observe import gil_account
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.metrics import STAGES
 from worker.observe.observer import Observer
+from worker.observe.redis_cpu import redis_cost, redis_cpu_s
 from worker.tools.doctor.options import DoctorOptions
 from worker.tools.gpu_check.feed import Feeder
 
@@ -151,15 +152,13 @@ async def end_to_end_section(
 
     n_end = counters.results
     redis_cpu1 = await redis_cpu_s(worker.redis) if redis_cpu0 is not None else None
-    redis_us: float | None = None
-    redis_main: bool | None = None
-    if redis_cpu0 is not None and redis_cpu1 is not None and n_end:
-        redis_main = redis_cpu0[1] and redis_cpu1[1]
-        redis_us = round(1e6 * max(0.0, redis_cpu1[0] - redis_cpu0[0]) / n_end, 1)
-    elif worker.cluster:
-        out["not_measured"].append("Redis CPU per job: a cluster's nodes are not summed")
-    else:
-        out["not_measured"].append("Redis CPU per job: INFO cpu did not answer")
+    redis = redis_cost(redis_cpu0, redis_cpu1, n_end)
+    if redis["redis_cpu_us_per_job"] is None:
+        out["not_measured"].append(
+            "Redis CPU per job: a cluster's nodes are not summed"
+            if worker.cluster
+            else "Redis CPU per job: INFO cpu did not answer"
+        )
     gil = gil_account.gil_figures(
         gil0,
         gil1,
@@ -210,10 +209,8 @@ async def end_to_end_section(
         queue_capacity_jobs_per_s=None if queue is None else queue["jobs_per_s"],
         queue_client_cpu_us_per_job=None if queue is None else queue["loop_cpu_us_per_job"],
         loop_cpu_us_per_job=round(1e6 * loop_cpu_s / n_end, 1) if n_end else None,
-        redis_cpu_us_per_job=redis_us,
-        redis_cpu_main_thread=redis_main,
         # Redis runs commands on one thread: the most jobs/s one Redis serves at this cost.
-        redis_jobs_per_s_max=round(1e6 / redis_us) if redis_us else None,
+        **redis,
         gil=gil,
         model_in_pipeline_images_per_s=round(worker.batch_size * 1000 / gpu_ms, 1)
         if gpu_ms
@@ -234,22 +231,6 @@ async def end_to_end_section(
     if summary["samples"] == 0:
         out["not_measured"].append("CPU utilisation: the run was shorter than one sample (0.2 s)")
     return None if syncs is None else int(syncs.total)
-
-
-async def redis_cpu_s(client: Any) -> tuple[float, bool] | None:
-    """redis-server's CPU seconds so far (INFO cpu): its main thread's where the server says
-    (Redis 6+; the thread that runs every command), else the whole process's; and which.
-    None when INFO does not answer (an ACL user without it, a proxy)."""
-    try:
-        info = await client.info("cpu")
-    except Exception:  # noqa: BLE001 - a figure not measured, never a failed doctor
-        return None
-    try:
-        if "used_cpu_user_main_thread" in info:
-            return info["used_cpu_user_main_thread"] + info["used_cpu_sys_main_thread"], True
-        return info["used_cpu_user"] + info["used_cpu_sys"], False
-    except (KeyError, TypeError):
-        return None
 
 
 async def _full_backlog(feeder: Feeder, count: int) -> None:

@@ -67,6 +67,7 @@ from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step, still_compiled
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.logs import configure_logging
+from worker.observe.redis_cpu import redis_cost, redis_cpu_s
 from worker.tools.command_line import CONTEXT_SETTINGS, parse
 from worker.tools.doctor.environment import environment
 from worker.tools.doctor.serving_step import eager_of, random_batch
@@ -484,12 +485,16 @@ async def _measure_pipeline(
             # The timed window: only the step's launches (counted in the launch itself)
             # and NVML watch it.
             sampler.start()
+            # What Redis's command thread spends per job in the window (the feeder's XADDs
+            # and the worker's reads, results and acks): does one Redis carry this rate?
+            redis0 = await redis_cpu_s(worker.redis)
             with count_step_replays(worker.runner) as replays:
                 n0, t0, b0 = done_count(), time.monotonic(), c.batches
                 hits0, errors0 = c.cache_hits, c.results_error
                 await asyncio.sleep(window_s)
                 n1, t1, b1 = done_count(), time.monotonic(), c.batches
                 hits1, errors1 = c.cache_hits, c.results_error
+            redis_cpu = redis_cost(redis0, await redis_cpu_s(worker.redis), n1 - n0)
             sampler.stop()
             if main.done():
                 main.result()
@@ -525,6 +530,7 @@ async def _measure_pipeline(
                     "decode_processes": worker.engine.plan.decode_processes,
                     "feed_plan": worker.engine.plan.line(),
                     "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
+                    **redis_cpu,
                 },
             )
         # The sync window: the profiler (every thread's CUDA calls, C++ and libraries
