@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from producer.wire import ErrorCode
 from worker.decode.cpu import DecodeError
@@ -176,3 +178,35 @@ def test_long_path_is_not_found_and_message_is_bounded(root: Path) -> None:
     err = refused(raw, root)
     assert err.code is ErrorCode.PATH_NOT_FOUND
     assert len(err.message) < 400
+
+
+_SEGMENTS = st.sampled_from(["a.jpg", "sub", "b.jpg", "..", ".", "", "out", "secret.jpg", "up"])
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(parts=st.lists(_SEGMENTS, min_size=1, max_size=6), absolute=st.booleans())
+def test_any_path_is_read_exactly_when_pathlib_puts_a_regular_file_inside_the_root(
+    root: Path, outside: Path, parts: list[str], absolute: bool
+) -> None:
+    # A symlink out of the root and one that stays in it, beside the plain files.
+    if not (root / "out").exists():
+        (root / "out").symlink_to(outside)
+        (root / "up").symlink_to(root / "sub")
+    text = "/".join(parts)
+    if absolute:
+        text = f"{root}/{text}"
+    base = root.resolve()
+    target = (base / text).resolve()
+    try:
+        data = read_job_path(text.encode(), root, LIMIT)
+    except DecodeError as exc:
+        if not target.is_relative_to(base):
+            assert exc.code == ErrorCode.FORBIDDEN_PATH
+        else:
+            assert exc.code in (ErrorCode.PATH_NOT_FOUND, ErrorCode.INVALID_JOB)
+            assert not target.is_file()
+        return
+    assert target.is_relative_to(base) and target.is_file()
+    assert data == target.read_bytes()

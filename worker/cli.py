@@ -250,6 +250,12 @@ def _image_size(ctx: click.Context, param: click.Parameter, value: str) -> tuple
     help="Send url jobs: the synthetic JPEGs served by a loopback HTTP server (fetch stage).",
 )
 @click.option(
+    "--paths",
+    is_flag=True,
+    help="Send path jobs: the synthetic JPEGs written to a folder of the run's, which the "
+    "worker reads as its GPUFEED_PATH_ROOT (the image bytes never pass through Redis).",
+)
+@click.option(
     "--decode-delay-ms",
     default=0.0,
     hidden=True,
@@ -266,9 +272,12 @@ def doctor(
     timeout_s: float,
     decode_delay_ms: float,
     urls: bool,
+    paths: bool,
     **options: Any,
 ) -> None:
     """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
+    if urls and paths:
+        raise click.UsageError("--urls and --paths each choose where the jobs' images are: one")
     from worker.observe.logs import configure_logging
     from worker.tools.doctor import DoctorOptions, print_json, render, report_console, run_doctor
 
@@ -286,6 +295,7 @@ def doctor(
         timeout_s=timeout_s,
         decode_delay_s=max(0.0, decode_delay_ms) / 1000,
         urls=urls,
+        paths=paths,
     )
     with exits():
         report = run_async(run_doctor(config, settings))

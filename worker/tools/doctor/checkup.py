@@ -7,7 +7,9 @@ import dataclasses
 import os
 import secrets
 import socket
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -63,6 +65,10 @@ async def run_doctor(
             # Its own loopback image server: allowed for this run only.
             allow = ",".join(a for a in (config.url_allow, "127.0.0.1") if a)
             run_config = dataclasses.replace(run_config, url_allow=allow)
+        if options.paths:
+            # A folder of its own for the images, deleted with the run.
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpufeed-")))
+            run_config = dataclasses.replace(run_config, path_root=folder)
         worker = Worker(run_config, decode_delay_s=options.decode_delay_s)
         try:
             try:

@@ -51,7 +51,13 @@ async def end_to_end_section(
 
         server = ImageServer({f"/doctor/{i}.jpg": data for i, data in enumerate(images)})
         image_urls = [server.url(f"/doctor/{i}.jpg") for i in range(len(images))]
-    out["source"] = "url" if options.urls else "image"
+    if options.paths:
+        # The worker's GPUFEED_PATH_ROOT is the run's own folder (checkup.py).
+        assert cfg.path_root is not None
+        (cfg.path_root / "doctor").mkdir(exist_ok=True)
+        for i, data in enumerate(images):
+            (cfg.path_root / "doctor" / f"{i}.jpg").write_bytes(data)
+    out["source"] = _source(options)
     ahead = held + max(128, 4 * worker.batch_size)
     # The third isolated stage: what Redis allows for the same jobs and batch, with
     # gpufeed's own publish script (worker/tools/bench/queue_ceiling.py), before the run.
@@ -63,12 +69,16 @@ async def end_to_end_section(
     feeder = Feeder(
         cfg.redis_url,
         cfg.stream,
-        [u.encode() for u in image_urls] if image_urls else images,
+        [u.encode() for u in image_urls]
+        if image_urls
+        else [f"doctor/{i}.jpg".encode() for i in range(len(images))]
+        if options.paths
+        else images,
         ahead,
         total=jobs,
         prefix="doctor-",
         unique=False,
-        field="url" if image_urls else "image",
+        field=_source(options),
     )
     # redis-server's own CPU from here on: every job's XADD and everything the worker asks
     # of Redis for it (reads, results, acks, trimming).
@@ -233,6 +243,11 @@ async def end_to_end_section(
     return None if syncs is None else int(syncs.total)
 
 
+def _source(options: DoctorOptions) -> str:
+    """The job field that carries each image: its bytes, a URL or a path."""
+    return "url" if options.urls else "path" if options.paths else "image"
+
+
 async def _full_backlog(feeder: Feeder, count: int) -> None:
     """Wait until the feeder's process pushed `count` jobs: the run starts from a full
     backlog, so the feed is steady from the first read."""
@@ -305,7 +320,7 @@ def empty_end_to_end(options: DoctorOptions) -> dict[str, Any]:
         "decode_threads": None,
         "decode_capacity_images_per_s": None,
         "fetch_capacity_images_per_s": None,
-        "source": "url" if options.urls else "image",
+        "source": _source(options),
         "model_capacity_images_per_s": None,
         "queue_capacity_jobs_per_s": None,
         "queue_client_cpu_us_per_job": None,

@@ -15,3 +15,4 @@ class DoctorOptions:
     timeout_s: float = 300.0  # the end-to-end run gives up after this
     decode_delay_s: float = 0.0  # test hook: sleep in every decode (to test the verdict)
     urls: bool = False  # the jobs name URLs on a loopback HTTP server (measures fetching)
+    paths: bool = False  # the jobs name files in a folder of the run's (GPUFEED_PATH_ROOT)

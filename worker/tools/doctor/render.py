@@ -129,7 +129,9 @@ def render(report: Mapping[str, Any], console: Console) -> None:
     _heading(
         console,
         f"(d) end to end: {e2e['jobs']} JPEGs {e2e['image_size']} "
-        + ("by URL from a loopback HTTP server " if e2e["source"] == "url" else "")
+        + {"url": "by URL from a loopback HTTP server ", "path": "as files by path "}.get(
+            e2e["source"], ""
+        )
         + f"through Redis ({e2e['redis'] or 'none'}) and a real worker",
     )
     grid = _grid()

@@ -377,9 +377,9 @@ SCHEMA: dict[str, Any] = _obj(
                 "image_size": _t("string", "WIDTHxHEIGHT of the synthetic JPEGs", "px"),
                 "source": _t(
                     "string",
-                    "how the jobs carry their images: inline, or by URL from a loopback HTTP "
-                    "server (--urls)",
-                    enum=["image", "url"],
+                    "how the jobs carry their images: inline, by URL from a loopback HTTP "
+                    "server (--urls), or by path to files in a folder of the run's (--paths)",
+                    enum=["image", "url", "path"],
                 ),
                 "mean_jpeg_bytes": _t(["integer", "null"], "mean encoded size", "bytes"),
                 "decode_delay_ms": _t("number", "test hook: added to every decode", "ms"),
