@@ -125,7 +125,13 @@ def test_skipped_cuda_tests_fail_the_check(tmp_path: Path) -> None:
 
 
 def phases_on_cpu(
-    redis_url: str, out: Path, junit: Path, *, deadline_s: float, seconds: float = 1.0
+    redis_url: str,
+    out: Path,
+    junit: Path,
+    *,
+    deadline_s: float,
+    seconds: float = 1.0,
+    extra: tuple[str, ...] = (),
 ) -> list[str]:
     """A child process running the benchmark's phases on the CPU (its deadline and SIGTERM
     end the process, so it cannot run inside the test's)."""
@@ -137,7 +143,7 @@ def phases_on_cpu(
         # The placement `auto` picks on a GPU host: the ceiling feeds the ring's rows.
         "--resize", "device",
         "--redis-url", redis_url, "--out", str(out), "--junit", str(junit),
-        "--deadline-s", str(deadline_s),
+        "--deadline-s", str(deadline_s), *extra,
     ]  # fmt: skip
     return [
         sys.executable,
@@ -196,6 +202,23 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     assert done.returncode == 1
     assert report["verdict"]["passed"] is False
     assert "skipped" in report["verdict"]["problems"][0]
+
+
+@pytest.mark.slow
+def test_the_pipeline_and_latency_phases_run_on_path_jobs(redis_url: str, tmp_path: Path) -> None:
+    """--jobs-by path: the images written as files the decoders read, the jobs naming them,
+    in the timed window and in the latency phase alike; every job answered ok."""
+    junit = write_junit(tmp_path / "pytest.xml")
+    argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=200, extra=("--jobs-by", "path"))
+    run_child(argv)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "error" not in report, report.get("traceback")
+    assert report["pipeline_input"]["jobs_by"] == "path"
+    pipeline = report["pipeline"]
+    assert pipeline["results_ok"] > 0 and pipeline["errors_by_code"] == {}
+    assert pipeline["decode_cache_hits"] == 0 and pipeline["redis_cpu_us_per_job"] > 0
+    latency = report["latency_at_80"]
+    assert latency["results"] >= 16 and 0 <= latency["p50_ms"] <= latency["p99_ms"]
 
 
 @pytest.mark.slow

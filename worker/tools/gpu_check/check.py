@@ -37,6 +37,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -447,14 +448,27 @@ async def _measure_pipeline(
     compile_report = worker.compile_report
     assert compile_report is not None
     images = [synthetic_jpeg(args.width, args.height, seed=i, quality=85) for i in range(32)]
+    field = args.jobs_by
+    payloads = images
+    if field == "path":
+        # The decode cache is off: each job is decoded though the files repeat.
+        assert cfg.path_root is not None
+        payloads = []
+        for i, data in enumerate(images):
+            (cfg.path_root / f"{i}.jpg").write_bytes(data)
+            payloads.append(f"{i}.jpg".encode())
     report["pipeline_input"] = {
-        "images": f"{args.width}x{args.height} JPEG q85, unique bytes per job",
+        "images": f"{args.width}x{args.height} JPEG q85, "
+        + ("unique bytes per job" if field == "image" else "32 files named by path jobs"),
+        "jobs_by": field,
         "mean_bytes": int(sum(map(len, images)) / len(images)),
         "decode_cache_mb": cfg.decode_cache_mb,
     }
     client = redis.Redis.from_url(cfg.redis_url)
     backlog = max(args.backlog, worker.batch_size * 32)
-    feeder = Feeder(cfg.redis_url, cfg.stream, images, backlog)
+    feeder = Feeder(
+        cfg.redis_url, cfg.stream, payloads, backlog, unique=field == "image", field=field
+    )
 
     def done_count() -> int:
         c = worker.counters
@@ -556,7 +570,7 @@ async def _measure_pipeline(
                 main.result()
         if args.latency_seconds > 0:
             await _measure_latency(
-                worker, args, report, images=images, feeder=feeder, main=main, done=done_count
+                worker, args, report, images=payloads, feeder=feeder, main=main, done=done_count
             )
         else:
             report.skip("latency", "--latency-seconds 0")
@@ -604,6 +618,7 @@ async def _measure_latency(
             answered=done,
             pushed=pushed,
             alive=alive,
+            field=args.jobs_by,
         )
         entry["window_s"] = args.latency_seconds
         report["latency_at_80"] = found
@@ -756,12 +771,17 @@ async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
         # Every job decoded: no decode cache (the jobs' bytes are unique as well).
         "decode_cache_mb": 0,
     }
-    cfg = WorkerConfig.load(env={}, overrides=overrides)
-    worker = Worker(cfg)
-    try:
-        await _run_phases(worker, args, report, deadline)
-    finally:
-        await worker.shutdown()
+    with contextlib.ExitStack() as stack:
+        if args.jobs_by == "path":
+            # The images as files, which the decoders read themselves: no bytes in Redis.
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-check-"))
+            overrides["path_root"] = folder
+        cfg = WorkerConfig.load(env={}, overrides=overrides)
+        worker = Worker(cfg)
+        try:
+            await _run_phases(worker, args, report, deadline)
+        finally:
+            await worker.shutdown()
 
 
 async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
@@ -940,6 +960,7 @@ class CheckArgs:
     ceiling_iters: int
     width: int
     height: int
+    jobs_by: str
     redis_url: str
     out: str
     wait_for: str | None
@@ -983,6 +1004,13 @@ def _env(name: str, default: str) -> Callable[[], str]:
 @click.option("--ceiling-iters", type=int, default=50)
 @click.option("--width", type=int, default=640)
 @click.option("--height", type=int, default=480)
+@click.option(
+    "--jobs-by",
+    type=click.Choice(["image", "path"]),
+    default=_env("GPU_CHECK_JOBS_BY", "image"),
+    help="the pipeline's jobs carry their images (image) or name files the decoders read "
+    "(path: the images never pass through Redis)",
+)
 @click.option("--redis-url", default=_env("REDIS_URL", "redis://127.0.0.1:6379/0"))
 @click.option("--out", default=_env("GPU_CHECK_OUT", ".gpu-check/out"))
 @click.option(

@@ -54,7 +54,8 @@ class FeedPlan:
     prefix: str = "g"
     # Each job's image made bytes of its own (no cache can answer it), or the image as given.
     unique: bool = True
-    # The field `images` fill: `image`, or `url` (then they are URLs, as bytes).
+    # The field `images` fill: `image`, or `url` / `path` (then they are URLs or paths, as
+    # bytes).
     field: str = "image"
 
 
@@ -111,8 +112,10 @@ def paced(plan: FeedPlan, stop: EventType, pushed: Synchronized[int]) -> None:
             pipe = client.pipeline(transaction=False)
             for i in range(sent, due):
                 n = plan.first + i
-                data = unique_jpeg(images[n % len(images)], n)
-                pipe.xadd(plan.stream, {"id": f"l{n}", "image": data})
+                data = images[n % len(images)]
+                if plan.unique:
+                    data = unique_jpeg(data, n)
+                pipe.xadd(plan.stream, {"id": f"l{n}", plan.field: data})
             pipe.execute()
             sent = due
             pushed.value = sent

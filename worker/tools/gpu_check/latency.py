@@ -90,9 +90,11 @@ async def measure_latency(
     answered: Callable[[], int],
     pushed: int,
     alive: Callable[[], None],
+    field: str = "image",
 ) -> dict[str, Any]:
     """Drain the `pushed` jobs of the backlog, then offer jobs at SHARE x `capacity_per_s`
-    for `seconds` (numbered from `first`) and measure their latency."""
+    for `seconds` (numbered from `first`) and measure their latency. `field`: what
+    `images` are (`image`: bytes, made unique per job; `path`: file names)."""
     cfg = worker.config
     if not await _until(lambda: answered() >= pushed, alive, 30 + seconds):
         return {"not_measured": f"the backlog did not drain: {answered()} of {pushed} answered"}
@@ -103,7 +105,15 @@ async def measure_latency(
         count = max(worker.batch_size * 4, round(rate * seconds))
         target = answered() + count
         feeder = Feeder(
-            cfg.redis_url, cfg.stream, images, 0, rate_per_s=rate, count=count, first=first
+            cfg.redis_url,
+            cfg.stream,
+            images,
+            0,
+            rate_per_s=rate,
+            count=count,
+            first=first,
+            unique=field == "image",
+            field=field,
         )
         t0 = time.monotonic()
         feeder.start()
