@@ -45,18 +45,20 @@ async def end_to_end_section(
     counters = worker.counters
     held = worker.in_flight.limit
     server = None
-    image_urls = None
+    # What each job's field carries: the image, or where it is.
+    payloads: list[bytes] = images
     if options.urls:
         from worker.tools.bench.image_server import ImageServer
 
         server = ImageServer({f"/doctor/{i}.jpg": data for i, data in enumerate(images)})
-        image_urls = [server.url(f"/doctor/{i}.jpg") for i in range(len(images))]
+        payloads = [server.url(f"/doctor/{i}.jpg").encode() for i in range(len(images))]
     if options.paths:
         # The worker's GPUFEED_PATH_ROOT is the run's own folder (checkup.py).
         assert cfg.path_root is not None
         (cfg.path_root / "doctor").mkdir(exist_ok=True)
         for i, data in enumerate(images):
             (cfg.path_root / "doctor" / f"{i}.jpg").write_bytes(data)
+        payloads = [f"doctor/{i}.jpg".encode() for i in range(len(images))]
     out["source"] = _source(options)
     ahead = held + max(128, 4 * worker.batch_size)
     # The third isolated stage: what Redis allows for the same jobs and batch, with
@@ -69,11 +71,7 @@ async def end_to_end_section(
     feeder = Feeder(
         cfg.redis_url,
         cfg.stream,
-        [u.encode() for u in image_urls]
-        if image_urls
-        else [f"doctor/{i}.jpg".encode() for i in range(len(images))]
-        if options.paths
-        else images,
+        payloads,
         ahead,
         total=jobs,
         prefix="doctor-",
