@@ -272,19 +272,25 @@ def test_doctor_on_the_null_model_measures_the_queue_ceiling(redis_url: str) -> 
     assert keys_left(redis_url) == []
 
 
-def test_path_jobs_keep_the_images_out_of_redis(redis_url: str) -> None:
-    """--paths: the images as files in a folder of the run's, the jobs naming them. Every
-    job is answered, and the report says what a job costs Redis without its image."""
+@pytest.mark.parametrize(("flag", "source"), [("--paths", "path"), ("--urls", "url")])
+def test_jobs_that_name_their_images_keep_them_out_of_redis(
+    redis_url: str, flag: str, source: str
+) -> None:
+    """--paths: the images as files in a folder of the run's; --urls: served by a loopback
+    HTTP server; the jobs name them. Every job is answered, and the report says what a job
+    costs Redis without its image."""
     env = dict(REDIS_URL=redis_url, GPUFEED_MODEL="null", GPUFEED_BATCH_SIZE="16")
-    args = ["doctor", "--json", "--jobs", "48", "--ceiling-seconds", "0.2", "--paths"]
+    args = ["doctor", "--json", "--jobs", "48", "--ceiling-seconds", "0.2", flag]
     proc = run_module("worker", *args, "--image-size", "64x64", env=env)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert validate(report) == []
     e2e = report["end_to_end"]
-    assert e2e["source"] == "path"
+    assert e2e["source"] == source
     assert e2e["results_ok"] == 48 and e2e["results_error"] == 0
     assert e2e["redis_cpu_us_per_job"] > 0
+    if source == "url":
+        assert e2e["fetch_capacity_images_per_s"] > 0
     # Its keys are deleted with the run, its folder with it.
     assert keys_left(redis_url) == []
     both = run_module("worker", "doctor", "--urls", "--paths", env=env)
