@@ -26,6 +26,7 @@ from click.testing import CliRunner
 
 from worker.cli import cli
 from worker.tools.gpu_check.check import main
+from worker.tools.gpu_check.decode_scaling import process_counts
 from worker.tools.gpu_check.preflight import check_cuda, check_toolchain
 from worker.tools.gpu_check.report import (
     EXPECTED_TESTS,
@@ -139,7 +140,7 @@ def phases_on_cpu(
         "--device", "cpu", "--model", "mobilenet_v3_small", "--batch", "4",
         "--precision", "fp32", "--seconds", str(seconds), "--warmup-seconds", "0.2",
         "--ceiling-iters", "2", "--width", "96", "--height", "64", "--latency-seconds", "1",
-        "--backlog", "64",
+        "--backlog", "64", "--decode-rate-seconds", "0.2",
         # The placement `auto` picks on a GPU host: the ceiling feeds the ring's rows.
         "--resize", "device",
         "--redis-url", redis_url, "--out", str(out), "--junit", str(junit),
@@ -174,9 +175,8 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     report = json.loads((tmp_path / "report.json").read_text())
     assert "error" not in report, report.get("traceback")
     phases = report["phases"]
-    assert [
-        phases[p]["status"] for p in ("startup", "ceiling", "pipeline", "latency", "decode")
-    ] == ["done"] * 5
+    done_phases = ("startup", "ceiling", "pipeline", "latency", "decode", "decode_processes")
+    assert [phases[p]["status"] for p in done_phases] == ["done"] * 6
     assert phases["cudnn"] == {"status": "skipped", "why": "not a CUDA device"}
     assert report["resize"]["placement"] == "device"
     assert report["ceiling_images_per_s"]["eager"] > 0
@@ -196,6 +196,14 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     assert latency["within_bound"] == (latency["p99_ms"] <= latency["bound_ms"])
     # Each batch shape the worker compiled, with its step time, in the compile report.
     assert [s["size"] for s in report["compile"]["batch_sizes"]] == [1, 2, 4]
+    # The decode processes' own rates, for 1, 8 and every core, on three image sizes.
+    rates = report["decode_process_rates"]
+    assert rates["processes"] == process_counts(os.cpu_count() or 1)
+    assert [s["image"] for s in rates["sizes"]] == ["64x64", "640x480", "4000x3000"]
+    for size in rates["sizes"]:
+        assert list(size["images_per_s"]) == [str(k) for k in rates["processes"]]
+        assert all(v > 0 for v in size["images_per_s"].values())
+        assert size["scaling"]["1"] == 1.0
     grey = report["gpu_decode_vs_cpu"]["torchvision"]["modes"]["L"]
     assert grey["decoded"] and grey["mean_abs_diff"] < 4
     # Everything measured, but a CUDA test was skipped: the check fails.
@@ -209,7 +217,8 @@ def test_the_pipeline_and_latency_phases_run_on_path_jobs(redis_url: str, tmp_pa
     """--jobs-by path: the images written as files the decoders read, the jobs naming them,
     in the timed window and in the latency phase alike; every job answered ok."""
     junit = write_junit(tmp_path / "pytest.xml")
-    argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=200, extra=("--jobs-by", "path"))
+    extra = ("--jobs-by", "path", "--decode-rate-seconds", "0")
+    argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=200, extra=extra)
     run_child(argv)
     report = json.loads((tmp_path / "report.json").read_text())
     assert "error" not in report, report.get("traceback")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
@@ -72,6 +73,7 @@ from worker.observe.redis_cpu import redis_cost, redis_cpu_s
 from worker.tools.command_line import CONTEXT_SETTINGS, parse
 from worker.tools.doctor.environment import environment
 from worker.tools.doctor.serving_step import eager_of, random_batch
+from worker.tools.gpu_check.decode_scaling import decode_process_rates
 from worker.tools.gpu_check.feed import Feeder
 from worker.tools.gpu_check.latency import measure_latency
 from worker.tools.gpu_check.report import (
@@ -883,6 +885,25 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
             )
             rates["model_images_per_s"] = best
 
+    # The CPU's side of the decode, per image size: what the decode processes reach on this
+    # host's cores (the split between the GPU's JPEG engines and the CPU is planned on it).
+    needed = 12 * args.decode_rate_seconds + 15
+    if args.decode_rate_seconds <= 0:
+        report.skip("decode_processes", "--decode-rate-seconds 0")
+    elif deadline.left() < needed + 10:
+        report.skip("decode_processes", f"{deadline.left():.0f} s left, about {needed:.0f} needed")
+    else:
+        with report.phase("decode_processes"):
+            report["decode_process_rates"] = await loop.run_in_executor(
+                None,
+                functools.partial(
+                    decode_process_rates,
+                    worker.loaded.resize_size,
+                    os.cpu_count() or 1,
+                    seconds=args.decode_rate_seconds,
+                ),
+            )
+
     if device.type != "cuda":
         report.skip("cudnn", "not a CUDA device")
         return
@@ -960,6 +981,7 @@ class CheckArgs:
     ceiling_iters: int
     width: int
     height: int
+    decode_rate_seconds: float
     jobs_by: str
     redis_url: str
     out: str
@@ -1004,6 +1026,13 @@ def _env(name: str, default: str) -> Callable[[], str]:
 @click.option("--ceiling-iters", type=int, default=50)
 @click.option("--width", type=int, default=640)
 @click.option("--height", type=int, default=480)
+@click.option(
+    "--decode-rate-seconds",
+    type=float,
+    default=1.0,
+    help="timed decode per image size and number of decode processes (phase "
+    "decode_processes; 0: not measured)",
+)
 @click.option(
     "--jobs-by",
     type=click.Choice(["image", "path"]),
