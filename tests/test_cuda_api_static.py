@@ -41,6 +41,7 @@ CUDA_PATH = (
     "worker/observe/gpu_sampler.py",
     "worker/observe/health.py",
     "worker/tools/gpu_check/check.py",
+    "worker/tools/gpu_check/copy_rate.py",
     "worker/tools/gpu_check/preflight.py",
     "worker/tools/doctor/environment.py",  # the GPU check's environment section
 )

@@ -177,7 +177,8 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     phases = report["phases"]
     done_phases = ("startup", "ceiling", "pipeline", "latency", "decode", "decode_processes")
     assert [phases[p]["status"] for p in done_phases] == ["done"] * 6
-    assert phases["cudnn"] == {"status": "skipped", "why": "not a CUDA device"}
+    for extra in ("h2d", "cudnn"):
+        assert phases[extra] == {"status": "skipped", "why": "not a CUDA device"}
     assert report["resize"]["placement"] == "device"
     assert report["ceiling_images_per_s"]["eager"] > 0
     assert report["pipeline_images_per_s"] > 0
@@ -627,3 +628,16 @@ def test_a_feeder_whose_check_is_gone_pushes_nothing(redis_url: str, rate: float
         assert pushed.value == 0 and client.xlen("gpu-check:orphan") == 0
     finally:
         client.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_link_s_rate_is_measured_for_a_batch_of_packed_rows() -> None:
+    from worker.tools.gpu_check.copy_rate import h2d_rate, packed_image_bytes
+
+    each = packed_image_bytes(640, 480)
+    assert each == 640 * 480 * 3 + 64
+    found = h2d_rate(torch.device("cuda"), image_bytes=each, batch=8, seconds=0.3)
+    assert found["bytes_per_batch"] == 8 * each and found["copies"] >= 4
+    assert found["gb_per_s"] > 0
+    assert found["images_per_s"] == round(found["gb_per_s"] * 1e9 / each)

@@ -73,6 +73,7 @@ from worker.observe.redis_cpu import redis_cost, redis_cpu_s
 from worker.tools.command_line import CONTEXT_SETTINGS, parse
 from worker.tools.doctor.environment import environment
 from worker.tools.doctor.serving_step import eager_of, random_batch
+from worker.tools.gpu_check.copy_rate import h2d_rate, packed_image_bytes
 from worker.tools.gpu_check.decode_scaling import decode_process_rates
 from worker.tools.gpu_check.feed import Feeder
 from worker.tools.gpu_check.latency import measure_latency
@@ -901,6 +902,24 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
                     worker.loaded.resize_size,
                     os.cpu_count() or 1,
                     seconds=args.decode_rate_seconds,
+                ),
+            )
+
+    # What the PCIe link carries in packed rows: a batch of the window's images, pinned.
+    if device.type != "cuda":
+        report.skip("h2d", "not a CUDA device")
+    elif deadline.left() < 15:
+        report.skip("h2d", f"{deadline.left():.0f} s left")
+    else:
+        with report.phase("h2d"):
+            report["h2d_packed_rows"] = await loop.run_in_executor(
+                None,
+                functools.partial(
+                    h2d_rate,
+                    device,
+                    image_bytes=packed_image_bytes(args.width, args.height),
+                    batch=worker.batch_size,
+                    seconds=2.0,
                 ),
             )
 

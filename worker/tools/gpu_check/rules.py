@@ -31,7 +31,7 @@ DECODE_DIFF_TARGET = 4.0
 NOT_MEASURED = "not measured"
 
 # Phases run after every judged claim was measured, when time is left; none is a rule.
-EXTRA_PHASES = ("gpu_decode_rate", "decode_processes", "cudnn")
+EXTRA_PHASES = ("gpu_decode_rate", "decode_processes", "h2d", "cudnn")
 
 
 @dataclass(frozen=True)
