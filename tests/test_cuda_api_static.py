@@ -4,7 +4,8 @@ versions, checked without a GPU (attributes and signatures only; nothing is call
 - Every `torch.*`, `F.*` and `torchvision.*` name written in the CUDA-path modules (found
   by walking their syntax tree, so a new use is checked without editing this file), plus
   the members reached through instances or getattr, which the walk cannot see.
-- nvImageCodec is not a dependency: the names decode/gpu.py uses from it must be among
+- nvImageCodec is an optional dependency (the `gpu` extra; the dev extra installs it for
+  the CPU-only backend's tests): the names the GPU decoders use from it must be among
   those vendored below, as read from the nvidia-nvimgcodec-cu13 0.9.0.20 wheel's module
   (ColorSpec has SRGB and no RGB since 0.7); where nvImageCodec is installed they are
   checked against it too.
@@ -38,6 +39,7 @@ CUDA_PATH = (
     "worker/model/precision.py",
     "worker/model/ceiling.py",
     "worker/decode/gpu.py",
+    "worker/decode/gpu_packed.py",
     "worker/observe/gpu_sampler.py",
     "worker/observe/health.py",
     "worker/tools/gpu_check/check.py",
@@ -98,11 +100,16 @@ NVIMGCODEC_API = frozenset(
         "ColorSpec",
         "ColorSpec.SRGB",
         "Image.__cuda_array_interface__",
+        "as_image",
+        "Backend",
+        "CPU_ONLY",
+        "NVIMGCODEC_DEVICE_CPU_ONLY",
     }
 )
 NVIMGCODEC_KEYWORDS = {
-    "Decoder": ("device_id",),
-    "Decoder.decode": ("params", "cuda_stream"),
+    "Decoder": ("device_id", "backends"),
+    "Decoder.decode": ("images", "params", "cuda_stream"),
+    "as_image": ("cuda_stream",),
     "DecodeParams": ("apply_exif_orientation", "color_spec"),
 }
 ROOTS = {"torch": "torch", "F": "torch.nn.functional", "torchvision": "torchvision"}
@@ -181,15 +188,20 @@ def test_keyword_parameters_exist(name: str, keywords: tuple[str, ...]) -> None:
     assert not missing, f"{name} lacks {missing}"
 
 
+NVIMGCODEC_USERS = ("worker/decode/gpu.py", "worker/decode/gpu_packed.py")
+
+
 def nvimgcodec_names_in_code() -> set[str]:
-    source = (ROOT / "worker/decode/gpu.py").read_text()
-    chains = dotted_names(source, {"nvimgcodec": "nvimgcodec"})
+    chains: set[str] = set()
+    for path in NVIMGCODEC_USERS:
+        chains |= dotted_names((ROOT / path).read_text(), {"nvimgcodec": "nvimgcodec"})
     return {c.removeprefix("nvimgcodec.") for c in chains}
 
 
 def test_gpu_decode_uses_only_vendored_nvimgcodec_names() -> None:
     used = nvimgcodec_names_in_code()
-    assert used, "the walk found no nvImageCodec use in decode/gpu.py"
+    assert used, "the walk found no nvImageCodec use in the GPU decoders"
+    assert {"as_image", "Decoder", "NVIMGCODEC_DEVICE_CPU_ONLY"} <= used
     assert used <= NVIMGCODEC_API, f"not in nvImageCodec 0.9: {sorted(used - NVIMGCODEC_API)}"
     assert "ColorSpec.RGB" not in used
 

@@ -35,7 +35,7 @@ def packed_slot(
     batch = batch or len(images)
     side = packed_side(R)
     memory = np.zeros((1, batch * side * side * 3), dtype=np.uint8)
-    slots = PackedSlots(memory, np.zeros(1, dtype=np.int64), batch=batch, row_side=R)
+    slots = PackedSlots(memory, np.zeros((1, 2), dtype=np.int64), batch=batch, row_side=R)
     slots.reset(0)
     for i in order if order is not None else range(len(images)):
         decoded, _ = decode_row(images[i], spec or DecodeSpec(size=S), R)
@@ -80,7 +80,7 @@ def test_a_cached_entry_is_placed_back_as_it_was_read(images: list[bytes]) -> No
     entries = [slots.entry(i) for i in range(4)]
     assert all(e.flags.owndata for e in entries)
     memory = np.zeros_like(slots.memory)
-    again = PackedSlots(memory, np.zeros(1, dtype=np.int64), batch=4, row_side=R)
+    again = PackedSlots(memory, np.zeros((1, 2), dtype=np.int64), batch=4, row_side=R)
     again.reset(0)
     for i in (2, 0, 3, 1):
         again.write_entry(i, entries[i])
@@ -94,7 +94,7 @@ def test_a_slot_refuses_what_it_cannot_hold_and_a_reset_empties_it(images: list[
     big, _ = decode_row(images[-9], DecodeSpec(size=S), R)  # a DCT-scaled photo
     side = packed_side(R)
     memory = np.zeros((1, side * side * 3), dtype=np.uint8)
-    slots = PackedSlots(memory, np.zeros(1, dtype=np.int64), batch=1, row_side=R)
+    slots = PackedSlots(memory, np.zeros((1, 2), dtype=np.int64), batch=1, row_side=R)
     slots.reset(0)
     # Even one row of the largest size fits a slot of one (B = 1).
     largest = np.zeros((R - 1, R, 3), dtype=np.uint8)

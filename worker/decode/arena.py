@@ -8,7 +8,7 @@ One anonymous memory file (memfd) holds, side by side:
   DCT scale, time, error), written by the process before it says the row is done;
 - one progress record per decode process: which row it works on and since when, so the
   worker can end a decode over its budget without a message per image;
-- with packed rows (worker/decode/packed.py), one fill counter per slot.
+- with packed rows (worker/decode/packed.py), two fill counters per slot.
 
 A memfd is anonymous shared memory: it is counted against the container's memory, not
 against `/dev/shm` (64 MB under Docker's defaults), needs no file system and disappears
@@ -99,12 +99,12 @@ class ArenaLayout:
 
     @property
     def fill_offset(self) -> int:
-        """Where the packed slots' fill counters lie (one int64 per slot)."""
+        """Where the packed slots' fill counters lie (two int64 per slot: bottom, top)."""
         return self.progress_offset + _aligned(self.processes * PROGRESS.itemsize)
 
     @property
     def size(self) -> int:
-        return self.fill_offset + _aligned(self.slots * 8)
+        return self.fill_offset + _aligned(self.slots * 16)
 
     def as_args(self) -> list[str]:
         return [str(self.rows), str(self.side), str(self.processes), str(self.batch)]
@@ -144,7 +144,7 @@ class SharedArena:
                 offset=layout.rows_offset,
             )
             fill: npt.NDArray[np.int64] = np.ndarray(
-                (layout.slots,), dtype="<i8", buffer=memory, offset=layout.fill_offset
+                (layout.slots, 2), dtype="<i8", buffer=memory, offset=layout.fill_offset
             )
             self.packed = PackedSlots(
                 slots,

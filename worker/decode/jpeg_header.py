@@ -42,7 +42,7 @@ class JpegCost:
     coefficient_bytes: int
 
 
-def segments(data: bytes) -> Iterator[tuple[int, int, int]]:
+def segments(data: bytes | memoryview) -> Iterator[tuple[int, int, int]]:
     """(marker, offset, length) of each segment of a JPEG's header, up to and including the
     first scan's (SOS); it ends early where the header is not a JPEG's. A walk over a
     handful of segments, never a search of the whole file."""
@@ -144,4 +144,43 @@ def jpeg_cost_problem(data: bytes, output_bytes: int, max_decode_bytes: int) -> 
             f"({-(-cost.coefficient_bytes // mib)} MiB of coefficients at full size, whatever "
             f"the scale), over the limit of {max_decode_bytes // mib} MiB"
         )
+    return None
+
+
+# Chroma subsampling a GPU's hardware JPEG decoder takes, as the luma component's (h, v)
+# sampling factors with both chroma components at (1, 1): 4:4:4, 4:2:2, 4:2:0, 4:4:0.
+_HARDWARE_SAMPLING = frozenset({(1, 1), (2, 1), (2, 2), (1, 2)})
+
+
+def hardware_frame(data: bytes | memoryview) -> tuple[int, int] | None:
+    """(height, width) of a JPEG that a GPU's hardware decoder takes as it is: baseline
+    (SOF0), grey or YCbCr with the usual subsampling, every component in its first scan;
+    None for anything else (progressive, arithmetic, 12-bit, CMYK, Adobe RGB, odd sampling,
+    a header that cannot be read), which the CPU decodes as it always has."""
+    if bytes(data[:3]) != b"\xff\xd8\xff":
+        return None
+    frame: tuple[int, int, int, list[tuple[int, int]]] | None = None
+    for marker, pos, length in segments(data):
+        if marker == 0xEE and bytes(data[pos + 4 : pos + 9]) == b"Adobe" and length >= 12:
+            if data[pos + 2 + 11] == 0:
+                return None  # Adobe transform 0: RGB or CMYK samples, not YCbCr
+        elif marker in _FRAMES:
+            if marker != 0xC0:
+                return None
+            frame = _frame(marker, bytes(data[pos + 4 : pos + 2 + length]))
+            if frame is None:
+                return None
+        elif marker == 0xDA:
+            if frame is None:
+                return None
+            _, height, width, sampling = frame
+            if pos + 4 >= len(data) or data[pos + 4] != len(sampling) or height <= 0:
+                return None
+            if len(sampling) == 1 or (
+                len(sampling) == 3
+                and sampling[0] in _HARDWARE_SAMPLING
+                and sampling[1] == sampling[2] == (1, 1)
+            ):
+                return height, width
+            return None
     return None

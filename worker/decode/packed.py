@@ -13,10 +13,16 @@ staged bytes of an image are its decoded pixels plus HEADER_BYTES. The step's re
 (worker/model/resample.py, PackedResampler) reads each image's lines where its record says.
 
 Several processes write one slot at once, so each image's place is taken from a counter per
-slot (bytes used so far), read and advanced under a POSIX record lock on those 8 bytes of the
+slot (bytes used so far), read and advanced under a POSIX record lock on those bytes of the
 shared memory file: a few microseconds per image, in the decode processes, and released by
 the kernel should a process die holding it. The worker takes a place the same way for a row
 it writes itself (a `url` job's row from its cache).
+
+Rows the GPU decodes (worker/decode/gpu_packed.py) never exist on the host: their pixels are
+written into the slot's device twin only. They take their place from the other end of the
+slot (a second counter, under the same lock), so the host-to-device copy, which takes the
+header and the bytes counted from the bottom, never overwrites them; only their records are
+on the host, copied with the header.
 
 The slot's memory is that of B rows of side R + 1 (see `packed_side`), so the same ring,
 device twin and compiled shapes serve, and B images of up to (R - 1) x R pixels always fit,
@@ -56,8 +62,9 @@ class SlotFull(Exception):
 
 class PackedSlots:
     """The packed view of a ring's slots (`memory`: slots x slot_bytes, the slots' bytes),
-    with their fill counters (`fill`: one int64 per slot, in the memory file `fd` at
-    `fill_offset`; fd -1: one process writes, no lock)."""
+    with their fill counters (`fill`: two int64 per slot, the bytes taken from the bottom
+    and from the top, in the memory file `fd` at `fill_offset`; fd -1: one process writes,
+    no lock)."""
 
     def __init__(
         self,
@@ -100,7 +107,7 @@ class PackedSlots:
 
     def _staged(self, slot: int) -> tuple[int, int]:
         """(images, pixel bytes) `slot` holds now."""
-        used = int(self.fill[slot])
+        used = int(self.fill[slot, 0] + self.fill[slot, 1])
         if not used:
             return 0, 0
         records = self.memory[slot, : self.header_bytes].view("<i4")
@@ -120,36 +127,71 @@ class PackedSlots:
         return HEADER_BYTES + used / images
 
     def used_bytes(self, slot: int) -> int:
-        """The bytes of `slot` a copy to the device must take: the header and the pixels."""
-        return self.header_bytes + int(self.fill[slot])
+        """The bytes of `slot` a copy to the device must take: the header and the pixels
+        the host holds (those placed from the bottom)."""
+        return self.header_bytes + int(self.fill[slot, 0])
 
     def rows_spanned(self, slot: int) -> int:
         """How many of the slot's rows (of side R + 1) its used bytes and the resampler's
-        spare line reach into: the fewest first rows a step may be given for it."""
+        spare line reach into: the fewest first rows a step may be given for it (all of
+        them once a row was placed from the top)."""
+        if self.fill[slot, 1]:
+            return self.batch
         row_bytes = self.slot_bytes // self.batch
         reach = self.used_bytes(slot) + self.row_side * 3
         return int(min(self.batch, -(-reach // row_bytes)))
 
     def pixel_bytes(self, slot: int) -> int:
-        return int(self.fill[slot])
+        return int(self.fill[slot, 0] + self.fill[slot, 1])
 
-    def _reserve(self, slot: int, size: int) -> int:
-        """The offset in `slot` where `size` bytes of pixels go; raises SlotFull."""
-        where = self.fill_offset + slot * 8
+    def _reserve(self, slot: int, size: int, *, top: bool = False) -> int:
+        """The offset in `slot` where `size` bytes of pixels go, taken from the bottom (rows
+        the host writes) or the top (rows only the device holds); raises SlotFull."""
+        where = self.fill_offset + slot * 16
         if self.fd >= 0:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX, 8, where)
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, 16, where)
         try:
-            used = int(self.fill[slot])
-            if used + size > self.capacity:
+            bottom, high = int(self.fill[slot, 0]), int(self.fill[slot, 1])
+            if bottom + high + size > self.capacity:
                 raise SlotFull(
                     f"the batch's staging slot has no room for {size:,} more bytes "
-                    f"({used:,} of {self.capacity:,} used)"
+                    f"({bottom + high:,} of {self.capacity:,} used)"
                 )
-            self.fill[slot] = used + size
+            if top:
+                self.fill[slot, 1] = high + size
+            else:
+                self.fill[slot, 0] = bottom + size
         finally:
             if self.fd >= 0:
-                fcntl.lockf(self.fd, fcntl.LOCK_UN, 8, where)
-        return self.header_bytes + used
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, 16, where)
+        if top:
+            return int(self.header_bytes + self.capacity - high - size)
+        return self.header_bytes + bottom
+
+    def place_on_device(self, row: int, size: int, geometry: tuple[int, ...] | None = None) -> int:
+        """Take `size` bytes from the top of row `row`'s slot for pixels that only the
+        device twin will hold (a GPU decode writes them there), record the place (and
+        `geometry`; None: the words a decode process already wrote) and return the offset;
+        raises SlotFull."""
+        offset = self._reserve(row // self.batch, size, top=True)
+        record = self._record(row)
+        if geometry is not None:
+            record[:GEOMETRY_WORDS] = geometry
+        record[OFFSET_WORD] = offset
+        record[BYTES_WORD] = size
+        return offset
+
+    def write_geometry(self, row: int, geometry: tuple[int, ...]) -> None:
+        """Record row `row`'s geometry alone (its place comes with `place_on_device`)."""
+        record = self._record(row)
+        record[:GEOMETRY_WORDS] = geometry
+        record[OFFSET_WORD] = 0
+        record[BYTES_WORD] = 0
+
+    def clear_record(self, row: int) -> None:
+        """Row `row` reads as an empty image again (a GPU decode that failed it); the bytes
+        it took stay taken until the slot is reset."""
+        self._record(row)[:] = 0
 
     def _record(self, row: int) -> npt.NDArray[np.int32]:
         slot, position = divmod(row, self.batch)

@@ -24,10 +24,12 @@ from worker.decode.cpu import (
     Frame,
     decode_checked,
     guarded,
+    jpeg_orientation,
     letterbox_geometry,
     resize_geometry,
     shape_frame,
 )
+from worker.decode.jpeg_header import hardware_frame
 
 # int32 words in line 0: stored height, stored width, EXIF orientation, then the upright
 # target of the spec's geometry: resized height, resized width, crop top, crop left (negative
@@ -82,6 +84,36 @@ def frame_row(frame: Frame, spec: DecodeSpec, side: int) -> DecodedRow:
         return DecodedRow(pixels, (h, w, frame.orientation, *target), reduced=False)
     s = spec.size
     return DecodedRow(shape_frame(frame, spec), (s, s, 1, s, s, 0, 0), reduced=True)
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    """A JPEG a GPU decodes into a packed row as it is: its upright size (the decoder
+    applies EXIF orientation) and the row's geometry words."""
+
+    height: int
+    width: int
+    geometry: tuple[int, ...]
+
+
+def gpu_placement(data: bytes | memoryview, spec: DecodeSpec, side: int) -> GpuPlacement | None:
+    """Where the GPU can decode `data` for a row of side `side`: a JPEG its hardware decoder
+    takes, within every limit the CPU path enforces, upright no larger than a row holds.
+    None for anything else: the CPU decodes it, and refuses it there when it must."""
+    if len(data) > spec.max_bytes:
+        return None
+    frame = hardware_frame(data)
+    if frame is None:
+        return None
+    height, width = frame
+    if width * height > spec.max_pixels or width * height * 3 > spec.max_decode_bytes:
+        return None
+    if jpeg_orientation(data) >= 5:
+        height, width = width, height
+    if height > side - 1 or width > side:
+        return None
+    target = target_geometry(spec, width, height)
+    return GpuPlacement(height, width, (height, width, 1, *target))
 
 
 def write_decoded_row(out: npt.NDArray[np.uint8], row: DecodedRow | npt.NDArray[np.uint8]) -> None:

@@ -1,0 +1,290 @@
+"""Batched GPU decode into packed rows (worker/decode/gpu_packed.py).
+
+The real nvImageCodec runs here on its CPU-only backend: the same `decode` call, the same
+caller buffers, the same None for a bad image, EXIF applied; only the streams and the
+hardware engines need a GPU. A fake backend pins the order of the work on the streams.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tests.images import jpeg_bytes
+from worker.decode.cpu import DecodeSpec
+from worker.decode.gpu_packed import DeferredRow, NvImgCodecInto, PackedGpuDecoder
+from worker.decode.packed import HEADER_BYTES, PackedSlots, packed_side
+from worker.decode.rows import decode_row, gpu_placement
+from worker.model.resample import PackedResampler
+from worker.tools.bench.accuracy import CROP, SIDE, STAGING, oriented_jpeg
+
+S, C, R = STAGING, CROP, SIDE
+SPEC = DecodeSpec(size=S)
+CPU = torch.device("cpu")
+
+
+def nvimgcodec_or_skip() -> None:
+    pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed")
+
+
+def new_slots(batch: int) -> PackedSlots:
+    side = packed_side(R)
+    memory = np.zeros((1, batch * side * side * 3), dtype=np.uint8)
+    slots = PackedSlots(memory, np.zeros((1, 2), dtype=np.int64), batch=batch, row_side=R)
+    slots.reset(0)
+    return slots
+
+
+def step_input(slots: PackedSlots) -> torch.Tensor:
+    side = packed_side(R)
+    slot = torch.from_numpy(slots.memory.reshape(slots.batch, side, side, 3))
+    with torch.inference_mode():
+        return PackedResampler(R, S, S, C)(slot)
+
+
+def deferred(row: int, data: bytes) -> DeferredRow:
+    placed = gpu_placement(data, SPEC, R)
+    assert placed is not None
+    return DeferredRow(row, data, placed.height, placed.width, placed.geometry)
+
+
+def cpu_only_decoder(slots: PackedSlots) -> PackedGpuDecoder:
+    return PackedGpuDecoder(slots, lambda: NvImgCodecInto(None), device=CPU)
+
+
+def twin_of(slots: PackedSlots) -> torch.Tensor:
+    # Off CUDA the step reads the host slot in place: it is the "twin" the decoder writes.
+    return torch.from_numpy(slots.memory[0])
+
+
+def grey_jpeg(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(jpeg_bytes(width, height))).convert("L").save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def test_gpu_rows_give_the_pixels_cpu_rows_give() -> None:
+    """Native-size JPEGs in every EXIF orientation, grey among them, decoded by the real
+    library into half of a batch while the CPU writes the other half: the step's input
+    equals the all-CPU slot's, row for row: the same pixels, turned by the decoder instead
+    of the resampler (which leaves float rounding apart, 1e-4 of a pixel value)."""
+    nvimgcodec_or_skip()
+    images = [oriented_jpeg(150, 112, o, seed=o) for o in range(1, 9)]
+    images += [oriented_jpeg(100, 100, 6, seed=9), grey_jpeg(120, 90)]
+    everything = new_slots(len(images))
+    for i, data in enumerate(images):
+        everything.write(i, decode_row(data, SPEC, R)[0])
+    mixed = new_slots(len(images))
+    for i in range(1, len(images), 2):
+        mixed.write(i, decode_row(images[i], SPEC, R)[0])
+    decoder = cpu_only_decoder(mixed)
+    try:
+        rows = [deferred(i, images[i]) for i in range(0, len(images), 2)]
+        result = decoder.decode_sync(rows, twin_of(mixed))
+    finally:
+        decoder.shutdown()
+    assert result.failed == []
+    assert result.decoded == [r.row for r in rows]
+    got, want = step_input(mixed), step_input(everything)
+    assert torch.equal(got[1::2], want[1::2])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_bad_image_fails_alone_and_reads_empty() -> None:
+    """Truncated JPEGs (their headers whole, so they were routed here: one ends with its
+    header, one half way through its scan) come back failed, their records cleared for the
+    CPU decoders; the rows around them are decoded."""
+    nvimgcodec_or_skip()
+    good = [jpeg_bytes(96, 64, seed=i) for i in range(3)]
+    header_end = good[0].index(b"\xff\xda") + 20
+    truncated = good[0][:header_end]
+    half = good[1][: len(good[1]) // 2]
+    datas = [good[0], truncated, good[1], half, good[2]]
+    slots = new_slots(len(datas))
+    decoder = cpu_only_decoder(slots)
+    try:
+        result = decoder.decode_sync([deferred(i, d) for i, d in enumerate(datas)], twin_of(slots))
+    finally:
+        decoder.shutdown()
+    assert sorted(result.failed) == [1, 3]
+    assert result.decoded == [0, 2, 4]
+    records = slots.memory[0, : slots.header_bytes].view("<i4").reshape(len(datas), -1)
+    assert not records[1].any() and not records[3].any()
+    reference = new_slots(len(datas))
+    for i in (0, 2, 4):
+        reference.write(i, decode_row(datas[i], SPEC, R)[0])
+    assert torch.equal(step_input(slots), step_input(reference))
+
+
+def test_gpu_rows_are_placed_where_the_host_copy_never_reaches() -> None:
+    """A GPU row takes its bytes from the top of the slot: the bytes the host copies (the
+    header and what the CPU wrote) stay as they were, and a batch with a GPU row is read
+    over the whole slot."""
+    nvimgcodec_or_skip()
+    slots = new_slots(4)
+    cpu_row, _ = decode_row(jpeg_bytes(96, 64, seed=1), SPEC, R)
+    slots.write(0, cpu_row)
+    host_bytes = slots.used_bytes(0)
+    before = slots.memory[0, HEADER_BYTES * 4 : host_bytes].copy()
+    assert slots.rows_spanned(0) < 4
+    decoder = cpu_only_decoder(slots)
+    try:
+        decoder.decode_sync([deferred(1, jpeg_bytes(150, 112, seed=2))], twin_of(slots))
+    finally:
+        decoder.shutdown()
+    assert slots.used_bytes(0) == host_bytes
+    assert np.array_equal(slots.memory[0, HEADER_BYTES * 4 : host_bytes], before)
+    assert slots.rows_spanned(0) == 4
+    record = slots.memory[0, HEADER_BYTES : 2 * HEADER_BYTES].view("<i4")
+    assert record[7] >= host_bytes + R * 3 and record[8] == 150 * 112 * 3
+
+
+def test_only_what_the_hardware_takes_as_it_is_is_placed_on_the_gpu() -> None:
+    """Baseline grey or YCbCr JPEGs that fit a row go to the GPU, upright (EXIF turns the
+    size); progressive, CMYK, too large for a row or over a limit go to the CPU."""
+
+    def saved(mode: str, **options: Any) -> bytes:
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(jpeg_bytes(96, 64))).convert(mode).save(buf, "JPEG", **options)
+        return buf.getvalue()
+
+    placed = gpu_placement(oriented_jpeg(150, 112, 6, seed=1), SPEC, R)
+    assert placed is not None and (placed.height, placed.width) == (150, 112)
+    assert placed.geometry[:3] == (150, 112, 1)
+    assert gpu_placement(saved("L"), SPEC, R) is not None
+    assert gpu_placement(saved("RGB", subsampling=0), SPEC, R) is not None  # 4:4:4
+    assert gpu_placement(saved("RGB", progressive=True), SPEC, R) is None
+    assert gpu_placement(saved("CMYK"), SPEC, R) is None
+    assert gpu_placement(jpeg_bytes(R + 1, 64), SPEC, R) is None
+    assert gpu_placement(jpeg_bytes(96, 64), DecodeSpec(size=S, max_pixels=96 * 63), R) is None
+    assert gpu_placement(b"\x89PNG\r\n\x1a\n" + bytes(64), SPEC, R) is None
+    assert gpu_placement(saved("L")[:40], SPEC, R) is None
+
+
+class FakeStream:
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name, self.cuda_stream = log, name, id(self)
+
+    def wait_event(self, event: Any) -> None:
+        self.log.append(f"{self.name} waits {event}")
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(self, log: list[str], answers: Sequence[bool] | Exception) -> None:
+        self.log, self.answers = log, answers
+
+    def decode_into(
+        self, datas: Sequence[Any], outs: Sequence[torch.Tensor], stream: int
+    ) -> list[bool]:
+        self.log.append(f"decode {len(datas)} on {stream}")
+        if isinstance(self.answers, Exception):
+            raise self.answers
+        for out in outs:
+            out.fill_(7)
+        return list(self.answers)
+
+
+def fake_decoder(
+    slots: PackedSlots, log: list[str], answers: Sequence[bool] | Exception
+) -> tuple[PackedGpuDecoder, list[FakeStream]]:
+    streams: list[FakeStream] = []
+
+    def make_stream() -> FakeStream:
+        streams.append(FakeStream(log, f"s{len(streams)}"))
+        return streams[-1]
+
+    def record(stream: FakeStream) -> str:
+        log.append(f"{stream.name} records ready")
+        return "ready"
+
+    decoder = PackedGpuDecoder(
+        slots,
+        lambda: FakeBackend(log, answers),
+        device=CPU,
+        make_stream=make_stream,
+        record=record,
+    )
+    return decoder, streams
+
+
+@pytest.mark.parametrize(
+    ("answers", "failed"),
+    [([True, True], []), ([True, False], [1]), (RuntimeError("engine lost"), [0, 1])],
+)
+def test_the_writes_wait_for_the_twins_last_read_and_the_step_waits_for_them(
+    answers: Sequence[bool] | Exception, failed: list[int]
+) -> None:
+    """On the lane's own stream: first the wait for the event after the twin's last read,
+    then the decode, then the event the step waits for; on every exit path, a raise too
+    (rows it failed are cleared and returned for the CPU)."""
+    slots = new_slots(2)
+    log: list[str] = []
+    decoder, streams = fake_decoder(slots, log, answers)
+    rows = [deferred(i, jpeg_bytes(96, 64, seed=i)) for i in range(2)]
+    try:
+        result = decoder.decode_sync(rows, twin_of(slots), after="consumed")  # type: ignore[arg-type]
+    finally:
+        decoder.shutdown()
+    lane = next(s for s in streams if s.name in log[0])
+    assert log == [
+        f"{lane.name} waits consumed",
+        f"decode 2 on {lane.cuda_stream}",
+        f"{lane.name} records ready",
+    ]
+    assert result.ready == "ready"
+    assert sorted(result.failed) == failed
+    assert result.decoded == [r for r in (0, 1) if r not in failed]
+    records = slots.memory[0, : slots.header_bytes].view("<i4").reshape(2, -1)
+    for row in failed:
+        assert not records[row].any()
+
+
+def test_two_lanes_decode_side_by_side_each_on_its_own_stream() -> None:
+    """Two batches in flight at once take the two lanes (a decoder is never shared between
+    threads): each call runs on a stream no other running call holds."""
+    import threading
+
+    slots = new_slots(4)
+    log: list[str] = []
+    both_in = threading.Barrier(2, timeout=10)
+
+    class Meeting(FakeBackend):
+        def decode_into(
+            self, datas: Sequence[Any], outs: Sequence[torch.Tensor], stream: int
+        ) -> list[bool]:
+            both_in.wait()  # only returns once two calls run at once
+            return super().decode_into(datas, outs, stream)
+
+    streams: list[FakeStream] = []
+
+    def make_stream() -> FakeStream:
+        streams.append(FakeStream(log, f"s{len(streams)}"))
+        return streams[-1]
+
+    decoder = PackedGpuDecoder(
+        slots,
+        lambda: Meeting(log, [True]),
+        device=CPU,
+        make_stream=make_stream,
+        record=lambda stream: "ready",
+    )
+    twin = twin_of(slots)
+    try:
+        calls = [
+            decoder._executor.submit(decoder.decode_sync, [deferred(i, jpeg_bytes(96, 64))], twin)
+            for i in (0, 2)
+        ]
+        results = [c.result(timeout=20) for c in calls]
+    finally:
+        decoder.shutdown()
+    assert [r.decoded for r in results] == [[0], [2]]
+    used = {line.split(" on ")[1] for line in log if line.startswith("decode")}
+    assert used == {str(s.cuda_stream) for s in streams} and len(streams) == 2

@@ -1,0 +1,263 @@
+"""Batched JPEG decode on the GPU's hardware engines, straight into packed rows.
+
+With decode processes and packed rows (worker/decode/packed.py) a batch's images reach the
+device as one run of bytes. The rows this module decodes never pass through the host: each
+image's place is taken from the top of its slot (so the host-to-device copy, which takes
+the header and the bytes counted from the bottom, leaves it alone), its record (geometry,
+place, size) is written into the host header, which that copy carries, and the decoder
+writes its pixels at that place in the slot's device twin. The step's resampler reads it
+there like any other row.
+
+The library is NVIDIA nvImageCodec: one `decode` call per batch takes the whole list and
+releases the GIL around the native work; `images=` decodes into caller buffers (here views
+of the twin) on our CUDA stream; it returns None for an image it could not decode and keeps
+the list's length, so a bad image fails alone; it applies EXIF orientation, so rows are
+recorded upright. Its hardware backend takes baseline JPEGs (the decode processes route
+only those here); the hybrid and CPU backends take what it passes on. The same library
+decodes without a GPU (`NVIMGCODEC_DEVICE_CPU_ONLY`), which is how the tests on a machine
+without CUDA exercise its real contract.
+
+A decoder is not shared between threads, so `PackedGpuDecoder` keeps two lanes, each a
+decoder, a CUDA stream and a thread: two batches decode at once, neither waits for the
+other's host work. Before writing a twin a lane's stream waits, on the GPU, for the event
+after that twin's last read; after the call it records the event the step waits for. No
+host thread waits on the device here.
+
+Rows the decoder returns as failed, and every row of a call that raised, go back to the
+CPU decoders (their records cleared first): a GPU failure never fails a row by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+import torch
+
+from worker.decode.packed import PackedSlots, SlotFull
+from worker.pipeline.device import DoneEvent, Event, cuda_event
+
+log = structlog.get_logger("gpufeed.gpu_decode")
+
+# Lanes: decoders (each with its stream and thread) decoding batches side by side.
+LANES = 2
+
+
+@dataclass(frozen=True)
+class DeferredRow:
+    """A JPEG a decode process left for the GPU: its ring row, its bytes, and what its
+    header says it decodes to, upright (EXIF applied), with the row's geometry words."""
+
+    row: int
+    data: bytes | memoryview
+    height: int
+    width: int
+    # The record's geometry words; None: the decode process wrote them into the record.
+    geometry: tuple[int, ...] | None = None
+
+
+class BatchJpegBackend(Protocol):
+    """One decoder: not shared between threads."""
+
+    name: str
+
+    def decode_into(
+        self, datas: Sequence[Any], outs: Sequence[torch.Tensor], stream: int
+    ) -> list[bool]:
+        """Decode image i into outs[i] ([h, w, 3] uint8, upright, on the decoder's device),
+        queued on the CUDA stream `stream` (0 off CUDA); False where it could not."""
+        ...
+
+
+class NvImgCodecInto:
+    """nvImageCodec's decoder writing into caller buffers. `device_index` None: its CPU-only
+    backend (no GPU needed; the tests' way to run the real library)."""
+
+    def __init__(self, device_index: int | None) -> None:
+        nvimgcodec: Any = importlib.import_module("nvidia.nvimgcodec")
+        self._nv = nvimgcodec
+        self.name = f"nvimgcodec {nvimgcodec.__version__}"
+        if device_index is None:
+            self._decoder = nvimgcodec.Decoder(
+                device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)],
+            )
+            self.name += " (cpu only)"
+        else:
+            # Hardware engines first, then the GPU's CUDA decode, then the CPU: the library
+            # passes an image on to the next backend that can take it.
+            self._decoder = nvimgcodec.Decoder(device_id=device_index)
+        self._params = nvimgcodec.DecodeParams(
+            apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
+        )
+        self._cuda = device_index is not None
+
+    def decode_into(
+        self, datas: Sequence[Any], outs: Sequence[torch.Tensor], stream: int
+    ) -> list[bool]:
+        nvimgcodec = self._nv
+        if self._cuda:
+            # The buffers are tied to the decode's own stream: a buffer tied to another
+            # stream would make the library wait for it on the host.
+            images = [nvimgcodec.as_image(out, cuda_stream=stream) for out in outs]
+        else:
+            images = [nvimgcodec.as_image(out.numpy()) for out in outs]
+        decoded = self._decoder.decode(
+            list(datas), images=images, params=self._params, cuda_stream=stream
+        )
+        return [image is not None for image in decoded]
+
+
+def nvimgcodec_available() -> str | None:
+    """None when nvImageCodec imports, else why not (for the plan line and the docs)."""
+    try:
+        importlib.import_module("nvidia.nvimgcodec")
+    except ImportError as exc:
+        return f"nvImageCodec is not installed ({exc})"
+    except Exception as exc:  # noqa: BLE001 - a broken install says why, never ends start-up
+        return f"nvImageCodec does not load: {type(exc).__name__}: {exc}"
+    return None
+
+
+@dataclass
+class PackedGpuResult:
+    ready: Event | None  # the decoded rows are in the twin once this fired
+    decoded: list[int]  # rows written
+    failed: list[int]  # rows for the CPU decoders (records cleared)
+    decode_ms: float  # the call, host side, per decoded row
+
+
+@dataclass
+class _Lane:
+    backend: BatchJpegBackend
+    stream: Any  # torch.cuda.Stream, or None off CUDA
+
+
+class PackedGpuDecoder:
+    """Decodes a batch's deferred rows into its slot's device twin, on one of its lanes."""
+
+    def __init__(
+        self,
+        packed: PackedSlots,
+        make_backend: Callable[[], BatchJpegBackend],
+        *,
+        device: torch.device,
+        lanes: int = LANES,
+        make_stream: Callable[[], Any] | None = None,
+        record: Callable[[Any], Event] | None = None,
+    ) -> None:
+        """`make_stream` and `record` (a new stream per lane, an event recorded on one):
+        CUDA's by default; the tests' fakes pin the order of the work on them."""
+        self.packed = packed
+        self.device = device
+        if make_stream is None:
+            cuda = device.type == "cuda"
+            make_stream = (lambda: torch.cuda.Stream(device)) if cuda else (lambda: None)  # type: ignore[no-untyped-call]
+        self._record = record or _record_event
+        self._lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
+        self.backend_name = ""
+        for _ in range(lanes):
+            backend = make_backend()
+            self.backend_name = backend.name
+            self._lanes.put(_Lane(backend, make_stream()))
+        self._executor = ThreadPoolExecutor(lanes, thread_name_prefix="gpufeed-gpudecode")
+        # Bytes and buffers queued device work may still read, kept until it ran.
+        self._retained: deque[tuple[Event, list[Any]]] = deque()
+
+    async def decode(
+        self, rows: Sequence[DeferredRow], twin: torch.Tensor, *, after: Event | None = None
+    ) -> PackedGpuResult:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.decode_sync, rows, twin, after)
+
+    def decode_sync(
+        self, rows: Sequence[DeferredRow], twin: torch.Tensor, after: Event | None = None
+    ) -> PackedGpuResult:
+        """`twin`: the slot's device bytes (flat uint8, the slot's length); `after`: the
+        event after the twin's last read, which the writes wait for on the GPU."""
+        lane = self._lanes.get()
+        try:
+            return self._decode(lane, rows, twin, after)
+        finally:
+            self._lanes.put(lane)
+
+    def _decode(
+        self, lane: _Lane, rows: Sequence[DeferredRow], twin: torch.Tensor, after: Event | None
+    ) -> PackedGpuResult:
+        self._release_finished()
+        t0 = time.perf_counter()
+        placed: list[DeferredRow] = []
+        outs: list[torch.Tensor] = []
+        failed: list[int] = []
+        for r in rows:
+            size = r.height * r.width * 3
+            try:
+                offset = self.packed.place_on_device(r.row, size, r.geometry)
+            except SlotFull:
+                failed.append(r.row)
+                continue
+            placed.append(r)
+            outs.append(twin[offset : offset + size].view(r.height, r.width, 3))
+        datas = [r.data for r in placed]
+        ok: list[bool] = [False] * len(placed)
+        with _stream_ctx(lane.stream):
+            if after is not None and lane.stream is not None:
+                lane.stream.wait_event(after)
+            handle = int(lane.stream.cuda_stream) if lane.stream is not None else 0
+            try:
+                if placed:
+                    ok = lane.backend.decode_into(datas, outs, handle)
+                    if len(ok) != len(placed):
+                        raise RuntimeError(f"{len(ok)} answers for {len(placed)} images")
+            except Exception as exc:  # noqa: BLE001 - whatever it raised: the CPU decodes them
+                log.error(
+                    "gpu_decode_failed",
+                    decoder=lane.backend.name,
+                    rows=len(placed),
+                    error=f"{type(exc).__name__}: {exc}",
+                    fallback="cpu decode",
+                )
+                ok = [False] * len(placed)
+            ready = self._record(lane.stream)
+        self._retained.append((ready, [datas, outs]))
+        decoded: list[int] = []
+        for r, good in zip(placed, ok, strict=True):
+            if good:
+                decoded.append(r.row)
+            else:
+                self.packed.clear_record(r.row)
+                failed.append(r.row)
+        ms = (time.perf_counter() - t0) * 1000 / max(1, len(decoded))
+        return PackedGpuResult(ready=ready, decoded=decoded, failed=failed, decode_ms=ms)
+
+    def _release_finished(self) -> None:
+        # Appended and popped from the lanes' threads: deque's append and popleft are atomic.
+        with contextlib.suppress(IndexError):
+            while self._retained and self._retained[0][0].query():
+                self._retained.popleft()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _record_event(stream: Any) -> Event:
+    if stream is None:
+        return DoneEvent(time.perf_counter())
+    event = cuda_event()
+    event.record(stream)
+    return event
+
+
+def _stream_ctx(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    if isinstance(stream, torch.cuda.Stream):
+        return torch.cuda.stream(stream)
+    return contextlib.nullcontext()
