@@ -314,9 +314,10 @@ def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
     assert line.startswith("4 decode processes") and "GPUFEED_DECODE_THREADS=2 unused" in line
     off = tiny_config(url, weights, decode_processes="0")
     assert plan_feed(off, thread_only_hook=False, cores=16, **kw).decode_processes == 0
-    gpu = tiny_config(url, weights, decode_processes="4", decode="gpu")
-    with pytest.raises(ConfigError, match="GPUFEED_DECODE_PROCESSES=0"):
-        plan_feed(gpu, thread_only_hook=False, cores=16, **kw)
+    # GPU decode takes decode processes as it takes threads (packed rows, gpu_packed.py).
+    for count in ("4", "auto"):
+        gpu = tiny_config(url, weights, decode_processes=count, decode="gpu", decode_threads=0)
+        assert plan_feed(gpu, thread_only_hook=False, cores=16, **kw).decode_processes >= 4
     with pytest.raises(ConfigError, match="GPUFEED_DECODE_PROCESSES"):
         tiny_config(url, weights, decode_processes="many")
     # The result writer: a process of its own from 4 cores, as decode processes; the

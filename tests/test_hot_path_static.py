@@ -26,6 +26,7 @@ HOT_PATH = (
     "worker/pipeline/batcher.py",
     "worker/decode/pool.py",
     "worker/decode/gpu.py",
+    "worker/decode/gpu_packed.py",
     "worker/pipeline/completion.py",
     "worker/model/compiler.py",
     "worker/model/ceiling.py",
@@ -61,6 +62,16 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "_wait",
         "synchronize",
     ): "start-up calibration of GPU against CPU decode, before the worker takes jobs",
+    (
+        "worker/decode/gpu_packed.py",
+        "_wait",
+        "synchronize",
+    ): "start-up measurement of the GPU decoder's rate, before the worker takes jobs",
+    (
+        "worker/decode/gpu_packed.py",
+        "NvImgCodecInto.decode_into",
+        "numpy",
+    ): "the CPU-only backend's buffers: numpy views of host memory, never on CUDA",
     (
         "worker/model/readers.py",
         "ClassifyReader.read",

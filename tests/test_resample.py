@@ -187,10 +187,19 @@ def test_placement_choice() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert choose_placement("auto", cpu, "cpu")[0] == "host"
     assert choose_placement("auto", cuda, "cpu")[0] == "device"
-    assert choose_placement("auto", cuda, "gpu")[0] == "host"
+    assert choose_placement("auto", cpu, "cpu", 3)[0] == "host"
     assert choose_placement("device", cpu, "cpu")[0] == "device"
+    # GPU decode from threads writes resized rows: resized on the host.
+    assert choose_placement("auto", cuda, "gpu")[0] == "host"
     with pytest.raises(ConfigError, match="GPUFEED_RESIZE=device"):
         choose_placement("device", cuda, "gpu")
+    # From decode processes it writes packed rows at their own size: resized on the device.
+    for decode in ("gpu", "auto"):
+        assert choose_placement("auto", cuda, decode, 4)[0] == "device"
+        assert choose_placement("device", cpu, decode, 4)[0] == "device"
+    with pytest.raises(ConfigError, match=r"GPUFEED_RESIZE=host.*packed rows"):
+        choose_placement("host", cuda, "gpu", 4)
+    assert choose_placement("host", cuda, "auto", 4)[0] == "host"
 
 
 async def test_pool_writes_rows_and_counts_reductions() -> None:

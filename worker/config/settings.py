@@ -151,6 +151,7 @@ class WorkerConfig:
     result_writer: str = field(default="auto", metadata={"env": "GPUFEED_RESULT_WRITER"})
     intake: str = field(default="auto", metadata={"env": "GPUFEED_INTAKE"})
     decode: str = field(default="cpu", metadata={"env": "GPUFEED_DECODE"})
+    gpu_decode_share: str = field(default="auto", metadata={"env": "GPUFEED_GPU_DECODE_SHARE"})
     dct_scaling: bool = field(default=True, metadata={"env": "GPUFEED_DCT_SCALING"})
     resize: str = field(default="auto", metadata={"env": "GPUFEED_RESIZE"})
     decode_cache_mb: int = field(default=256, metadata={"env": "GPUFEED_DECODE_CACHE_MB"})
@@ -383,6 +384,11 @@ class WorkerConfig:
             self.decode in DECODE_MODES,
             "GPUFEED_DECODE",
             f"must be one of {', '.join(DECODE_MODES)} (got {self.decode!r})",
+        )
+        need(
+            _share(self.gpu_decode_share) is not None,
+            "GPUFEED_GPU_DECODE_SHARE",
+            f"must be auto or a fraction between 0 and 1 (got {_plain(self.gpu_decode_share)})",
         )
         need(
             self.resize in RESIZE_PLACEMENTS,
@@ -838,3 +844,20 @@ def _shown(raw: str) -> str:
     """`raw` as an error line may show it: escaped, and cut short."""
     text = ascii(raw)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _share(text: str) -> float | str | None:
+    """GPUFEED_GPU_DECODE_SHARE read: "auto", a fraction in [0, 1], or None (invalid)."""
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0.0 <= value <= 1.0 else None
+
+
+def gpu_decode_share(cfg: WorkerConfig) -> float | None:
+    """The share GPUFEED_GPU_DECODE_SHARE names; None: `auto` (measured at start-up)."""
+    share = _share(cfg.gpu_decode_share)
+    return share if isinstance(share, float) else None

@@ -158,9 +158,9 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "GPUFEED_DECODE_PROCESSES": (
         "`auto`",
         "decode processes writing into shared staging memory; `0`: decode threads in the "
-        "worker instead (needed for GPUFEED_DECODE=gpu); `auto`: on 4 cores or more one per "
-        "core but the worker's, at most 32; threads below 4 cores, where the worker's own "
-        "CPU would compete with them, and where shared memory files are missing",
+        "worker instead; `auto`: on 4 cores or more one per core but the worker's, at most "
+        "32; threads below 4 cores, where the worker's own CPU would compete with them, and "
+        "where shared memory files are missing",
     ),
     "GPUFEED_RESULT_WRITER": (
         "`auto`",
@@ -177,7 +177,18 @@ SETTINGS: dict[str, tuple[str, str]] = {
     ),
     "GPUFEED_DECODE": (
         "`cpu`",
-        "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up)",
+        "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up). With "
+        "decode processes the GPU's hardware engines (nvImageCodec, `pip install "
+        "gpufeed[gpu]`) decode GPUFEED_GPU_DECODE_SHARE of each batch's baseline JPEGs "
+        "straight into its packed rows, the processes the rest; with decode threads the GPU "
+        "decodes the size classes where it measured faster",
+    ),
+    "GPUFEED_GPU_DECODE_SHARE": (
+        "`auto`",
+        "with GPUFEED_DECODE=gpu|auto and decode processes: the fraction (0 to 1) of each "
+        "batch's rows offered to the GPU's JPEG decoder; `auto`: the GPU's share of the "
+        "two decoders' rates, both measured at start-up on the staging size's JPEGs "
+        "(`auto` decode leaves the GPU out where it measured slower than the processes)",
     ),
     "GPUFEED_RESIZE": (
         "`auto`",

@@ -32,10 +32,12 @@ from producer.wire import ErrorCode
 from worker.decode.packed import PackedSlots
 
 # Row states in the result table. The worker sets PENDING before it sends a row; the decode
-# process writes the record's fields, then the state, last.
+# process writes the record's fields, then the state, last. DEFERRED: left for the GPU
+# decoder (worker/decode/gpu_packed.py), its upright size in the record.
 PENDING = 0
 DONE = 1
 FAILED = 2
+DEFERRED = 3
 
 MESSAGE_BYTES = 240
 ERROR_CODES: tuple[ErrorCode, ...] = tuple(ErrorCode)

@@ -58,6 +58,11 @@ class DecodeCache:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def __contains__(self, key: bytes) -> bool:
+        """Whether `key` is kept (not counted as a hit or a miss)."""
+        with self._lock:
+            return key in self._rows
+
     def get(self, key: bytes) -> tuple[npt.NDArray[np.uint8], DecodeInfo] | None:
         """The cached row for `key` (read-only: never modified after insertion) and its
         info; None on a miss."""

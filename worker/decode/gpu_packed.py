@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import importlib
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -40,10 +41,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import structlog
 import torch
 
+from worker.decode.cpu import DecodeSpec
+from worker.decode.gpu import synthetic_jpeg
 from worker.decode.packed import PackedSlots, SlotFull
+from worker.decode.rows import decode_row
 from worker.pipeline.device import DoneEvent, Event, cuda_event
 
 log = structlog.get_logger("gpufeed.gpu_decode")
@@ -111,8 +116,11 @@ class NvImgCodecInto:
             images = [nvimgcodec.as_image(out, cuda_stream=stream) for out in outs]
         else:
             images = [nvimgcodec.as_image(out.numpy()) for out in outs]
+        # bytes as they are; payload memory (a memoryview) as a numpy view of it, no copy:
+        # the library takes either, not a memoryview.
+        sources = [d if isinstance(d, bytes) else np.frombuffer(d, np.uint8) for d in datas]
         decoded = self._decoder.decode(
-            list(datas), images=images, params=self._params, cuda_stream=stream
+            sources, images=images, params=self._params, cuda_stream=stream
         )
         return [image is not None for image in decoded]
 
@@ -170,6 +178,10 @@ class PackedGpuDecoder:
             self.backend_name = backend.name
             self._lanes.put(_Lane(backend, make_stream()))
         self._executor = ThreadPoolExecutor(lanes, thread_name_prefix="gpufeed-gpudecode")
+        # Rows decoded, and rows handed back to the CPU, since start-up (both lanes).
+        self.decoded = 0
+        self.failed = 0
+        self._counts = threading.Lock()
         # Bytes and buffers queued device work may still read, kept until it ran.
         self._retained: deque[tuple[Event, list[Any]]] = deque()
 
@@ -236,8 +248,32 @@ class PackedGpuDecoder:
             else:
                 self.packed.clear_record(r.row)
                 failed.append(r.row)
+        with self._counts:
+            self.decoded += len(decoded)
+            self.failed += len(failed)
         ms = (time.perf_counter() - t0) * 1000 / max(1, len(decoded))
         return PackedGpuResult(ready=ready, decoded=decoded, failed=failed, decode_ms=ms)
+
+    def time_decode(self, datas: Sequence[bytes], outs: Sequence[torch.Tensor]) -> float:
+        """Start-up only (it waits for the device): the seconds one lane takes to decode
+        `datas` into `outs`, the second of two calls (the first builds the decoder's
+        state). Raises RuntimeError when an image fails."""
+        lane = self._lanes.get()
+        try:
+            elapsed = 0.0
+            for _ in range(2):
+                t0 = time.perf_counter()
+                with _stream_ctx(lane.stream):
+                    handle = int(lane.stream.cuda_stream) if lane.stream is not None else 0
+                    ok = lane.backend.decode_into(datas, outs, handle)
+                    done = self._record(lane.stream)
+                _wait(done)
+                elapsed = time.perf_counter() - t0
+        finally:
+            self._lanes.put(lane)
+        if not all(ok) or len(ok) != len(datas):
+            raise RuntimeError(f"{lane.backend.name} could not decode its own sample JPEGs")
+        return elapsed
 
     def _release_finished(self) -> None:
         # Appended and popped from the lanes' threads: deque's append and popleft are atomic.
@@ -247,6 +283,60 @@ class PackedGpuDecoder:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class DecodeRates:
+    """The two decoders' rates on the staging size's JPEGs, measured at start-up."""
+
+    sample: str  # the sample JPEGs' size, e.g. 640x480
+    gpu_images_per_s: float
+    cpu_images_per_s: float  # all decode processes
+    processes: int
+
+    @property
+    def share(self) -> float:
+        """The GPU's share of the rows that keeps both decoders busy."""
+        total = self.gpu_images_per_s + self.cpu_images_per_s
+        return self.gpu_images_per_s / total if total > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "sample": self.sample,
+            "gpu_images_per_s": round(self.gpu_images_per_s, 1),
+            "cpu_images_per_s": round(self.cpu_images_per_s, 1),
+            "processes": self.processes,
+            "share": round(self.share, 3),
+        }
+
+
+def measure_rates(
+    decoder: PackedGpuDecoder, spec: DecodeSpec, side: int, processes: int, *, samples: int = 32
+) -> DecodeRates:
+    """Start-up only: the GPU decoder's images/s on a batch of photo-like JPEGs of the
+    largest photo size a row holds (640x480 where it fits), against the decode processes'
+    (one decode here, timed, times the processes: each has a core of its own)."""
+    width, height = min(640, side), min(480, side - 1)
+    images = [synthetic_jpeg(width, height, seed=i) for i in range(samples)]
+    decode_row(images[0], spec, side)
+    t0 = time.perf_counter()
+    for data in images:
+        decode_row(data, spec, side)
+    cpu_one = samples / max(time.perf_counter() - t0, 1e-9)
+    outs = torch.empty((samples, height, width, 3), dtype=torch.uint8, device=decoder.device)
+    gpu_s = decoder.time_decode(images, list(outs))
+    return DecodeRates(
+        sample=f"{width}x{height}",
+        gpu_images_per_s=samples / max(gpu_s, 1e-9),
+        cpu_images_per_s=cpu_one * processes,
+        processes=processes,
+    )
+
+
+def _wait(event: Event) -> None:
+    # Start-up measurement only (allow-listed in tests/test_hot_path_static.py).
+    if isinstance(event, torch.cuda.Event):
+        event.synchronize()
 
 
 def _record_event(stream: Any) -> Event:

@@ -51,6 +51,7 @@ from worker.decode.cpu import (
     write_row,
 )
 from worker.decode.gpu import GpuDecodeRouter, GpuRow
+from worker.decode.gpu_packed import DeferredRow
 from worker.decode.rows import decode_row, write_decoded_row
 from worker.fetch.path import read_job_path
 from worker.jobs import Job
@@ -66,8 +67,9 @@ class DecodeResult(NamedTuple):
     info: DecodeInfo | None
     error: DecodeError | None
     decode_ms: float
-    # Set when the row was left for the GPU: the row in the pinned slot is not written.
-    gpu: GpuRow | None = None
+    # Set when the row was left for the GPU: the row in the pinned slot is not written
+    # (GpuRow: decode threads; DeferredRow: decode processes, packed rows).
+    gpu: GpuRow | DeferredRow | None = None
     # The row came from the decode cache (the same bytes were decoded before).
     cached: bool = False
 
@@ -285,11 +287,15 @@ class DecodePool:
         return self._submit_one(job, out, may_defer=True)
 
     def submit_rows(
-        self, jobs: Sequence[Job], rows: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]]
+        self,
+        jobs: Sequence[Job],
+        rows: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]],
+        *,
+        gpu: bool = True,
     ) -> RowGroup:
         """Queue `jobs` for decoding into `rows` (rows[i] for jobs[i]) as one group; `settle`
-        waits for it."""
-        group = RowGroup(asyncio.get_running_loop().create_future(), jobs, rows, may_defer=True)
+        waits for it. `gpu`: rows may be left for the GPU decoder (False: decoded here)."""
+        group = RowGroup(asyncio.get_running_loop().create_future(), jobs, rows, may_defer=gpu)
         self._queue(group)
         return group
 

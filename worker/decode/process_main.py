@@ -11,6 +11,11 @@ paths, reply streams) and the payload bytes back to back; the process answers 16
 and each row's record go through shared memory, never through the socket; with packed rows
 (worker/decode/packed.py) each image takes its place in its slot as its decode ends.
 
+A row the worker flags for the GPU (GPUFEED_DECODE=gpu|auto, packed rows) is only probed
+here: a JPEG the GPU's hardware decoder takes as it is, within every limit, gets its
+geometry written into its record and is left DEFERRED for the worker's GPU decoder
+(worker/decode/gpu_packed.py); anything else is decoded here as always.
+
 The process has no state the worker needs: it can be killed at any moment (a decode over
 its budget) and replaced, and the rows it had not finished are sent to its replacement.
 """
@@ -34,12 +39,20 @@ import numpy.typing as npt
 from PIL import Image
 
 from producer.wire import ErrorCode
-from worker.decode.arena import DONE, ERROR_CODES, FAILED, MESSAGE_BYTES, ArenaLayout, SharedArena
+from worker.decode.arena import (
+    DEFERRED,
+    DONE,
+    ERROR_CODES,
+    FAILED,
+    MESSAGE_BYTES,
+    ArenaLayout,
+    SharedArena,
+)
 from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_pixels, write_row
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import open_payloads
-from worker.decode.rows import decode_row, write_decoded_row
+from worker.decode.rows import decode_row, gpu_placement, write_decoded_row
 from worker.fetch.path import read_job_path
 
 # magic, description length, payload length
@@ -93,9 +106,13 @@ class RowDecoder:
         data: bytes | memoryview | None,
         path: bytes | None,
         ns: str | None,
+        gpu: bool = False,
     ) -> None:
+        """`gpu`: the worker would have the GPU decode this row if it can."""
         record = self.arena.table[row]
         start = time.perf_counter()
+        if gpu and data is not None and self._defer(row, data, ns, record, start):
+            return
         try:
             if self.delay_s:
                 time.sleep(self.delay_s)
@@ -122,6 +139,30 @@ class RowDecoder:
         record["error"] = -1
         record["decode_us"] = int((time.perf_counter() - start) * 1e6)
         record["state"] = DONE
+
+    def _defer(
+        self, row: int, data: bytes | memoryview, ns: str | None, record: Any, start: float
+    ) -> bool:
+        """Leave row `row` for the GPU when its JPEG allows; False: decode it here."""
+        packed = self.arena.packed
+        if packed is None or not self.row_side:
+            return False
+        if self.cache is not None and ns is not None and cache_key(bytes(data), ns) in self.cache:
+            return False  # the cached row is a copy away
+        placed = gpu_placement(data, self.spec, self.row_side)
+        if placed is None:
+            return False
+        packed.write_geometry(row, placed.geometry)
+        record["width"] = placed.width
+        record["height"] = placed.height
+        record["draft_scale"] = 1
+        record["format"] = b"JPEG"
+        record["cached"] = 0
+        record["reduced"] = 0
+        record["error"] = -1
+        record["decode_us"] = int((time.perf_counter() - start) * 1e6)
+        record["state"] = DEFERRED
+        return True
 
     def _decode(
         self, row: int, data: bytes | memoryview, ns: str | None
@@ -196,10 +237,12 @@ def serve(
         view = memoryview(payload)[:payload_len]
         if not _recv_exact(sock, view):
             return
-        token, rows, lengths, paths, namespaces, places = msgpack.unpackb(meta)
+        token, rows, lengths, paths, namespaces, places, gpus = msgpack.unpackb(meta)
         progress["token"] = token
         offset = 0
-        for row, length, path, ns, at in zip(rows, lengths, paths, namespaces, places, strict=True):
+        for row, length, path, ns, at, gpu in zip(
+            rows, lengths, paths, namespaces, places, gpus, strict=True
+        ):
             # Start time before row: the worker reads row, then the time, so it never
             # pairs a row with a time older than that row's start.
             progress["started_ns"] = time.monotonic_ns()
@@ -211,7 +254,7 @@ def serve(
             elif length >= 0:
                 data = view[offset : offset + length]
                 offset += length
-            decoder.decode(row, data, path, ns)
+            decoder.decode(row, data, path, ns, gpu)
         progress["token"] = 0
         answers.sendall(ANSWER.pack(token, 0))
 

@@ -42,9 +42,10 @@ import numpy.typing as npt
 import structlog
 
 from producer.wire import ErrorCode
-from worker.decode.arena import DONE, ERROR_CODES, PENDING, SharedArena
+from worker.decode.arena import DEFERRED, DONE, ERROR_CODES, PENDING, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
+from worker.decode.gpu_packed import DeferredRow
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import PayloadMemory
 from worker.decode.pool import DecodeResult, over_budget
@@ -81,6 +82,8 @@ class ProcessGroup:
         self.rows = rows  # rows[i]: the ring row of jobs[i]
         self.results: list[DecodeResult | None] = [None] * len(jobs)
         self.left = len(jobs)
+        # gpu[i]: the process may leave jobs[i] for the GPU decoder (empty: none may).
+        self.gpu: list[bool] = []
 
     @property
     def complete(self) -> bool:
@@ -164,6 +167,11 @@ class ProcessDecodePool:
         self.delay_s = delay_s
         self.payloads = payloads
         self.max_image_pixels = max_image_pixels or spec.max_pixels
+        # The share of the rows offered to the GPU decoder (worker/decode/gpu_packed.py; 0:
+        # none): the processes decode the rest, and what the GPU's hardware cannot take.
+        self.gpu_share = 0.0
+        self._gpu_credit = 0.0
+        self.deferred = 0
         self.given_up = 0
         self.crashed = 0
         self.replaced = 0
@@ -306,7 +314,8 @@ class ProcessDecodePool:
         group = item.group
         positions = [p for p in item.positions if group.results[p] is None]
         rows = [group.rows[p] for p in positions]
-        for position, row, result in zip(positions, rows, self._results(rows), strict=True):
+        jobs = [group.jobs[p] for p in positions]
+        for position, row, result in zip(positions, rows, self._results(rows, jobs), strict=True):
             key = group.jobs[position].cache_key
             if key is not None and result.info is not None and self.url_cache is not None:
                 # The fetch stage serves this URL's next 304 from here.
@@ -315,17 +324,23 @@ class ProcessDecodePool:
                 self.url_cache.put(key, kept, result.info)
             group.set(position, result)
 
-    def _result(self, row: int) -> DecodeResult:
-        return self._results([row])[0]
+    def _result(self, row: int, job: Job) -> DecodeResult:
+        return self._results([row], [job])[0]
 
-    def _results(self, rows: list[int]) -> list[DecodeResult]:
-        """The records of `rows`, read as one copy of the table's rows (a field read per
-        record costs microseconds in numpy; `tolist` gives plain values at once)."""
+    def _results(self, rows: list[int], jobs: Sequence[Job]) -> list[DecodeResult]:
+        """The records of `rows` (of `jobs`), read as one copy of the table's rows (a field
+        read per record costs microseconds in numpy; `tolist` gives plain values at once)."""
         out: list[DecodeResult] = []
         records = self.arena.table[rows].tolist()
-        for state, width, height, draft, us, cached, reduced, error, fmt, message in records:
+        for row, job, record in zip(rows, jobs, records, strict=True):
+            state, width, height, draft, us, cached, reduced, error, fmt, message = record
             ms = us / 1000
-            if state == DONE:
+            if state == DEFERRED and job.image is not None:
+                self.deferred += 1
+                info = DecodeInfo("JPEG", width, height, 1)
+                left = DeferredRow(row, job.image, height, width)
+                out.append(DecodeResult(info, None, ms, gpu=left))
+            elif state == DONE:
                 if reduced:
                     self.reduced += 1
                     self.reduced_ms += ms
@@ -387,7 +402,7 @@ class ProcessDecodePool:
                 if group.results[position] is not None:
                     continue
                 if int(self.arena.table["state"][ring_row]) != PENDING:
-                    group.set(position, self._result(ring_row))
+                    group.set(position, self._result(ring_row, group.jobs[position]))
                 elif ring_row == row and item.token == token:
                     error = self._blame(group.jobs[position], cause, code)
                     group.set(position, DecodeResult(None, error, elapsed_ms))
@@ -445,10 +460,15 @@ class ProcessDecodePool:
 
     # ---------------------------------------------------------------- rows
     def submit_rows(
-        self, jobs: Sequence[Job], rows: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]]
+        self,
+        jobs: Sequence[Job],
+        rows: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]],
+        *,
+        gpu: bool = True,
     ) -> ProcessGroup:
         """Send `jobs` to be decoded into `rows` (ring rows, rows[i] for jobs[i]); `settle`
-        waits for them."""
+        waits for them. `gpu`: offer `gpu_share` of them to the GPU decoder (False: the
+        rows the GPU failed, sent back here)."""
         if isinstance(rows, np.ndarray):
             first = self.arena.row_index(rows)
             ring_rows = list(range(first, first + len(jobs)))
@@ -478,6 +498,8 @@ class ProcessDecodePool:
         if self.broken is not None:
             self._fail(group, todo, self.broken)
             return group
+        if gpu and self.gpu_share > 0:
+            self._offer_to_gpu(group, todo)
         if self.cache_bytes:
             self._send_by_fingerprint(group, todo)
             return group
@@ -487,6 +509,22 @@ class ProcessDecodePool:
             self._send(self._procs[(self._next + k) % len(self._procs)], group, part)
         self._next = (self._next + max(runs, 1)) % len(self._procs)
         return group
+
+    def _offer_to_gpu(self, group: ProcessGroup, todo: list[int]) -> None:
+        """Flag `gpu_share` of the rows with bytes at hand, spread evenly over the batch (and
+        over batches: the fraction left carries to the next group), so that each process
+        gets its part of both."""
+        flags = [False] * len(group.jobs)
+        share, credit = self.gpu_share, self._gpu_credit
+        for position in todo:
+            if group.jobs[position].image is None:
+                continue  # a path job: its bytes are read in the process
+            credit += share
+            if credit >= 1.0:
+                credit -= 1.0
+                flags[position] = True
+        self._gpu_credit = credit
+        group.gpu = flags
 
     def _send_by_fingerprint(self, group: ProcessGroup, todo: list[int]) -> None:
         """With the cache on: each row to the process its image's fingerprint names (its
@@ -516,6 +554,7 @@ class ProcessDecodePool:
         payloads: list[bytes | memoryview] = []
         # Where a payload lies in the payload memory (-1: among this message's bytes).
         places: list[int] = []
+        gpu = [group.gpu[p] for p in positions] if group.gpu else [False] * len(positions)
         for position in positions:
             job = group.jobs[position]
             rows.append(group.rows[position])
@@ -531,9 +570,16 @@ class ProcessDecodePool:
             else:
                 lengths.append(-1 if job.path is not None else -2)
                 paths.append(job.path)
-        meta = msgpack.packb((token, rows, lengths, paths, namespaces, places))
+        meta = msgpack.packb((token, rows, lengths, paths, namespaces, places, gpu))
         size = sum(len(p) for p in payloads)
         proc.outbox.put([HEADER.pack(MAGIC, len(meta), size), meta, *payloads])
+
+    async def redecode(
+        self, jobs: Sequence[Job], rows: Sequence[npt.NDArray[np.uint8]]
+    ) -> list[DecodeResult]:
+        """Decode `jobs` into their ring rows here, none left for the GPU (the rows the GPU
+        decoder failed)."""
+        return await self.settle([self.submit_rows(jobs, rows, gpu=False)])
 
     def _fail(self, group: ProcessGroup, positions: list[int], why: str) -> None:
         for position in positions:

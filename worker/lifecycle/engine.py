@@ -14,18 +14,25 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 import torch
 
 from worker.config.errors import ConfigError
-from worker.config.settings import WorkerConfig
+from worker.config.settings import WorkerConfig, gpu_decode_share
 from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
+from worker.decode.gpu_packed import (
+    BatchJpegBackend,
+    NvImgCodecInto,
+    PackedGpuDecoder,
+    measure_rates,
+    nvimgcodec_available,
+)
 from worker.decode.packed import packed_side
 from worker.decode.payloads import PayloadMemory, payload_bytes
 from worker.decode.pool import DecodePool
@@ -33,7 +40,7 @@ from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
 from worker.delivery.in_flight import in_flight_places
 from worker.jobs import Job
-from worker.lifecycle.feed_plan import FeedPlan, plan_feed
+from worker.lifecycle.feed_plan import FeedPlan, decode_processes_for, plan_feed, usable_cores
 from worker.model.compiler import CompileReport, compile_step, mode_uses_cudagraphs, time_sizes
 from worker.model.degraded import DegradedModel, build_degraded
 from worker.model.loaded import LoadedModel
@@ -164,9 +171,12 @@ async def warm_up(
     health: Health,
     exit_stack: contextlib.AsyncExitStack,
     decode_hook: DecodeHook | None,
+    gpu_backend: Callable[[], BatchJpegBackend] | None = None,
 ) -> Engine:
     """Load the model, allocate the rings, compile and warm up the batch shapes, then
-    start the decode threads (GPU decode where GPUFEED_DECODE asks for it)."""
+    start the decode threads (GPU decode where GPUFEED_DECODE asks for it). `gpu_backend`:
+    the JPEG decoder the GPU decode into packed rows builds (None: nvImageCodec on the
+    device; the tests give its CPU-only backend, which also runs off CUDA)."""
     ctx = make_context(device)
     batch_size = cfg.batch_size or default_batch_size(device)
     # Fixed shapes make cudnn's per-shape tuning useless; turning it off keeps the
@@ -179,15 +189,16 @@ async def warm_up(
     step = build_step(loaded, device=device, dtype=dtype, top_k=cfg.top_k)
     size = loaded.resize_size
     pin = ctx.is_cuda
-    placement, why = choose_placement(cfg.resize, device, cfg.decode)
+    thread_only_hook = decode_hook is not None and not isinstance(decode_hook, SleepHook)
+    processes, _ = decode_processes_for(cfg, usable_cores(), thread_only_hook=thread_only_hook)
+    placement, why = choose_placement(cfg.resize, device, cfg.decode, processes)
     plan = plan_feed(
         cfg,
         placement=placement,
         placement_why=why,
-        thread_only_hook=decode_hook is not None and not isinstance(decode_hook, SleepHook),
+        thread_only_hook=thread_only_hook,
         default_threads=default_decode_threads(),
     )
-    log.info("feed_plan", plan=plan.line(), **plan.as_dict())
     # Device placement: rows of side R hold the decoded pixels and their geometry; decode
     # processes pack them (worker/decode/packed.py) in the memory of rows of side R + 1.
     rows = row_side(size) if placement == "device" else 0
@@ -307,6 +318,11 @@ async def warm_up(
             cfg, loaded, plan, arena, rows=rows, hook=decode_hook, cache=cache, payloads=payloads
         )
         exit_stack.callback(decoder.shutdown)
+        if plan.packed and cfg.decode != "cpu":
+            share, share_why = _packed_gpu_decode(
+                cfg, loaded, device, decoder, runner, rows=rows, make_backend=gpu_backend
+            )
+            plan = replace(plan, gpu_decode_share=share, gpu_decode_why=share_why)
     else:
         decoder = _decode_pool(
             cfg,
@@ -319,6 +335,7 @@ async def warm_up(
             hook=decode_hook,
             exit_stack=exit_stack,
         )
+    log.info("feed_plan", plan=plan.line(), **plan.as_dict())
     return Engine(
         ctx=ctx,
         batch_size=batch_size,
@@ -464,6 +481,71 @@ def _process_pool(
         )
     except DecodeProcessesFailed as exc:
         raise ConfigError(f"GPUFEED_DECODE_PROCESSES: {exc}; set it to 0") from None
+
+
+def _packed_gpu_decode(
+    cfg: WorkerConfig,
+    loaded: LoadedModel,
+    device: torch.device,
+    pool: ProcessDecodePool,
+    runner: ModelRunner,
+    *,
+    rows: int,
+    make_backend: Callable[[], BatchJpegBackend] | None,
+) -> tuple[float, str]:
+    """GPU decode into packed rows (GPUFEED_DECODE=gpu|auto with decode processes): the
+    decoder the runner uses, and the share of each batch's rows the processes leave for it,
+    with why. (0.0, why) where it cannot run: an error for `gpu`, a log line for `auto`."""
+    mode = cfg.decode
+    spec = _decode_spec(cfg, loaded)
+
+    def without(reason: str) -> tuple[float, str]:
+        if mode == "gpu":
+            raise ConfigError(f"GPUFEED_DECODE=gpu: {reason}")
+        log.warning("gpu_decode_unavailable", decode=mode, reason=reason, using="cpu decode")
+        return 0.0, f"GPUFEED_DECODE=auto: {reason}; the decode processes decode every row"
+
+    if make_backend is None:
+        if device.type != "cuda":
+            return without("the GPU decoder needs a CUDA device")
+        missing = nvimgcodec_available()
+        if missing is not None:
+            return without(
+                f"{missing}: with decode processes the GPU decodes through nvImageCodec "
+                "(pip install 'gpufeed[gpu]'); GPUFEED_DECODE_PROCESSES=0 decodes from "
+                "threads through torchvision instead"
+            )
+        index = device.index if device.index is not None else torch.cuda.current_device()
+
+        def make_backend() -> BatchJpegBackend:
+            return NvImgCodecInto(index)
+
+    packed = pool.arena.packed
+    assert packed is not None
+    try:
+        decoder = PackedGpuDecoder(packed, make_backend, device=device)
+    except Exception as exc:  # noqa: BLE001 - whatever the library raised: no GPU decoder
+        return without(f"nvImageCodec could not build a decoder: {type(exc).__name__}: {exc}")
+    setting = gpu_decode_share(cfg)
+    if setting is None:
+        try:
+            rates = measure_rates(decoder, spec, rows, pool.processes)
+        except Exception as exc:  # noqa: BLE001 - a decoder that fails its own samples
+            decoder.shutdown()
+            return without(f"the GPU decoder failed its start-up measurement: {exc}")
+        share = rates.share
+        why = (
+            f"auto: measured on {rates.sample} JPEGs, the GPU {rates.gpu_images_per_s:,.0f} "
+            f"images/s against {rates.processes} decode processes' "
+            f"{rates.cpu_images_per_s:,.0f}"
+        )
+        log.info("gpu_decode_rates", **rates.as_dict())
+    else:
+        share, why = setting, f"GPUFEED_GPU_DECODE_SHARE={cfg.gpu_decode_share}"
+    pool.gpu_share = share
+    runner.use_packed_gpu_decode(decoder, pool.redecode)
+    log.info("gpu_decode", decode=mode, gpu_decoder=decoder.backend_name, share=round(share, 3))
+    return share, why
 
 
 def _decode_spec(cfg: WorkerConfig, loaded: LoadedModel) -> DecodeSpec:

@@ -15,8 +15,10 @@ choice follows a setting when one is given; `auto` picks from the host:
   bind (few), the worker's own CPU competes with K busy processes: on that 2-core host the
   worker served 730 jobs/s with 2 decode threads and 630 with 2 decode processes (64x64:
   1,414 and 1,068), so below 4 cores `auto` keeps threads. Threads stay too where
-  processes cannot run: GPU decode (its router runs in the worker), a decode hook that only
-  a thread can run (tests), or no memory files (memfd, Linux only);
+  processes cannot run: a decode hook that only a thread can run (tests), or no memory
+  files (memfd, Linux only). GPU decode (GPUFEED_DECODE) works with either: with processes
+  the GPU's engines decode their share of each batch into its packed rows
+  (worker/decode/gpu_packed.py), with threads the worker routes images to it;
 - ring slots: GPUFEED_RING_SLOTS;
 - resize placement: worker/model/resample.py (`choose_placement`);
 - the result writer: unless GPUFEED_RESULT_WRITER names it, in a process of its own on 4
@@ -54,6 +56,10 @@ class FeedPlan:
     writer_why: str = ""
     intake: str = "loop"  # process: worker/delivery/intake_process.py
     intake_why: str = ""
+    # GPU decode into packed rows (worker/decode/gpu_packed.py): the share of each batch's
+    # rows offered to the GPU's JPEG decoder (None: not asked for), and why.
+    gpu_decode_share: float | None = None
+    gpu_decode_why: str = ""
 
     @property
     def decoders(self) -> str:
@@ -74,6 +80,11 @@ class FeedPlan:
             if self.packed
             else ""
         )
+        if self.gpu_decode_share is not None:
+            staged += (
+                f"; the GPU decodes {self.gpu_decode_share:.0%} of each batch's rows "
+                f"({self.gpu_decode_why})"
+            )
         writer = "a process of its own" if self.result_writer == "process" else "the event loop"
         intake = "a process of its own" if self.intake == "process" else "the event loop"
         return (
@@ -93,6 +104,8 @@ class FeedPlan:
             "placement": self.placement,
             "placement_why": self.placement_why,
             "packed_rows": self.packed,
+            "gpu_decode_share": self.gpu_decode_share,
+            "gpu_decode_why": self.gpu_decode_why,
             "result_writer": self.result_writer,
             "writer_why": self.writer_why,
             "intake": self.intake,
@@ -191,9 +204,7 @@ def decode_processes_for(
     """(decode processes, why) for `cfg` on a host of `cores`; 0: decode threads."""
     setting = cfg.decode_processes
     if setting == "auto":
-        if cfg.decode != "cpu":
-            k, why = 0, f"auto: GPUFEED_DECODE={cfg.decode} routes images from the worker's threads"
-        elif not shared_memory_files():
+        if not shared_memory_files():
             k, why = 0, "auto: this system has no memory files (memfd) to share with processes"
         elif thread_only_hook:
             k, why = 0, "auto: a decode hook is set that runs in threads only"
@@ -212,11 +223,6 @@ def decode_processes_for(
     else:
         k = int(setting)
         why = f"GPUFEED_DECODE_PROCESSES={k}"
-        if k and cfg.decode != "cpu":
-            raise ConfigError(
-                f"GPUFEED_DECODE_PROCESSES={k}: GPUFEED_DECODE={cfg.decode} decodes from the "
-                "worker's threads; set GPUFEED_DECODE_PROCESSES=0 or GPUFEED_DECODE=cpu"
-            )
         if k and not shared_memory_files():
             raise ConfigError(
                 f"GPUFEED_DECODE_PROCESSES={k}: this system has no memory files (memfd); "

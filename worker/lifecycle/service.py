@@ -15,6 +15,7 @@ import contextlib
 import gc
 import signal
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -25,6 +26,7 @@ from PIL import Image
 from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.cache import DecodeCache
+from worker.decode.gpu_packed import BatchJpegBackend
 from worker.delivery.in_flight import InFlight
 from worker.delivery.reader import Reader, ensure_group
 from worker.delivery.reclaimer import Reclaimer
@@ -126,7 +128,12 @@ class Worker:
         allow_large_images(cfg.max_image_pixels)
         device = resolve_device(cfg.device)
         self._engine = await warm_up(
-            cfg, device, health=self.health, exit_stack=self._exit, decode_hook=self.decode_hook()
+            cfg,
+            device,
+            health=self.health,
+            exit_stack=self._exit,
+            decode_hook=self.decode_hook(),
+            gpu_backend=self.gpu_backend(),
         )
         self.observer.batch_size = self._engine.batch_size
         await link.ready(wait=wait_for_redis, stop=self.should_exit)
@@ -205,6 +212,11 @@ class Worker:
         self.should_exit.set()
 
     # ----------------------------------------------------------------------- the steps
+    def gpu_backend(self) -> Callable[[], BatchJpegBackend] | None:
+        """The JPEG decoder GPU decode into packed rows builds; None: nvImageCodec on the
+        worker's CUDA device (the tests give its CPU-only backend)."""
+        return None
+
     def decode_hook(self) -> DecodeHook | None:
         """What runs in a decode thread before each decode: a sleep of `decode_delay_s`, or
         nothing."""

@@ -111,7 +111,8 @@ async def _warm_batch(
         return
     slot = await ring.acquire()
     try:
-        group = decoder.submit_rows(ready, slot.array[: len(ready)])
+        # Decoded here, never left for the GPU: the cache keeps what the host holds.
+        group = decoder.submit_rows(ready, slot.array[: len(ready)], gpu=False)
         # Each pool settles the groups it made (typed apart, as the batcher's).
         settle: Callable[[Sequence[Any]], Awaitable[list[DecodeResult]]] = decoder.settle
         results = await settle([group])

@@ -191,19 +191,34 @@ def use_rows(step: InferenceStep, side: int, geometry_size: int) -> None:
     step.input_side = side
 
 
-def choose_placement(setting: str, device: torch.device, decode: str) -> tuple[str, str]:
-    """(`device` or `host`, why) for GPUFEED_RESIZE on `device` with GPUFEED_DECODE=`decode`.
-    Raises ConfigError for a combination that cannot be honoured."""
+def choose_placement(
+    setting: str, device: torch.device, decode: str, processes: int = 0
+) -> tuple[str, str]:
+    """(`device` or `host`, why) for GPUFEED_RESIZE on `device` with GPUFEED_DECODE=`decode`
+    and `processes` decode processes (0: threads). Raises ConfigError for a combination that
+    cannot be honoured."""
 
-    if setting == "device" and decode != "cpu":
+    if decode != "cpu" and not processes:
+        # GPU decode from the worker's threads: its decoder writes resized rows.
+        if setting == "device":
+            raise ConfigError(
+                f"GPUFEED_RESIZE=device: with decode threads, rows at their own size need "
+                f"GPUFEED_DECODE=cpu (got {decode}): the threads' GPU decoder writes resized "
+                "rows; decode processes take both"
+            )
+        if setting == "auto":
+            return (
+                "host",
+                f"GPUFEED_DECODE={decode} on decode threads: its decoder writes resized rows",
+            )
+    if decode == "gpu" and processes and setting == "host":
         raise ConfigError(
-            f"GPUFEED_RESIZE=device: rows at their own size need GPUFEED_DECODE=cpu "
-            f"(got {decode}): the GPU decoder writes resized rows"
+            "GPUFEED_RESIZE=host: with decode processes the GPU decoder writes each image at "
+            "its own size into packed rows, resized in the step; set GPUFEED_RESIZE to auto or "
+            "device, or GPUFEED_DECODE_PROCESSES=0"
         )
     if setting != "auto":
         return setting, f"GPUFEED_RESIZE={setting}"
-    if decode != "cpu":
-        return "host", f"GPUFEED_DECODE={decode}: the GPU decoder writes resized rows"
     if device.type == "cuda":
         return "device", (
             "auto on CUDA: the decode threads only decode, the resize is a few gathers in "

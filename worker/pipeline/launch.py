@@ -13,6 +13,11 @@ on the CPU into their pinned row instead, and the copy skips the rows already on
 If the GPU decoder raises, all of the batch's deferred rows are decoded on the CPU, and the
 copy waits for whatever the failed decode had queued.
 
+With decode processes and packed rows the rows the processes left for the GPU are decoded
+in one call into the slot's twin, at places the host copy never reaches
+(worker/decode/gpu_packed.py); rows it failed go back to the decode processes, and the step
+waits on the GPU for the decode's event.
+
 A launch that raises after queuing device work raises LaunchFailed with a fence: the event
 after that work. The caller releases the pinned slot after it, and the slot's twin is
 reused only after it, exactly as after a launch that went well.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -31,7 +36,8 @@ import numpy.typing as npt
 import structlog
 import torch
 
-from worker.decode.gpu import GpuDecodeFailed, GpuDecoder
+from worker.decode.gpu import GpuDecodeFailed, GpuDecoder, GpuRow
+from worker.decode.gpu_packed import DeferredRow, PackedGpuDecoder
 from worker.decode.pool import DecodeResult
 from worker.jobs import Job
 from worker.model.sizes import BatchSizes
@@ -45,6 +51,10 @@ from worker.pipeline.transfer import DeviceTransfer
 log = structlog.get_logger("gpufeed.runner")
 
 CpuDecodeFn = Callable[[Job, npt.NDArray[np.uint8]], Awaitable[DecodeResult]]
+# Decode `jobs` again on the CPU into their ring rows (rows the GPU decoder failed).
+RedecodeFn = Callable[
+    [Sequence[Job], Sequence[npt.NDArray[np.uint8]]], Awaitable[list[DecodeResult]]
+]
 
 
 class LaunchFailed(RuntimeError):
@@ -99,6 +109,8 @@ class ModelRunner:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpufeed-launch")
         self.gpu_decoder = gpu_decoder
         self._cpu_decode = cpu_decode
+        self.packed_decoder: PackedGpuDecoder | None = None
+        self._redecode: RedecodeFn | None = None
         # When the launch thread took its current batch (None while it holds none): /live
         # fails when a launch has been running far longer than any batch should.
         self.launch_started_s: float | None = None
@@ -108,6 +120,12 @@ class ModelRunner:
         fallback for those the GPU could not decode."""
         self.gpu_decoder = decoder
         self._cpu_decode = cpu_decode
+
+    def use_packed_gpu_decode(self, decoder: PackedGpuDecoder, redecode: RedecodeFn) -> None:
+        """Decode the rows the decode processes left for the GPU on `decoder`; `redecode`
+        sends those it failed back to the processes."""
+        self.packed_decoder = decoder
+        self._redecode = redecode
 
     async def launch(
         self, batch: Batch, out: OutputSlot, serving: Serving | None = None
@@ -121,10 +139,17 @@ class ModelRunner:
     async def _decode_deferred_rows(self, batch: Batch) -> DeviceRows:
         """Decode rows deferred to the GPU; rows it could not decode (all of them when the
         decoder raised) are decoded on the CPU into their pinned row."""
+        left = [
+            (row, r.gpu)
+            for row, r in enumerate(batch.results)
+            if isinstance(r.gpu, DeferredRow) and r.error is None
+        ]
+        if left:
+            return await self._decode_packed_rows(batch, left)
         deferred = [
             (row, r.gpu)
             for row, r in enumerate(batch.results)
-            if r.gpu is not None and r.error is None
+            if isinstance(r.gpu, GpuRow) and r.error is None
         ]
         if not deferred:
             return DeviceRows(frozenset(), None, None)
@@ -169,6 +194,46 @@ class ModelRunner:
                 batch.results[row] = res
         on_device = frozenset(row for row, _ in deferred) - frozenset(failed)
         return DeviceRows(on_device, ready if on_device else None, copy_after)
+
+    async def _decode_packed_rows(
+        self, batch: Batch, left: list[tuple[int, DeferredRow]]
+    ) -> DeviceRows:
+        """The rows the decode processes left for the GPU, decoded into the slot's twin; those
+        it failed (all of them without a decoder) decoded again by the processes."""
+        positions = {d.row: position for position, d in left}
+        failed = [position for position, _ in left]
+        ready: Event | None = None
+        decoder = self.packed_decoder
+        if decoder is not None:
+            twin = self.transfer.twin(batch.slot).view(-1)
+            result = await decoder.decode(
+                [d for _, d in left], twin, after=self.transfer.consumed(batch.slot)
+            )
+            ready = result.ready
+            for ring_row in result.decoded:
+                position = positions[ring_row]
+                r = batch.results[position]
+                batch.results[position] = DecodeResult(r.info, None, r.decode_ms + result.decode_ms)
+            failed = [positions[ring_row] for ring_row in result.failed]
+        if failed:
+            try:
+                if self._redecode is None:
+                    raise RuntimeError(
+                        "rows were left for the GPU but no CPU decoder takes them back"
+                    )
+                redo = await self._redecode(
+                    [batch.jobs[p] for p in failed], [batch.slot.array[p] for p in failed]
+                )
+            except Exception as exc:
+                if ready is None:
+                    raise
+                # The GPU decode may still write the twin: its next user waits for it.
+                self.transfer.mark_consumed(batch.slot, ready)
+                raise LaunchFailed(f"{type(exc).__name__}: {exc}", ready) from exc
+            for position, res in zip(failed, redo, strict=True):
+                batch.results[position] = res
+        # The copy takes the host's bytes only, never the GPU's places: nothing to skip.
+        return DeviceRows(frozenset(), ready, None)
 
     def _launch(
         self, batch: Batch, out: OutputSlot, rows: DeviceRows, serving: Serving | None
@@ -267,6 +332,8 @@ class ModelRunner:
         self._executor.shutdown(wait=True, cancel_futures=True)
         if self.gpu_decoder is not None:
             self.gpu_decoder.shutdown()
+        if self.packed_decoder is not None:
+            self.packed_decoder.shutdown()
 
 
 def _rows_taken(batch: Batch) -> int:

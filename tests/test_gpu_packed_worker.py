@@ -1,0 +1,151 @@
+"""GPU decode into packed rows, end to end: a worker whose decode processes leave their
+share of each batch to the GPU decoder (here nvImageCodec's CPU-only backend, the real
+library without a GPU) answers every job as a worker that decodes everything on the CPU.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+from PIL import Image
+
+from producer.wire import JobResult
+from tests.images import jpeg_bytes, png_bytes
+from tests.worker_harness import serving, tiny_config, wait_results
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
+from worker.decode.gpu_packed import BatchJpegBackend, NvImgCodecInto, PackedGpuDecoder
+from worker.lifecycle.service import Worker
+from worker.tools.bench.accuracy import oriented_jpeg
+
+pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed")
+
+
+class CpuOnlyGpuDecode(Worker):
+    """A worker whose GPU JPEG decoder is nvImageCodec's CPU-only backend."""
+
+    def gpu_backend(self) -> Callable[[], BatchJpegBackend] | None:
+        return lambda: NvImgCodecInto(None)
+
+
+def _saved(data: bytes, mode: str, **options: object) -> bytes:
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(data)).convert(mode).save(buf, "JPEG", **options)
+    return buf.getvalue()
+
+
+def _images() -> tuple[list[bytes], int]:
+    """Jobs of every kind, and how many of them the GPU's hardware takes as they are."""
+    baseline = [oriented_jpeg(200, 150, o, seed=o) for o in range(1, 9)]
+    baseline += [
+        jpeg_bytes(96, 72, seed=1),
+        _saved(jpeg_bytes(120, 90, seed=2), "L"),
+        _saved(jpeg_bytes(100, 100, seed=3), "RGB", subsampling=0),
+    ]
+    truncated = jpeg_bytes(150, 100, seed=4)
+    baseline.append(truncated[: len(truncated) // 2])  # taken, failed, answered by the CPU
+    others = [
+        _saved(jpeg_bytes(96, 72, seed=5), "RGB", progressive=True),
+        _saved(jpeg_bytes(96, 72, seed=6), "CMYK"),
+        jpeg_bytes(640, 480, seed=7),  # larger than a row
+        png_bytes(64, 48),
+        b"not an image",
+    ]
+    return baseline + others, len(baseline)
+
+
+async def _answers(
+    redis_url: str, client: redis.Redis, weights: Path, images: list[bytes], **settings: str
+) -> tuple[list[tuple[str, str, object]], Worker]:
+    client.delete("gpufeed:jobs", "gpufeed:results")
+    config: WorkerConfig = tiny_config(
+        redis_url,
+        weights,
+        decode_processes="2",
+        decode_threads=0,
+        resize="device",
+        decode_cache_mb=0,
+        **settings,
+    )
+    worker = CpuOnlyGpuDecode(config)
+    async with serving(worker):
+        for i, data in enumerate(images):
+            client.xadd("gpufeed:jobs", {"id": f"img{i}", "image": data})
+        results = await wait_results(client, "gpufeed:results", len(images))
+    parsed = [JobResult.from_fields(fields) for _, fields in results]
+    return sorted(
+        (r.id, r.status, r.error if r.error else (r.top1, r.score or 0.0)) for r in parsed
+    ), worker
+
+
+async def test_the_gpu_decodes_its_share_and_every_job_is_answered_as_on_the_cpu(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    images, taken = _images()
+    cpu, _ = await _answers(redis_url, redis_client, tiny_weights, images, decode="cpu")
+    gpu, worker = await _answers(
+        redis_url, redis_client, tiny_weights, images, decode="gpu", gpu_decode_share="1"
+    )
+    assert len(gpu) == len(cpu) == len(images)
+    for (gid, gstatus, ganswer), (cid, cstatus, canswer) in zip(gpu, cpu, strict=True):
+        assert (gid, gstatus) == (cid, cstatus)
+        if isinstance(canswer, tuple):
+            assert isinstance(ganswer, tuple) and ganswer[0] == canswer[0]
+            assert ganswer[1] == pytest.approx(canswer[1], abs=1e-3)
+        else:
+            assert ganswer == canswer
+    decoder = worker.engine.runner.packed_decoder
+    assert isinstance(decoder, PackedGpuDecoder)
+    # Every JPEG the hardware takes went to the GPU; the truncated one came back to the CPU.
+    assert worker.decoder.deferred == taken  # type: ignore[union-attr]
+    assert (decoder.decoded, decoder.failed) == (taken - 1, 1)
+    plan = worker.engine.plan
+    assert plan.gpu_decode_share == 1.0
+    assert "the GPU decodes 100% of each batch's rows (GPUFEED_GPU_DECODE_SHARE=1)" in plan.line()
+
+
+async def test_the_share_is_measured_at_start_up_and_spread_over_the_batch(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """`auto`: both decoders' rates measured, the share between 0 and 1 and in the plan
+    line with the rates; about that share of the jobs went to the GPU."""
+    images = [jpeg_bytes(96, 72, seed=i) for i in range(40)]
+    answers, worker = await _answers(redis_url, redis_client, tiny_weights, images, decode="gpu")
+    assert [status for _, status, _ in answers].count("ok") == len(images)
+    plan = worker.engine.plan
+    share = plan.gpu_decode_share
+    assert share is not None and 0.0 < share < 1.0
+    assert plan.gpu_decode_why.startswith("auto: measured on")
+    assert "decode processes'" in plan.gpu_decode_why
+    deferred = worker.decoder.deferred  # type: ignore[union-attr]
+    assert abs(deferred - share * len(images)) <= 1
+
+
+async def test_gpu_decode_with_processes_says_what_it_cannot_do(
+    redis_url: str, tiny_weights: Path
+) -> None:
+    """Off CUDA without a decoder given, `gpu` is a configuration error that says why;
+    `auto` decodes on the CPU and the plan says so."""
+
+    def config(decode: str) -> WorkerConfig:
+        return tiny_config(
+            redis_url,
+            tiny_weights,
+            decode_processes="2",
+            decode_threads=0,
+            resize="device",
+            decode=decode,
+        )
+
+    with pytest.raises(ConfigError, match="GPUFEED_DECODE=gpu: the GPU decoder needs a CUDA"):
+        async with serving(Worker(config("gpu"))):
+            pass
+    auto = Worker(config("auto"))
+    async with serving(auto):
+        assert auto.engine.plan.gpu_decode_share == 0.0
+        assert "GPUFEED_DECODE=auto: the GPU decoder needs a CUDA device" in auto.engine.plan.line()
+        assert auto.engine.runner.packed_decoder is None
