@@ -31,7 +31,7 @@
 #   GPU_CHECK_BUDGET_S  the whole run, in seconds (280)
 #   GPU_CHECK_RESERVE_S what the benchmark keeps after the tests (85)
 #   GPU_CHECK_MODEL / _BATCH / _PRECISION / _COMPILE / _DECODE / _RESIZE / _SECONDS
-#                       benchmark settings (resnet50 / 64 / auto / auto / cpu / auto / 15)
+#                       benchmark settings (resnet50 / 64 / auto / auto / auto / auto / 15)
 set -uo pipefail
 
 START=$SECONDS

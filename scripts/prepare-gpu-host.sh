@@ -6,8 +6,10 @@
 #
 #   GPU_HOST_SRC=DIR           a prepared gpu-host folder (redis/ and wheels-py312/);
 #                              default: shared/gpu-host next to or above the checkout
-#   GPU_CHECK_NVIMGCODEC=cu12  also carry nvImageCodec + nvJPEG for that CUDA major
-#                              (cu12 or cu13; about 30 MB more), to test GPU decode with it
+#   GPU_CHECK_NVIMGCODEC=...   nvImageCodec + nvJPEG for GPU decode (about 29 MB): by
+#                              default the gpu-host folder's nvimgcodec-cu13-py312/ wheels
+#                              where it has them; cu12 or cu13 downloads them instead;
+#                              none carries none (the check then decodes on the CPU)
 #   PIP=...                    the pip to download with (default: python3 -m pip)
 set -euo pipefail
 
@@ -57,7 +59,12 @@ download() {
 download "${WHEELS[@]}"
 
 case "${GPU_CHECK_NVIMGCODEC:-}" in
-  "") ;;
+  "")
+    if compgen -G "$src/nvimgcodec-cu13-py312/*.whl" >/dev/null; then
+      cp "$src"/nvimgcodec-cu13-py312/*.whl "$DEST/wheels/"
+    fi
+    ;;
+  none) ;;
   cu12) download "nvidia-nvimgcodec-cu12==0.9.0.20" "nvidia-nvjpeg-cu12" ;;
   cu13) download "nvidia-nvimgcodec-cu13==0.9.0.20" "nvidia-nvjpeg" ;;
   *) echo "GPU_CHECK_NVIMGCODEC must be cu12 or cu13" >&2; exit 2 ;;

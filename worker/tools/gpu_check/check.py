@@ -505,12 +505,15 @@ async def _measure_pipeline(
             # What Redis's command thread spends per job in the window (the feeder's XADDs
             # and the worker's reads, results and acks): does one Redis carry this rate?
             redis0 = await redis_cpu_s(worker.redis)
+            gpu_rows = worker.runner.packed_decoder
             with count_step_replays(worker.runner) as replays:
                 n0, t0, b0 = done_count(), time.monotonic(), c.batches
                 hits0, errors0 = c.cache_hits, c.results_error
+                gpu0 = (gpu_rows.decoded, gpu_rows.failed) if gpu_rows is not None else (0, 0)
                 await asyncio.sleep(window_s)
                 n1, t1, b1 = done_count(), time.monotonic(), c.batches
                 hits1, errors1 = c.cache_hits, c.results_error
+                gpu1 = (gpu_rows.decoded, gpu_rows.failed) if gpu_rows is not None else (0, 0)
             redis_cpu = redis_cost(redis0, await redis_cpu_s(worker.redis), n1 - n0)
             sampler.stop()
             if main.done():
@@ -547,6 +550,12 @@ async def _measure_pipeline(
                     "decode_processes": worker.engine.plan.decode_processes,
                     "feed_plan": worker.engine.plan.line(),
                     "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
+                    # GPU decode into packed rows: the share asked, and the rows its
+                    # decoder wrote and handed back to the CPU in the window.
+                    "gpu_decode_share": worker.engine.plan.gpu_decode_share,
+                    "gpu_decode_why": worker.engine.plan.gpu_decode_why,
+                    "gpu_decoded_in_window": gpu1[0] - gpu0[0],
+                    "gpu_decode_failed_in_window": gpu1[1] - gpu0[1],
                     **redis_cpu,
                 },
             )
@@ -1021,7 +1030,8 @@ def _env(name: str, default: str) -> Callable[[], str]:
 @click.option("--batch", type=int, default=_env("GPU_CHECK_BATCH", "64"))
 @click.option("--precision", default=_env("GPU_CHECK_PRECISION", "auto"))
 @click.option("--compile", default=_env("GPU_CHECK_COMPILE", "auto"))
-@click.option("--decode", default=_env("GPU_CHECK_DECODE", "cpu"))
+# GPU decode where nvImageCodec is installed (the carried wheels), the CPU's otherwise.
+@click.option("--decode", default=_env("GPU_CHECK_DECODE", "auto"))
 @click.option("--resize", default=_env("GPU_CHECK_RESIZE", "auto"))
 # Never a silent fallback to the CPU: the check is about the GPU.
 @click.option("--device", default=_env("GPU_CHECK_DEVICE", "cuda:0"))
