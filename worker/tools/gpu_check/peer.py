@@ -1,0 +1,147 @@
+"""The GPU check's peer: the worker's own model fed the way a user writes it with PyTorch.
+
+A `torch.utils.data.DataLoader` with worker processes (one per core but one), pinned
+batches and a prefetch of four batches per worker reads the pipeline's JPEG files from
+disk, each decoded anew by Pillow and resized and cropped by torchvision's eval transforms
+(Resize to the staging size, CenterCrop to the input size); the loop copies each batch to
+the device without blocking, normalises it there and runs the model. The model is the
+worker's, in the worker's dtype and memory format, run eagerly as most such loops do: the
+same weights and arithmetic, without gpufeed's compiled step. Its own rate on a batch
+already on the device is measured beside it, so the report says whether the loader or the
+model bound the peer.
+
+The loader's processes are spawned (not forked): the check's process holds CUDA state and
+threads by then. Nothing here is on gpufeed's serving path: it waits for the device where
+a timed loop must.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import functional as tf
+
+# Batches each loader process keeps ready (torch's default is 2).
+PREFETCH = 4
+
+
+class JpegFiles(Dataset[torch.Tensor]):
+    """`paths` over and over (`length` items): each item decoded and transformed anew."""
+
+    def __init__(self, paths: Sequence[str], resize: int, crop: int, length: int) -> None:
+        self.paths = list(paths)
+        self.resize = resize
+        self.crop = crop
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        with Image.open(self.paths[index % len(self.paths)]) as image:
+            rgb = image.convert("RGB")
+        rgb = tf.resize(rgb, [self.resize])
+        rgb = tf.center_crop(rgb, [self.crop])
+        return tf.pil_to_tensor(rgb)  # [3, C, C] uint8
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def dataloader_rate(
+    model: nn.Module,
+    files: Sequence[Path],
+    *,
+    batch: int,
+    resize: int,
+    crop: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    dtype: torch.dtype,
+    device: torch.device,
+    seconds: float,
+    workers: int | None = None,
+    warmup_batches: int = 4,
+) -> dict[str, Any]:
+    """images/s of `model` fed by a DataLoader over `files` for `seconds` (after the loader's
+    processes started and `warmup_batches` ran), and of `model` alone on a batch already on
+    the device."""
+    workers = workers if workers is not None else max(1, (os.cpu_count() or 2) - 1)
+    pin = device.type == "cuda"
+    loader = DataLoader(
+        JpegFiles([str(f) for f in files], resize, crop, length=batch * 1_000_000),
+        batch_size=batch,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=PREFETCH,
+        persistent_workers=True,
+        drop_last=True,
+        multiprocessing_context="spawn",
+    )
+    scale = torch.tensor([255.0 * s for s in std], device=device).view(1, 3, 1, 1)
+    shift = torch.tensor([255.0 * m for m in mean], device=device).view(1, 3, 1, 1)
+
+    def run(x: torch.Tensor) -> None:
+        x = x.to(device, non_blocking=True).float().sub_(shift).div_(scale)
+        model(x.to(dtype).contiguous(memory_format=torch.channels_last))
+
+    t_start = time.perf_counter()
+    images = 0
+    with torch.inference_mode():
+        batches = iter(loader)
+        for _ in range(warmup_batches):
+            run(next(batches))
+        _sync(device)
+        started_s = time.perf_counter() - t_start
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            run(next(batches))
+            images += batch
+        _sync(device)
+        elapsed = time.perf_counter() - t0
+        del batches
+        alone = _model_alone(run, batch, crop, device)
+    rate = images / max(elapsed, 1e-9)
+    return {
+        "images_per_s": round(rate, 1),
+        "model_alone_images_per_s": round(alone, 1),
+        # The model ran near its own rate: the loader kept up, the comparison is the model's.
+        "bound": "model" if rate >= 0.9 * alone else "loader",
+        "loader_workers": workers,
+        "prefetch_factor": PREFETCH,
+        "pin_memory": pin,
+        "batch": batch,
+        "window_s": round(elapsed, 2),
+        "loader_start_s": round(started_s, 2),
+        "files": len(files),
+        "how": (
+            f"torch DataLoader ({workers} spawned processes, pin_memory={pin}, prefetch "
+            f"{PREFETCH}) over the same JPEG files, Pillow decode, Resize({resize}) + "
+            f"CenterCrop({crop}); the worker's model eager in {str(dtype).removeprefix('torch.')}, "
+            "channels_last, normalised on the device"
+        ),
+    }
+
+
+def _model_alone(run: Any, batch: int, crop: int, device: torch.device, iters: int = 10) -> float:
+    """images/s of the peer's loop on one uint8 batch already in memory (pinned on CUDA)."""
+    x = torch.randint(0, 256, (batch, 3, crop, crop), dtype=torch.uint8)
+    if device.type == "cuda":
+        x = x.pin_memory()
+    run(x)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run(x)
+    _sync(device)
+    return batch * iters / max(time.perf_counter() - t0, 1e-9)
