@@ -141,6 +141,7 @@ def phases_on_cpu(
         "--precision", "fp32", "--seconds", str(seconds), "--warmup-seconds", "0.2",
         "--ceiling-iters", "2", "--width", "96", "--height", "64", "--latency-seconds", "1",
         "--backlog", "64", "--decode-rate-seconds", "0.2",
+        "--thumbnail-seconds", "1", "--peer-seconds", "1", "--peer-workers", "1",
         # The placement `auto` picks on a GPU host: the ceiling feeds the ring's rows.
         "--resize", "device",
         "--redis-url", redis_url, "--out", str(out), "--junit", str(junit),
@@ -175,8 +176,17 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     report = json.loads((tmp_path / "report.json").read_text())
     assert "error" not in report, report.get("traceback")
     phases = report["phases"]
-    done_phases = ("startup", "ceiling", "pipeline", "latency", "decode", "decode_processes")
-    assert [phases[p]["status"] for p in done_phases] == ["done"] * 6
+    done_phases = (
+        "startup",
+        "ceiling",
+        "pipeline",
+        "latency",
+        "thumbnails",
+        "decode",
+        "peer",
+        "decode_processes",
+    )
+    assert [phases[p]["status"] for p in done_phases] == ["done"] * len(done_phases)
     for extra in ("h2d", "cudnn"):
         assert phases[extra] == {"status": "skipped", "why": "not a CUDA device"}
     assert report["resize"]["placement"] == "device"
@@ -205,6 +215,17 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
         assert list(size["images_per_s"]) == [str(k) for k in rates["processes"]]
         assert all(v > 0 for v in size["images_per_s"].values())
         assert size["scaling"]["1"] == 1.0
+    # The second window, on 64x64 JPEGs, from the same worker against the same ceiling.
+    thumbnails = report["thumbnails"]
+    assert thumbnails["results_in_window"] > 0 and thumbnails["errors_in_window"] == 0
+    assert thumbnails["decode_cache_hits"] == 0
+    assert thumbnails["ratio"] == pytest.approx(
+        thumbnails["images_per_s"] / report["ceiling_best_images_per_s"], abs=1e-3
+    )
+    # The peer: the worker's model fed by a torch DataLoader over the same JPEGs.
+    peer = report["peer"]
+    assert peer["images_per_s"] > 0 and peer["model_alone_images_per_s"] > 0
+    assert peer["loader_workers"] == 1 and peer["bound"] in ("model", "loader")
     grey = report["gpu_decode_vs_cpu"]["torchvision"]["modes"]["L"]
     assert grey["decoded"] and grey["mean_abs_diff"] < 4
     # Everything measured, but a CUDA test was skipped: the check fails.
@@ -314,7 +335,10 @@ def good_report() -> dict[str, object]:
     expected = expected_cuda_tests(EXPECTED_TESTS)
     done = {"status": "done", "s": 1.0}
     return {
-        "phases": {p: dict(done) for p in ("startup", "ceiling", "pipeline", "syncs", "decode")},
+        "phases": {
+            p: dict(done)
+            for p in ("startup", "ceiling", "pipeline", "syncs", "thumbnails", "decode", "peer")
+        },
         "tests": {
             "available": True,
             "tests": len(expected),
@@ -343,6 +367,13 @@ def good_report() -> dict[str, object]:
         "ceiling_best_images_per_s": 4200.0,
         "ratio": 0.952,
         "gpu_util_mean": 93.0,
+        "thumbnails": {
+            "images_per_s": 4100.0,
+            "ratio": 0.976,
+            "batches_in_window": 320,
+            "cudagraph_replays_in_window": 320,
+        },
+        "peer": {"images_per_s": 1900.0, "bound": "loader"},
         "gpu_decode_vs_cpu": {
             "nvimgcodec": {"available": False, "reason": "not installed"},
             "torchvision": {
@@ -436,6 +467,51 @@ def test_a_run_cut_outside_the_extras_fails(tmp_path: Path) -> None:
     report.update(error="signal 15 during phase 'decode'", stopped_in="decode")
     code, lines = judged(report, tmp_path)
     assert code == 1 and lines["run"].startswith("FAIL")
+
+
+def test_the_photo_window_is_held_to_half_the_ceiling_and_55_percent(tmp_path: Path) -> None:
+    """640x480 JPEGs: 0.5 of the ceiling and 55% utilisation pass, just below fails."""
+    report = good_report()
+    report.update(ratio=0.5, gpu_util_mean=55.0, pipeline_images_per_s=2100.0)
+    report["peer"] = {"images_per_s": 1400.0, "bound": "loader"}
+    code, lines = judged(report, tmp_path)
+    assert code == 0, lines
+    report.update(ratio=0.499, gpu_util_mean=54.9)
+    code, lines = judged(report, tmp_path)
+    failed = sorted(n for n, line in lines.items() if line.startswith("FAIL"))
+    assert code == 1 and failed == ["gpu_util", "ratio"]
+    assert "0.499" in lines["ratio"] and "54.9%" in lines["gpu_util"]
+
+
+def test_thumbnails_below_the_ceiling_or_off_the_graph_fail(tmp_path: Path) -> None:
+    report = good_report()
+    thumbnails = report["thumbnails"]
+    assert isinstance(thumbnails, dict)
+    thumbnails["ratio"] = 0.85
+    code, lines = judged(report, tmp_path)
+    assert code == 1 and lines["thumbnail_ratio"].startswith("FAIL")
+    assert "0.850" in lines["thumbnail_ratio"]
+    thumbnails.update(ratio=0.95, cudagraph_replays_in_window=319)
+    code, lines = judged(report, tmp_path)
+    assert code == 1 and "319 replays, 320 batches" in lines["thumbnail_ratio"]
+    report["phases"]["thumbnails"] = {"status": "skipped", "why": "--thumbnail-seconds 0"}  # type: ignore[index]
+    code, lines = judged(report, tmp_path)
+    assert (
+        "not measured: phase thumbnails skipped (--thumbnail-seconds 0)" in lines["thumbnail_ratio"]
+    )
+
+
+def test_a_dataloader_within_1_5x_fails_the_peer_rule(tmp_path: Path) -> None:
+    report = good_report()
+    report["peer"] = {"images_per_s": 2700.0, "bound": "model"}
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    assert [n for n, line in lines.items() if line.startswith("FAIL")] == ["peer"]
+    assert "1.48x (4000.0 against 2700.0 images/s; the DataLoader was model-bound)" in lines["peer"]
+    del report["peer"]
+    report["phases"]["peer"] = {"status": "skipped", "why": "40 s left, about 28 needed"}  # type: ignore[index]
+    code, lines = judged(report, tmp_path)
+    assert "not measured: phase peer skipped" in lines["peer"]
 
 
 def test_the_judge_refuses_a_file_that_is_not_a_report(tmp_path: Path) -> None:

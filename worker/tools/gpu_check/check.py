@@ -14,8 +14,11 @@ ends, so a run cut short still reports what it measured:
    (results, NVML utilisation, launches of the step and the CUDA-graph replays inside
    each), then a sync window under the profiler (every thread's blocking CUDA calls and
    pageable copies, C++ and libraries included) and sync-debug mode, per batch;
+   then, after the latency phase, `thumbnails`: a second window on 64x64 JPEGs;
 4. decode: RGB, grey and CMYK JPEGs decoded by each GPU decoder against the CPU path;
-5. extras when time is left, judged by no rule: cudnn, the ceiling again with
+5. peer: the worker's model fed by a torch DataLoader over the same JPEGs, as a user writes
+   it (gpu_check/peer.py);
+6. extras when time is left, judged by no rule: cudnn, the ceiling again with
    cudnn.benchmark on (eager, and compiled and captured afresh).
 
 The run has a deadline (--deadline-s): phases that do not fit are skipped and say so ("not
@@ -77,6 +80,7 @@ from worker.tools.gpu_check.copy_rate import h2d_rate, packed_image_bytes
 from worker.tools.gpu_check.decode_scaling import decode_process_rates
 from worker.tools.gpu_check.feed import Feeder
 from worker.tools.gpu_check.latency import measure_latency
+from worker.tools.gpu_check.peer import dataloader_rate
 from worker.tools.gpu_check.report import (
     EXPECTED_TESTS,
     add_verdict,
@@ -586,6 +590,15 @@ async def _measure_pipeline(
             )
         else:
             report.skip("latency", "--latency-seconds 0")
+        feeder.stop()
+        if args.thumbnail_seconds <= 0:
+            report.skip("thumbnails", "--thumbnail-seconds 0")
+        elif field != "image":
+            report.skip("thumbnails", "--jobs-by path: the thumbnails window carries images")
+        else:
+            await _measure_thumbnails(
+                worker, args, report, main=main, done=done_count, best=best_ceiling
+            )
     finally:
         telling.cancel()
         feeder.stop()
@@ -594,6 +607,69 @@ async def _measure_pipeline(
             await asyncio.wait_for(main, 60)
         sampler.close()
         client.close()
+
+
+async def _measure_thumbnails(
+    worker: Worker,
+    args: CheckArgs,
+    report: Report,
+    *,
+    main: asyncio.Task[None],
+    done: Callable[[], int],
+    best: float,
+) -> None:
+    """Phase `thumbnails`: the same worker on 64x64 JPEGs (unique bytes per job, the cache
+    off) for --thumbnail-seconds, against the same ceiling: where decode is cheap, the
+    feed's own cost per job binds."""
+    cfg = worker.config
+    images = [synthetic_jpeg(64, 64, seed=i, quality=85) for i in range(32)]
+    base = done()
+    backlog = max(args.backlog, worker.batch_size * 32)
+    feeder = Feeder(cfg.redis_url, cfg.stream, images, backlog, prefix="t")
+    sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
+
+    async def tell() -> None:
+        while True:
+            feeder.answered(done() - base)
+            await asyncio.sleep(0.005)
+
+    feeder.start()
+    telling = asyncio.create_task(tell(), name="tell_thumbnail_feeder")
+    c = worker.counters
+    try:
+        with report.phase("thumbnails") as entry:
+            deadline = time.monotonic() + 60
+            while done() - base < worker.batch_size * 4 and time.monotonic() < deadline:
+                if main.done():
+                    main.result()
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(min(args.warmup_seconds, 2.0))
+            sampler.start()
+            with count_step_replays(worker.runner) as replays:
+                n0, t0, hits0, errors0 = done(), time.monotonic(), c.cache_hits, c.results_error
+                await asyncio.sleep(args.thumbnail_seconds)
+                n1, t1, hits1, errors1 = done(), time.monotonic(), c.cache_hits, c.results_error
+            sampler.stop()
+            if main.done():
+                main.result()
+            rate = (n1 - n0) / max(t1 - t0, 1e-9)
+            util = sampler.summary()["metrics"].get("gpu_util_pct", {})
+            entry["window_s"] = round(t1 - t0, 2)
+            report["thumbnails"] = {
+                "images": "64x64 JPEG q85, unique bytes per job",
+                "images_per_s": round(rate, 1),
+                "ratio": round(rate / best, 3) if best else None,
+                "gpu_util_mean": util.get("mean"),
+                "results_in_window": n1 - n0,
+                "batches_in_window": replays.launches,
+                "cudagraph_replays_in_window": replays.replays,
+                "decode_cache_hits": hits1 - hits0,
+                "errors_in_window": errors1 - errors0,
+            }
+    finally:
+        telling.cancel()
+        feeder.stop()
+        sampler.close()
 
 
 async def _measure_latency(
@@ -878,6 +954,18 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
                 None, decode_differences, device, worker.loaded.resize_size
             )
 
+    # The peer: the worker's model fed by a torch DataLoader over the same JPEGs.
+    peer_needed = args.peer_seconds + 20
+    if args.peer_seconds <= 0:
+        report.skip("peer", "--peer-seconds 0")
+    elif deadline.left() < peer_needed:
+        report.skip("peer", f"{deadline.left():.0f} s left, about {peer_needed:.0f} needed")
+    else:
+        with report.phase("peer"):
+            report["peer"] = await loop.run_in_executor(
+                None, functools.partial(_peer, worker, args, eager)
+            )
+
     # Extras (judged by no rule): measured only with time to spare.
     if device.type != "cuda":
         report.skip("gpu_decode_rate", "not a CUDA device")
@@ -990,6 +1078,33 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
         report["cudnn_benchmark_gain"] = round(on / off, 3) if on and off else None
 
 
+def _peer(worker: Worker, args: CheckArgs, eager: Any) -> dict[str, Any]:
+    """The DataLoader peer (gpu_check/peer.py) on the pipeline's images, written as files."""
+    loaded = worker.loaded
+    with tempfile.TemporaryDirectory(prefix="gpu-check-peer-") as folder:
+        files = []
+        for i in range(32):
+            path = Path(folder) / f"{i}.jpg"
+            path.write_bytes(synthetic_jpeg(args.width, args.height, seed=i, quality=85))
+            files.append(path)
+        model = eager.model
+        found = dataloader_rate(
+            model,
+            files,
+            batch=worker.batch_size,
+            resize=loaded.resize_size,
+            crop=loaded.crop_size,
+            mean=loaded.mean,
+            std=loaded.std,
+            dtype=next(model.parameters()).dtype,
+            device=worker.ctx.device,
+            seconds=args.peer_seconds,
+            workers=args.peer_workers or None,
+        )
+    found["images"] = f"{args.width}x{args.height} JPEG q85, 32 files"
+    return found
+
+
 @dataclass(frozen=True)
 class CheckArgs:
     """The benchmark's command line (`command`)."""
@@ -1010,6 +1125,9 @@ class CheckArgs:
     width: int
     height: int
     decode_rate_seconds: float
+    thumbnail_seconds: float
+    peer_seconds: float
+    peer_workers: int
     jobs_by: str
     redis_url: str
     out: str
@@ -1061,6 +1179,24 @@ def _env(name: str, default: str) -> Callable[[], str]:
     default=1.0,
     help="timed decode per image size and number of decode processes (phase "
     "decode_processes; 0: not measured)",
+)
+@click.option(
+    "--thumbnail-seconds",
+    type=float,
+    default=5.0,
+    help="a second window on 64x64 JPEGs from the same worker (phase thumbnails; 0: none)",
+)
+@click.option(
+    "--peer-seconds",
+    type=float,
+    default=8.0,
+    help="the worker's model fed by a torch DataLoader over the same JPEGs (phase peer; 0: none)",
+)
+@click.option(
+    "--peer-workers",
+    type=int,
+    default=0,
+    help="the peer's DataLoader processes (0: one per core but one)",
 )
 @click.option(
     "--jobs-by",

@@ -50,7 +50,8 @@ class JpegFiles(Dataset[torch.Tensor]):
             rgb = image.convert("RGB")
         rgb = tf.resize(rgb, [self.resize])
         rgb = tf.center_crop(rgb, [self.crop])
-        return tf.pil_to_tensor(rgb)  # [3, C, C] uint8
+        out: torch.Tensor = tf.pil_to_tensor(rgb)  # [3, C, C] uint8
+        return out
 
 
 def _sync(device: torch.device) -> None:
