@@ -289,3 +289,56 @@ def test_two_lanes_decode_side_by_side_each_on_its_own_stream() -> None:
     assert [r.decoded for r in results] == [[0], [2]]
     used = {line.split(" on ")[1] for line in log if line.startswith("decode")}
     assert used == {str(s.cuda_stream) for s in streams} and len(streams) == 2
+
+
+async def test_the_processes_leave_the_share_spread_over_batches_and_only_what_fits() -> None:
+    """GPUFEED_GPU_DECODE_SHARE=0.5 over two groups of image, path and url jobs: every
+    second image job offered (the fraction left over carries to the next group), offered
+    baseline JPEGs left DEFERRED with their upright size, offered others decoded; path and
+    url jobs never offered; `gpu=False` offers none."""
+    from worker.decode.arena import ArenaLayout, SharedArena
+    from worker.decode.processes import ProcessDecodePool
+    from worker.jobs import Job
+
+    side = packed_side(R)
+    arena = SharedArena.create(ArenaLayout(rows=16, side=side, processes=1, batch=8))
+    packed = arena.packed
+    assert packed is not None
+    pool = ProcessDecodePool(SPEC, 1, None, arena=arena, budget_s=5, row_side=R)
+    pool.gpu_share = 0.5
+
+    def job(i: int, data: bytes, **more: Any) -> Job:
+        fields: dict[str, Any] = {"image": data, "path": None, **more}
+        return Job(entry_id=f"{i}-0", job_id=f"j{i}", reply_to="r", meta=None, **fields)
+
+    progressive = io.BytesIO()
+    Image.open(io.BytesIO(jpeg_bytes(96, 64))).save(progressive, "JPEG", progressive=True)
+    first = [
+        job(0, jpeg_bytes(96, 64, seed=0)),
+        job(1, oriented_jpeg(150, 112, 6, seed=1)),
+        job(2, jpeg_bytes(96, 64, seed=2)),
+        job(3, progressive.getvalue()),
+        job(4, jpeg_bytes(96, 64, seed=4), url="http://127.0.0.1:1/a.jpg"),
+        job(5, jpeg_bytes(96, 64, seed=5)),
+    ]
+    second = [job(10 + i, jpeg_bytes(96, 64, seed=10 + i)) for i in range(3)]
+    try:
+        for slot in (0, 1):
+            packed.reset(slot)
+        got = await pool.settle([pool.submit_rows(first, arena.rows[:6])])
+        more = await pool.settle([pool.submit_rows(second, arena.rows[8:11])])
+        none = await pool.settle([pool.submit_rows(second, arena.rows[11:14], gpu=False)])
+    finally:
+        pool.shutdown()
+        arena.close()
+    left = [i for i, r in enumerate(got) if r.gpu is not None]
+    # Offered: image jobs 0, 1, 2, 3, 5 (not the url job) -> the 2nd and 4th, 1 and 3; the
+    # progressive 3 is decoded here. The half left over makes the next group's first offered.
+    assert left == [1]
+    assert got[3].error is None and got[3].gpu is None
+    rotated = got[1].gpu
+    assert isinstance(rotated, DeferredRow) and (rotated.height, rotated.width) == (150, 112)
+    assert rotated.row == 1 and bytes(rotated.data) == first[1].image
+    assert [i for i, r in enumerate(more) if r.gpu is not None] == [0, 2]
+    assert all(r.gpu is None and r.error is None for r in none)
+    assert pool.deferred == 3

@@ -317,7 +317,12 @@ class ProcessDecodePool:
         jobs = [group.jobs[p] for p in positions]
         for position, row, result in zip(positions, rows, self._results(rows, jobs), strict=True):
             key = group.jobs[position].cache_key
-            if key is not None and result.info is not None and self.url_cache is not None:
+            if (
+                key is not None
+                and result.info is not None
+                and result.gpu is None  # a row left for the GPU has no pixels on the host
+                and self.url_cache is not None
+            ):
                 # The fetch stage serves this URL's next 304 from here.
                 packed = self.arena.packed
                 kept = packed.entry(row) if packed is not None else self.arena.rows[row]
@@ -517,8 +522,11 @@ class ProcessDecodePool:
         flags = [False] * len(group.jobs)
         share, credit = self.gpu_share, self._gpu_credit
         for position in todo:
-            if group.jobs[position].image is None:
-                continue  # a path job: its bytes are read in the process
+            job = group.jobs[position]
+            if job.image is None or job.url is not None:
+                # A path job's bytes are read in the process; a url job's row is kept by the
+                # fetch cache (a 304 is answered from it), which only a host row can fill.
+                continue
             credit += share
             if credit >= 1.0:
                 credit -= 1.0
