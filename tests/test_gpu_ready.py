@@ -373,6 +373,12 @@ class FakePynvml:
     nvmlDeviceGetClockInfo = nvmlDeviceGetPowerUsage
     nvmlDeviceGetPcieThroughput = nvmlDeviceGetPowerUsage
 
+    def nvmlDeviceGetJpgUtilization(self, h: int) -> list[int]:
+        # Only the third GPU has JPEG engines (NVML answers "not supported" elsewhere).
+        if h != 2:
+            raise self.NVMLError("not supported")
+        return [37, 166_667]
+
 
 def test_a_worker_started_by_run_workers_samples_its_own_gpu(
     monkeypatch: pytest.MonkeyPatch,
@@ -390,6 +396,13 @@ def test_a_worker_started_by_run_workers_samples_its_own_gpu(
     assert summary["nvml_device"]["nvml_index"] == 2
     assert summary["nvml_device"]["uuid"] == GPUS[2].uuid
     assert summary["metrics"]["gpu_util_pct"]["mean"] == 30.0
+    # The JPEG engines' utilisation where the GPU has them (the GPU decode's share of work).
+    assert summary["metrics"]["jpg_util_pct"]["mean"] == 37.0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    other = GpuSampler(0, nvml_factory=lambda i: _Nvml(i, nv=fake, identity=CudaIdentity()))
+    other.sample_once()
+    other.close()
+    assert "jpg_util_pct" not in other.summary()["metrics"]
 
 
 # ------------------------------------------------------- CUDA-graph trees on the launch thread

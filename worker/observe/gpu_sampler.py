@@ -217,6 +217,10 @@ class _Nvml:
             rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES)
             out["pcie_tx_mib_s"] = tx / 1024.0
             out["pcie_rx_mib_s"] = rx / 1024.0
+        # The hardware JPEG engines (NVJPG) where the GPU has them and NVML reports them:
+        # what GPU decode leaves of them idle.
+        with contextlib.suppress(nv.NVMLError, AttributeError):
+            out["jpg_util_pct"] = float(nv.nvmlDeviceGetJpgUtilization(h)[0])
         return out
 
     def close(self) -> None:

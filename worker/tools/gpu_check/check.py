@@ -531,6 +531,8 @@ async def _measure_pipeline(
                 gpu_sampler=summary,
                 gpu_util_mean=util.get("mean"),
                 gpu_util_p50=util.get("p50"),
+                # The hardware JPEG engines, where NVML reports them (None elsewhere).
+                jpg_util_mean=summary["metrics"].get("jpg_util_pct", {}).get("mean"),
                 compile_still_one_graph=still_compiled(compile_report) or "yes",
                 pipeline={
                     "window_s": round(t1 - t0, 2),
