@@ -6,8 +6,11 @@ library without a GPU) answers every job as a worker that decodes everything on 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -149,3 +152,53 @@ async def test_gpu_decode_with_processes_says_what_it_cannot_do(
         assert auto.engine.plan.gpu_decode_share == 0.0
         assert "GPUFEED_DECODE=auto: the GPU decoder needs a CUDA device" in auto.engine.plan.line()
         assert auto.engine.runner.packed_decoder is None
+
+
+class SlowBackend(NvImgCodecInto):
+    """The CPU-only decoder, each call held 0.3 s, counting calls that overlap."""
+
+    lock = threading.Lock()
+    running = 0
+    most = 0
+
+    def decode_into(self, datas: Sequence[Any], outs: Sequence[Any], stream: int) -> list[bool]:
+        cls = SlowBackend
+        with cls.lock:
+            cls.running += 1
+            cls.most = max(cls.most, cls.running)
+        try:
+            time.sleep(0.3)
+            return super().decode_into(datas, outs, stream)
+        finally:
+            with cls.lock:
+                cls.running -= 1
+
+
+class SlowGpuDecode(Worker):
+    def gpu_backend(self) -> Callable[[], BatchJpegBackend] | None:
+        return lambda: SlowBackend(None)
+
+
+async def test_the_next_batch_decodes_on_the_other_lane_while_one_launches(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """While a batch waits for its GPU decode, the next batch's starts on the decoder's
+    other lane: two calls at once, never more (two lanes), every job answered."""
+    config = tiny_config(
+        redis_url,
+        tiny_weights,
+        decode_processes="2",
+        decode_threads=0,
+        resize="device",
+        decode_cache_mb=0,
+        decode="gpu",
+        gpu_decode_share="1",
+    )
+    images = [jpeg_bytes(96, 72, seed=i) for i in range(24)]
+    async with serving(SlowGpuDecode(config)):
+        for i, data in enumerate(images):
+            redis_client.xadd("gpufeed:jobs", {"id": f"s{i}", "image": data})
+        results = await wait_results(redis_client, "gpufeed:results", len(images))
+    assert len(results) == len(images)
+    assert {JobResult.from_fields(f).status for _, f in results} == {"ok"}
+    assert SlowBackend.most == 2

@@ -5,6 +5,7 @@ runs on and what its failure answers (`Dispatcher`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -140,6 +141,7 @@ class Dispatcher:
         room: DeviceRoom | None = None,
     ) -> None:
         self._room = room
+        self._upcoming: asyncio.Task[Batch | None] | None = None
         self._sealed = sealed
         self._ring = ring
         self._runner = runner
@@ -148,14 +150,38 @@ class Dispatcher:
         self._answer = answer
         self._on_launched = on_launched
 
+    async def _take(self) -> Batch | None:
+        """The next sealed batch, decoded, its expired rows answered as such, and the GPU
+        decode of its rows left for the GPU started; None at the end."""
+        batch = await self._sealed.get()
+        if batch is None:
+            return None
+        await batch.decoded()
+        expire_rows(batch)
+        batch.device_rows = self._runner.start_device_rows(batch)
+        return batch
+
     async def run(self) -> None:
+        # One batch ahead: while a batch launches, the next is taken and its GPU decode runs
+        # (on the GPU decoder's other lane), off the launches' path.
+        upcoming = asyncio.create_task(self._take(), name="dispatch_take")
+        try:
+            await self._run(upcoming)
+        finally:
+            for task in (upcoming, self._upcoming):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+
+    async def _run(self, upcoming: asyncio.Task[Batch | None]) -> None:
         while True:
-            batch = await self._sealed.get()
+            batch = await upcoming
             if batch is None:
                 self._watcher.track(None)
                 return
-            results = await batch.decoded()
-            expire_rows(batch)
+            upcoming = self._upcoming = asyncio.create_task(self._take(), name="dispatch_take")
+            results = batch.results
             if not batch.valid_rows:
                 self._dropped()
                 self._ring.release_now(batch.slot)

@@ -46,6 +46,9 @@ class Batch:
     results: list[DecodeResult] = field(default_factory=list)
     # The decode pool's wait, which gives up rows over the decode budget; None: wait for all.
     settle: SettleFn | None = None
+    # The GPU decode of the rows left for it, started once the batch was decoded (while the
+    # batch before it launched: worker/pipeline/launch.py); the launch awaits it.
+    device_rows: asyncio.Task[Any] | None = None
 
     async def decoded(self) -> list[DecodeResult]:
         if not self.results:

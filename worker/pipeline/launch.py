@@ -133,8 +133,20 @@ class ModelRunner:
         """Run the whole batch on `serving`'s step (None: `self.step`), `out` being a slot of
         its output ring. Raises LaunchFailed when device work was queued before the failure."""
         loop = asyncio.get_running_loop()
-        rows = await self._decode_deferred_rows(batch)
+        ahead = batch.device_rows
+        rows = await ahead if ahead is not None else await self._decode_deferred_rows(batch)
         return await loop.run_in_executor(self._executor, self._launch, batch, out, rows, serving)
+
+    def start_device_rows(self, batch: Batch) -> asyncio.Task[DeviceRows] | None:
+        """Start decoding `batch`'s rows left for the GPU (None: it has none), so that the
+        decode runs while the batch before it launches; `launch` awaits it."""
+        if self.gpu_decoder is None and self.packed_decoder is None:
+            return None
+        if not any(r.gpu is not None and r.error is None for r in batch.results):
+            return None
+        return asyncio.create_task(
+            self._decode_deferred_rows(batch), name=f"gpu_decode_{batch.seq}"
+        )
 
     async def _decode_deferred_rows(self, batch: Batch) -> DeviceRows:
         """Decode rows deferred to the GPU; rows it could not decode (all of them when the
