@@ -342,3 +342,28 @@ async def test_the_processes_leave_the_share_spread_over_batches_and_only_what_f
     assert [i for i, r in enumerate(more) if r.gpu is not None] == [0, 2]
     assert all(r.gpu is None and r.error is None for r in none)
     assert pool.deferred == 3
+
+
+def test_the_split_moves_toward_the_decoder_that_kept_the_dispatcher_waiting_less() -> None:
+    from worker.decode.split import STEP, WINDOW, DecodeSplit
+
+    seen: list[float] = []
+    split = DecodeSplit(0.5, tune=True, on_change=seen.append)
+    assert seen == [0.5]
+    for _ in range(WINDOW):  # waited for the GPU's rows: the GPU gets less
+        split.observe(cpu_wait_s=0.001, gpu_wait_s=0.004)
+    assert split.share == pytest.approx(0.5 - STEP) and seen[-1] == split.share
+    for _ in range(3 * WINDOW):  # waited for the CPU's rows: the GPU gets more
+        split.observe(cpu_wait_s=0.01, gpu_wait_s=0.0)
+    assert split.share == pytest.approx(0.5 + 2 * STEP)
+    before = split.adjustments
+    for _ in range(5 * WINDOW):  # neither kept it waiting (the model binds): no move
+        split.observe(cpu_wait_s=0.00001, gpu_wait_s=0.0)
+    assert split.adjustments == before
+    for _ in range(100 * WINDOW):  # never past 1
+        split.observe(cpu_wait_s=1.0, gpu_wait_s=0.0)
+    assert split.share == 1.0
+    fixed = DecodeSplit(0.3, tune=False, on_change=seen.append)
+    for _ in range(10 * WINDOW):
+        fixed.observe(cpu_wait_s=1.0, gpu_wait_s=0.0)
+    assert fixed.share == 0.3 and fixed.adjustments == 0

@@ -108,6 +108,8 @@ async def test_the_gpu_decodes_its_share_and_every_job_is_answered_as_on_the_cpu
     assert (decoder.decoded, decoder.failed) == (taken - 1, 1)
     plan = worker.engine.plan
     assert plan.gpu_decode_share == 1.0
+    split = worker.engine.decode_split
+    assert split is not None and not split.tune and split.share == 1.0
     assert "the GPU decodes 100% of each batch's rows (GPUFEED_GPU_DECODE_SHARE=1)" in plan.line()
 
 
@@ -202,3 +204,32 @@ async def test_the_next_batch_decodes_on_the_other_lane_while_one_launches(
     assert len(results) == len(images)
     assert {JobResult.from_fields(f).status for _, f in results} == {"ok"}
     assert SlowBackend.most == 2
+
+
+async def test_a_measured_share_moves_toward_the_cpu_when_the_cpu_is_slow(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """GPUFEED_GPU_DECODE_SHARE=auto: decode processes held 40 ms an image keep the
+    dispatcher waiting for their rows, so the share the start-up measured grows while the
+    worker runs; a share the operator set stays."""
+    config = tiny_config(
+        redis_url,
+        tiny_weights,
+        decode_processes="2",
+        decode_threads=0,
+        resize="device",
+        decode_cache_mb=0,
+        decode="gpu",
+    )
+    worker = CpuOnlyGpuDecode(config, decode_delay_s=0.04)
+    images = [jpeg_bytes(96, 72, seed=i) for i in range(96)]
+    async with serving(worker):
+        split = worker.engine.decode_split
+        assert split is not None and split.tune
+        start = split.share
+        for i, data in enumerate(images):
+            redis_client.xadd("gpufeed:jobs", {"id": f"d{i}", "image": data})
+        results = await wait_results(redis_client, "gpufeed:results", len(images))
+    assert len(results) == len(images)
+    assert split.adjustments > 0 and split.share > start
+    assert worker.decoder.gpu_share == split.share  # type: ignore[union-attr]

@@ -15,6 +15,7 @@ import structlog
 from producer.shards import Shard
 from producer.wire import ErrorCode
 from worker.decode.cpu import DecodeError
+from worker.decode.split import DecodeSplit
 from worker.delivery.sharding import reply_to_problem, wrong_shard_problem
 from worker.fetch.stage import FetchStage
 from worker.jobs import Job, Outcome, past_deadline
@@ -139,8 +140,10 @@ class Dispatcher:
         answer: Answer,
         on_launched: Callable[[Launched], None],
         room: DeviceRoom | None = None,
+        split: DecodeSplit | None = None,
     ) -> None:
         self._room = room
+        self._split = split
         self._upcoming: asyncio.Task[Batch | None] | None = None
         self._sealed = sealed
         self._ring = ring
@@ -156,7 +159,9 @@ class Dispatcher:
         batch = await self._sealed.get()
         if batch is None:
             return None
+        batch.taken_s = time.monotonic()
         await batch.decoded()
+        batch.decoded_s = time.monotonic()
         expire_rows(batch)
         batch.device_rows = self._runner.start_device_rows(batch)
         return batch
@@ -176,11 +181,14 @@ class Dispatcher:
 
     async def _run(self, upcoming: asyncio.Task[Batch | None]) -> None:
         while True:
+            ready_s = time.monotonic()
             batch = await upcoming
             if batch is None:
                 self._watcher.track(None)
                 return
             upcoming = self._upcoming = asyncio.create_task(self._take(), name="dispatch_take")
+            if self._split is not None:
+                await self._observe_split(batch, ready_s)
             results = batch.results
             if not batch.valid_rows:
                 self._dropped()
@@ -228,6 +236,21 @@ class Dispatcher:
             batch.slot.copy_done = launched.copied
             self._ring.release_after_copy(batch.slot)
             self._watcher.track(launched)
+
+    async def _observe_split(self, batch: Batch, ready_s: float) -> None:
+        """Tell the decode split how long this batch kept the dispatcher waiting for its CPU
+        rows (since the later of its arrival and the dispatcher being ready for it) and for
+        its GPU rows (worker/decode/split.py)."""
+        assert self._split is not None
+        cpu_wait = batch.decoded_s - max(batch.taken_s, ready_s)
+        gpu_wait = 0.0
+        rows = batch.device_rows
+        if rows is not None and not rows.done():
+            t0 = time.monotonic()
+            # The launch awaits it (and raises what it raised); here it is only timed.
+            await asyncio.wait([rows])
+            gpu_wait = time.monotonic() - t0
+        self._split.observe(cpu_wait, gpu_wait)
 
     def _dropped(self) -> None:
         """A sealed batch that will not reach the completion watcher leaves the device's

@@ -38,6 +38,7 @@ from worker.decode.payloads import PayloadMemory, payload_bytes
 from worker.decode.pool import DecodePool
 from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
+from worker.decode.split import DecodeSplit
 from worker.delivery.in_flight import in_flight_places
 from worker.jobs import Job
 from worker.lifecycle.feed_plan import FeedPlan, decode_processes_for, plan_feed, usable_cores
@@ -118,6 +119,8 @@ class Engine:
     degraded: DegradedModel | None = None
     degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
     degraded_out_ring: OutputRing | None = None
+    # GPU decode into packed rows: the split of each batch with the decode processes.
+    decode_split: DecodeSplit | None = None
 
     def staged_bytes_per_image(self) -> int:
         """Bytes staged (and copied to the device) per image: with packed rows, what the
@@ -311,6 +314,7 @@ async def warm_up(
     cache = DecodeCache(cache_bytes // 2 if arena is not None else cache_bytes)
     decoder: AnyDecodePool
     payloads: PayloadMemory | None = None
+    split: DecodeSplit | None = None
     if arena is not None:
         if plan.intake == "process":
             payloads = _payload_memory(cfg, batch_size, exit_stack)
@@ -319,9 +323,10 @@ async def warm_up(
         )
         exit_stack.callback(decoder.shutdown)
         if plan.packed and cfg.decode != "cpu":
-            share, share_why = _packed_gpu_decode(
+            split, share_why = _packed_gpu_decode(
                 cfg, loaded, device, decoder, runner, rows=rows, make_backend=gpu_backend
             )
+            share = split.share if split is not None else 0.0
             plan = replace(plan, gpu_decode_share=share, gpu_decode_why=share_why)
     else:
         decoder = _decode_pool(
@@ -358,6 +363,7 @@ async def warm_up(
         degraded=degraded,
         degraded_step=compiled.degraded_step,
         degraded_out_ring=degraded_out_ring,
+        decode_split=split,
     )
 
 
@@ -492,18 +498,19 @@ def _packed_gpu_decode(
     *,
     rows: int,
     make_backend: Callable[[], BatchJpegBackend] | None,
-) -> tuple[float, str]:
+) -> tuple[DecodeSplit | None, str]:
     """GPU decode into packed rows (GPUFEED_DECODE=gpu|auto with decode processes): the
-    decoder the runner uses, and the share of each batch's rows the processes leave for it,
-    with why. (0.0, why) where it cannot run: an error for `gpu`, a log line for `auto`."""
+    decoder the runner uses, and the split of each batch's rows between it and the
+    processes, with why. (None, why) where it cannot run: an error for `gpu`, a log line
+    for `auto`."""
     mode = cfg.decode
     spec = _decode_spec(cfg, loaded)
 
-    def without(reason: str) -> tuple[float, str]:
+    def without(reason: str) -> tuple[DecodeSplit | None, str]:
         if mode == "gpu":
             raise ConfigError(f"GPUFEED_DECODE=gpu: {reason}")
         log.warning("gpu_decode_unavailable", decode=mode, reason=reason, using="cpu decode")
-        return 0.0, f"GPUFEED_DECODE=auto: {reason}; the decode processes decode every row"
+        return None, f"GPUFEED_DECODE=auto: {reason}; the decode processes decode every row"
 
     if make_backend is None:
         if device.type != "cuda":
@@ -537,15 +544,19 @@ def _packed_gpu_decode(
         why = (
             f"auto: measured on {rates.sample} JPEGs, the GPU {rates.gpu_images_per_s:,.0f} "
             f"images/s against {rates.processes} decode processes' "
-            f"{rates.cpu_images_per_s:,.0f}"
+            f"{rates.cpu_images_per_s:,.0f}; tuned while running"
         )
         log.info("gpu_decode_rates", **rates.as_dict())
     else:
         share, why = setting, f"GPUFEED_GPU_DECODE_SHARE={cfg.gpu_decode_share}"
-    pool.gpu_share = share
+
+    def set_share(value: float) -> None:
+        pool.gpu_share = value
+
+    split = DecodeSplit(share, tune=setting is None, on_change=set_share)
     runner.use_packed_gpu_decode(decoder, pool.redecode)
     log.info("gpu_decode", decode=mode, gpu_decoder=decoder.backend_name, share=round(share, 3))
-    return share, why
+    return split, why
 
 
 def _decode_spec(cfg: WorkerConfig, loaded: LoadedModel) -> DecodeSpec:

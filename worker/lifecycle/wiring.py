@@ -231,6 +231,7 @@ def wire(
         answer=writer.put,
         on_launched=health.launched,
         room=room,
+        split=engine.decode_split,
     )
     stages = Stages(
         engine=engine,

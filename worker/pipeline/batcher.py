@@ -49,6 +49,9 @@ class Batch:
     # The GPU decode of the rows left for it, started once the batch was decoded (while the
     # batch before it launched: worker/pipeline/launch.py); the launch awaits it.
     device_rows: asyncio.Task[Any] | None = None
+    # When the dispatcher took it, and when its decode was done (the decode split's wait).
+    taken_s: float = 0.0
+    decoded_s: float = 0.0
 
     async def decoded(self) -> list[DecodeResult]:
         if not self.results:
