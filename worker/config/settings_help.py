@@ -187,8 +187,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "`auto`",
         "with GPUFEED_DECODE=gpu|auto and decode processes: the fraction (0 to 1) of each "
         "batch's rows offered to the GPU's JPEG decoder; `auto`: the GPU's share of the "
-        "two decoders' rates, both measured at start-up on the staging size's JPEGs "
-        "(`auto` decode leaves the GPU out where it measured slower than the processes)",
+        "two decoders' rates, both measured at start-up on photo-sized JPEGs, then moved "
+        "while running toward the decoder that keeps batches waiting less",
     ),
     "GPUFEED_RESIZE": (
         "`auto`",
