@@ -367,3 +367,47 @@ def test_the_split_moves_toward_the_decoder_that_kept_the_dispatcher_waiting_les
     for _ in range(10 * WINDOW):
         fixed.observe(cpu_wait_s=1.0, gpu_wait_s=0.0)
     assert fixed.share == 0.3 and fixed.adjustments == 0
+
+
+async def test_thumbnails_get_a_share_of_their_own() -> None:
+    """Where the GPU's rate on thumbnails gives it a smaller share of them than of photos,
+    the processes decode the rest of the thumbnails offered (every other one at half),
+    spread evenly; larger images are left to the GPU as offered."""
+    from worker.decode.arena import ArenaLayout, SharedArena
+    from worker.decode.gpu_packed import DecodeRates
+    from worker.decode.processes import ProcessDecodePool
+    from worker.decode.rows import THUMBNAIL_PIXELS
+    from worker.jobs import Job
+
+    rates = DecodeRates(
+        "640x480",
+        gpu_images_per_s=6000.0,
+        cpu_images_per_s=4000.0,
+        processes=8,
+        thumbnail_gpu_images_per_s=20_000.0,
+        thumbnail_cpu_images_per_s=80_000.0,
+    )
+    assert rates.share == pytest.approx(0.6) and rates.thumbnail_share == pytest.approx(0.2)
+    assert rates.thumbnail_accept == pytest.approx(1 / 3)
+
+    side = packed_side(R)
+    arena = SharedArena.create(ArenaLayout(rows=8, side=side, processes=1, batch=8))
+    assert arena.packed is not None
+    pool = ProcessDecodePool(SPEC, 1, None, arena=arena, budget_s=5, row_side=R)
+    pool.gpu_share = 1.0
+    pool.gpu_thumbnail_accept = 0.5
+    photo = jpeg_bytes(192, 190, seed=9)
+    assert 192 * 190 > THUMBNAIL_PIXELS >= 96 * 64
+    datas = [jpeg_bytes(96, 64, seed=i) for i in range(4)] + [photo, photo]
+    jobs = [
+        Job(entry_id=f"{i}-0", job_id=f"j{i}", reply_to="r", meta=None, image=d, path=None)
+        for i, d in enumerate(datas)
+    ]
+    try:
+        arena.packed.reset(0)
+        got = await pool.settle([pool.submit_rows(jobs, arena.rows[: len(jobs)])])
+    finally:
+        pool.shutdown()
+        arena.close()
+    assert [r.gpu is not None for r in got] == [False, True, False, True, True, True]
+    assert all(r.error is None for r in got)

@@ -285,20 +285,37 @@ class PackedGpuDecoder:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
+def _share(gpu: float, cpu: float) -> float:
+    return gpu / (gpu + cpu) if gpu + cpu > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class DecodeRates:
-    """The two decoders' rates on the staging size's JPEGs, measured at start-up."""
+    """The two decoders' rates on photo-sized and thumbnail JPEGs, measured at start-up."""
 
-    sample: str  # the sample JPEGs' size, e.g. 640x480
+    sample: str  # the photo sample's size, e.g. 640x480
     gpu_images_per_s: float
     cpu_images_per_s: float  # all decode processes
     processes: int
+    # The same on 64x64 JPEGs: a hardware decoder's cost per image barely falls with its
+    # size, the CPU's does, so thumbnails get a share of their own.
+    thumbnail_gpu_images_per_s: float = 0.0
+    thumbnail_cpu_images_per_s: float = 0.0
 
     @property
     def share(self) -> float:
         """The GPU's share of the rows that keeps both decoders busy."""
-        total = self.gpu_images_per_s + self.cpu_images_per_s
-        return self.gpu_images_per_s / total if total > 0 else 0.0
+        return _share(self.gpu_images_per_s, self.cpu_images_per_s)
+
+    @property
+    def thumbnail_share(self) -> float:
+        return _share(self.thumbnail_gpu_images_per_s, self.thumbnail_cpu_images_per_s)
+
+    @property
+    def thumbnail_accept(self) -> float:
+        """Of the thumbnails offered to the GPU at `share`, the fraction it takes so that it
+        decodes `thumbnail_share` of them (1: all)."""
+        return min(1.0, self.thumbnail_share / self.share) if self.share > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -307,16 +324,23 @@ class DecodeRates:
             "cpu_images_per_s": round(self.cpu_images_per_s, 1),
             "processes": self.processes,
             "share": round(self.share, 3),
+            "thumbnail_gpu_images_per_s": round(self.thumbnail_gpu_images_per_s, 1),
+            "thumbnail_cpu_images_per_s": round(self.thumbnail_cpu_images_per_s, 1),
+            "thumbnail_share": round(self.thumbnail_share, 3),
         }
 
 
-def measure_rates(
-    decoder: PackedGpuDecoder, spec: DecodeSpec, side: int, processes: int, *, samples: int = 32
-) -> DecodeRates:
-    """Start-up only: the GPU decoder's images/s on a batch of photo-like JPEGs of the
-    largest photo size a row holds (640x480 where it fits), against the decode processes'
-    (one decode here, timed, times the processes: each has a core of its own)."""
-    width, height = min(640, side), min(480, side - 1)
+def _rates(
+    decoder: PackedGpuDecoder,
+    spec: DecodeSpec,
+    side: int,
+    processes: int,
+    *,
+    width: int,
+    height: int,
+    samples: int,
+) -> tuple[float, float]:
+    """(GPU images/s, decode processes' images/s) on `samples` JPEGs of width x height."""
     images = [synthetic_jpeg(width, height, seed=i) for i in range(samples)]
     decode_row(images[0], spec, side)
     t0 = time.perf_counter()
@@ -325,11 +349,28 @@ def measure_rates(
     cpu_one = samples / max(time.perf_counter() - t0, 1e-9)
     outs = torch.empty((samples, height, width, 3), dtype=torch.uint8, device=decoder.device)
     gpu_s = decoder.time_decode(images, list(outs))
+    return samples / max(gpu_s, 1e-9), cpu_one * processes
+
+
+def measure_rates(
+    decoder: PackedGpuDecoder, spec: DecodeSpec, side: int, processes: int, *, samples: int = 32
+) -> DecodeRates:
+    """Start-up only: the GPU decoder's images/s on a batch of photo-like JPEGs of the
+    largest photo size a row holds (640x480 where it fits), and on 64x64 ones, against the
+    decode processes' (one decode here, timed, times the processes: each has a core of its
+    own)."""
+    width, height = min(640, side), min(480, side - 1)
+    gpu, cpu = _rates(decoder, spec, side, processes, width=width, height=height, samples=samples)
+    thumb_gpu, thumb_cpu = _rates(
+        decoder, spec, side, processes, width=64, height=64, samples=samples
+    )
     return DecodeRates(
         sample=f"{width}x{height}",
-        gpu_images_per_s=samples / max(gpu_s, 1e-9),
-        cpu_images_per_s=cpu_one * processes,
+        gpu_images_per_s=gpu,
+        cpu_images_per_s=cpu,
         processes=processes,
+        thumbnail_gpu_images_per_s=thumb_gpu,
+        thumbnail_cpu_images_per_s=thumb_cpu,
     )
 
 

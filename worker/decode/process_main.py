@@ -52,7 +52,7 @@ from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_pixels, write_row
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import open_payloads
-from worker.decode.rows import decode_row, gpu_placement, write_decoded_row
+from worker.decode.rows import THUMBNAIL_PIXELS, decode_row, gpu_placement, write_decoded_row
 from worker.fetch.path import read_job_path
 
 # magic, description length, payload length
@@ -99,6 +99,10 @@ class RowDecoder:
         self.path_root = path_root
         self.cache = DecodeCache(cache_bytes) if cache_bytes > 0 else None
         self.delay_s = delay_s
+        # Of the thumbnails offered to the GPU, the fraction left for it (the worker's, per
+        # message); the rest are decoded here, spread evenly by a running credit.
+        self.thumbnail_accept = 1.0
+        self._thumbnail_credit = 0.0
 
     def decode(
         self,
@@ -152,6 +156,11 @@ class RowDecoder:
         placed = gpu_placement(data, self.spec, self.row_side)
         if placed is None:
             return False
+        if placed.height * placed.width <= THUMBNAIL_PIXELS and self.thumbnail_accept < 1.0:
+            self._thumbnail_credit += self.thumbnail_accept
+            if self._thumbnail_credit < 1.0:
+                return False
+            self._thumbnail_credit -= 1.0
         packed.write_geometry(row, placed.geometry)
         record["width"] = placed.width
         record["height"] = placed.height
@@ -237,7 +246,8 @@ def serve(
         view = memoryview(payload)[:payload_len]
         if not _recv_exact(sock, view):
             return
-        token, rows, lengths, paths, namespaces, places, gpus = msgpack.unpackb(meta)
+        token, rows, lengths, paths, namespaces, places, gpus, accept = msgpack.unpackb(meta)
+        decoder.thumbnail_accept = accept
         progress["token"] = token
         offset = 0
         for row, length, path, ns, at, gpu in zip(

@@ -170,6 +170,9 @@ class ProcessDecodePool:
         # The share of the rows offered to the GPU decoder (worker/decode/gpu_packed.py; 0:
         # none): the processes decode the rest, and what the GPU's hardware cannot take.
         self.gpu_share = 0.0
+        # Of the thumbnails offered, the fraction the processes leave for the GPU (they
+        # decode the rest): thumbnails get a share of their own (gpu_packed.DecodeRates).
+        self.gpu_thumbnail_accept = 1.0
         self._gpu_credit = 0.0
         self.deferred = 0
         self.given_up = 0
@@ -578,7 +581,8 @@ class ProcessDecodePool:
             else:
                 lengths.append(-1 if job.path is not None else -2)
                 paths.append(job.path)
-        meta = msgpack.packb((token, rows, lengths, paths, namespaces, places, gpu))
+        accept = self.gpu_thumbnail_accept
+        meta = msgpack.packb((token, rows, lengths, paths, namespaces, places, gpu, accept))
         size = sum(len(p) for p in payloads)
         proc.outbox.put([HEADER.pack(MAGIC, len(meta), size), meta, *payloads])
 

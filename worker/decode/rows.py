@@ -86,6 +86,11 @@ def frame_row(frame: Frame, spec: DecodeSpec, side: int) -> DecodedRow:
     return DecodedRow(shape_frame(frame, spec), (s, s, 1, s, s, 0, 0), reduced=True)
 
 
+# Images of at most this many pixels count as thumbnails for the GPU decode's split: those
+# nearer the 64x64 sample than the 640x480 one on a log scale (sqrt(4096 * 307200)).
+THUMBNAIL_PIXELS = 35_500
+
+
 @dataclass(frozen=True)
 class GpuPlacement:
     """A JPEG a GPU decodes into a packed row as it is: its upright size (the decoder
