@@ -67,6 +67,7 @@ from worker.decode.gpu import (
     make_backend,
     synthetic_jpeg,
 )
+from worker.decode.processes import ProcessDecodePool
 from worker.lifecycle.service import Worker
 from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step, still_compiled
@@ -601,6 +602,14 @@ async def _measure_pipeline(
             await _measure_thumbnails(
                 worker, args, report, main=main, done=done_count, best=best_ceiling
             )
+        if args.before_seconds <= 0:
+            report.skip("before", "--before-seconds 0")
+        elif field != "image":
+            report.skip("before", "--jobs-by path: the before window carries images")
+        else:
+            await _measure_before(
+                worker, args, report, images=images, main=main, done=done_count, best=best_ceiling
+            )
     finally:
         telling.cancel()
         feeder.stop()
@@ -609,6 +618,72 @@ async def _measure_pipeline(
             await asyncio.wait_for(main, 60)
         sampler.close()
         client.close()
+
+
+async def _measure_window(
+    worker: Worker,
+    args: CheckArgs,
+    report: Report,
+    *,
+    phase: str,
+    images: list[bytes],
+    seconds: float,
+    main: asyncio.Task[None],
+    done: Callable[[], int],
+    best: float,
+) -> dict[str, Any]:
+    """Phase `phase`: the same worker fed `images` (unique bytes per job, the cache off)
+    for `seconds` after a short warm-up, against the same ceiling."""
+    cfg = worker.config
+    base = done()
+    backlog = max(args.backlog, worker.batch_size * 32)
+    feeder = Feeder(cfg.redis_url, cfg.stream, images, backlog, prefix=phase[0])
+    sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
+
+    async def tell() -> None:
+        while True:
+            feeder.answered(done() - base)
+            await asyncio.sleep(0.005)
+
+    feeder.start()
+    telling = asyncio.create_task(tell(), name=f"tell_{phase}_feeder")
+    c = worker.counters
+    found: dict[str, Any] = {}
+    try:
+        with report.phase(phase) as entry:
+            deadline = time.monotonic() + 60
+            while done() - base < worker.batch_size * 4 and time.monotonic() < deadline:
+                if main.done():
+                    main.result()
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(min(args.warmup_seconds, 2.0))
+            sampler.start()
+            with count_step_replays(worker.runner) as replays:
+                n0, t0, hits0, errors0 = done(), time.monotonic(), c.cache_hits, c.results_error
+                await asyncio.sleep(seconds)
+                n1, t1, hits1, errors1 = done(), time.monotonic(), c.cache_hits, c.results_error
+            sampler.stop()
+            if main.done():
+                main.result()
+            rate = (n1 - n0) / max(t1 - t0, 1e-9)
+            metrics = sampler.summary()["metrics"]
+            entry["window_s"] = round(t1 - t0, 2)
+            found.update(
+                images_per_s=round(rate, 1),
+                ratio=round(rate / best, 3) if best else None,
+                gpu_util_mean=metrics.get("gpu_util_pct", {}).get("mean"),
+                jpg_util_mean=metrics.get("jpg_util_pct", {}).get("mean"),
+                results_in_window=n1 - n0,
+                batches_in_window=replays.launches,
+                cudagraph_replays_in_window=replays.replays,
+                decode_cache_hits=hits1 - hits0,
+                errors_in_window=errors1 - errors0,
+            )
+    finally:
+        telling.cancel()
+        feeder.stop()
+        sampler.close()
+    return found
 
 
 async def _measure_thumbnails(
@@ -620,58 +695,63 @@ async def _measure_thumbnails(
     done: Callable[[], int],
     best: float,
 ) -> None:
-    """Phase `thumbnails`: the same worker on 64x64 JPEGs (unique bytes per job, the cache
-    off) for --thumbnail-seconds, against the same ceiling: where decode is cheap, the
+    """Phase `thumbnails`: 64x64 JPEGs for --thumbnail-seconds: where decode is cheap, the
     feed's own cost per job binds."""
-    cfg = worker.config
     images = [synthetic_jpeg(64, 64, seed=i, quality=85) for i in range(32)]
-    base = done()
-    backlog = max(args.backlog, worker.batch_size * 32)
-    feeder = Feeder(cfg.redis_url, cfg.stream, images, backlog, prefix="t")
-    sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
+    found = await _measure_window(
+        worker,
+        args,
+        report,
+        phase="thumbnails",
+        images=images,
+        seconds=args.thumbnail_seconds,
+        main=main,
+        done=done,
+        best=best,
+    )
+    report["thumbnails"] = {"images": "64x64 JPEG q85, unique bytes per job", **found}
 
-    async def tell() -> None:
-        while True:
-            feeder.answered(done() - base)
-            await asyncio.sleep(0.005)
 
-    feeder.start()
-    telling = asyncio.create_task(tell(), name="tell_thumbnail_feeder")
-    c = worker.counters
+async def _measure_before(
+    worker: Worker,
+    args: CheckArgs,
+    report: Report,
+    *,
+    images: list[bytes],
+    main: asyncio.Task[None],
+    done: Callable[[], int],
+    best: float,
+) -> None:
+    """Phase `before`: the photo window's JPEGs with the GPU's JPEG decoder left out (every
+    row decoded by the decode processes, as before GPU decode), for --before-seconds on
+    the same worker: what the engines add on this host."""
+    pool = worker.decoder
+    split = worker.engine.decode_split
+    if split is None or not isinstance(pool, ProcessDecodePool):
+        report.skip("before", "no GPU decode in this run")
+        return
+    share, tune = pool.gpu_share, split.tune
+    split.tune = False
+    pool.gpu_share = 0.0
     try:
-        with report.phase("thumbnails") as entry:
-            deadline = time.monotonic() + 60
-            while done() - base < worker.batch_size * 4 and time.monotonic() < deadline:
-                if main.done():
-                    main.result()
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(min(args.warmup_seconds, 2.0))
-            sampler.start()
-            with count_step_replays(worker.runner) as replays:
-                n0, t0, hits0, errors0 = done(), time.monotonic(), c.cache_hits, c.results_error
-                await asyncio.sleep(args.thumbnail_seconds)
-                n1, t1, hits1, errors1 = done(), time.monotonic(), c.cache_hits, c.results_error
-            sampler.stop()
-            if main.done():
-                main.result()
-            rate = (n1 - n0) / max(t1 - t0, 1e-9)
-            util = sampler.summary()["metrics"].get("gpu_util_pct", {})
-            entry["window_s"] = round(t1 - t0, 2)
-            report["thumbnails"] = {
-                "images": "64x64 JPEG q85, unique bytes per job",
-                "images_per_s": round(rate, 1),
-                "ratio": round(rate / best, 3) if best else None,
-                "gpu_util_mean": util.get("mean"),
-                "results_in_window": n1 - n0,
-                "batches_in_window": replays.launches,
-                "cudagraph_replays_in_window": replays.replays,
-                "decode_cache_hits": hits1 - hits0,
-                "errors_in_window": errors1 - errors0,
-            }
+        found = await _measure_window(
+            worker,
+            args,
+            report,
+            phase="before",
+            images=images,
+            seconds=args.before_seconds,
+            main=main,
+            done=done,
+            best=best,
+        )
     finally:
-        telling.cancel()
-        feeder.stop()
-        sampler.close()
+        pool.gpu_share, split.tune = share, tune
+    report["before"] = {
+        "images": f"{args.width}x{args.height} JPEG q85, unique bytes per job",
+        "how": "the same worker, its GPU JPEG decoder given no rows",
+        **found,
+    }
 
 
 async def _measure_latency(
@@ -1128,6 +1208,7 @@ class CheckArgs:
     height: int
     decode_rate_seconds: float
     thumbnail_seconds: float
+    before_seconds: float
     peer_seconds: float
     peer_workers: int
     jobs_by: str
@@ -1187,6 +1268,13 @@ def _env(name: str, default: str) -> Callable[[], str]:
     type=float,
     default=5.0,
     help="a second window on 64x64 JPEGs from the same worker (phase thumbnails; 0: none)",
+)
+@click.option(
+    "--before-seconds",
+    type=float,
+    default=5.0,
+    help="the photo window again with the GPU's JPEG decoder given no rows (phase before; "
+    "0: none; only where GPU decode runs)",
 )
 @click.option(
     "--peer-seconds",
