@@ -142,6 +142,7 @@ def phases_on_cpu(
         "--ceiling-iters", "2", "--width", "96", "--height", "64", "--latency-seconds", "1",
         "--backlog", "64", "--decode-rate-seconds", "0.2",
         "--thumbnail-seconds", "1", "--peer-seconds", "1", "--peer-workers", "1",
+        "--light-model", "mobilenet_v3_small", "--light-seconds", "1",
         # The placement `auto` picks on a GPU host: the ceiling feeds the ring's rows.
         "--resize", "device",
         "--redis-url", redis_url, "--out", str(out), "--junit", str(junit),
@@ -184,6 +185,8 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
         "thumbnails",
         "decode",
         "peer",
+        "light_startup",
+        "light",
         "decode_processes",
     )
     assert [phases[p]["status"] for p in done_phases] == ["done"] * len(done_phases)
@@ -228,6 +231,10 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     peer = report["peer"]
     assert peer["images_per_s"] > 0 and peer["model_alone_images_per_s"] > 0
     assert peer["loader_workers"] == 1 and peer["bound"] in ("model", "loader")
+    # The light model on a worker of its own: its ceiling, and a window of the photo JPEGs.
+    light = report["light"]
+    assert light["model"] == "mobilenet_v3_small" and light["ceiling_images_per_s"] > 0
+    assert light["results_in_window"] > 0 and light["errors_in_window"] == 0
     grey = report["gpu_decode_vs_cpu"]["torchvision"]["modes"]["L"]
     assert grey["decoded"] and grey["mean_abs_diff"] < 4
     # Everything measured, but a CUDA test was skipped: the check fails.
@@ -339,7 +346,16 @@ def good_report() -> dict[str, object]:
     return {
         "phases": {
             p: dict(done)
-            for p in ("startup", "ceiling", "pipeline", "syncs", "thumbnails", "decode", "peer")
+            for p in (
+                "startup",
+                "ceiling",
+                "pipeline",
+                "syncs",
+                "thumbnails",
+                "decode",
+                "peer",
+                "light",
+            )
         },
         "tests": {
             "available": True,
@@ -376,6 +392,14 @@ def good_report() -> dict[str, object]:
             "cudagraph_replays_in_window": 320,
         },
         "peer": {"images_per_s": 1900.0, "bound": "loader"},
+        "light": {
+            "model": "mobilenet_v3_large",
+            "images_per_s": 12_500.0,
+            "ratio": 0.61,
+            "ceiling_images_per_s": 20_400.0,
+            "batches_in_window": 1560,
+            "cudagraph_replays_in_window": 1560,
+        },
         "gpu_decode_vs_cpu": {
             "nvimgcodec": {"available": False, "reason": "not installed"},
             "torchvision": {
@@ -501,6 +525,17 @@ def test_thumbnails_below_the_ceiling_or_off_the_graph_fail(tmp_path: Path) -> N
     assert (
         "not measured: phase thumbnails skipped (--thumbnail-seconds 0)" in lines["thumbnail_ratio"]
     )
+
+
+def test_a_light_model_under_12000_images_per_s_fails(tmp_path: Path) -> None:
+    report = good_report()
+    light = report["light"]
+    assert isinstance(light, dict)
+    light["images_per_s"] = 11_900.0
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    assert [n for n, line in lines.items() if line.startswith("FAIL")] == ["light_model"]
+    assert "mobilenet_v3_large: 11,900 images/s" in lines["light_model"]
 
 
 def test_a_dataloader_within_1_5x_fails_the_peer_rule(tmp_path: Path) -> None:

@@ -916,10 +916,11 @@ def decode_rates(
     return out
 
 
-async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
+def _check_config(args: CheckArgs, *, model: str, prefix: str, **more: Any) -> WorkerConfig:
+    """The check's worker: `model` with random weights, on streams named after `prefix`."""
     overrides: dict[str, Any] = {
         "redis_url": args.redis_url,
-        "model": args.model,
+        "model": model,
         "weights": "none",
         "device": args.device,
         "batch_size": args.batch,
@@ -927,31 +928,100 @@ async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
         "precision": args.precision,
         "decode": args.decode,
         "resize": args.resize,
-        "stream": "gpucheck:jobs",
-        "group": "gpucheck",
-        "results_stream": "gpucheck:results",
-        "result_prefix": "gpucheck:result:",
-        "dead_stream": "gpucheck:dead",
+        "stream": f"{prefix}:jobs",
+        "group": prefix,
+        "results_stream": f"{prefix}:results",
+        "result_prefix": f"{prefix}:result:",
+        "dead_stream": f"{prefix}:dead",
         "result_ttl_s": 600,
         "results_maxlen": 10_000,
-        "worker_name": "gpu-check",
+        "worker_name": prefix,
         "max_wait_ms": 5.0,
         "log_level": "warning",
         "log_format": "json",
         # Every job decoded: no decode cache (the jobs' bytes are unique as well).
         "decode_cache_mb": 0,
+        **more,
     }
+    return WorkerConfig.load(env={}, overrides=overrides)
+
+
+async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
     with contextlib.ExitStack() as stack:
+        more: dict[str, Any] = {}
         if args.jobs_by == "path":
             # The images as files, which the decoders read themselves: no bytes in Redis.
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-check-"))
-            overrides["path_root"] = folder
-        cfg = WorkerConfig.load(env={}, overrides=overrides)
+            more["path_root"] = folder
+        cfg = _check_config(args, model=args.model, prefix="gpucheck", **more)
         worker = Worker(cfg)
         try:
             await _run_phases(worker, args, report, deadline)
         finally:
             await worker.shutdown()
+
+
+async def _measure_light(args: CheckArgs, report: Report) -> None:
+    """Phases `light_startup` and `light`: a light model (--light-model) on a worker of its
+    own, its compiled step's ceiling, then a window of the photo JPEGs from Redis: a model
+    fast enough that the feed, not the model, has to keep up."""
+    # One batch shape: one compile, the one the window runs.
+    cfg = _check_config(
+        args, model=args.light_model, prefix="gpucheck-light", batch_sizes=str(args.batch)
+    )
+    worker = Worker(cfg)
+    found: dict[str, Any] = {"model": args.light_model}
+    report["light"] = found
+    main: asyncio.Task[None] | None = None
+    try:
+        with report.phase("light_startup"):
+            t0 = time.perf_counter()
+            await worker.startup(wait_for_redis=False)
+            found["startup_s"] = round(time.perf_counter() - t0, 2)
+            compile_report = worker.compile_report
+            assert compile_report is not None
+            runner, device = worker.runner, worker.ctx.device
+            cudagraphs = compile_report.cudagraphs and device.type == "cuda"
+            ceiling: dict[str, Any] = {}
+
+            def on_launch_thread() -> None:
+                x = random_batch(worker.batch_size, worker.ring.size, device)
+                ceiling.update(
+                    direct_feed_ceiling(
+                        runner.step, x, iters=args.ceiling_iters, warmup=5, cudagraphs=cudagraphs
+                    )
+                )
+
+            runner.run_sync(on_launch_thread)
+            found["ceiling_images_per_s"] = ceiling["images_per_s"]
+        c = worker.counters
+
+        def done() -> int:
+            return c.results_ok + c.results_error
+
+        main = asyncio.create_task(worker.main_loop(), name="light_main_loop")
+        images = [synthetic_jpeg(args.width, args.height, seed=i, quality=85) for i in range(32)]
+        found.update(
+            await _measure_window(
+                worker,
+                args,
+                report,
+                phase="light",
+                images=images,
+                seconds=args.light_seconds,
+                main=main,
+                done=done,
+                best=float(ceiling["images_per_s"]),
+            )
+        )
+        found["images"] = f"{args.width}x{args.height} JPEG q85, unique bytes per job"
+        found["feed_plan"] = worker.engine.plan.line()
+    finally:
+        worker.handle_exit()
+        if main is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(main, 60)
+        await worker.shutdown()
 
 
 async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
@@ -1047,6 +1117,18 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
             report["peer"] = await loop.run_in_executor(
                 None, functools.partial(_peer, worker, args, eager)
             )
+
+    # A light model on a worker of its own: the feed against a faster step.
+    light_needed = args.light_seconds + 75
+    if args.light_seconds <= 0:
+        report.skip("light_startup", "--light-seconds 0")
+        report.skip("light", "--light-seconds 0")
+    elif deadline.left() < light_needed:
+        why = f"{deadline.left():.0f} s left, about {light_needed:.0f} needed"
+        report.skip("light_startup", why)
+        report.skip("light", why)
+    else:
+        await _measure_light(args, report)
 
     # Extras (judged by no rule): measured only with time to spare.
     if device.type != "cuda":
@@ -1209,6 +1291,8 @@ class CheckArgs:
     decode_rate_seconds: float
     thumbnail_seconds: float
     before_seconds: float
+    light_model: str
+    light_seconds: float
     peer_seconds: float
     peer_workers: int
     jobs_by: str
@@ -1275,6 +1359,17 @@ def _env(name: str, default: str) -> Callable[[], str]:
     default=5.0,
     help="the photo window again with the GPU's JPEG decoder given no rows (phase before; "
     "0: none; only where GPU decode runs)",
+)
+@click.option(
+    "--light-model",
+    default=_env("GPU_CHECK_LIGHT_MODEL", "mobilenet_v3_large"),
+    help="the light model's pipeline run (phase light, on a worker of its own)",
+)
+@click.option(
+    "--light-seconds",
+    type=float,
+    default=8.0,
+    help="the light model's window on the photo JPEGs (0: no light-model run)",
 )
 @click.option(
     "--peer-seconds",

@@ -6,7 +6,8 @@ it, the target and pass / fail. A rule whose figure is missing (its phase was sk
 by the deadline or failed) fails as "not measured": a check never passes on what it did not
 see. The targets are those the documentation states for a GPU host (docs/gpu-hosts.md):
 half the ceiling and 55% utilisation for 640x480 JPEGs, the doctor's "healthy" ratio
-(worker/tools/doctor/verdict.py) for 64x64 ones, 1.5x a torch DataLoader on the same model.
+(worker/tools/doctor/verdict.py) for 64x64 ones, 12,000 images/s for a light model on
+640x480 ones, 1.5x a torch DataLoader on the same model.
 
 Pure functions of the report's dict, importing no torch, so they judge reports from any
 host and are tested on crafted reports.
@@ -32,6 +33,8 @@ GPU_UTIL_TARGET = 55.0
 THUMBNAIL_RATIO_TARGET = HEALTHY_RATIO
 # gpufeed's images/s against the same model fed by a torch DataLoader over the same JPEGs.
 PEER_TARGET = 1.5
+# The light model's window (mobilenet_v3_large by default) on the photo JPEGs, images/s.
+LIGHT_TARGET = 12_000.0
 # Mean absolute difference per pixel value of GPU decode against the CPU path (the CUDA
 # tests' bound: nvJPEG upsamples chroma differently from libjpeg).
 DECODE_DIFF_TARGET = 4.0
@@ -238,6 +241,25 @@ def rule_peer(report: Mapping[str, Any]) -> Rule:
     return Rule("peer", claim, measured, target, times >= PEER_TARGET)
 
 
+def rule_light_model(report: Mapping[str, Any]) -> Rule:
+    claim = "640x480 JPEGs from Redis feed a light model at its pace, one replay per batch"
+    target = f">= {LIGHT_TARGET:,.0f} images/s, replays == batches"
+    found = report.get("light")
+    if not _phase_done(report, "light") or not isinstance(found, Mapping):
+        return Rule("light_model", claim, _not_measured(report, "light"), target, False)
+    rate = _num(found.get("images_per_s"))
+    replays = found.get("cudagraph_replays_in_window")
+    launched = found.get("batches_in_window")
+    if rate is None or not isinstance(replays, int) or not isinstance(launched, int):
+        return Rule("light_model", claim, f"{NOT_MEASURED}: figures missing", target, False)
+    measured = (
+        f"{found.get('model')}: {rate:,.0f} images/s ({found.get('ratio')} of its ceiling "
+        f"{found.get('ceiling_images_per_s')}); {replays} replays, {launched} batches"
+    )
+    ok = rate >= LIGHT_TARGET and launched > 0 and replays == launched
+    return Rule("light_model", claim, measured, target, ok)
+
+
 def rule_gpu_decode(report: Mapping[str, Any]) -> Rule:
     claim = "GPU JPEG decode (RGB and grey) matches the CPU path"
     target = f"mean |diff| < {DECODE_DIFF_TARGET} per pixel value, each available decoder"
@@ -274,6 +296,7 @@ RULES = (
     rule_gpu_util,
     rule_ratio,
     rule_thumbnail_ratio,
+    rule_light_model,
     rule_peer,
     rule_gpu_decode,
 )
