@@ -193,6 +193,8 @@ def test_placement_choice() -> None:
     assert choose_placement("auto", cuda, "gpu")[0] == "host"
     with pytest.raises(ConfigError, match="GPUFEED_RESIZE=device"):
         choose_placement("device", cuda, "gpu")
+    placement, why = choose_placement("device", cuda, "auto")
+    assert placement == "device" and "GPUFEED_DECODE=auto decodes on the CPU here" in why
     # From decode processes it writes packed rows at their own size: resized on the device.
     for decode in ("gpu", "auto"):
         assert choose_placement("auto", cuda, decode, 4)[0] == "device"

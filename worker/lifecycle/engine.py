@@ -589,6 +589,10 @@ def _decode_pool(
     """The decode thread pool, and GPU decode where GPUFEED_DECODE asks for it."""
     spec = _decode_spec(cfg, loaded)
     decode = cfg.decode
+    if rows and decode == "auto":
+        # Rows at their own size (device placement): the threads' GPU decoder writes resized
+        # rows, so `auto` decodes on the CPU (choose_placement says so in the plan).
+        decode = "cpu"
     if spec.geometry != "shorter-crop" and decode != "cpu":
         # The GPU decoder resizes shorter-side-and-crop only.
         if decode == "gpu":

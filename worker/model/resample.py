@@ -200,6 +200,11 @@ def choose_placement(
 
     if decode != "cpu" and not processes:
         # GPU decode from the worker's threads: its decoder writes resized rows.
+        if setting == "device" and decode == "auto":
+            return "device", (
+                "GPUFEED_RESIZE=device; GPUFEED_DECODE=auto decodes on the CPU here: the "
+                "decode threads' GPU decoder writes resized rows"
+            )
         if setting == "device":
             raise ConfigError(
                 f"GPUFEED_RESIZE=device: with decode threads, rows at their own size need "
