@@ -137,9 +137,9 @@ def phases_on_cpu(
 ) -> list[str]:
     """A child process running the benchmark's phases on the CPU (its deadline and SIGTERM
     end the process, so it cannot run inside the test's). `every_phase`: the thumbnail,
-    peer and light-model phases too (1 s windows); otherwise they are turned off, so that
+    peer and light-model phases too (0.5 s windows); otherwise they are turned off, so that
     the tests about something else do not pay for them."""
-    seconds_of = "1" if every_phase else "0"
+    seconds_of = "0.5" if every_phase else "0"
     phases = [
         "--thumbnail-seconds", seconds_of, "--peer-seconds", seconds_of, "--peer-workers", "1",
         "--light-model", "mobilenet_v3_small", "--light-seconds", seconds_of,
