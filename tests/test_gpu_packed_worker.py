@@ -61,11 +61,9 @@ def _images() -> tuple[list[bytes], int]:
     return baseline + others, len(baseline)
 
 
-async def _answers(
-    redis_url: str, client: redis.Redis, weights: Path, images: list[bytes], **settings: str
-) -> tuple[list[tuple[str, str, object]], Worker]:
-    client.delete("gpufeed:jobs", "gpufeed:results")
-    config: WorkerConfig = tiny_config(
+def _config(redis_url: str, weights: Path, **settings: str) -> WorkerConfig:
+    """Two decode processes, packed rows (the device placement), the decode cache off."""
+    return tiny_config(
         redis_url,
         weights,
         decode_processes="2",
@@ -74,7 +72,13 @@ async def _answers(
         decode_cache_mb=0,
         **settings,
     )
-    worker = CpuOnlyGpuDecode(config)
+
+
+async def _answers(
+    redis_url: str, client: redis.Redis, weights: Path, images: list[bytes], **settings: str
+) -> tuple[list[tuple[str, str, object]], Worker]:
+    client.delete("gpufeed:jobs", "gpufeed:results")
+    worker = CpuOnlyGpuDecode(_config(redis_url, weights, **settings))
     async with serving(worker):
         for i, data in enumerate(images):
             client.xadd("gpufeed:jobs", {"id": f"img{i}", "image": data})
@@ -120,14 +124,7 @@ async def test_gpu_decode_with_processes_says_what_it_cannot_do(
     `auto` decodes on the CPU and the plan says so."""
 
     def config(decode: str) -> WorkerConfig:
-        return tiny_config(
-            redis_url,
-            tiny_weights,
-            decode_processes="2",
-            decode_threads=0,
-            resize="device",
-            decode=decode,
-        )
+        return _config(redis_url, tiny_weights, decode=decode)
 
     with pytest.raises(ConfigError, match="GPUFEED_DECODE=gpu: the GPU decoder needs a CUDA"):
         async with serving(Worker(config("gpu"))):
@@ -169,16 +166,7 @@ async def test_the_next_batch_decodes_on_the_other_lane_while_one_launches(
 ) -> None:
     """While a batch waits for its GPU decode, the next batch's starts on the decoder's
     other lane: two calls at once, never more (two lanes), every job answered."""
-    config = tiny_config(
-        redis_url,
-        tiny_weights,
-        decode_processes="2",
-        decode_threads=0,
-        resize="device",
-        decode_cache_mb=0,
-        decode="gpu",
-        gpu_decode_share="1",
-    )
+    config = _config(redis_url, tiny_weights, decode="gpu", gpu_decode_share="1")
     images = [jpeg_bytes(96, 72, seed=i) for i in range(24)]
     async with serving(SlowGpuDecode(config)):
         for i, data in enumerate(images):
@@ -196,16 +184,7 @@ async def test_a_measured_share_moves_toward_the_cpu_when_the_cpu_is_slow(
     between 0 and 1 and in the plan line with the rates; then decode processes held 40 ms
     an image keep the dispatcher waiting for their rows, so the share grows while the
     worker runs."""
-    config = tiny_config(
-        redis_url,
-        tiny_weights,
-        decode_processes="2",
-        decode_threads=0,
-        resize="device",
-        decode_cache_mb=0,
-        decode="gpu",
-    )
-    worker = CpuOnlyGpuDecode(config, decode_delay_s=0.04)
+    worker = CpuOnlyGpuDecode(_config(redis_url, tiny_weights, decode="gpu"), decode_delay_s=0.04)
     images = [jpeg_bytes(96, 72, seed=i) for i in range(96)]
     async with serving(worker):
         split = worker.engine.decode_split

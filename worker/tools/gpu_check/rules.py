@@ -15,7 +15,7 @@ host and are tested on crafted reports.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,24 +202,46 @@ def rule_ratio(report: Mapping[str, Any]) -> Rule:
     return Rule("ratio", claim, measured, target, ratio >= RATIO_TARGET)
 
 
-def rule_thumbnail_ratio(report: Mapping[str, Any]) -> Rule:
-    claim = "64x64 JPEGs from Redis near the ceiling, each batch one CUDA-graph replay"
-    target = f">= {THUMBNAIL_RATIO_TARGET:.2f} of the ceiling, replays == batches"
-    found = report.get("thumbnails")
-    if not _phase_done(report, "thumbnails") or not isinstance(found, Mapping):
-        return Rule("thumbnail_ratio", claim, _not_measured(report, "thumbnails"), target, False)
-    ratio = _num(found.get("ratio"))
+def _window_rule(
+    report: Mapping[str, Any],
+    *,
+    name: str,
+    claim: str,
+    phase: str,
+    figure: str,
+    minimum: float,
+    target: str,
+    describe: Callable[[Mapping[str, Any], float], str],
+) -> Rule:
+    """A rule on a window of its own (report[phase]): its `figure` at least `minimum`, and
+    each batch in it one CUDA-graph replay."""
+    found = report.get(phase)
+    if not _phase_done(report, phase) or not isinstance(found, Mapping):
+        return Rule(name, claim, _not_measured(report, phase), target, False)
+    value = _num(found.get(figure))
     replays = found.get("cudagraph_replays_in_window")
     launched = found.get("batches_in_window")
-    if ratio is None or not isinstance(replays, int) or not isinstance(launched, int):
-        return Rule("thumbnail_ratio", claim, f"{NOT_MEASURED}: figures missing", target, False)
-    measured = (
-        f"{ratio:.3f} ({found.get('images_per_s')} of "
-        f"{report.get('ceiling_best_images_per_s')} images/s); {replays} replays, "
-        f"{launched} batches"
+    if value is None or not isinstance(replays, int) or not isinstance(launched, int):
+        return Rule(name, claim, f"{NOT_MEASURED}: figures missing", target, False)
+    measured = f"{describe(found, value)}; {replays} replays, {launched} batches"
+    ok = value >= minimum and launched > 0 and replays == launched
+    return Rule(name, claim, measured, target, ok)
+
+
+def rule_thumbnail_ratio(report: Mapping[str, Any]) -> Rule:
+    return _window_rule(
+        report,
+        name="thumbnail_ratio",
+        claim="64x64 JPEGs from Redis near the ceiling, each batch one CUDA-graph replay",
+        phase="thumbnails",
+        figure="ratio",
+        minimum=THUMBNAIL_RATIO_TARGET,
+        target=f">= {THUMBNAIL_RATIO_TARGET:.2f} of the ceiling, replays == batches",
+        describe=lambda found, ratio: (
+            f"{ratio:.3f} ({found.get('images_per_s')} of "
+            f"{report.get('ceiling_best_images_per_s')} images/s)"
+        ),
     )
-    ok = ratio >= THUMBNAIL_RATIO_TARGET and launched > 0 and replays == launched
-    return Rule("thumbnail_ratio", claim, measured, target, ok)
 
 
 def rule_peer(report: Mapping[str, Any]) -> Rule:
@@ -242,22 +264,19 @@ def rule_peer(report: Mapping[str, Any]) -> Rule:
 
 
 def rule_light_model(report: Mapping[str, Any]) -> Rule:
-    claim = "640x480 JPEGs from Redis feed a light model at its pace, one replay per batch"
-    target = f">= {LIGHT_TARGET:,.0f} images/s, replays == batches"
-    found = report.get("light")
-    if not _phase_done(report, "light") or not isinstance(found, Mapping):
-        return Rule("light_model", claim, _not_measured(report, "light"), target, False)
-    rate = _num(found.get("images_per_s"))
-    replays = found.get("cudagraph_replays_in_window")
-    launched = found.get("batches_in_window")
-    if rate is None or not isinstance(replays, int) or not isinstance(launched, int):
-        return Rule("light_model", claim, f"{NOT_MEASURED}: figures missing", target, False)
-    measured = (
-        f"{found.get('model')}: {rate:,.0f} images/s ({found.get('ratio')} of its ceiling "
-        f"{found.get('ceiling_images_per_s')}); {replays} replays, {launched} batches"
+    return _window_rule(
+        report,
+        name="light_model",
+        claim="640x480 JPEGs from Redis feed a light model at its pace, one replay per batch",
+        phase="light",
+        figure="images_per_s",
+        minimum=LIGHT_TARGET,
+        target=f">= {LIGHT_TARGET:,.0f} images/s, replays == batches",
+        describe=lambda found, rate: (
+            f"{found.get('model')}: {rate:,.0f} images/s ({found.get('ratio')} of its "
+            f"ceiling {found.get('ceiling_images_per_s')})"
+        ),
     )
-    ok = rate >= LIGHT_TARGET and launched > 0 and replays == launched
-    return Rule("light_model", claim, measured, target, ok)
 
 
 def rule_gpu_decode(report: Mapping[str, Any]) -> Rule:
