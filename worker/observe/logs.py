@@ -26,6 +26,9 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             getattr(logging, level.upper(), logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line: print() writes the line and its newline apart, and where
+        # processes share a stderr (the supervisor's children, unbuffered) another's line
+        # can land between the two, joining two JSON objects on one line.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
