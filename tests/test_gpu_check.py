@@ -147,8 +147,8 @@ def phases_on_cpu(
     argv = [
         "--device", "cpu", "--model", "mobilenet_v3_small", "--batch", "4",
         "--precision", "fp32", "--seconds", str(seconds), "--warmup-seconds", "0.2",
-        "--ceiling-iters", "2", "--width", "96", "--height", "64", "--latency-seconds", "1",
-        "--backlog", "64", "--decode-rate-seconds", "0.2",
+        "--sync-seconds", "1", "--ceiling-iters", "2", "--width", "96", "--height", "64",
+        "--latency-seconds", "1", "--backlog", "64", "--decode-rate-seconds", "0.05",
         # The placement `auto` picks on a GPU host: the ceiling feeds the ring's rows.
         "--resize", "device",
         "--redis-url", redis_url, "--out", str(out), "--junit", str(junit),
