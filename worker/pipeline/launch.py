@@ -189,21 +189,19 @@ class ModelRunner:
                 for row, ms in result.decode_ms.items():
                     batch.results[row] = _with_ms(batch.results[row], ms)
         if failed:
-            try:
-                if self._cpu_decode is None:
+            cpu_decode = self._cpu_decode
+
+            async def on_cpu() -> list[DecodeResult]:
+                if cpu_decode is None:
                     raise RuntimeError("rows were deferred to the GPU but no CPU fallback is set")
-                redo = await asyncio.gather(
-                    *(self._cpu_decode(batch.jobs[row], batch.slot.array[row]) for row in failed)
+                return list(
+                    await asyncio.gather(
+                        *(cpu_decode(batch.jobs[row], batch.slot.array[row]) for row in failed)
+                    )
                 )
-            except Exception as exc:
-                fence = ready if ready is not None else copy_after
-                if fence is None:
-                    raise
-                # GPU decode work may still write the twin: its next user waits for it.
-                self.transfer.mark_consumed(batch.slot, fence)
-                raise LaunchFailed(f"{type(exc).__name__}: {exc}", fence) from exc
-            for row, res in zip(failed, redo, strict=True):
-                batch.results[row] = res
+
+            fence = ready if ready is not None else copy_after
+            await self._redo_on_cpu(batch, failed, on_cpu, fence)
         on_device = frozenset(row for row, _ in deferred) - frozenset(failed)
         return DeviceRows(on_device, ready if on_device else None, copy_after)
 
@@ -228,24 +226,41 @@ class ModelRunner:
                 batch.results[position] = DecodeResult(r.info, None, r.decode_ms + result.decode_ms)
             failed = [positions[ring_row] for ring_row in result.failed]
         if failed:
-            try:
-                if self._redecode is None:
+            redecode = self._redecode
+
+            async def on_cpu() -> list[DecodeResult]:
+                if redecode is None:
                     raise RuntimeError(
                         "rows were left for the GPU but no CPU decoder takes them back"
                     )
-                redo = await self._redecode(
+                return await redecode(
                     [batch.jobs[p] for p in failed], [batch.slot.array[p] for p in failed]
                 )
-            except Exception as exc:
-                if ready is None:
-                    raise
-                # The GPU decode may still write the twin: its next user waits for it.
-                self.transfer.mark_consumed(batch.slot, ready)
-                raise LaunchFailed(f"{type(exc).__name__}: {exc}", ready) from exc
-            for position, res in zip(failed, redo, strict=True):
-                batch.results[position] = res
+
+            await self._redo_on_cpu(batch, failed, on_cpu, ready)
         # The copy takes the host's bytes only, never the GPU's places: nothing to skip.
         return DeviceRows(frozenset(), ready, None)
+
+    async def _redo_on_cpu(
+        self,
+        batch: Batch,
+        rows: list[int],
+        decode: Callable[[], Awaitable[list[DecodeResult]]],
+        fence: Event | None,
+    ) -> None:
+        """Rows the GPU did not decode, decoded on the CPU into their results. Should that
+        fail after GPU work was queued (`fence`), the slot's twin waits for the fence and
+        LaunchFailed carries it."""
+        try:
+            redo = await decode()
+        except Exception as exc:
+            if fence is None:
+                raise
+            # GPU decode work may still write the twin: its next user waits for it.
+            self.transfer.mark_consumed(batch.slot, fence)
+            raise LaunchFailed(f"{type(exc).__name__}: {exc}", fence) from exc
+        for row, res in zip(rows, redo, strict=True):
+            batch.results[row] = res
 
     def _launch(
         self, batch: Batch, out: OutputSlot, rows: DeviceRows, serving: Serving | None
