@@ -192,6 +192,7 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
         "decode",
         "peer",
         "light_startup",
+        "light_ceiling",
         "light",
         "decode_processes",
     )
@@ -237,6 +238,9 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     peer = report["peer"]
     assert peer["images_per_s"] > 0 and peer["model_alone_images_per_s"] > 0
     assert peer["loader_workers"] == 1 and peer["bound"] in ("model", "loader")
+    # Compiled as the worker's step is: not at all on this CPU (the compile is off here).
+    assert peer["compile_mode"] == report["compile"]["mode"] == "off"
+    assert peer["compiled"] is False and "compile_refused" not in peer
     # The light model on a worker of its own: its ceiling, and a window of the photo JPEGs.
     light = report["light"]
     assert light["model"] == "mobilenet_v3_small" and light["ceiling_images_per_s"] > 0
@@ -252,9 +256,17 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
 @pytest.mark.slow
 def test_the_pipeline_and_latency_phases_run_on_path_jobs(redis_url: str, tmp_path: Path) -> None:
     """--jobs-by path: the images written as files the decoders read, the jobs naming them,
-    in the timed window and in the latency phase alike; every job answered ok."""
+    in the timed window and in the latency phase alike; every job answered ok. The light
+    model's worker, started first, fails (its model file is not a model): its phases say
+    why, and the rest of the check runs."""
     junit = write_junit(tmp_path / "pytest.xml")
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    manifest = '[model]\ninput_size = 32\nfile = "model.ts"\n\n[output]\nkind = "raw"\n'
+    (broken / "gpufeed.toml").write_text(manifest)
+    (broken / "model.ts").write_bytes(b"not a TorchScript archive")
     extra = ("--jobs-by", "path", "--decode-rate-seconds", "0")
+    extra += ("--light-model", str(broken), "--light-seconds", "0.5")
     argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=200, extra=extra)
     run_child(argv)
     report = json.loads((tmp_path / "report.json").read_text())
@@ -265,6 +277,11 @@ def test_the_pipeline_and_latency_phases_run_on_path_jobs(redis_url: str, tmp_pa
     assert pipeline["decode_cache_hits"] == 0 and pipeline["redis_cpu_us_per_job"] > 0
     latency = report["latency_at_80"]
     assert latency["results"] >= 16 and 0 <= latency["p50_ms"] <= latency["p99_ms"]
+    started = report["phases"]["light_startup"]
+    assert started["status"] == "failed" and "model.ts" in started["error"]
+    for phase in ("light_ceiling", "light"):
+        assert report["phases"][phase]["status"] == "skipped"
+        assert report["phases"][phase]["why"].startswith("its start-up failed: ")
 
 
 @pytest.mark.slow
@@ -551,6 +568,17 @@ def test_a_dataloader_within_1_5x_fails_the_peer_rule(tmp_path: Path) -> None:
     assert code == 1
     assert [n for n, line in lines.items() if line.startswith("FAIL")] == ["peer"]
     assert "1.48x (4000.0 against 2700.0 images/s; the DataLoader was model-bound)" in lines["peer"]
+    # A peer whose model the compiler refused ran eager: the line says so, with why.
+    report["peer"] = {
+        "images_per_s": 2000.0,
+        "bound": "model",
+        "compile_mode": "reduce-overhead",
+        "compiled": False,
+        "compile_refused": "CompileRefused: 1 graph break(s)",
+    }
+    code, lines = judged(report, tmp_path)
+    assert lines["peer"].startswith("pass")
+    assert "the peer's model ran eager: CompileRefused: 1 graph break(s)" in lines["peer"]
     del report["peer"]
     report["phases"]["peer"] = {"status": "skipped", "why": "40 s left, about 28 needed"}  # type: ignore[index]
     code, lines = judged(report, tmp_path)

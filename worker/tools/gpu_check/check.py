@@ -5,7 +5,8 @@ ends, so a run cut short still reports what it measured:
 
 1. start-up: a real Worker in-process (compile, warm-up, precision check, start-up checks);
    with --wait-for it runs beside the CUDA tests, and the phases below wait for that file
-   (the tests' end), so they measure alone on the GPU;
+   (the tests' end), so they measure alone on the GPU; `light_startup`, the light model's
+   worker started (compiled) there too;
 2. ceiling: the direct-feed ceiling, a random uint8 batch already on the device through
    the compiled step and through the eager step, on the launch thread (images/s), with
    cudnn.benchmark off as the worker runs;
@@ -16,9 +17,10 @@ ends, so a run cut short still reports what it measured:
    pageable copies, C++ and libraries included) and sync-debug mode, per batch;
    then, after the latency phase, `thumbnails`: a second window on 64x64 JPEGs;
 4. decode: RGB, grey and CMYK JPEGs decoded by each GPU decoder against the CPU path;
-5. peer: the worker's model fed by a torch DataLoader over the same JPEGs, as a user writes
-   it (gpu_check/peer.py);
-6. extras when time is left, judged by no rule: cudnn, the ceiling again with
+5. peer: the worker's model, compiled with the worker's mode, fed by a torch DataLoader
+   over the same JPEGs, as a user writes it (gpu_check/peer.py);
+6. light_ceiling and light: the light model's ceiling, then a window of the photo JPEGs;
+7. extras when time is left, judged by no rule: cudnn, the ceiling again with
    cudnn.benchmark on (eager, and compiled and captured afresh).
 
 The run has a deadline (--deadline-s): phases that do not fit are skipped and say so ("not
@@ -96,6 +98,11 @@ _SYNC_WARNING = "synchroniz"  # "called a synchronizing CUDA operation"
 _SYNC_MODE_NOTICE = "synchronization debug mode is a prototype"
 # The device-side copy activity names a pageable host side: "Memcpy HtoD (Pageable -> Device)".
 PAGEABLE_COPY = "pageable"
+
+# Seconds the light model's worker needs: to start (its compile) and, besides its window,
+# to measure its ceiling and drain.
+LIGHT_START_S = 75.0
+LIGHT_NEEDED_S = 20.0
 
 # CUDA runtime and driver calls that block the calling host thread until the device (or a
 # stream or event) catches up, whoever makes them: torch, torchvision, nvJPEG,
@@ -955,29 +962,40 @@ async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
             more["path_root"] = folder
         cfg = _check_config(args, model=args.model, prefix="gpucheck", **more)
         worker = Worker(cfg)
+        light: Worker | None = None
+        if args.light_seconds > 0:
+            # One batch shape: one compile, the one the window runs.
+            light_cfg = _check_config(
+                args, model=args.light_model, prefix="gpucheck-light", batch_sizes=str(args.batch)
+            )
+            light = Worker(light_cfg)
         try:
-            await _run_phases(worker, args, report, deadline)
+            await _run_phases(worker, light, args, report, deadline)
         finally:
+            if light is not None:
+                await light.shutdown()
             await worker.shutdown()
 
 
-async def _measure_light(args: CheckArgs, report: Report) -> None:
-    """Phases `light_startup` and `light`: a light model (--light-model) on a worker of its
-    own, its compiled step's ceiling, then a window of the photo JPEGs from Redis: a model
-    fast enough that the feed, not the model, has to keep up."""
-    # One batch shape: one compile, the one the window runs.
-    cfg = _check_config(
-        args, model=args.light_model, prefix="gpucheck-light", batch_sizes=str(args.batch)
-    )
-    worker = Worker(cfg)
-    found: dict[str, Any] = {"model": args.light_model}
+async def _start_light(light: Worker, report: Report) -> None:
+    """Phase `light_startup`: the light model's worker started (its compile), beside the
+    CUDA tests where the check waits for them, so the light phase only measures."""
+    found: dict[str, Any] = {"model": light.config.model}
     report["light"] = found
+    with report.phase("light_startup"):
+        t0 = time.perf_counter()
+        await light.startup(wait_for_redis=False)
+        found["startup_s"] = round(time.perf_counter() - t0, 2)
+
+
+async def _measure_light(worker: Worker, args: CheckArgs, report: Report) -> None:
+    """Phases `light_ceiling` and `light`: the light model's worker (started by
+    `_start_light`), its compiled step's ceiling, then a window of the photo JPEGs from
+    Redis: a model fast enough that the feed, not the model, has to keep up."""
+    found: dict[str, Any] = report["light"]
     main: asyncio.Task[None] | None = None
     try:
-        with report.phase("light_startup"):
-            t0 = time.perf_counter()
-            await worker.startup(wait_for_redis=False)
-            found["startup_s"] = round(time.perf_counter() - t0, 2)
+        with report.phase("light_ceiling"):
             compile_report = worker.compile_report
             assert compile_report is not None
             runner, device = worker.runner, worker.ctx.device
@@ -1021,7 +1039,6 @@ async def _measure_light(args: CheckArgs, report: Report) -> None:
         if main is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(main, 60)
-        await worker.shutdown()
 
 
 async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
@@ -1033,7 +1050,9 @@ async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
     return False
 
 
-async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline: Deadline) -> None:
+async def _run_phases(
+    worker: Worker, light: Worker | None, args: CheckArgs, report: Report, deadline: Deadline
+) -> None:
     with report.phase("startup"):
         t0 = time.perf_counter()
         await worker.startup(wait_for_redis=False)
@@ -1042,6 +1061,16 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
         assert compile_report is not None
         report["compile"] = compile_report.as_dict()
         report["precision"] = worker.precision.as_dict() if worker.precision else None
+    if light is None:
+        report.skip("light_startup", "--light-seconds 0")
+    elif deadline.left() < LIGHT_START_S + LIGHT_NEEDED_S + args.light_seconds:
+        report.skip("light_startup", f"{deadline.left():.0f} s left")
+        light = None
+    else:
+        try:
+            await _start_light(light, report)
+        except Exception:  # noqa: BLE001 - its phase holds the error; the main phases go on
+            light = None
     if args.wait_for:
         # Compiled beside the CUDA tests; measured only once they are done, alone on the GPU.
         with report.phase("wait_for_tests") as entry:
@@ -1107,7 +1136,9 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
             )
 
     # The peer: the worker's model fed by a torch DataLoader over the same JPEGs.
-    peer_needed = args.peer_seconds + 20
+    # Its model compiled as the worker's was: about the worker's compile again.
+    peer_mode = compile_report.mode if compile_report.compiled else "off"
+    peer_needed = args.peer_seconds + 20 + (compile_report.compile_s if peer_mode != "off" else 0)
     if args.peer_seconds <= 0:
         report.skip("peer", "--peer-seconds 0")
     elif deadline.left() < peer_needed:
@@ -1115,20 +1146,23 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
     else:
         with report.phase("peer"):
             report["peer"] = await loop.run_in_executor(
-                None, functools.partial(_peer, worker, args, eager)
+                None, functools.partial(_peer, worker, args, eager, peer_mode)
             )
 
-    # A light model on a worker of its own: the feed against a faster step.
-    light_needed = args.light_seconds + 75
-    if args.light_seconds <= 0:
-        report.skip("light_startup", "--light-seconds 0")
-        report.skip("light", "--light-seconds 0")
+    # A light model on a worker of its own (started beside the tests): the feed against a
+    # faster step.
+    light_needed = args.light_seconds + LIGHT_NEEDED_S
+    if light is None:
+        started = report.data["phases"]["light_startup"]
+        why = started.get("why") or f"its start-up failed: {started.get('error')}"
+        report.skip("light_ceiling", why)
+        report.skip("light", why)
     elif deadline.left() < light_needed:
         why = f"{deadline.left():.0f} s left, about {light_needed:.0f} needed"
-        report.skip("light_startup", why)
+        report.skip("light_ceiling", why)
         report.skip("light", why)
     else:
-        await _measure_light(args, report)
+        await _measure_light(light, args, report)
 
     # Extras (judged by no rule): measured only with time to spare.
     if device.type != "cuda":
@@ -1242,7 +1276,7 @@ async def _run_phases(worker: Worker, args: CheckArgs, report: Report, deadline:
         report["cudnn_benchmark_gain"] = round(on / off, 3) if on and off else None
 
 
-def _peer(worker: Worker, args: CheckArgs, eager: Any) -> dict[str, Any]:
+def _peer(worker: Worker, args: CheckArgs, eager: Any, compile_mode: str) -> dict[str, Any]:
     """The DataLoader peer (gpu_check/peer.py) on the pipeline's images, written as files."""
     loaded = worker.loaded
     with tempfile.TemporaryDirectory(prefix="gpu-check-peer-") as folder:
@@ -1264,6 +1298,7 @@ def _peer(worker: Worker, args: CheckArgs, eager: Any) -> dict[str, Any]:
             device=worker.ctx.device,
             seconds=args.peer_seconds,
             workers=args.peer_workers or None,
+            compile_mode=compile_mode,
         )
     found["images"] = f"{args.width}x{args.height} JPEG q85, 32 files"
     return found

@@ -4,11 +4,13 @@ A `torch.utils.data.DataLoader` with worker processes (one per core but one), pi
 batches and a prefetch of four batches per worker reads the pipeline's JPEG files from
 disk, each decoded anew by Pillow and resized and cropped by torchvision's eval transforms
 (Resize to the staging size, CenterCrop to the input size); the loop copies each batch to
-the device without blocking, normalises it there and runs the model. The model is the
-worker's, in the worker's dtype and memory format, run eagerly as most such loops do: the
-same weights and arithmetic, without gpufeed's compiled step. Its own rate on a batch
-already on the device is measured beside it, so the report says whether the loader or the
-model bound the peer.
+the device without blocking and runs the model, normalised on the device. The model is the
+worker's, in the worker's dtype and memory format, compiled with the worker's mode
+(`torch.compile`; with `reduce-overhead` its CUDA graphs take each batch into one static
+input, as they would from a user's loop): the same weights, arithmetic and compiler as
+gpufeed's step, so what the comparison shows is the feed. Its own rate on a batch already
+on the device is measured beside it, so the report says whether the loader or the model
+bound the peer. A model the compiler refuses runs eager, and the report says so.
 
 The loader's processes are spawned (not forked): the check's process holds CUDA state and
 threads by then. Nothing here is on gpufeed's serving path: it waits for the device where
@@ -28,6 +30,9 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import functional as tf
+
+from worker.model.compiler import changes_since, compile_step, snapshot
+from worker.pipeline.device import mark_cudagraph_step
 
 # Batches each loader process keeps ready (torch's default is 2).
 PREFETCH = 4
@@ -73,10 +78,12 @@ def dataloader_rate(
     seconds: float,
     workers: int | None = None,
     warmup_batches: int = 4,
+    compile_mode: str = "off",
 ) -> dict[str, Any]:
     """images/s of `model` fed by a DataLoader over `files` for `seconds` (after the loader's
     processes started and `warmup_batches` ran), and of `model` alone on a batch already on
-    the device."""
+    the device; `compile_mode` as GPUFEED_COMPILE (`off`: eager). Call on one thread
+    throughout: CUDA-graph trees belong to the thread that recorded them."""
     workers = workers if workers is not None else max(1, (os.cpu_count() or 2) - 1)
     pin = device.type == "cuda"
     loader = DataLoader(
@@ -92,9 +99,21 @@ def dataloader_rate(
     scale = torch.tensor([255.0 * s for s in std], device=device).view(1, 3, 1, 1)
     shift = torch.tensor([255.0 * m for m in mean], device=device).view(1, 3, 1, 1)
 
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        y = (x.float() - shift) / scale
+        out: torch.Tensor = model(y.to(dtype).contiguous(memory_format=torch.channels_last))
+        return out
+
+    # Made outside inference mode, as the compiler's guards expect of the step's input.
+    static = torch.zeros((batch, 3, crop, crop), dtype=torch.uint8, device=device)
+    step, compiled, why, compile_s = _compiled(forward, static, compile_mode)
+    graphs = compiled and device.type == "cuda" and compile_mode == "reduce-overhead"
+
     def run(x: torch.Tensor) -> None:
-        x = x.to(device, non_blocking=True).float().sub_(shift).div_(scale)
-        model(x.to(dtype).contiguous(memory_format=torch.channels_last))
+        static.copy_(x, non_blocking=True)
+        if graphs:
+            mark_cudagraph_step()
+        step(static)
 
     t_start = time.perf_counter()
     images = 0
@@ -104,12 +123,15 @@ def dataloader_rate(
             run(next(batches))
         _sync(device)
         started_s = time.perf_counter() - t_start
+        baseline = snapshot()
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             run(next(batches))
             images += batch
         _sync(device)
         elapsed = time.perf_counter() - t0
+        # A compiled peer that recompiled in its window was not timed at its best.
+        recompiles = changes_since(baseline)["recompiles"]
         del batches
         alone = _model_alone(run, batch, crop, device)
     rate = images / max(elapsed, 1e-9)
@@ -125,13 +147,32 @@ def dataloader_rate(
         "window_s": round(elapsed, 2),
         "loader_start_s": round(started_s, 2),
         "files": len(files),
+        "compile_mode": compile_mode,
+        "compiled": compiled,
+        "compile_s": round(compile_s, 2),
+        "recompiles_in_window": recompiles,
+        **({"compile_refused": why} if why else {}),
         "how": (
             f"torch DataLoader ({workers} spawned processes, pin_memory={pin}, prefetch "
             f"{PREFETCH}) over the same JPEG files, Pillow decode, Resize({resize}) + "
-            f"CenterCrop({crop}); the worker's model eager in {str(dtype).removeprefix('torch.')}, "
-            "channels_last, normalised on the device"
+            f"CenterCrop({crop}); the worker's model "
+            f"{f'compiled ({compile_mode})' if compiled else 'eager'} in "
+            f"{str(dtype).removeprefix('torch.')}, channels_last, normalised on the device"
         ),
     }
+
+
+def _compiled(forward: Any, example: torch.Tensor, mode: str) -> tuple[Any, bool, str, float]:
+    """(the function to run, whether it is compiled, why the compiler refused it, seconds
+    spent). The worker's own compiled step stays as it is (no reset of dynamo's caches)."""
+    if mode == "off":
+        return forward, False, "", 0.0
+    t0 = time.perf_counter()
+    try:
+        fn, _ = compile_step(forward, example, mode=mode, allow_eager_fallback=False, reset=False)
+    except Exception as exc:  # noqa: BLE001 - any refusal means the peer runs eager
+        return forward, False, f"{type(exc).__name__}: {exc}"[:300], time.perf_counter() - t0
+    return fn, True, "", time.perf_counter() - t0
 
 
 def _model_alone(run: Any, batch: int, crop: int, device: torch.device, iters: int = 10) -> float:

@@ -260,6 +260,9 @@ def rule_peer(report: Mapping[str, Any]) -> Rule:
         f"{times:.2f}x ({ours} against {theirs} images/s; the DataLoader was "
         f"{peer.get('bound', '?')}-bound)"
     )
+    if peer.get("compiled") is False and peer.get("compile_mode", "off") != "off":
+        # Not like with like: the worker's step compiled, the peer's model eager.
+        measured += f"; the peer's model ran eager: {peer.get('compile_refused', '?')}"
     return Rule("peer", claim, measured, target, times >= PEER_TARGET)
 
 
