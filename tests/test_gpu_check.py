@@ -685,6 +685,46 @@ def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -
         "cudaStreamSynchronize in aten::_local_scalar_dense < aten::item (thread 1)"
     )
     assert counter.sites[1] == "cudaEventSynchronize in no torch op around it (thread 9)"
+    assert counter.as_dict()["decode_lane_waits"]["total"] == 0
+
+
+def test_a_gpu_decode_lanes_wait_for_its_own_batch_is_reported_apart() -> None:
+    """nvImageCodec's hardware decoder waits, on the lane's thread inside the lane's call,
+    for its previous batch: reported as the lane's, not the serving path's. The same call
+    on another thread, or on the lane's thread outside its call, still counts."""
+    from worker.decode.gpu_packed import LANE_SCOPE
+    from worker.tools.gpu_check.check import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
+
+    events = [
+        RawEvent(_WINDOW_START, 10, 11, 1, True),
+        RawEvent(LANE_SCOPE, 100, 400, 5, True),
+        RawEvent("cudaEventSynchronize", 150, 160, 5, True),  # the lane's own wait
+        RawEvent("cudaEventSynchronize", 170, 180, 6, True),  # another thread, meanwhile
+        RawEvent("cudaStreamSynchronize", 450, 460, 5, True),  # the lane's thread, after
+        RawEvent(_WINDOW_END, 1000, 1001, 1, True),
+    ]
+    counter = SyncCounter()
+    counter.add_profiled(events)
+    assert counter.profiled == {"cudaEventSynchronize": 1, "cudaStreamSynchronize": 1}
+    assert counter.total == 2
+    lanes = counter.as_dict()["decode_lane_waits"]
+    assert lanes["total"] == 1 and lanes["profiled"] == {"cudaEventSynchronize": 1}
+    assert lanes["sites"] == [f"cudaEventSynchronize in {LANE_SCOPE} (thread 5)"]
+
+
+def test_the_sync_rule_names_the_lanes_waits_and_judges_the_rest(tmp_path: Path) -> None:
+    report = good_report()
+    syncs = report["host_syncs"]
+    assert isinstance(syncs, dict)
+    syncs["decode_lane_waits"] = {"total": 24, "profiled": {"cudaEventSynchronize": 24}}
+    code, lines = judged(report, tmp_path)
+    assert code == 0 and lines["host_syncs"].startswith("pass")
+    assert (
+        "the GPU decode lanes waited 24 times for their own previous batch" in (lines["host_syncs"])
+    )
+    syncs.update(total=2, sites=["cudaStreamSynchronize in aten::item (thread 1)"])
+    code, lines = judged(report, tmp_path)
+    assert code == 1 and lines["host_syncs"].startswith("FAIL")
 
 
 def test_the_conclusion_adds_the_tests_and_names_a_crashed_benchmark(tmp_path: Path) -> None:

@@ -248,6 +248,28 @@ def test_the_writes_wait_for_the_twins_last_read_and_the_step_waits_for_them(
         assert not records[row].any()
 
 
+def test_the_decoders_call_runs_inside_the_lane_scope_the_sync_window_reads() -> None:
+    """What the backend does on the lane (here: writing its outputs) lies inside the
+    profiler range the GPU check's sync window reads, on the lane's thread: a wait the
+    decoder makes there is reported as the lane's own."""
+    from worker.decode.gpu_packed import LANE_SCOPE
+    from worker.tools.gpu_check.check import _inside, _raw_events, sync_profiler
+
+    slots = new_slots(2)
+    decoder, _ = fake_decoder(slots, [], [True, True])
+    rows = [deferred(i, jpeg_bytes(96, 64, seed=i)) for i in range(2)]
+    try:
+        with sync_profiler(cuda=False) as prof:
+            decoder._executor.submit(decoder.decode_sync, rows, twin_of(slots)).result(20)
+    finally:
+        decoder.shutdown()
+    events = _raw_events(prof)
+    scopes = [e for e in events if e.name == LANE_SCOPE]
+    writes = [e for e in events if e.name == "aten::fill_"]
+    assert len(scopes) == 1 and len(writes) == 2
+    assert all(_inside(w, scopes[0]) for w in writes)
+
+
 def test_two_lanes_decode_side_by_side_each_on_its_own_stream() -> None:
     """Two batches in flight at once take the two lanes (a decoder is never shared between
     threads): each call runs on a stream no other running call holds."""

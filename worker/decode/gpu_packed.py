@@ -56,6 +56,12 @@ log = structlog.get_logger("gpufeed.gpu_decode")
 # Lanes: decoders (each with its stream and thread) decoding batches side by side.
 LANES = 2
 
+# The profiler range around a lane's decode call. nvImageCodec's hardware decoder waits on
+# the host, on the calling thread, for its own previous batch on that decoder to finish
+# (one cudaEventSynchronize per call, hw_decoder.cpp): the GPU check's sync window reports
+# the waits inside this range apart from the serving path's.
+LANE_SCOPE = "gpufeed.gpu_decode_lane"
+
 
 @dataclass(frozen=True)
 class DeferredRow:
@@ -227,7 +233,8 @@ class PackedGpuDecoder:
             handle = int(lane.stream.cuda_stream) if lane.stream is not None else 0
             try:
                 if placed:
-                    ok = lane.backend.decode_into(datas, outs, handle)
+                    with torch.profiler.record_function(LANE_SCOPE):
+                        ok = lane.backend.decode_into(datas, outs, handle)
                     if len(ok) != len(placed):
                         raise RuntimeError(f"{len(ok)} answers for {len(placed)} images")
             except Exception as exc:  # noqa: BLE001 - whatever it raised: the CPU decodes them

@@ -69,6 +69,7 @@ from worker.decode.gpu import (
     make_backend,
     synthetic_jpeg,
 )
+from worker.decode.gpu_packed import LANE_SCOPE
 from worker.decode.processes import ProcessDecodePool
 from worker.lifecycle.service import Worker
 from worker.model.ceiling import direct_feed_ceiling
@@ -140,6 +141,10 @@ class SyncCounter:
         self.examples: list[str] = []
         self.profiled: dict[str, int] = {}  # call or copy name -> count
         self.sites: list[str] = []
+        # Blocking calls inside a GPU decode lane's call (LANE_SCOPE, on the lane's own
+        # thread): the decoder waiting for its own previous batch, off the serving path.
+        self.lane_waits: dict[str, int] = {}
+        self.lane_sites: list[str] = []
         self.profile_error: str | None = None
         self._lock = threading.Lock()
 
@@ -163,6 +168,11 @@ class SyncCounter:
             "profile_error": self.profile_error,
             "sites": self.sites[:10],
             "examples": self.examples[:5],
+            "decode_lane_waits": {
+                "total": sum(self.lane_waits.values()),
+                "profiled": self.lane_waits,
+                "sites": self.lane_sites[:5],
+            },
         }
 
     def add_profiled(self, events: list[RawEvent]) -> None:
@@ -172,15 +182,23 @@ class SyncCounter:
         ends = [e.start_ns for e in events if e.name == _WINDOW_END]
         lo = starts[0] if starts else None
         hi = ends[-1] if ends else None
-        flagged = []
+        lanes = [e for e in events if e.on_cpu and e.name == LANE_SCOPE]
+        flagged, waits = [], []
         for e in events:
             if (lo is not None and e.start_ns < lo) or (hi is not None and e.start_ns > hi):
                 continue
-            if is_host_sync(e.name):
+            if not is_host_sync(e.name):
+                continue
+            if any(_inside(e, lane) for lane in lanes):
+                self.lane_waits[e.name] = self.lane_waits.get(e.name, 0) + 1
+                waits.append(e)
+            else:
                 self.profiled[e.name] = self.profiled.get(e.name, 0) + 1
                 flagged.append(e)
         for e in flagged[:10]:
             self.sites.append(_call_site(e, events))
+        for e in waits[:5]:
+            self.lane_sites.append(_call_site(e, events))
 
 
 @dataclass(frozen=True)
@@ -196,6 +214,11 @@ class RawEvent:
 
 _WINDOW_START = "gpufeed.sync_window_start"
 _WINDOW_END = "gpufeed.sync_window_end"
+
+
+def _inside(e: RawEvent, scope: RawEvent) -> bool:
+    """`e` happened within `scope`, on the same thread."""
+    return e.thread == scope.thread and scope.start_ns <= e.start_ns and e.end_ns <= scope.end_ns
 
 
 def _call_site(e: RawEvent, events: list[RawEvent]) -> str:
@@ -242,13 +265,28 @@ def _raw_events(prof: Any) -> list[RawEvent]:
     return out
 
 
+def sync_profiler(*, cuda: bool = True) -> Any:
+    """The sync window's profiler: CUDA runtime calls from every thread (CUPTI), and torch
+    ops from every thread too, so that a call is named by the ops around it wherever it
+    happened (by default torch records the ops of the thread that started it only)."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    try:
+        config = _ExperimentalConfig(profile_all_threads=True)
+    except TypeError:  # a torch without the option: the sites name fewer ops
+        return profile(activities=activities)
+    return profile(activities=activities, experimental_config=config)
+
+
 @contextlib.contextmanager
 def _profiled(counter: SyncCounter) -> Iterator[None]:
     """The CUDA runtime calls of every thread, through the profiler (CUPTI): what
     set_sync_debug_mode cannot see (C++ callers, libraries, pageable copies)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
-    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    prof = sync_profiler()
     try:
         prof.start()
     except Exception as exc:  # noqa: BLE001 - reported: the sync rule then fails as not measured
@@ -591,6 +629,8 @@ async def _measure_pipeline(
                 found.update(batches=None, status=f"not measured: {syncs.profile_error}")
             elif batches:
                 found["per_batch"] = round(syncs.total / batches, 4)
+                waits = found["decode_lane_waits"]
+                waits["per_batch"] = round(waits["total"] / batches, 4)
             report["host_syncs"] = found
             if main.done():
                 main.result()
