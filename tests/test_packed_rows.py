@@ -7,15 +7,24 @@ through a captured graph.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from tests.images import jpeg_bytes
 from worker.decode.cpu import DecodeSpec
-from worker.decode.packed import HEADER_BYTES, PackedSlots, SlotFull, packed_side
+from worker.decode.packed import (
+    HEADER_BYTES,
+    OFFSET_WORD,
+    PackedSlots,
+    SlotFull,
+    packed_side,
+)
 from worker.decode.rows import decode_row
 from worker.model.resample import PackedResampler, RowResampler
 from worker.tools.bench.accuracy import CROP, SIDE, STAGING, cases, decode_rows
@@ -155,3 +164,52 @@ def test_on_cuda_the_captured_packed_resampling_matches_the_cpu(images: list[byt
         for _ in range(3):  # record, then replay the graph
             got = compiled(on_device)
         torch.testing.assert_close(got.cpu(), want, atol=1e-3, rtol=0)
+
+
+def slot_rows(row_side: int) -> st.SearchStrategy[tuple[int, list[tuple[int, int, bool]]]]:
+    """(R, one (h, w, from the GPU) per row of the batch): the largest image often, as the
+    promise is about the worst case."""
+    h = st.just(row_side - 1) | st.integers(1, row_side - 1)
+    w = st.just(row_side) | st.integers(1, row_side)
+    rows = st.lists(st.tuples(h, w, st.booleans()), min_size=1, max_size=64)
+    return st.tuples(st.just(row_side), rows)
+
+
+# The worst cases: the smallest R whose slot holds its promise, every row the largest
+# image and the GPU's (its alignment gaps come out of the slot's spare bytes).
+@example(case=(12, [(11, 12, True)]))
+@example(case=(12, [(11, 12, True)] * 64))
+@settings(max_examples=60, deadline=None)
+@given(case=st.integers(12, 300).flatmap(slot_rows))
+def test_any_b_rows_of_up_to_r_minus_1_by_r_fit_whichever_end_they_take(
+    case: tuple[int, list[tuple[int, int, bool]]],
+) -> None:
+    """The slot's promise with GPU rows in it: B images of up to (R - 1) x R pixels always
+    fit, each from either end (the GPU's from the top, on the slot's device alignment);
+    no two places overlap, and the host's copy (the bottom's bytes) reaches no GPU row."""
+    row_side, rows = case
+    batch = len(rows)
+    side = packed_side(row_side)
+    memory = np.zeros((1, batch * side * side * 3), dtype=np.uint8)
+    slots = PackedSlots(memory, np.zeros((1, 2), dtype=np.int64), batch=batch, row_side=row_side)
+    slots.reset(0)
+    decoded, _ = decode_row(jpeg_bytes(8, 8), DecodeSpec(size=8), row_side)
+    places = []
+    for row, (h, w, gpu) in enumerate(rows):
+        size = h * w * 3
+        if gpu:
+            offset = slots.place_on_device(row, size)
+            assert offset % slots.device_align == 0
+            places.append((offset, size, "gpu"))
+        else:
+            slots.write(row, replace(decoded, pixels=np.zeros((h, w, 3), dtype=np.uint8)))
+            record = memory[0, row * HEADER_BYTES : (row + 1) * HEADER_BYTES].view("<i4")
+            places.append((int(record[OFFSET_WORD]), size, "host"))
+    places.sort()
+    for (a, size, _), (b, _, _) in itertools.pairwise(places):
+        assert a + size <= b
+    copied = slots.used_bytes(0)
+    assert all(offset >= copied for offset, _, kind in places if kind == "gpu")
+    assert slots.header_bytes <= places[0][0] and places[-1][0] + places[-1][1] <= (
+        slots.header_bytes + slots.capacity
+    )

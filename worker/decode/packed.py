@@ -22,7 +22,8 @@ Rows the GPU decodes (worker/decode/gpu_packed.py) never exist on the host: thei
 written into the slot's device twin only. They take their place from the other end of the
 slot (a second counter, under the same lock), so the host-to-device copy, which takes the
 header and the bytes counted from the bottom, never overwrites them; only their records are
-on the host, copied with the header.
+on the host, copied with the header. Each starts on a 256-byte line of the twin where the
+slot's spare bytes pay for every row's gap (`device_align`).
 
 The slot's memory is that of B rows of side R + 1 (see `packed_side`), so the same ring,
 device twin and compiled shapes serve, and B images of up to (R - 1) x R pixels always fit,
@@ -47,6 +48,10 @@ HEADER_WORDS = 16
 HEADER_BYTES = HEADER_WORDS * 4
 OFFSET_WORD = GEOMETRY_WORDS
 BYTES_WORD = GEOMETRY_WORDS + 1
+
+
+# Alignments tried for the GPU's rows, the largest the slot's spare bytes allow first.
+DEVICE_ALIGNS = (256, 64, 16, 4, 1)
 
 
 def packed_side(row_side: int) -> int:
@@ -89,11 +94,16 @@ class PackedSlots:
         # Counted as slots are reset, in the process that resets them (the worker).
         self.staged_images = 0
         self.staged_pixel_bytes = 0
-        if self.capacity < batch * (row_side - 1) * row_side * 3:
+        spare = self.capacity - batch * (row_side - 1) * row_side * 3
+        if spare < 0:
             raise ValueError(
                 f"a slot of {self.slot_bytes:,} bytes cannot hold {batch} rows of side "
                 f"{row_side} packed"
             )
+        # Where a GPU decode's output starts in the twin: on a 256-byte line, as cudaMalloc
+        # aligns its own buffers (the JPEG engines' writes start whole lines), where the
+        # slot's spare bytes pay for the gap of every row; less where they cannot.
+        self.device_align = next(a for a in DEVICE_ALIGNS if batch * (a - 1) <= spare)
 
     def reset(self, slot: int) -> None:
         """Empty `slot` for a new batch (before any of its rows is sent to be decoded): no
@@ -152,20 +162,25 @@ class PackedSlots:
             fcntl.lockf(self.fd, fcntl.LOCK_EX, 16, where)
         try:
             bottom, high = int(self.fill[slot, 0]), int(self.fill[slot, 1])
-            if bottom + high + size > self.capacity:
+            take = size
+            if top:
+                # Down to the alignment: the gap below the row is taken with it.
+                start = self.header_bytes + self.capacity - high - size
+                take += start % self.device_align
+            if bottom + high + take > self.capacity:
                 raise SlotFull(
                     f"the batch's staging slot has no room for {size:,} more bytes "
                     f"({bottom + high:,} of {self.capacity:,} used)"
                 )
             if top:
-                self.fill[slot, 1] = high + size
+                self.fill[slot, 1] = high + take
             else:
                 self.fill[slot, 0] = bottom + size
         finally:
             if self.fd >= 0:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, 16, where)
         if top:
-            return int(self.header_bytes + self.capacity - high - size)
+            return int(self.header_bytes + self.capacity - high - take)
         return self.header_bytes + bottom
 
     def place_on_device(self, row: int, size: int, geometry: tuple[int, ...] | None = None) -> int:
