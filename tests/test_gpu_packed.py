@@ -19,7 +19,7 @@ from PIL import Image
 from tests.images import jpeg_bytes
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu_packed import DeferredRow, NvImgCodecInto, PackedGpuDecoder
-from worker.decode.packed import HEADER_BYTES, PackedSlots, packed_side
+from worker.decode.packed import BYTES_WORD, HEADER_BYTES, OFFSET_WORD, PackedSlots, packed_side
 from worker.decode.rows import decode_row, gpu_placement
 from worker.model.resample import PackedResampler
 from worker.tools.bench.accuracy import CROP, SIDE, STAGING, oriented_jpeg
@@ -268,6 +268,31 @@ def test_the_decoders_call_runs_inside_the_lane_scope_the_sync_window_reads() ->
     writes = [e for e in events if e.name == "aten::fill_"]
     assert len(scopes) == 1 and len(writes) == 2
     assert all(_inside(w, scopes[0]) for w in writes)
+
+
+def test_the_outputs_are_the_places_the_records_name_in_a_twin_that_is_a_view() -> None:
+    """A slot's twin may be a view into a larger buffer (it starts past the storage's
+    start): each row's pixels land at its record's offset from the twin's start, and
+    nothing is written outside the rows' places."""
+    slots = new_slots(3)
+    decoder, _ = fake_decoder(slots, [], [True, True, True])
+    pad = 1000
+    backing = torch.zeros(pad + slots.slot_bytes, dtype=torch.uint8)
+    twin = backing[pad:]
+    rows = [deferred(i, jpeg_bytes(96 - 8 * i, 64, seed=i)) for i in range(3)]
+    try:
+        result = decoder.decode_sync(rows, twin)
+    finally:
+        decoder.shutdown()
+    assert result.decoded == [0, 1, 2]
+    records = slots.memory[0, : slots.header_bytes].view("<i4").reshape(3, -1)
+    written = torch.zeros_like(backing, dtype=torch.bool)
+    for r in rows:
+        offset, size = int(records[r.row, OFFSET_WORD]), int(records[r.row, BYTES_WORD])
+        assert size == r.height * r.width * 3
+        assert bool((twin[offset : offset + size] == 7).all())
+        written[pad + offset : pad + offset + size] = True
+    assert not bool(backing[~written].any())
 
 
 def test_two_lanes_decode_side_by_side_each_on_its_own_stream() -> None:

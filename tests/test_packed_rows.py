@@ -213,3 +213,39 @@ def test_any_b_rows_of_up_to_r_minus_1_by_r_fit_whichever_end_they_take(
     assert slots.header_bytes <= places[0][0] and places[-1][0] + places[-1][1] <= (
         slots.header_bytes + slots.capacity
     )
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=st.integers(12, 64).flatmap(slot_rows), already=st.integers(0, 3))
+def test_a_batch_placed_at_once_is_placed_as_one_at_a_time_would_be(
+    case: tuple[int, list[tuple[int, int, bool]]], already: int
+) -> None:
+    """The GPU lane places a batch's rows under one lock: the same offsets, records and
+    counters as placing them in turn, a row with no room left (-1) included, its record
+    untouched. The slot may hold host rows already; each row's geometry, where given, is
+    recorded with its place."""
+    row_side, rows = case
+    batch = len(rows)
+    side = packed_side(row_side)
+    # Twice the rows' room: the later rows of a large batch find none left.
+    sizes = [2 * h * w * 3 for h, w, _ in rows]
+    geometries = [(i, 2, 3, 4, 5, 6, 7) if gpu else None for i, (_, _, gpu) in enumerate(rows)]
+    decoded, _ = decode_row(jpeg_bytes(8, 8), DecodeSpec(size=8), row_side)
+    slots = []
+    for _ in range(2):
+        memory = np.zeros((1, batch * side * side * 3), dtype=np.uint8)
+        one = PackedSlots(memory, np.zeros((1, 2), dtype=np.int64), batch=batch, row_side=row_side)
+        one.reset(0)
+        for row in range(min(already, batch)):
+            one.write(row, replace(decoded, pixels=np.zeros((row_side - 1, row_side, 3), np.uint8)))
+        slots.append(one)
+    together = slots[0].place_rows_on_device(list(range(batch)), sizes, geometries)
+    in_turn = []
+    for row, size, geometry in zip(range(batch), sizes, geometries, strict=True):
+        try:
+            in_turn.append(slots[1].place_on_device(row, size, geometry))
+        except SlotFull:
+            in_turn.append(-1)
+    assert together == in_turn
+    assert np.array_equal(slots[0].memory, slots[1].memory)
+    assert np.array_equal(slots[0].fill, slots[1].fill)

@@ -47,7 +47,7 @@ import torch
 
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu import synthetic_jpeg
-from worker.decode.packed import PackedSlots, SlotFull
+from worker.decode.packed import PackedSlots
 from worker.decode.rows import decode_row
 from worker.pipeline.device import DoneEvent, Event, cuda_event
 
@@ -216,15 +216,18 @@ class PackedGpuDecoder:
         placed: list[DeferredRow] = []
         outs: list[torch.Tensor] = []
         failed: list[int] = []
-        for r in rows:
-            size = r.height * r.width * 3
-            try:
-                offset = self.packed.place_on_device(r.row, size, r.geometry)
-            except SlotFull:
+        sizes = [r.height * r.width * 3 for r in rows]
+        geometries = [r.geometry for r in rows]
+        offsets = self.packed.place_rows_on_device([r.row for r in rows], sizes, geometries)
+        # as_strided counts from the storage's start, which a slot's view need not share.
+        base = twin.storage_offset()
+        for r, offset in zip(rows, offsets, strict=True):
+            if offset < 0:  # no room left in the slot: the CPU decodes it
                 failed.append(r.row)
                 continue
             placed.append(r)
-            outs.append(twin[offset : offset + size].view(r.height, r.width, 3))
+            shape, strides = (r.height, r.width, 3), (r.width * 3, 3, 1)
+            outs.append(twin.as_strided(shape, strides, base + offset))
         datas = [r.data for r in placed]
         ok: list[bool] = [False] * len(placed)
         with _stream_ctx(lane.stream):

@@ -36,6 +36,7 @@ No torch here: the decode processes import this module.
 from __future__ import annotations
 
 import fcntl
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -59,6 +60,13 @@ def packed_side(row_side: int) -> int:
     so that B images of up to (R - 1) x R pixels, the header and the resampler's spare line
     fit even for B = 1."""
     return row_side + 1
+
+
+def _no_room(size: int, used: int, capacity: int) -> str:
+    return (
+        f"the batch's staging slot has no room for {size:,} more bytes "
+        f"({used:,} of {capacity:,} used)"
+    )
 
 
 class SlotFull(Exception):
@@ -154,47 +162,77 @@ class PackedSlots:
     def pixel_bytes(self, slot: int) -> int:
         return int(self.fill[slot, 0] + self.fill[slot, 1])
 
-    def _reserve(self, slot: int, size: int, *, top: bool = False) -> int:
-        """The offset in `slot` where `size` bytes of pixels go, taken from the bottom (rows
-        the host writes) or the top (rows only the device holds); raises SlotFull."""
+    def _reserve(self, slot: int, size: int) -> int:
+        """The offset in `slot` where `size` bytes of pixels the host writes go, taken from
+        the bottom; raises SlotFull."""
         where = self.fill_offset + slot * 16
         if self.fd >= 0:
             fcntl.lockf(self.fd, fcntl.LOCK_EX, 16, where)
         try:
             bottom, high = int(self.fill[slot, 0]), int(self.fill[slot, 1])
-            take = size
-            if top:
-                # Down to the alignment: the gap below the row is taken with it.
-                start = self.header_bytes + self.capacity - high - size
-                take += start % self.device_align
-            if bottom + high + take > self.capacity:
-                raise SlotFull(
-                    f"the batch's staging slot has no room for {size:,} more bytes "
-                    f"({bottom + high:,} of {self.capacity:,} used)"
-                )
-            if top:
-                self.fill[slot, 1] = high + take
-            else:
-                self.fill[slot, 0] = bottom + size
+            if bottom + high + size > self.capacity:
+                raise SlotFull(_no_room(size, bottom + high, self.capacity))
+            self.fill[slot, 0] = bottom + size
         finally:
             if self.fd >= 0:
                 fcntl.lockf(self.fd, fcntl.LOCK_UN, 16, where)
-        if top:
-            return int(self.header_bytes + self.capacity - high - take)
         return self.header_bytes + bottom
 
     def place_on_device(self, row: int, size: int, geometry: tuple[int, ...] | None = None) -> int:
         """Take `size` bytes from the top of row `row`'s slot for pixels that only the
-        device twin will hold (a GPU decode writes them there), record the place (and
-        `geometry`; None: the words a decode process already wrote) and return the offset;
-        raises SlotFull."""
-        offset = self._reserve(row // self.batch, size, top=True)
-        record = self._record(row)
-        if geometry is not None:
-            record[:GEOMETRY_WORDS] = geometry
-        record[OFFSET_WORD] = offset
-        record[BYTES_WORD] = size
+        device twin will hold (a GPU decode writes them there), on the slot's device
+        alignment; record the place (and `geometry`; None: the words a decode process
+        already wrote) and return the offset; raises SlotFull."""
+        offset = self.place_rows_on_device([row], [size], [geometry])[0]
+        if offset < 0:
+            slot = row // self.batch
+            raise SlotFull(_no_room(size, self.pixel_bytes(slot), self.capacity))
         return offset
+
+    def place_rows_on_device(
+        self,
+        rows: Sequence[int],
+        sizes: Sequence[int],
+        geometries: Sequence[tuple[int, ...] | None],
+    ) -> list[int]:
+        """`place_on_device` for a batch's rows at once (one slot), each in turn down from
+        the top, under one lock, the records written as one array: the offsets, -1 for a
+        row the slot had no room for."""
+        if not rows:
+            return []
+        slot = rows[0] // self.batch
+        if any(row // self.batch != slot for row in rows):
+            raise ValueError("the rows must be one slot's")
+        align = self.device_align
+        top = self.header_bytes + self.capacity
+        offsets: list[int] = []
+        where = self.fill_offset + slot * 16
+        if self.fd >= 0:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX, 16, where)
+        try:
+            bottom, high = int(self.fill[slot, 0]), int(self.fill[slot, 1])
+            for size in sizes:
+                start = top - high - size
+                start -= start % align
+                if start < self.header_bytes + bottom:
+                    offsets.append(-1)
+                    continue
+                high = top - start
+                offsets.append(start)
+            self.fill[slot, 1] = high
+        finally:
+            if self.fd >= 0:
+                fcntl.lockf(self.fd, fcntl.LOCK_UN, 16, where)
+        taken = np.asarray(offsets, np.int64)
+        ok = taken >= 0
+        positions = np.asarray(rows, np.intp) % self.batch
+        records = self.memory[slot, : self.header_bytes].view("<i4").reshape(self.batch, -1)
+        records[positions[ok], OFFSET_WORD] = taken[ok]
+        records[positions[ok], BYTES_WORD] = np.asarray(sizes, np.int64)[ok]
+        given = [i for i, g in enumerate(geometries) if g is not None and offsets[i] >= 0]
+        if given:
+            records[positions[given], :GEOMETRY_WORDS] = [geometries[i] for i in given]
+        return offsets
 
     def write_geometry(self, row: int, geometry: tuple[int, ...]) -> None:
         """Record row `row`'s geometry alone (its place comes with `place_on_device`)."""
