@@ -100,7 +100,7 @@ NVIMGCODEC_API = frozenset(
         "ColorSpec",
         "ColorSpec.SRGB",
         "Image.__cuda_array_interface__",
-        "as_image",
+        "as_images",
         "Backend",
         "CPU_ONLY",
         "NVIMGCODEC_DEVICE_CPU_ONLY",
@@ -109,7 +109,7 @@ NVIMGCODEC_API = frozenset(
 NVIMGCODEC_KEYWORDS = {
     "Decoder": ("device_id", "backends"),
     "Decoder.decode": ("images", "params", "cuda_stream"),
-    "as_image": ("cuda_stream",),
+    "as_images": ("cuda_stream",),
     "DecodeParams": ("apply_exif_orientation", "color_spec"),
 }
 ROOTS = {"torch": "torch", "F": "torch.nn.functional", "torchvision": "torchvision"}
@@ -201,7 +201,7 @@ def nvimgcodec_names_in_code() -> set[str]:
 def test_gpu_decode_uses_only_vendored_nvimgcodec_names() -> None:
     used = nvimgcodec_names_in_code()
     assert used, "the walk found no nvImageCodec use in the GPU decoders"
-    assert {"as_image", "Decoder", "NVIMGCODEC_DEVICE_CPU_ONLY"} <= used
+    assert {"as_images", "Decoder", "NVIMGCODEC_DEVICE_CPU_ONLY"} <= used
     assert used <= NVIMGCODEC_API, f"not in nvImageCodec 0.9: {sorted(used - NVIMGCODEC_API)}"
     assert "ColorSpec.RGB" not in used
 

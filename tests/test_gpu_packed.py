@@ -18,7 +18,7 @@ from PIL import Image
 
 from tests.images import jpeg_bytes
 from worker.decode.cpu import DecodeSpec
-from worker.decode.gpu_packed import DeferredRow, NvImgCodecInto, PackedGpuDecoder
+from worker.decode.gpu_packed import DeferredRow, NvImgCodecInto, PackedGpuDecoder, Place
 from worker.decode.packed import BYTES_WORD, HEADER_BYTES, OFFSET_WORD, PackedSlots, packed_side
 from worker.decode.rows import decode_row, gpu_placement
 from worker.model.resample import PackedResampler
@@ -183,13 +183,13 @@ class FakeBackend:
         self.log, self.answers = log, answers
 
     def decode_into(
-        self, datas: Sequence[Any], outs: Sequence[torch.Tensor], stream: int
+        self, datas: Sequence[Any], twin: torch.Tensor, places: Sequence[Place], stream: int
     ) -> list[bool]:
         self.log.append(f"decode {len(datas)} on {stream}")
         if isinstance(self.answers, Exception):
             raise self.answers
-        for out in outs:
-            out.fill_(7)
+        for offset, height, width in places:
+            twin[offset : offset + height * width * 3].fill_(7)
         return list(self.answers)
 
 
@@ -306,10 +306,10 @@ def test_two_lanes_decode_side_by_side_each_on_its_own_stream() -> None:
 
     class Meeting(FakeBackend):
         def decode_into(
-            self, datas: Sequence[Any], outs: Sequence[torch.Tensor], stream: int
+            self, datas: Sequence[Any], twin: torch.Tensor, places: Sequence[Place], stream: int
         ) -> list[bool]:
             both_in.wait()  # only returns once two calls run at once
-            return super().decode_into(datas, outs, stream)
+            return super().decode_into(datas, twin, places, stream)
 
     streams: list[FakeStream] = []
 
@@ -458,3 +458,53 @@ async def test_thumbnails_get_a_share_of_their_own() -> None:
         arena.close()
     assert [r.gpu is not None for r in got] == [False, True, False, True, True, True]
     assert all(r.error is None for r in got)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_device_buffers_describe_themselves_as_torch_does() -> None:
+    """The description each output place gives nvImageCodec (no tensor view made) is the
+    one torch gives for the same bytes on the lane's stream."""
+    from worker.decode.gpu_packed import _DeviceImage
+
+    twin = torch.empty(4096, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    offset, height, width = 256, 10, 20
+    with torch.cuda.stream(stream):
+        view = twin[offset : offset + height * width * 3].view(height, width, 3)
+        theirs = view.__cuda_array_interface__
+    ours = _DeviceImage(twin.data_ptr() + offset, height, width, stream.cuda_stream)
+    assert ours.__cuda_array_interface__ == theirs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_jpeg_engines_write_the_rows_the_cpu_would() -> None:
+    """nvImageCodec on the GPU (the hardware engines where the GPU has them) decodes a
+    batch's rows into a device twin at their records' places, each EXIF orientation and
+    grey among them: read back into the host slot, the step's input is the all-CPU one's
+    within the decoders' rounding, row by row."""
+    nvimgcodec_or_skip()
+    device = torch.device("cuda", 0)
+    images = [oriented_jpeg(150, 112, o, seed=o) for o in range(1, 9)]
+    images += [grey_jpeg(120, 90), jpeg_bytes(R, R - 1, seed=3)]
+    everything = new_slots(len(images))
+    for i, data in enumerate(images):
+        everything.write(i, decode_row(data, SPEC, R)[0])
+    slots = new_slots(len(images))
+    twin = torch.zeros(slots.slot_bytes, dtype=torch.uint8, device=device)
+    decoder = PackedGpuDecoder(slots, lambda: NvImgCodecInto(0), device=device)
+    try:
+        rows = [deferred(i, data) for i, data in enumerate(images)]
+        result = decoder.decode_sync(rows, twin)
+        assert result.ready is not None
+        result.ready.synchronize()  # type: ignore[attr-defined]
+    finally:
+        decoder.shutdown()
+    assert result.failed == [] and result.decoded == list(range(len(images)))
+    # The device's bytes where the records say, as the step would read them.
+    slots.memory[0, slots.header_bytes :] = twin.cpu().numpy()[slots.header_bytes :]
+    got, want = step_input(slots), step_input(everything)
+    # Per row, the GPU check's measure of decoders that agree (a misplaced row is ~50 off).
+    per_row = (got - want).abs().flatten(1).mean(1)
+    assert per_row.tolist() == pytest.approx([0.0] * len(images), abs=4.0)

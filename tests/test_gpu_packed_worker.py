@@ -143,14 +143,16 @@ class SlowBackend(NvImgCodecInto):
     running = 0
     most = 0
 
-    def decode_into(self, datas: Sequence[Any], outs: Sequence[Any], stream: int) -> list[bool]:
+    def decode_into(
+        self, datas: Sequence[Any], twin: Any, places: Sequence[Any], stream: int
+    ) -> list[bool]:
         cls = SlowBackend
         with cls.lock:
             cls.running += 1
             cls.most = max(cls.most, cls.running)
         try:
             time.sleep(0.3)
-            return super().decode_into(datas, outs, stream)
+            return super().decode_into(datas, twin, places, stream)
         finally:
             with cls.lock:
                 cls.running -= 1

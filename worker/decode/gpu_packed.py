@@ -76,17 +76,41 @@ class DeferredRow:
     geometry: tuple[int, ...] | None = None
 
 
+# Where a decoder writes image i: (byte offset in the twin, height, width), [h, w, 3] uint8.
+Place = tuple[int, int, int]
+
+
 class BatchJpegBackend(Protocol):
     """One decoder: not shared between threads."""
 
     name: str
 
     def decode_into(
-        self, datas: Sequence[Any], outs: Sequence[torch.Tensor], stream: int
+        self, datas: Sequence[Any], twin: torch.Tensor, places: Sequence[Place], stream: int
     ) -> list[bool]:
-        """Decode image i into outs[i] ([h, w, 3] uint8, upright, on the decoder's device),
-        queued on the CUDA stream `stream` (0 off CUDA); False where it could not."""
+        """Decode image i into `twin` (flat uint8 on the decoder's device) at places[i],
+        upright, queued on the CUDA stream `stream` (0 off CUDA); False where it could
+        not."""
         ...
+
+
+class _DeviceImage:
+    """A device buffer as __cuda_array_interface__ describes it, without a tensor view: the
+    library reads the dict once per image (a tensor builds it anew in Python each time)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, pointer: int, height: int, width: int, stream: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (height, width, 3),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "strides": None,
+            # The decode's own stream: a buffer tied to another stream would make the
+            # library wait for that stream on the host.
+            "stream": stream,
+            "version": 3,
+        }
 
 
 class NvImgCodecInto:
@@ -111,23 +135,28 @@ class NvImgCodecInto:
             apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
         )
         self._cuda = device_index is not None
+        self._last: tuple[Any, Any] = ((), ())
 
     def decode_into(
-        self, datas: Sequence[Any], outs: Sequence[torch.Tensor], stream: int
+        self, datas: Sequence[Any], twin: torch.Tensor, places: Sequence[Place], stream: int
     ) -> list[bool]:
         nvimgcodec = self._nv
         if self._cuda:
-            # The buffers are tied to the decode's own stream: a buffer tied to another
-            # stream would make the library wait for it on the host.
-            images = [nvimgcodec.as_image(out, cuda_stream=stream) for out in outs]
+            base = twin.data_ptr()
+            buffers: list[Any] = [_DeviceImage(base + o, h, w, stream) for o, h, w in places]
         else:
-            images = [nvimgcodec.as_image(out.numpy()) for out in outs]
+            host = twin.numpy()
+            buffers = [host[o : o + h * w * 3].reshape(h, w, 3) for o, h, w in places]
+        images = nvimgcodec.as_images(buffers, cuda_stream=stream)
         # bytes as they are; payload memory (a memoryview) as a numpy view of it, no copy:
         # the library takes either, not a memoryview.
         sources = [d if isinstance(d, bytes) else np.frombuffer(d, np.uint8) for d in datas]
         decoded = self._decoder.decode(
             sources, images=images, params=self._params, cuda_stream=stream
         )
+        # The library's image objects live until the next call has decoded (which waits for
+        # this batch's work): none is destroyed while its decode may still be queued.
+        self._last = (images, decoded)
         return [image is not None for image in decoded]
 
 
@@ -214,20 +243,17 @@ class PackedGpuDecoder:
         self._release_finished()
         t0 = time.perf_counter()
         placed: list[DeferredRow] = []
-        outs: list[torch.Tensor] = []
+        places: list[Place] = []
         failed: list[int] = []
         sizes = [r.height * r.width * 3 for r in rows]
         geometries = [r.geometry for r in rows]
         offsets = self.packed.place_rows_on_device([r.row for r in rows], sizes, geometries)
-        # as_strided counts from the storage's start, which a slot's view need not share.
-        base = twin.storage_offset()
         for r, offset in zip(rows, offsets, strict=True):
             if offset < 0:  # no room left in the slot: the CPU decodes it
                 failed.append(r.row)
                 continue
             placed.append(r)
-            shape, strides = (r.height, r.width, 3), (r.width * 3, 3, 1)
-            outs.append(twin.as_strided(shape, strides, base + offset))
+            places.append((offset, r.height, r.width))
         datas = [r.data for r in placed]
         ok: list[bool] = [False] * len(placed)
         with _stream_ctx(lane.stream):
@@ -237,7 +263,7 @@ class PackedGpuDecoder:
             try:
                 if placed:
                     with torch.profiler.record_function(LANE_SCOPE):
-                        ok = lane.backend.decode_into(datas, outs, handle)
+                        ok = lane.backend.decode_into(datas, twin, places, handle)
                     if len(ok) != len(placed):
                         raise RuntimeError(f"{len(ok)} answers for {len(placed)} images")
             except Exception as exc:  # noqa: BLE001 - whatever it raised: the CPU decodes them
@@ -250,7 +276,8 @@ class PackedGpuDecoder:
                 )
                 ok = [False] * len(placed)
             ready = self._record(lane.stream)
-        self._retained.append((ready, [datas, outs]))
+        # The twin outlives the decoder; the bytes the queued work reads may not.
+        self._retained.append((ready, [datas]))
         decoded: list[int] = []
         for r, good in zip(placed, ok, strict=True):
             if good:
@@ -264,10 +291,13 @@ class PackedGpuDecoder:
         ms = (time.perf_counter() - t0) * 1000 / max(1, len(decoded))
         return PackedGpuResult(ready=ready, decoded=decoded, failed=failed, decode_ms=ms)
 
-    def time_decode(self, datas: Sequence[bytes], outs: Sequence[torch.Tensor]) -> float:
+    def time_decode(self, datas: Sequence[bytes], height: int, width: int) -> float:
         """Start-up only (it waits for the device): the seconds one lane takes to decode
-        `datas` into `outs`, the second of two calls (the first builds the decoder's
-        state). Raises RuntimeError when an image fails."""
+        `datas` (each height x width) into a buffer of its own, the second of two calls
+        (the first builds the decoder's state). Raises RuntimeError when an image fails."""
+        size = height * width * 3
+        out = torch.empty(len(datas) * size, dtype=torch.uint8, device=self.device)
+        places = [(i * size, height, width) for i in range(len(datas))]
         lane = self._lanes.get()
         try:
             elapsed = 0.0
@@ -275,7 +305,7 @@ class PackedGpuDecoder:
                 t0 = time.perf_counter()
                 with _stream_ctx(lane.stream):
                     handle = int(lane.stream.cuda_stream) if lane.stream is not None else 0
-                    ok = lane.backend.decode_into(datas, outs, handle)
+                    ok = lane.backend.decode_into(datas, out, places, handle)
                     done = self._record(lane.stream)
                 _wait(done)
                 elapsed = time.perf_counter() - t0
@@ -357,8 +387,7 @@ def _rates(
     for data in images:
         decode_row(data, spec, side)
     cpu_one = samples / max(time.perf_counter() - t0, 1e-9)
-    outs = torch.empty((samples, height, width, 3), dtype=torch.uint8, device=decoder.device)
-    gpu_s = decoder.time_decode(images, list(outs))
+    gpu_s = decoder.time_decode(images, height, width)
     return samples / max(gpu_s, 1e-9), cpu_one * processes
 
 

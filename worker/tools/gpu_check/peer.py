@@ -106,8 +106,7 @@ def dataloader_rate(
 
     # Made outside inference mode, as the compiler's guards expect of the step's input.
     static = torch.zeros((batch, 3, crop, crop), dtype=torch.uint8, device=device)
-    step, compiled, why, compile_s = _compiled(forward, static, compile_mode)
-    graphs = compiled and device.type == "cuda" and compile_mode == "reduce-overhead"
+    step, compiled, why, compile_s, graphs = _compiled(forward, static, compile_mode)
 
     def run(x: torch.Tensor) -> None:
         static.copy_(x, non_blocking=True)
@@ -162,17 +161,21 @@ def dataloader_rate(
     }
 
 
-def _compiled(forward: Any, example: torch.Tensor, mode: str) -> tuple[Any, bool, str, float]:
+def _compiled(forward: Any, example: torch.Tensor, mode: str) -> tuple[Any, bool, str, float, bool]:
     """(the function to run, whether it is compiled, why the compiler refused it, seconds
-    spent). The worker's own compiled step stays as it is (no reset of dynamo's caches)."""
+    spent, whether it replays CUDA graphs). The worker's own compiled step stays as it is
+    (no reset of dynamo's caches)."""
     if mode == "off":
-        return forward, False, "", 0.0
+        return forward, False, "", 0.0, False
     t0 = time.perf_counter()
     try:
-        fn, _ = compile_step(forward, example, mode=mode, allow_eager_fallback=False, reset=False)
+        fn, report = compile_step(
+            forward, example, mode=mode, allow_eager_fallback=False, reset=False
+        )
     except Exception as exc:  # noqa: BLE001 - any refusal means the peer runs eager
-        return forward, False, f"{type(exc).__name__}: {exc}"[:300], time.perf_counter() - t0
-    return fn, True, "", time.perf_counter() - t0
+        why = f"{type(exc).__name__}: {exc}"[:300]
+        return forward, False, why, time.perf_counter() - t0, False
+    return fn, True, "", time.perf_counter() - t0, report.uses_cudagraphs
 
 
 def _model_alone(run: Any, batch: int, crop: int, device: torch.device, iters: int = 10) -> float:
