@@ -75,13 +75,25 @@ def _config(redis_url: str, weights: Path, **settings: str) -> WorkerConfig:
 
 
 async def _answers(
-    redis_url: str, client: redis.Redis, weights: Path, images: list[bytes], **settings: str
+    redis_url: str,
+    client: redis.Redis,
+    weights: Path,
+    images: list[bytes],
+    *,
+    files: Path | None = None,
+    **settings: str,
 ) -> tuple[list[tuple[str, str, object]], Worker]:
+    """Every image answered: in its job, or (`files`) as a file there its job names."""
     client.delete("gpufeed:jobs", "gpufeed:results")
+    if files is not None:
+        settings["path_root"] = str(files)
+        for i, data in enumerate(images):
+            (files / f"img{i}.jpg").write_bytes(data)
     worker = CpuOnlyGpuDecode(_config(redis_url, weights, **settings))
     async with serving(worker):
         for i, data in enumerate(images):
-            client.xadd("gpufeed:jobs", {"id": f"img{i}", "image": data})
+            job = {"path": f"img{i}.jpg"} if files is not None else {"image": data}
+            client.xadd("gpufeed:jobs", {"id": f"img{i}", **job})
         results = await wait_results(client, "gpufeed:results", len(images))
     parsed = [JobResult.from_fields(fields) for _, fields in results]
     return sorted(
@@ -89,13 +101,25 @@ async def _answers(
     ), worker
 
 
+@pytest.mark.parametrize("jobs", ["image", "path"])
 async def test_the_gpu_decodes_its_share_and_every_job_is_answered_as_on_the_cpu(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, tmp_path: Path, jobs: str
 ) -> None:
+    """`path` jobs too: the decode processes read the files and stage the bytes of those
+    the GPU takes in the slot, where the GPU decoder reads them."""
     images, taken = _images()
-    cpu, _ = await _answers(redis_url, redis_client, tiny_weights, images, decode="cpu")
+    files = tmp_path if jobs == "path" else None
+    cpu, _ = await _answers(
+        redis_url, redis_client, tiny_weights, images, files=files, decode="cpu"
+    )
     gpu, worker = await _answers(
-        redis_url, redis_client, tiny_weights, images, decode="gpu", gpu_decode_share="1"
+        redis_url,
+        redis_client,
+        tiny_weights,
+        images,
+        files=files,
+        decode="gpu",
+        gpu_decode_share="1",
     )
     assert len(gpu) == len(cpu) == len(images)
     for (gid, gstatus, ganswer), (cid, cstatus, canswer) in zip(gpu, cpu, strict=True):

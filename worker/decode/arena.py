@@ -53,6 +53,9 @@ RESULT = np.dtype(
         ("reduced", "u1"),
         ("error", "<i2"),
         ("format", "S8"),
+        # DEFERRED: the JPEG's bytes the process staged at the row's place in the slot (a
+        # `path` job's, read here), 0 where the worker holds them (an `image` job's).
+        ("staged", "<i4"),
         ("message", f"S{MESSAGE_BYTES}"),
     ]
 )

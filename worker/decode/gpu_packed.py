@@ -74,6 +74,9 @@ class DeferredRow:
     width: int
     # The record's geometry words; None: the decode process wrote them into the record.
     geometry: tuple[int, ...] | None = None
+    # Its place in the slot, taken already (-1: not yet): a `path` job's bytes, which the
+    # decode process staged there, in host memory the copy to the device never takes.
+    offset: int = -1
 
 
 # Where a decoder writes image i: (byte offset in the twin, height, width), [h, w, 3] uint8.
@@ -245,16 +248,23 @@ class PackedGpuDecoder:
         placed: list[DeferredRow] = []
         places: list[Place] = []
         failed: list[int] = []
-        sizes = [r.height * r.width * 3 for r in rows]
-        geometries = [r.geometry for r in rows]
-        offsets = self.packed.place_rows_on_device([r.row for r in rows], sizes, geometries)
+        new = [r for r in rows if r.offset < 0]
+        sizes = [r.height * r.width * 3 for r in new]
+        taken = self.packed.place_rows_on_device(
+            [r.row for r in new], sizes, [r.geometry for r in new]
+        )
+        places_of = {r.row: offset for r, offset in zip(new, taken, strict=True)}
+        offsets = [r.offset if r.offset >= 0 else places_of[r.row] for r in rows]
         for r, offset in zip(rows, offsets, strict=True):
             if offset < 0:  # no room left in the slot: the CPU decodes it
                 failed.append(r.row)
                 continue
             placed.append(r)
             places.append((offset, r.height, r.width))
-        datas = [r.data for r in placed]
+        # Off CUDA the "twin" is the host slot itself, where staged bytes lie under the very
+        # place their pixels go: those are read out first.
+        on_host = self.device.type != "cuda"
+        datas = [bytes(r.data) if on_host and r.offset >= 0 else r.data for r in placed]
         ok: list[bool] = [False] * len(placed)
         with _stream_ctx(lane.stream):
             if after is not None and lane.stream is not None:

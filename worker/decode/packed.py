@@ -234,6 +234,11 @@ class PackedSlots:
             records[positions[given], :GEOMETRY_WORDS] = [geometries[i] for i in given]
         return offsets
 
+    def place(self, row: int) -> tuple[int, int]:
+        """(offset, bytes) of row `row`'s pixels in its slot, as its record says."""
+        record = self._record(row)
+        return int(record[OFFSET_WORD]), int(record[BYTES_WORD])
+
     def write_geometry(self, row: int, geometry: tuple[int, ...]) -> None:
         """Record row `row`'s geometry alone (its place comes with `place_on_device`)."""
         record = self._record(row)

@@ -122,6 +122,9 @@ class RowDecoder:
                 time.sleep(self.delay_s)
             if path is not None:
                 data = read_job_path(path, self.path_root, self.spec.max_bytes)
+                # The bytes are here, not in the worker: staged in the slot for the GPU.
+                if gpu and self._defer(row, data, ns, record, start, stage=True):
+                    return
             if data is None:
                 raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
             info, cached, reduced = self._decode(row, data, ns)
@@ -145,9 +148,19 @@ class RowDecoder:
         record["state"] = DONE
 
     def _defer(
-        self, row: int, data: bytes | memoryview, ns: str | None, record: Any, start: float
+        self,
+        row: int,
+        data: bytes | memoryview,
+        ns: str | None,
+        record: Any,
+        start: float,
+        *,
+        stage: bool = False,
     ) -> bool:
-        """Leave row `row` for the GPU when its JPEG allows; False: decode it here."""
+        """Leave row `row` for the GPU when its JPEG allows; False: decode it here. `stage`:
+        the worker does not hold the bytes (a `path` job's): they are copied into the slot's
+        host memory at the place the decoded row takes on the device (bytes the copy to the
+        device never takes), which the GPU decoder reads them from."""
         packed = self.arena.packed
         if packed is None or not self.row_side:
             return False
@@ -156,12 +169,25 @@ class RowDecoder:
         placed = gpu_placement(data, self.spec, self.row_side)
         if placed is None:
             return False
+        size = placed.height * placed.width * 3
+        if stage and len(data) > size:
+            return False  # more bytes than pixels (a large EXIF block): decoded here
         if placed.height * placed.width <= THUMBNAIL_PIXELS and self.thumbnail_accept < 1.0:
             self._thumbnail_credit += self.thumbnail_accept
             if self._thumbnail_credit < 1.0:
                 return False
             self._thumbnail_credit -= 1.0
-        packed.write_geometry(row, placed.geometry)
+        if stage:
+            try:
+                offset = packed.place_on_device(row, size, placed.geometry)
+            except SlotFull:
+                return False
+            slot = row // packed.batch
+            packed.memory[slot, offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+            record["staged"] = len(data)
+        else:
+            packed.write_geometry(row, placed.geometry)
+            record["staged"] = 0
         record["width"] = placed.width
         record["height"] = placed.height
         record["draft_scale"] = 1

@@ -341,12 +341,12 @@ class ProcessDecodePool:
         out: list[DecodeResult] = []
         records = self.arena.table[rows].tolist()
         for row, job, record in zip(rows, jobs, records, strict=True):
-            state, width, height, draft, us, cached, reduced, error, fmt, message = record
+            state, width, height, draft, us, cached, reduced, error, fmt, staged, message = record
             ms = us / 1000
-            if state == DEFERRED and job.image is not None:
+            if state == DEFERRED and (job.image is not None or staged > 0):
                 self.deferred += 1
                 info = DecodeInfo("JPEG", width, height, 1)
-                left = DeferredRow(row, job.image, height, width)
+                left = self._deferred(row, job, staged, height, width)
                 out.append(DecodeResult(info, None, ms, gpu=left))
             elif state == DONE:
                 if reduced:
@@ -363,6 +363,17 @@ class ProcessDecodePool:
                 failure = DecodeError(ERROR_CODES[error], message.decode("utf-8", "replace"))
                 out.append(DecodeResult(None, failure, ms))
         return out
+
+    def _deferred(self, row: int, job: Job, staged: int, height: int, width: int) -> DeferredRow:
+        """What the GPU decoder takes for a row a process left it: the job's bytes, or
+        those the process staged in the slot (a `path` job's) with the place they are at."""
+        packed = self.arena.packed
+        if staged <= 0 or packed is None:
+            assert job.image is not None
+            return DeferredRow(row, job.image, height, width)
+        offset, _ = packed.place(row)
+        data = memoryview(packed.memory[row // packed.batch])[offset : offset + staged]
+        return DeferredRow(row, data, height, width, offset=offset)
 
     def _retire(
         self, proc: _Process, *, cause: str, row: int | None = None, elapsed_ms: float = 0.0
@@ -526,9 +537,10 @@ class ProcessDecodePool:
         share, credit = self.gpu_share, self._gpu_credit
         for position in todo:
             job = group.jobs[position]
-            if job.image is None or job.url is not None:
-                # A path job's bytes are read in the process; a url job's row is kept by the
-                # fetch cache (a 304 is answered from it), which only a host row can fill.
+            if job.url is not None or (job.image is None and job.path is None):
+                # A url job's row is kept by the fetch cache (a 304 is answered from it),
+                # which only a host row can fill. A path job's bytes, read in the process,
+                # are staged in the slot for the GPU.
                 continue
             credit += share
             if credit >= 1.0:

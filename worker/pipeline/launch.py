@@ -306,7 +306,12 @@ class ModelRunner:
         stream = self.ctx.compute_stream
         assert stream is not None
         x, copied = self.transfer.to_device(
-            batch.slot, rows=size, skip_rows=rows.on_device, after=rows.copy_after
+            batch.slot,
+            rows=size,
+            skip_rows=rows.on_device,
+            after=rows.copy_after,
+            # The GPU decode may read JPEG bytes staged in the slot: reused only after it.
+            host_read=rows.ready,
         )
         if rows.ready is not None:
             # Rows decoded on the GPU: stream-to-stream wait, no host wait.

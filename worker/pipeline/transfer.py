@@ -72,11 +72,14 @@ class DeviceTransfer:
         rows: int = 0,
         skip_rows: Collection[int] = (),
         after: Event | None = None,
+        host_read: Event | None = None,
     ) -> tuple[torch.Tensor, Event]:
         """Queue the copy of `slot`'s first `rows` rows (0: all; less `skip_rows`); returns
         the device tensor (the whole twin) and the copy's event. `after`: other work that
         writes the twin (a GPU decode that failed part-way) and must be done before the copy
-        writes it.
+        writes it. `host_read`: other work that reads the slot's host memory (a GPU decode
+        of the JPEG bytes a decode process staged there): the copy's event, after which the
+        slot is reused, comes after it too.
 
         Called on the launch thread. The compute stream is made to wait on the event, so
         the caller can launch work on the result right away.
@@ -107,6 +110,8 @@ class DeviceTransfer:
                 for start, stop in copy_runs(rows, skip_rows):
                     # A slice of a pinned tensor is pinned too: still asynchronous.
                     twin[start:stop].copy_(slot.images[start:stop], non_blocking=True)
+            if host_read is not None:
+                copy_stream.wait_event(host_read)  # type: ignore[arg-type]
             copied = cuda_event()
             copied.record(copy_stream)
         compute_stream.wait_event(copied)
