@@ -202,6 +202,12 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     # Without GPU decode there is no "before" to compare with.
     assert phases["before"] == {"status": "skipped", "why": "no GPU decode in this run"}
     assert report["resize"]["placement"] == "device"
+    # By default the photo windows' jobs name files, as an operator's would at GPU rates.
+    assert report["pipeline_input"]["jobs_by"] == "path"
+    assert (
+        report["pipeline_input"]["images"]
+        == "96x64 JPEG q85, 256 distinct files named by path jobs"
+    )
     assert report["ceiling_images_per_s"]["eager"] > 0
     assert report["pipeline_images_per_s"] > 0
     # What the window's jobs cost Redis's command thread, and the rate one Redis carries.
@@ -245,6 +251,7 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     light = report["light"]
     assert light["model"] == "mobilenet_v3_small" and light["ceiling_images_per_s"] > 0
     assert light["results_in_window"] > 0 and light["errors_in_window"] == 0
+    assert light["images"] == report["pipeline_input"]["images"]
     grey = report["gpu_decode_vs_cpu"]["torchvision"]["modes"]["L"]
     assert grey["decoded"] and grey["mean_abs_diff"] < 4
     # Everything measured, but a CUDA test was skipped: the check fails.
@@ -254,8 +261,8 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
 
 
 @pytest.mark.slow
-def test_the_pipeline_and_latency_phases_run_on_path_jobs(redis_url: str, tmp_path: Path) -> None:
-    """--jobs-by path: the images written as files the decoders read, the jobs naming them,
+def test_the_pipeline_and_latency_phases_run_on_image_jobs(redis_url: str, tmp_path: Path) -> None:
+    """--jobs-by image: the photo windows' jobs carry their images (unique bytes per job),
     in the timed window and in the latency phase alike; every job answered ok. The light
     model's worker, started first, fails (its model file is not a model): its phases say
     why, and the rest of the check runs."""
@@ -265,13 +272,14 @@ def test_the_pipeline_and_latency_phases_run_on_path_jobs(redis_url: str, tmp_pa
     manifest = '[model]\ninput_size = 32\nfile = "model.ts"\n\n[output]\nkind = "raw"\n'
     (broken / "gpufeed.toml").write_text(manifest)
     (broken / "model.ts").write_bytes(b"not a TorchScript archive")
-    extra = ("--jobs-by", "path", "--decode-rate-seconds", "0")
+    extra = ("--jobs-by", "image", "--decode-rate-seconds", "0")
     extra += ("--light-model", str(broken), "--light-seconds", "0.5")
     argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=200, extra=extra)
     run_child(argv)
     report = json.loads((tmp_path / "report.json").read_text())
     assert "error" not in report, report.get("traceback")
-    assert report["pipeline_input"]["jobs_by"] == "path"
+    assert report["pipeline_input"]["jobs_by"] == "image"
+    assert report["pipeline_input"]["images"] == "96x64 JPEG q85, unique bytes per job"
     pipeline = report["pipeline"]
     assert pipeline["results_ok"] > 0 and pipeline["errors_by_code"] == {}
     assert pipeline["decode_cache_hits"] == 0 and pipeline["redis_cpu_us_per_job"] > 0

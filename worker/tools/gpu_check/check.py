@@ -82,7 +82,7 @@ from worker.tools.doctor.environment import environment
 from worker.tools.doctor.serving_step import eager_of, random_batch
 from worker.tools.gpu_check.copy_rate import h2d_rate, packed_image_bytes
 from worker.tools.gpu_check.decode_scaling import decode_process_rates
-from worker.tools.gpu_check.feed import Feeder
+from worker.tools.gpu_check.feed import Feeder, unique_jpeg
 from worker.tools.gpu_check.latency import measure_latency
 from worker.tools.gpu_check.peer import dataloader_rate
 from worker.tools.gpu_check.report import (
@@ -488,6 +488,42 @@ class Deadline:
         return self.at - time.monotonic()
 
 
+# Files the photo windows' path jobs name: each of the 32 images in 8 copies whose bytes
+# differ (a comment segment), written once per run.
+PHOTO_FILES = 256
+
+
+@dataclass(frozen=True)
+class PhotoJobs:
+    """What the photo windows' jobs carry: `field` (`image` or `path`) and its values."""
+
+    field: str
+    payloads: list[bytes]
+    images: list[bytes]  # the distinct JPEGs behind them
+
+    def describe(self, args: CheckArgs) -> str:
+        what = f"{args.width}x{args.height} JPEG q85, "
+        if self.field == "image":
+            return what + "unique bytes per job"
+        return what + f"{len(self.payloads)} distinct files named by path jobs"
+
+
+def photo_jobs(args: CheckArgs, path_root: Path | None) -> PhotoJobs:
+    """The photo JPEGs, as the jobs of --jobs-by carry them (`path`: written as files under
+    `path_root`, whose names the jobs give; the decoders read them, Redis never carries
+    their bytes)."""
+    images = [synthetic_jpeg(args.width, args.height, seed=i, quality=85) for i in range(32)]
+    if args.jobs_by != "path":
+        return PhotoJobs("image", images, images)
+    assert path_root is not None
+    names = []
+    for n in range(PHOTO_FILES):
+        name = f"{n}.jpg"
+        (path_root / name).write_bytes(unique_jpeg(images[n % len(images)], n))
+        names.append(name.encode())
+    return PhotoJobs("path", names, images)
+
+
 async def _measure_pipeline(
     worker: Worker,
     args: CheckArgs,
@@ -500,19 +536,11 @@ async def _measure_pipeline(
     cfg = worker.config
     compile_report = worker.compile_report
     assert compile_report is not None
-    images = [synthetic_jpeg(args.width, args.height, seed=i, quality=85) for i in range(32)]
-    field = args.jobs_by
-    payloads = images
-    if field == "path":
-        # The decode cache is off: each job is decoded though the files repeat.
-        assert cfg.path_root is not None
-        payloads = []
-        for i, data in enumerate(images):
-            (cfg.path_root / f"{i}.jpg").write_bytes(data)
-            payloads.append(f"{i}.jpg".encode())
+    jobs = photo_jobs(args, cfg.path_root)
+    images, field, payloads = jobs.images, jobs.field, jobs.payloads
     report["pipeline_input"] = {
-        "images": f"{args.width}x{args.height} JPEG q85, "
-        + ("unique bytes per job" if field == "image" else "32 files named by path jobs"),
+        # The decode cache is off: each job is decoded, though path jobs' files repeat.
+        "images": jobs.describe(args),
         "jobs_by": field,
         "mean_bytes": int(sum(map(len, images)) / len(images)),
         "decode_cache_mb": cfg.decode_cache_mb,
@@ -643,19 +671,15 @@ async def _measure_pipeline(
         feeder.stop()
         if args.thumbnail_seconds <= 0:
             report.skip("thumbnails", "--thumbnail-seconds 0")
-        elif field != "image":
-            report.skip("thumbnails", "--jobs-by path: the thumbnails window carries images")
         else:
             await _measure_thumbnails(
                 worker, args, report, main=main, done=done_count, best=best_ceiling
             )
         if args.before_seconds <= 0:
             report.skip("before", "--before-seconds 0")
-        elif field != "image":
-            report.skip("before", "--jobs-by path: the before window carries images")
         else:
             await _measure_before(
-                worker, args, report, images=images, main=main, done=done_count, best=best_ceiling
+                worker, args, report, jobs=jobs, main=main, done=done_count, best=best_ceiling
             )
     finally:
         telling.cancel()
@@ -678,13 +702,23 @@ async def _measure_window(
     main: asyncio.Task[None],
     done: Callable[[], int],
     best: float,
+    field: str = "image",
 ) -> dict[str, Any]:
-    """Phase `phase`: the same worker fed `images` (unique bytes per job, the cache off)
-    for `seconds` after a short warm-up, against the same ceiling."""
+    """Phase `phase`: the same worker fed `images` (unique bytes per job, the cache off;
+    `field` path: file names, each decoded anew) for `seconds` after a short warm-up,
+    against the same ceiling."""
     cfg = worker.config
     base = done()
     backlog = max(args.backlog, worker.batch_size * 32)
-    feeder = Feeder(cfg.redis_url, cfg.stream, images, backlog, prefix=phase[0])
+    feeder = Feeder(
+        cfg.redis_url,
+        cfg.stream,
+        images,
+        backlog,
+        prefix=phase[0],
+        unique=field == "image",
+        field=field,
+    )
     sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
 
     async def tell() -> None:
@@ -764,12 +798,12 @@ async def _measure_before(
     args: CheckArgs,
     report: Report,
     *,
-    images: list[bytes],
+    jobs: PhotoJobs,
     main: asyncio.Task[None],
     done: Callable[[], int],
     best: float,
 ) -> None:
-    """Phase `before`: the photo window's JPEGs with the GPU's JPEG decoder left out (every
+    """Phase `before`: the photo window's jobs with the GPU's JPEG decoder left out (every
     row decoded by the decode processes, as before GPU decode), for --before-seconds on
     the same worker: what the engines add on this host."""
     pool = worker.decoder
@@ -786,16 +820,17 @@ async def _measure_before(
             args,
             report,
             phase="before",
-            images=images,
+            images=jobs.payloads,
             seconds=args.before_seconds,
             main=main,
             done=done,
             best=best,
+            field=jobs.field,
         )
     finally:
         pool.gpu_share, split.tune = share, tune
     report["before"] = {
-        "images": f"{args.width}x{args.height} JPEG q85, unique bytes per job",
+        "images": jobs.describe(args),
         "how": "the same worker, its GPU JPEG decoder given no rows",
         **found,
     }
@@ -1006,7 +1041,11 @@ async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
         if args.light_seconds > 0:
             # One batch shape: one compile, the one the window runs.
             light_cfg = _check_config(
-                args, model=args.light_model, prefix="gpucheck-light", batch_sizes=str(args.batch)
+                args,
+                model=args.light_model,
+                prefix="gpucheck-light",
+                batch_sizes=str(args.batch),
+                **more,
             )
             light = Worker(light_cfg)
         try:
@@ -1058,21 +1097,22 @@ async def _measure_light(worker: Worker, args: CheckArgs, report: Report) -> Non
             return c.results_ok + c.results_error
 
         main = asyncio.create_task(worker.main_loop(), name="light_main_loop")
-        images = [synthetic_jpeg(args.width, args.height, seed=i, quality=85) for i in range(32)]
+        jobs = photo_jobs(args, worker.config.path_root)
         found.update(
             await _measure_window(
                 worker,
                 args,
                 report,
                 phase="light",
-                images=images,
+                images=jobs.payloads,
                 seconds=args.light_seconds,
                 main=main,
                 done=done,
                 best=float(ceiling["images_per_s"]),
+                field=jobs.field,
             )
         )
-        found["images"] = f"{args.width}x{args.height} JPEG q85, unique bytes per job"
+        found["images"] = jobs.describe(args)
         found["feed_plan"] = worker.engine.plan.line()
     finally:
         worker.handle_exit()
@@ -1461,9 +1501,10 @@ def _env(name: str, default: str) -> Callable[[], str]:
 @click.option(
     "--jobs-by",
     type=click.Choice(["image", "path"]),
-    default=_env("GPU_CHECK_JOBS_BY", "image"),
-    help="the pipeline's jobs carry their images (image) or name files the decoders read "
-    "(path: the images never pass through Redis)",
+    default=_env("GPU_CHECK_JOBS_BY", "path"),
+    help="the photo windows' jobs name files the decoders read (path, what an operator "
+    "uses at these rates: the images never pass through Redis) or carry their images "
+    "(image: 84 KB each through one Redis)",
 )
 @click.option("--redis-url", default=_env("REDIS_URL", "redis://127.0.0.1:6379/0"))
 @click.option("--out", default=_env("GPU_CHECK_OUT", ".gpu-check/out"))
