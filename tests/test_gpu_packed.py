@@ -508,3 +508,25 @@ def test_on_cuda_the_jpeg_engines_write_the_rows_the_cpu_would() -> None:
     # Per row, the GPU check's measure of decoders that agree (a misplaced row is ~50 off).
     per_row = (got - want).abs().flatten(1).mean(1)
     assert per_row.tolist() == pytest.approx([0.0] * len(images), abs=4.0)
+
+
+def test_the_gpu_checks_engine_rates_time_each_size_and_count_a_batchs_syncs() -> None:
+    """The check's decode-only rates of the GPU decoder per image size, here through
+    nvImageCodec's CPU-only backend: every image decoded, a rate per size, and the host
+    syncs of one photo batch counted (none off CUDA)."""
+    nvimgcodec_or_skip()
+    from worker.tools.gpu_check.check import count_host_syncs
+    from worker.tools.gpu_check.engine_rates import engine_rates
+
+    found = engine_rates(
+        CPU,
+        seconds=0.05,
+        sizes=((64, 64, 4, 2), (640, 480, 2, 1)),
+        make_backend=lambda: NvImgCodecInto(None),
+        count_syncs=count_host_syncs,
+    )
+    assert found["backend"].endswith("(cpu only)")
+    assert [s["image"] for s in found["sizes"]] == ["64x64", "640x480"]
+    assert all(s["images_per_s"] > 0 and s["failed"] == 0 for s in found["sizes"])
+    assert "host_syncs_per_call" not in found["sizes"][0]
+    assert found["sizes"][1]["host_syncs_per_call"] == 0

@@ -82,6 +82,7 @@ from worker.tools.doctor.environment import environment
 from worker.tools.doctor.serving_step import eager_of, random_batch
 from worker.tools.gpu_check.copy_rate import h2d_rate, packed_image_bytes
 from worker.tools.gpu_check.decode_scaling import decode_process_rates
+from worker.tools.gpu_check.engine_rates import engine_rates
 from worker.tools.gpu_check.feed import Feeder, unique_jpeg
 from worker.tools.gpu_check.latency import measure_latency
 from worker.tools.gpu_check.peer import dataloader_rate
@@ -1247,7 +1248,7 @@ async def _run_phases(
     # Extras (judged by no rule): measured only with time to spare.
     if device.type != "cuda":
         report.skip("gpu_decode_rate", "not a CUDA device")
-    elif deadline.left() < 25:
+    elif deadline.left() < 35:
         report.skip("gpu_decode_rate", f"{deadline.left():.0f} s left")
     else:
         with report.phase("gpu_decode_rate"):
@@ -1260,6 +1261,13 @@ async def _run_phases(
                 worker.decode_threads,
             )
             rates["model_images_per_s"] = best
+            # The JPEG engines as the worker's packed rows use them, per image size.
+            rates["engines"] = await loop.run_in_executor(
+                None,
+                functools.partial(
+                    engine_rates, device, count_syncs=lambda: count_host_syncs(profile=True)
+                ),
+            )
 
     # The CPU's side of the decode, per image size: what the decode processes reach on this
     # host's cores (the split between the GPU's JPEG engines and the CPU is planned on it).
