@@ -418,3 +418,21 @@ def test_processes_answer_any_bytes_as_threads_do(blobs: list[bytes]) -> None:
             arena.close()
 
     asyncio.run(compare())
+
+
+async def test_a_row_left_for_the_gpu_with_nothing_to_decode_from_is_an_internal_error(
+    shared_pool: tuple[ProcessDecodePool, SharedArena],
+) -> None:
+    """A record left DEFERRED with no bytes anywhere (none staged, none in the job) is
+    answered as an internal error that says so, never as some other row's code."""
+    from worker.decode.arena import DEFERRED
+
+    pool, arena = shared_pool
+    arena.table[3] = 0
+    arena.table["state"][3] = DEFERRED
+    arena.table["error"][3] = -1
+    job = Job("1-0", "j1", "r", None, None, b"a.jpg")
+    (result,) = pool._results([3], [job])
+    assert result.gpu is None and result.error is not None
+    assert result.error.code is ErrorCode.INTERNAL_ERROR
+    assert "left row 3 in state 3 with no answer" in result.error.message

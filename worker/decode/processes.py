@@ -343,10 +343,10 @@ class ProcessDecodePool:
         for row, job, record in zip(rows, jobs, records, strict=True):
             state, width, height, draft, us, cached, reduced, error, fmt, staged, message = record
             ms = us / 1000
-            if state == DEFERRED and (job.image is not None or staged > 0):
+            left = self._deferred(row, job, staged, height, width) if state == DEFERRED else None
+            if left is not None:
                 self.deferred += 1
                 info = DecodeInfo("JPEG", width, height, 1)
-                left = self._deferred(row, job, staged, height, width)
                 out.append(DecodeResult(info, None, ms, gpu=left))
             elif state == DONE:
                 if reduced:
@@ -359,18 +359,23 @@ class ProcessDecodePool:
                         self.cache_counts.misses += 1
                 info = DecodeInfo(fmt.decode("ascii", "replace"), width, height, draft)
                 out.append(DecodeResult(info, None, ms, cached=bool(cached)))
-            else:
+            elif error >= 0:
                 failure = DecodeError(ERROR_CODES[error], message.decode("utf-8", "replace"))
                 out.append(DecodeResult(None, failure, ms))
+            else:  # left for the GPU with nothing it could decode from: never a guess
+                why = f"the decode process left row {row} in state {state} with no answer"
+                out.append(DecodeResult(None, DecodeError(ErrorCode.INTERNAL_ERROR, why), ms))
         return out
 
-    def _deferred(self, row: int, job: Job, staged: int, height: int, width: int) -> DeferredRow:
+    def _deferred(
+        self, row: int, job: Job, staged: int, height: int, width: int
+    ) -> DeferredRow | None:
         """What the GPU decoder takes for a row a process left it: the job's bytes, or
-        those the process staged in the slot (a `path` job's) with the place they are at."""
+        those the process staged in the slot (a `path` job's) with the place they are at;
+        None where it has neither (the row is then answered as an internal error)."""
         packed = self.arena.packed
         if staged <= 0 or packed is None:
-            assert job.image is not None
-            return DeferredRow(row, job.image, height, width)
+            return DeferredRow(row, job.image, height, width) if job.image is not None else None
         offset, _ = packed.place(row)
         data = memoryview(packed.memory[row // packed.batch])[offset : offset + staged]
         return DeferredRow(row, data, height, width, offset=offset)
