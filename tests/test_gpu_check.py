@@ -143,6 +143,7 @@ def phases_on_cpu(
     phases = [
         "--thumbnail-seconds", seconds_of, "--peer-seconds", seconds_of, "--peer-workers", "1",
         "--light-model", "mobilenet_v3_small", "--light-seconds", seconds_of,
+        "--before-processes", "", "--before-processes-seconds", "1",
     ]  # fmt: skip
     argv = [
         "--device", "cpu", "--model", "mobilenet_v3_small", "--batch", "4",
@@ -274,6 +275,8 @@ def test_the_pipeline_and_latency_phases_run_on_image_jobs(redis_url: str, tmp_p
     (broken / "model.ts").write_bytes(b"not a TorchScript archive")
     extra = ("--jobs-by", "image", "--decode-rate-seconds", "0")
     extra += ("--light-model", str(broken), "--light-seconds", "0.5")
+    # gpufeed before its JPEG engines, as `python -m worker` with two worker processes.
+    extra += ("--before-processes", "2")
     argv = phases_on_cpu(redis_url, tmp_path, junit, deadline_s=200, extra=extra)
     run_child(argv)
     report = json.loads((tmp_path / "report.json").read_text())
@@ -285,6 +288,14 @@ def test_the_pipeline_and_latency_phases_run_on_image_jobs(redis_url: str, tmp_p
     assert pipeline["decode_cache_hits"] == 0 and pipeline["redis_cpu_us_per_job"] > 0
     latency = report["latency_at_80"]
     assert latency["results"] >= 16 and 0 <= latency["p50_ms"] <= latency["p99_ms"]
+    before = report["before_processes"]
+    assert report["phases"]["before_processes"]["status"] == "done", before
+    (run,) = before["runs"]
+    assert run["processes"] == 2 and run["images_per_s"] > 0 and run["window_s"] >= 1
+    assert before["best_images_per_s"] == run["images_per_s"]
+    assert before["pipeline_over_best"] == round(
+        report["pipeline_images_per_s"] / run["images_per_s"], 2
+    )
     started = report["phases"]["light_startup"]
     assert started["status"] == "failed" and "model.ts" in started["error"]
     for phase in ("light_ceiling", "light"):

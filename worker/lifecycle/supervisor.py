@@ -75,12 +75,15 @@ def _env_value(value: Any) -> str:
     return str(value)
 
 
+def config_env(config: WorkerConfig) -> dict[str, str]:
+    """Every setting of `config` as the environment variable that gives it."""
+    return {str(f.metadata["env"]): _env_value(getattr(config, f.name)) for f in fields(config)}
+
+
 def child_env(config: WorkerConfig, index: int, base: Mapping[str, str]) -> dict[str, str]:
     """The environment of child `index`: `base`, then every setting as the supervisor
     resolved it (flags included), then the child's own name and metrics port."""
-    env = dict(base)
-    for f in fields(config):
-        env[str(f.metadata["env"])] = _env_value(getattr(config, f.name))
+    env = {**base, **config_env(config)}
     env["GPUFEED_PROCESSES"] = "1"
     if config.decode_processes == "auto":
         # Each child plans for its share of the cores: N children each taking one decode

@@ -20,8 +20,10 @@ ends, so a run cut short still reports what it measured:
 5. peer: the worker's model, compiled with the worker's mode, fed by a torch DataLoader
    over the same JPEGs, as a user writes it (gpu_check/peer.py);
 6. light_ceiling and light: the light model's ceiling, then a window of the photo JPEGs;
-7. extras when time is left, judged by no rule: cudnn, the ceiling again with
-   cudnn.benchmark on (eager, and compiled and captured afresh).
+7. extras when time is left, judged by no rule: the GPU's JPEG decoder alone, the decode
+   processes alone, the link, gpufeed before its JPEG engines with GPUFEED_PROCESSES=1,2,3
+   (gpu_check/processes_run.py), and cudnn, the ceiling again with cudnn.benchmark on
+   (eager, and compiled and captured afresh).
 
 The run has a deadline (--deadline-s): phases that do not fit are skipped and say so ("not
 measured"), and when the deadline passes (or SIGTERM arrives) the report is written with
@@ -86,6 +88,7 @@ from worker.tools.gpu_check.engine_rates import engine_rates
 from worker.tools.gpu_check.feed import Feeder, unique_jpeg
 from worker.tools.gpu_check.latency import measure_latency
 from worker.tools.gpu_check.peer import dataloader_rate
+from worker.tools.gpu_check.processes_run import RunFailed, processes_rate
 from worker.tools.gpu_check.report import (
     EXPECTED_TESTS,
     add_verdict,
@@ -1122,6 +1125,99 @@ async def _measure_light(worker: Worker, args: CheckArgs, report: Report) -> Non
                 await asyncio.wait_for(main, 60)
 
 
+# Seconds a before_processes run needs besides its window: the workers' start (torch's
+# import, a compile mostly served by the cache the check's own worker filled), a warm-up
+# and the drain.
+PROCESSES_RUN_S = 45.0
+
+
+def before_process_counts(value: str) -> list[int]:
+    """--before-processes: GPUFEED_PROCESSES values, each 1 to 16 (ValueError otherwise)."""
+    counts = [int(v) for v in value.replace(" ", "").split(",") if v]
+    if any(not 1 <= n <= 16 for n in counts):
+        raise ValueError("each value must be 1 to 16")
+    return counts
+
+
+def _counts_option(value: str) -> str:
+    try:
+        before_process_counts(value)
+    except ValueError as exc:
+        raise click.BadParameter(f"{value!r}: {exc}") from exc
+    return value
+
+
+async def _measure_before_processes(
+    worker: Worker, args: CheckArgs, report: Report, deadline: Deadline
+) -> None:
+    """Phase `before_processes` (an extra): gpufeed with GPU decode off, as
+    `python -m worker` with each GPUFEED_PROCESSES of --before-processes, on the photo jobs
+    (gpu_check/processes_run.py); a run that does not fit the deadline is skipped."""
+    counts = before_process_counts(args.before_processes)
+    if not counts:
+        report.skip("before_processes", "--before-processes empty")
+        return
+    needed = PROCESSES_RUN_S + args.before_processes_seconds
+    if deadline.left() < needed + 10:
+        why = f"{deadline.left():.0f} s left, about {needed:.0f} needed per run"
+        report.skip("before_processes", why)
+        return
+    cfg = worker.config
+    jobs = photo_jobs(args, cfg.path_root)
+    runs: list[dict[str, Any]] = []
+    found: dict[str, Any] = {
+        "images": jobs.describe(args),
+        "how": "python -m worker with GPUFEED_PROCESSES=N, GPUFEED_DECODE=cpu, the check's "
+        "other settings; jobs answered per second from its consumer group",
+        "runs": runs,
+    }
+    report["before_processes"] = found
+    loop = asyncio.get_running_loop()
+    with report.phase("before_processes") as entry:
+        for n in counts:
+            if deadline.left() < needed + 10:
+                runs.append({"processes": n, "status": f"skipped: {deadline.left():.0f} s left"})
+                continue
+            more: dict[str, Any] = {"path_root": cfg.path_root} if cfg.path_root else {}
+            config = _check_config(
+                args,
+                model=args.model,
+                prefix=f"gpucheck-p{n}",
+                processes=n,
+                decode="cpu",
+                log_level="info",
+                **more,
+            )
+            log = Path(args.out) / f"before_processes_{n}.log"
+            try:
+                runs.append(
+                    await loop.run_in_executor(
+                        None,
+                        functools.partial(
+                            processes_rate,
+                            config,
+                            jobs.payloads,
+                            jobs.field,
+                            seconds=args.before_processes_seconds,
+                            warmup_s=min(args.warmup_seconds, 2.0),
+                            backlog=max(args.backlog, args.batch * 32),
+                            log=log,
+                            startup_timeout_s=max(10.0, deadline.left() - 20),
+                        ),
+                    )
+                )
+            except RunFailed as exc:
+                runs.append({"processes": n, "status": f"failed: {exc} (log: {log.name})"})
+        rates = [r["images_per_s"] for r in runs if "images_per_s" in r]
+        if rates:
+            best = max(rates)
+            found["best_images_per_s"] = best
+            ours = report.data.get("pipeline_images_per_s")
+            found["pipeline_over_best"] = round(ours / best, 2) if ours and best else None
+        else:
+            entry["status"] = "not measured: no run finished"
+
+
 async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
     """Polls for a file another process writes (nothing to await on but time)."""
     while deadline.left() > 0:
@@ -1306,6 +1402,8 @@ async def _run_phases(
                 ),
             )
 
+    await _measure_before_processes(worker, args, report, deadline)
+
     if device.type != "cuda":
         report.skip("cudnn", "not a CUDA device")
         return
@@ -1414,6 +1512,8 @@ class CheckArgs:
     decode_rate_seconds: float
     thumbnail_seconds: float
     before_seconds: float
+    before_processes: str
+    before_processes_seconds: float
     light_model: str
     light_seconds: float
     peer_seconds: float
@@ -1482,6 +1582,20 @@ def _env(name: str, default: str) -> Callable[[], str]:
     default=5.0,
     help="the photo window again with the GPU's JPEG decoder given no rows (phase before; "
     "0: none; only where GPU decode runs)",
+)
+@click.option(
+    "--before-processes",
+    default=_env("GPU_CHECK_BEFORE_PROCESSES", "1,2,3"),
+    callback=lambda ctx, param, value: _counts_option(value),
+    help="GPUFEED_PROCESSES values each run as `python -m worker` with GPU decode off, fed "
+    "the photo jobs (phase before_processes, an extra: the best of them is what the JPEG "
+    "engines are measured against; empty: none)",
+)
+@click.option(
+    "--before-processes-seconds",
+    type=float,
+    default=5.0,
+    help="each before_processes run's timed window",
 )
 @click.option(
     "--light-model",
