@@ -42,7 +42,10 @@ def answered(client: redis.Redis, stream: str, group: str) -> int:
     for g in client.xinfo_groups(stream):
         name = g.get("name")
         if (name.decode() if isinstance(name, bytes) else name) == group:
-            return max(0, int(g.get("entries-read") or 0) - int(g.get("pending") or 0))
+            read = g.get("entries-read")
+            if read is None:
+                raise RunFailed("this Redis does not count a group's reads (entries-read)")
+            return max(0, int(read) - int(g.get("pending") or 0))
     return 0
 
 
