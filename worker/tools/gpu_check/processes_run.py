@@ -42,10 +42,11 @@ def answered(client: redis.Redis, stream: str, group: str) -> int:
     for g in client.xinfo_groups(stream):
         name = g.get("name")
         if (name.decode() if isinstance(name, bytes) else name) == group:
-            read = g.get("entries-read")
-            if read is None:
-                raise RunFailed("this Redis does not count a group's reads (entries-read)")
-            return max(0, int(read) - int(g.get("pending") or 0))
+            if "entries-read" not in g:
+                raise RunFailed("this Redis does not count a group's reads (Redis 7 does)")
+            # None until the group's first read.
+            read = int(g["entries-read"] or 0)
+            return max(0, read - int(g.get("pending") or 0))
     return 0
 
 
