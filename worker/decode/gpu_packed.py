@@ -248,14 +248,18 @@ class PackedGpuDecoder:
         placed: list[DeferredRow] = []
         places: list[Place] = []
         failed: list[int] = []
+        # Rows placed already (a path job's, staged by its process) keep their place; the
+        # others take theirs now, in order.
         new = [r for r in rows if r.offset < 0]
-        sizes = [r.height * r.width * 3 for r in new]
-        taken = self.packed.place_rows_on_device(
-            [r.row for r in new], sizes, [r.geometry for r in new]
+        taken = iter(
+            self.packed.place_rows_on_device(
+                [r.row for r in new],
+                [r.height * r.width * 3 for r in new],
+                [r.geometry for r in new],
+            )
         )
-        places_of = {r.row: offset for r, offset in zip(new, taken, strict=True)}
-        offsets = [r.offset if r.offset >= 0 else places_of[r.row] for r in rows]
-        for r, offset in zip(rows, offsets, strict=True):
+        for r in rows:
+            offset = r.offset if r.offset >= 0 else next(taken)
             if offset < 0:  # no room left in the slot: the CPU decodes it
                 failed.append(r.row)
                 continue
