@@ -20,7 +20,14 @@ from producer.wire import ErrorCode
 from tests.images import photo_like
 from worker.decode import cpu
 from worker.decode.cpu import DecodeError, DecodeSpec, decode_frame
-from worker.decode.jpeg_header import MAX_SCANS, jpeg_cost
+from worker.decode.jpeg_header import (
+    MAX_SCANS,
+    hardware_frame,
+    jpeg_cost,
+    jpeg_cost_problem,
+    segments,
+)
+from worker.decode.rows import GEOMETRY_WORDS, gpu_placement, row_side
 
 MIB = 1024 * 1024
 
@@ -145,3 +152,150 @@ def test_any_cut_or_damage_of_the_markers_is_a_cost_or_none(cut: int, junk: byte
     damaged = data[:cut] + junk + data[cut + len(junk) :]
     cost = jpeg_cost(damaged)
     assert cost is None or (cost.scans >= 1 and cost.coefficient_bytes >= 0)
+
+
+# ------------------------------------------------------------------ hostile headers
+# The GPU routing of a decode process (worker/decode/rows.py's gpu_placement) reads the
+# header before any decode, so every reader here must answer any bytes without raising.
+
+_SPEC = DecodeSpec(size=48)
+_SIDE = row_side(48)
+_HEADER_MARKERS = frozenset({0xC0, 0xC2, 0xC4, 0xDA, 0xDB, 0xE0, 0xE1, 0xEE})
+
+
+def _saved(image: Image.Image, **options: object) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=80, **options)
+    return out.getvalue()
+
+
+def with_adobe(data: bytes, transform: int) -> bytes:
+    """`data` with an Adobe APP14 segment after its SOI saying colour transform
+    `transform` (1: YCbCr), as Photoshop writes it."""
+    app14 = b"Adobe" + (100).to_bytes(2, "big") + bytes(4) + bytes([transform])
+    return data[:2] + b"\xff\xee" + (2 + len(app14)).to_bytes(2, "big") + app14 + data[2:]
+
+
+def _segment(data: bytes, marker: int) -> tuple[int, int]:
+    """(offset, length) of `data`'s first segment of `marker`."""
+    return next((pos, length) for m, pos, length in segments(data) if m == marker)
+
+
+def sof0_width_zero() -> bytes:
+    """A baseline JPEG whose SOF0 says it is 0 pixels wide."""
+    data = bytearray(_saved(photo_like(32, 24, 1)))
+    pos, _ = _segment(bytes(data), 0xC0)
+    data[pos + 7 : pos + 9] = b"\x00\x00"
+    return bytes(data)
+
+
+def truncated_adobe() -> bytes:
+    """A JPEG that ends inside its Adobe APP14 segment, before the transform byte."""
+    data = with_adobe(_saved(photo_like(32, 24, 2)), 1)
+    pos, _ = _segment(data, 0xEE)
+    return data[: pos + 12]
+
+
+def _bases() -> list[bytes]:
+    """Small JPEGs of every kind the readers tell apart: their headers are most of them."""
+    image = photo_like(24, 16, 3)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return [
+        _saved(image),
+        _saved(image, subsampling=0),
+        _saved(image.convert("L")),
+        _saved(image, progressive=True),
+        _saved(image.convert("CMYK")),
+        _saved(image, exif=exif.tobytes()),
+        with_adobe(_saved(image), 1),
+        with_adobe(_saved(image), 0),
+    ]
+
+
+_BASES = _bases()
+
+
+@st.composite
+def mutated_headers(draw: st.DrawFn) -> bytes:
+    """A real JPEG with a few bytes of its header segments (markers, lengths and bodies of
+    its SOF, DHT, SOS, DQT, APP0, APP1 and APP14) changed, then cut short anywhere."""
+    base = draw(st.sampled_from(_BASES))
+    spans = [
+        (pos, min(pos + 2 + length, len(base)))
+        for marker, pos, length in segments(base)
+        if marker in _HEADER_MARKERS
+    ]
+    data = bytearray(base)
+    for _ in range(draw(st.integers(1, 4))):
+        start, end = draw(st.sampled_from(spans))
+        value = draw(st.sampled_from([0, 1, 2, 3, 8, 12, 0x11, 0x22, 0xC2, 0xDA, 0xFF]))
+        data[draw(st.integers(start, end - 1))] = draw(st.just(value) | st.integers(0, 255))
+    header_end = spans[-1][1]
+    cut = draw(st.integers(0, header_end + 4) | st.just(len(data)))
+    return bytes(data[:cut])
+
+
+def assert_total(data: bytes) -> None:
+    """Every header reader answers `data` with one of its documented answers."""
+    for view in (data, memoryview(data)):
+        for marker, pos, length in segments(view):
+            assert 0 <= marker <= 0xFF and pos >= 2 and pos + 4 <= len(data)
+            assert 0 <= length <= 0xFFFF
+        frame = hardware_frame(view)
+        assert frame is None or (1 <= frame[0] <= 0xFFFF and 1 <= frame[1] <= 0xFFFF)
+        placed = gpu_placement(view, _SPEC, _SIDE)
+        if placed is not None:
+            assert 1 <= placed.height <= _SIDE - 1 and 1 <= placed.width <= _SIDE
+            assert len(placed.geometry) == GEOMETRY_WORDS
+    cost = jpeg_cost(data)
+    if cost is not None:
+        assert 0 <= cost.width <= 0xFFFF and 0 <= cost.height <= 0xFFFF
+        assert cost.scans >= 1 and cost.coefficient_bytes >= 0
+    problem = jpeg_cost_problem(data, 0, 512 * MIB)
+    assert problem is None or isinstance(problem, str)
+
+
+@given(
+    st.binary(max_size=300)
+    | st.binary(max_size=300).map(lambda tail: b"\xff\xd8\xff" + tail)
+    | mutated_headers()
+)
+@example(sof0_width_zero())
+@example(truncated_adobe())
+def test_any_header_is_read_without_an_exception(data: bytes) -> None:
+    assert_total(data)
+
+
+def test_every_cut_of_every_kind_of_header_is_read_without_an_exception() -> None:
+    for data in [*_BASES, sof0_width_zero(), with_adobe(_saved(photo_like(32, 24, 2)), 1)]:
+        header_end = max(pos + 2 + length for _, pos, length in segments(data))
+        for cut in range(min(len(data), header_end + 8) + 1):
+            assert_total(data[:cut])
+
+
+def test_what_the_hardware_takes_is_read_from_the_header() -> None:
+    image = photo_like(40, 30, 4)
+    assert hardware_frame(_saved(image)) == (30, 40)
+    assert hardware_frame(_saved(image.convert("L"))) == (30, 40)
+    # An Adobe segment: YCbCr samples are the hardware's, RGB (or a transform the file ends
+    # before) are not.
+    assert hardware_frame(with_adobe(_saved(image), 1)) == (30, 40)
+    assert hardware_frame(with_adobe(_saved(image), 0)) is None
+    assert hardware_frame(_saved(image.convert("CMYK"))) is None
+    assert hardware_frame(truncated_adobe()) is None
+    # A frame 0 pixels wide, or of 12-bit samples, is no picture the hardware places.
+    assert hardware_frame(sof0_width_zero()) is None
+    assert gpu_placement(sof0_width_zero(), _SPEC, _SIDE) is None
+    twelve = bytearray(_saved(image))
+    pos, _ = _segment(bytes(twelve), 0xC0)
+    twelve[pos + 4] = 12
+    assert hardware_frame(bytes(twelve)) is None
+
+
+@pytest.mark.parametrize("hostile", [sof0_width_zero(), truncated_adobe()], ids=["w0", "adobe"])
+def test_a_hostile_header_is_the_cpu_decoders_to_refuse(hostile: bytes) -> None:
+    """What the routing leaves to the CPU gets the CPU decoder's usual answer."""
+    with pytest.raises(DecodeError) as refused:
+        cpu.decode_checked(hostile, _SPEC)
+    assert refused.value.code == ErrorCode.DECODE_ERROR

@@ -14,6 +14,10 @@ entropy-coded data a 0xFF byte is always followed by 0x00 or a restart marker, s
 there is always a marker. A sequential JPEG whose first scan holds every component has no
 other (libjpeg refuses a second one), so it is not searched: that search cost about 80 us
 of an 84 KB photo's ~1.1 ms decode.
+
+The header is the sender's: every function here answers any bytes at all with a result or
+None ("cannot be read", "not for the GPU"), never an exception, since some of them run
+before a decode's own error handling does (the GPU routing in a decode process).
 """
 
 from __future__ import annotations
@@ -150,37 +154,65 @@ def jpeg_cost_problem(data: bytes, output_bytes: int, max_decode_bytes: int) -> 
 # Chroma subsampling a GPU's hardware JPEG decoder takes, as the luma component's (h, v)
 # sampling factors with both chroma components at (1, 1): 4:4:4, 4:2:2, 4:2:0, 4:4:0.
 _HARDWARE_SAMPLING = frozenset({(1, 1), (2, 1), (2, 2), (1, 2)})
+_ADOBE = b"Adobe"
+# An Adobe APP14 segment's body: "Adobe", version (2 bytes), flags0 (2), flags1 (2), then
+# the colour transform this byte holds (0: RGB or CMYK, 1: YCbCr, 2: YCCK).
+_ADOBE_TRANSFORM = 11
 
 
 def hardware_frame(data: bytes | memoryview) -> tuple[int, int] | None:
     """(height, width) of a JPEG that a GPU's hardware decoder takes as it is: baseline
-    (SOF0), grey or YCbCr with the usual subsampling, every component in its first scan;
-    None for anything else (progressive, arithmetic, 12-bit, CMYK, Adobe RGB, odd sampling,
-    a header that cannot be read), which the CPU decodes as it always has."""
+    (SOF0) of 8-bit samples, grey or YCbCr with the usual subsampling, every component in
+    its first scan, both sides at least 1; None for anything else (progressive, arithmetic,
+    12-bit, CMYK, Adobe RGB, odd sampling, a header that cannot be read), which the CPU
+    decodes, or refuses, as it always has.
+
+    Total: any bytes give one of those two answers, never an exception. The header is the
+    sender's, and this runs before a decode's own error handling would see it."""
     if bytes(data[:3]) != b"\xff\xd8\xff":
         return None
     frame: tuple[int, int, int, list[tuple[int, int]]] | None = None
     for marker, pos, length in segments(data):
-        if marker == 0xEE and bytes(data[pos + 4 : pos + 9]) == b"Adobe" and length >= 12:
-            if data[pos + 2 + 11] == 0:
-                return None  # Adobe transform 0: RGB or CMYK samples, not YCbCr
+        if marker == 0xEE:
+            body = bytes(data[pos + 4 : pos + 2 + length])
+            if body.startswith(_ADOBE) and not _adobe_ycbcr(body):
+                return None  # RGB, CMYK or YCCK samples, or a transform cut off
         elif marker in _FRAMES:
-            if marker != 0xC0:
-                return None
-            frame = _frame(marker, bytes(data[pos + 4 : pos + 2 + length]))
-            if frame is None:
+            if marker != 0xC0 or frame is not None:
+                return None  # not baseline, or a second frame (libjpeg refuses one)
+            body = bytes(data[pos + 4 : pos + 2 + length])
+            frame = _frame(marker, body)
+            if frame is None or body[0] != 8:
                 return None
         elif marker == 0xDA:
-            if frame is None:
-                return None
-            _, height, width, sampling = frame
-            if pos + 4 >= len(data) or data[pos + 4] != len(sampling) or height <= 0:
-                return None
-            if len(sampling) == 1 or (
-                len(sampling) == 3
-                and sampling[0] in _HARDWARE_SAMPLING
-                and sampling[1] == sampling[2] == (1, 1)
-            ):
-                return height, width
-            return None
+            in_scan = data[pos + 4] if pos + 4 < len(data) else -1
+            return _hardware_size(frame, in_scan)
+    return None
+
+
+def _adobe_ycbcr(body: bytes) -> bool:
+    """Whether an Adobe APP14 segment's body says its samples are YCbCr; False for any
+    other transform, or a body that ends before its transform."""
+    return len(body) > _ADOBE_TRANSFORM and body[_ADOBE_TRANSFORM] == 1
+
+
+def _hardware_size(
+    frame: tuple[int, int, int, list[tuple[int, int]]] | None, in_scan: int
+) -> tuple[int, int] | None:
+    """(height, width) of a baseline frame whose first scan holds its `in_scan` components,
+    when the hardware decoder takes it; None otherwise. A side of 0 is refused: a height
+    of 0 is one a DNL marker gives later, and neither makes a picture a row can place."""
+    if frame is None:
+        return None
+    _, height, width, sampling = frame
+    if in_scan != len(sampling) or height <= 0 or width <= 0:
+        return None
+    if not all(1 <= h <= 4 and 1 <= v <= 4 for h, v in sampling):
+        return None  # libjpeg's bounds: anything else is no JPEG it decodes
+    if len(sampling) == 1 or (
+        len(sampling) == 3
+        and sampling[0] in _HARDWARE_SAMPLING
+        and sampling[1] == sampling[2] == (1, 1)
+    ):
+        return height, width
     return None

@@ -115,7 +115,7 @@ class RowDecoder:
         """`gpu`: the worker would have the GPU decode this row if it can."""
         record = self.arena.table[row]
         start = time.perf_counter()
-        if gpu and data is not None and self._defer(row, data, ns, record, start):
+        if gpu and data is not None and self._route(row, data, ns, record, start):
             return
         try:
             if self.delay_s:
@@ -123,7 +123,7 @@ class RowDecoder:
             if path is not None:
                 data = read_job_path(path, self.path_root, self.spec.max_bytes)
                 # The bytes are here, not in the worker: staged in the slot for the GPU.
-                if gpu and self._defer(row, data, ns, record, start, stage=True):
+                if gpu and self._route(row, data, ns, record, start, stage=True):
                     return
             if data is None:
                 raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
@@ -135,7 +135,7 @@ class RowDecoder:
             _failed(record, ErrorCode.INTERNAL_ERROR, str(exc), start)
             return
         except Exception as exc:  # noqa: BLE001 - one bad image must never end the process
-            _failed(record, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", start)
+            _failed(record, ErrorCode.INTERNAL_ERROR, _described(exc), start)
             return
         record["width"] = info.width
         record["height"] = info.height
@@ -146,6 +146,28 @@ class RowDecoder:
         record["error"] = -1
         record["decode_us"] = int((time.perf_counter() - start) * 1e6)
         record["state"] = DONE
+
+    def _route(
+        self,
+        row: int,
+        data: bytes | memoryview,
+        ns: str | None,
+        record: Any,
+        start: float,
+        *,
+        stage: bool = False,
+    ) -> bool:
+        """`_defer`, whose failure is this row's alone: True when the row is answered (left
+        for the GPU, or failed with why), False: decode it here. Reading the header is total
+        (worker/decode/jpeg_header.py), so a hostile one is decoded, or refused, here; an
+        exception is a defect of ours, and the row's job is answered with it while the
+        process goes on (the worker replies it under that job's id)."""
+        try:
+            return self._defer(row, data, ns, record, start, stage=stage)
+        except Exception as exc:  # noqa: BLE001 - one image's header must never end the process
+            why = f"choosing the GPU or the CPU to decode this image failed: {_described(exc)}"
+            _failed(record, ErrorCode.INTERNAL_ERROR, why, start)
+            return True
 
     def _defer(
         self,
@@ -232,6 +254,10 @@ class RowDecoder:
             # Packed: the cache keeps the image at its own size, not a whole row.
             self.cache.put(key, packed.entry(row) if packed is not None else out, info)
         return info, False, reduced
+
+
+def _described(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _failed(record: Any, code: ErrorCode, message: str, start: float) -> None:
