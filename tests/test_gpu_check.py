@@ -847,3 +847,57 @@ def test_the_link_s_rate_is_measured_for_a_batch_of_packed_rows() -> None:
     assert found["bytes_per_batch"] == 8 * each and found["copies"] >= 4
     assert found["gb_per_s"] > 0
     assert found["images_per_s"] == round(found["gb_per_s"] * 1e9 / each)
+
+
+# ------------------------------------------- a second worker's compile in the check
+
+
+class _TinyStep(torch.nn.Module):
+    """x: [B, S, S, 3] uint8 -> ([B, classes] float32,): a step inductor compiles in seconds."""
+
+    def __init__(self, classes: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(3, classes)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.proj(x.float().mean(dim=(1, 2))),)
+
+
+@pytest.mark.slow
+async def test_the_light_models_start_keeps_the_main_steps_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The light model's worker starts (compiles, asking for a reset as every worker's
+    start-up does) in the check's process after the main step compiled: dynamo is not
+    reset under the main step, which serves on from its own graphs, and its one-graph
+    figure does not count the light model's graph as a recompile."""
+    from types import SimpleNamespace
+
+    from worker.model.compiler import compile_step, still_compiled
+    from worker.tools.gpu_check.check import Report, _start_light
+
+    x = torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8)
+    main_fn, main = compile_step(_TinyStep(4).eval(), x, mode="default", allow_eager_fallback=False)
+    assert main.compiled and still_compiled(main) == []
+    resets: list[str] = []
+    reset = torch._dynamo.reset
+
+    def spy() -> None:
+        resets.append("reset")
+        reset()
+
+    monkeypatch.setattr(torch._dynamo, "reset", spy)
+
+    async def startup(*, wait_for_redis: bool) -> None:
+        # What a Worker's start-up does with its model: compile_step as the engine calls it.
+        compile_step(_TinyStep(2).eval(), x, mode="default", allow_eager_fallback=False)
+
+    light = SimpleNamespace(config=SimpleNamespace(model="tiny"), startup=startup)
+    report = Report(tmp_path / "report.json")
+    await _start_light(light, report, main)  # type: ignore[arg-type]
+    assert report["phases"]["light_startup"]["status"] == "done"
+    assert resets == []
+    with torch.inference_mode():
+        (out,) = main_fn(x)
+    assert out.shape == (2, 4)
+    assert still_compiled(main) == []  # no recompile of the main step, none counted

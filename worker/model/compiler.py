@@ -132,6 +132,33 @@ def _graph_break_count() -> int:
     return int(sum(breaks.values())) if breaks else 0
 
 
+class _Keeping:
+    """How many `keep_compiled_steps` blocks are active, in any thread."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.lock = threading.Lock()
+
+
+_KEEPING = _Keeping()
+
+
+@contextlib.contextmanager
+def keep_compiled_steps() -> Iterator[None]:
+    """While active, every compile_step in this process, on whichever thread it compiles,
+    runs as with reset=False. For a second Worker started in a process whose first step is
+    compiled (the GPU check's light model): its start-up asks for a reset, which would
+    throw the first step's graphs away (it would recompile at its next launch, inside
+    whatever is being measured then) and zero the counters its baseline was taken from."""
+    with _KEEPING.lock:
+        _KEEPING.depth += 1
+    try:
+        yield
+    finally:
+        with _KEEPING.lock:
+            _KEEPING.depth -= 1
+
+
 def snapshot() -> CompileBaseline:
     return CompileBaseline(
         unique_graphs=_count("stats", "unique_graphs"),
@@ -316,6 +343,7 @@ def compile_step(
     dynamo's caches and counters are kept, since resetting them would throw away the first
     step's graphs, and the report counts what changed during this compile only. A refused
     second step is then never explained or replaced by eager (both reset dynamo): it raises.
+    Inside `keep_compiled_steps`, every compile is such a second step.
     """
     batch = int(example.shape[0])
     if any(not 1 <= size < batch for size in sizes) or len(set(sizes)) != len(sizes):
@@ -323,6 +351,8 @@ def compile_step(
     if mode == "off":
         return _eager(step, example, warmup_iters, sizes)
 
+    if reset and _KEEPING.depth:
+        reset = False
     if reset:
         torch._dynamo.reset()
         _counters().clear()
