@@ -421,6 +421,12 @@ def good_report() -> dict[str, object]:
             "cudagraph_replays_in_window": 940,
             "decode_cache_hits": 0,
             "results_error": 0,
+            "decode_setting": "auto",
+            "gpu_decoder": "nvimgcodec (packed rows)",
+            "gpu_decode_share": 0.45,
+            "gpu_decode_why": "auto: measured on 640x480 JPEGs",
+            "gpu_decoded_in_window": 27_000,
+            "gpu_decode_failed_in_window": 0,
         },
         "host_syncs": {"total": 0, "batches": 250, "per_batch": 0.0, "sites": []},
         "pipeline_images_per_s": 4000.0,
@@ -499,6 +505,67 @@ def test_zero_replays_fail(tmp_path: Path) -> None:
     code, lines = judged(report, tmp_path)
     assert code == 1 and lines["cudagraph_replays"].startswith("FAIL")
     assert "0 replays, 940 batches" in lines["cudagraph_replays"]
+
+
+def test_a_gpu_decoder_that_decoded_nothing_in_the_window_fails(tmp_path: Path) -> None:
+    """--decode resolved to a GPU decoder: the window must show rows it decoded."""
+    report = good_report()
+    pipeline = report["pipeline"]
+    assert isinstance(pipeline, dict)
+    code, lines = judged(report, tmp_path)
+    assert (
+        code == 0 and "27000 rows decoded by nvimgcodec (packed rows)" in lines["gpu_decoded_rows"]
+    )
+    pipeline.update(gpu_decoded_in_window=0, gpu_decode_failed_in_window=64, gpu_decode_share=0.0)
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    assert [n for n, line in lines.items() if line.startswith("FAIL")] == ["gpu_decoded_rows"]
+    assert (
+        "--decode auto: 0 rows decoded by nvimgcodec (packed rows) in the window of 60000 "
+        in (lines["gpu_decoded_rows"])
+    )
+    assert "64 handed back to the CPU" in lines["gpu_decoded_rows"]
+    # `auto` where no GPU decoder could be built decodes on the CPU, and says why.
+    why = "GPUFEED_DECODE=auto: nvidia.nvimgcodec not installed"
+    pipeline.update(gpu_decoder=None, gpu_decode_why=why)
+    code, lines = judged(report, tmp_path)
+    assert code == 0 and f"no GPU decoder in this run ({why})" in lines["gpu_decoded_rows"]
+    pipeline["decode_setting"] = "gpu"
+    assert judged(report, tmp_path)[1]["gpu_decoded_rows"].startswith("FAIL")
+
+
+def test_the_rows_of_either_gpu_decoder_are_counted() -> None:
+    """The window's GPU rows: the packed rows' decoder's own counts, or the decode threads'
+    decoder counted call by call (its method put back after)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from worker.tools.gpu_check.check import count_gpu_rows, gpu_decoder_of
+
+    packed = SimpleNamespace(decoded=10, failed=1, backend_name="nvimgcodec")
+    runner = SimpleNamespace(packed_decoder=packed, gpu_decoder=None)
+    with count_gpu_rows(runner) as rows:
+        packed.decoded, packed.failed = 74, 3
+    assert (rows.decoded, rows.failed) == (64, 2)
+    assert gpu_decoder_of(runner) == "nvimgcodec (packed rows)"
+
+    class Threads:
+        backend = SimpleNamespace(name="torchvision")
+
+        async def decode_rows(
+            self, rows: list[int], dest: object, *, after: object = None
+        ) -> object:
+            return SimpleNamespace(failed=rows[:1])
+
+    threads = Threads()
+    runner = SimpleNamespace(packed_decoder=None, gpu_decoder=threads)
+    with count_gpu_rows(runner) as rows:
+        for _ in range(2):
+            asyncio.run(threads.decode_rows([0, 1, 2, 3], None))
+    assert (rows.decoded, rows.failed) == (6, 2)
+    assert "decode_rows" not in vars(threads)
+    assert gpu_decoder_of(runner) == "torchvision (decode threads)"
+    assert gpu_decoder_of(SimpleNamespace(packed_decoder=None, gpu_decoder=None)) is None
 
 
 def test_a_skipped_phase_fails_as_not_measured(tmp_path: Path) -> None:

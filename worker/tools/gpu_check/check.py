@@ -425,6 +425,56 @@ def count_step_replays(owner: Any, attr: str = "step") -> Iterator[StepReplays]:
             graph_cls.replay = original_replay
 
 
+def gpu_decoder_of(runner: Any) -> str | None:
+    """The GPU JPEG decoder the run's decode resolved to (None: the CPU decodes every row)."""
+    if runner.packed_decoder is not None:
+        return f"{runner.packed_decoder.backend_name} (packed rows)"
+    if runner.gpu_decoder is not None:
+        return f"{runner.gpu_decoder.backend.name} (decode threads)"
+    return None
+
+
+@dataclass
+class GpuRows:
+    """Rows the GPU JPEG decoder decoded, and handed back to the CPU, while counted."""
+
+    decoded: int = 0
+    failed: int = 0
+
+
+@contextlib.contextmanager
+def count_gpu_rows(runner: Any) -> Iterator[GpuRows]:
+    """The rows the runner's GPU JPEG decoder decoded while active (final when it ends):
+    the packed rows' decoder counts its own; the decode threads' one is counted here, call
+    by call, through its instance."""
+    counts = GpuRows()
+    packed = runner.packed_decoder
+    if packed is not None:
+        decoded, failed = packed.decoded, packed.failed
+        try:
+            yield counts
+        finally:
+            counts.decoded, counts.failed = packed.decoded - decoded, packed.failed - failed
+        return
+    threads = runner.gpu_decoder
+    if threads is None:
+        yield counts
+        return
+    original = threads.decode_rows
+
+    async def counting(rows: Any, dest: Any, *, after: Any = None) -> Any:
+        result = await original(rows, dest, after=after)
+        counts.decoded += len(rows) - len(result.failed)
+        counts.failed += len(result.failed)
+        return result
+
+    threads.decode_rows = counting
+    try:
+        yield counts
+    finally:
+        del threads.decode_rows  # the class's method again
+
+
 class Report:
     """The report as a dict, written atomically to `path` whenever a phase ends (and from
     the watchdog), so the file always holds what was measured so far."""
@@ -593,15 +643,15 @@ async def _measure_pipeline(
             # What Redis's command thread spends per job in the window (the feeder's XADDs
             # and the worker's reads, results and acks): does one Redis carry this rate?
             redis0 = await redis_cpu_s(worker.redis)
-            gpu_rows = worker.runner.packed_decoder
-            with count_step_replays(worker.runner) as replays:
+            with (
+                count_step_replays(worker.runner) as replays,
+                count_gpu_rows(worker.runner) as gpu_rows,
+            ):
                 n0, t0, b0 = done_count(), time.monotonic(), c.batches
                 hits0, errors0 = c.cache_hits, c.results_error
-                gpu0 = (gpu_rows.decoded, gpu_rows.failed) if gpu_rows is not None else (0, 0)
                 await asyncio.sleep(window_s)
                 n1, t1, b1 = done_count(), time.monotonic(), c.batches
                 hits1, errors1 = c.cache_hits, c.results_error
-                gpu1 = (gpu_rows.decoded, gpu_rows.failed) if gpu_rows is not None else (0, 0)
             redis_cpu = redis_cost(redis0, await redis_cpu_s(worker.redis), n1 - n0)
             sampler.stop()
             if main.done():
@@ -644,8 +694,10 @@ async def _measure_pipeline(
                     # decoder wrote and handed back to the CPU in the window.
                     "gpu_decode_share": worker.engine.plan.gpu_decode_share,
                     "gpu_decode_why": worker.engine.plan.gpu_decode_why,
-                    "gpu_decoded_in_window": gpu1[0] - gpu0[0],
-                    "gpu_decode_failed_in_window": gpu1[1] - gpu0[1],
+                    "decode_setting": args.decode,
+                    "gpu_decoder": gpu_decoder_of(worker.runner),
+                    "gpu_decoded_in_window": gpu_rows.decoded,
+                    "gpu_decode_failed_in_window": gpu_rows.failed,
                     **redis_cpu,
                 },
             )

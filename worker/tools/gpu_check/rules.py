@@ -124,6 +124,36 @@ def rule_pipeline_decodes(report: Mapping[str, Any]) -> Rule:
     return Rule("pipeline_decodes", claim, measured, target, ok)
 
 
+def rule_gpu_decoded_rows(report: Mapping[str, Any]) -> Rule:
+    claim = "where the check's --decode resolved to a GPU decoder, it decoded rows in the window"
+    target = "> 0 rows decoded on the GPU in the pipeline window, where a GPU decoder runs"
+    pipe = report.get("pipeline")
+    if not _phase_done(report, "pipeline") or not isinstance(pipe, Mapping):
+        return Rule("gpu_decoded_rows", claim, _not_measured(report, "pipeline"), target, False)
+    if "gpu_decoder" not in pipe:
+        measured = f"{NOT_MEASURED}: the report does not say which decoder ran"
+        return Rule("gpu_decoded_rows", claim, measured, target, False)
+    setting = pipe.get("decode_setting", "?")
+    decoder = pipe.get("gpu_decoder")
+    if decoder is None:
+        # `auto` decodes on the CPU where no GPU decoder can be built, and says why; `gpu`
+        # never starts without one.
+        why = pipe.get("gpu_decode_why") or "no reason given"
+        measured = f"--decode {setting}: no GPU decoder in this run ({why})"
+        return Rule("gpu_decoded_rows", claim, measured, target, setting != "gpu")
+    decoded = pipe.get("gpu_decoded_in_window")
+    if not isinstance(decoded, int):
+        measured = f"{NOT_MEASURED}: no count of the rows {decoder} decoded"
+        return Rule("gpu_decoded_rows", claim, measured, target, False)
+    measured = (
+        f"--decode {setting}: {decoded} rows decoded by {decoder} in the window of "
+        f"{pipe.get('results_in_window')} results, "
+        f"{pipe.get('gpu_decode_failed_in_window', '?')} handed back to the CPU "
+        f"(GPU share {pipe.get('gpu_decode_share')}: {pipe.get('gpu_decode_why') or '?'})"
+    )
+    return Rule("gpu_decoded_rows", claim, measured, target, decoded > 0)
+
+
 def rule_host_syncs(report: Mapping[str, Any]) -> Rule:
     claim = (
         "no host sync while serving (any synchronize, blocking or pageable copy, any caller "
@@ -323,6 +353,7 @@ def rule_gpu_decode(report: Mapping[str, Any]) -> Rule:
 RULES = (
     rule_cuda_tests,
     rule_pipeline_decodes,
+    rule_gpu_decoded_rows,
     rule_host_syncs,
     rule_cudagraph_replays,
     rule_one_graph,
