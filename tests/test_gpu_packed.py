@@ -463,18 +463,28 @@ async def test_thumbnails_get_a_share_of_their_own() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_device_buffers_describe_themselves_as_torch_does() -> None:
-    """The description each output place gives nvImageCodec (no tensor view made) is the
-    one torch gives for the same bytes on the lane's stream."""
+    """What nvImageCodec reads from the description each output place gives it (no tensor
+    view made) is the torch view of the same bytes: its pointer, shape, byte strides and
+    type, in device memory, on the lane's own stream (a buffer tied to another stream would
+    make the library wait for that one on the host)."""
+    nvimgcodec_or_skip()
+    import nvidia.nvimgcodec as nvimgcodec
+
     from worker.decode.gpu_packed import _DeviceImage
 
     twin = torch.empty(4096, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     offset, height, width = 256, 10, 20
-    with torch.cuda.stream(stream):
-        view = twin[offset : offset + height * width * 3].view(height, width, 3)
-        theirs = view.__cuda_array_interface__
-    ours = _DeviceImage(twin.data_ptr() + offset, height, width, stream.cuda_stream)
-    assert ours.__cuda_array_interface__ == theirs
+    view = twin[offset : offset + height * width * 3].view(height, width, 3)
+    described = _DeviceImage(twin.data_ptr() + offset, height, width, stream.cuda_stream)
+    image = nvimgcodec.as_image(described, cuda_stream=stream.cuda_stream)
+    assert image.buffer_kind == nvimgcodec.ImageBufferKind.STRIDED_DEVICE
+    assert image.__cuda_array_interface__["data"][0] == view.data_ptr()
+    assert tuple(image.shape) == tuple(view.shape) == (height, width, 3)
+    assert tuple(image.strides) == tuple(s * view.element_size() for s in view.stride())
+    assert np.dtype(image.dtype) == np.uint8
+    assert image.cuda_stream == stream.cuda_stream
+    assert image.device_id == twin.device.index
 
 
 @pytest.mark.cuda
