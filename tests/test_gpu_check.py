@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,7 +36,14 @@ from worker.tools.gpu_check.report import (
     junit_key,
     junit_summary,
 )
-from worker.tools.gpu_check.rules import GPU_UTIL_TARGET, RATIO_TARGET, RULES
+from worker.tools.gpu_check.rules import (
+    EXTRA_PHASES,
+    GPU_UTIL_TARGET,
+    JUDGED_PHASES,
+    RATIO_TARGET,
+    RULES,
+    UNJUDGED_PHASES,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -259,6 +267,20 @@ def test_each_phase_is_reported_and_a_skipped_test_fails_the_run(
     assert done.returncode == 1
     assert report["verdict"]["passed"] is False
     assert "skipped" in report["verdict"]["problems"][0]
+    # The rehearsal on the CPU: each rule fails for the skipped test or the missing GPU
+    # alone, the GPU's claims as not measured; the plan held every phase.
+    assert report["device_type"] == "cpu" and report["budget_plan"]["fits"] is True
+    assert set(phases) <= {*JUDGED_PHASES, *UNJUDGED_PHASES, *EXTRA_PHASES}
+    rules = {r["rule"]: r for r in report["verdict"]["rules"]}
+    assert "1 skipped: tests.test_cuda::test_s0" in rules["cuda_tests"]["measured"]
+    gpu_only = ("not measured: not a CUDA device (cpu)", "not measured: no CUDA device")
+    others = [
+        f"{name}: {r['measured']}"
+        for name, r in rules.items()
+        if not r["passed"] and name != "cuda_tests" and not r["measured"].startswith(gpu_only)
+    ]
+    assert others == []
+    assert rules["pipeline_decodes"]["passed"], rules["pipeline_decodes"]
 
 
 @pytest.mark.slow
@@ -321,6 +343,15 @@ def test_a_start_up_longer_than_the_budget_still_reports(redis_url: str, tmp_pat
     assert report["phases"]["startup"]["status"] == "running"
     assert report["verdict"]["passed"] is False
     assert report["environment"]["torch"] == torch.__version__
+    # The plan, written before anything ran, said so: what it skipped and why, and the
+    # judged phases past the deadline.
+    plan = report["budget_plan"]
+    assert plan["deadline_s"] == 3 and plan["fits"] is False
+    assert plan["past_deadline"]["startup"] == "ends about 20 s in, past the deadline of 3 s"
+    assert "pipeline" in plan["past_deadline"] and "decode" in plan["past_deadline"]
+    assert plan["skipped"]["decode_processes"].startswith("about 16 s needed, the judged phases")
+    assert plan["skipped"]["cudnn"] == "not a CUDA device"
+    assert plan["skipped"]["peer"] == "--peer-seconds 0"
 
 
 @pytest.mark.slow
@@ -375,6 +406,70 @@ def processes_of(test: str) -> list[int]:
         if f"PYTEST_CURRENT_TEST={test}".encode() in environ and state != "Z":
             found.append(int(proc.name))
     return found
+
+
+# ------------------------------------------------------------------- the budget plan
+
+
+def script_default(name: str) -> int:
+    """A default of scripts/gpu-check.sh (`NAME=${GPU_CHECK_..._S:-N}`)."""
+    script = (ROOT / "scripts" / "gpu-check.sh").read_text()
+    match = re.search(rf"^{name}=\$\{{GPU_CHECK_{name}_S:-(\d+)\}}$", script, re.MULTILINE)
+    assert match, name
+    return int(match.group(1))
+
+
+# What a GPU host spends around the benchmark by scripts/gpu-check.sh's clock: the set-up
+# before it starts (preflight, the carry verified, Redis), and the CUDA tests (100-160 s
+# on a 16-core host, docs/gpu-hosts.md).
+SET_UP_S = 30
+CUDA_TESTS_S = 160
+
+
+def test_the_default_plan_covers_every_judged_phase_within_one_command() -> None:
+    """The check's defaults plan every phase the rules need within its default deadline;
+    the script's defaults give the CUDA tests their time, the benchmark its judged phases
+    after them, and all of it fits one 10-minute command."""
+    from worker.tools.gpu_check.check import budget_plan, parse_args
+    from worker.tools.gpu_check.rules import JUDGED_PHASES
+
+    plan = budget_plan(parse_args([])).as_dict()
+    assert plan["fits"] is True and plan["past_deadline"] == {}
+    assert all(plan[phase] > 0 for phase in JUDGED_PHASES)
+    assert plan["total"] <= plan["deadline_s"]
+    assert set(plan["skipped"]) <= set(EXTRA_PHASES), plan["skipped"]
+    budget, reserve = script_default("BUDGET"), script_default("RESERVE")
+    # The benchmark as the script starts it: its deadline ends 10 s before the budget.
+    deadline = budget - SET_UP_S - 10
+    assert parse_args([]).deadline_s == deadline
+    plan = budget_plan(parse_args(["--seconds", "15", "--deadline-s", str(deadline)])).as_dict()
+    assert plan["fits"] is True
+    # After the tests, the judged phases and the two windows between them that no rule reads.
+    assert plan["judged_after_tests"] + plan["latency"] + plan["before"] <= reserve - 10
+    assert budget - SET_UP_S - reserve >= CUDA_TESTS_S  # the tests' limit
+    assert budget + 25 <= 600  # the last step, the benchmark's kill grace
+
+
+def test_a_deadline_too_short_says_what_the_plan_left_out() -> None:
+    """The judged phases are planned first; what no rule reads is left out, with why, where
+    it does not fit; judged phases that cannot fit are named up front."""
+    from worker.tools.gpu_check.check import budget_plan, parse_args
+
+    plan = budget_plan(parse_args(["--deadline-s", "360"])).as_dict()
+    assert plan["fits"] is True and plan["total"] == 356  # the latency window, then judged
+    assert plan["latency"] == 9 and "before" not in plan
+    assert plan["skipped"]["before"] == "about 10 s needed, 4 s left in the plan"
+    assert plan["skipped"]["before_processes"] == (
+        "3 of 3 runs: about 50 s a run, 4 s left in the plan"
+    )
+    plan = budget_plan(parse_args(["--deadline-s", "300"])).as_dict()
+    assert plan["fits"] is False
+    assert list(plan["past_deadline"]) == ["peer", "light_ceiling", "light", "shutdown"]
+    assert plan["past_deadline"]["peer"] == "ends about 309 s in, past the deadline of 300 s"
+    assert set(plan["skipped"]) == {"latency", "before", *EXTRA_PHASES}
+    assert plan["skipped"]["latency"] == (
+        "about 9 s needed, the judged phases alone need 347 s of 300"
+    )
 
 
 # ------------------------------------------------------------------ the rules and the judge
@@ -599,9 +694,26 @@ def test_a_run_cut_outside_the_extras_fails(tmp_path: Path) -> None:
     report = good_report()
     report.update(error="time budget of 200 s spent during phase 'cudnn'", stopped_in="cudnn")
     assert judged(report, tmp_path)[0] == 0  # the extras are measured after every claim
+    report.update(error="signal 15 during phase 'before_processes'", stopped_in="before_processes")
+    assert judged(report, tmp_path)[0] == 0
     report.update(error="signal 15 during phase 'decode'", stopped_in="decode")
     code, lines = judged(report, tmp_path)
     assert code == 1 and lines["run"].startswith("FAIL")
+
+
+def test_a_gpus_claims_measured_on_another_device_are_not_measured(tmp_path: Path) -> None:
+    """The check rehearsed on the CPU: whatever its figures, no GPU claim passes there."""
+    report = good_report()
+    report["device_type"] = "cpu"
+    code, lines = judged(report, tmp_path)
+    assert code == 1
+    passing = sorted(n for n, line in lines.items() if line.startswith("pass"))
+    assert passing == ["cuda_tests", "pipeline_decodes"]
+    assert (
+        "not measured: not a CUDA device (cpu); there: 0.952 (4000.0 of 4200.0" in (lines["ratio"])
+    )
+    report["device_type"] = "cuda"
+    assert judged(report, tmp_path)[0] == 0
 
 
 def test_the_photo_window_is_held_to_half_the_ceiling_and_55_percent(tmp_path: Path) -> None:

@@ -25,11 +25,14 @@ ends, so a run cut short still reports what it measured:
    (gpu_check/processes_run.py), and cudnn, the ceiling again with cudnn.benchmark on
    (eager, and compiled and captured afresh).
 
-The run has a deadline (--deadline-s): phases that do not fit are skipped and say so ("not
-measured"), and when the deadline passes (or SIGTERM arrives) the report is written with
-what was measured and the process ends at once, even with a compile still running on
-another thread. The verdict is the rules' (worker/tools/gpu_check/rules.py); the script's
-last step adds the CUDA tests' results and judges again.
+The run has a deadline (--deadline-s). Before anything runs, a budget plan (`budget_plan` in
+the report) gives each phase its seconds, every phase a rule needs first, the others while
+they fit, and says what it left out and why, and which judged phase cannot fit. Phases that
+do not fit when their turn comes are skipped and say so ("not measured"), and when the
+deadline passes (or SIGTERM arrives) the report is written with what was measured and the
+process ends at once, even with a compile still running on another thread. The verdict is
+the rules' (worker/tools/gpu_check/rules.py); the script's last step adds the CUDA tests'
+results and judges again.
 
 No network: weights are random (`none`), images are made here, Redis is whatever REDIS_URL
 points at (scripts/gpu-check.sh starts a private one).
@@ -82,6 +85,7 @@ from worker.model.compiler import (
     snapshot,
     still_compiled,
 )
+from worker.model.step import resolve_compile_mode
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.logs import configure_logging
 from worker.observe.redis_cpu import redis_cost, redis_cpu_s
@@ -100,6 +104,7 @@ from worker.tools.gpu_check.report import (
     add_verdict,
     tests_summary,
 )
+from worker.tools.gpu_check.rules import JUDGED_PHASES
 
 log = structlog.get_logger("gpufeed.gpu_check")
 
@@ -110,10 +115,6 @@ _SYNC_MODE_NOTICE = "synchronization debug mode is a prototype"
 # The device-side copy activity names a pageable host side: "Memcpy HtoD (Pageable -> Device)".
 PAGEABLE_COPY = "pageable"
 
-# Seconds the light model's worker needs: to start (its compile) and, besides its window,
-# to measure its ceiling and drain.
-LIGHT_START_S = 75.0
-LIGHT_NEEDED_S = 20.0
 
 # CUDA runtime and driver calls that block the calling host thread until the device (or a
 # stream or event) catches up, whoever makes them: torch, torchvision, nvJPEG,
@@ -548,6 +549,193 @@ class Deadline:
         return self.at - time.monotonic()
 
 
+# What each phase costs besides its own window, in seconds, on a 16-core GPU host: what the
+# budget plan adds up. Each phase still checks the time left when it starts.
+STARTUP_S = 100.0  # resnet50 compiled cold at its four batch shapes (40-90 s), its checks
+STARTUP_EAGER_S = 20.0  # no compile: the model built and warmed up
+LIGHT_START_S = 75.0  # the light model's worker, compiled for the full batch alone
+LIGHT_START_EAGER_S = 20.0
+ONE_COMPILE_S = 40.0  # the model compiled cold at one shape (the peer's, the cudnn extra's)
+CEILING_S = 5.0
+WINDOW_S = 5.0  # a window's ramp (four batches answered), warm-up and read-out
+SYNCS_S = 5.0  # the profiler's start, stop and read-out of every thread's events
+DRAIN_S = 5.0  # the pipeline's worker answering its backlog and stopping
+DECODE_S = 10.0
+PEER_S = 20.0  # the DataLoader's processes spawned, the model alone timed
+LIGHT_CEILING_S = 5.0
+LIGHT_S = 15.0  # the light worker's loop started, its ramp and drain
+SHUTDOWN_S = 10.0  # the workers shut down and the report written
+GPU_DECODE_RATE_S = 35.0
+H2D_S = 15.0
+CUDNN_S = 10.0  # and a compile where the step is compiled
+# A before_processes run besides its window: the workers' start (torch's import, a compile
+# mostly served by the cache the check's own worker filled), a warm-up and the drain.
+PROCESSES_RUN_S = 45.0
+
+# The plan's rows that are no phase of the report: parts of the phases around them.
+_PLAN_ONLY = ("drain", "shutdown")
+
+
+@dataclass
+class BudgetPlan:
+    """Seconds for each phase, in run order, planned up front from the options: every phase
+    the rules need (rules.JUDGED_PHASES, with the pipeline's drain and the run's end) first,
+    then the others, each while it fits the deadline. Those left out say why; a judged
+    phase past the deadline is named."""
+
+    deadline_s: float
+    order: list[tuple[str, float, bool]]  # (phase, seconds, judged), run order, planned
+    skipped: dict[str, str]
+    past_deadline: dict[str, str]
+
+    def seconds(self, phase: str) -> float:
+        """Seconds planned for `phase` (0: not planned)."""
+        return next((s for name, s, _ in self.order if name == phase), 0.0)
+
+    def judged_after(self, phase: str) -> float:
+        """Seconds planned for the judged phases that run after `phase`."""
+        names = [name for name, _, _ in self.order]
+        after = self.order[names.index(phase) + 1 :] if phase in names else []
+        return sum(s for _, s, judged in after if judged)
+
+    def why_not(self, phase: str, left_s: float) -> str | None:
+        """Why `phase`, judged by no rule, is not run with `left_s` seconds left (None: it
+        runs): planned out up front, or the judged phases after it need the time."""
+        if phase in self.skipped:
+            return self.skipped[phase]
+        need, later = self.seconds(phase), self.judged_after(phase)
+        if left_s - need < later:
+            return (
+                f"{left_s:.0f} s left: about {need:.0f} s for it and {later:.0f} s for the "
+                "judged phases after it"
+            )
+        return None
+
+    def as_dict(self) -> dict[str, Any]:
+        total = sum(s for _, s, _ in self.order)
+        judged = sum(s for _, s, j in self.order if j)
+        before_tests = sum(s for n, s, _ in self.order if n in ("startup", "light_startup"))
+        return {
+            **{name: round(s, 1) for name, s, _ in self.order},
+            "total": round(total, 1),
+            "deadline_s": self.deadline_s,
+            "judged_total": round(judged, 1),
+            # With --wait-for, what the phases after the start-ups need once the tests end
+            # (scripts/gpu-check.sh's GPU_CHECK_RESERVE_S keeps it for them).
+            "after_tests": round(total - before_tests, 1),
+            "judged_after_tests": round(judged - before_tests, 1),
+            "fits": not self.past_deadline,
+            "past_deadline": self.past_deadline,
+            "skipped": self.skipped,
+        }
+
+
+def budget_plan(args: CheckArgs) -> BudgetPlan:
+    """The run's phases against --deadline-s, from the options alone (what the compile
+    costs is an estimate here; the peer's is measured again once the worker compiled)."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    compiled = resolve_compile_mode(args.compile, device) != "off"
+    one_compile = ONE_COMPILE_S if compiled else 0.0
+    light = args.light_seconds > 0
+    counts = before_process_counts(args.before_processes)
+    run_s = PROCESSES_RUN_S + args.before_processes_seconds
+    # (phase, seconds or why it does not run), in run order.
+    costs: list[tuple[str, float | str]] = [
+        ("startup", STARTUP_S if compiled else STARTUP_EAGER_S),
+        (
+            "light_startup",
+            (LIGHT_START_S if compiled else LIGHT_START_EAGER_S) if light else "--light-seconds 0",
+        ),
+        ("ceiling", CEILING_S),
+        ("pipeline", args.warmup_seconds + args.seconds + WINDOW_S),
+        ("syncs", args.sync_seconds + SYNCS_S),
+        (
+            "latency",
+            args.latency_seconds + WINDOW_S if args.latency_seconds > 0 else "--latency-seconds 0",
+        ),
+        (
+            "thumbnails",
+            args.thumbnail_seconds + WINDOW_S
+            if args.thumbnail_seconds > 0
+            else "--thumbnail-seconds 0",
+        ),
+        (
+            "before",
+            "--before-seconds 0"
+            if args.before_seconds <= 0
+            else "--decode cpu: no GPU decode in this run"
+            if args.decode == "cpu"
+            else args.before_seconds + WINDOW_S,
+        ),
+        ("drain", DRAIN_S),
+        ("decode", DECODE_S),
+        (
+            "peer",
+            args.peer_seconds + PEER_S + one_compile
+            if args.peer_seconds > 0
+            else "--peer-seconds 0",
+        ),
+        ("light_ceiling", LIGHT_CEILING_S if light else "--light-seconds 0"),
+        ("light", args.light_seconds + LIGHT_S if light else "--light-seconds 0"),
+        ("gpu_decode_rate", GPU_DECODE_RATE_S if cuda else "not a CUDA device"),
+        (
+            "decode_processes",
+            12 * args.decode_rate_seconds + 15
+            if args.decode_rate_seconds > 0
+            else "--decode-rate-seconds 0",
+        ),
+        ("h2d", H2D_S if cuda else "not a CUDA device"),
+        (
+            "before_processes",
+            len(counts) * run_s if counts else "--before-processes empty",
+        ),
+        ("cudnn", CUDNN_S + one_compile if cuda else "not a CUDA device"),
+        ("shutdown", SHUTDOWN_S),
+    ]
+    rows = [(name, cost, name in JUDGED_PHASES or name in _PLAN_ONLY) for name, cost in costs]
+    skipped = {name: cost for name, cost, _ in rows if isinstance(cost, str)}
+    judged_s = sum(c for _, c, j in rows if j and not isinstance(c, str))
+    room = args.deadline_s - judged_s
+
+    def left() -> str:
+        if room <= 0:
+            return f"the judged phases alone need {judged_s:.0f} s of {args.deadline_s:.0f}"
+        return f"{room:.0f} s left in the plan"
+
+    planned: dict[str, float] = {}
+    for name, cost, judged in rows:
+        if isinstance(cost, str):
+            continue
+        if judged:
+            planned[name] = cost
+        elif name == "before_processes":
+            # As many runs as fit, in the order given.
+            fit = min(len(counts), int(max(room, 0.0) // run_s))
+            if fit < len(counts):
+                skipped[name] = (
+                    f"{len(counts) - fit} of {len(counts)} runs: about {run_s:.0f} s a run, "
+                    f"{left()}"
+                )
+            if fit:
+                planned[name] = fit * run_s
+                room -= fit * run_s
+        elif cost <= room:
+            planned[name] = cost
+            room -= cost
+        else:
+            skipped[name] = f"about {cost:.0f} s needed, {left()}"
+    order = [(name, planned[name], judged) for name, _, judged in rows if name in planned]
+    skipped = {name: skipped[name] for name, _, _ in rows if name in skipped}  # run order
+    past: dict[str, str] = {}
+    at = 0.0
+    for name, cost, judged in order:
+        at += cost
+        if judged and at > args.deadline_s:
+            past[name] = f"ends about {at:.0f} s in, past the deadline of {args.deadline_s:.0f} s"
+    return BudgetPlan(args.deadline_s, order, skipped, past)
+
+
 # Files the photo windows' path jobs name: each of the 32 images in 8 copies whose bytes
 # differ (a comment segment), written once per run.
 PHOTO_FILES = 256
@@ -590,9 +778,13 @@ async def _measure_pipeline(
     report: Report,
     window_s: float,
     best_ceiling: float,
+    *,
+    deadline: Deadline,
+    plan: BudgetPlan,
 ) -> None:
     """Phases `pipeline` (the timed window) and `syncs` (the profiled window), on one
-    worker fed from Redis. Each phase's figures are in the report as it ends."""
+    worker fed from Redis, then `latency`, `thumbnails` and `before` on it. Each phase's
+    figures are in the report as it ends."""
     cfg = worker.config
     compile_report = worker.compile_report
     assert compile_report is not None
@@ -629,8 +821,8 @@ async def _measure_pipeline(
     try:
         with report.phase("pipeline") as entry:
             entry["window_s"] = round(window_s, 1)
-            deadline = time.monotonic() + args.warmup_seconds + 60
-            while done_count() < worker.batch_size * 4 and time.monotonic() < deadline:
+            ramp_until = time.monotonic() + args.warmup_seconds + 60
+            while done_count() < worker.batch_size * 4 and time.monotonic() < ramp_until:
                 if main.done():
                     main.result()
                 if not feeder.alive:
@@ -724,12 +916,13 @@ async def _measure_pipeline(
             report["host_syncs"] = found
             if main.done():
                 main.result()
-        if args.latency_seconds > 0:
+        # Judged by no rule: only where the judged phases after it keep their time.
+        if (why := plan.why_not("latency", deadline.left())) is None:
             await _measure_latency(
                 worker, args, report, images=payloads, feeder=feeder, main=main, done=done_count
             )
         else:
-            report.skip("latency", "--latency-seconds 0")
+            report.skip("latency", why)
         feeder.stop()
         if args.thumbnail_seconds <= 0:
             report.skip("thumbnails", "--thumbnail-seconds 0")
@@ -741,7 +934,14 @@ async def _measure_pipeline(
             report.skip("before", "--before-seconds 0")
         else:
             await _measure_before(
-                worker, args, report, jobs=jobs, main=main, done=done_count, best=best_ceiling
+                worker,
+                args,
+                report,
+                jobs=jobs,
+                main=main,
+                done=done_count,
+                best=best_ceiling,
+                why_not=lambda: plan.why_not("before", deadline.left()),
             )
     finally:
         telling.cancel()
@@ -864,14 +1064,19 @@ async def _measure_before(
     main: asyncio.Task[None],
     done: Callable[[], int],
     best: float,
+    why_not: Callable[[], str | None] = lambda: None,
 ) -> None:
     """Phase `before`: the photo window's jobs with the GPU's JPEG decoder left out (every
     row decoded by the decode processes, as before GPU decode), for --before-seconds on
-    the same worker: what the engines add on this host."""
+    the same worker: what the engines add on this host. Judged by no rule: `why_not`
+    says why there is no time for it (None: there is)."""
     pool = worker.decoder
     split = worker.engine.decode_split
     if split is None or not isinstance(pool, ProcessDecodePool):
         report.skip("before", "no GPU decode in this run")
+        return
+    if (why := why_not()) is not None:
+        report.skip("before", why)
         return
     share, tune = pool.gpu_share, split.tune
     split.tune = False
@@ -1091,6 +1296,12 @@ def _check_config(args: CheckArgs, *, model: str, prefix: str, **more: Any) -> W
 
 
 async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
+    plan = budget_plan(args)
+    # The rules judge a GPU's claims on a CUDA device only.
+    report["device_type"] = torch.device(args.device).type
+    report["budget_plan"] = plan.as_dict()
+    if plan.past_deadline:
+        log.warning("budget_plan_past_deadline", phases=plan.past_deadline)
     with contextlib.ExitStack() as stack:
         more: dict[str, Any] = {}
         if args.jobs_by == "path":
@@ -1111,7 +1322,7 @@ async def run(args: CheckArgs, report: Report, deadline: Deadline) -> None:
             )
             light = Worker(light_cfg)
         try:
-            await _run_phases(worker, light, args, report, deadline)
+            await _run_phases(worker, light, args, report, deadline, plan=plan)
         finally:
             if light is not None:
                 await light.shutdown()
@@ -1192,12 +1403,6 @@ async def _measure_light(worker: Worker, args: CheckArgs, report: Report) -> Non
                 await asyncio.wait_for(main, 60)
 
 
-# Seconds a before_processes run needs besides its window: the workers' start (torch's
-# import, a compile mostly served by the cache the check's own worker filled), a warm-up
-# and the drain.
-PROCESSES_RUN_S = 45.0
-
-
 def before_process_counts(value: str) -> list[int]:
     """--before-processes: GPUFEED_PROCESSES values, each 1 to 16 (ValueError otherwise)."""
     counts = [int(v) for v in value.replace(" ", "").split(",") if v]
@@ -1215,16 +1420,19 @@ def _counts_option(value: str) -> str:
 
 
 async def _measure_before_processes(
-    worker: Worker, args: CheckArgs, report: Report, deadline: Deadline
+    worker: Worker, args: CheckArgs, report: Report, deadline: Deadline, plan: BudgetPlan
 ) -> None:
     """Phase `before_processes` (an extra): gpufeed with GPU decode off, as
     `python -m worker` with each GPUFEED_PROCESSES of --before-processes, on the photo jobs
-    (gpu_check/processes_run.py); a run that does not fit the deadline is skipped."""
+    (gpu_check/processes_run.py); the runs the plan has no time for, or that do not fit
+    the deadline when their turn comes, are skipped."""
     counts = before_process_counts(args.before_processes)
-    if not counts:
-        report.skip("before_processes", "--before-processes empty")
-        return
     needed = PROCESSES_RUN_S + args.before_processes_seconds
+    planned = round(plan.seconds("before_processes") / needed)
+    planned_out = plan.skipped.get("before_processes", "")
+    if planned == 0:
+        report.skip("before_processes", planned_out or "not planned")
+        return
     if deadline.left() < needed + 10:
         why = f"{deadline.left():.0f} s left, about {needed:.0f} needed per run"
         report.skip("before_processes", why)
@@ -1241,7 +1449,10 @@ async def _measure_before_processes(
     report["before_processes"] = found
     loop = asyncio.get_running_loop()
     with report.phase("before_processes") as entry:
-        for n in counts:
+        for i, n in enumerate(counts):
+            if i >= planned:
+                runs.append({"processes": n, "status": f"skipped: {planned_out}"})
+                continue
             if deadline.left() < needed + 10:
                 runs.append({"processes": n, "status": f"skipped: {deadline.left():.0f} s left"})
                 continue
@@ -1295,7 +1506,13 @@ async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
 
 
 async def _run_phases(
-    worker: Worker, light: Worker | None, args: CheckArgs, report: Report, deadline: Deadline
+    worker: Worker,
+    light: Worker | None,
+    args: CheckArgs,
+    report: Report,
+    deadline: Deadline,
+    *,
+    plan: BudgetPlan,
 ) -> None:
     with report.phase("startup"):
         t0 = time.perf_counter()
@@ -1307,8 +1524,10 @@ async def _run_phases(
         report["precision"] = worker.precision.as_dict() if worker.precision else None
     if light is None:
         report.skip("light_startup", "--light-seconds 0")
-    elif deadline.left() < LIGHT_START_S + LIGHT_NEEDED_S + args.light_seconds:
-        report.skip("light_startup", f"{deadline.left():.0f} s left")
+    elif deadline.left() < (
+        light_s := sum(map(plan.seconds, ("light_startup", "light_ceiling", "light")))
+    ):
+        report.skip("light_startup", f"{deadline.left():.0f} s left, about {light_s:.0f} needed")
         light = None
     else:
         try:
@@ -1319,6 +1538,9 @@ async def _run_phases(
         # Compiled beside the CUDA tests; measured only once they are done, alone on the GPU.
         with report.phase("wait_for_tests") as entry:
             entry["tests_done"] = await _wait_for_file(Path(args.wait_for), deadline)
+            # Against the plan: what the judged phases from here on need.
+            entry["left_s"] = round(deadline.left(), 1)
+            entry["judged_need_s"] = plan.seconds("ceiling") + plan.judged_after("ceiling")
     runner = worker.runner
     device = worker.ctx.device
     step_fn = runner.step
@@ -1357,18 +1579,21 @@ async def _run_phases(
 
     best = max(ceilings["compiled"]["images_per_s"], ceilings["eager"]["images_per_s"])
     report["ceiling_best_images_per_s"] = best
-    # Keep time for the decode phase (~10 s) and the end of the run; the rest of the phase
-    # is warm-up, the sync window with its profiler read-out, and the worker's drain.
-    room = (
-        deadline.left() - 20 - args.warmup_seconds - args.sync_seconds - args.latency_seconds - 10
-    )
+    # The window shortens, where it must, to leave every judged phase after it its planned
+    # time (the sync window, thumbnails, decode, peer, light model, the end of the run).
+    # Shorter than 5 s, it keeps its own and its sync window's: the phases after those are
+    # the ones to lose their time first.
+    room = deadline.left() - args.warmup_seconds - WINDOW_S - plan.judged_after("pipeline")
+    if room < min(args.seconds, 5.0):
+        core = sum(map(plan.seconds, ("syncs", "drain", "decode", "shutdown")))
+        room = deadline.left() - args.warmup_seconds - WINDOW_S - core
     window = min(args.seconds, room)
     if room < min(args.seconds, 5.0):
         why = f"not measured: {deadline.left():.0f} s left, no room for a window"
         report.skip("pipeline", why)
         report.skip("syncs", why)
     else:
-        await _measure_pipeline(worker, args, report, window, best)
+        await _measure_pipeline(worker, args, report, window, best, deadline=deadline, plan=plan)
 
     loop = asyncio.get_running_loop()
     if deadline.left() < 15:
@@ -1380,9 +1605,11 @@ async def _run_phases(
             )
 
     # The peer: the worker's model fed by a torch DataLoader over the same JPEGs.
-    # Its model compiled as the worker's was: about the worker's compile again.
+    # Its model compiled as the worker's was, for one shape: about the first shape the
+    # worker compiled (the batch's), not the worker's every shape.
     peer_mode = compile_report.mode if compile_report.compiled else "off"
-    peer_needed = args.peer_seconds + 20 + (compile_report.compile_s if peer_mode != "off" else 0)
+    one_compile = compile_report.size_costs.get(worker.batch_size, (compile_report.compile_s, 0))[0]
+    peer_needed = args.peer_seconds + PEER_S + (one_compile if peer_mode != "off" else 0)
     if args.peer_seconds <= 0:
         report.skip("peer", "--peer-seconds 0")
     elif deadline.left() < peer_needed:
@@ -1395,7 +1622,7 @@ async def _run_phases(
 
     # A light model on a worker of its own (started beside the tests): the feed against a
     # faster step.
-    light_needed = args.light_seconds + LIGHT_NEEDED_S
+    light_needed = args.light_seconds + LIGHT_CEILING_S + LIGHT_S
     if light is None:
         started = report.data["phases"]["light_startup"]
         why = started.get("why") or f"its start-up failed: {started.get('error')}"
@@ -1408,10 +1635,11 @@ async def _run_phases(
     else:
         await _measure_light(light, args, report)
 
-    # Extras (judged by no rule): measured only with time to spare.
-    if device.type != "cuda":
-        report.skip("gpu_decode_rate", "not a CUDA device")
-    elif deadline.left() < 35:
+    # Extras (judged by no rule): measured only where the plan keeps time for them, and
+    # with that time still left.
+    if (skip := plan.skipped.get("gpu_decode_rate")) is not None:
+        report.skip("gpu_decode_rate", skip)
+    elif deadline.left() < GPU_DECODE_RATE_S:
         report.skip("gpu_decode_rate", f"{deadline.left():.0f} s left")
     else:
         with report.phase("gpu_decode_rate"):
@@ -1435,8 +1663,8 @@ async def _run_phases(
     # The CPU's side of the decode, per image size: what the decode processes reach on this
     # host's cores (the split between the GPU's JPEG engines and the CPU is planned on it).
     needed = 12 * args.decode_rate_seconds + 15
-    if args.decode_rate_seconds <= 0:
-        report.skip("decode_processes", "--decode-rate-seconds 0")
+    if (skip := plan.skipped.get("decode_processes")) is not None:
+        report.skip("decode_processes", skip)
     elif deadline.left() < needed + 10:
         report.skip("decode_processes", f"{deadline.left():.0f} s left, about {needed:.0f} needed")
     else:
@@ -1452,9 +1680,9 @@ async def _run_phases(
             )
 
     # What the PCIe link carries in packed rows: a batch of the window's images, pinned.
-    if device.type != "cuda":
-        report.skip("h2d", "not a CUDA device")
-    elif deadline.left() < 15:
+    if (skip := plan.skipped.get("h2d")) is not None:
+        report.skip("h2d", skip)
+    elif deadline.left() < H2D_S:
         report.skip("h2d", f"{deadline.left():.0f} s left")
     else:
         with report.phase("h2d"):
@@ -1469,10 +1697,10 @@ async def _run_phases(
                 ),
             )
 
-    await _measure_before_processes(worker, args, report, deadline)
+    await _measure_before_processes(worker, args, report, deadline, plan)
 
-    if device.type != "cuda":
-        report.skip("cudnn", "not a CUDA device")
+    if (skip := plan.skipped.get("cudnn")) is not None:
+        report.skip("cudnn", skip)
         return
     if deadline.left() < 10:
         report.skip("cudnn", f"{deadline.left():.0f} s left")
@@ -1480,7 +1708,7 @@ async def _run_phases(
     with report.phase("cudnn") as entry:
         # Its own thread and stream: CUDA-graph trees are per thread, and the worker's own
         # launch thread is gone with the pipeline.
-        needed_s = max(15.0, 0.5 * compile_report.compile_s)
+        needed_s = max(15.0, one_compile)
 
         def cudnn_on() -> None:
             stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
@@ -1713,7 +1941,8 @@ def _env(name: str, default: str) -> Callable[[], str]:
 @click.option(
     "--deadline-s",
     type=float,
-    default=_env("GPU_CHECK_BENCH_DEADLINE_S", "170"),
+    # What scripts/gpu-check.sh gives it by default: GPU_CHECK_BUDGET_S less its set-up.
+    default=_env("GPU_CHECK_BENCH_DEADLINE_S", "440"),
     help="write the report and stop after this many seconds, whatever is running",
 )
 def command(**options: Any) -> CheckArgs:

@@ -3,11 +3,12 @@ ends and again by `python -m worker gpu-check --judge REPORT.json` to any saved 
 
 Each rule names a documented claim (docs/gpu-hosts.md), the figure the report measured for
 it, the target and pass / fail. A rule whose figure is missing (its phase was skipped, cut
-by the deadline or failed) fails as "not measured": a check never passes on what it did not
-see. The targets are those the documentation states for a GPU host (docs/gpu-hosts.md):
-half the ceiling and 55% utilisation for 640x480 JPEGs, the doctor's "healthy" ratio
-(worker/tools/doctor/verdict.py) for 64x64 ones, 12,000 images/s for a light model on
-640x480 ones, 1.5x a torch DataLoader on the same model.
+by the deadline or failed), or a GPU's claim measured on another device, fails as "not
+measured": a check never passes on what it did not see. The targets are those the
+documentation states for a GPU host (docs/gpu-hosts.md): half the ceiling and 55%
+utilisation for 640x480 JPEGs, the doctor's "healthy" ratio (worker/tools/doctor/verdict.py)
+for 64x64 ones, 12,000 images/s for a light model on 640x480 ones, 1.5x a torch DataLoader
+on the same model.
 
 Pure functions of the report's dict, importing no torch, so they judge reports from any
 host and are tested on crafted reports.
@@ -16,7 +17,7 @@ host and are tested on crafted reports.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from worker.tools.doctor.verdict import HEALTHY_RATIO
@@ -41,8 +42,28 @@ DECODE_DIFF_TARGET = 4.0
 
 NOT_MEASURED = "not measured"
 
+# Phases the rules need: their figures, or those the figures are measured against (the
+# ceiling, the light model's start-up and ceiling). The run's budget plan keeps time for
+# each of them first (worker/tools/gpu_check/check.py, budget_plan).
+JUDGED_PHASES = (
+    "startup",
+    "light_startup",
+    "ceiling",
+    "pipeline",
+    "syncs",
+    "thumbnails",
+    "decode",
+    "peer",
+    "light_ceiling",
+    "light",
+)
+# Phases between judged ones that no rule reads: run only where the judged phases after
+# them keep their time.
+UNJUDGED_PHASES = ("wait_for_tests", "latency", "before")
 # Phases run after every judged claim was measured, when time is left; none is a rule.
-EXTRA_PHASES = ("gpu_decode_rate", "decode_processes", "h2d", "cudnn")
+EXTRA_PHASES = ("gpu_decode_rate", "decode_processes", "h2d", "before_processes", "cudnn")
+# The rules that judge something besides a GPU's claims: the tests, the feed's answers.
+NOT_GPU_RULES = ("cuda_tests", "pipeline_decodes", "run")
 
 
 @dataclass(frozen=True)
@@ -367,8 +388,19 @@ RULES = (
 
 
 def judge(report: Mapping[str, Any]) -> list[Rule]:
-    """Every rule applied to `report`, in the order of what matters most."""
+    """Every rule applied to `report`, in the order of what matters most. On a device
+    other than CUDA (the check's rehearsal on the CPU) the GPU's claims are not measured,
+    whatever the figures say."""
     rules = [rule(report) for rule in RULES]
+    kind = report.get("device_type", "cuda")
+    if kind != "cuda":
+        off = f"{NOT_MEASURED}: not a CUDA device ({kind})"
+        rules = [
+            r
+            if r.name in NOT_GPU_RULES
+            else replace(r, measured=f"{off}; there: {r.measured}", passed=False)
+            for r in rules
+        ]
     # A run cut in an extra phase (measured after every claim) keeps its verdict; cut or
     # broken anywhere else, it fails, whatever the rules above found.
     if report.get("error") and report.get("stopped_in") not in EXTRA_PHASES:
