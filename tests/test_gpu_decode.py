@@ -23,6 +23,7 @@ from worker.decode.gpu import (
     FIT_CHUNK_PIXELS,
     GpuDecoder,
     GpuDecodeRouter,
+    GpuEnginesUnavailable,
     TorchvisionBackend,
     fit_into,
     fit_many_into,
@@ -146,6 +147,15 @@ def test_decoder_on_cpu_writes_rows_and_isolates_a_bad_image() -> None:
         assert int(dest[3].sum()) == 0 and int(dest[5].sum()) == 0  # untouched rows
     finally:
         decoder.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU backend answers here")
+def test_without_a_gpu_backend_that_answers_nvimgcodec_refuses_to_decode() -> None:
+    """nvImageCodec installed but none of its GPU backends decoding (here: no CUDA; on a GPU
+    host: libnvjpeg missing) is said, never a decoder that silently runs on the CPU."""
+    pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed")
+    with pytest.raises(GpuEnginesUnavailable, match="none of its GPU backends"):
+        make_backend(torch.device("cuda", 0), "nvimgcodec")
 
 
 def test_same_size_images_are_resized_together_exactly_as_one_by_one() -> None:

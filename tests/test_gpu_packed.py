@@ -8,17 +8,25 @@ hardware engines need a GPU. A fake backend pins the order of the work on the st
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from structlog.testing import capture_logs
 
 from tests.images import jpeg_bytes
+from worker.decode import gpu
 from worker.decode.cpu import DecodeSpec
-from worker.decode.gpu_packed import DeferredRow, NvImgCodecInto, PackedGpuDecoder, Place
+from worker.decode.gpu import GPU_BACKENDS, GpuEnginesUnavailable
+from worker.decode.gpu_packed import (
+    DeferredRow,
+    NvImgCodecInto,
+    PackedGpuDecoder,
+    Place,
+)
 from worker.decode.packed import BYTES_WORD, HEADER_BYTES, OFFSET_WORD, PackedSlots, packed_side
 from worker.decode.rows import decode_row, gpu_placement
 from worker.model.resample import PackedResampler
@@ -121,6 +129,81 @@ def test_a_bad_image_fails_alone_and_reads_empty() -> None:
     for i in (0, 2, 4):
         reference.write(i, decode_row(bytes(datas[i]), SPEC, R)[0])
     assert torch.equal(step_input(slots), step_input(reference))
+
+
+class DecoderCalls:
+    """nvImageCodec's Decoder as the lane's code builds it: each call's arguments kept, the
+    library's own class built (or, with `answer`, that stands in for what it returns)."""
+
+    def __init__(self, real: Any, answer: Any = None) -> None:
+        self.real, self.answer = real, answer
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, **kwargs: Any) -> Any:
+        self.calls.append(kwargs)
+        return self.answer if self.answer is not None else self.real(**kwargs)
+
+    def kinds(self, i: int) -> list[str]:
+        return [b.backend_kind.name for b in self.calls[i]["backends"]]
+
+
+@pytest.fixture
+def decoder_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[DecoderCalls]:
+    nvimgcodec_or_skip()
+    import nvidia.nvimgcodec as nvimgcodec
+
+    calls = DecoderCalls(nvimgcodec.Decoder)
+    monkeypatch.setattr(nvimgcodec, "Decoder", calls)
+    monkeypatch.setattr(gpu, "_engines", {})  # what a fresh process asks
+    yield calls
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU backend answers here")
+def test_a_lane_whose_gpu_backends_do_not_answer_refuses_to_start_and_says_so(
+    decoder_calls: DecoderCalls,
+) -> None:
+    """Where nvImageCodec loads but none of its GPU backends decodes (here: no CUDA; on a
+    GPU host: libnvjpeg missing), the lane asks each GPU backend alone, with one thread,
+    never the CPU one, logs what answered once for both lanes, and does not start: GPU
+    decode never runs CPU-only without a word (the worker then says why, as for a missing
+    nvImageCodec)."""
+    slots = new_slots(2)
+    with capture_logs() as logs, pytest.raises(GpuEnginesUnavailable) as raised:
+        PackedGpuDecoder(slots, lambda: NvImgCodecInto(0), device=CPU)
+    assert "none of its GPU backends (HW_GPU_ONLY, GPU_ONLY, HYBRID_CPU_GPU)" in str(raised.value)
+    assert "nvjpeg" in str(raised.value)
+    assert [decoder_calls.kinds(i) for i in range(3)] == [[k] for k in GPU_BACKENDS]
+    assert all(c["max_num_cpu_threads"] == 1 and c["device_id"] == 0 for c in decoder_calls.calls)
+    [event] = [e for e in logs if e["event"] == "gpu_decode_engines"]
+    assert event["engines"] == dict.fromkeys(GPU_BACKENDS, False)
+    assert event["hardware_engines_answered"] is False
+    assert event["log_level"] == "warning" and set(event["why_not"]) == set(GPU_BACKENDS)
+    with capture_logs() as again, pytest.raises(GpuEnginesUnavailable):
+        NvImgCodecInto(0)  # the other lane: asked once per process
+    assert len(decoder_calls.calls) == 3 and again == []
+
+
+def test_a_lane_decodes_with_the_gpu_backends_that_answered_and_one_thread(
+    decoder_calls: DecoderCalls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lane's decoder takes exactly the GPU backends that decoded at start-up and one
+    executor thread, and says which answered (the GPU check reports them); the CPU-only
+    decoder of the tests takes one thread too."""
+    answered = {"HW_GPU_ONLY": True, "GPU_ONLY": False, "HYBRID_CPU_GPU": True}
+    monkeypatch.setattr(gpu, "backend_engines", lambda *a, **k: dict(answered))
+    decoder_calls.answer = object()  # no decoder of these backends can be built here
+    decoder = PackedGpuDecoder(new_slots(2), lambda: NvImgCodecInto(0), device=CPU)
+    decoder.shutdown()
+    assert len(decoder_calls.calls) == 2  # one per lane
+    assert decoder_calls.kinds(0) == ["HW_GPU_ONLY", "HYBRID_CPU_GPU"]
+    assert decoder_calls.calls[0]["max_num_cpu_threads"] == 1
+    assert decoder_calls.calls[0]["device_id"] == 0
+    assert decoder.engines == answered and decoder.hardware_engines_answered
+    assert decoder.backend_name.endswith("(HW_GPU_ONLY, HYBRID_CPU_GPU)")
+    decoder_calls.answer = None
+    cpu_only = NvImgCodecInto(None)
+    assert decoder_calls.kinds(2) == ["CPU_ONLY"] and cpu_only.engines == {}
+    assert decoder_calls.calls[2]["max_num_cpu_threads"] == 1
 
 
 def test_gpu_rows_are_placed_where_the_host_copy_never_reaches() -> None:

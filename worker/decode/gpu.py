@@ -9,6 +9,9 @@ needs nothing beyond torchvision, which is why it stays as the fallback: it fail
 batch on one bad image (we then retry image by image) and synchronises its own stream on the
 calling thread, which is the GPU decode thread here, never the launch thread.
 
+nvImageCodec is asked for its GPU backends only, each tried on a small JPEG at start-up
+(none answering: no nvImageCodec decoder, said so), with one executor thread.
+
 torchvision allocates its outputs on the caller's current stream but writes them on a
 stream of its own. Were that our working stream, a block freed there while our kernels are
 still queued (the stream waits on compute) could come back as the next call's output and
@@ -39,6 +42,7 @@ import asyncio
 import contextlib
 import importlib
 import io
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -74,6 +78,11 @@ _CLASS_SAMPLES = {"small": (480, 360), "medium": (1280, 960), "large": (2600, 19
 
 class GpuDecodeUnavailable(RuntimeError):
     """No usable GPU JPEG decoder here; the message says why."""
+
+
+class GpuEnginesUnavailable(GpuDecodeUnavailable):
+    """nvImageCodec loaded, but none of its GPU backends decoded a JPEG here (its nvJPEG
+    library did not load, or the device has none of what they need)."""
 
 
 class GpuDecodeFailed(RuntimeError):
@@ -240,25 +249,139 @@ class JpegBackend(Protocol):
         ...
 
 
+# nvImageCodec's backends a GPU decoder takes, as its BackendKind names them: the JPEG
+# engines of A100/H100/H200-class GPUs, the GPU-only decoders, and nvJPEG's CUDA decoder
+# (Huffman decode on the host for small images, on the GPU for large ones; 0.8's sources
+# register it as HYBRID_CPU_GPU). The library hands an image the engines cannot take to
+# the next of them. Its CPU backend is left out: it decodes on its own threads into host
+# memory, then copies to the device with host syncs on those threads, and a decoder
+# allowed it turns CPU-only without a word when libnvjpeg does not load.
+GPU_BACKENDS: tuple[str, ...] = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
+HARDWARE_BACKEND = "HW_GPU_ONLY"
+# Threads of each decoder's executor. The library's default, one per core, makes every
+# call wait at a barrier for all of them, on a host whose cores run the decode processes;
+# what it gives them for a batch routed here (header checks, the host half of a small
+# image's hybrid decode) is small, and the calling thread takes a share of it too.
+DECODER_CPU_THREADS = 1
+# The JPEG each backend is asked to decode at start-up: baseline 4:2:0, as photos are.
+_PROBE_SIZE = (64, 48)
+
+_engines: dict[tuple[int, tuple[str, ...], int], dict[str, bool]] = {}
+_engines_lock = threading.Lock()
+
+
+def nvimgcodec_decoder(
+    nvimgcodec: Any,
+    device_id: int,
+    *,
+    backends: Sequence[str] = GPU_BACKENDS,
+    threads: int = DECODER_CPU_THREADS,
+) -> tuple[Any, dict[str, bool]]:
+    """An nvImageCodec decoder on `device_id` that takes only those of `backends` that
+    decoded a JPEG here, with `threads` executor threads; and, per backend, whether it
+    did. Raises GpuEnginesUnavailable when none did: GPU decode never runs CPU-only."""
+    engines = backend_engines(nvimgcodec, device_id, backends=backends, threads=threads)
+    answered = [kind for kind in backends if engines[kind]]
+    if not answered:
+        version = getattr(nvimgcodec, "__version__", "?")
+        raise GpuEnginesUnavailable(
+            f"nvImageCodec {version}: none of its GPU backends ({', '.join(backends)}) "
+            f"decoded a JPEG on device {device_id}; is its nvJPEG library installed "
+            "(pip install nvidia-nvjpeg-cu12 or -cu13, as the CUDA of nvImageCodec)?"
+        )
+    decoder = nvimgcodec.Decoder(
+        device_id=device_id,
+        max_num_cpu_threads=threads,
+        backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k)) for k in answered],
+    )
+    return decoder, engines
+
+
+def backend_engines(
+    nvimgcodec: Any,
+    device_id: int,
+    *,
+    backends: Sequence[str] = GPU_BACKENDS,
+    threads: int = DECODER_CPU_THREADS,
+) -> dict[str, bool]:
+    """Per backend kind, whether a decoder allowed only that one decodes a small JPEG on
+    `device_id`. Asked once per process (start-up: a decoder each), logged as one event."""
+    key = (device_id, tuple(backends), threads)
+    with _engines_lock:
+        known = _engines.get(key)
+        if known is not None:
+            return dict(known)
+        sample = synthetic_jpeg(*_PROBE_SIZE)
+        why = {kind: _probe(nvimgcodec, device_id, kind, threads, sample) for kind in backends}
+        engines = {kind: reason is None for kind, reason in why.items()}
+        _engines[key] = engines
+    hardware = engines.get(HARDWARE_BACKEND, False)
+    (log.info if hardware else log.warning)(
+        "gpu_decode_engines",
+        nvimgcodec=getattr(nvimgcodec, "__version__", "?"),
+        device=device_id,
+        engines=engines,
+        hardware_engines_answered=hardware,
+        why_not={kind: reason for kind, reason in why.items() if reason is not None},
+    )
+    return dict(engines)
+
+
+def _probe(nvimgcodec: Any, device_id: int, kind: str, threads: int, sample: bytes) -> str | None:
+    """None when a decoder allowed only backend `kind` decodes `sample` upright at its
+    size, else why not."""
+    width, height = _PROBE_SIZE
+    try:
+        decoder = nvimgcodec.Decoder(
+            device_id=device_id,
+            max_num_cpu_threads=threads,
+            backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, kind))],
+        )
+        params = nvimgcodec.DecodeParams(
+            apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
+        )
+        image = decoder.decode(sample, params=params)
+    except Exception as exc:  # noqa: BLE001 - whatever the library raised: it did not answer
+        return f"{type(exc).__name__}: {exc}"
+    if image is None:
+        return "it decoded nothing"
+    shape = tuple(image.shape)
+    return None if shape == (height, width, 3) else f"it decoded {shape}"
+
+
 class NvImgCodecBackend:
     name = "nvimgcodec"
     applies_exif = True
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, cpu_only: bool = False) -> None:
+        """`cpu_only`: nvImageCodec's CPU backend into host memory, never on CUDA (the
+        tests' way to run the real library without a GPU)."""
         try:
             nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
         except ImportError as exc:
             raise NvImgCodecMissing(f"nvImageCodec is not installed ({exc})") from None
         self._nv: Any = nvimgcodec
         self.device = device
+        self._cuda = not cpu_only
+        self.engines: dict[str, bool] = {}
         version = getattr(nvimgcodec, "__version__", "?")
         try:
-            self._decoder = nvimgcodec.Decoder(device_id=device.index or 0)
+            if cpu_only:
+                self._decoder = nvimgcodec.Decoder(
+                    device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                    max_num_cpu_threads=DECODER_CPU_THREADS,
+                    backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
+                )
+                self.name = "nvimgcodec (cpu only)"
+            else:
+                self._decoder, self.engines = nvimgcodec_decoder(nvimgcodec, device.index or 0)
             # sRGB output, interleaved uint8 [H, W, 3] (the default sample format for it);
             # the colour spec is SRGB since nvImageCodec 0.7 (there is no RGB).
             self._params = nvimgcodec.DecodeParams(
                 apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
             )
+        except GpuDecodeUnavailable:
+            raise
         except Exception as exc:  # whatever the library raises means: no decoder
             raise GpuDecodeUnavailable(
                 f"nvImageCodec {version} could not build a decoder: {type(exc).__name__}: {exc}"
@@ -274,9 +397,13 @@ class NvImgCodecBackend:
             if img is None:
                 out.append(None)
                 continue
-            # Zero-copy through __cuda_array_interface__; the tensor holds a reference to
-            # `img`, which owns the memory. img: [H, W, 3] uint8.
-            hwc = torch.as_tensor(img, device=self.device)
+            # Zero-copy through __cuda_array_interface__ (host memory: the array interface);
+            # the tensor holds a reference to `img`, which owns the memory. [H, W, 3] uint8.
+            hwc = (
+                torch.as_tensor(img, device=self.device)
+                if self._cuda
+                else torch.from_numpy(np.asarray(img))
+            )
             out.append(hwc.permute(2, 0, 1))
         return out
 

@@ -13,9 +13,10 @@ releases the GIL around the native work; `images=` decodes into caller buffers (
 of the twin) on our CUDA stream; it returns None for an image it could not decode and keeps
 the list's length, so a bad image fails alone; it applies EXIF orientation, so rows are
 recorded upright. Its hardware backend takes baseline JPEGs (the decode processes route
-only those here); the hybrid and CPU backends take what it passes on. The same library
-decodes without a GPU (`NVIMGCODEC_DEVICE_CPU_ONLY`), which is how the tests on a machine
-without CUDA exercise its real contract.
+only those here); nvJPEG's CUDA decoder takes what it passes on. Its CPU backend is never
+asked on CUDA: a row no GPU backend decodes goes back to the decode processes. The same
+library decodes without a GPU (`NVIMGCODEC_DEVICE_CPU_ONLY`), which is how the tests on a
+machine without CUDA exercise its real contract.
 
 A decoder is not shared between threads, so `PackedGpuDecoder` keeps two lanes, each a
 decoder, a CUDA stream and a thread: two batches decode at once, neither waits for the
@@ -46,7 +47,12 @@ import structlog
 import torch
 
 from worker.decode.cpu import DecodeSpec
-from worker.decode.gpu import synthetic_jpeg
+from worker.decode.gpu import (
+    DECODER_CPU_THREADS,
+    HARDWARE_BACKEND,
+    nvimgcodec_decoder,
+    synthetic_jpeg,
+)
 from worker.decode.packed import PackedSlots
 from worker.decode.rows import decode_row
 from worker.pipeline.device import DoneEvent, Event, cuda_event
@@ -117,28 +123,39 @@ class _DeviceImage:
 
 
 class NvImgCodecInto:
-    """nvImageCodec's decoder writing into caller buffers. `device_index` None: its CPU-only
-    backend (no GPU needed; the tests' way to run the real library)."""
+    """nvImageCodec's decoder writing into caller buffers. On CUDA it takes only the GPU
+    backends that decoded a JPEG at start-up (`engines` says which did; none raises
+    GpuEnginesUnavailable) and one executor thread. `device_index` None: its CPU-only
+    backend into host memory (no GPU needed; the tests' way to run the real library).
+    `threads`: the executor's threads, for measurements."""
 
-    def __init__(self, device_index: int | None) -> None:
+    def __init__(self, device_index: int | None, *, threads: int = DECODER_CPU_THREADS) -> None:
         nvimgcodec: Any = importlib.import_module("nvidia.nvimgcodec")
         self._nv = nvimgcodec
         self.name = f"nvimgcodec {nvimgcodec.__version__}"
+        # Per GPU backend, whether it decoded a JPEG at start-up (empty off CUDA).
+        self.engines: dict[str, bool] = {}
         if device_index is None:
             self._decoder = nvimgcodec.Decoder(
                 device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)],
+                max_num_cpu_threads=threads,
+                backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
             )
             self.name += " (cpu only)"
         else:
-            # Hardware engines first, then the GPU's CUDA decode, then the CPU: the library
-            # passes an image on to the next backend that can take it.
-            self._decoder = nvimgcodec.Decoder(device_id=device_index)
+            self._decoder, self.engines = nvimgcodec_decoder(
+                nvimgcodec, device_index, threads=threads
+            )
+            self.name += f" ({', '.join(k for k, ok in self.engines.items() if ok)})"
         self._params = nvimgcodec.DecodeParams(
             apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
         )
         self._cuda = device_index is not None
         self._last: tuple[Any, Any] = ((), ())
+
+    @property
+    def hardware_engines_answered(self) -> bool:
+        return self.engines.get(HARDWARE_BACKEND, False)
 
     def decode_into(
         self, datas: Sequence[Any], twin: torch.Tensor, places: Sequence[Place], stream: int
@@ -211,9 +228,12 @@ class PackedGpuDecoder:
         self._record = record or _record_event
         self._lanes: queue.SimpleQueue[_Lane] = queue.SimpleQueue()
         self.backend_name = ""
+        # Per GPU backend, whether it decoded a JPEG at start-up (the GPU check reports it).
+        self.engines: dict[str, bool] = {}
         for _ in range(lanes):
             backend = make_backend()
             self.backend_name = backend.name
+            self.engines = dict(getattr(backend, "engines", {}))
             self._lanes.put(_Lane(backend, make_stream()))
         self._executor = ThreadPoolExecutor(lanes, thread_name_prefix="gpufeed-gpudecode")
         # Rows decoded, and rows handed back to the CPU, since start-up (both lanes).
@@ -222,6 +242,11 @@ class PackedGpuDecoder:
         self._counts = threading.Lock()
         # Bytes and buffers queued device work may still read, kept until it ran.
         self._retained: deque[tuple[Event, list[Any]]] = deque()
+
+    @property
+    def hardware_engines_answered(self) -> bool:
+        """Whether the GPU's JPEG engines decoded at start-up (False off CUDA)."""
+        return self.engines.get(HARDWARE_BACKEND, False)
 
     async def decode(
         self, rows: Sequence[DeferredRow], twin: torch.Tensor, *, after: Event | None = None
