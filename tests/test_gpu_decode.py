@@ -8,6 +8,7 @@ the CPU: the same code path as on the GPU, minus the stream.
 from __future__ import annotations
 
 import io
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +25,7 @@ from worker.decode.gpu import (
     GpuDecoder,
     GpuDecodeRouter,
     GpuEnginesUnavailable,
+    NvImgCodecBackend,
     TorchvisionBackend,
     fit_into,
     fit_many_into,
@@ -54,6 +56,22 @@ def jpeg_with_orientation(orientation: int, w: int = 90, h: int = 60) -> bytes:
     exif = Image.Exif()
     exif[0x0112] = orientation
     return encode(img, "JPEG", quality=95, exif=exif.tobytes())
+
+
+def jpeg_turned_only_by_its_second_exif(width: int = 150, height: int = 112) -> bytes:
+    """A JPEG with two EXIF segments: the first without an orientation (which is what
+    gpufeed and Pillow read), the second with orientation 6 (which nvImageCodec reads, as it
+    reads every EXIF segment until it finds one)."""
+
+    def app1(exif: Image.Exif) -> bytes:
+        payload = exif.tobytes()  # b"Exif\0\0" and the TIFF data
+        return b"\xff\xe1" + struct.pack(">H", len(payload) + 2) + payload
+
+    plain, turned = Image.Exif(), Image.Exif()
+    plain[0x010F] = "gpufeed"  # Make
+    turned[0x0112] = 6
+    data = jpeg_bytes(width, height, seed=3)
+    return data[:2] + app1(plain) + app1(turned) + data[2:]
 
 
 def make_job(i: int, data: bytes) -> Job:
@@ -147,6 +165,31 @@ def test_decoder_on_cpu_writes_rows_and_isolates_a_bad_image() -> None:
         assert int(dest[3].sum()) == 0 and int(dest[5].sum()) == 0  # untouched rows
     finally:
         decoder.shutdown()
+
+
+def test_a_row_the_decoder_turns_otherwise_than_the_header_goes_to_the_cpu() -> None:
+    """nvImageCodec (its CPU-only backend here, the same library) reads an EXIF orientation
+    the router does not: the row it decoded at the other shape is handed to the CPU
+    decoder, counted; the rows around it are written as the CPU would write them."""
+    pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed")
+    cpu = torch.device("cpu")
+    decoder = GpuDecoder(cpu, NvImgCodecBackend(cpu, cpu_only=True))
+    images = [jpeg_bytes(100, 80, seed=1), jpeg_turned_only_by_its_second_exif()]
+    images.append(jpeg_with_orientation(8))
+    try:
+        rows = [(i, r) for i, d in enumerate(images) if (r := ALL_GPU.route(d, SPEC)) is not None]
+        assert len(rows) == 3 and (rows[1][1].info.width, rows[1][1].info.height) == (150, 112)
+        dest = torch.zeros((3, 64, 64, 3), dtype=torch.uint8)
+        result = decoder.decode_rows_sync(rows, dest)
+    finally:
+        decoder.shutdown()
+    assert result.failed == [1]
+    assert decoder.wrong_shape == 1
+    assert sorted(result.decode_ms) == [0, 2]
+    for row in (0, 2):
+        want, _ = decode_to_array(images[row], SPEC)
+        assert np.abs(dest[row].numpy().astype(int) - want.astype(int)).mean() < 1.5, row
+    assert int(dest[1].sum()) == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU backend answers here")

@@ -18,6 +18,7 @@ from PIL import Image
 from structlog.testing import capture_logs
 
 from tests.images import jpeg_bytes
+from tests.test_gpu_decode import jpeg_turned_only_by_its_second_exif
 from worker.decode import gpu
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu import GPU_BACKENDS, GpuEnginesUnavailable
@@ -129,6 +130,38 @@ def test_a_bad_image_fails_alone_and_reads_empty() -> None:
     for i in (0, 2, 4):
         reference.write(i, decode_row(bytes(datas[i]), SPEC, R)[0])
     assert torch.equal(step_input(slots), step_input(reference))
+
+
+def test_a_row_the_library_turns_otherwise_than_its_place_goes_back_to_the_cpu() -> None:
+    """nvImageCodec reshapes a place to what it decoded and reports success: a JPEG whose
+    EXIF it reads otherwise than the decode process did (its second EXIF segment turns it),
+    and a place given with its sides swapped, come back failed, their records cleared for
+    the CPU decoders and counted; the rows beside them are the CPU's pixels."""
+    nvimgcodec_or_skip()
+    turned = jpeg_turned_only_by_its_second_exif(150, 112)
+    plain = jpeg_bytes(96, 64, seed=5)
+    images = [jpeg_bytes(120, 90, seed=1), turned, plain, jpeg_bytes(100, 100, seed=2)]
+    slots = new_slots(len(images))
+    rows = [deferred(i, data) for i, data in enumerate(images)]
+    assert (rows[1].height, rows[1].width) == (112, 150)  # as the process read it: unturned
+    rows[2] = DeferredRow(2, plain, 96, 64, rows[2].geometry)  # its sides swapped
+    decoder = cpu_only_decoder(slots)
+    try:
+        with capture_logs() as logs:
+            result = decoder.decode_sync(rows, twin_of(slots))
+    finally:
+        decoder.shutdown()
+    assert sorted(result.failed) == [1, 2]
+    assert result.decoded == [0, 3]
+    assert (decoder.wrong_shape, decoder.failed) == (2, 2)
+    records = slots.memory[0, : slots.header_bytes].view("<i4").reshape(len(images), -1)
+    assert not records[1].any() and not records[2].any()
+    [event] = [e for e in logs if e["event"] == "gpu_decode_wrong_shape"]
+    assert event["rows"] == [1, 2] and event["decoded"] == [(150, 112, 3), (64, 96, 3)]
+    reference = new_slots(len(images))
+    for i in (0, 3):
+        reference.write(i, decode_row(images[i], SPEC, R)[0])
+    torch.testing.assert_close(step_input(slots), step_input(reference), rtol=0, atol=1e-4)
 
 
 class DecoderCalls:

@@ -10,7 +10,9 @@ batch on one bad image (we then retry image by image) and synchronises its own s
 calling thread, which is the GPU decode thread here, never the launch thread.
 
 nvImageCodec is asked for its GPU backends only, each tried on a small JPEG at start-up
-(none answering: no nvImageCodec decoder, said so), with one executor thread.
+(none answering: no nvImageCodec decoder, said so), with one executor thread. Its EXIF
+reading is not the router's (it reads every EXIF segment, Pillow the first): a row it
+decodes at another upright size than the router read goes to the CPU decoder, counted.
 
 torchvision allocates its outputs on the caller's current stream but writes them on a
 stream of its own. Were that our working stream, a block freed there while our kernels are
@@ -509,6 +511,9 @@ class GpuDecoder:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gpufeed-gpudecode")
         # Decoded images and bytes referenced by queued GPU work, kept until it ran.
         self._retained: deque[tuple[Event, list[Any]]] = deque()
+        # Rows decoded upright at another size than the header read here gave (the
+        # decoder's EXIF orientation was not ours), sent to the CPU since start-up.
+        self.wrong_shape = 0
 
     async def decode_rows(
         self,
@@ -541,12 +546,29 @@ class GpuDecoder:
                     self.stream.wait_event(after)
                 images = self.backend.decode(datas, self.stream)
                 upright: list[tuple[int, torch.Tensor]] = []
+                misshapen: list[tuple[int, tuple[int, ...], tuple[int, int]]] = []
                 for (row, r), img in zip(rows, images, strict=True):
                     if img is None or img.dim() != 3 or img.shape[0] != 3:
                         failed.append(row)
                         continue
                     turned = img if self.backend.applies_exif else orient(img, r.orientation)
+                    if tuple(turned.shape[1:]) != (r.info.height, r.info.width):
+                        # Turned otherwise than the header read here says: the CPU path
+                        # decodes it as every other decode of it would.
+                        failed.append(row)
+                        misshapen.append((row, tuple(turned.shape), (r.info.height, r.info.width)))
+                        continue
                     upright.append((row, turned))
+                if misshapen:
+                    self.wrong_shape += len(misshapen)
+                    log.warning(
+                        "gpu_decode_wrong_shape",
+                        decoder=self.backend.name,
+                        rows=[row for row, _, _ in misshapen],
+                        decoded=[shape for _, shape, _ in misshapen],
+                        expected=[size for _, _, size in misshapen],
+                        fallback="cpu decode",
+                    )
                 for group in same_size_groups(upright):
                     fit_many_into([img for _, img in group], dest, [row for row, _ in group])
                     decoded_rows.extend(row for row, _ in group)

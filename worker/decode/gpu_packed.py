@@ -18,6 +18,10 @@ asked on CUDA: a row no GPU backend decodes goes back to the decode processes. T
 library decodes without a GPU (`NVIMGCODEC_DEVICE_CPU_ONLY`), which is how the tests on a
 machine without CUDA exercise its real contract.
 
+The library reshapes a caller's buffer to what it decoded and reports success, so each
+row's decoded shape is checked against its place (the upright size the decode process read
+from the header): a row the library turned otherwise goes back to the processes, counted.
+
 A decoder is not shared between threads, so `PackedGpuDecoder` keeps two lanes, each a
 decoder, a CUDA stream and a thread: two batches decode at once, neither waits for the
 other's host work. Before writing a twin a lane's stream waits, on the GPU, for the event
@@ -152,6 +156,9 @@ class NvImgCodecInto:
         )
         self._cuda = device_index is not None
         self._last: tuple[Any, Any] = ((), ())
+        # The last call's images decoded at another shape than their place's: (index in
+        # the call, the shape the library reports). Their rows were answered False.
+        self.misshapen: list[tuple[int, tuple[int, ...]]] = []
 
     @property
     def hardware_engines_answered(self) -> bool:
@@ -161,6 +168,7 @@ class NvImgCodecInto:
         self, datas: Sequence[Any], twin: torch.Tensor, places: Sequence[Place], stream: int
     ) -> list[bool]:
         nvimgcodec = self._nv
+        self.misshapen = []
         if self._cuda:
             base = twin.data_ptr()
             buffers: list[Any] = [_DeviceImage(base + o, h, w, stream) for o, h, w in places]
@@ -177,7 +185,21 @@ class NvImgCodecInto:
         # The library's image objects live until the next call has decoded (which waits for
         # this batch's work): none is destroyed while its decode may still be queued.
         self._last = (images, decoded)
-        return [image is not None for image in decoded]
+        ok: list[bool] = []
+        for i, (image, (_, height, width)) in enumerate(zip(decoded, places, strict=True)):
+            if image is None:
+                ok.append(False)
+                continue
+            # The library reshapes a place to what it decoded (the same bytes or fewer) and
+            # reports success: an image it turned otherwise than the header read here (its
+            # EXIF reading is not ours) lies in the place at another shape.
+            shape = tuple(image.shape)
+            if shape != (height, width, 3):
+                self.misshapen.append((i, shape))
+                ok.append(False)
+                continue
+            ok.append(True)
+        return ok
 
 
 def nvimgcodec_available() -> str | None:
@@ -236,9 +258,11 @@ class PackedGpuDecoder:
             self.engines = dict(getattr(backend, "engines", {}))
             self._lanes.put(_Lane(backend, make_stream()))
         self._executor = ThreadPoolExecutor(lanes, thread_name_prefix="gpufeed-gpudecode")
-        # Rows decoded, and rows handed back to the CPU, since start-up (both lanes).
+        # Rows decoded, and rows handed back to the CPU, since start-up (both lanes); of
+        # those, rows decoded at another shape than their place's.
         self.decoded = 0
         self.failed = 0
+        self.wrong_shape = 0
         self._counts = threading.Lock()
         # Bytes and buffers queued device work may still read, kept until it ran.
         self._retained: deque[tuple[Event, list[Any]]] = deque()
@@ -295,6 +319,7 @@ class PackedGpuDecoder:
         on_host = self.device.type != "cuda"
         datas = [bytes(r.data) if on_host and r.offset >= 0 else r.data for r in placed]
         ok: list[bool] = [False] * len(placed)
+        misshapen: Sequence[tuple[int, tuple[int, ...]]] = ()
         with _stream_ctx(lane.stream):
             if after is not None and lane.stream is not None:
                 lane.stream.wait_event(after)
@@ -305,6 +330,7 @@ class PackedGpuDecoder:
                         ok = lane.backend.decode_into(datas, twin, places, handle)
                     if len(ok) != len(placed):
                         raise RuntimeError(f"{len(ok)} answers for {len(placed)} images")
+                    misshapen = getattr(lane.backend, "misshapen", ())
             except Exception as exc:  # noqa: BLE001 - whatever it raised: the CPU decodes them
                 log.error(
                     "gpu_decode_failed",
@@ -317,6 +343,15 @@ class PackedGpuDecoder:
             ready = self._record(lane.stream)
         # The twin outlives the decoder; the bytes the queued work reads may not.
         self._retained.append((ready, [datas]))
+        if misshapen:
+            log.warning(
+                "gpu_decode_wrong_shape",
+                decoder=lane.backend.name,
+                rows=[placed[i].row for i, _ in misshapen],
+                expected=[(placed[i].height, placed[i].width, 3) for i, _ in misshapen],
+                decoded=[shape for _, shape in misshapen],
+                fallback="cpu decode",
+            )
         decoded: list[int] = []
         for r, good in zip(placed, ok, strict=True):
             if good:
@@ -327,6 +362,7 @@ class PackedGpuDecoder:
         with self._counts:
             self.decoded += len(decoded)
             self.failed += len(failed)
+            self.wrong_shape += len(misshapen)
         ms = (time.perf_counter() - t0) * 1000 / max(1, len(decoded))
         return PackedGpuResult(ready=ready, decoded=decoded, failed=failed, decode_ms=ms)
 
