@@ -8,6 +8,7 @@ hardware engines need a GPU. A fake backend pins the order of the work on the st
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from worker.decode import gpu
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu import GPU_BACKENDS, GpuEnginesUnavailable
 from worker.decode.gpu_packed import (
+    LANE_SWITCH_INTERVAL_S,
     DeferredRow,
     NvImgCodecInto,
     PackedGpuDecoder,
@@ -237,6 +239,39 @@ def test_a_lane_decodes_with_the_gpu_backends_that_answered_and_one_thread(
     cpu_only = NvImgCodecInto(None)
     assert decoder_calls.kinds(2) == ["CPU_ONLY"] and cpu_only.engines == {}
     assert decoder_calls.calls[2]["max_num_cpu_threads"] == 1
+
+
+def test_lanes_on_cuda_shorten_the_interpreters_switch_interval() -> None:
+    """nvImageCodec hands the GIL over several times per image within a call: lanes on CUDA
+    bound each wait for it by a short switch interval (never lengthening one set shorter);
+    off CUDA nothing changes."""
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        cpu = PackedGpuDecoder(new_slots(2), lambda: FakeBackend([], [True]), device=CPU)
+        cpu.shutdown()
+        assert sys.getswitchinterval() == 0.005
+        cuda = PackedGpuDecoder(
+            new_slots(2),
+            lambda: FakeBackend([], [True]),
+            device=torch.device("cuda", 0),
+            make_stream=lambda: None,
+            record=lambda stream: "ready",
+        )
+        cuda.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(LANE_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(LANE_SWITCH_INTERVAL_S / 2)
+        again = PackedGpuDecoder(
+            new_slots(2),
+            lambda: FakeBackend([], [True]),
+            device=torch.device("cuda", 0),
+            make_stream=lambda: None,
+            record=lambda stream: "ready",
+        )
+        again.shutdown()
+        assert sys.getswitchinterval() == pytest.approx(LANE_SWITCH_INTERVAL_S / 2)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_gpu_rows_are_placed_where_the_host_copy_never_reaches() -> None:

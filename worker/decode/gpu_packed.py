@@ -9,14 +9,15 @@ writes its pixels at that place in the slot's device twin. The step's resampler 
 there like any other row.
 
 The library is NVIDIA nvImageCodec: one `decode` call per batch takes the whole list and
-releases the GIL around the native work; `images=` decodes into caller buffers (here views
-of the twin) on our CUDA stream; it returns None for an image it could not decode and keeps
-the list's length, so a bad image fails alone; it applies EXIF orientation, so rows are
-recorded upright. Its hardware backend takes baseline JPEGs (the decode processes route
-only those here); nvJPEG's CUDA decoder takes what it passes on. Its CPU backend is never
-asked on CUDA: a row no GPU backend decodes goes back to the decode processes. The same
-library decodes without a GPU (`NVIMGCODEC_DEVICE_CPU_ONLY`), which is how the tests on a
-machine without CUDA exercise its real contract.
+releases the GIL around the native work (and briefly per image while it prepares the call,
+which is why lanes on CUDA shorten the interpreter's switch interval); `images=` decodes
+into caller buffers (here views of the twin) on our CUDA stream; it returns None for an
+image it could not decode and keeps the list's length, so a bad image fails alone; it
+applies EXIF orientation, so rows are recorded upright. Its hardware backend takes baseline
+JPEGs (the decode processes route only those here); nvJPEG's CUDA decoder takes what it
+passes on. Its CPU backend is never asked on CUDA: a row no GPU backend decodes goes back to
+the decode processes. The same library decodes without a GPU (`NVIMGCODEC_DEVICE_CPU_ONLY`),
+which is how the tests on a machine without CUDA exercise its real contract.
 
 The library reshapes a caller's buffer to what it decoded and reports success, so each
 row's decoded shape is checked against its place (the upright size the decode process read
@@ -38,6 +39,7 @@ import asyncio
 import contextlib
 import importlib
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -65,6 +67,17 @@ log = structlog.get_logger("gpufeed.gpu_decode")
 
 # Lanes: decoders (each with its stream and thread) decoding batches side by side.
 LANES = 2
+
+# The interpreter's switch interval while lanes run on CUDA (never raised). nvImageCodec
+# lets the GIL go and takes it back several times per image inside a call (each source
+# parsed, each caller buffer wrapped and reshaped with it released), and each time a busy
+# Python thread holds it (the event loop under load) the lane waits up to the interval for
+# it. A 64-thumbnail call (scripts/lane_gil.py, CPU-only backend, 2 idle cores): 2.8 ms
+# alone; beside a busy Python thread 250 ms median at the default 5 ms, 42 ms at 1 ms, 16 ms
+# at 0.5 ms and 0.2 ms, 9 ms at 0.1 ms; on a loaded host 12 ms at 5 ms, 7 ms at 0.2 ms, as
+# beside a thread busy in native code (no GIL wait left). The busy thread's own rate did
+# not measurably change; the executor's thread count and splitting the call did not help.
+LANE_SWITCH_INTERVAL_S = 0.0002
 
 # The profiler range around a lane's decode call. nvImageCodec's hardware decoder waits on
 # the host, on the calling thread, for its own previous batch on that decoder to finish
@@ -258,6 +271,13 @@ class PackedGpuDecoder:
             self.engines = dict(getattr(backend, "engines", {}))
             self._lanes.put(_Lane(backend, make_stream()))
         self._executor = ThreadPoolExecutor(lanes, thread_name_prefix="gpufeed-gpudecode")
+        if device.type == "cuda" and sys.getswitchinterval() > LANE_SWITCH_INTERVAL_S:
+            log.info(
+                "gpu_decode_switch_interval",
+                was_ms=sys.getswitchinterval() * 1000,
+                now_ms=LANE_SWITCH_INTERVAL_S * 1000,
+            )
+            sys.setswitchinterval(LANE_SWITCH_INTERVAL_S)
         # Rows decoded, and rows handed back to the CPU, since start-up (both lanes); of
         # those, rows decoded at another shape than their place's.
         self.decoded = 0
