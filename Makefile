@@ -9,7 +9,7 @@ REDIS_PORT ?= 6379
 FUZZ_MINUTES ?= 10
 
 .PHONY: help setup redis-server promtool tmux chromium test fuzz lint demo run-worker run-redis bench soak \
-	soak-cluster gpu-check gpu-check-prepare docs docs-serve docs-gen docs-figures clean
+	soak-cluster gpu-check gpu-check-prepare gpu-check-rehearse docs docs-serve docs-gen docs-figures clean
 
 help: ## this list
 	@echo "make TARGET, where TARGET is one of:"
@@ -124,6 +124,11 @@ gpu-check: ## on a GPU host: every CUDA test and the GPU benchmark, each claim j
 
 gpu-check-prepare: ## where there is network: wheels and redis-server for gpu-check into .gpu-check/
 	bash scripts/prepare-gpu-host.sh
+
+# What a GPU host runs before it needs the GPU, here, with only the host's packages and the
+# carry importable (tests/test_gpu_host_rehearsal.py runs it in `make test`).
+gpu-check-rehearse: setup ## the GPU check's set-up and test collection, in a GPU host's environment
+	$(PY) scripts/gpu_host_rehearsal.py
 
 # The documentation site (mkdocs.yml): docs/ built into site/ with --strict, so a broken
 # link or anchor, or a page missing from the nav, fails the build.

@@ -160,8 +160,14 @@ if [[ -n $REHEARSE ]]; then
     echo "gpu-check: FAILED: collected but not in tests/cuda_tests.txt:" >&2
     cat "$OUT/not-listed.txt" >&2
   fi
+  # Side by side: each start imports torch.
+  declare -A HELP_PID
   for entry in check report; do
-    "$PY" -m worker.tools.gpu_check.$entry --help > "$OUT/$entry-help.log" 2>&1 || {
+    "$PY" -m worker.tools.gpu_check.$entry --help > "$OUT/$entry-help.log" 2>&1 &
+    HELP_PID[$entry]=$!
+  done
+  for entry in check report; do
+    wait "${HELP_PID[$entry]}" || {
       failed=1
       echo "gpu-check: FAILED: python -m worker.tools.gpu_check.$entry does not start:" >&2
       tail -n 5 "$OUT/$entry-help.log" >&2

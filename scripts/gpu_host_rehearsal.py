@@ -18,9 +18,10 @@ host's: the carry installed and verified, the carried redis-server started, the 
 collected with the check's own pytest command line, its entry points started. The GPU
 host's own carry (for its Python 3.12) is prepared too and its size held to the limit.
 
-    python scripts/gpu_host_rehearsal.py [--work DIR] [--drop NAME ...]
+    python scripts/gpu_host_rehearsal.py [--work DIR] [--drop NAME ...] [--prepared DIR]
 
---drop NAME removes a carried wheel before the rehearsal (shows what its absence breaks).
+--drop NAME removes a carried wheel before the rehearsal (shows what its absence breaks);
+--prepared DIR takes the carries and the host environment an earlier run prepared.
 Exit status: the rehearsal's (0 when every step passed), 2 when it could not be set up.
 """
 
@@ -207,19 +208,35 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=ROOT / ".gpu-check-rehearsal")
     parser.add_argument("--drop", action="append", default=[], metavar="NAME")
+    parser.add_argument(
+        "--prepared",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="an earlier rehearsal's --work folder: its prepared carries and host "
+        "environment are used as they are",
+    )
     args = parser.parse_args(argv)
     work: Path = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
+    prepared: Path = (args.prepared or work).resolve()
     here = f"{sys.version_info.major}.{sys.version_info.minor}"
     summary: dict[str, object] = {"python": here, "host_python": HOST_PYTHON}
 
-    # The GPU host's own carry: its size against the limit.
-    rc, text = prepare(work / "host-carry", HOST_PYTHON)
-    if rc != 0:
-        print(text, file=sys.stderr)
-        print(f"rehearsal: FAILED: preparing the GPU host's carry exited {rc}", file=sys.stderr)
-        return 2
-    host_kib = size_kib(work / "host-carry")
+    # The GPU host's own carry, for its Python: its size against the limit. Then the same
+    # carry for this Python, which the rehearsal installs.
+    for folder, version in (("host-carry", HOST_PYTHON), ("carry-prepared", here)):
+        if args.prepared is not None:
+            continue
+        rc, text = prepare(prepared / folder, version)
+        if rc != 0:
+            print(text, file=sys.stderr)
+            print(
+                f"rehearsal: FAILED: preparing the carry for Python {version} exited {rc}",
+                file=sys.stderr,
+            )
+            return 2
+    host_kib = size_kib(prepared / "host-carry")
     summary["carry_kib"] = host_kib
     summary["carry_spare_kib"] = CARRY_LIMIT_MIB * 1024 - host_kib
     print(
@@ -227,13 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{CARRY_LIMIT_MIB - host_kib / 1024:.1f} MiB under the {CARRY_LIMIT_MIB} MiB limit"
     )
 
-    # The same carry for this Python, which the rehearsal installs.
+    # The carry this run installs: the prepared one (linked, not copied) less --drop.
     carry = work / "carry"
-    rc, text = prepare(carry, here)
-    if rc != 0:
-        print(text, file=sys.stderr)
-        print(f"rehearsal: FAILED: preparing the carry for {here} exited {rc}", file=sys.stderr)
-        return 2
+    shutil.rmtree(carry, ignore_errors=True)
+    shutil.copytree(prepared / "carry-prepared", carry, copy_function=os.link)
     for name in args.drop:
         dropped = [
             w
@@ -247,11 +261,15 @@ def main(argv: list[str] | None = None) -> int:
             w.unlink()
         print(f"rehearsal: dropped {', '.join(w.name for w in dropped)} from the carry")
 
-    python, chosen, absent = build_host_env(work / "host-env")
+    if args.prepared is None:
+        python, chosen, absent = build_host_env(prepared / "host-env")
+    else:
+        python = prepared / "host-env" / "bin" / "python"
+        chosen, absent = host_closure(HOST_PACKAGES, _installed())
     summary["host_distributions"] = len(chosen)
     summary["host_packages_absent_here"] = absent
     print(
-        f"rehearsal: host environment {work / 'host-env'}: {len(chosen)} distributions"
+        f"rehearsal: host environment {python.parent.parent}: {len(chosen)} distributions"
         + (f" (not installed here, so not in it: {', '.join(absent)})" if absent else "")
     )
 
