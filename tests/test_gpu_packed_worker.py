@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 from PIL import Image
 
 from producer.wire import JobResult
@@ -81,6 +82,7 @@ async def _answers(
     images: list[bytes],
     *,
     files: Path | None = None,
+    worker_class: type[Worker] = CpuOnlyGpuDecode,
     **settings: str,
 ) -> tuple[list[tuple[str, str, object]], Worker]:
     """Every image answered: in its job, or (`files`) as a file there its job names."""
@@ -89,7 +91,7 @@ async def _answers(
         settings["path_root"] = str(files)
         for i, data in enumerate(images):
             (files / f"img{i}.jpg").write_bytes(data)
-    worker = CpuOnlyGpuDecode(_config(redis_url, weights, **settings))
+    worker = worker_class(_config(redis_url, weights, **settings))
     async with serving(worker):
         for i, data in enumerate(images):
             job = {"path": f"img{i}.jpg"} if files is not None else {"image": data}
@@ -97,7 +99,8 @@ async def _answers(
         results = await wait_results(client, "gpufeed:results", len(images))
     parsed = [JobResult.from_fields(fields) for _, fields in results]
     return sorted(
-        (r.id, r.status, r.error if r.error else (r.top1, r.score or 0.0)) for r in parsed
+        (r.id, r.status, r.error if r.error else (r.top1, r.score or 0.0, r.details.get("scores")))
+        for r in parsed
     ), worker
 
 
@@ -127,6 +130,7 @@ async def test_the_gpu_decodes_its_share_and_every_job_is_answered_as_on_the_cpu
         if isinstance(canswer, tuple):
             assert isinstance(ganswer, tuple) and ganswer[0] == canswer[0]
             assert ganswer[1] == pytest.approx(canswer[1], abs=1e-3)
+            assert ganswer[2] == pytest.approx(canswer[2], abs=1e-3)
         else:
             assert ganswer == canswer
     decoder = worker.engine.runner.packed_decoder
@@ -139,6 +143,42 @@ async def test_the_gpu_decodes_its_share_and_every_job_is_answered_as_on_the_cpu
     split = worker.engine.decode_split
     assert split is not None and not split.tune and split.share == 1.0
     assert "the GPU decodes 100% of each batch's rows (GPUFEED_GPU_DECODE_SHARE=1)" in plan.line()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_on_cuda_the_jpeg_engines_decode_their_share_and_answer_as_the_cpu(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+) -> None:
+    """A worker as a GPU host runs it (decode processes, packed rows, GPU decode on, no
+    decoder swapped in): each JPEG the hardware takes is decoded by the GPU's engines, the
+    rest by the CPU, and every answer is the one the same worker gives with decode=cpu
+    (top-5 scores within what two JPEG decoders' rounding moves them)."""
+    images, taken = _images()
+    # Not the truncated one: what a hardware decoder makes of half a JPEG is its own.
+    del images[taken - 1]
+    taken -= 1
+    on_cuda = {"device": "cuda", "compile": "off", "precision": "fp32"}
+    cpu, _ = await _answers(
+        redis_url, redis_client, tiny_weights, images, worker_class=Worker, decode="cpu",
+        **on_cuda,
+    )  # fmt: skip
+    gpu, worker = await _answers(
+        redis_url, redis_client, tiny_weights, images, worker_class=Worker, decode="gpu",
+        gpu_decode_share="1", **on_cuda,
+    )  # fmt: skip
+    decoder = worker.engine.runner.packed_decoder
+    assert isinstance(decoder, PackedGpuDecoder)
+    assert decoder.hardware_engines_answered, decoder.engines
+    assert worker.decoder.deferred == taken  # type: ignore[union-attr]
+    assert (decoder.decoded, decoder.failed, decoder.wrong_shape) == (taken, 0, 0)
+    assert [(i, status) for i, status, _ in gpu] == [(i, status) for i, status, _ in cpu]
+    for (_, _, ganswer), (_, _, canswer) in zip(gpu, cpu, strict=True):
+        if isinstance(canswer, tuple):
+            assert isinstance(ganswer, tuple)
+            assert ganswer[2] == pytest.approx(canswer[2], abs=0.05)
+        else:
+            assert ganswer == canswer
 
 
 async def test_gpu_decode_with_processes_says_what_it_cannot_do(
