@@ -619,6 +619,14 @@ def test_a_gpu_decoder_that_decoded_nothing_in_the_window_fails(tmp_path: Path) 
         in (lines["gpu_decoded_rows"])
     )
     assert "64 handed back to the CPU" in lines["gpu_decoded_rows"]
+    # Rows written at another shape than their place, and what answered at start-up.
+    pipeline.update(
+        gpu_decode_wrong_shape_in_window=3,
+        gpu_engines={"HW_GPU_ONLY": False, "GPU_ONLY": True, "HYBRID_CPU_GPU": True},
+    )
+    line = judged(report, tmp_path)[1]["gpu_decoded_rows"]
+    assert "(3 of them at another shape than their place" in line
+    assert "backends that answered at start-up: GPU_ONLY, HYBRID_CPU_GPU  (target" in line
     # `auto` where no GPU decoder could be built decodes on the CPU, and says why.
     why = "GPUFEED_DECODE=auto: nvidia.nvimgcodec not installed"
     pipeline.update(gpu_decoder=None, gpu_decode_why=why)

@@ -435,12 +435,30 @@ def gpu_decoder_of(runner: Any) -> str | None:
     return None
 
 
+def gpu_engines_of(runner: Any) -> dict[str, bool] | None:
+    """Which of nvImageCodec's GPU backends answered the decoder's start-up probe (the
+    hardware JPEG engines among them); None where no nvImageCodec decoder runs."""
+    if runner.packed_decoder is not None:
+        return dict(runner.packed_decoder.engines) or None
+    if runner.gpu_decoder is not None:
+        engines = getattr(runner.gpu_decoder.backend, "engines", None)
+        return dict(engines) if engines else None
+    return None
+
+
+def _wrong_shape(runner: Any) -> int:
+    decoder = runner.packed_decoder if runner.packed_decoder is not None else runner.gpu_decoder
+    return int(getattr(decoder, "wrong_shape", 0))
+
+
 @dataclass
 class GpuRows:
-    """Rows the GPU JPEG decoder decoded, and handed back to the CPU, while counted."""
+    """Rows the GPU JPEG decoder decoded, handed back to the CPU, and of those the ones
+    decoded at another shape than their place, while counted."""
 
     decoded: int = 0
     failed: int = 0
+    wrong_shape: int = 0
 
 
 @contextlib.contextmanager
@@ -449,6 +467,7 @@ def count_gpu_rows(runner: Any) -> Iterator[GpuRows]:
     the packed rows' decoder counts its own; the decode threads' one is counted here, call
     by call, through its instance."""
     counts = GpuRows()
+    wrong_shape = _wrong_shape(runner)
     packed = runner.packed_decoder
     if packed is not None:
         decoded, failed = packed.decoded, packed.failed
@@ -456,6 +475,7 @@ def count_gpu_rows(runner: Any) -> Iterator[GpuRows]:
             yield counts
         finally:
             counts.decoded, counts.failed = packed.decoded - decoded, packed.failed - failed
+            counts.wrong_shape = _wrong_shape(runner) - wrong_shape
         return
     threads = runner.gpu_decoder
     if threads is None:
@@ -474,6 +494,7 @@ def count_gpu_rows(runner: Any) -> Iterator[GpuRows]:
         yield counts
     finally:
         del threads.decode_rows  # the class's method again
+        counts.wrong_shape = _wrong_shape(runner) - wrong_shape
 
 
 class Report:
@@ -890,6 +911,11 @@ async def _measure_pipeline(
                     "gpu_decoder": gpu_decoder_of(worker.runner),
                     "gpu_decoded_in_window": gpu_rows.decoded,
                     "gpu_decode_failed_in_window": gpu_rows.failed,
+                    # Of those handed back, the rows the library wrote at another shape
+                    # than their place (its EXIF reading and ours disagreeing).
+                    "gpu_decode_wrong_shape_in_window": gpu_rows.wrong_shape,
+                    # Whether the hardware JPEG engines answered at start-up.
+                    "gpu_engines": gpu_engines_of(worker.runner),
                     **redis_cpu,
                 },
             )

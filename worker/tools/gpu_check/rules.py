@@ -170,8 +170,14 @@ def rule_gpu_decoded_rows(report: Mapping[str, Any]) -> Rule:
         f"--decode {setting}: {decoded} rows decoded by {decoder} in the window of "
         f"{pipe.get('results_in_window')} results, "
         f"{pipe.get('gpu_decode_failed_in_window', '?')} handed back to the CPU "
-        f"(GPU share {pipe.get('gpu_decode_share')}: {pipe.get('gpu_decode_why') or '?'})"
+        f"({pipe.get('gpu_decode_wrong_shape_in_window', '?')} of them at another shape "
+        f"than their place; GPU share {pipe.get('gpu_decode_share')}: "
+        f"{pipe.get('gpu_decode_why') or '?'})"
     )
+    engines = pipe.get("gpu_engines")
+    if isinstance(engines, Mapping):
+        answered = [kind for kind, ok in engines.items() if ok]
+        measured += f"; backends that answered at start-up: {', '.join(answered) or 'none'}"
     return Rule("gpu_decoded_rows", claim, measured, target, decoded > 0)
 
 
