@@ -265,8 +265,10 @@ HARDWARE_BACKEND = "HW_GPU_ONLY"
 # what it gives them for a batch routed here (header checks, the host half of a small
 # image's hybrid decode) is small, and the calling thread takes a share of it too.
 DECODER_CPU_THREADS = 1
-# The JPEG each backend is asked to decode at start-up: baseline 4:2:0, as photos are.
-_PROBE_SIZE = (64, 48)
+# The JPEG each backend is asked to decode at start-up: baseline 4:2:0, as photos are, and
+# of a photo's order of size, not a few blocks, so that no limit of an engine's on small
+# images passes for the engine being absent.
+_PROBE_SIZE = (320, 240)
 
 _engines: dict[tuple[int, tuple[str, ...], int], dict[str, bool]] = {}
 _engines_lock = threading.Lock()
