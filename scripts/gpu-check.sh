@@ -82,7 +82,7 @@ fi
 #    files, a newer wheel) is installed again and must prove itself then.
 export PYTHONPATH="$GC/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 verify_carry() { "$PY" -m worker.tools.gpu_check.carry --site "$GC/site" --wheels "$GC/wheels" "$@"; }
-if [[ -n $(find "$GC/wheels" -newer "$GC/site" -name '*.whl' 2>/dev/null) ]] \
+if [[ ! -d $GC/site || -n $(find "$GC/wheels" -newer "$GC/site" -name '*.whl' 2>/dev/null) ]] \
   || ! verify_carry --quiet >/dev/null 2>&1; then
   rm -rf "$GC/site"
   "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \

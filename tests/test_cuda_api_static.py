@@ -104,10 +104,16 @@ NVIMGCODEC_API = frozenset(
         "Backend",
         "CPU_ONLY",
         "NVIMGCODEC_DEVICE_CPU_ONLY",
+        "BackendKind",
+        "BackendKind.CPU_ONLY",
+        # worker/decode/gpu.py GPU_BACKENDS, taken by name with getattr.
+        "BackendKind.HW_GPU_ONLY",
+        "BackendKind.GPU_ONLY",
+        "BackendKind.HYBRID_CPU_GPU",
     }
 )
 NVIMGCODEC_KEYWORDS = {
-    "Decoder": ("device_id", "backends"),
+    "Decoder": ("device_id", "backends", "max_num_cpu_threads"),
     "Decoder.decode": ("images", "params", "cuda_stream"),
     "as_images": ("cuda_stream",),
     "DecodeParams": ("apply_exif_orientation", "color_spec"),
@@ -203,6 +209,10 @@ def test_gpu_decode_uses_only_vendored_nvimgcodec_names() -> None:
     assert used, "the walk found no nvImageCodec use in the GPU decoders"
     assert {"as_images", "Decoder", "NVIMGCODEC_DEVICE_CPU_ONLY"} <= used
     assert used <= NVIMGCODEC_API, f"not in nvImageCodec 0.9: {sorted(used - NVIMGCODEC_API)}"
+    from worker.decode.gpu import GPU_BACKENDS
+
+    taken_by_name = {f"BackendKind.{kind}" for kind in GPU_BACKENDS}
+    assert taken_by_name <= NVIMGCODEC_API, sorted(taken_by_name - NVIMGCODEC_API)
     assert "ColorSpec.RGB" not in used
 
 

@@ -32,6 +32,7 @@ from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
 from tests.test_step import tiny_step
 from tests.worker_harness import running_worker, wait_results
+from worker.decode import gpu as gpu_module
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.decode.gpu import (
     GpuDecodeFailed,
@@ -76,18 +77,35 @@ def fake_nvimgcodec(*, colour_specs: Sequence[str], decoder_error: str | None = 
         if decoder_error is not None:
             raise RuntimeError(decoder_error)
         made["decoder"] = kwargs
-        return types.SimpleNamespace(decode=lambda *a, **k: [])
+        # The start-up probe decodes one JPEG per backend: an image of the probe's size.
+        width, height = gpu_module._PROBE_SIZE
+        probed = types.SimpleNamespace(shape=(height, width, 3))
+        return types.SimpleNamespace(
+            decode=lambda data, *a, **k: probed if isinstance(data, bytes) else []
+        )
 
     def decode_params(**kwargs: Any) -> Any:
         made["params"] = kwargs
         return kwargs
 
+    module.BackendKind = types.SimpleNamespace(  # type: ignore[attr-defined]
+        **{kind: kind for kind in ("CPU_ONLY", *gpu_module.GPU_BACKENDS)}
+    )
+    module.Backend = lambda kind: kind  # type: ignore[attr-defined]
     module.Decoder = decoder  # type: ignore[attr-defined]
     module.DecodeParams = decode_params  # type: ignore[attr-defined]
     module.made = made  # type: ignore[attr-defined]
     return module
 
 
+@pytest.fixture
+def fresh_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a fresh process asks: no backend probed yet."""
+    monkeypatch.setattr(gpu_module, "_engines", {})
+    monkeypatch.setattr(gpu_module, "_why_not", {})
+
+
+@pytest.mark.usefixtures("fresh_probe")
 def test_nvimgcodec_is_asked_for_srgb(monkeypatch: pytest.MonkeyPatch) -> None:
     # nvImageCodec 0.7 onwards: ColorSpec has SRGB and no RGB (checked on the 0.9.0.20 wheel).
     fake = fake_nvimgcodec(colour_specs=["UNCHANGED", "SRGB", "GRAY", "SYCC"])
@@ -95,6 +113,9 @@ def test_nvimgcodec_is_asked_for_srgb(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = make_backend(CPU, "auto")
     assert isinstance(backend, NvImgCodecBackend)
     assert fake.made["params"] == {"apply_exif_orientation": True, "color_spec": "SRGB"}
+    # The GPU backends that answered the probe, one CPU thread, never the CPU backend.
+    assert fake.made["decoder"]["backends"] == list(gpu_module.GPU_BACKENDS)
+    assert fake.made["decoder"]["max_num_cpu_threads"] == 1
 
 
 @pytest.mark.parametrize(
@@ -104,9 +125,12 @@ def test_nvimgcodec_is_asked_for_srgb(monkeypatch: pytest.MonkeyPatch) -> None:
         (["SRGB"], "Internal error - Could not create decoder. Code: 8"),  # no device
     ],
 )
+@pytest.mark.usefixtures("fresh_probe")
 def test_a_broken_nvimgcodec_falls_back_to_torchvision_with_a_log_line(
     monkeypatch: pytest.MonkeyPatch, colour_specs: list[str], decoder_error: str | None
 ) -> None:
+    """No GPU backend decodes the probe's JPEG: the error says so and what the library
+    raised, and `auto` goes on with torchvision."""
     fake = fake_nvimgcodec(colour_specs=colour_specs, decoder_error=decoder_error)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
     with capture_logs() as logs:
@@ -114,8 +138,9 @@ def test_a_broken_nvimgcodec_falls_back_to_torchvision_with_a_log_line(
     assert isinstance(backend, TorchvisionBackend)
     [line] = [e for e in logs if e["event"] == "gpu_decoder_unavailable"]
     assert line["log_level"] == "warning" and line["using"] == "torchvision"
-    assert "could not build a decoder" in line["reason"]
-    with pytest.raises(GpuDecodeUnavailable, match="could not build a decoder"):
+    assert "none of its GPU backends" in line["reason"]
+    assert (decoder_error or "SRGB") in line["reason"]
+    with pytest.raises(GpuDecodeUnavailable, match="none of its GPU backends"):
         make_backend(CPU, "nvimgcodec")
 
 
@@ -162,8 +187,9 @@ class RaisingBackend:
 
 
 class HalfwayBackend:
-    """Decodes the first image, then hands back one the resize cannot take: the decoder
-    fails after it has written a row."""
+    """Decodes every image, but hands back all after the first as tensors of their right
+    shape with no data behind them (the meta device), which the resize cannot read: the
+    decoder fails after it has written a row."""
 
     name = "halfway"
     applies_exif = True
@@ -172,9 +198,10 @@ class HalfwayBackend:
         self.real = TorchvisionBackend(CPU)
 
     def decode(self, datas: Sequence[bytes], stream: Any) -> list[torch.Tensor | None]:
-        first = self.real.decode(datas[:1], stream)
-        empty = torch.zeros((3, 0, 5), dtype=torch.uint8)  # zero height: resize divides by it
-        return first + [empty] * (len(datas) - 1)
+        decoded = self.real.decode(datas, stream)
+        return decoded[:1] + [
+            None if img is None else torch.empty_like(img, device="meta") for img in decoded[1:]
+        ]
 
 
 def make_job(i: int, data: bytes) -> Job:

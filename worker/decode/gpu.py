@@ -271,6 +271,8 @@ DECODER_CPU_THREADS = 1
 _PROBE_SIZE = (320, 240)
 
 _engines: dict[tuple[int, tuple[str, ...], int], dict[str, bool]] = {}
+# Why each backend that did not answer did not, for the error that says none did.
+_why_not: dict[tuple[int, tuple[str, ...], int], dict[str, str]] = {}
 _engines_lock = threading.Lock()
 
 
@@ -288,10 +290,14 @@ def nvimgcodec_decoder(
     answered = [kind for kind in backends if engines[kind]]
     if not answered:
         version = getattr(nvimgcodec, "__version__", "?")
+        why = _why_not.get((device_id, tuple(backends), threads), {})
+        reasons = "; ".join(sorted({reason for reason in why.values()}))
         raise GpuEnginesUnavailable(
             f"nvImageCodec {version}: none of its GPU backends ({', '.join(backends)}) "
-            f"decoded a JPEG on device {device_id}; is its nvJPEG library installed "
-            "(pip install nvidia-nvjpeg-cu12 or -cu13, as the CUDA of nvImageCodec)?"
+            f"decoded a JPEG on device {device_id}"
+            + (f" ({reasons})" if reasons else "")
+            + "; is its nvJPEG library installed (pip install nvidia-nvjpeg-cu12 or -cu13, "
+            "as the CUDA of nvImageCodec)?"
         )
     decoder = nvimgcodec.Decoder(
         device_id=device_id,
@@ -319,6 +325,7 @@ def backend_engines(
         why = {kind: _probe(nvimgcodec, device_id, kind, threads, sample) for kind in backends}
         engines = {kind: reason is None for kind, reason in why.items()}
         _engines[key] = engines
+        _why_not[key] = {kind: reason for kind, reason in why.items() if reason is not None}
     hardware = engines.get(HARDWARE_BACKEND, False)
     (log.info if hardware else log.warning)(
         "gpu_decode_engines",
