@@ -245,30 +245,25 @@ def test_lanes_on_cuda_shorten_the_interpreters_switch_interval() -> None:
     """nvImageCodec hands the GIL over several times per image within a call: lanes on CUDA
     bound each wait for it by a short switch interval (never lengthening one set shorter);
     off CUDA nothing changes."""
+
+    def lanes_on(device: torch.device) -> None:
+        PackedGpuDecoder(
+            new_slots(2),
+            lambda: FakeBackend([], [True]),
+            device=device,
+            make_stream=lambda: None,
+            record=lambda stream: "ready",
+        ).shutdown()
+
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        cpu = PackedGpuDecoder(new_slots(2), lambda: FakeBackend([], [True]), device=CPU)
-        cpu.shutdown()
+        lanes_on(CPU)
         assert sys.getswitchinterval() == 0.005
-        cuda = PackedGpuDecoder(
-            new_slots(2),
-            lambda: FakeBackend([], [True]),
-            device=torch.device("cuda", 0),
-            make_stream=lambda: None,
-            record=lambda stream: "ready",
-        )
-        cuda.shutdown()
+        lanes_on(torch.device("cuda", 0))
         assert sys.getswitchinterval() == pytest.approx(LANE_SWITCH_INTERVAL_S)
         sys.setswitchinterval(LANE_SWITCH_INTERVAL_S / 2)
-        again = PackedGpuDecoder(
-            new_slots(2),
-            lambda: FakeBackend([], [True]),
-            device=torch.device("cuda", 0),
-            make_stream=lambda: None,
-            record=lambda stream: "ready",
-        )
-        again.shutdown()
+        lanes_on(torch.device("cuda", 0))
         assert sys.getswitchinterval() == pytest.approx(LANE_SWITCH_INTERVAL_S / 2)
     finally:
         sys.setswitchinterval(before)
