@@ -113,3 +113,34 @@ def admitted(
     if status == -2:
         raise RedisMemoryFull(int(reply[1]), int(reply[2]), max_memory_share)
     return list(reply[1:])
+
+
+def backlog_of(groups: Sequence[Mapping[Any, Any]], group: str, length: int) -> int:
+    """The backlog the admission script counts, from XINFO GROUPS (redis-py's dicts) and
+    XLEN: the group's lag plus its pending entries, or the stream's length where Redis does
+    not know the lag or the group does not exist yet."""
+    for info in groups:
+        name = info.get("name")
+        if (name.decode() if isinstance(name, bytes) else name) != group:
+            continue
+        lag = info.get("lag")
+        if lag is not None:
+            return int(lag) + int(info.get("pending") or 0)
+    return length
+
+
+def check_admission(
+    backlog: int,
+    memory: Mapping[str, Any],
+    *,
+    max_backlog: int,
+    max_memory_share: float,
+    jobs: int,
+) -> None:
+    """The admission script's two checks over values read without it (INFO memory as
+    redis-py parses it); raises BacklogFull or RedisMemoryFull."""
+    if max_backlog > 0 and backlog + jobs > max_backlog:
+        raise BacklogFull(backlog, max_backlog, jobs)
+    used, maxmemory = int(memory.get("used_memory", 0)), int(memory.get("maxmemory", 0))
+    if max_memory_share > 0 and maxmemory > 0 and used >= max_memory_share * maxmemory:
+        raise RedisMemoryFull(used, maxmemory, max_memory_share)

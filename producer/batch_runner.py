@@ -472,7 +472,10 @@ class BatchRun:
         if self._link is not None:
             return self._link.xadds(self.stream.encode(), jobs)
         producer = self.producer
-        if producer.max_backlog or producer.max_memory_share:
+        if producer.tenant and (producer.max_backlog or producer.max_memory_share):
+            maps = [cast(JobFields, dict(zip(f[::2], f[1::2], strict=True))) for f in jobs]
+            found = producer._run(producer._admit_by_reads(self.stream, list(maps)))
+        elif producer.max_backlog or producer.max_memory_share:
             maps = [cast(JobFields, dict(zip(f[::2], f[1::2], strict=True))) for f in jobs]
             args = admit_args(producer.group, producer.max_backlog, producer.max_memory_share, maps)
             reply = producer.client.eval(ADMIT, 1, self.stream, *args)

@@ -36,6 +36,7 @@ from producer.jobs import IMAGE_EXTENSIONS, Job, file_job_ids, read_url_list, ur
 from producer.priorities import UnknownPriority, level_stream, pick_level
 from producer.reach import UNREACHABLE, unreachable
 from producer.stats import collect_stats
+from producer.tenants import TenantError
 
 if TYPE_CHECKING:
     # The batch modules need the batch extras (pyarrow, numpy): imported when a command
@@ -103,6 +104,7 @@ class Settings:
     priorities: str = ""
     redis_cluster: str = "auto"
     shards: str = "1"
+    tenant: str = ""
 
     def merged(self, **given: str | None) -> Settings:
         return Settings(**{**self.__dict__, **{k: v for k, v in given.items() if v is not None}})
@@ -121,6 +123,10 @@ _CONNECTION_HELP = {
     "priorities": ("GPUFEED_PRIORITIES", "priority levels, highest first, as the workers'"),
     "redis_cluster": ("GPUFEED_REDIS_CLUSTER", "Redis Cluster: auto, on or off"),
     "shards": ("GPUFEED_SHARDS", "job streams, one per hash tag"),
+    "tenant": (
+        "GPUFEED_TENANT",
+        "the tenant whose streams to use (the workers' GPUFEED_TENANTS)",
+    ),
 }
 
 
@@ -165,11 +171,14 @@ def _session(settings: Settings) -> Iterator[Producer]:
             priorities=settings.priorities,
             shard_count=shard_count,
             cluster=settings.redis_cluster,
+            tenant=settings.tenant,
         )
     except UNREACHABLE as exc:
         # GPUFEED_REDIS_CLUSTER=auto asks the node at once.
         raise _fail(unreachable(redact(url), exc), EXIT_UNREACHABLE) from None
     except ValueError as exc:
+        if isinstance(exc, TenantError):
+            raise _fail(f"GPUFEED_TENANT: {exc}", EXIT_USAGE) from None
         if "priorit" in str(exc):
             raise _fail(f"GPUFEED_PRIORITIES: {exc}", EXIT_USAGE) from None
         # redis-py rejects a malformed URL (unknown scheme, bad port) with ValueError.
@@ -214,7 +223,7 @@ def _connection(*names: str) -> Callable[[Callable[..., None]], Callable[..., No
                 envvar=envvar,
                 show_envvar=True,
                 show_default=False,
-                help=f"{what} (default: {getattr(Settings(), name)})",
+                help=f"{what} (default: {getattr(Settings(), name) or 'none'})",
             )(run)
         return run
 
@@ -437,7 +446,7 @@ def _print_json(obj: Any) -> None:
     default=0.0,
     help="refuse (exit 4) past this share of Redis's maxmemory; 0: off",
 )
-@_connection("stream", "results_stream", "result_prefix", "priorities")
+@_connection("stream", "results_stream", "result_prefix", "priorities", "tenant")
 def submit(
     settings: Settings,
     *,
@@ -487,7 +496,7 @@ def submit(
             level = pick_level(producer.levels, priority)
         except UnknownPriority as exc:
             raise _fail(str(exc), EXIT_USAGE) from None
-        target = level_stream(settings.stream, level)
+        target = level_stream(producer.stream, level)
         with _progress("submitting", len(ids)) as progress:
             for start in range(0, len(ids), batch):
                 chunk = range(start, min(start + batch, len(ids)))
@@ -626,7 +635,7 @@ def _report(
     "this run, with the model GPUFEED_MODEL names, and stop them after it (REDIS_URL unused)",
 )
 @click.option("--json", "json_out", is_flag=True, help="JSON progress lines and summary on stdout")
-@_connection("stream", "group", "results_stream", "result_prefix", "priorities")
+@_connection("stream", "group", "results_stream", "result_prefix", "priorities", "tenant")
 def batch(
     settings: Settings,
     *,
@@ -772,7 +781,7 @@ def _worker_line(worker: LocalWorker) -> dict[str, Any]:
 
 @app.command()
 @_json_flag
-@_connection("stream", "group", "results_stream", "dead_stream", "priorities")
+@_connection("stream", "group", "results_stream", "dead_stream", "priorities", "tenant")
 def stats(settings: Settings, *, json_out: bool) -> None:
     """Show the job backlog, the consumer group, its consumers and live workers."""
     with _session(settings) as producer:
@@ -874,7 +883,7 @@ def _render_stats(snapshot: dict[str, Any], *, with_workers: bool = True) -> Non
 )
 @click.option("--follow", "-f", is_flag=True, help="keep printing new results")
 @_json_flag
-@_connection("results_stream")
+@_connection("results_stream", "tenant")
 def results(settings: Settings, *, count: int, follow: bool, json_out: bool) -> None:
     """Print the latest results from the results stream, and with --follow, new ones."""
     with _session(settings) as producer:
@@ -888,7 +897,7 @@ def results(settings: Settings, *, count: int, follow: bool, json_out: bool) -> 
         elif recent:
             out.print(_results_table([_row(r.id, r) for _, r in recent]))
         else:
-            print(f"no results on {settings.results_stream}", file=sys.stderr)
+            print(f"no results on {producer.results_stream}", file=sys.stderr)
         if not follow:
             return
         # Continue right after what was shown, so nothing slips between the two reads.
@@ -908,7 +917,7 @@ def results(settings: Settings, *, count: int, follow: bool, json_out: bool) -> 
 @click.option("--timeout", type=click.FloatRange(min=0), default=60.0, help="seconds to wait")
 @click.option("--reply-to", multiple=True, help="also watch this reply stream (repeatable)")
 @_json_flag
-@_connection("results_stream", "result_prefix")
+@_connection("results_stream", "result_prefix", "tenant")
 def wait_for(
     settings: Settings,
     *,
@@ -919,9 +928,9 @@ def wait_for(
 ) -> None:
     """Show the results of job ids, decoded (the msgpack `result` too), waiting for those
     not published yet."""
-    streams = [settings.results_stream, *reply_to] if reply_to else None
     ids = list(id)
     with _session(settings) as producer:
+        streams = [producer.results_stream, *reply_to] if reply_to else None
         results = producer.wait(ids, timeout, streams=streams)
     _report(ids, results, timeout, json_out)
 

@@ -15,8 +15,8 @@ import redis
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from producer import shards, wire
-from producer.admission import ADMIT, admit_args, admitted
+from producer import shards, tenants, wire
+from producer.admission import ADMIT, admit_args, admitted, backlog_of, check_admission
 from producer.commands import Batch, Exec, Steps, Transaction, Unwatch, call
 from producer.dead_letters import (
     REPLAY_ATTEMPTS,
@@ -71,18 +71,26 @@ class ProducerBase(Generic[C]):
         priorities: str | Sequence[str] | None = None,
         shard_count: int = 1,
         cluster: str = "auto",
+        tenant: str = "",
     ) -> None:
         if max_backlog < 0 or not 0.0 <= max_memory_share <= 1.0:
             raise ValueError("max_backlog must be >= 0 and max_memory_share in 0..1")
         shards.check_cluster_mode(cluster)
-        # The keys of each shard (producer/shards.py); one shard: the names as given.
-        self.shards = shards.layout(
+        # The keys of each shard (producer/shards.py); one shard: the names as given. A
+        # tenant's are its own (producer/tenants.py), and what follows uses those names.
+        self.tenant = tenant
+        self.shards = tenants.tenant_layout(
+            tenant,
             shard_count,
             stream=stream,
             results_stream=results_stream,
             result_prefix=result_prefix,
             dead_stream=dead_stream,
         )
+        if tenant:
+            stream, results_stream, result_prefix = tenants.names(
+                tenant, stream=stream, results_stream=results_stream, result_prefix=result_prefix
+            )
         self._cluster_mode = cluster
         self.stream = stream
         # The workers' GPUFEED_PRIORITIES, highest first; () without levels. A job goes to
@@ -210,14 +218,18 @@ class ProducerBase(Generic[C]):
             # The backlog counted is the level's own: a full low level refuses bulk work
             # while urgent jobs are still taken.
             fields = [f for _, f in prepared]
-            args = admit_args(self.group, self.max_backlog, self.max_memory_share, fields)
-            reply = yield call("eval", ADMIT, 1, stream, *args)
-            entry_ids = admitted(
-                reply,
-                max_backlog=self.max_backlog,
-                max_memory_share=self.max_memory_share,
-                jobs=len(fields),
-            )
+            entry_ids: list[Any]
+            if self.tenant:
+                entry_ids = yield from self._admit_by_reads(stream, fields)
+            else:
+                args = admit_args(self.group, self.max_backlog, self.max_memory_share, fields)
+                reply = yield call("eval", ADMIT, 1, stream, *args)
+                entry_ids = admitted(
+                    reply,
+                    max_backlog=self.max_backlog,
+                    max_memory_share=self.max_memory_share,
+                    jobs=len(fields),
+                )
         elif len(prepared) == 1:
             entry_ids = [(yield call("xadd", stream, prepared[0][1]))]
         else:
@@ -226,6 +238,27 @@ class ProducerBase(Generic[C]):
             self._remember(job, e, level, shard)
             for (job, _), e in zip(prepared, entry_ids, strict=True)
         ]
+
+    def _admit_by_reads(
+        self, stream: str, fields: list[dict[FieldT, EncodableT]]
+    ) -> Steps[list[Any]]:
+        """Admission control for a tenant, whose Redis user may not run scripts (one that
+        may could hold Redis for everyone): the same checks with plain reads, then the
+        XADDs. Not one step: producers of the same tenant adding at once may each pass a
+        check the others are about to fill, by at most one call's jobs each."""
+        exists, memory = yield Batch((call("exists", stream), call("info", "memory")))
+        groups = (yield call("xinfo_groups", stream)) if exists else []
+        length = (yield call("xlen", stream)) if exists else 0
+        check_admission(
+            backlog_of(groups, self.group, length),
+            memory,
+            max_backlog=self.max_backlog,
+            max_memory_share=self.max_memory_share,
+            jobs=len(fields),
+        )
+        if len(fields) == 1:
+            return [(yield call("xadd", stream, fields[0]))]
+        return list((yield Batch(tuple(call("xadd", stream, f) for f in fields))))
 
     def _get_result(self, id: str) -> Steps[wire.JobResult | None]:
         key = self.shards[self.shard_of(id)].result_key(id)

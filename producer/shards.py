@@ -91,6 +91,8 @@ class Shard:
     results_stream: str
     result_prefix: str
     dead_stream: str
+    # "" for the operator's own keys; else the tenant these keys are (producer/tenants.py).
+    tenant: str = ""
 
     def result_key(self, job_id: str) -> str:
         return wire.result_key(job_id, self.result_prefix)

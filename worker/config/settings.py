@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 import redis
 from redis.exceptions import RedisError
 
-from producer import shards, wire
+from producer import shards, tenants, wire
 from producer.priorities import parse_levels
 from producer.shards import Shard
 from worker.config.errors import ConfigError
@@ -98,6 +98,7 @@ class WorkerConfig:
     group: str = field(default=wire.DEFAULT_GROUP, metadata={"env": "GPUFEED_GROUP"})
     priorities: str = field(default="", metadata={"env": "GPUFEED_PRIORITIES"})
     priority_weights: str = field(default="", metadata={"env": "GPUFEED_PRIORITY_WEIGHTS"})
+    tenants: str = field(default="", metadata={"env": "GPUFEED_TENANTS"})
     results_stream: str = field(
         default=wire.DEFAULT_RESULTS_STREAM, metadata={"env": "GPUFEED_RESULTS_STREAM"}
     )
@@ -280,6 +281,10 @@ class WorkerConfig:
                 "GPUFEED_PRIORITIES",
                 f"level {lane.level!r}'s stream {lane.stream} is the results or dead-letter stream",
             )
+        try:
+            tenants.parse(self.tenants)
+        except tenants.TenantError as exc:
+            raise ConfigError(f"GPUFEED_TENANTS: {exc}") from None
         try:
             shards.check_cluster_mode(self.redis_cluster)
             self.shard_layout()
@@ -555,12 +560,35 @@ class WorkerConfig:
         return self.lanes_of(self.stream)
 
     def lanes_of(self, stream: str) -> Lanes:
-        """The lanes of one job stream (a shard's): its priority levels' streams, which keep
-        its hash tag, or the stream itself."""
+        """The lanes of one shard, by its job stream: for the operator's keys and each
+        tenant's (GPUFEED_TENANTS), its priority levels' streams, which keep the shard's
+        hash tag, or its one stream."""
         levels = parse_levels(self.priorities)
-        return Lanes.of(
-            stream, levels, parse_weights(self.priority_weights, len(levels)), plain=True
+        weights = parse_weights(self.priority_weights, len(levels))
+        index = next(i for i, s in enumerate(self.shard_layout()) if s.stream == stream)
+        return Lanes.merged(
+            [
+                Lanes.of(keys.stream, levels, weights, plain=True, keys=keys, share=share)
+                for keys, share in self.key_sets(index)
+            ]
         )
+
+    def key_sets(self, shard: int) -> list[tuple[Shard, int]]:
+        """Shard `shard`'s keys: the operator's (the names as set), then each tenant's,
+        with its weight (producer/tenants.py)."""
+        own = self.shard_layout()[shard]
+        out = [(own, 1)]
+        for name, weight in tenants.parse(self.tenants):
+            keys = tenants.tenant_layout(
+                name,
+                self.shards,
+                stream=self.stream,
+                results_stream=self.results_stream,
+                result_prefix=self.result_prefix,
+                dead_stream=self.dead_stream,
+            )[shard]
+            out.append((keys, weight))
+        return out
 
     def _validate_degrade(self, need: Callable[[bool, str, str], None]) -> None:
         """The degraded step's settings; whether its input is smaller than the main step's

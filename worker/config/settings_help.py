@@ -41,6 +41,13 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "each level's share of the read budget, highest first, one per level (e.g. `8,3,1`); "
         "unset: each level twice the next one's",
     ),
+    "GPUFEED_TENANTS": (
+        "unset",
+        "tenants, each with a job stream, results stream and result hashes of its own "
+        "(`<GPUFEED_STREAM>:t:<name>`, ...), read in turn by weight: `name[=weight],...`, "
+        "e.g. `acme=3,globex`. The job stream itself is still read. See "
+        "[Security](security.md#tenants)",
+    ),
     "GPUFEED_RESULTS_STREAM": ("`gpufeed:results`", "results of jobs without `reply_to`"),
     "GPUFEED_RESULT_PREFIX": ("`gpufeed:result:`", "prefix of the result hashes"),
     "GPUFEED_DEAD_STREAM": ("`gpufeed:dead`", "the dead-letter stream"),

@@ -153,11 +153,13 @@ class Reader:
         jobs: list[Job] = []
         span = self._span
         for lane in self.lanes:
+            # A tenant's lane answers on the tenant's own results stream.
+            reply_to = self.default_reply_to if lane.keys is None else lane.keys.results_stream
             for entry_id, fields, at in reply.get(lane.stream, []):
                 if fields is None:
-                    job = deleted_entry_job(entry_id, self.default_reply_to)
+                    job = deleted_entry_job(entry_id, reply_to)
                 else:
-                    job = job_of_entry(entry_id, fields, self.default_reply_to, self.max_meta_bytes)
+                    job = job_of_entry(entry_id, fields, reply_to, self.max_meta_bytes)
                     if at >= 0:
                         job.payload_at, job.payload_span = at, span
                 job.read_from(lane.stream, lane.level)

@@ -74,6 +74,11 @@ class Reclaimer:
         # Entries read and not yet answered, by (job stream, entry ID).
         self._held = held
         self._deliver = deliver
+        # Where each stream's jobs are answered by default (a tenant's lanes: its own).
+        self._replies = {
+            lane.stream: config.results_stream if lane.keys is None else lane.keys.results_stream
+            for lane in lanes
+        }
         # Publishes and returns only once Redis took the results: a dead letter must be
         # acknowledged before the next XAUTOCLAIM could hand the same entry out again.
         self._publish = publish_now
@@ -173,12 +178,12 @@ class Reclaimer:
             entries = await self.client.xrange(stream, entry_id, entry_id)
             times = int(p["times_delivered"])
             if not entries:
-                gone = deleted_entry_job(entry_id, self.cfg.results_stream)
+                gone = deleted_entry_job(entry_id, self._replies[stream])
                 gone.read_from(stream, self._levels[stream])
                 outcomes.append(_failure(gone))
                 continue
             fields: dict[Any, Any] = entries[0][1] or {}
-            job = job_of_entry(entry_id, fields, self.cfg.results_stream, self.cfg.max_meta_bytes)
+            job = job_of_entry(entry_id, fields, self._replies[stream], self.cfg.max_meta_bytes)
             job.read_from(stream, self._levels[stream])
             job.deliveries = times
             outcome = Outcome.failure(
@@ -238,7 +243,7 @@ class Reclaimer:
         for raw_id, fields in entries:
             if not fields:
                 continue
-            job = job_of_entry(_s(raw_id), fields, self.cfg.results_stream, self.cfg.max_meta_bytes)
+            job = job_of_entry(_s(raw_id), fields, self._replies[stream], self.cfg.max_meta_bytes)
             job.read_from(stream, self._levels[stream])
             job.deliveries = 2  # at least; the exact count is in XPENDING
             jobs.append(job)
@@ -248,7 +253,7 @@ class Reclaimer:
             await self._deliver(jobs)
         gone: list[Outcome] = []
         for raw_id in deleted:
-            job = deleted_entry_job(_s(raw_id), self.cfg.results_stream)
+            job = deleted_entry_job(_s(raw_id), self._replies[stream])
             job.read_from(stream, self._levels[stream])
             o = _failure(job)
             self.in_flight.take(1)

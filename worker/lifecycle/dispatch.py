@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import structlog
 
+from producer import tenants
 from producer.shards import Shard
 from producer.wire import ErrorCode
+from worker.config.lanes import Lanes
 from worker.decode.cpu import DecodeError
 from worker.decode.split import DecodeSplit
 from worker.delivery.sharding import reply_to_problem, wrong_shard_problem
@@ -85,25 +87,37 @@ class Intake:
         if ready:
             await self._jobs.put(ready)
 
-    def of_shard(self, shard: Shard) -> Deliver:
+    def of_shard(self, shard: Shard, lanes: Lanes) -> Deliver:
         """The hand-over of one shard's reader and reclaimer. A job whose own id belongs to
         another shard is answered `invalid_job` naming that shard's stream, computed
         nowhere. On a cluster, a reply_to in another slot than the shard's cannot be written
         by its publish script: such a job is answered `invalid_job` on the shard's results
-        stream."""
+        stream. A tenant's job (read from one of its `lanes`) may be answered only on its
+        own streams (producer/tenants.py): another reply_to is answered `invalid_job` on
+        the tenant's results stream."""
         layout = self._shards
         cluster = self._cluster
+        tenant_keys = {
+            lane.stream: lane.keys for lane in lanes if lane.keys is not None and lane.keys.tenant
+        }
+        sharded = cluster or len(layout) > 1
 
         async def deliver(jobs: list[Job]) -> None:
-            if cluster or len(layout) > 1:
-                for job in jobs:
-                    if job.rejected is None:
-                        problem = wrong_shard_problem(job, shard, layout)
-                        if problem is None and cluster:
-                            problem = reply_to_problem(job, shard)
-                        if problem is not None:
-                            job.reply_to = shard.results_stream
-                            job.rejected = (ErrorCode.INVALID_JOB, problem)
+            if not (sharded or tenant_keys):
+                await self(jobs)
+                return
+            for job in jobs:
+                if job.rejected is not None:
+                    continue
+                keys = tenant_keys.get(job.stream, shard)
+                problem = tenants.reply_problem(job.reply_to, keys) if keys.tenant else None
+                if problem is None and sharded:
+                    problem = wrong_shard_problem(job, shard, layout)
+                if problem is None and cluster:
+                    problem = reply_to_problem(job, keys)
+                if problem is not None:
+                    job.reply_to = keys.results_stream
+                    job.rejected = (ErrorCode.INVALID_JOB, problem)
             await self(jobs)
 
         return deliver

@@ -188,8 +188,8 @@ def wire(
     readers: list[Reader] = []
     reclaimers: list[Reclaimer] = []
     for shard in layout:
-        deliver = intake.of_shard(shard)
         lanes = cfg.lanes_of(shard.stream)
+        deliver = intake.of_shard(shard, lanes)
         readers.append(
             Reader(
                 link.client,
@@ -300,9 +300,9 @@ def _writer(
             cluster=link.cluster,
             writers=list(settings.values()),
             routes={
-                stream: shard.stream
+                lane.stream: (lane.keys or shard).stream
                 for shard in layout
-                for stream in cfg.lanes_of(shard.stream).streams
+                for lane in cfg.lanes_of(shard.stream)
             },
             max_queued=cfg.ring_slots * 2,
         )
@@ -318,23 +318,25 @@ def _writer(
         if cfg.wait_replicas
         else None
     )
-    writers = {
-        shard.stream: ResultWriter(
-            _writer_client(cfg, link, shard, exit_stack),
-            settings[shard.stream],
-            max_queued=cfg.ring_slots * 2,
-            on_published=on_published,
-            replicas=replica_wait,
-        )
-        for shard in layout
-    }
+    writers: dict[str, ResultWriter] = {}
+    for shard in layout:
+        # A shard's key sets (the operator's, each tenant's) publish on one client.
+        client = _writer_client(cfg, link, shard, exit_stack)
+        for keys, _ in cfg.key_sets(shard.index):
+            writers[keys.stream] = ResultWriter(
+                client,
+                settings[keys.stream],
+                max_queued=cfg.ring_slots * 2,
+                on_published=on_published,
+                replicas=replica_wait,
+            )
     if len(writers) == 1:
         return next(iter(writers.values()))
     return ShardedWriter(
         {
-            stream: writers[shard.stream]
+            lane.stream: writers[(lane.keys or shard).stream]
             for shard in layout
-            for stream in cfg.lanes_of(shard.stream).streams
+            for lane in cfg.lanes_of(shard.stream)
         }
     )
 
@@ -342,7 +344,8 @@ def _writer(
 def _writer_settings(
     cfg: WorkerConfig, engine: Engine, device: torch.device
 ) -> dict[str, WriterSettings]:
-    """Each shard's writer settings, by the shard's stream."""
+    """The writer settings of each shard's key sets (the operator's, each tenant's), by
+    the key set's job stream."""
     loaded, degraded = engine.loaded, engine.degraded
     return {
         shard.stream: WriterSettings(
@@ -361,7 +364,8 @@ def _writer_settings(
             degraded_weights=degraded.loaded.weights_label if degraded else "",
             max_result_bytes=cfg.max_result_bytes,
         )
-        for shard in cfg.shard_layout()
+        for own in cfg.shard_layout()
+        for shard, _ in cfg.key_sets(own.index)
     }
 
 
