@@ -40,9 +40,12 @@ XADDS_SHA = hashlib.sha1(XADDS).hexdigest().encode()
 class RawLink:
     """One connection of `client`'s pool, spoken to in packed buffers."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, scripts: bool = True) -> None:
+        """`scripts`: False for a user that may not run them (a tenant's, see
+        producer/tenants.py): the XADDs then go out as one pipelined buffer instead."""
         self._pool = client.connection_pool
         self._conn: Any = self._pool.get_connection()
+        self._scripts = scripts
 
     def close(self) -> None:
         if self._conn is not None:
@@ -57,6 +60,8 @@ class RawLink:
     def xadds(self, stream: bytes, jobs: Sequence[Sequence[bytes]]) -> list[bytes]:
         """XADD each job's fields (a flat key, value sequence) to `stream`: one script
         call, one reply (their entry ids, in order), however many jobs."""
+        if not self._scripts:
+            return self._pipelined(stream, jobs)
         args: list[bytes | int] = [b"EVALSHA", XADDS_SHA, 1, stream]
         for fields in jobs:
             args.append(len(fields))
@@ -67,6 +72,18 @@ class RawLink:
             self._call([b"SCRIPT", b"LOAD", XADDS])
             reply = self._call(args)
         return [bytes(e) for e in reply]
+
+    def _pipelined(self, stream: bytes, jobs: Sequence[Sequence[bytes]]) -> list[bytes]:
+        pack: Any = hiredis.pack_command
+        conn = self._conn
+        commands = [pack((b"XADD", stream, b"*", *fields)) for fields in jobs]
+        try:
+            conn.send_packed_command(commands, check_health=False)
+            return [bytes(conn.read_response()) for _ in commands]
+        except (redis.RedisError, OSError):
+            # Replies left unread (after an error reply) put the connection out of step.
+            self._broken()
+            raise
 
     def _call(self, args: list[bytes | int]) -> Any:
         # hiredis's stub types the command as a one-element tuple; it takes any length.

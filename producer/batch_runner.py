@@ -213,7 +213,13 @@ def default_in_flight(producer: Producer, stream: str) -> int:
     """Enough to keep every worker's batches full while results come back: twice the sum
     of the live workers' batch sizes, else twice the group's consumers times
     DEFAULT_BATCH, else DEFAULT_IN_FLIGHT."""
-    snapshot = collect_stats(producer.client, stream, producer.group)
+    snapshot = collect_stats(
+        producer.client,
+        stream,
+        producer.group,
+        producer.results_stream,
+        dead_stream=producer.dead_stream,
+    )
     sizes = []
     for w in snapshot["workers"]:
         value = w["fields"].get("batch_size")
@@ -348,7 +354,7 @@ class BatchRun:
         admission = producer.max_backlog or producer.max_memory_share
         self._link: RawLink | None = None
         if not producer.cluster and not admission:
-            self._link = RawLink(producer.client)
+            self._link = RawLink(producer.client, scripts=not producer.tenant)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Progress:

@@ -872,7 +872,9 @@ def _render_stats(snapshot: dict[str, Any], *, with_workers: bool = True) -> Non
         cells = [str(fields.get(key, "")) for _, key in columns]
         cells[0] = cells[0] or w["name"]
         workers.add_row(*cells)
-    if not snapshot["workers"]:
+    if snapshot.get("workers_hidden"):
+        workers.add_row("not visible to this Redis user", *([""] * (len(columns) - 1)))
+    elif not snapshot["workers"]:
         workers.add_row("none", *([""] * (len(columns) - 1)))
     out.print(workers)
 

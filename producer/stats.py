@@ -11,6 +11,7 @@ from typing import Any
 
 import msgpack
 import redis
+from redis.exceptions import NoPermissionError
 
 from producer import wire
 from producer.priorities import level_stream, parse_levels
@@ -28,7 +29,11 @@ def _glob_escape(prefix: str) -> str:
 
 
 def _stream_length(client: redis.Redis, key: str) -> dict[str, Any]:
-    kind = _text(client.type(key))
+    try:
+        kind = _text(client.type(key))
+    except NoPermissionError:
+        # A tenant's user sees only its own keys (the dead letters are the operator's).
+        return {"name": key, "exists": None, "length": None, "error": "not visible to this user"}
     if kind == "none":
         return {"name": key, "exists": False, "length": 0}
     if kind != "stream":
@@ -118,7 +123,13 @@ def collect_stats(
     ]
     snapshot["results_stream"] = _stream_length(client, results_stream)
     snapshot["dead_stream"] = _stream_length(client, dead_stream)
-    snapshot["workers"] = _workers(client, worker_prefix)
+    try:
+        snapshot["workers"] = _workers(client, worker_prefix)
+    except NoPermissionError:
+        # A tenant's user may not list keys (SCAN would show other tenants' key names):
+        # the workers are not seen from here, which is not "none".
+        snapshot["workers"] = []
+        snapshot["workers_hidden"] = True
     return snapshot
 
 

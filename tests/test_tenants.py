@@ -4,6 +4,7 @@ docs/security.md documents, and what it does to its own stream reaches only its 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import redis
 from producer import Producer, tenants
 from producer.shards import hash_tag, layout, slot_of
 from producer.wire import JobResult
+from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer
 from tests.test_security import WORKER_ACL
@@ -98,7 +100,9 @@ COMMANDS = {
     "info": lambda r, key: r.info("memory"),
     "exists": lambda r, key: r.exists(key),
     "xlen": lambda r, key: r.xlen(key),
+    "type": lambda r, key: r.type(key),
     "xinfo|groups": lambda r, key: r.xinfo_groups(key),
+    "xinfo|consumers": lambda r, key: r.xinfo_consumers(key, "gpufeed"),
     "xadd": lambda r, key: r.xadd(key, {"f": "v"}, maxlen=0),
     "xread": lambda r, key: r.xread({key: "0"}, count=1),
     "xrange": lambda r, key: r.xrange(key, count=1),
@@ -149,8 +153,14 @@ def test_every_right_of_a_tenant_stops_at_the_workers_and_other_tenants_keys(
     }
     for right in sorted(rights):
         for key in mine:
-            if right != "hgetall":
+            if right == "hgetall":
+                continue
+            try:
                 COMMANDS[right](acme, key)
+            except redis.exceptions.NoPermissionError:
+                raise
+            except redis.exceptions.ResponseError as exc:
+                assert "NOGROUP" in str(exc)  # no worker made the group: not a refusal
     acme.hgetall("gpufeed:result:t:acme:x")
     # No script: a tenant cannot hold Redis for everyone (BUSY).
     with pytest.raises(redis.exceptions.NoPermissionError):
@@ -254,3 +264,40 @@ async def test_a_tenants_backlog_does_not_hold_back_another_tenants_jobs(
 def _entry_key(entry: bytes) -> tuple[int, int]:
     ms, seq = entry.decode().split("-")
     return int(ms), int(seq)
+
+
+async def test_a_tenants_user_runs_submit_batch_and_stats_with_the_documented_rights(
+    tenant_server: RedisServer, tiny_weights: Path, tmp_path: Path
+) -> None:
+    port = tenant_server.port
+    admin = redis.Redis(port=port)
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(6):
+        (folder / f"{i}.jpg").write_bytes(jpeg_bytes(24, 16, seed=i))
+    env = {
+        "REDIS_URL": f"redis://tenant-acme:t3nant-pw@127.0.0.1:{port}/0",
+        "GPUFEED_TENANT": "acme",
+    }
+    url = f"redis://gpufeed:w0rker-pw@127.0.0.1:{port}/0"
+    async with running_worker(url, tiny_weights, tenants="acme"):
+        submit = await asyncio.to_thread(
+            run_module, "producer", "submit", str(folder / "0.jpg"), "--wait", "--json", env=env
+        )
+        assert submit.returncode == 0, submit.stderr
+        assert json.loads(submit.stdout.splitlines()[-1])["status"] == "ok"
+        out = tmp_path / "out.jsonl"
+        batch = await asyncio.to_thread(
+            run_module, "producer", "batch", str(folder), "--out", str(out), env=env
+        )
+        assert batch.returncode == 0, batch.stderr
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert sorted(r["id"] for r in rows) == [f"{i}.jpg" for i in range(6)]
+        assert all(r["status"] == "ok" for r in rows)
+        stats = await asyncio.to_thread(run_module, "producer", "stats", "--json", env=env)
+        assert stats.returncode == 0, stats.stderr
+        assert json.loads(stats.stdout)["stream"]["name"] == "gpufeed:jobs:t:acme"
+    # Everything it did stayed under its own keys; its batch's reply stream is gone.
+    assert admin.xlen("gpufeed:jobs") == 0 and not admin.exists("gpufeed:results")
+    assert admin.keys("gpufeed:results:t:acme:*") == []
+    admin.close()
