@@ -44,6 +44,11 @@ def test_the_syntax_buckets_prefixes_wildcards_schemes_and_streams() -> None:
     assert allow.allows("tenant-a:results", "s3", "catalog", "public/x.jpg")
     assert not allow.allows("tenant-a:results", "gs", "tenant-a", "x.jpg")
     assert not allow.allows("gpufeed:results", "s3", "tenant-a", "x.jpg")
+    # ... and for the streams under it (a tenant's batch runs, its clients), no other.
+    assert allow.allows("tenant-a:results:batch:1f:9c", "s3", "tenant-a", "x.jpg")
+    assert not allow.allows("tenant-a:resultsx", "s3", "tenant-a", "x.jpg")
+    assert not allow.allows("tenant-a", "s3", "tenant-a", "x.jpg")
+    assert not allow.allows("other:tenant-a:results", "s3", "tenant-a", "x.jpg")
     assert not parse_object_allow("")  # empty: nothing at all
     assert not parse_object_allow(" ; ")
 

@@ -291,8 +291,9 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "GPUFEED_OBJECT_ALLOW": (
         "unset (no keys)",
         "the `s3://`, `gs://`, `az://` buckets and key prefixes jobs may read: "
-        "`images-*,catalog/public/`, per reply stream `tenant-a:results=s3://tenant-a`, "
-        "groups separated by `;`. Unset: every key is `object_not_allowed`. See "
+        "`images-*,catalog/public/`, per reply stream (and the streams under it) "
+        "`tenant-a:results=s3://tenant-a`, groups separated by `;`. Unset: every key is "
+        "`object_not_allowed`. See "
         "[Security](security.md)",
     ),
     "GPUFEED_VISIBILITY_TIMEOUT_S": (

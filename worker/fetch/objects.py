@@ -8,7 +8,8 @@ stream; an empty list allows none. The check runs before any request, so a refus
 nothing and says nothing about the object.
 
 Syntax: groups separated by `;`, each `[REPLY_STREAM=]ENTRY[,ENTRY...]`. A group without a
-stream applies to every job; a group with one only to jobs answered on that stream. An
+stream applies to every job; a group with one only to jobs answered on that stream or on a
+stream whose name starts with it and `:` (a tenant's own reply streams). An
 entry is `[s3://|gs://|az://]BUCKET[/PREFIX]`: without a scheme it holds for all three
 stores; a BUCKET ending in `*` matches every bucket name starting with what precedes it;
 PREFIX is matched literally against the start of the key (end it with `/` to mean a folder).
@@ -101,8 +102,19 @@ class ObjectAllow:
     by_stream: dict[str, tuple[ObjectRule, ...]] = field(default_factory=dict)
 
     def allows(self, reply_to: str, scheme: str, bucket: str, key: str) -> bool:
-        rules = self.everyone + self.by_stream.get(reply_to, ())
-        return any(rule.allows(scheme, bucket, key) for rule in rules)
+        if any(rule.allows(scheme, bucket, key) for rule in self.everyone):
+            return True
+        # A stream's group holds for the streams under it too (`<name>:...`): a tenant's
+        # results stream gives its rules to the tenant's own reply streams (a batch run's,
+        # a client's), whose names the tenant's Redis user alone may read.
+        name = reply_to
+        while True:
+            rules = self.by_stream.get(name, ())
+            if any(rule.allows(scheme, bucket, key) for rule in rules):
+                return True
+            name, sep, _ = name.rpartition(":")
+            if not sep:
+                return False
 
     def __bool__(self) -> bool:
         return bool(self.everyone or self.by_stream)
