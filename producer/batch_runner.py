@@ -24,16 +24,20 @@ results stay the raw fields Redis sent until a row group is made of them column-
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import logging
 import os
 import secrets
+import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, cast
 
 from redis.typing import EncodableT, FieldT
@@ -45,7 +49,7 @@ from producer.batch_ids import IdStore, id_hashes
 from producer.batch_output import Existing, Output
 from producer.batch_redis import Fields, RawLink, field_map
 from producer.batch_rows import Rows, error_fields
-from producer.batch_sources import Item, ItemError, Source, open_source
+from producer.batch_sources import Item, ItemError, Source, open_source, printable
 from producer.client import Producer
 from producer.priorities import level_stream, pick_level
 from producer.replies import last_id, xread_entries
@@ -194,6 +198,49 @@ class Progress:
         }
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout`, systemd and Kubernetes send to stop a process), raised where
+    ^C raises KeyboardInterrupt, so that a run ends the same way either way: the rows
+    answered so far committed, a --local service stopped and its folder removed."""
+
+
+def interruption(exc: KeyboardInterrupt) -> tuple[str, int]:
+    """What ended a run interrupted by `exc`, in words, and the exit status that says so:
+    128 and the signal's number, as a shell reports a process the signal ended."""
+    if isinstance(exc, Terminated):
+        return "terminated (SIGTERM)", 128 + signal.SIGTERM
+    return "interrupted", 128 + signal.SIGINT
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While in it, the first SIGTERM raises `Terminated` in the main thread; any later one is
+    ignored, so that the end it asked for (rows committed, workers drained, Redis stopped) is
+    not cut short: whoever cannot wait sends SIGKILL. Outside the main thread (no handler can
+    be set there), or where SIGTERM is ignored already, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is signal.SIG_IGN:
+        yield
+        return
+    ended = False
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        nonlocal ended
+        if not ended:
+            ended = True
+            raise Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        # None: a handler set outside Python, which cannot be set back from here.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 @dataclass(frozen=True)
 class BatchOptions:
     in_flight: int | None = None  # None: from the consumer group (default_in_flight)
@@ -235,7 +282,8 @@ def default_in_flight(producer: Producer, stream: str) -> int:
 def reply_stream_for(producer: Producer, out: Path) -> str:
     """A new reply stream for a run over `out`: named after the output (which run it is,
     for whoever lists keys) and 128 random bits (so no one else can find it)."""
-    digest = hashlib.sha1(str(out.absolute()).encode()).hexdigest()[:16]
+    # The path's own bytes: a name that is not UTF-8 has no other encoding.
+    digest = hashlib.sha1(os.fsencode(out.absolute())).hexdigest()[:16]
     name = f"{producer.results_stream}:batch:{digest}:{secrets.token_hex(16)}"
     if producer.cluster:
         return producer.shards[0].reply_stream(name)
@@ -309,8 +357,8 @@ class BatchRun:
         source, output, producer, options = self.source, self.output, self.producer, self.options
         self.contested = existing.contested
         self.progress = Progress(
-            source=source.spec,
-            output=str(output.path),
+            source=printable(source.spec),
+            output=printable(str(output.path)),
             total=source.total,
             done_before=existing.rows,
             retried=existing.retried,

@@ -11,11 +11,18 @@ regular image files (what else it holds is passed over and reported), every file
 without blocking and looked at before a byte is read, and read no further than the
 workers' image size limit; a manifest is read a bounded line at a time, and a line it
 cannot make sense of ends the run with one message naming that line.
+
+Nor is a folder trusted to be shallow or its names to be UTF-8: it is walked with a list of
+folders still to list, not by recursion, so any depth is walked; a file whose name is not
+UTF-8 (which the system hands over with each such byte as a lone surrogate, PEP 383) is
+served under an id of UTF-8 text, and every path a row, a message or the summary shows is
+written with such bytes as `\\xNN`.
 """
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import itertools
 import json
 import operator
@@ -70,6 +77,30 @@ _KINDS = (
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
+def is_text(text: str) -> bool:
+    """Whether `text` is UTF-8 text: False for a name the system gave with surrogate escapes
+    (a file name that is not UTF-8), or a JSON string's lone surrogate."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 text that any output takes (a row, JSON, a terminal): each byte of a
+    name that is not UTF-8 written `\\xNN` (any other lone surrogate `\\udNNN`); text that
+    is UTF-8 already comes back as it is."""
+    if is_text(text):
+        return text
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name gives (from a JSON escape)
+        return text.encode("utf-8", "backslashreplace").decode()
+
+
 def file_kind(mode: int) -> str:
     """What a file of `mode` is, in words, for one that is not regular."""
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
@@ -79,7 +110,7 @@ def _refused(file: str, st: os.stat_result, limit: int) -> ItemError:
     if not stat.S_ISREG(st.st_mode):
         return ItemError(
             wire.ErrorCode.PATH_NOT_FOUND,
-            f"{file} is not a regular file ({file_kind(st.st_mode)})",
+            f"{printable(file)} is not a regular file ({file_kind(st.st_mode)})",
         )
     return _too_large(file, limit)
 
@@ -87,7 +118,7 @@ def _refused(file: str, st: os.stat_result, limit: int) -> ItemError:
 def _too_large(file: str, limit: int) -> ItemError:
     return ItemError(
         wire.ErrorCode.PAYLOAD_TOO_LARGE,
-        f"{file} is over the limit of {limit} bytes (GPUFEED_MAX_IMAGE_BYTES)",
+        f"{printable(file)} is over the limit of {limit} bytes (GPUFEED_MAX_IMAGE_BYTES)",
     )
 
 
@@ -100,7 +131,7 @@ def read_file(
     into it in one call."""
     try:
         fd = os.open(file, _OPEN_FLAGS)
-    except ValueError as exc:  # a NUL in the name
+    except ValueError as exc:  # a NUL in the name, a surrogate no file name can hold
         raise ItemError(wire.ErrorCode.INVALID_JOB, f"{file!r}: {exc}") from None
     try:
         # What was opened is judged before a byte is read: a FIFO, a device (a link to
@@ -154,7 +185,7 @@ class Item(NamedTuple):
         if file is not None:
             image = read_file(file, buffer, limit)
             if not image:
-                raise ItemError(wire.ErrorCode.EMPTY_IMAGE, f"{file}: image is empty")
+                raise ItemError(wire.ErrorCode.EMPTY_IMAGE, f"{printable(file)}: image is empty")
             return [wire.JOB_IMAGE, image, wire.JOB_ID, job_id.encode()]
         if path is not None:
             return [wire.JOB_PATH, path.encode(), wire.JOB_ID, job_id.encode()]
@@ -246,9 +277,12 @@ def _header(manifest: Path) -> list[str] | None:
 
 def _kept(value: Any) -> str | None:
     """A kept column's value as the output holds it: text as it is, anything else as JSON."""
-    if value is None or isinstance(value, str):
-        return value
-    return json.dumps(value, ensure_ascii=False, default=str)
+    if value is None:
+        return None
+    # A JSON string may hold a lone surrogate, which no output can write.
+    return printable(
+        value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    )
 
 
 def _open_source(spec: str, path_root: str | os.PathLike[str] | None) -> Source:
@@ -283,13 +317,13 @@ def _local_item(file: str, id: str, root: Path | None) -> Item:
     absolute = os.path.abspath(file)
     top = str(root)
     if not absolute.startswith(top.rstrip(os.sep) + os.sep):
-        raise SourceError(f"{file} is not under --path-root {root}")
+        raise SourceError(f"{printable(file)} is not under --path-root {printable(top)}")
     relative = absolute[len(top.rstrip(os.sep)) + 1 :]
     return Item(id=id, source=file, path=relative.replace(os.sep, "/"))
 
 
 def _count_files(folder: str) -> int:
-    return sum(1 for _ in _image_files(folder, "", None))
+    return sum(1 for _ in _image_files(folder, None))
 
 
 def _folder_pages(folder: Path, root: Path | None, on_skip: OnSkip | None) -> Iterator[list[Item]]:
@@ -297,13 +331,20 @@ def _folder_pages(folder: Path, root: Path | None, on_skip: OnSkip | None) -> It
     then its subfolders by name, as os.walk with sorted names gives them), id: the path
     relative to `folder`. Symbolic links to folders are not followed; one to a file is
     taken where its target is a regular file."""
+    top = str(folder)
+    # Whether every path starts as UTF-8 text: then a name that is too is the common case,
+    # which costs one isascii.
+    plain = is_text(top)
     page: list[Item] = []
-    for file, relative in _image_files(str(folder), "", on_skip):
-        # An id of at most 32 characters is at most 128 bytes: no need to measure it.
-        job_id = relative if len(relative) <= 32 else _fit_id(relative)
-        page.append(
-            Item(job_id, file, None, file) if root is None else _local_item(file, job_id, root)
-        )
+    for file, relative in _image_files(top, on_skip):
+        if plain and (relative.isascii() or is_text(relative)):
+            # An id of at most 32 characters is at most 128 bytes: no need to measure it.
+            job_id = relative if len(relative) <= 32 else _fit_id(relative)
+            page.append(
+                Item(job_id, file, None, file) if root is None else _local_item(file, job_id, root)
+            )
+        else:
+            page.append(_odd_item(file, relative, root))
         if len(page) >= READ_PAGE:
             yield page
             page = []
@@ -311,32 +352,81 @@ def _folder_pages(folder: Path, root: Path | None, on_skip: OnSkip | None) -> It
         yield page
 
 
-def _image_files(folder: str, prefix: str, on_skip: OnSkip | None) -> Iterator[tuple[str, str]]:
+def _odd_item(file: str, relative: str, root: Path | None) -> Item:
+    """The item of a file whose path is not all UTF-8 (its own name, a folder's on the way,
+    or the source folder's): served as any other, under an id and a source of UTF-8 text.
+    A path job names the file in UTF-8 text, which this one has none of: it is read here and
+    sent inline."""
+    job_id = _fit_id(relative) if is_text(relative) else _bytes_id(relative)
+    shown = printable(file)
+    if root is not None:
+        item = _local_item(file, job_id, root)
+        if item.path is not None and is_text(item.path):
+            return item._replace(source=shown)
+    return Item(job_id, shown, None, file)
+
+
+def _bytes_id(relative: str) -> str:
+    """The id of a relative path that is not UTF-8: a digest of its bytes, then as much of
+    its tail as fits, each byte that is not UTF-8 written `\\xNN`. The digest keeps it
+    apart from a name that is spelled that way, with a backslash, and from any other id."""
+    raw = relative.encode("utf-8", "surrogateescape")
+    digest = hashlib.sha1(raw).hexdigest()[:16]
+    shown = raw.decode("utf-8", "backslashreplace").encode()
+    tail = shown[-(wire.MAX_ID_BYTES - len(digest) - 1) :].decode("utf-8", "ignore")
+    return f"{digest}~{tail}"
+
+
+def _image_files(top: str, on_skip: OnSkip | None) -> Iterator[tuple[str, str]]:
+    """(path, path relative to `top`) of each image-named regular file under `top`, depth
+    first. A list of the folders still to list, not recursion: a tree of any depth is
+    walked (a path over the system's limit, PATH_MAX, cannot be listed and is reported as
+    such), and a folder found inside itself (a bind mount of a parent) is passed over and
+    reported, not walked until the path is too long."""
     # os.scandir and string operations: pathlib would cost each file more than the rest
     # of its way to the stream. is_dir and is_file answer from the folder listing's own
     # file types, but for a symbolic link, whose target they look at.
-    try:
-        with os.scandir(folder) as it:
-            entries = sorted(it, key=_name)
-    except OSError as exc:
-        if on_skip is not None:
-            on_skip(folder, f"cannot list it: {exc.strerror or exc}")
-        return
-    folders = []
-    for entry in entries:
-        if entry.is_dir():
-            if not entry.is_symlink():
-                folders.append(entry)
+    todo: list[tuple[str, str, int]] = [(top, "", 0)]  # folder, prefix, depth; next last
+    # The folders from `top` down to the one being listed, as (device, inode).
+    chain: list[tuple[int, int]] = []
+    on_chain: set[tuple[int, int]] = set()
+    while todo:
+        folder, prefix, depth = todo.pop()
+        while len(chain) > depth:
+            on_chain.discard(chain.pop())
+        try:
+            st = os.stat(folder)
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=_name)
+        except OSError as exc:
+            if on_skip is not None:
+                on_skip(printable(folder), f"cannot list it: {exc.strerror or exc}")
             continue
-        name = entry.name
-        dot = name.rfind(".")
-        if dot > 0 and name[dot:].lower() in IMAGE_EXTENSIONS:
-            if entry.is_file():
-                yield entry.path, prefix + name
-            elif on_skip is not None:
-                on_skip(entry.path, _not_regular(entry.path))
-    for entry in folders:
-        yield from _image_files(entry.path, f"{prefix}{entry.name}/", on_skip)
+        key = (st.st_dev, st.st_ino)
+        if key in on_chain:
+            if on_skip is not None:
+                on_skip(
+                    printable(folder),
+                    "the same folder as one it is in (a bind mount): not listed again",
+                )
+            continue
+        chain.append(key)
+        on_chain.add(key)
+        folders = []
+        for entry in entries:
+            if entry.is_dir():
+                if not entry.is_symlink():
+                    folders.append(entry)
+                continue
+            name = entry.name
+            dot = name.rfind(".")
+            if dot > 0 and name[dot:].lower() in IMAGE_EXTENSIONS:
+                if entry.is_file():
+                    yield entry.path, prefix + name
+                elif on_skip is not None:
+                    on_skip(printable(entry.path), _not_regular(entry.path))
+        # Reversed: the first subfolder by name is listed next.
+        todo.extend((e.path, f"{prefix}{e.name}/", depth + 1) for e in reversed(folders))
 
 
 def _not_regular(path: str) -> str:
@@ -392,12 +482,17 @@ def _manifest_pages(
     # A relative path is one under the workers' root with --path-root, else a file next
     # to the manifest.
     base = str(root if root is not None else manifest.parent)
+    # A manifest's lines are UTF-8 text: only a base that is not can make a source that
+    # is not.
+    plain = is_text(base)
     label = f"{manifest} {'row' if _format(manifest) == 'parquet' else 'line'}"
     rows = _manifest_rows(manifest, keep)
     page: list[Item] = []
     for line, row in rows:
         item = _row_item(label, line, row, base, root)
         if item is not None:
+            if not plain:
+                item = item._replace(source=printable(item.source))
             if keep:
                 item = item._replace(extra=tuple(_kept(row.get(k)) for k in keep))
             page.append(item)
@@ -440,6 +535,8 @@ def _cell(value: Any, label: str, line: int, column: str) -> str | None:
             value = str(value)
         else:
             raise SourceError(f"{label} {line}: {column} is not text: {value!r}")
+    elif not is_text(value):  # a JSON string's lone surrogate (`"\\ud800"`)
+        raise SourceError(f"{label} {line}: {column} is not UTF-8 text: {value!r}")
     value = value.strip()
     return value or None
 

@@ -565,6 +565,25 @@ def _report(
         raise _fail("; ".join(problems), EXIT_FAILED)
 
 
+def _ends_on_signals(command: Callable[..., None]) -> Callable[..., None]:
+    """`batch`: SIGTERM ends it as ^C does, and either, at any step (counting the source,
+    starting the local workers, the run, its end), exits 143 or 130 with one line, never
+    click's "Aborted!" (exit 1)."""
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> None:
+        from producer.batch_runner import interruption, sigterm_as_interrupt
+
+        with sigterm_as_interrupt():
+            try:
+                command(*args, **kwargs)
+            except KeyboardInterrupt as exc:
+                said, code = interruption(exc)
+                raise _fail(f"{said}: run the same command again to go on", code) from None
+
+    return run
+
+
 @app.command()
 @click.argument(
     "source",
@@ -636,6 +655,7 @@ def _report(
 )
 @click.option("--json", "json_out", is_flag=True, help="JSON progress lines and summary on stdout")
 @_connection("stream", "group", "results_stream", "result_prefix", "priorities", "tenant")
+@_ends_on_signals
 def batch(
     settings: Settings,
     *,
@@ -719,7 +739,7 @@ def _run_batch(
 ) -> BatchProgress:
     """The run, its errors as one line and an exit code; `service`: the --local one, whose
     ended worker is what a run interrupted from inside means."""
-    from producer.batch_runner import run_batch
+    from producer.batch_runner import interruption, run_batch
     from producer.batch_view import BatchView
 
     with _session(settings) as producer:
@@ -731,14 +751,15 @@ def _run_batch(
                 return run_batch(src, out_path, producer, options, on_progress=on_progress)
         except (ValueError, UnknownPriority) as exc:  # SourceError, OutputError among them
             raise _fail(str(exc), EXIT_USAGE) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             if service is not None and service.ended is not None:
                 raise _fail(
                     f"--local: {service.ended_message()}; the output keeps the rows written "
                     "so far: run the same command again to go on",
                     EXIT_FAILED,
                 ) from None
-            raise _fail("interrupted: run the same command again to go on", 130) from None
+            said, code = interruption(exc)
+            raise _fail(f"{said}: run the same command again to go on", code) from None
 
 
 def _local_service(stack: contextlib.ExitStack, *, json_out: bool) -> LocalService:

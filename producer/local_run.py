@@ -3,9 +3,10 @@
 A private redis-server on a free loopback port and one worker per GPU (one CPU worker on a
 host without one), each `python -m worker` with the model the usual settings name
 (GPUFEED_MODEL, GPUFEED_WEIGHTS, ...). The batch then runs through the same code path as
-against a deployed fleet, and when it ends, however it ends (done, ^C, a worker that dies),
-the workers are stopped (SIGTERM: each drains and exits), then Redis, and the run's
-folder (Redis's working directory, the workers' logs) is removed: only the output stays.
+against a deployed fleet, and when it ends, however it ends (done, ^C, SIGTERM, which
+`producer batch` takes as ^C, a worker that dies), the workers are stopped (SIGTERM: each
+drains and exits), then Redis, and the run's folder (Redis's working directory, the
+workers' logs) is removed: only the output stays.
 
 The children run in sessions of their own, so a ^C in the terminal reaches the client
 alone, which then stops them in order (a worker that got the ^C itself would race Redis's
@@ -295,19 +296,33 @@ def local_service(
         watcher.start()
         yield service
     finally:
-        stop.set()
-        if watcher is not None:
-            watcher.join()
-        if service is not None:
-            for worker in service.workers:
-                with contextlib.suppress(ProcessLookupError):
-                    if worker.process.poll() is None:
-                        worker.process.send_signal(signal.SIGTERM)
-            for worker in service.workers:
-                _stop(worker.process, STOP_GRACE_S)
-        if redis_process is not None:
-            _stop(redis_process, 10)
-        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            _stop_all(service, redis_process, stop, watcher)
+        finally:
+            # Also when a second ^C cuts the workers' drain short: the children then end
+            # with the client (PR_SET_PDEATHSIG), and nothing of the run stays on disk.
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stop_all(
+    service: LocalService | None,
+    redis_process: subprocess.Popen[bytes] | None,
+    stop: threading.Event,
+    watcher: threading.Thread | None,
+) -> None:
+    """The watcher, then the workers (SIGTERM to all, each drains), then Redis."""
+    stop.set()
+    if watcher is not None:
+        watcher.join()
+    if service is not None:
+        for worker in service.workers:
+            with contextlib.suppress(ProcessLookupError):
+                if worker.process.poll() is None:
+                    worker.process.send_signal(signal.SIGTERM)
+        for worker in service.workers:
+            _stop(worker.process, STOP_GRACE_S)
+    if redis_process is not None:
+        _stop(redis_process, 10)
 
 
 def _interrupt_main() -> None:
