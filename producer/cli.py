@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from producer import wire
+from producer import tenants, wire
 from producer.admission import AdmissionRefused
 from producer.client import Producer
 from producer.core import DEFAULT_REDIS_URL
@@ -35,7 +35,7 @@ from producer.dead_letters import DeadLetter, DeadLetterNotFound, iso_utc
 from producer.jobs import IMAGE_EXTENSIONS, Job, file_job_ids, read_url_list, url_job_ids
 from producer.priorities import UnknownPriority, level_stream, pick_level
 from producer.reach import UNREACHABLE, unreachable
-from producer.stats import collect_stats
+from producer.stats import collect_stats, tenant_backlogs
 from producer.tenants import TenantError
 
 if TYPE_CHECKING:
@@ -105,6 +105,7 @@ class Settings:
     redis_cluster: str = "auto"
     shards: str = "1"
     tenant: str = ""
+    tenants: str = ""
 
     def merged(self, **given: str | None) -> Settings:
         return Settings(**{**self.__dict__, **{k: v for k, v in given.items() if v is not None}})
@@ -127,6 +128,7 @@ _CONNECTION_HELP = {
         "GPUFEED_TENANT",
         "the tenant whose streams to use (the workers' GPUFEED_TENANTS)",
     ),
+    "tenants": ("GPUFEED_TENANTS", "the workers' tenants, to show each one's backlog"),
 }
 
 
@@ -802,10 +804,32 @@ def _worker_line(worker: LocalWorker) -> dict[str, Any]:
 
 @app.command()
 @_json_flag
-@_connection("stream", "group", "results_stream", "dead_stream", "priorities", "tenant")
+@_connection("stream", "group", "results_stream", "dead_stream", "priorities", "tenant", "tenants")
 def stats(settings: Settings, *, json_out: bool) -> None:
-    """Show the job backlog, the consumer group, its consumers and live workers."""
+    """Show the job backlog, the consumer group, its consumers and live workers.
+
+    With GPUFEED_TENANTS (the workers' setting), each tenant's backlog too."""
+    try:
+        names = [] if settings.tenant else [n for n, _ in tenants.parse(settings.tenants)]
+    except TenantError as exc:
+        raise _fail(f"GPUFEED_TENANTS: {exc}", EXIT_USAGE) from None
     with _session(settings) as producer:
+        by_tenant = tenant_backlogs(
+            producer.client,
+            [
+                tenants.tenant_layout(
+                    name,
+                    len(producer.shards),
+                    stream=settings.stream,
+                    results_stream=settings.results_stream,
+                    result_prefix=settings.result_prefix,
+                    dead_stream=settings.dead_stream,
+                )
+                for name in names
+            ],
+            settings.group,
+            settings.priorities,
+        )
         snapshots = [
             collect_stats(
                 producer.client,
@@ -818,13 +842,28 @@ def stats(settings: Settings, *, json_out: bool) -> None:
             for shard in producer.shards
         ]
     if json_out:
-        _print_json(snapshots[0] if len(snapshots) == 1 else {"shards": snapshots})
+        shown = snapshots[0] if len(snapshots) == 1 else {"shards": snapshots}
+        _print_json({**shown, "tenants": by_tenant} if names else shown)
     else:
         for i, snapshot in enumerate(snapshots):
             if len(snapshots) > 1:
                 out.print(f"[bold]shard {i}[/bold]")
             # The live workers (the same for every shard) once, after the last shard.
             _render_stats(snapshot, with_workers=i == len(snapshots) - 1)
+        if names:
+            _render_tenants(by_tenant)
+
+
+def _render_tenants(rows: list[dict[str, Any]]) -> None:
+    table = Table("tenant", "stream", "length", "lag", "pending", "consumers", title="tenants")
+    for row in rows:
+        table.add_row(
+            *(
+                "-" if row[key] is None else str(row[key])
+                for key in ("tenant", "stream", "length", "lag", "pending", "consumers")
+            )
+        )
+    out.print(table)
 
 
 def _length(info: dict[str, Any]) -> str:

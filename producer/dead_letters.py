@@ -15,6 +15,7 @@ from producer import wire
 from producer.commands import Call, call
 from producer.priorities import entry_ref, level_stream
 from producer.replies import raw, text
+from producer.tenants import names
 
 # Dead letters replayed by `replay_dead(all=True)` per transaction: each holds its image.
 REPLAY_CHUNK = 100
@@ -40,6 +41,7 @@ DEAD_DELIVERIES = b"dead_deliveries"  # how many times it was delivered
 DEAD_CONSUMER = b"dead_consumer"  # the consumer that had it last
 DEAD_AT_MS = b"dead_at_ms"  # when it was dead-lettered, epoch milliseconds
 DEAD_LEVEL = b"dead_level"  # its priority level (absent without priorities): replayed there
+DEAD_TENANT = b"dead_tenant"  # its tenant (absent for the plain stream): replayed to its stream
 DEAD_FIELDS = (DEAD_ENTRY, DEAD_DELIVERIES, DEAD_CONSUMER, DEAD_AT_MS, DEAD_LEVEL)
 
 _ENTRY_ID = re.compile(r"[0-9]+-[0-9]+")
@@ -197,6 +199,8 @@ class Replay:
     jobs: list[dict[bytes, bytes]] = field(default_factory=list)
     # Each job's priority level ("" without priorities): it goes back to that stream.
     levels: list[str] = field(default_factory=list)
+    # Each job's tenant ("": the plain stream): it goes back to the tenant's own stream.
+    tenants: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
     reply_to: list[str] = field(default_factory=list)
 
@@ -215,11 +219,14 @@ class Replay:
             plan.dead_ids.append(dead_id)
             plan.jobs.append(job)
             plan.levels.append(_opt_text(fields.get(DEAD_LEVEL)) or "")
+            tenant = _opt_text(fields.get(DEAD_TENANT)) or ""
+            plan.tenants.append(tenant)
             own_id = _own_id(job)
             if own_id is not None:
                 # The dead_letter error result under this id would make workers answer the
                 # replayed job as a duplicate of an id that already has a result.
-                plan.stale.append(wire.result_key(own_id, result_prefix))
+                prefix = names(tenant, result_prefix=result_prefix)[2] if tenant else result_prefix
+                plan.stale.append(wire.result_key(own_id, prefix))
             reply_to = _opt_text(job.get(wire.JOB_REPLY_TO))
             if reply_to:
                 plan.reply_to.append(reply_to)
@@ -233,8 +240,8 @@ class Replay:
             # execute_command: a cluster pipeline has no eval().
             out.append(call("execute_command", "EVAL", DELETE_RESULTS, len(keys), *keys))
         out += [
-            call("xadd", level_stream(stream, level), job)
-            for job, level in zip(self.jobs, self.levels, strict=True)
+            call("xadd", level_stream(names(t, stream=stream)[0] if t else stream, level), job)
+            for job, level, t in zip(self.jobs, self.levels, self.tenants, strict=True)
         ]
         if not keep and self.dead_ids:
             out.append(call("xdel", dead_stream, *self.dead_ids))

@@ -15,6 +15,7 @@ from redis.exceptions import NoPermissionError
 
 from producer import wire
 from producer.priorities import level_stream, parse_levels
+from producer.shards import Shard
 
 _SNAPSHOT_FIELD = "snapshot"
 
@@ -143,3 +144,34 @@ def _backlog(client: redis.Redis, stream: str, group: str) -> dict[str, Any]:
         "group": group_info,
         "consumers": _consumers(client, stream, group) if group_info else [],
     }
+
+
+def tenant_backlogs(
+    client: redis.Redis,
+    layouts: Sequence[Sequence[Shard]],
+    group: str = wire.DEFAULT_GROUP,
+    priorities: str | Sequence[str] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per tenant's job stream (each shard's, each level's): its length, the
+    group's lag and pending count, and its consumers: what an operator reads to see which
+    tenant's backlog grows (producer/tenants.py)."""
+    levels = parse_levels(priorities) or [""]
+    rows = []
+    for layout in layouts:
+        for shard in layout:
+            for level in levels:
+                stream = level_stream(shard.stream, level)
+                backlog = _backlog(client, stream, group)
+                g = backlog["group"]
+                rows.append(
+                    {
+                        "tenant": shard.tenant,
+                        "level": level,
+                        "stream": stream,
+                        "length": backlog["stream"]["length"],
+                        "lag": None if g is None else g["lag"],
+                        "pending": None if g is None else g["pending"],
+                        "consumers": None if g is None else g["consumers"],
+                    }
+                )
+    return rows

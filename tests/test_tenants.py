@@ -301,3 +301,53 @@ async def test_a_tenants_user_runs_submit_batch_and_stats_with_the_documented_ri
     assert admin.xlen("gpufeed:jobs") == 0 and not admin.exists("gpufeed:results")
     assert admin.keys("gpufeed:results:t:acme:*") == []
     admin.close()
+
+
+def test_an_operator_sees_each_tenants_backlog(redis_url: str) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    for i in range(3):
+        admin.xadd("gpufeed:jobs:t:acme", {"image": b"x", "id": f"a{i}"})
+    admin.xadd("gpufeed:jobs:t:globex", {"image": b"x"})
+    env = {"REDIS_URL": redis_url, "GPUFEED_TENANTS": "acme=3,globex"}
+    shown = run_module("producer", "stats", "--json", env=env)
+    assert shown.returncode == 0, shown.stderr
+    rows = {r["tenant"]: r for r in json.loads(shown.stdout)["tenants"]}
+    assert (rows["acme"]["stream"], rows["acme"]["length"]) == ("gpufeed:jobs:t:acme", 3)
+    assert rows["globex"]["length"] == 1 and rows["globex"]["lag"] is None  # no group yet
+    table = run_module("producer", "stats", env=env)
+    assert table.returncode == 0 and "gpufeed:jobs:t:globex" in table.stdout
+    bad = run_module("producer", "stats", env={**env, "GPUFEED_TENANTS": "a:b"})
+    assert bad.returncode == 2 and "GPUFEED_TENANTS" in bad.stderr
+    admin.close()
+
+
+async def test_a_tenants_dead_letter_is_replayed_to_its_own_stream(
+    redis_url: str, tiny_weights: Path
+) -> None:
+    admin = redis.Redis.from_url(redis_url)
+    stream = "gpufeed:jobs:t:acme"
+    admin.xgroup_create(stream, "gpufeed", id="0", mkstream=True)
+    admin.xadd(stream, {"id": "poison", "image": jpeg_bytes()})
+    # A consumer that read it and vanished: delivered once, never answered.
+    assert admin.xreadgroup("gpufeed", "ghost", {stream: ">"}, count=1)
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        tenants="acme",
+        visibility_timeout_s=1.0,
+        claim_interval_s=0.3,
+        max_deliveries=1,
+    ):
+        first = await wait_results(admin, "gpufeed:results:t:acme", 1, timeout_s=30)
+        assert JobResult.from_fields(first[0][1]).error_code == "dead_letter"
+        (dead,) = admin.xrange("gpufeed:dead")
+        assert dead[1][b"dead_tenant"] == b"acme"
+        operator = Producer(redis_url)
+        replayed = await asyncio.to_thread(operator.replay_dead, all=True)
+        assert len(replayed) == 1
+        answers = await wait_results(admin, "gpufeed:results:t:acme", 2, timeout_s=30)
+        second = JobResult.from_fields(answers[-1][1])
+        assert second.ok and second.id == "poison" and not second.duplicate_of
+        assert admin.xlen("gpufeed:jobs") == 0
+        operator.close()
+    admin.close()

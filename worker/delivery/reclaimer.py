@@ -74,6 +74,7 @@ class Reclaimer:
         # Entries read and not yet answered, by (job stream, entry ID).
         self._held = held
         self._deliver = deliver
+        self._tenants = {lane.stream: lane.keys.tenant for lane in lanes if lane.keys}
         # Where each stream's jobs are answered by default (a tenant's lanes: its own).
         self._replies = {
             lane.stream: config.results_stream if lane.keys is None else lane.keys.results_stream
@@ -208,6 +209,9 @@ class Reclaimer:
             if level := self._levels.get(stream, ""):
                 # `producer dead replay` puts the job back on its own level.
                 dead += ["dead_level", level]
+            if tenant := self._tenants.get(stream, ""):
+                # ... and on its own tenant's stream, answered with the tenant's keys.
+                dead += ["dead_tenant", tenant]
             outcome.dead_fields = dead
             outcomes.append(outcome)
         if outcomes:
