@@ -9,7 +9,9 @@ the worker sends a header, the item's description (msgpack: row indices, payload
 paths, reply streams) and the payload bytes back to back; the process answers 16 bytes
 (the item's token) once every row of it has its record in the result table. The pixels
 and each row's record go through shared memory, never through the socket; with packed rows
-(worker/decode/packed.py) each image takes its place in its slot as its decode ends.
+(worker/decode/packed.py) each image takes its place in its slot as its decode ends. A
+run's rows are decoded cheapest first (by the pixels their headers announce), so that a
+small image sent beside large ones is done before them; the decode budget bounds the run.
 
 A row the worker flags for the GPU (GPUFEED_DECODE=gpu|auto, packed rows) is only probed
 here: a JPEG the GPU's hardware decoder takes as it is, within every limit, gets its
@@ -36,6 +38,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import numpy.typing as npt
+import simplejpeg  # type: ignore[import-untyped]
 from PIL import Image
 
 from producer.wire import ErrorCode
@@ -50,6 +53,7 @@ from worker.decode.arena import (
 )
 from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_pixels, write_row
+from worker.decode.jpeg_header import segments
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import open_payloads
 from worker.decode.rows import THUMBNAIL_PIXELS, decode_row, gpu_placement, write_decoded_row
@@ -62,6 +66,11 @@ MAGIC = b"GFDI"
 ANSWER = struct.Struct("<qq")
 
 _ERROR_INDEX = {code: i for i, code in enumerate(ERROR_CODES)}
+_PNG = b"\x89PNG\r\n\x1a\n"
+_PNG_SIZE = struct.Struct(">II")  # IHDR: width, height
+_JPEG_SIZE = struct.Struct(">HH")  # SOFn, after the precision: height, width
+# Start-of-frame markers: SOFn, not DHT, JPG, DAC.
+_FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
 def spec_args(spec: DecodeSpec) -> str:
@@ -269,6 +278,42 @@ def _failed(record: Any, code: ErrorCode, message: str, start: float) -> None:
     record["state"] = FAILED
 
 
+def cheapest_first(datas: list[memoryview | None]) -> list[int]:
+    """The order to decode a run's rows in: the fewest pixels first, so that the run's
+    small images never wait behind its large ones (the sender chooses what shares a run)."""
+    if len(datas) < 2:
+        return list(range(len(datas)))
+    costs = [decode_cost(d) for d in datas]
+    return sorted(range(len(datas)), key=costs.__getitem__)
+
+
+def decode_cost(data: memoryview | bytes | None) -> int:
+    """What decoding `data` costs, roughly: the pixels its header announces (a PNG's or a
+    JPEG's), its length for other formats, 0 for what is read here (a path job's bytes).
+    Reads a few header fields, never raises: the decode judges the bytes."""
+    if data is None:
+        return 0
+    if len(data) < 24:
+        return len(data)
+    first = data[0]
+    if first == 0x89 and data[:8] == _PNG and data[12:16] == b"IHDR":
+        width, height = _PNG_SIZE.unpack_from(data, 16)
+        return int(width) * int(height)
+    if first == 0xFF and data[1] == 0xD8:
+        try:
+            # libjpeg-turbo's own header read: a few microseconds, against a thumbnail's
+            # 100 or so for its decode.
+            height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+            return int(width) * int(height)
+        except ValueError:
+            pass  # a header TurboJPEG refuses (CMYK, say): read here, more slowly
+        for marker, pos, length in segments(data):
+            if marker in _FRAMES and length >= 7 and pos + 9 <= len(data):
+                height, width = _JPEG_SIZE.unpack_from(data, pos + 5)
+                return int(width) * int(height)
+    return len(data)
+
+
 def serve(
     sock: socket.socket,
     answers: socket.socket,
@@ -300,23 +345,26 @@ def serve(
             return
         token, rows, lengths, paths, namespaces, places, gpus, accept = msgpack.unpackb(meta)
         decoder.thumbnail_accept = accept
+        # The run's start, then no row (the last run's is not this run's), then the token:
+        # the worker reads the token first, so a token it knows comes with its run's time.
+        # The budget bounds the run, not each row alone.
+        progress["started_ns"] = time.monotonic_ns()
+        progress["row"] = -1
         progress["token"] = token
+        datas: list[memoryview | None] = []
         offset = 0
-        for row, length, path, ns, at, gpu in zip(
-            rows, lengths, paths, namespaces, places, gpus, strict=True
-        ):
-            # Start time before row: the worker reads row, then the time, so it never
-            # pairs a row with a time older than that row's start.
-            progress["started_ns"] = time.monotonic_ns()
-            progress["row"] = row
+        for length, at in zip(lengths, places, strict=True):
             # length: the payload's bytes; -1: a path job (read here); -2: nothing to decode.
-            data: memoryview | None = None
             if at >= 0 and payloads is not None:
-                data = payloads[at : at + length]
+                datas.append(payloads[at : at + length])
             elif length >= 0:
-                data = view[offset : offset + length]
+                datas.append(view[offset : offset + length])
                 offset += length
-            decoder.decode(row, data, path, ns, gpu)
+            else:
+                datas.append(None)
+        for i in cheapest_first(datas):
+            progress["row"] = rows[i]
+            decoder.decode(rows[i], datas[i], paths[i], namespaces[i], gpus[i])
         progress["token"] = 0
         answers.sendall(ANSWER.pack(token, 0))
 

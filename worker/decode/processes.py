@@ -12,12 +12,23 @@ process: the rows are cut into at most K contiguous runs, each sent with its pay
 by that process's sender thread (a blocking send, without the GIL), and each process
 answers once per run. Each row's outcome is a record in the shared result table.
 
-The decode budget (GPUFEED_DECODE_BUDGET_MS) is enforced by ending the process: each
-process notes in shared memory which row it works on and since when; a row past the
-budget has its process killed and replaced, the row answered `decode_timeout`, and the
-rows that process had not finished are sent to its replacement. A process that dies on its
-own (a crash in a codec) is handled the same way: its row is answered `internal_error`,
-the others are decoded by the replacement, no job is lost.
+Rows go to the processes by load: each process's share of a group is what brings the
+longest queue of rows sent and not yet answered down as far as it goes. With the decode
+cache on, an image goes back to the process it was last sent to (where it is cached) only
+within that process's share, so affinity never lengthens a queue: images that share a
+fingerprint (a length and a tail, which a sender controls) spread like any others. Each
+process decodes its run cheapest first (worker/decode/process_main.py), so a small image
+never waits behind a large one sent with it.
+
+The decode budget (GPUFEED_DECODE_BUDGET_MS) bounds each run, counted from the start of its
+first row, not each image alone: images that each decode within the budget cannot together
+hold a batch for many budgets. Each process notes in shared memory which run and row it
+works on and since when the run started; a run past the budget has its process killed and
+replaced, the row it was on answered `decode_timeout`, and so is each row of that run not
+started yet (they waited behind the others for the whole budget); the runs of other groups
+it held are sent to its replacement. A process that dies on its own (a crash in a codec) is
+handled the same way: its row is answered `internal_error`, the others are decoded by the
+replacement, no job is lost.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -67,6 +79,9 @@ _Message = list[bytes | memoryview]
 _MAX_FAILED_STARTS = 3
 # Processes ending on the same rows with none of them started, before those rows fail.
 _MAX_ATTEMPTS = 3
+# Images whose process is remembered (a hundred bytes or so each, a few MB in all) before
+# the memory starts over: a forgotten image costs one more decode, no more.
+_PLACES_KEPT = 1 << 16
 
 
 class DecodeProcessesFailed(RuntimeError):
@@ -76,10 +91,19 @@ class DecodeProcessesFailed(RuntimeError):
 class ProcessGroup:
     """Rows of one batch sent to the processes together; `settle` waits for it."""
 
-    def __init__(self, future: asyncio.Future[None], jobs: Sequence[Job], rows: list[int]) -> None:
+    def __init__(
+        self,
+        future: asyncio.Future[None],
+        jobs: Sequence[Job],
+        rows: list[int],
+        *,
+        sent_ns: int,
+    ) -> None:
         self.future = future
         self.jobs = jobs
         self.rows = rows  # rows[i]: the ring row of jobs[i]
+        # time.monotonic_ns() when the rows were handed over.
+        self.sent_ns = sent_ns
         self.results: list[DecodeResult | None] = [None] * len(jobs)
         self.left = len(jobs)
         # gpu[i]: the process may leave jobs[i] for the GPU decoder (empty: none may).
@@ -120,6 +144,8 @@ class _Process:
     outbox: queue.SimpleQueue[_Message | None]
     sender: threading.Thread
     items: dict[int, _Item] = field(default_factory=dict)
+    # Rows sent and not yet answered: what routing balances.
+    load: int = 0
     ready: bool = False
     received: bytearray = field(default_factory=bytearray)
 
@@ -184,6 +210,8 @@ class ProcessDecodePool:
         self._failed_starts = 0
         self._tokens = itertools.count(1)
         self._next = 0  # the process that gets the next group's first run
+        # With the cache on: the process each image (by its fingerprint) was last sent to.
+        self._placed: dict[int, int] = {}
         self._loop = asyncio.get_running_loop()
         self._closed = False
         self._procs = [self._spawn(slot) for slot in range(processes)]
@@ -311,6 +339,7 @@ class ProcessDecodePool:
                 continue
             item = proc.items.pop(token, None)
             if item is not None:
+                proc.load -= len(item.positions)
                 self._collect(item)
 
     def _collect(self, item: _Item) -> None:
@@ -380,15 +409,19 @@ class ProcessDecodePool:
         data = memoryview(packed.memory[row // packed.batch])[offset : offset + staged]
         return DeferredRow(row, data, height, width, offset=offset)
 
-    def _retire(
-        self, proc: _Process, *, cause: str, row: int | None = None, elapsed_ms: float = 0.0
-    ) -> None:
-        """End `proc` (over budget or dead), answer the row it was on, and send the rows it
-        had not finished to a new process in its place."""
-        token = int(self.arena.progress["token"][proc.slot])
-        if row is None and token in proc.items:
-            row = int(self.arena.progress["row"][proc.slot])
+    def _retire(self, proc: _Process, *, cause: str) -> None:
+        """End `proc` (`timeout`: its run is past the budget; `crash`: it died), answer the
+        row it was on and the rows of its run out of time, and send the other rows it had
+        not finished to a new process in its place."""
         self._stop(proc)
+        # Read once the process is gone: nothing moves under the reads any more.
+        progress = self.arena.progress
+        token = int(progress["token"][proc.slot])
+        on = int(progress["row"][proc.slot]) if token in proc.items else None
+        now = time.monotonic_ns()
+        # The process's run: when it started, and whether it is past the budget.
+        on_ms = (now - int(progress["started_ns"][proc.slot])) / 1e6
+        run_over = on is not None and on_ms >= self.budget_s * 1000
         code = proc.popen.returncode
         index = self._procs.index(proc)
         log.warning(
@@ -398,7 +431,8 @@ class ProcessDecodePool:
             exit_code=code,
             rows_held=sum(len(item.positions) for item in proc.items.values()),
         )
-        if not proc.ready:
+        # Ended by us, a process that had not started yet says nothing about the install.
+        if not proc.ready and cause == "crash":
             self._failed_starts += 1
         if self._closed:
             return
@@ -411,29 +445,34 @@ class ProcessDecodePool:
             self.replaced += 1
         else:
             self._procs.pop(index)
-        # The process was on a row of its own: that row is answered, the others are not at
-        # fault. Otherwise it ended between rows, and every row it held counts an attempt.
-        blamed = (
-            row is not None
-            and token in proc.items
-            and int(self.arena.table["state"][row]) == PENDING
-        )
+        state = self.arena.table["state"]
+        # A crash on a row of its own: that row is answered, the others are not at fault.
+        # Otherwise it ended between rows, and every row it held counts an attempt; a
+        # process we ended counts none (the rows it held had done nothing wrong).
+        blamed = on is not None and int(state[on]) == PENDING
+        counted = cause == "crash" and not blamed
         for item in proc.items.values():
             group = item.group
+            expired = cause == "timeout" and item.token == token and run_over
             left: list[int] = []
+            waited: list[int] = []
             for position in item.positions:
                 ring_row = group.rows[position]
                 if group.results[position] is not None:
                     continue
-                if int(self.arena.table["state"][ring_row]) != PENDING:
-                    group.set(position, self._result(ring_row, group.jobs[position]))
-                elif ring_row == row and item.token == token:
-                    error = self._blame(group.jobs[position], cause, code)
-                    group.set(position, DecodeResult(None, error, elapsed_ms))
+                job = group.jobs[position]
+                if int(state[ring_row]) != PENDING:
+                    group.set(position, self._result(ring_row, job))
+                elif ring_row == on and item.token == token and (cause == "crash" or expired):
+                    group.set(position, DecodeResult(None, self._blame(job, cause, code), on_ms))
+                elif expired:
+                    waited.append(position)
                 else:
                     left.append(position)
+            if waited:
+                self._waited(group, waited, now)
             if left:
-                attempts = item.attempts if blamed else item.attempts + 1
+                attempts = item.attempts + 1 if counted else item.attempts
                 if replacement is None:
                     self._fail(group, left, self.broken or "decode processes are gone")
                 elif attempts >= _MAX_ATTEMPTS:
@@ -446,6 +485,21 @@ class ProcessDecodePool:
                 else:
                     self._send(replacement, group, left, attempts=attempts)
         proc.items.clear()
+
+    def _waited(self, group: ProcessGroup, positions: list[int], now_ns: int) -> None:
+        """Answer the rows of `group` that its whole budget went by without a start: they
+        waited behind other images (one line for the lot, each job named)."""
+        budget_ms = round(self.budget_s * 1000)
+        waited_ms = (now_ns - group.sent_ns) / 1e6
+        error = waited_over_budget(budget_ms)
+        for position in positions:
+            group.set(position, DecodeResult(None, error, waited_ms))
+        self.given_up += len(positions)
+        log.warning(
+            "decode_waited_over_budget",
+            job_ids=[group.jobs[p].job_id for p in positions],
+            budget_ms=budget_ms,
+        )
 
     def _blame(self, job: Job, cause: str, code: int | None) -> DecodeError:
         """The error of the row a process was on when it ended: over budget, or dead."""
@@ -498,7 +552,12 @@ class ProcessDecodePool:
             ring_rows = list(range(first, first + len(jobs)))
         else:
             ring_rows = [self.arena.row_index(r) for r in rows]
-        group = ProcessGroup(self._loop.create_future(), jobs, ring_rows)
+        group = ProcessGroup(
+            self._loop.create_future(),
+            jobs,
+            ring_rows,
+            sent_ns=time.monotonic_ns(),
+        )
         self.arena.table["state"][ring_rows] = PENDING
         todo: list[int] = []
         for position, job in enumerate(jobs):
@@ -524,14 +583,8 @@ class ProcessDecodePool:
             return group
         if gpu and self.gpu_share > 0:
             self._offer_to_gpu(group, todo)
-        if self.cache_bytes:
-            self._send_by_fingerprint(group, todo)
-            return group
-        runs = min(len(todo), len(self._procs))
-        for k in range(runs):
-            part = todo[k * len(todo) // runs : (k + 1) * len(todo) // runs]
-            self._send(self._procs[(self._next + k) % len(self._procs)], group, part)
-        self._next = (self._next + max(runs, 1)) % len(self._procs)
+        if todo:
+            self._route(group, todo)
         return group
 
     def _offer_to_gpu(self, group: ProcessGroup, todo: list[int]) -> None:
@@ -554,20 +607,80 @@ class ProcessDecodePool:
         self._gpu_credit = credit
         group.gpu = flags
 
-    def _send_by_fingerprint(self, group: ProcessGroup, todo: list[int]) -> None:
-        """With the cache on: each row to the process its image's fingerprint names (its
-        length and last 64 bytes: a JPEG's entropy-coded tail, where images differ, unlike
-        their headers), so the same bytes meet the same process's cache."""
-        count = len(self._procs)
+    def _route(self, group: ProcessGroup, todo: list[int]) -> None:
+        """Send `todo` (positions in `group`) to the processes by load: each takes its
+        share (`shares`). With the cache on, an image the processes met before goes back
+        to the process it went to (where its row is cached) while that process is within
+        its share; the rest fill the shares left, and are remembered where they went.
+        Images are known by a fingerprint: their length and last 64 bytes (a JPEG's
+        entropy-coded tail, where images differ, unlike their headers), which a sender
+        controls, hence the shares. Work per row: one hash, a look-up and an append."""
+        procs = self._procs
+        count = len(procs)
+        plan = shares([p.load for p in procs], len(todo), self._next)
+        base, extra = plan.base, plan.extra
         parts: list[list[int]] = [[] for _ in range(count)]
-        for position in todo:
-            job = group.jobs[position]
-            data = job.image if job.image is not None else job.path
-            mark = hash((len(data), data[-64:])) if data is not None else position
-            parts[mark % count].append(position)
-        for proc, part in zip(self._procs, parts, strict=True):
+        # Took one of the `extra` rows (at most one each, so no queue ends over another's).
+        bonus = [False] * count
+        rest = todo
+        marks: dict[int, int] = {}
+        if self.cache_bytes:
+            rest = []
+            jobs = group.jobs
+            placed = self._placed
+            for position in todo:
+                job = jobs[position]
+                data = job.image if job.image is not None else job.path
+                if data is None:
+                    rest.append(position)
+                    continue
+                mark = hash((len(data), data[-64:]))
+                k = placed.get(mark, -1)
+                if k >= 0:
+                    part = parts[k]
+                    room = base[k] - len(part)
+                    if room > 0:
+                        part.append(position)
+                        continue
+                    if room == 0 and extra and not bonus[k]:
+                        bonus[k] = True
+                        extra -= 1
+                        part.append(position)
+                        continue
+                marks[position] = mark
+                rest.append(position)
+            if len(placed) + len(marks) > _PLACES_KEPT:
+                placed.clear()
+        taken = 0
+        for k in plan.order:
+            room = base[k] - len(parts[k])
+            if room > 0:
+                self._place(parts[k], rest[taken : taken + room], k, marks)
+                taken += room
+        for k in plan.order:
+            if taken == len(rest):
+                break
+            if not bonus[k]:
+                self._place(parts[k], rest[taken : taken + 1], k, marks)
+                taken += 1
+        used = 0
+        for proc, part in zip(procs, parts, strict=True):
             if part:
+                used += 1
                 self._send(proc, group, part)
+        # Equal loads: the next group's rows start where this one's ended.
+        self._next = (self._next + used) % count
+
+    def _place(self, part: list[int], positions: list[int], k: int, marks: dict[int, int]) -> None:
+        """Add `positions` to process `k`'s part, and remember it as the place of their
+        images (`marks`: their fingerprints, where the cache is on)."""
+        part.extend(positions)
+        if marks:
+            placed = self._placed
+            for position in positions:
+                mark = marks.get(position)
+                if mark is not None:
+                    placed[mark] = k
 
     def _send(
         self, proc: _Process, group: ProcessGroup, positions: list[int], *, attempts: int = 0
@@ -575,6 +688,7 @@ class ProcessDecodePool:
         token = next(self._tokens)
         item = _Item(token, group, positions, attempts)
         proc.items[token] = item
+        proc.load += len(positions)
         rows: list[int] = []
         lengths: list[int] = []
         paths: list[bytes | None] = []
@@ -617,8 +731,8 @@ class ProcessDecodePool:
 
     async def settle(self, rows: Sequence[object]) -> list[DecodeResult]:
         """The results of a batch's rows in order (`rows`: what `submit_rows` returned). A
-        row still decoding `budget_s` after its process started on it ends that process
-        (see the module's docstring)."""
+        process's run still decoding `budget_s` after it started ends that process (see the
+        module's docstring)."""
         parts = [r for r in rows if isinstance(r, ProcessGroup)]
         if len(parts) != len(rows):
             raise TypeError("decode processes settle only the groups they were given")
@@ -639,23 +753,22 @@ class ProcessDecodePool:
         return results
 
     def _enforce_budget(self) -> float | None:
-        """Retire every process over budget; seconds until the next one could be."""
+        """Retire every process whose run is past the budget; seconds until the next one
+        could be."""
         budget_ns = int(self.budget_s * 1e9)
-        soonest: float | None = None
+        now = time.monotonic_ns()
+        soonest: int | None = None
         progress = self.arena.progress
         for proc in list(self._procs):
-            token = int(progress["token"][proc.slot])
-            if token not in proc.items:
+            # Token before the time: the process writes the time first (process_main.py).
+            if int(progress["token"][proc.slot]) not in proc.items:
                 continue
-            row = int(progress["row"][proc.slot])
-            started = int(progress["started_ns"][proc.slot])
-            elapsed = time.monotonic_ns() - started
-            if elapsed >= budget_ns:
-                self._retire(proc, cause="timeout", row=row, elapsed_ms=elapsed / 1e6)
-            else:
-                left = (budget_ns - elapsed) / 1e9
-                soonest = left if soonest is None else min(soonest, left)
-        return soonest
+            due = int(progress["started_ns"][proc.slot]) + budget_ns
+            if due <= now:
+                self._retire(proc, cause="timeout")
+            elif soonest is None or due < soonest:
+                soonest = due
+        return None if soonest is None else (soonest - now) / 1e9
 
     def shutdown(self) -> None:
         """Close the processes' sockets (they exit once their current run is done); kill
@@ -676,6 +789,46 @@ class ProcessDecodePool:
                 if not item.group.future.done():
                     item.group.future.cancel()
         self._procs = []
+
+
+class Shares(NamedTuple):
+    """How a group's rows are shared among the processes (`shares`)."""
+
+    # The rows each process takes (-1: none, its queue is already over the others').
+    base: list[int]
+    # Rows left over: one more each for as many processes of `order`.
+    extra: int
+    # The processes that take rows, the shortest queue first (equal ones in turn).
+    order: list[int]
+
+
+def shares(loads: list[int], rows: int, start: int = 0) -> Shares:
+    """How many of `rows` each process takes, its queue at `loads[k]`, so that the longest
+    queue after is as short as it can be: the shortest queues are filled up to a level,
+    and what is left over goes one each to some of them. Equal queues are taken in turn
+    from `start`. Work per group, not per row."""
+    count = len(loads)
+    # A stable sort of the processes taken in turn from `start`: equal loads keep that turn.
+    order = sorted([*range(start, count), *range(start)], key=loads.__getitem__)
+    filled = 0  # the processes under the level
+    total = 0  # their rows queued
+    while filled < count and loads[order[filled]] * filled - total <= rows:
+        total += loads[order[filled]]
+        filled += 1
+    level, extra = divmod(rows + total, filled)
+    base = [-1] * count
+    for k in order[:filled]:
+        base[k] = level - loads[k]
+    return Shares(base, extra, order[:filled])
+
+
+def waited_over_budget(budget_ms: int) -> DecodeError:
+    """The error of a row whose run's budget went by before its decode started."""
+    return DecodeError(
+        ErrorCode.DECODE_TIMEOUT,
+        f"the decode budget of {budget_ms} ms ran out while this image waited behind "
+        "other images of its batch; the batch went on without it",
+    )
 
 
 def _send_loop(sock: socket.socket, outbox: queue.SimpleQueue[_Message | None]) -> None:
