@@ -254,3 +254,38 @@ async def test_a_hot_list_entry_that_fails_is_skipped_and_the_worker_serves(
         assert (worker.warm.listed, worker.warm.warmed, worker.warm.failed) == (4, 1, 3)
         first = await send(redis_client, {"x": {"path": "hot-0.jpg"}})
     assert first["x"]["cached"] and first["x"]["ok"]
+
+
+@pytest.mark.parametrize("decoders", ["2", "0"], ids=["processes", "threads"])
+async def test_warm_start_keeps_its_budget_whatever_the_list_holds(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, tmp_path: Path, decoders: str
+) -> None:
+    """A hot list of images that each take seconds to decode (a tenant's own hot images,
+    large PNGs say) holds a restarting worker out of the group no longer than
+    GPUFEED_WARM_START_S and a second, and leaves its decoders free for its first jobs."""
+    root = tmp_path / "slow"
+    root.mkdir()
+    for i in range(8):
+        (root / f"slow-{i}.jpg").write_bytes(jpeg_bytes(64, 48, seed=70 + i))
+    redis_client.zadd(
+        HOT, {member_of(job(path=f"slow-{i}.jpg".encode())) or "": 9 - i for i in range(8)}
+    )
+    budget_s, decode_s = 1.0, 2.5
+    async with running_worker(
+        redis_url,
+        tiny_weights,
+        path_root=root,
+        decode_processes=decoders,
+        batch_size=8,
+        warm_start_s=budget_s,
+        decode_delay_s=decode_s,
+    ) as worker:
+        warm = worker.warm
+        assert warm is not None and warm.listed == 8, warm
+        assert warm.stopped == "budget" and warm.seconds <= budget_s + 1, warm
+        t0 = time.monotonic()
+        first = await send(redis_client, {"first": {"path": "slow-0.jpg"}})
+        answered_s = time.monotonic() - t0
+    assert first["first"]["ok"]
+    # Its own decode, not the warm-up's leftovers ahead of it.
+    assert answered_s < decode_s + 3, f"the first job took {answered_s:.1f} s"

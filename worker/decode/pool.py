@@ -133,8 +133,12 @@ class RowGroup:
         outs: Sequence[npt.NDArray[np.uint8]] | npt.NDArray[np.uint8],
         *,
         may_defer: bool,
+        until: float | None = None,
     ) -> None:
         self.future = future  # resolved by `resolve()` once every row has its result
+        # A time.monotonic() past which every row not decoded is given up (None: each
+        # row's budget alone).
+        self.until = until
         self.jobs = jobs
         self.outs = outs  # outs[i]: row i's staging row
         self.may_defer = may_defer
@@ -197,8 +201,8 @@ class RowGroup:
 
     def deadline(self, now: float, budget_s: float) -> float:
         """When the next running row goes over budget (rows not started: a budget from now;
-        they cannot be over budget before)."""
-        soonest = now + budget_s
+        they cannot be over budget before), or the group's `until`."""
+        soonest = now + budget_s if self.until is None else min(now + budget_s, self.until)
         for ticket in self.tickets:
             started = ticket.started_s
             if ticket.state is _Row.RUNNING and started is not None:
@@ -206,6 +210,12 @@ class RowGroup:
         return soonest
 
     def overdue(self, now: float, budget_s: float) -> list[int]:
+        if self.until is not None and now >= self.until:
+            return [
+                row
+                for row, ticket in enumerate(self.tickets)
+                if ticket.state is _Row.RUNNING or ticket.state is _Row.QUEUED
+            ]
         return [
             row
             for row, ticket in enumerate(self.tickets)
@@ -292,10 +302,15 @@ class DecodePool:
         rows: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]],
         *,
         gpu: bool = True,
+        until: float | None = None,
     ) -> RowGroup:
         """Queue `jobs` for decoding into `rows` (rows[i] for jobs[i]) as one group; `settle`
-        waits for it. `gpu`: rows may be left for the GPU decoder (False: decoded here)."""
-        group = RowGroup(asyncio.get_running_loop().create_future(), jobs, rows, may_defer=gpu)
+        waits for it. `gpu`: rows may be left for the GPU decoder (False: decoded here).
+        `until`: a time.monotonic() past which every row not decoded is given up
+        (`decode_timeout`), started or not."""
+        group = RowGroup(
+            asyncio.get_running_loop().create_future(), jobs, rows, may_defer=gpu, until=until
+        )
         self._queue(group)
         return group
 

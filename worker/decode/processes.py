@@ -98,12 +98,15 @@ class ProcessGroup:
         rows: list[int],
         *,
         sent_ns: int,
+        until_ns: int | None = None,
     ) -> None:
         self.future = future
         self.jobs = jobs
         self.rows = rows  # rows[i]: the ring row of jobs[i]
-        # time.monotonic_ns() when the rows were handed over.
+        # time.monotonic_ns() when the rows were handed over, and past which those not
+        # decoded are answered without it, started or not (None: the budget alone).
         self.sent_ns = sent_ns
+        self.until_ns = until_ns
         self.results: list[DecodeResult | None] = [None] * len(jobs)
         self.left = len(jobs)
         # gpu[i]: the process may leave jobs[i] for the GPU decoder (empty: none may).
@@ -410,9 +413,10 @@ class ProcessDecodePool:
         return DeferredRow(row, data, height, width, offset=offset)
 
     def _retire(self, proc: _Process, *, cause: str) -> None:
-        """End `proc` (`timeout`: its run is past the budget; `crash`: it died), answer the
-        row it was on and the rows of its run out of time, and send the other rows it had
-        not finished to a new process in its place."""
+        """End `proc` (`timeout`: its run is past the budget, or it holds rows of a group
+        past its `until`; `crash`: it died), answer the row it was on and the rows of the
+        groups out of time, and send the other rows it had not finished to a new process in
+        its place."""
         self._stop(proc)
         # Read once the process is gone: nothing moves under the reads any more.
         progress = self.arena.progress
@@ -453,7 +457,10 @@ class ProcessDecodePool:
         counted = cause == "crash" and not blamed
         for item in proc.items.values():
             group = item.group
-            expired = cause == "timeout" and item.token == token and run_over
+            expired = cause == "timeout" and (
+                (item.token == token and run_over)
+                or (group.until_ns is not None and group.until_ns <= now)
+            )
             left: list[int] = []
             waited: list[int] = []
             for position in item.positions:
@@ -543,10 +550,13 @@ class ProcessDecodePool:
         rows: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]],
         *,
         gpu: bool = True,
+        until: float | None = None,
     ) -> ProcessGroup:
         """Send `jobs` to be decoded into `rows` (ring rows, rows[i] for jobs[i]); `settle`
         waits for them. `gpu`: offer `gpu_share` of them to the GPU decoder (False: the
-        rows the GPU failed, sent back here)."""
+        rows the GPU failed, sent back here). `until`: a time.monotonic() past which the
+        rows not decoded are answered `decode_timeout`, started or not (their processes
+        replaced), whatever the budget."""
         if isinstance(rows, np.ndarray):
             first = self.arena.row_index(rows)
             ring_rows = list(range(first, first + len(jobs)))
@@ -557,6 +567,7 @@ class ProcessDecodePool:
             jobs,
             ring_rows,
             sent_ns=time.monotonic_ns(),
+            until_ns=None if until is None else int(until * 1e9),
         )
         self.arena.table["state"][ring_rows] = PENDING
         todo: list[int] = []
@@ -753,17 +764,25 @@ class ProcessDecodePool:
         return results
 
     def _enforce_budget(self) -> float | None:
-        """Retire every process whose run is past the budget; seconds until the next one
-        could be."""
+        """Retire every process whose run is past the budget, or that holds rows of a group
+        past its `until`; seconds until the next one could be."""
         budget_ns = int(self.budget_s * 1e9)
         now = time.monotonic_ns()
         soonest: int | None = None
         progress = self.arena.progress
         for proc in list(self._procs):
-            # Token before the time: the process writes the time first (process_main.py).
-            if int(progress["token"][proc.slot]) not in proc.items:
+            if not proc.items:
                 continue
-            due = int(progress["started_ns"][proc.slot]) + budget_ns
+            due: int | None = None
+            # Token before the time: the process writes the time first (process_main.py).
+            if int(progress["token"][proc.slot]) in proc.items:
+                due = int(progress["started_ns"][proc.slot]) + budget_ns
+            for item in proc.items.values():
+                until = item.group.until_ns
+                if until is not None and (due is None or until < due):
+                    due = until
+            if due is None:
+                continue
             if due <= now:
                 self._retire(proc, cause="timeout")
             elif soonest is None or due < soonest:

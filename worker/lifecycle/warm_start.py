@@ -9,10 +9,13 @@ GPUFEED_PATH_ROOT, both decoded by the worker's own decoders into a staging slot
 puts each row in the cache under the key a job for that reply stream will look for (with
 decode processes, in the process the image's bytes are routed to).
 
-Bounded three ways: GPUFEED_WARM_START_S (checked between batches of images; a fetch still
-running when it passes is cancelled), half the cache that holds the rows (so warming never
-evicts what it warmed), and the list's own size. An image that fails (gone, refused by the
-URL or object policy, undecodable) is counted and skipped: it ages out of the list.
+Bounded three ways: GPUFEED_WARM_START_S, half the cache that holds the rows (so warming
+never evicts what it warmed), and the list's own size. The time bound holds whatever the
+list names: a fetch still running when it passes is cancelled, and so is a decode (its rows
+are given up as over budget, a decode process holding them replaced), since warming is only
+a head start: what it leaves is decoded by the first job that asks for it. An image that
+fails (gone, refused by the URL or object policy, undecodable) is counted and skipped: it
+ages out of the list.
 """
 
 from __future__ import annotations
@@ -87,7 +90,12 @@ async def warm_start(
                 report.stopped = "cache"
                 break
             batch = entries[first : first + ring.batch]
-            await _warm_batch(batch, report, deadline, fetcher=fetcher, decoder=decoder, ring=ring)
+            cut = await _warm_batch(
+                batch, report, deadline, fetcher=fetcher, decoder=decoder, ring=ring
+            )
+            if cut:
+                report.stopped = "budget"
+                break
     finally:
         cache.hits, cache.misses = counted
     report.seconds = round(time.monotonic() - start, 3)
@@ -102,17 +110,20 @@ async def _warm_batch(
     fetcher: FetchStage,
     decoder: DecodePool | ProcessDecodePool,
     ring: InputRing,
-) -> None:
+) -> bool:
+    """Warm `entries`; True when the deadline cut it short."""
     jobs = [_job_of(i, e) for i, e in enumerate(entries)]
     fetched = await _fetch(fetcher, [j for j in jobs if j.url is not None], deadline)
     ready = [j for j in jobs if j.url is None or j in fetched]
     report.failed += len(jobs) - len(ready)
-    if not ready:
-        return
+    if not ready or time.monotonic() >= deadline:
+        report.failed += len(ready)
+        return time.monotonic() >= deadline
     slot = await ring.acquire()
     try:
-        # Decoded here, never left for the GPU: the cache keeps what the host holds.
-        group = decoder.submit_rows(ready, slot.array[: len(ready)], gpu=False)
+        # Decoded here, never left for the GPU: the cache keeps what the host holds. What is
+        # not decoded by the deadline is given up: the decode budget is a far longer bound.
+        group = decoder.submit_rows(ready, slot.array[: len(ready)], gpu=False, until=deadline)
         # Each pool settles the groups it made (typed apart, as the batcher's).
         settle: Callable[[Sequence[Any]], Awaitable[list[DecodeResult]]] = decoder.settle
         results = await settle([group])
@@ -122,6 +133,7 @@ async def _warm_batch(
         report.bytes += slot.copy_bytes() if slot.packed is not None else ok * slot.array[0].nbytes
     finally:
         ring.release_now(slot)
+    return ok < len(results) and time.monotonic() >= deadline
 
 
 async def _fetch(fetcher: FetchStage, jobs: list[Job], deadline: float) -> set[Job]:
