@@ -224,7 +224,8 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "GPUFEED_WARM_START_S": (
         "`30`",
         "the most time a starting worker spends decoding the hot list into its cache before "
-        "it joins the group (checked between batches of images); 0: start cold",
+        "it joins the group (each fetch and decode bounded by what is left of it: done within "
+        "a second of it); 0: start cold",
     ),
     "GPUFEED_RING_SLOTS": ("`4`", "staging slots (batches in flight between decode and results)"),
     "GPUFEED_MAX_IMAGE_BYTES": ("`52428800`", "largest encoded image accepted"),
@@ -241,8 +242,10 @@ SETTINGS: dict[str, tuple[str, str]] = {
     ),
     "GPUFEED_DECODE_BUDGET_MS": (
         "`10000`",
-        "longest time one image may take to decode, counted from when a thread starts on it; "
-        "past it the image is answered `decode_timeout` and its batch goes on without it (see "
+        "longest time one image may take to decode, counted from when a thread starts on it "
+        "(with decode processes: from when a process starts on its share of a batch, the "
+        "smallest images first); past it the image is answered `decode_timeout` (with "
+        "processes, the rows of that share not yet decoded too) and its batch goes on (see "
         "[Guarantees](guarantees.md)). The largest images the default limits admit (100 M "
         "pixel PNG or GIF) decode in 1 to 2 s on one core of the 2-core test machine, 3 to 4 s "
         "while it is busy",

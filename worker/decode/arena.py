@@ -61,7 +61,8 @@ RESULT = np.dtype(
 )
 
 # `token` names the work item (0: idle), `row` its row in the ring, `started_ns` when the
-# decode of that row began (CLOCK_MONOTONIC, the same clock in every process).
+# process began its run of that item's rows (CLOCK_MONOTONIC, the same clock in every
+# process): the decode budget counts from there.
 PROGRESS = np.dtype([("token", "<i8"), ("row", "<i8"), ("started_ns", "<i8")])
 
 _ALIGN = 4096
