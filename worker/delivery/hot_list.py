@@ -36,7 +36,7 @@ import structlog
 from redis.exceptions import ResponseError
 
 from producer import wire
-from worker.delivery.redis_errors import ANY, FAILING_OVER, PASSING
+from worker.delivery.redis_errors import ANY, FAILING_OVER, PASSING, temporary
 from worker.jobs import Job
 
 log = structlog.get_logger("gpufeed.hot_list")
@@ -225,7 +225,7 @@ class HotList:
             await self.add(hits)
         except (*ANY, *FAILING_OVER) as exc:
             # Refused for good (no permission, a key of another type): not asked again.
-            if isinstance(exc, ResponseError) and not isinstance(exc, PASSING):
+            if isinstance(exc, ResponseError) and not (isinstance(exc, PASSING) or temporary(exc)):
                 self.refused = str(exc)
                 log.warning(
                     "hot_list_refused",
@@ -234,7 +234,8 @@ class HotList:
                     note="the worker goes on without the hot list; see GPUFEED_HOT_LIST",
                 )
             else:
-                # Redis away for a moment: these hits are lost, the next ones are counted.
+                # Redis away, or refusing everyone for a moment (BUSY: a script holds it):
+                # these hits are lost, the next ones are counted.
                 log.info("hot_list_not_flushed", key=self.key, error=str(exc))
 
     async def run(self, interval_s: float = FLUSH_INTERVAL_S) -> None:

@@ -40,7 +40,7 @@ import redis
 from redis.exceptions import ResponseError
 
 from producer import wire
-from worker.delivery.redis_errors import AWAY
+from worker.delivery.redis_errors import AWAY, error_code
 from worker.delivery.stream_reply import ErrorReply, ReplyReader
 
 FRAME = struct.Struct("<I")
@@ -69,6 +69,12 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
             return None
         got += n
     return bytes(buffer)
+
+
+def as_said(exc: ResponseError) -> str:
+    """The error answer redis-py parsed into `exc`, code first, as Redis said it."""
+    text, code = str(exc), error_code(exc)
+    return text if not code or text.startswith(code) else f"{code} {text}"
 
 
 def frame(message: Any) -> bytes:
@@ -115,6 +121,12 @@ class Intake:
         except AWAY as exc:
             self._drop()
             return [b"error", b"away", f"{type(exc).__name__}: {exc}"]
+        except ResponseError as exc:
+            # Refused before the reads went out (the connection's health-check PING met
+            # BUSY: a script holds Redis): passed on as Redis said it, for the reader to
+            # wait out, as it waits out the same answer to a read.
+            self._drop()
+            return [b"error", b"response", as_said(exc)]
         except Exception as exc:  # noqa: BLE001 - the worker decides; this process goes on
             self._drop()
             return [b"error", b"other", f"{type(exc).__name__}: {exc}"]

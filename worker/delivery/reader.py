@@ -16,27 +16,41 @@ import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError, SlotNotCoveredError
+from redis.exceptions import RedisError, ResponseError, SlotNotCoveredError
 
 from producer import wire
 from producer.backoff import Backoff
 from worker.config.lanes import Lanes
 from worker.delivery.in_flight import InFlight
 from worker.delivery.intake_process import Entries, IntakeProcess
-from worker.delivery.redis_errors import ANY, AWAY, REDIRECTED
+from worker.delivery.redis_errors import ANY, AWAY, REDIRECTED, outage, temporary
 from worker.jobs import Job, deleted_entry_job, job_of_entry
 
 log = structlog.get_logger("gpufeed.reader")
 
 
 async def ensure_group(client: aioredis.Redis, stream: str, group: str) -> None:
-    """Create the group at id 0 (so a backlog enqueued before the first worker is served)."""
-    try:
-        await client.xgroup_create(stream, group, id="0", mkstream=True)
-        log.info("group_created", stream=stream, group=group)
-    except ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
-            raise
+    """Create the group at id 0 (so a backlog enqueued before the first worker is served).
+    A refusal that passes (a script holding Redis: BUSY) is waited out: at start-up, or
+    while a reader recreates a deleted group, it is no reason to stop."""
+    backoff: Backoff | None = None
+    while True:
+        try:
+            await client.xgroup_create(stream, group, id="0", mkstream=True)
+            log.info("group_created", stream=stream, group=group)
+        except RedisError as exc:
+            if "BUSYGROUP" in str(exc):
+                break
+            if not temporary(exc):
+                raise
+            if backoff is None:
+                log.warning("redis_refusing_for_now", stream=stream, error=str(exc))
+                backoff = Backoff(0.1, 5.0)
+            await backoff.sleep()
+            continue
+        break
+    if backoff is not None:
+        log.info("redis_answers_again", stream=stream)
 
 
 class Reader:
@@ -259,20 +273,20 @@ class Reader:
             if isinstance(exc, REDIRECTED) and not isinstance(exc, AWAY):
                 await self._backoff.sleep()
                 return
-        if isinstance(exc, ResponseError) and not isinstance(exc, AWAY):
-            # A stream or the group was deleted under us (before the read, or while it
-            # blocked: UNBLOCKED): recreate them and carry on.
-            if "NOGROUP" in str(exc) or "UNBLOCKED" in str(exc):
-                for stream in self.lanes.streams:
-                    log.warning("group_missing_recreating", stream=stream, group=self.group)
-                    await ensure_group(self.client, stream, self.group)
-                return
-            raise exc
-        if isinstance(exc, AWAY):
+        if outage(exc):
+            # Redis away, or refusing everyone for now (BUSY: a script past
+            # busy-reply-threshold, whoever runs it): nothing was read; read again later.
             if not self._outage_logged:
                 log.warning("redis_unavailable_for_reads", error=str(exc))
                 self._outage_logged = True
             await self._backoff.sleep()
+            return
+        if isinstance(exc, ResponseError) and ("NOGROUP" in str(exc) or "UNBLOCKED" in str(exc)):
+            # A stream or the group was deleted under us (before the read, or while it
+            # blocked: UNBLOCKED): recreate them and carry on.
+            for stream in self.lanes.streams:
+                log.warning("group_missing_recreating", stream=stream, group=self.group)
+                await ensure_group(self.client, stream, self.group)
             return
         raise exc
 

@@ -27,11 +27,14 @@ from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
 from worker.delivery.in_flight import InFlight
 from worker.delivery.reader import ensure_group
-from worker.delivery.redis_errors import AWAY
+from worker.delivery.redis_errors import AWAY, outage, temporary
 from worker.delivery.redis_scripts import DELETE_IDLE_CONSUMER, REFRESH_OWNED
 from worker.jobs import Job, Outcome, deleted_entry_job, job_of_entry
 
 log = structlog.get_logger("gpufeed.reclaimer")
+
+# What Redis answered instead of doing a duty (NOGROUP, BUSY, ...).
+REFUSED: tuple[type[Exception], ...] = (ResponseError,)
 
 
 def _s(value: Any) -> str:
@@ -102,20 +105,22 @@ class Reclaimer:
         await self._every(self.cfg.trim_interval_s, self.trim, "trim")
 
     async def _every(self, interval_s: float, fn: Callable[[], Awaitable[Any]], what: str) -> None:
-        outage = False
+        away = False
         while True:
             await asyncio.sleep(interval_s)
             try:
                 await fn()
-                if outage:
+                if away:
                     log.info("redis_back", duty=what)
-                    outage = False
-            except AWAY as exc:
-                if not outage:
-                    log.warning("redis_unavailable", duty=what, error=str(exc))
-                    outage = True
-            except ResponseError as exc:
-                if "NOGROUP" in str(exc):
+                    away = False
+            except (*AWAY, *REFUSED) as exc:
+                if outage(exc):
+                    # Away, or refusing everyone for now (BUSY: a script holds Redis): the
+                    # duty runs again on its timer.
+                    if not away:
+                        log.warning("redis_unavailable", duty=what, error=str(exc))
+                        away = True
+                elif "NOGROUP" in str(exc):
                     for stream in self.streams:
                         await ensure_group(self.client, stream, self.cfg.group)
                 else:
@@ -297,8 +302,15 @@ class Reclaimer:
         it still holds entries on (-1 each from delete_consumer)."""
         held = 0
         for stream in self.streams:
-            if await self.delete_consumer(name, stream) < 0:
-                held += 1
+            try:
+                if await self.delete_consumer(name, stream) >= 0:
+                    continue
+            except ResponseError as exc:
+                # Refused for now (a script holds Redis: BUSY): the consumer stays, and the
+                # other workers remove it once it is idle past GPUFEED_CONSUMER_EXPIRY_S.
+                if not temporary(exc):
+                    raise
+            held += 1
         return held
 
     # ------------------------------------------------------------------ trim

@@ -20,7 +20,7 @@ from producer.backoff import Backoff
 from producer.reach import unreachable
 from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
-from worker.delivery.redis_errors import ANY, NO_REDIS
+from worker.delivery.redis_errors import ANY, NO_REDIS, temporary
 from worker.delivery.redis_scripts import CHECK_KEYS
 
 log = structlog.get_logger("gpufeed.worker")
@@ -62,11 +62,19 @@ def make_client(
     return cast(aioredis.Redis, cluster_client)
 
 
+def _not_now(exc: BaseException) -> bool:
+    """Redis away, or refusing everyone for now (BUSY: a script past busy-reply-threshold):
+    a worker that waits for Redis waits this out too, and never exits for it."""
+    return isinstance(exc, NO_REDIS) or temporary(exc)
+
+
 async def ping(client: aioredis.Redis, config: WorkerConfig) -> None:
     """One PING; RedisUnavailable with the operator's line when it gets no Redis answer."""
     try:
         await client.ping()
-    except NO_REDIS as exc:
+    except Exception as exc:
+        if not _not_now(exc):
+            raise
         raise RedisUnavailable(unreachable(config.redacted_url(), exc).rstrip(".")) from None
 
 
@@ -123,13 +131,15 @@ async def preflight(config: WorkerConfig, *, wait: bool) -> None:
             if cluster:
                 config.check_cluster_keys()
             await check_keys(client, config, cluster=cluster)
-        except NO_REDIS as exc:
-            if not wait:
-                message = unreachable(config.redacted_url(), exc).rstrip(".")
-                raise RedisUnavailable(message) from None
         except RedisUnavailable:
             if not wait:
                 raise
+        except Exception as exc:
+            if not _not_now(exc):
+                raise
+            if not wait:
+                message = unreachable(config.redacted_url(), exc).rstrip(".")
+                raise RedisUnavailable(message) from None
     finally:
         with contextlib.suppress(*ANY):
             await client.aclose()
@@ -148,9 +158,17 @@ class RedisLink:
     async def ready(self, *, wait: bool, stop: asyncio.Event) -> None:
         """Redis answers (waited for with `wait` until `stop` is set, else RedisUnavailable),
         the client is of its kind, and the keys this worker writes are usable."""
-        await self._answers(wait, stop)
-        await self._find_cluster()
-        await check_keys(self.client, self.config, cluster=self.cluster)
+        while True:
+            await self._answers(wait, stop)
+            try:
+                await self._find_cluster()
+                await check_keys(self.client, self.config, cluster=self.cluster)
+                return
+            except Exception as exc:
+                # Away again, or a script began between the PING and the check.
+                if not (wait and _not_now(exc)) or stop.is_set():
+                    raise
+                await asyncio.sleep(0.2)
 
     async def _answers(self, wait: bool, stop: asyncio.Event) -> None:
         backoff = Backoff(0.2, 5.0)
@@ -162,7 +180,9 @@ class RedisLink:
                 if logged:
                     log.info("redis_reachable", url=url)
                 return
-            except NO_REDIS as exc:
+            except Exception as exc:
+                if not _not_now(exc):
+                    raise
                 message = unreachable(url, exc)
                 if not wait:
                     raise RedisUnavailable(message) from None

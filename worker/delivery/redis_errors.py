@@ -18,6 +18,7 @@ from redis.exceptions import (
     ReadOnlyError,
     RedisClusterException,
     RedisError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -76,3 +77,46 @@ PASSING: Errors = (
     MovedError,
     AskError,
 )
+
+# Refusals Redis gives everyone for a while, then stops giving: a script or function running
+# past busy-reply-threshold (BUSY: any client with EVAL can hold every other one), a dataset
+# loading (LOADING), a replica without its master (MASTERDOWN), a cluster failing over or
+# resharding (TRYAGAIN, CLUSTERDOWN). The command did not run; the same command succeeds once
+# they pass, so a stage waits them out as it waits out Redis away, and never takes one for
+# an answer about a job. redis-py has a class for each but BUSY (a plain ResponseError).
+REFUSING_FOR_NOW: Errors = (BusyLoadingError, MasterDownError, TryAgainError, ClusterDownError)
+TEMPORARY_CODES = frozenset({"BUSY", "LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"})
+# Subclasses first: MASTERDOWN is a CLUSTERDOWN to redis-py.
+_CODES: tuple[tuple[type[Exception], str], ...] = (
+    (BusyLoadingError, "LOADING"),
+    (MasterDownError, "MASTERDOWN"),
+    (TryAgainError, "TRYAGAIN"),
+    (ClusterDownError, "CLUSTERDOWN"),
+)
+
+
+def error_code(exc: BaseException) -> str:
+    """The code Redis answered with (BUSY, NOGROUP, ...); '' for an error that is no answer."""
+    code = getattr(exc, "status_code", None)  # redis-py 6 and later
+    if isinstance(exc, RedisError) and isinstance(code, str) and code:
+        return code
+    # Older redis-py drops a code it has a class for from the message.
+    for kind, name in _CODES:
+        if isinstance(exc, kind):
+            return name
+    if not isinstance(exc, ResponseError):
+        return ""
+    # An unknown code stays the message's first word.
+    first = str(exc).split(" ", 1)[0]
+    return first if first.isupper() and first.isalpha() else ""
+
+
+def temporary(exc: BaseException) -> bool:
+    """A refusal that passes (REFUSING_FOR_NOW's, BUSY among them): wait, then ask again."""
+    return isinstance(exc, REFUSING_FOR_NOW) or error_code(exc) in TEMPORARY_CODES
+
+
+def outage(exc: BaseException) -> bool:
+    """Redis away (AWAY) or refusing everyone for now (`temporary`): waited out, with
+    /ready at 503, never a reason to stop."""
+    return isinstance(exc, AWAY) or temporary(exc)

@@ -37,7 +37,14 @@ from redis.exceptions import NoPermissionError, NoScriptError, RedisError
 from producer import wire
 from producer.backoff import Backoff
 from producer.wire import ErrorCode
-from worker.delivery.redis_errors import ANY, CALL_WIDE, NOT_RUN, PASSING, UNREACHABLE
+from worker.delivery.redis_errors import (
+    ANY,
+    CALL_WIDE,
+    NOT_RUN,
+    PASSING,
+    UNREACHABLE,
+    temporary,
+)
 from worker.delivery.redis_scripts import PUBLISH_RESULTS
 from worker.delivery.replicas import ReplicaWait
 from worker.jobs import Outcome
@@ -201,6 +208,9 @@ class ResultWriter:
         # and why: /live fails past GPUFEED_LIVE_WRITER_STALL_S (worker/observe/health.py).
         self._stalled_since: float | None = None
         self._stall_reason = ""
+        # What Redis answered while it refused everyone for now (BUSY: a script past
+        # busy-reply-threshold; a failover): said once when it starts and once when it ends.
+        self._refusing = ""
         self.published = 0
         self.duplicates = 0
 
@@ -309,13 +319,20 @@ class ResultWriter:
                     )
                     apart = True
                     continue
-                self._stall(f"Redis unreachable for results: {exc}")
-                if not outage_logged:
-                    log.warning("redis_unavailable_for_results", error=str(exc), held=len(outcomes))
-                    outage_logged = True
-                await backoff.sleep()
-                continue
-            break
+                error, why = str(exc), f"Redis unreachable for results: {exc}"
+            except RedisError as exc:
+                # Refused before any call ran (the connection's health-check PING met BUSY:
+                # a script holds Redis): waited out like an outage, never the writer's end.
+                if not temporary(exc):
+                    raise
+                error, why = str(exc), f"Redis refuses results for now: {exc}"
+            else:
+                break
+            self._stall(why)
+            if not outage_logged:
+                log.warning("redis_unavailable_for_results", error=error, held=len(outcomes))
+                outage_logged = True
+            await backoff.sleep()
         refused: list[Outcome] = []
         if PublishState.REFUSED in states:
             pairs = list(zip(outcomes, states, strict=True))
@@ -335,8 +352,15 @@ class ResultWriter:
             self._refused_backoff.next()
         else:
             self._refused_backoff.reset()
+        if self._refusing and not refused:
+            log.info("redis_back_results", note="Redis takes results again")
+            self._refusing = ""
         if self._refused:
-            self._stall(f"Redis refuses {len(self._refused)} answers (see result_publish_refused)")
+            self._stall(
+                f"Redis refuses {len(self._refused)} answers for now: {self._refusing}"
+                if self._refusing
+                else f"Redis refuses {len(self._refused)} answers (see result_publish_refused)"
+            )
         else:
             self._stalled_since = None
         if outcomes and self._on_published is not None:
@@ -446,7 +470,12 @@ class ResultWriter:
         )
         states = [PublishState.REFUSED] * len(outcomes)
         for where, call, reply in zip(positions, calls, replies, strict=True):
-            if len(call) > 1 and isinstance(reply, RedisError) and not isinstance(reply, CALL_WIDE):
+            if (
+                len(call) > 1
+                and isinstance(reply, RedisError)
+                and not isinstance(reply, CALL_WIDE)
+                and not temporary(reply)
+            ):
                 # Redis checks a call's keys against the ACL before running it, so one job's
                 # reply_to the worker's user may not write refuses the whole call; and a
                 # command that failed for one job ended the call there. Publish its jobs one
@@ -489,7 +518,10 @@ class ResultWriter:
                 got = await pipe.execute(raise_on_error=False)
             finally:
                 await pipe.reset()  # type: ignore[no-untyped-call]
-            if any(isinstance(r, RedisError) and not isinstance(r, NoScriptError) for r in got):
+            if any(
+                isinstance(r, RedisError) and not isinstance(r, NoScriptError) and not temporary(r)
+                for r in got
+            ):
                 # Redis closes the connection after some errors (a protocol error: a request
                 # over its bulk limit), and the pool has taken it back: the next call must
                 # not meet it closed. Only idle connections go; rare, and cheap to reopen.
@@ -499,7 +531,7 @@ class ResultWriter:
                 ran = sum(
                     jobs[i]
                     for i, reply in zip(todo, got, strict=False)
-                    if not isinstance(reply, NoScriptError)
+                    if not isinstance(reply, NoScriptError) and not temporary(reply)
                 )
                 if ran:
                     self._replicas.check(got[-1], jobs=ran, key=self.settings.stream)
@@ -512,7 +544,14 @@ class ResultWriter:
             if not todo:
                 break
             if attempt == 0:
-                await self.client.script_load(PUBLISH_RESULTS)
+                try:
+                    await self.client.script_load(PUBLISH_RESULTS)
+                except RedisError as exc:
+                    # Refused for now (BUSY): the calls stay NOSCRIPT, which the caller
+                    # waits out as an outage, loading the script again after it.
+                    if not temporary(exc):
+                        raise
+                    break
         return replies
 
     def _states(self, outcomes: list[Outcome], reply: Any) -> list[int]:
@@ -525,6 +564,18 @@ class ResultWriter:
             return states
         if isinstance(reply, NOT_RUN):
             raise reply
+        if temporary(reply):
+            # Nothing ran: Redis refuses everyone for now (BUSY, a failover). The call is
+            # tried again, whole, once that passes; one line for the whole outage.
+            if not self._refusing:
+                log.warning(
+                    "redis_refusing_results",
+                    error=str(reply),
+                    held=len(outcomes),
+                    note="nothing was written; the answers are kept and tried again",
+                )
+                self._refusing = str(reply)
+            return [PublishState.REFUSED] * len(outcomes)
         if isinstance(reply, NoPermissionError):
             # The call had this one job (see _publish_once). The start-up check showed
             # gpufeed's own keys writable, so it is reply_to.

@@ -29,6 +29,7 @@ import signal
 import socket
 import struct
 import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -236,7 +237,13 @@ def _end_if_failed(run: asyncio.Task[None]) -> None:
     wait on its queue for ever, while the worker replaces an ended process and sends it what
     was not published."""
     if not run.cancelled() and (exc := run.exception()) is not None:
-        log.error("result_writer_failed", error=repr(exc))
+        # Its type and text: redis-py 8's repr of an error names only its kind
+        # ("server:ResponseError").
+        log.error(
+            "result_writer_failed",
+            error=f"{type(exc).__name__}: {exc}",
+            at="".join(traceback.format_exception(exc)[-6:]),
+        )
         os._exit(70)
 
 

@@ -11,9 +11,11 @@ to date:
   for GPUFEED_LIVE_WRITER_STALL_S (logged once with the reason when it passes). During
   start-up (model download, compilation) nothing is checked yet: the start-up probe on
   /ready bounds that.
-- **/ready** fails while the model is warming up, while Redis does not answer a PING, and
-  from the first SIGTERM on (draining), so a load balancer or an operator stops counting
-  on this worker. `gpufeed_ready` says the same.
+- **/ready** fails while the model is warming up, while Redis does not answer a PING (away,
+  or refusing everyone for now: BUSY while a script runs past busy-reply-threshold,
+  LOADING, a failover; the worker waits those out and never exits for them), and from the
+  first SIGTERM on (draining), so a load balancer or an operator stops counting on this
+  worker. `gpufeed_ready` says the same.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Health:
         self.warm = False  # the model is warm and the worker reads from the group
         self.draining = False
         self.redis_ok = True
+        self._redis_why = "redis unreachable"  # /ready's reason while redis_ok is False
         # Monotonic time of the event loop's latest beat; None until the main loop runs.
         self._loop_beat_s: float | None = None
         self._launch_started: Callable[[], float | None] = lambda: None
@@ -139,11 +142,18 @@ class Health:
                 ok, error = True, ""
             except redis_errors.ANY as exc:
                 ok, error = False, str(exc) or type(exc).__name__
+                # A refusal that passes is named: an operator looks for the script (SCRIPT
+                # KILL) or the failover, not for the network.
+                self._redis_why = (
+                    f"redis busy ({redis_errors.error_code(exc)})"
+                    if redis_errors.temporary(exc)
+                    else "redis unreachable"
+                )
             if ok != self.redis_ok:
                 if ok:
                     log.info("ready_again", note="Redis answers again")
                 else:
-                    log.warning("not_ready", reason="redis unreachable", error=error)
+                    log.warning("not_ready", reason=self._redis_why, error=error)
                 self.redis_ok = ok
             await asyncio.sleep(REDIS_PROBE_INTERVAL_S)
 
@@ -154,7 +164,7 @@ class Health:
         if self.draining:
             return False, "draining"
         if not self.redis_ok:
-            return False, "redis unreachable"
+            return False, self._redis_why
         return True, "ready"
 
     def live(self) -> tuple[bool, str]:
