@@ -337,6 +337,49 @@ def test_the_priority_section_measures_high_jobs_behind_a_burst(
     assert any("priority.runs.fifo" in p for p in validate_report(bad))
 
 
+def test_the_tenants_section_serves_a_live_tenant_beside_a_backlog(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, out = tiny
+    t = report["tenants"]
+    assert list(t["runs"]) == ["fifo", "tenants"]
+    fifo, fair = t["runs"]["fifo"], t["runs"]["tenants"]
+    for r in (fifo, fair):
+        s = r["settings"]
+        assert r["results"] == r["jobs"] > r["burst_bulk_jobs"] >= 3 * s["in_flight_limit"]
+        assert r["live"]["jobs"] == r["live_jobs"] >= 2
+        assert r["bulk"]["jobs"] == r["burst_bulk_jobs"]
+        assert 0 < r["live"]["p50_ms"] <= r["live"]["p99_ms"] <= r["live"]["max_ms"]
+        # Batch times: the latency over batch size / the run's own capacity.
+        assert r["batch_ms"] == pytest.approx(
+            1000 * s["batch_size"] / r["capacity_jobs_per_s"], rel=0.01
+        )
+        for k in ("p50", "p99", "max"):
+            assert r["live_batches"][k] == pytest.approx(
+                r["live"][f"{k}_ms"] / r["batch_ms"], abs=0.06
+            )
+        assert r["lone_batch_ms"] > 0
+        # Every job's bytes are unique: the decode cache serves none of them.
+        assert r["cache_hits"] == 0
+    # Both runs carry the same load; only the key layout differs.
+    assert fifo["burst_bulk_jobs"] == fair["burst_bulk_jobs"]
+    assert fifo["settings"]["tenants"] == "" and fifo["settings"]["streams"] == [""]
+    assert fair["settings"]["tenants"] == "bulk=1,live=1"
+    assert fair["settings"]["streams"] == ["", ":t:bulk", ":t:live"]
+    # Each on its own stream, the live tenant no longer waits for the bulk tenant's backlog,
+    # and the bulk tenant keeps being served while the live jobs arrive.
+    assert fair["live"]["p50_ms"] < fifo["live"]["p50_ms"]
+    assert t["live_p50_speedup"] > 1
+    assert fair["bulk_answered_during_trickle"] > 0
+    assert "## Tenants:" in (out / "report.md").read_text()
+    bad = copy.deepcopy(report)
+    bad["tenants"]["runs"]["tenants"]["results"] -= 1
+    bad["tenants"]["runs"]["fifo"]["cache_hits"] = 3
+    problems = validate_report(bad)
+    assert any(p.startswith("tenants.runs.tenants:") for p in problems)
+    assert any("tenants.runs.fifo: 3 cache hits" in p for p in problems)
+
+
 def test_the_batch_section_runs_producer_batch_beside_the_same_images_inline(
     tiny: tuple[dict[str, Any], Path],
 ) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from producer import wire
 from worker.lifecycle.service import Worker
@@ -37,7 +37,7 @@ from worker.tools.bench.context import Bench, BenchError
 from worker.tools.bench.gpufeed_run import stop_worker
 from worker.tools.bench.images import ImageSetSpec, load_image_set
 from worker.tools.bench.profiles import ModelPlan, PriorityPlan
-from worker.tools.bench.redis_env import RunKeys, paced_push, push_jobs, wait_for_results
+from worker.tools.bench.redis_env import paced_push, push_jobs, wait_for_results
 
 LEVELS = "high,low"
 BURST_FACTOR = 3.0
@@ -140,13 +140,13 @@ async def _run(
         await wait_for_results(
             b.aclient, keys.results, total, alive=alive, timeout_s=b.timeout_s(total)
         )
-        answers = await _answers(b, keys)
-        high_ms = [ms for job_id, _, ms in answers if job_id.startswith("hi-")]
-        low_ms = [ms for job_id, _, ms in answers if job_id.startswith("lo-")]
+        answers = await read_answered(b, keys.results)
+        high_ms = [a.ms for a in answers if a.job_id.startswith("hi-")]
+        low_ms = [a.ms for a in answers if a.job_id.startswith("lo-")]
         during = sum(
             1
-            for job_id, done_ms, _ in answers
-            if job_id.startswith("lo-") and trickle_start_ms <= done_ms <= trickle_end_ms
+            for a in answers
+            if a.job_id.startswith("lo-") and trickle_start_ms <= a.done_ms <= trickle_end_ms
         )
         return {
             "mode": mode,
@@ -156,8 +156,8 @@ async def _run(
             "high_per_s": round(rate, 2),
             "results": len(answers),
             "jobs": total,
-            "high": _latency(high_ms),
-            "low": _latency(low_ms),
+            "high": latency_summary(high_ms),
+            "low": latency_summary(low_ms),
             "low_answered_during_trickle": during,
             "settings": {
                 "batch_size": worker.batch_size,
@@ -175,17 +175,27 @@ async def _run(
         await b.cleanup(keys)
 
 
-async def _answers(b: Bench, keys: RunKeys) -> list[tuple[str, int, int]]:
-    """(job id, result time, latency) per result, both times Redis's (entry IDs) in ms."""
-    out: list[tuple[str, int, int]] = []
+class Answered(NamedTuple):
+    """One result as the priority and tenants sections read it: Redis times in ms."""
+
+    job_id: str
+    done_ms: int  # when the result was added (its entry ID)
+    ms: int  # latency: from the job's entry to its result's
+    cached: bool  # served from the decode cache
+
+
+async def read_answered(b: Bench, stream: str) -> list[Answered]:
+    """Every result in `stream`, oldest first."""
+    out: list[Answered] = []
     start = "-"
-    while chunk := await b.aclient.xrange(keys.results, min=start, max="+", count=1000):
+    while chunk := await b.aclient.xrange(stream, min=start, max="+", count=1000):
         for raw_id, fields in chunk:
             result = wire.JobResult.from_fields(fields or {})
             done_ms = _ms(_text(raw_id))
             # `<level>:<entry ID>` on a level's stream.
             job_ms = _ms(result.entry.rsplit(":", 1)[-1])
-            out.append((result.id, done_ms, done_ms - job_ms))
+            cached = bool(result.details.get("cached"))
+            out.append(Answered(result.id, done_ms, done_ms - job_ms, cached))
         start = "(" + _text(chunk[-1][0])
     return out
 
@@ -198,7 +208,7 @@ def _ms(entry_id: str) -> int:
     return int(entry_id.split("-", 1)[0])
 
 
-def _latency(values: list[int]) -> dict[str, Any]:
+def latency_summary(values: list[int]) -> dict[str, Any]:
     ordered = sorted(float(v) for v in values)
     if not ordered:
         return {"jobs": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}

@@ -11,6 +11,10 @@
 - every profile: the priority section (worker/tools/bench/priority.py): the first model,
   a burst of low-priority jobs three times what it serves while a trickle of high-priority
   ones arrives for 0.5 s (tiny), 2 s (quick) or 5 s (full), with and without levels.
+- every profile: the tenants section (worker/tools/bench/tenants.py): the priority
+  section's workload told by tenant: the `bulk` tenant's burst (as the priority burst, and
+  at least 2,000 jobs in quick and full) on its own stream beside the `live` tenant's
+  trickle on another, with tenants and with both on one stream.
 - every profile: the batch section (worker/tools/bench/batch.py): `producer batch` over a
   folder of unique 64x64 JPEGs against one null-model worker at batch 256 (32 in tiny),
   beside the same images pushed inline; 256 images (tiny), 30,000 (quick), 40,000 (full).
@@ -89,6 +93,15 @@ class PriorityPlan:
 
 
 @dataclass(frozen=True)
+class TenantsPlan:
+    """The tenants section (worker/tools/bench/tenants.py): one tenant's backlog beside
+    another's trickle."""
+
+    seconds: float  # how long the live tenant's trickle lasts; the burst is 3x that much work
+    min_burst: int = 0  # the bulk tenant's burst, at least (a backlog of thousands)
+
+
+@dataclass(frozen=True)
 class WarmStartPlan:
     """The warm-start section (worker/tools/bench/warm_start.py): a restarted worker's
     first `jobs` jobs over `images` distinct images, cold and warm."""
@@ -125,6 +138,7 @@ class Profile:
     cache_roles: tuple[str, ...] = ()
     overhead: OverheadPlan | None = None
     priority: PriorityPlan | None = None
+    tenants: TenantsPlan | None = None
     batch: BatchPlan | None = None
     load_latency: LoadLatencyPlan | None = None
     warm_start: WarmStartPlan | None = None
@@ -167,6 +181,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             cache_roles=("large",),
             overhead=OverheadPlan(jobs=192, batch_size=32, distinct=8, live_s=1.0),
             priority=PriorityPlan(seconds=0.5),
+            tenants=TenantsPlan(seconds=0.5),
             batch=BatchPlan(jobs=256, batch_size=32, distinct=8),
             load_latency=LoadLatencyPlan(seconds=1.0),
             warm_start=WarmStartPlan(jobs=48, images=16, side=(160, 120)),
@@ -198,6 +213,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             cache_roles=("large",),
             overhead=OverheadPlan(jobs=20_000 if cuda else 10_000),
             priority=PriorityPlan(seconds=2.0),
+            tenants=TenantsPlan(seconds=2.0, min_burst=2000),
             # Enough images that the run's start and end (listing the first page, opening
             # the output, the final rename) weigh little in the client's CPU per job.
             batch=BatchPlan(jobs=30_000),
@@ -221,6 +237,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         cache_roles=("photo", "large"),
         overhead=OverheadPlan(jobs=20_000, live_s=8.0),
         priority=PriorityPlan(seconds=5.0),
+        tenants=TenantsPlan(seconds=5.0, min_burst=2000),
         batch=BatchPlan(jobs=40_000),
         load_latency=LoadLatencyPlan(seconds=10.0),
         warm_start=WarmStartPlan(jobs=20_000 if cuda else 6000, images=1000),

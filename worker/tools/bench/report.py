@@ -212,6 +212,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     out += batch_lines(report)
     out += gil_lines(report)
     out += priority_lines(report)
+    out += tenants_lines(report)
     out += warm_start_lines(report)
     out += accuracy_lines(report)
     out += _stage_rate_lines(report)
@@ -521,6 +522,63 @@ def priority_lines(report: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def tenants_lines(report: Mapping[str, Any]) -> list[str]:
+    """The tenants section (worker/tools/bench/tenants.py): the live tenant's latency beside
+    the bulk tenant's backlog, both on one stream and each on its own."""
+    t = report.get("tenants")
+    if not t:
+        return []
+    fifo = t["runs"]["fifo"]
+    out = [
+        "",
+        f"## Tenants: {t['model']}, the bulk tenant's burst of {fifo['burst_bulk_jobs']} jobs "
+        f"beside the live tenant's {fifo['live_jobs']} at {_fmt(fifo['live_per_s'], 1)}/s",
+        "",
+        "Latency: Redis time from a job's entry to its result; in batch times, over "
+        "batch size / the run's measured capacity. `fifo`: both tenants on one stream; "
+        f"`tenants`: {t['tenants']}, each on its own stream. A lone batch: one batch on the "
+        "idle worker, entry to last result.",
+        "",
+    ]
+    rows = [
+        [
+            mode,
+            _fmt(r["capacity_jobs_per_s"]),
+            _fmt(r["batch_ms"]),
+            _fmt(r["lone_batch_ms"], 0),
+            f"{_fmt(r['live']['p50_ms'], 0)} ({_fmt(r['live_batches']['p50'])})",
+            f"{_fmt(r['live']['p99_ms'], 0)} ({_fmt(r['live_batches']['p99'])})",
+            f"{_fmt(r['live']['max_ms'], 0)} ({_fmt(r['live_batches']['max'])})",
+            f"{r['bulk_answered_during_trickle']} ({_fmt(r['bulk_share_during_trickle'], 2)})",
+        ]
+        for mode, r in t["runs"].items()
+    ]
+    out.append(
+        table(
+            [
+                "run",
+                "capacity jobs/s",
+                "batch time ms",
+                "lone batch ms",
+                "live p50 ms (batches)",
+                "live p99 ms (batches)",
+                "live max ms (batches)",
+                "bulk answered meanwhile (of capacity)",
+            ],
+            rows,
+            align="lr",
+        )
+    )
+    fair = t["runs"]["tenants"]["settings"]
+    out += [
+        "",
+        f"Live p50 {_fmt(t['live_p50_speedup'], 2)}x and p99 {_fmt(t['live_p99_speedup'], 2)}x "
+        f"lower with tenants; a live job still waits for the {fair['in_flight_limit']} jobs "
+        f"the worker holds ({fair['in_flight_limit'] // max(1, fair['batch_size'])} batches).",
+    ]
+    return out
+
+
 def warm_start_lines(report: Mapping[str, Any]) -> list[str]:
     """The warm-start section (worker/tools/bench/warm_start.py): a restarted worker's
     first jobs, cold and warm."""
@@ -696,6 +754,47 @@ def _priority_problems(p: Any) -> list[str]:
         for key in ("p50_ms", "p99_ms"):
             if not _positive((r.get("high") or {}).get(key)):
                 problems.append(f"priority.runs.{name}.high.{key} must be a positive number")
+    return problems
+
+
+def _tenants_problems(t: Any) -> list[str]:
+    if t is None:
+        return []
+    if not isinstance(t, Mapping):
+        return ["tenants must be an object or null"]
+    problems = []
+    runs = t.get("runs") or {}
+    if list(runs) != ["fifo", "tenants"]:
+        problems.append("tenants.runs must be fifo and tenants")
+    for name, r in runs.items():
+        where = f"tenants.runs.{name}"
+        if r.get("results") != r.get("jobs"):
+            problems.append(f"{where}: {r.get('results')} results for {r.get('jobs')}")
+        live, in_batches = r.get("live") or {}, r.get("live_batches") or {}
+        for key in ("p50", "p99", "max"):
+            if not _positive(live.get(f"{key}_ms")):
+                problems.append(f"{where}.live.{key}_ms must be a positive number")
+            if not _positive(in_batches.get(key)):
+                problems.append(f"{where}.live_batches.{key} must be a positive number")
+        if all(_positive(live.get(k)) for k in ("p50_ms", "p99_ms", "max_ms")) and not (
+            live["p50_ms"] <= live["p99_ms"] <= live["max_ms"]
+        ):
+            problems.append(f"{where}.live: percentiles out of order")
+        for key in ("capacity_jobs_per_s", "batch_ms", "lone_batch_ms"):
+            if not _positive(r.get(key)):
+                problems.append(f"{where}.{key} must be a positive number")
+        if live.get("jobs") != r.get("live_jobs"):
+            problems.append(f"{where}: {live.get('jobs')} live results for {r.get('live_jobs')}")
+        holds = (r.get("settings") or {}).get("in_flight_limit")
+        burst = r.get("burst_bulk_jobs")
+        if not isinstance(burst, int) or not isinstance(holds, int) or burst < 3 * holds:
+            problems.append(f"{where}: the burst must be at least 3x the in-flight limit")
+        during = r.get("bulk_answered_during_trickle")
+        if not isinstance(during, int) or during < 0:
+            problems.append(f"{where}.bulk_answered_during_trickle must be a count")
+        # Every job's bytes are unique: a hit would mean the runs did not decode.
+        if r.get("cache_hits") != 0:
+            problems.append(f"{where}: {r.get('cache_hits')} cache hits on unique job bytes")
     return problems
 
 
@@ -1257,6 +1356,7 @@ def validate_report(report: Mapping[str, Any]) -> list[str]:
     problems += _overhead_problems(report.get("overhead"))
     problems += batch_problems(report.get("batch"))
     problems += _priority_problems(report.get("priority"))
+    problems += _tenants_problems(report.get("tenants"))
     problems += _warm_start_problems(report.get("warm_start"))
     problems += _accuracy_problems(report.get("accuracy"))
     problems += _load_latency_problems(report.get("latency_under_load"))

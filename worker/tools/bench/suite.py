@@ -16,7 +16,8 @@ plus the decode stage rates (worker/tools/bench/stage_rates.py), in the full pro
 latency/throughput curve for three batcher max waits, the overhead section
 (worker/tools/bench/overhead.py): the null model on tiny JPEGs beside the queue ceiling, and
 the accuracy section (worker/tools/bench/accuracy.py): both resize placements against
-torchvision's eval transforms, and the batch section (worker/tools/bench/batch.py):
+torchvision's eval transforms, the tenants section (worker/tools/bench/tenants.py): one
+tenant's backlog beside another's trickle, and the batch section (worker/tools/bench/batch.py):
 `producer batch` over a folder beside the same images inline.
 Then report.json, report.md and throughput.png (worker/tools/bench/report.py).
 
@@ -88,6 +89,7 @@ from worker.tools.bench.queue_ceiling import queue_ceiling
 from worker.tools.bench.rate_table import RateTable, stage_rates
 from worker.tools.bench.redis_env import bench_redis
 from worker.tools.bench.stage_rates import DECODE_METHODS
+from worker.tools.bench.tenants import tenants_section
 from worker.tools.bench.warm_start import warm_start_section
 
 
@@ -349,11 +351,15 @@ def run_bench(
         )
 
         batch: dict[str, Any] | None = None
+        tenants: dict[str, Any] | None = None
 
         async def main() -> RateTable:
-            nonlocal batch
+            nonlocal batch, tenants
             try:
                 rates = await _bench(b)
+                if profile.tenants is not None:
+                    b.echo("tenants: one tenant's backlog beside another's trickle, fifo and fair")
+                    tenants = await tenants_section(b, profile.tenants)
                 if profile.batch is not None:
                     b.echo("batch: producer batch over a folder, beside the same images inline")
                     batch = await batch_section(b, profile.batch)
@@ -450,6 +456,7 @@ def run_bench(
         "latency_under_load": b.load_latency,
         "overhead": b.overhead,
         "priority": b.priority,
+        "tenants": tenants,
         "warm_start": b.warm_start,
         "batch": batch,
         "accuracy": accuracy,
