@@ -191,6 +191,125 @@ def result_prefix_problem(
     return None
 
 
+def hot_list_key(stream: str) -> str:
+    """The fleet's hot list for workers reading `stream` (GPUFEED_STREAM): a sorted set
+    (worker/delivery/hot_list.py)."""
+    return f"{stream}:hot"
+
+
+@dataclass(frozen=True)
+class OwnedKeys:
+    """The keys and key families gpufeed owns for one deployment, each with what it is: no
+    job's reply_to may name one (it would turn the key into a stream of results), nor may a
+    priority level's stream be one. Built by `own_keys`; the settings check and the writer
+    both ask `what`, so the two cannot drift apart.
+
+    A name is owned when it is one of `keys`, or starts with one of `families`, or starts
+    with one of `spaces` without being a reply stream of gpufeed's: one of `replies` or a
+    name under one followed by ':' (the batch client's own streams, a tenant's results)."""
+
+    keys: dict[str, str]
+    families: dict[str, str]
+    spaces: dict[str, str]
+    replies: tuple[str, ...] = ()
+
+    def what(self, name: str) -> str | None:
+        """What `name` is of gpufeed's (e.g. "the fleet's hot list"); None: not gpufeed's."""
+        what = self.keys.get(name)
+        if what is not None:
+            return what
+        for prefix, what in self.families.items():
+            if name.startswith(prefix):
+                return what
+        if any(name == r or name.startswith(r + ":") for r in self.replies):
+            return None
+        for prefix, what in self.spaces.items():
+            if name.startswith(prefix):
+                return what
+        return None
+
+    def problem(self, name: str) -> str | None:
+        """`name` is gpufeed's own key, in one line; None when it is not."""
+        what = self.what(name)
+        return None if what is None else f"{name!r} is one of gpufeed's own keys ({what})"
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """The rule as plain rows (kind, name, what), for a process of the worker's."""
+        return [
+            *(("key", k, w) for k, w in self.keys.items()),
+            *(("family", k, w) for k, w in self.families.items()),
+            *(("space", k, w) for k, w in self.spaces.items()),
+            *(("reply", k, "") for k in self.replies),
+        ]
+
+    @classmethod
+    def of_rows(cls, rows: Iterable[Sequence[str]]) -> OwnedKeys:
+        parts: dict[str, dict[str, str]] = {"key": {}, "family": {}, "space": {}, "reply": {}}
+        for kind, name, what in rows:
+            parts[kind][name] = what
+        return cls(parts["key"], parts["family"], parts["space"], tuple(parts["reply"]))
+
+
+def own_keys(
+    stream: str,
+    layout_: Sequence[Shard],
+    levels: Sequence[str],
+    *,
+    extra_keys: Iterable[str] = (),
+    extra_families: Iterable[str] = (),
+    job_space: bool = True,
+) -> OwnedKeys:
+    """Every key and key family gpufeed owns with GPUFEED_STREAM `stream` laid out as
+    `layout_` with `levels`: the job streams (each shard's, each level's), the fleet's hot
+    list, the dead-letter streams, the workers' heartbeats, the result hashes, and, with
+    `job_space`, every name under `<stream>:` (shards, levels, tenants' streams, the hot
+    list, and what comes next there) that is not under a results stream. `extra_keys` and
+    `extra_families` add names or prefixes of keys owned elsewhere (a tenant's streams).
+    The results streams are not owned: they are the default reply streams."""
+    keys: dict[str, str] = {stream: "the job stream"}
+    for shard in layout_:
+        keys.setdefault(shard.stream, f"shard {shard.index}'s job stream")
+        for level in levels:
+            keys.setdefault(level_stream(shard.stream, level), f"priority level {level}'s stream")
+    keys.setdefault(hot_list_key(stream), "the fleet's hot list, a sorted set")
+    for shard in layout_:
+        keys.setdefault(shard.dead_stream, "the dead-letter stream")
+    for name in extra_keys:
+        keys.setdefault(name, "a job stream")
+    families = {wire.DEFAULT_WORKER_PREFIX: "the workers' heartbeats"}
+    for shard in layout_:
+        # The name before the shard's hash tag too: tenants' result hashes lie under it.
+        base = shard.result_prefix.removesuffix(f"{{{shard.tag}}}:") if shard.tag else ""
+        for prefix in (base, shard.result_prefix):
+            if prefix:
+                families.setdefault(prefix, "the result hashes")
+    for prefix in extra_families:
+        families.setdefault(prefix, "job streams")
+    spaces = {f"{stream}:": f"a name under the job stream's, {stream}:*"} if job_space else {}
+    # Each shard's results stream, and the name they share before the shard's hash tag.
+    replies: dict[str, None] = {}
+    for shard in layout_:
+        replies[shard.results_stream] = None
+        if shard.tag:
+            replies[shard.results_stream.removesuffix(f":{{{shard.tag}}}")] = None
+    return OwnedKeys(keys, families, spaces, tuple(replies))
+
+
+def own_key_problem(
+    name: str,
+    stream: str,
+    layout_: Sequence[Shard],
+    levels: Sequence[str],
+    *,
+    extra_keys: Iterable[str] = (),
+    extra_families: Iterable[str] = (),
+) -> str | None:
+    """Why `name` may not be written as a stream of results: it is one of gpufeed's own
+    keys (see `own_keys`); None when it is not."""
+    owned = own_keys(stream, layout_, levels, extra_keys=extra_keys, extra_families=extra_families)
+    return owned.problem(name)
+
+
 def check_one_slot(
     *, stream: str, results_stream: str, result_prefix: str, dead_stream: str
 ) -> None:

@@ -25,7 +25,7 @@ import redis
 from redis.exceptions import RedisError
 
 from producer import shards, tenants, wire
-from producer.priorities import parse_levels
+from producer.priorities import level_stream, parse_levels
 from producer.shards import Shard
 from worker.config.errors import ConfigError
 from worker.config.lanes import Lanes
@@ -294,6 +294,18 @@ class WorkerConfig:
         clash = shards.result_prefix_problem(self.shard_layout(), levels)
         if clash is not None:
             raise ConfigError(clash)
+        # No level's stream may be a key gpufeed owns (a level `hot` would take the hot
+        # list), nor may a results stream: the rule the writer applies to each reply_to.
+        layout = self.shard_layout()
+        fixed = shards.own_keys(self.stream, layout, (), job_space=False)
+        owned = shards.own_keys(self.stream, layout, levels)
+        for keys, _ in [kw for shard in layout for kw in self.key_sets(shard.index)]:
+            for level in levels:
+                for stream in (level_stream(self.stream, level), level_stream(keys.stream, level)):
+                    taken = fixed.problem(stream)
+                    need(taken is None, "GPUFEED_PRIORITIES", f"level {level!r}: {taken}")
+            taken = owned.problem(keys.results_stream)
+            need(taken is None, "GPUFEED_RESULTS_STREAM", f"{taken}: results cannot go there")
         need(
             0 <= self.wait_replicas <= 16,
             "GPUFEED_WAIT_REPLICAS",

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
-from producer import wire
+from producer import shards, wire
 from worker.delivery.redis_errors import ANY, FAILING_OVER, PASSING, temporary
 from worker.jobs import Job
 
@@ -85,8 +85,9 @@ return images
 
 
 def hot_list_key(stream: str) -> str:
-    """The fleet's hot list for workers reading `stream` (GPUFEED_STREAM)."""
-    return f"{stream}:hot"
+    """The fleet's hot list for workers reading `stream` (GPUFEED_STREAM), named where every
+    key gpufeed owns is (producer/shards.py)."""
+    return shards.hot_list_key(stream)
 
 
 class HotEntry(NamedTuple):

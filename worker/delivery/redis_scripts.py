@@ -29,8 +29,9 @@ from __future__ import annotations
 #   0 not acknowledged here and already answered (by another worker, or an earlier try);
 #   3 acknowledged here but already answered (a recreated group served the entry again);
 #   -2 .. -5 the reply stream cannot take results: -2 it holds another type, -3 it is a
-#   key of gpufeed's own (the job stream, the dead-letter stream, a result hash), -4 a
-#   consumer group reads it (a job queue), -5 this Redis user may not write it;
+#   key of gpufeed's own (the job stream, the dead-letter stream, a result hash; the writer
+#   refuses every other one, by producer/shards.py's `own_keys`, before it calls this
+#   script), -4 a consumer group reads it (a job queue), -5 this Redis user may not write it;
 #   -6 the dead-letter stream holds another type; -7 this Redis user may not write
 #   gpufeed's own result or dead-letter keys; -8 a result hash key of the job (by its id,
 #   or by its entry) holds something other than a gpufeed result (another type, or a hash

@@ -36,6 +36,7 @@ from redis.exceptions import NoPermissionError, NoScriptError, RedisError
 
 from producer import wire
 from producer.backoff import Backoff
+from producer.shards import OwnedKeys
 from producer.wire import ErrorCode
 from worker.delivery.redis_errors import (
     ANY,
@@ -84,6 +85,11 @@ class WriterSettings:
     degraded_weights: str = ""
     # GPUFEED_MAX_RESULT_BYTES: a result's fields (meta and answer included) at most.
     max_result_bytes: int = wire.DEFAULT_MAX_RESULT_BYTES
+    # The keys gpufeed owns, as producer/shards.py's `own_keys` rows: a reply_to among them
+    # (the hot list, a heartbeat, a level's stream...) is answered `invalid_job` on the
+    # default results stream, never written; the settings check refuses them by the same
+    # rule. Empty: only the publish script's own checks.
+    owned: tuple[tuple[str, str, str], ...] = ()
 
 
 class PublishState:
@@ -196,6 +202,9 @@ class ResultWriter:
         self._queue: asyncio.Queue[list[Outcome] | None] = asyncio.Queue(max_queued)
         self._call = PublishCall(settings)
         self._sha = script_sha(PUBLISH_RESULTS)
+        self._owned = OwnedKeys.of_rows(settings.owned) if settings.owned else None
+        # reply_to -> whether it is gpufeed's own key: a flush has a few distinct names.
+        self._own_replies: dict[str, bool] = {}
         self._on_published = on_published
         # Outcomes Redis refused (maxmemory): nothing was written for them, and for an entry
         # that already left the pending list nobody else would answer, so they are tried
@@ -442,6 +451,9 @@ class ResultWriter:
             message = (
                 f"reply_to {old.reply_to!r} cannot receive results: it {REPLY_PROBLEMS[state]}"
             )
+            what = self._owned.what(old.reply_to) if self._owned is not None else None
+            if state == PublishState.REPLY_RESERVED and what is not None:
+                message += f" ({what})"
         elif state == PublishState.RESULT_KEY_FOREIGN and old.has_own_id:
             # Stored by its entry instead, as for a job whose id cannot be used.
             job = replace(old, reply_to=default, job_id=old.entry_ref, has_own_id=False)
@@ -460,7 +472,32 @@ class ResultWriter:
         answer.dead_fields = outcome.dead_fields
         return answer
 
+    def _own_reply(self, reply_to: str) -> bool:
+        owned = self._owned
+        if owned is None or reply_to == self.settings.default_reply_to:
+            return False
+        known = self._own_replies.get(reply_to)
+        if known is None:
+            if len(self._own_replies) >= 4096:
+                self._own_replies.clear()
+            known = self._own_replies[reply_to] = owned.what(reply_to) is not None
+        return known
+
     async def _publish_once(self, outcomes: list[Outcome]) -> list[int]:
+        own = [i for i, o in enumerate(outcomes) if self._own_reply(o.job.reply_to)]
+        if own:
+            # Never sent to the script, which would make the key a stream of results (where
+            # the hot list or a heartbeat does not exist yet): refused as the script refuses
+            # the job stream, and answered `invalid_job` on the default stream by `publish`.
+            refused = set(own)
+            for i in own:
+                self._log_state(outcomes[i], PublishState.REPLY_RESERVED)
+            rest = [o for i, o in enumerate(outcomes) if i not in refused]
+            others = iter(await self._publish_once(rest) if rest else [])
+            return [
+                PublishState.REPLY_RESERVED if i in refused else next(others)
+                for i in range(len(outcomes))
+            ]
         start = time.perf_counter()
         records = [self._call.record(o) for o in outcomes]
         positions = self._call.split(outcomes, [r.size for r in records])

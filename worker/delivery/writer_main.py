@@ -98,7 +98,11 @@ class WriterInit:
     @classmethod
     def from_frame(cls, body: bytes) -> WriterInit:
         (fields,) = msgpack.unpackb(body, raw=False)
-        writers = [WriterSettings(**w) for w in fields.pop("writers")]
+        # msgpack gives lists back where the settings hold tuples.
+        writers = [
+            WriterSettings(**{**w, "owned": tuple(tuple(row) for row in w.get("owned", ()))})
+            for w in fields.pop("writers")
+        ]
         return cls(writers=writers, **fields)
 
 

@@ -25,6 +25,7 @@ import torch
 from redis.asyncio.cluster import RedisCluster
 
 from producer import shards
+from producer.priorities import parse_levels
 from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
 from worker.delivery.cluster_node import ShardNodeClient
@@ -347,6 +348,9 @@ def _writer_settings(
     """The writer settings of each shard's key sets (the operator's, each tenant's), by
     the key set's job stream."""
     loaded, degraded = engine.loaded, engine.degraded
+    # The rule the settings check applies too: a reply_to among these is refused.
+    levels = parse_levels(cfg.priorities)
+    owned = tuple(shards.own_keys(cfg.stream, cfg.shard_layout(), levels).rows())
     return {
         shard.stream: WriterSettings(
             stream=shard.stream,
@@ -363,6 +367,7 @@ def _writer_settings(
             degraded_model=degraded.loaded.name if degraded else "",
             degraded_weights=degraded.loaded.weights_label if degraded else "",
             max_result_bytes=cfg.max_result_bytes,
+            owned=owned,
         )
         for own in cfg.shard_layout()
         for shard, _ in cfg.key_sets(own.index)
