@@ -24,6 +24,29 @@ another job's id) and, while they run:
 An entry deleted while a worker held it must still get exactly one result: its own, or
 `entry_deleted`.
 
+On top of them, `--tenant-fraction` (10%) more come, a few at a time all along the run,
+from two tenants of GPUFEED_TENANTS, each with the Redis user docs/security.md documents:
+`victim` sends small JPEGs, `mallory` small JPEGs and jobs whose `reply_to` is the victim's
+results stream. Mallory, with its own user, attacks (each also tried, the same way, on the
+victim's stream and the plain one, where it must be refused NOPERM, as must reading or
+deleting the victim's keys and running a script), and the operator's script holds Redis:
+
+- at 10%, `XADD <its stream> MAXLEN 0 *` right after a burst of its own jobs;
+- at 20%, `XADD <its stream> MINID <a day ahead> *`;
+- at 33%, a Lua script runs for `--script-hold-s` (3 s) past a busy-reply-threshold
+  lowered to 200 ms: workers meet `BUSY`, and none may exit for it;
+- at 58%, `--same-tail-images` (6) 10000x10000 PNGs of 297 KB (under every limit, seconds
+  to decode) with one length and the same last 64 bytes, and right behind them 16 of the
+  victim's small JPEGs;
+- at 68%, an entry with the last possible ID: its stream takes no entry ever again, and its
+  later jobs are refused by Redis (counted, not sent).
+
+Mallory's entries that its own trims removed before any worker read them are counted as
+`trimmed_by_tenant`, never as missing; every other entry of each stream, and every one of
+the victim's, must get exactly one result. The victim's latency (its entry's time to its
+answer's, both Redis stream IDs) is reported for the whole run, for its jobs sent while the
+same-tail images decode, and for the 16 sent right behind them.
+
 Then it waits for every job to be answered, stops the workers (SIGTERM) and reports: jobs
 in, results out, ok and error counts by code, duplicates (job entries with more than one
 result), missing (none), unexpected outcomes (a good job that failed, a bad one with the
@@ -34,20 +57,23 @@ process's RSS at start, after warm-up and at the end (growth after warm-up over
     .venv/bin/python scripts/soak.py                       # 20,000 jobs, 2 workers
     .venv/bin/python scripts/soak.py --jobs 600 --rate 60  # a short run
 
-Exit status: 0 when every job has exactly one result, the expected one, and no worker
-crashed; 1 otherwise; 2 when the run could not be set up.
+Exit status: 0 when every job has exactly one result, the expected one (a tenant's
+trimmed entries none), every cross-tenant attempt was refused and no worker crashed; 1
+otherwise; 2 when the run could not be set up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import shutil
 import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,11 +86,13 @@ import click  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
+from producer import tenants  # noqa: E402
 from producer.wire import DEFAULT_MAX_META_BYTES, JobResult  # noqa: E402
 from tests.images import (  # noqa: E402
     blank_png_bytes,
     jpeg_bytes,
     png_bytes,
+    png_chunk,
     png_header_only,
     rle_bmp_bytes,
     truncated_jpeg_bytes,
@@ -170,6 +198,97 @@ HOSTILE_REPLY_TO = {
     "tenant_reply_to": TENANT_RESULTS,
 }
 
+# ----------------------------------------------------------------------------- tenants
+VICTIM, MALLORY = "victim", "mallory"
+TENANT_PASSWORD = "s0ak-tenant-pw"
+LAST_ID = "18446744073709551615-18446744073709551615"
+# What Redis answers an XADD to a stream that holds the last possible ID.
+STREAM_CLOSED = "last possible ID"
+# What each tenant kind must be answered with (on the tenant's own results stream). The
+# same-tail PNGs take seconds each against the soak's 0.5 s decode budget.
+TENANT_KINDS: dict[str, str] = {
+    "reply_to_other_tenant": "invalid_job",
+    "same_tail_png": "ok|decode_timeout",
+    "last_id": "ok",
+    "trim_attack": "ok",  # trimmed by its own XADD: never read, so never answered
+}
+# The victim's small JPEGs sent right behind the same-tail PNGs.
+PROBES = 16
+# A script that holds Redis for ARGV[1] ms, then ends by itself (it writes nothing).
+HOLD_SCRIPT = """
+local t0 = redis.call('TIME')
+local stop = tonumber(t0[1]) * 1000000 + tonumber(t0[2]) + tonumber(ARGV[1]) * 1000
+local spins = 0
+while true do
+  local t = redis.call('TIME')
+  if tonumber(t[1]) * 1000000 + tonumber(t[2]) >= stop then return spins end
+  spins = spins + 1
+end
+"""
+
+
+def tenant_streams(name: str) -> tuple[str, str, str]:
+    """The tenant's job stream, results stream and result prefix (no shards)."""
+    return tenants.names(name)
+
+
+def documented_tenant_acl(name: str, password: str) -> list[str]:
+    """Tenant `name`'s ACL rules as docs/security.md documents them (for `acme`): the
+    soak's tenants have exactly the rights an operator following the page grants."""
+    page = (ROOT / "docs" / "security.md").read_text()
+    marker = "ACL SETUSER tenant-acme "
+    line = next((ln.strip() for ln in page.splitlines() if marker in ln), None)
+    if line is None:
+        raise RuntimeError(f"docs/security.md documents no {marker.strip()!r} line")
+    rules = line.split(marker, 1)[1].split()
+    return [f">{password}" if r.startswith(">") else r.replace("acme", name) for r in rules]
+
+
+def tenant_url(server_url: str, name: str) -> str:
+    return server_url.replace("redis://", f"redis://tenant-{name}:{TENANT_PASSWORD}@", 1)
+
+
+def same_tail_pngs(count: int, seed: int) -> list[bytes]:
+    """`count` different 10000x10000 RGB PNGs (297 KB, under every limit, seconds to
+    decode) of one length and the same last 64 bytes: what a decode router keyed on length
+    and tail would send to one process. They differ in a text chunk of fixed size after the
+    header, so each is new to any cache keyed on the bytes."""
+    base = blank_png_bytes(10_000, 10_000, mode="RGB")
+    head = 8 + 25  # signature, IHDR chunk
+    rng = random.Random(seed)
+    out = [
+        base[:head]
+        + png_chunk(b"tEXt", b"soak\x00" + rng.randbytes(16).hex().encode())
+        + base[head:]
+        for _ in range(count)
+    ]
+    assert len({len(p) for p in out}) <= 1 and len({p[-64:] for p in out}) <= 1
+    assert len(set(out)) == len(out)
+    return out
+
+
+def make_tenant_jobs(
+    n: int, prefix: str, seed: int, sneak_fraction: float = 0.0
+) -> list[tuple[str, dict[str, bytes | str]]]:
+    """A tenant's planned jobs: small JPEGs (kind "good"), and with `sneak_fraction` jobs
+    whose reply_to is the victim's results stream (refused: not one of its own streams)."""
+    rng = random.Random(seed)
+    good = [jpeg_bytes(64, 48, seed=s) for s in range(3)]
+    victim_results = tenant_streams(VICTIM)[1]
+    jobs: list[tuple[str, dict[str, bytes | str]]] = []
+    for i in range(n):
+        fields: dict[str, bytes | str] = {
+            "id": f"{prefix}-{i:07d}",
+            "image": good[i % len(good)],
+            "meta": f"{prefix}{i}".encode(),
+        }
+        if rng.random() < sneak_fraction:
+            fields["reply_to"] = victim_results
+            jobs.append(("reply_to_other_tenant", fields))
+        else:
+            jobs.append(("good", fields))
+    return jobs
+
 
 # ----------------------------------------------------------------------------- jobs
 def make_jobs(
@@ -254,10 +373,12 @@ def make_jobs(
 
 # ----------------------------------------------------------------------------- feeder
 class Feeder(threading.Thread):
-    """XADDs the jobs in chunks, at `rate` jobs/s (0: as fast as the backlog bound allows),
-    keeping at most `backlog` jobs submitted and not yet answered. Redis is never stopped
-    in the middle of a chunk: the fault injector takes `lock` first, so every XADD either
-    happened (and is in the AOF) or was never sent."""
+    """XADDs the jobs to `stream` in chunks, at `rate` jobs/s (0: as fast as the backlog
+    bound allows), keeping at most `backlog` jobs submitted and not yet answered; with
+    `pace` (the run's progress, 0 to 1), job i of n waits until it reaches i/n, so that a
+    tenant's jobs flow all along the run. Redis is never stopped in the middle of a chunk:
+    the fault injector takes `lock` first, so every XADD either happened (and is in the
+    AOF) or was never sent."""
 
     def __init__(
         self,
@@ -267,20 +388,35 @@ class Feeder(threading.Thread):
         rate: float,
         backlog: int,
         chunk: int = 100,
+        stream: str = JOBS,
+        name: str = "feeder",
+        pace: Callable[[], float] | None = None,
     ) -> None:
-        super().__init__(name="feeder", daemon=True)
+        super().__init__(name=name, daemon=True)
         self.client = redis.Redis.from_url(url)
         self.jobs = jobs
         self.rate = rate
         self.backlog = backlog
         self.chunk = chunk
+        self.stream = stream
+        self.pace = pace
         self.lock = threading.Lock()
-        self.entries: list[str] = []  # entry IDs, in job order
+        self.entries: list[str] = []  # entry IDs, in the order added
+        self.placed: list[tuple[str, dict[str, bytes | str]]] = []  # (kind, fields) of each
+        self.sent = 0  # jobs gone through: added, or refused by a closed stream
+        self.refused = 0
+        # Set by the injector once the stream's own tenant closed it (the last possible ID):
+        # from then on Redis refuses every XADD, which is the attack's effect, not an error.
+        self.closed = False
         self.answered = 0  # updated by the monitor
         self.started_s = 0.0
         self.finished_s: float | None = None
         self.error: BaseException | None = None
         self.stop = threading.Event()
+
+    def record(self, entry: str, kind: str, fields: dict[str, bytes | str]) -> None:
+        self.placed.append((kind, fields))
+        self.entries.append(entry)
 
     def run(self) -> None:
         try:
@@ -296,6 +432,9 @@ class Feeder(threading.Thread):
                 due = self.started_s + i / self.rate
                 while time.monotonic() < due and not self.stop.is_set():
                     time.sleep(min(0.05, due - time.monotonic()))
+            if self.pace is not None:
+                while self.pace() < i / len(self.jobs) and not self.stop.is_set():
+                    time.sleep(0.02)
             while len(self.entries) - self.answered > self.backlog and not self.stop.is_set():
                 time.sleep(0.05)
             if self.stop.is_set():
@@ -303,8 +442,16 @@ class Feeder(threading.Thread):
             with self.lock:
                 pipe = self.client.pipeline(transaction=False)
                 for _, fields in chunk:
-                    pipe.xadd(JOBS, dict(fields))
-                self.entries += [raw.decode() for raw in pipe.execute()]
+                    pipe.xadd(self.stream, dict(fields))
+                replies = pipe.execute(raise_on_error=False)
+                for (kind, fields), reply in zip(chunk, replies, strict=True):
+                    if not isinstance(reply, Exception):
+                        self.record(reply.decode(), kind, fields)
+                    elif self.closed and STREAM_CLOSED in str(reply):
+                        self.refused += 1
+                    else:
+                        raise reply
+                self.sent = i + len(chunk)
         self.finished_s = time.monotonic()
 
 
@@ -384,6 +531,314 @@ def tiny_weights(path: Path) -> Path:
     return path
 
 
+# ----------------------------------------------------------------------------- tenant attacks
+@dataclass
+class TenantSide:
+    """The two tenants' feeders and results, and mallory's attacks with its own user."""
+
+    client: redis.Redis  # mallory's, with the rights docs/security.md documents
+    victim: Feeder
+    mallory: Feeder
+    tallies: dict[str, ResultTally]
+    same_tail: list[bytes]
+    # Mallory's entries its own trims removed before any worker read them: no result due.
+    trimmed: set[str] = field(default_factory=set)
+    # Its entries read and not yet answered when it trimmed: their own result or
+    # `entry_deleted`, exactly once.
+    removed_while_held: set[str] = field(default_factory=set)
+    # "<attack>:<target>" -> "NOPERM", or what happened instead.
+    attempts: dict[str, str] = field(default_factory=dict)
+    same_tail_entries: list[str] = field(default_factory=list)
+    probe_entries: list[str] = field(default_factory=list)  # the victim's, right behind them
+    # Per tenant: entry -> the time (ms, Redis's clock) of its first answer.
+    answered_ms: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def poll(self, client: redis.Redis) -> None:
+        for tally in self.tallies.values():
+            tally.poll(client)
+
+    def answered(self) -> int:
+        v = self.tallies[VICTIM].answered(self.victim.entries[:])
+        m = self.tallies[MALLORY].answered(self.mallory.entries[:])
+        self.victim.answered = v
+        self.mallory.answered = m + len(self.trimmed)
+        return v + m
+
+    def all_answered(self) -> bool:
+        if self.victim.finished_s is None or self.mallory.finished_s is None:
+            return False
+        mallory = self.tallies[MALLORY]
+        return self.tallies[VICTIM].answered(self.victim.entries) == len(
+            self.victim.entries
+        ) and all(mallory.per_entry[e] or e in self.trimmed for e in self.mallory.entries)
+
+    def progress(self) -> str:
+        v = self.tallies[VICTIM].answered(self.victim.entries[:])
+        m = self.tallies[MALLORY].answered(self.mallory.entries[:])
+        return (
+            f"victim {v}/{len(self.victim.entries)}, mallory {m}/{len(self.mallory.entries)} "
+            f"({len(self.trimmed)} trimmed by itself)"
+        )
+
+    # --------------------------------------------------------------- the attacks
+    def attack(self, fault: Fault, client: redis.Redis) -> None:
+        # Mallory's feeder is held between chunks, so each attack sees every entry it added.
+        with self.mallory.lock:
+            self.poll(client)
+            if fault.kind == "tenant_trim":
+                self._trim(fault, client, {"maxlen": 0, "approximate": False})
+                self._reach(fault)
+            elif fault.kind == "tenant_minid":
+                future = int(time.time() * 1000) + 86_400_000
+                self._trim(fault, client, {"minid": f"{future}-0"})
+            elif fault.kind == "same_tail_images":
+                self._same_tail(fault)
+            else:
+                self._last_id(fault)
+        refused = sum(
+            v == "NOPERM" for k, v in self.attempts.items() if k.startswith(fault.kind + ":")
+        )
+        tried = sum(k.startswith(fault.kind + ":") for k in self.attempts)
+        fault.detail.update(others_tried=tried, others_refused=refused)
+        shown = {k: v for k, v in fault.detail.items() if k not in ("entries",)}
+        print(f"  {fault.at_s:6.1f}s  mallory {fault.kind}: {shown}", flush=True)
+
+    def _job(self, job_id: str) -> dict[str, bytes | str]:
+        return {"id": job_id, "image": jpeg_bytes(64, 48, seed=9), "meta": job_id.encode()}
+
+    def _refused(self, name: str, call: Any) -> None:
+        try:
+            call()
+        except redis.exceptions.NoPermissionError:
+            self.attempts[name] = "NOPERM"
+            return
+        except redis.RedisError as exc:
+            self.attempts[name] = f"not refused by the ACL: {exc!r}"
+            return
+        self.attempts[name] = "ALLOWED"
+
+    def _others(self, fault: Fault, fields: dict[str, bytes | str], **xadd: Any) -> None:
+        """The same XADD on the victim's stream and the plain one: refused NOPERM."""
+        for target in (self.victim.stream, JOBS):
+            self._refused(
+                f"{fault.kind}:xadd {target}",
+                lambda t=target: self.client.xadd(t, dict(fields), **xadd),
+            )
+
+    def _trim(self, fault: Fault, client: redis.Redis, trim: dict[str, Any]) -> None:
+        own = self.mallory.stream
+        # A burst of its own jobs first, so that the trim has queued jobs to take.
+        burst = [("good", self._job(f"m-{fault.kind}-{k}")) for k in range(20)]
+        attack = self._job(f"m-{fault.kind}")
+        pipe = self.client.pipeline(transaction=False)
+        for _, fields in burst:
+            pipe.xadd(own, dict(fields))
+        pipe.xadd(own, dict(attack), **trim)
+        replies = pipe.execute()
+        for (kind, fields), reply in zip([*burst, ("trim_attack", attack)], replies, strict=True):
+            self.mallory.record(reply.decode(), kind, fields)
+        # What a worker had read before the trim stays due (its group's last delivered ID
+        # moves only by reads, and the feeder is held): the rest went with the trim.
+        last = _stream_id(_last_delivered(client, own))
+        mallory = self.tallies[MALLORY]
+        live = [e for e in self.mallory.entries if e not in self.trimmed]
+        gone = [e for e in live if _stream_id(e) > last]
+        held = [e for e in live if _stream_id(e) <= last and not mallory.per_entry[e]]
+        self.trimmed.update(gone)
+        self.removed_while_held.update(held)
+        fault.detail.update(
+            burst=len(burst),
+            trimmed=len(gone),
+            read_not_answered=len(held),
+            length_after=int(client.xlen(own)),
+        )
+        self._others(fault, attack, **trim)
+
+    def _reach(self, fault: Fault) -> None:
+        """Reads, deletes and a script beyond its keys: each refused NOPERM."""
+        v_stream, v_results, v_prefix = tenant_streams(VICTIM)
+        c = self.client
+        calls: dict[str, Any] = {
+            f"del {v_stream}": lambda: c.delete(v_stream),
+            f"del {JOBS}": lambda: c.delete(JOBS),
+            f"xread {v_stream}": lambda: c.xread({v_stream: "0"}, count=1),
+            f"xrange {v_results}": lambda: c.xrange(v_results, count=1),
+            f"hgetall {v_prefix}v-0000000": lambda: c.hgetall(f"{v_prefix}v-0000000"),
+            f"xadd {v_results} (a forged answer)": lambda: c.xadd(
+                v_results, {"id": "v-0000000", "entry": "0-1", "status": "ok"}
+            ),
+            f"xadd {DEAD}": lambda: c.xadd(DEAD, {"id": "x"}),
+            "eval (a script)": lambda: c.eval("return 1", 0),
+        }
+        for name, call in calls.items():
+            self._refused(f"{fault.kind}:{name}", call)
+
+    def _same_tail(self, fault: Fault) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        placed = []
+        for k, png in enumerate(self.same_tail):
+            fields: dict[str, bytes | str] = {"id": f"m-tail-{k}", "image": png, "meta": b"t%d" % k}
+            placed.append(fields)
+            pipe.xadd(self.mallory.stream, dict(fields))
+        for fields, reply in zip(placed, pipe.execute(), strict=True):
+            self.mallory.record(reply.decode(), "same_tail_png", fields)
+            self.same_tail_entries.append(reply.decode())
+        # Right behind them, the victim sends a handful of small JPEGs of its own (with its
+        # own user, as its feeder does): their latency is the attack's effect.
+        with self.victim.lock:
+            probes = [self._job(f"v-probe-{k}") for k in range(PROBES)]
+            pipe = self.victim.client.pipeline(transaction=False)
+            for fields in probes:
+                pipe.xadd(self.victim.stream, dict(fields))
+            for fields, reply in zip(probes, pipe.execute(), strict=True):
+                self.victim.record(reply.decode(), "good", fields)
+                self.probe_entries.append(reply.decode())
+        size = len(self.same_tail[0]) if self.same_tail else 0
+        fault.detail.update(
+            images=len(self.same_tail), bytes_each=size, pixels="10000x10000", victim_probes=PROBES
+        )
+
+    def _last_id(self, fault: Fault) -> None:
+        own = self.mallory.stream
+        fields = self._job("m-last")
+        self.mallory.record(
+            self.client.xadd(own, dict(fields), id=LAST_ID).decode(), "last_id", fields
+        )
+        self.mallory.closed = True
+        try:
+            after = self._job("m-after-last")
+            entry = self.client.xadd(own, dict(after)).decode()
+        except redis.ResponseError as exc:
+            fault.detail["closed_for_good"] = STREAM_CLOSED in str(exc)
+            self.mallory.refused += 1  # a job of its own that the stream no longer takes
+        else:
+            self.mallory.record(entry, "good", after)
+            fault.detail["closed_for_good"] = False
+        self._others(fault, fields, id=LAST_ID)
+
+    # --------------------------------------------------------------- the report
+    def read_answer_times(self, client: redis.Redis) -> None:
+        for name, tally in self.tallies.items():
+            stream = tally.streams[0]
+            first: dict[str, int] = {}
+            start = "-"
+            while True:
+                page = client.xrange(stream, start, "+", count=5000)
+                for raw_id, fields in page:
+                    entry = fields.get(b"entry", b"").decode()
+                    first.setdefault(entry, _stream_id(raw_id.decode())[0])
+                if len(page) < 5000:
+                    break
+                start = f"({page[-1][0].decode()}"
+            self.answered_ms[name] = first
+
+    def report(self, args: SoakArgs) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, feeder in ((VICTIM, self.victim), (MALLORY, self.mallory)):
+            tally = self.tallies[name]
+            # Entry IDs are per stream: the victim's may equal mallory's trimmed ones.
+            gone = self.trimmed if name == MALLORY else set()
+            kept = [(p, e) for p, e in zip(feeder.placed, feeder.entries, strict=True)]
+            kept = [(p, e) for p, e in kept if e not in gone]
+            jobs = [p for p, _ in kept]
+            r = build_report(
+                args,
+                jobs,
+                [e for _, e in kept],
+                tally,
+                Counter(kind for kind, _ in jobs),
+                deleted=self.removed_while_held if name == MALLORY else set(),
+            )
+            keys = (
+                "jobs_in", "results_out", "answered", "ok", "error", "errors_by_code",
+                "duplicates", "duplicate_examples", "missing", "missing_examples",
+                "results_for_unknown_entries", "unexpected", "unexpected_by_kind",
+                "unexpected_examples", "by_kind", "answers_after_delete",
+            )  # fmt: skip
+            t = {"jobs_planned": len(feeder.jobs), **{k: r[k] for k in keys}}
+            if name == MALLORY:
+                t.update(
+                    trimmed_by_tenant=len(self.trimmed),
+                    trimmed_then_answered=sum(bool(tally.per_entry[e]) for e in self.trimmed),
+                    refused_stream_closed=feeder.refused,
+                    read_when_trimmed=len(self.removed_while_held),
+                )
+            else:
+                t["latency_ms"] = self._victim_latency()
+            out[name] = t
+        return out
+
+    def _victim_latency(self) -> dict[str, Any]:
+        answers = self.answered_ms.get(VICTIM, {})
+        sent = {e: _stream_id(e)[0] for e in self.victim.entries}
+        latency = {e: answers[e] - sent[e] for e in self.victim.entries if e in answers}
+        out: dict[str, Any] = {"all": _quantiles(list(latency.values()))}
+        if self.same_tail_entries:
+            tail_answers = [
+                self.answered_ms.get(MALLORY, {}).get(e) for e in self.same_tail_entries
+            ]
+            start = min(_stream_id(e)[0] for e in self.same_tail_entries)
+            done = [a for a in tail_answers if a is not None]
+            end = max(done) if done else start
+            during = [v for e, v in latency.items() if start <= sent[e] <= end]
+            outside = [v for e, v in latency.items() if not start <= sent[e] <= end]
+            out.update(
+                during_same_tail={
+                    **_quantiles(during),
+                    "window_s": round((end - start) / 1000, 2),
+                    "images_answered": len(done),
+                },
+                outside_same_tail=_quantiles(outside),
+                probes_behind_same_tail=_quantiles(
+                    [latency[e] for e in self.probe_entries if e in latency]
+                ),
+            )
+        return out
+
+    def attacks(self, faults: list[Fault]) -> dict[str, Any]:
+        refused = sorted(k for k, v in self.attempts.items() if v == "NOPERM")
+        return {
+            "done": [
+                {"kind": f.kind, "at_s": f.at_s, **f.detail}
+                for f in faults
+                if f.done
+                and (f.kind.startswith("tenant_") or f.kind in ("same_tail_images", "long_script"))
+            ],
+            "trimmed_by_tenant": len(self.trimmed),
+            "refused_stream_closed": self.mallory.refused,
+            "attempts_on_others": len(self.attempts),
+            "refused_noperm": len(refused),
+            "not_refused": {k: v for k, v in self.attempts.items() if v != "NOPERM"},
+        }
+
+    def failures(self, report: dict[str, Any]) -> list[str]:
+        out: list[str] = []
+        for name, t in report["tenants"].items():
+            for what in ("missing", "duplicates", "unexpected", "results_for_unknown_entries"):
+                if t[what]:
+                    out.append(f"{name}: {t[what]} {what}")
+            if t["results_out"] != t["jobs_in"]:
+                out.append(f"{name}: {t['results_out']} results for {t['jobs_in']} entries")
+        if self.victim.sent != len(self.victim.jobs):
+            out.append(f"victim: {len(self.victim.jobs) - self.victim.sent} jobs never sent")
+        if report["tenants"][MALLORY]["trimmed_then_answered"]:
+            out.append("mallory: an entry its trim removed before any read was answered")
+        out += [f"not refused: {k} ({v})" for k, v in self.attempts.items() if v != "NOPERM"]
+        return out
+
+
+def _quantiles(values: list[int]) -> dict[str, Any]:
+    """n, p50, p99 and max of `values` (ms), nearest rank."""
+    if not values:
+        return {"n": 0, "p50": None, "p99": None, "max": None}
+    ordered = sorted(values)
+
+    def rank(q: float) -> int:
+        return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+    return {"n": len(ordered), "p50": rank(0.50), "p99": rank(0.99), "max": ordered[-1]}
+
+
 @dataclass(frozen=True)
 class SoakArgs:
     """The command line (`command`)."""
@@ -394,6 +849,9 @@ class SoakArgs:
     workdir: Path
     bad_fraction: float
     hostile_fraction: float
+    tenant_fraction: float
+    same_tail_images: int
+    script_hold_s: float
     rate: float
     backlog: int
     batch_size: int
@@ -431,6 +889,19 @@ _PATH = click.Path(path_type=Path)
 @click.option("--workdir", type=_PATH, default=Path(".soak"), help="Redis data, logs")
 @click.option("--bad-fraction", type=float, default=0.10, help="share of bad jobs")
 @click.option("--hostile-fraction", type=float, default=0.03, help="share of hostile jobs")
+@click.option(
+    "--tenant-fraction",
+    type=float,
+    default=0.10,
+    help="jobs sent by the tenants victim (2/3) and mallory (1/3) on top of --jobs, as a "
+    "share of it, with mallory's attacks (default 0.10); 0: no tenants",
+)
+@click.option(
+    "--same-tail-images", type=int, default=6, help="mallory's same-tail 10000x10000 PNGs"
+)
+@click.option(
+    "--script-hold-s", type=float, default=3.0, help="how long the operator's script holds Redis"
+)
 @click.option("--rate", type=float, default=0.0, help="jobs/s to submit; 0: no limit")
 @click.option("--backlog", type=int, default=2000, help="max submitted, not answered")
 @click.option("--batch-size", type=int, default=8)
@@ -467,6 +938,10 @@ def command(**options: Any) -> SoakArgs:
     args = SoakArgs(**options)
     if args.jobs < 1 or args.workers < 1:
         raise click.UsageError("--jobs and --workers must be at least 1")
+    if not 0 <= args.tenant_fraction <= 1 or args.same_tail_images < 0 or args.script_hold_s < 0:
+        raise click.UsageError(
+            "--tenant-fraction must be in [0, 1], --same-tail-images and --script-hold-s at least 0"
+        )
     return args
 
 
@@ -486,13 +961,27 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / ".gitignore").write_text("*\n")
     weights = args.weights or str(tiny_weights(work / "tiny-mobilenet_v3_small.pt"))
-    timeout_s = args.timeout_s or 300 + 0.02 * args.jobs
+    n_tenant = round(args.jobs * args.tenant_fraction)
+    n_victim = round(n_tenant * 2 / 3)
+    with_tenants = n_tenant > 0
+    total = args.jobs + n_tenant
+    timeout_s = args.timeout_s or 300 + 0.02 * total
 
-    print(f"preparing {args.jobs} jobs ...", flush=True)
+    print(f"preparing {args.jobs} jobs and {n_tenant} of tenants ...", flush=True)
     jobs = make_jobs(args.jobs, args.bad_fraction, args.seed, args.hostile_fraction)
     kinds_in = Counter(kind for kind, _ in jobs)
+    victim_jobs = make_tenant_jobs(n_victim, "v", args.seed + 1)
+    mallory_jobs = make_tenant_jobs(n_tenant - n_victim, "m", args.seed + 2, sneak_fraction=0.1)
+    attacks_on = with_tenants and not args.no_faults
+    same_tail = same_tail_pngs(args.same_tail_images, args.seed) if attacks_on else []
 
-    server = RedisServer(work / "redis", persistent=True).start()
+    # The tenants' users live in an ACL file, so that they outlast the Redis restarts.
+    acl = ("--aclfile", str(work / "redis" / "users.acl")) if with_tenants else ()
+    server = RedisServer(work / "redis", *acl, persistent=True)
+    if with_tenants:
+        (work / "redis" / "users.acl").write_text("")
+    server.start()
+    settings = {"GPUFEED_TENANTS": f"{VICTIM}=1,{MALLORY}=1"} if with_tenants else {}
     env = worker_env(
         server.url,
         weights,
@@ -507,6 +996,7 @@ def main(argv: list[str] | None = None) -> int:
         GPUFEED_CONSUMER_EXPIRY_S=str(max(30.0, args.visibility_timeout)),
         GPUFEED_TRIM_INTERVAL_S="5",
         GPUFEED_DECODE_BUDGET_MS="500",
+        **settings,
     )
     names = [f"soak-w{i}" for i in range(args.workers)]
     procs: dict[str, WorkerProcess] = {}
@@ -527,12 +1017,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_faults
         else [
             Fault("worker_sigkill", 0.25),
+            Fault("long_script", 0.33),
             Fault("xdel_storm", 0.40),
             Fault("redis_restart", 0.50, detail={"signal": "SIGTERM"}),
             Fault("redis_restart", 0.75, detail={"signal": "SIGKILL"}),
         ]
     )
-    feeder: Feeder | None = None
+    if attacks_on:
+        faults += [
+            Fault("tenant_trim", 0.10),
+            Fault("tenant_minid", 0.20),
+            Fault("same_tail_images", 0.58),
+            Fault("tenant_last_id", 0.68),
+        ]
+    faults.sort(key=lambda f: f.at_fraction)
+    feeder = Feeder(server.url, jobs, rate=args.rate, backlog=args.backlog)
+    feeders = [feeder]
     tally = ResultTally(RESULTS, TENANT_RESULTS)
     client = redis.Redis.from_url(server.url)
     # The keys hostile jobs name: a hash, and another deployment's queue with its group.
@@ -540,6 +1040,40 @@ def main(argv: list[str] | None = None) -> int:
     client.set(FOREIGN_KEY, "keep")
     client.xgroup_create(QUEUE, "other", id="0", mkstream=True)
     deleted: set[str] = set()
+    side: TenantSide | None = None
+    progress = [0.0]  # the run's, for the tenants' feeders
+    if with_tenants:
+        for name in (VICTIM, MALLORY):
+            rules = documented_tenant_acl(name, TENANT_PASSWORD)
+            client.execute_command("ACL", "SETUSER", f"tenant-{name}", *rules)
+        client.execute_command("ACL", "SAVE")
+        # The tenants send a few jobs at a time as the run goes (all of them by 90%
+        # answered): the victim's latency is then its service's, not that of a backlog of
+        # its own, and mallory still has jobs to send once it has closed its stream.
+        victim, mallory = (
+            Feeder(
+                tenant_url(server.url, name),
+                tenant_jobs,
+                rate=0,
+                backlog=200,
+                chunk=4,
+                stream=tenant_streams(name)[0],
+                name=name,
+                pace=lambda: progress[0],
+            )
+            for name, tenant_jobs in ((VICTIM, victim_jobs), (MALLORY, mallory_jobs))
+        )
+        feeders += [victim, mallory]
+        side = TenantSide(
+            client=redis.Redis.from_url(tenant_url(server.url, MALLORY)),
+            victim=victim,
+            mallory=mallory,
+            tallies={
+                VICTIM: ResultTally(tenant_streams(VICTIM)[1]),
+                MALLORY: ResultTally(tenant_streams(MALLORY)[1]),
+            },
+            same_tail=same_tail,
+        )
     all_answered_s: float | None = None
     try:
         print(f"starting {args.workers} workers ...", flush=True)
@@ -548,20 +1082,30 @@ def main(argv: list[str] | None = None) -> int:
         wait_ready(procs.values(), timeout_s=180)
         for name in names:
             current[name].ready_at_s = round(time.monotonic() - t0, 1)
-        feeder = Feeder(server.url, jobs, rate=args.rate, backlog=args.backlog)
-        feeder.start()
+        for f in feeders:
+            f.start()
         deadline = time.monotonic() + timeout_s
         last_sample = 0.0
         last_print = time.monotonic()
         while True:
             now = time.monotonic()
-            if feeder.error is not None:
-                raise RuntimeError(f"feeder failed: {feeder.error!r}")
+            for f in feeders:
+                if f.error is not None:
+                    raise RuntimeError(f"feeder {f.name} failed: {f.error!r}")
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 tally.poll(client)  # fails while Redis restarts; the next poll catches up
+                if side is not None:
+                    side.poll(client)
             entries = feeder.entries[:]
             answered = tally.answered(entries)
             feeder.answered = answered
+            everything = answered
+            plain_done = feeder.finished_s is not None and answered >= len(jobs)
+            all_in = plain_done
+            if side is not None:
+                everything += side.answered()
+                all_in = all_in and side.all_answered()
+            progress[0] = 1.0 if plain_done else everything / (0.9 * total)
             if now - last_sample >= 1.0:
                 last_sample = now
                 for name, proc in procs.items():
@@ -576,25 +1120,26 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"worker {name} exited by itself ({proc.returncode})", flush=True)
             if now - last_print >= 5:
                 last_print = now
-                print(
-                    f"  {now - t0:6.1f}s  submitted {len(entries):>7}  answered {answered:>7}",
-                    flush=True,
-                )
+                line = f"  {now - t0:6.1f}s  submitted {len(entries):>7}  answered {answered:>7}"
+                if side is not None:
+                    line += f"  tenants {side.progress()}"
+                print(line, flush=True)
             for fault in faults:
-                if not fault.done and answered >= fault.at_fraction * args.jobs:
+                if not fault.done and everything >= fault.at_fraction * total:
                     inject(
                         fault,
                         procs=procs,
                         current=current,
                         server=server,
-                        feeder=feeder,
+                        feeders=feeders,
                         client=client,
                         launch=launch,
                         t0=t0,
                         args=args,
                         deleted=deleted,
+                        side=side,
                     )
-            if feeder.finished_s is not None and answered >= args.jobs:
+            if all_in:
                 all_answered_s = now
                 break
             if now > deadline:
@@ -613,7 +1158,12 @@ def main(argv: list[str] | None = None) -> int:
                 run.ended_by = "sigterm"
                 run.exit_code = code
         tally.poll(client)
-        pending = pending_of(client)
+        job_streams = [JOBS]
+        if side is not None:
+            side.poll(client)
+            side.read_answer_times(client)
+            job_streams += [tenant_streams(VICTIM)[0], tenant_streams(MALLORY)[0]]
+        pending = sum(_pending(client, s) for s in job_streams)
         dead_letters = int(client.xlen(DEAD))
         # Hostile reply_to values wrote nothing into keys that are not results streams.
         untouched = (
@@ -625,25 +1175,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"soak could not run: {exc!r}", file=sys.stderr)
         return 2
     finally:
-        if feeder is not None:
-            feeder.stop.set()
+        for f in feeders:
+            f.stop.set()
         for proc in procs.values():
             proc.kill()  # only those still alive
         client.close()
+        if side is not None:
+            side.client.close()
         server.stop()
 
-    assert feeder is not None
     entries = feeder.entries
     started = feeder.started_s
     end = all_answered_s or time.monotonic()
     report = build_report(args, jobs, entries, tally, kinds_in, deleted=deleted)
     elapsed = end - started
+    answered_all = report["answered"]
+    if side is not None:
+        report["tenants"] = side.report(args)
+        report["tenant_attacks"] = side.attacks(faults)
+        answered_all += sum(t["answered"] for t in report["tenants"].values())
     report.update(
         pending_at_end=pending,
         dead_letters=dead_letters,
         hostile_keys_untouched=untouched,
         elapsed_s=round(elapsed, 2),
-        throughput_per_s=round(report["answered"] / elapsed, 1) if elapsed > 0 else None,
+        throughput_per_s=round(answered_all / elapsed, 1) if elapsed > 0 else None,
         crashes=crashes,
         faults=[
             {"kind": f.kind, "at_fraction": f.at_fraction, "at_s": f.at_s, **f.detail}
@@ -662,15 +1218,21 @@ def main(argv: list[str] | None = None) -> int:
             "jobs": args.jobs,
             "workers": args.workers,
             "bad_fraction": args.bad_fraction,
+            "tenant_fraction": args.tenant_fraction,
+            "tenant_jobs": n_tenant,
             "model": args.model,
             "input_size": args.input_size,
             "batch_size": args.batch_size,
             "device": args.device,
+            "decode_processes": args.decode_processes,
             "visibility_timeout_s": args.visibility_timeout,
             "rate": args.rate,
             "faults": not args.no_faults,
+            "cores": psutil.cpu_count(),
         },
     )
+    tenant_failures = side.failures(report) if side is not None else []
+    report["tenant_failures"] = tenant_failures
     failed = bool(
         report["missing"]
         or report["duplicates"]
@@ -678,6 +1240,7 @@ def main(argv: list[str] | None = None) -> int:
         or report["results_out"] != report["jobs_in"]
         or not untouched
         or crashes
+        or tenant_failures
     )
     report["passed"] = not failed
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -693,15 +1256,17 @@ def inject(
     procs: dict[str, WorkerProcess],
     current: dict[str, WorkerRun],
     server: RedisServer,
-    feeder: Feeder,
+    feeders: list[Feeder],
     client: redis.Redis,
     launch: Any,
     t0: float,
     args: SoakArgs,
     deleted: set[str],
+    side: TenantSide | None,
 ) -> None:
     fault.done = True
     fault.at_s = round(time.monotonic() - t0, 1)
+    feeder = feeders[0]
     if fault.kind == "worker_sigkill":
         name = next(iter(procs))
         proc, run = procs[name], current[name]
@@ -732,19 +1297,88 @@ def inject(
         fault.detail.update(deleted=len(ids), pending_deleted=len(held))
         print(f"  {fault.at_s:6.1f}s  XDEL storm: {len(ids)} entries", flush=True)
         return
-    # Redis: never while the feeder is between sending a chunk and reading its replies.
-    with feeder.lock:
+    if fault.kind == "long_script":
+        with contextlib.ExitStack() as stack:
+            for f in feeders:
+                stack.enter_context(f.lock)  # the soak's own clients wait; the workers meet BUSY
+            hold_script(fault, server, args.script_hold_s)
+        alive = [n for n, p in procs.items() if p.alive]
+        fault.detail.update(workers_alive_after=alive)
+        print(
+            f"  {fault.at_s:6.1f}s  Lua script held Redis {fault.detail['held_s']} s "
+            f"(BUSY seen: {fault.detail['busy_seen']})",
+            flush=True,
+        )
+        return
+    if fault.kind.startswith(("tenant_", "same_tail")):
+        assert side is not None
+        side.attack(fault, client)
+        return
+    # Redis: never while a feeder is between sending a chunk and reading its replies.
+    with contextlib.ExitStack() as stack:
+        for f in feeders:
+            stack.enter_context(f.lock)
         print(f"  {fault.at_s:6.1f}s  Redis down ({fault.detail['signal']})", flush=True)
         server.restart(args.redis_down_s, hard=fault.detail["signal"] == "SIGKILL")
-        feeder.client.connection_pool.disconnect()
+        for f in feeders:
+            f.client.connection_pool.disconnect()
         client.connection_pool.disconnect()
+        if side is not None:
+            side.client.connection_pool.disconnect()
     alive = [n for n, p in procs.items() if p.alive]
     fault.detail.update(down_s=args.redis_down_s, workers_alive_after=alive)
 
 
-def _last_delivered(client: redis.Redis) -> str:
-    groups = client.xinfo_groups(JOBS)
-    return str(groups[0]["last-delivered-id"].decode()) if groups else "0-0"
+def hold_script(fault: Fault, server: RedisServer, hold_s: float) -> None:
+    """The operator's long script: past a busy-reply-threshold lowered to 200 ms, Redis
+    answers BUSY to every other client until the script ends by itself (`hold_s`)."""
+    admin = redis.Redis.from_url(server.url)
+    before = admin.config_get("busy-reply-threshold")["busy-reply-threshold"]
+    admin.config_set("busy-reply-threshold", 200)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        # Its own connection without a socket timeout: the answer comes when the script ends.
+        runner = redis.Redis.from_url(server.url)
+        started = time.monotonic()
+        try:
+            outcome["spins"] = runner.eval(HOLD_SCRIPT, 0, round(hold_s * 1000))
+        except redis.RedisError as exc:
+            outcome["error"] = repr(exc)
+        outcome["held_s"] = round(time.monotonic() - started, 2)
+        runner.close()
+
+    thread = threading.Thread(target=run, name="long-script", daemon=True)
+    thread.start()
+    time.sleep(min(0.6, hold_s / 2))
+    busy = False
+    try:
+        admin.ping()
+    except redis.ResponseError as exc:
+        busy = str(exc).startswith("BUSY")
+    thread.join(hold_s + 30)
+    admin.config_set("busy-reply-threshold", before)
+    admin.close()
+    fault.detail.update(
+        threshold_ms=200, hold_s=hold_s, busy_seen=busy, held_s=outcome.get("held_s")
+    )
+    if "error" in outcome:
+        fault.detail["script_error"] = outcome["error"]
+
+
+def _pending(client: redis.Redis, stream: str) -> int:
+    try:
+        return int(client.xpending(stream, GROUP)["pending"])
+    except redis.ResponseError:
+        return 0  # no group: nothing was read from it
+
+
+def _last_delivered(client: redis.Redis, stream: str = JOBS) -> str:
+    """The group's last delivered entry ID on `stream` (0-0 before its first read)."""
+    for group in client.xinfo_groups(stream):
+        if group["name"].decode() == GROUP:
+            return str(group["last-delivered-id"].decode())
+    return "0-0"
 
 
 def _stream_id(entry: str) -> tuple[int, int]:
@@ -753,7 +1387,7 @@ def _stream_id(entry: str) -> tuple[int, int]:
 
 
 def expected_outcome(kind: str) -> str:
-    return "ok" if kind == "good" else {**BAD_KINDS, **HOSTILE_KINDS}[kind]
+    return "ok" if kind == "good" else {**BAD_KINDS, **HOSTILE_KINDS, **TENANT_KINDS}[kind]
 
 
 def build_report(
@@ -875,6 +1509,7 @@ def log_summary(path: Path, start_index: int) -> dict[str, Any]:
     start begins with a `starting` event): jobs it reclaimed, its error-level events."""
     reclaimed = 0
     errors: Counter[str] = Counter()
+    busy: Counter[str] = Counter()  # events that name Redis's BUSY (the long script)
     try:
         lines = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
@@ -895,7 +1530,9 @@ def log_summary(path: Path, start_index: int) -> dict[str, Any]:
             reclaimed += int(event.get("count", 0))
         if event.get("level") in ("error", "critical"):
             errors[str(event.get("event"))] += 1
-    return {"log_reclaimed": reclaimed, "log_errors": dict(errors)}
+        if "BUSY" in line:
+            busy[str(event.get("event"))] += 1
+    return {"log_reclaimed": reclaimed, "log_errors": dict(errors), "log_busy": dict(busy)}
 
 
 def print_report(r: dict[str, Any]) -> None:
@@ -925,6 +1562,8 @@ def print_report(r: dict[str, Any]) -> None:
         (f"  {kind}", f"{k['in']} / {k['answered_once']} / {k['as_expected']} ({k['expected']})")
         for kind, k in r["by_kind"].items()
     ]
+    if "tenants" in r:
+        rows += tenant_rows(r)
     width = max(len(k) for k, _ in rows)
     print("\n" + "soak report".center(width + 20, "-"))
     for k, v in rows:
@@ -957,6 +1596,78 @@ def print_report(r: dict[str, Any]) -> None:
         f"\n{verdict}: {r['answered']} of {r['jobs_in']} jobs answered, "
         f"{r['duplicates']} duplicated, {r['missing']} missing, {r['unexpected']} unexpected"
     )
+    if "tenants" in r:
+        v, m = r["tenants"][VICTIM], r["tenants"][MALLORY]
+        print(
+            f"tenants: victim {v['answered']} of {v['jobs_in']} answered, mallory "
+            f"{m['answered']} of {m['jobs_in']} (and {m['trimmed_by_tenant']} trimmed by "
+            f"itself), {len(r['tenant_failures'])} failures"
+        )
+
+
+def tenant_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The tenants' lines of the table: each one's accounting, the victim's latency, the
+    attacks and what the attempts beyond mallory's keys were answered."""
+    victim, mallory = r["tenants"][VICTIM], r["tenants"][MALLORY]
+    attacks = r["tenant_attacks"]
+
+    def outcome(t: dict[str, Any]) -> str:
+        return (
+            f"{t['jobs_in']} entries, {t['answered']} answered, {t['duplicates']} duplicated, "
+            f"{t['missing']} missing, {t['unexpected']} unexpected"
+        )
+
+    def ms(q: dict[str, Any]) -> str:
+        if not q.get("n"):
+            return "no jobs"
+        return f"{q['p50']} / {q['p99']} ms p50 / p99 (max {q['max']}, {q['n']} jobs)"
+
+    latency = victim["latency_ms"]
+    rows = [
+        ("tenant victim", outcome(victim)),
+        ("  latency, whole run", ms(latency["all"])),
+    ]
+    if "during_same_tail" in latency:
+        during = latency["during_same_tail"]
+        rows += [
+            (
+                "  while same-tail PNGs decode",
+                f"{ms(during)}, {during['window_s']} s window",
+            ),
+            ("  outside that window", ms(latency["outside_same_tail"])),
+            ("  sent right behind them", ms(latency["probes_behind_same_tail"])),
+        ]
+    rows += [
+        ("tenant mallory", outcome(mallory)),
+        ("  trimmed_by_tenant", f"{mallory['trimmed_by_tenant']} (its own, never read)"),
+        ("  refused: stream closed", str(mallory["refused_stream_closed"])),
+    ]
+    rows += [
+        (f"  {kind}", f"{k['in']} / {k['answered_once']} / {k['as_expected']} ({k['expected']})")
+        for kind, k in mallory["by_kind"].items()
+    ]
+    for a in attacks["done"]:
+        summary = {
+            "tenant_trim": lambda a: f"MAXLEN 0 after {a['burst']}: {a['trimmed']} trimmed",
+            "tenant_minid": lambda a: f"MINID a day ahead: {a['trimmed']} trimmed",
+            "long_script": lambda a: (
+                f"{a['held_s']} s past 200 ms, BUSY seen: {a['busy_seen']}, workers alive "
+                f"after: {len(a['workers_alive_after'])}"
+            ),
+            "same_tail_images": lambda a: f"{a['images']} PNGs of {a['bytes_each']} bytes",
+            "tenant_last_id": lambda a: f"closed for good: {a['closed_for_good']}",
+        }[a["kind"]](a)
+        rows.append((f"attack {a['kind']}@{a['at_s']}s", summary))
+    not_refused = attacks["not_refused"]
+    rows.append(
+        (
+            "mallory beyond its keys",
+            f"{attacks['refused_noperm']} of {attacks['attempts_on_others']} refused NOPERM"
+            + (f"; NOT: {', '.join(not_refused)}" if not_refused else ""),
+        )
+    )
+    rows += [("TENANT FAILURE", f) for f in r["tenant_failures"]]
+    return rows
 
 
 # ----------------------------------------------------------------------------- cluster

@@ -426,3 +426,16 @@ def test_soak_script_short_run_with_faults(tmp_path: Path) -> None:
     assert "worker_sigkill" in kinds and "redis_restart" in kinds
     assert [w["exit_code"] for w in report["workers"] if w["ended_by"] == "sigterm"] == [0, 0]
     assert "jobs in" in proc.stdout and "duplicates" in proc.stdout
+    # The tenants (60 jobs on top): every one of the victim's answered once, whatever
+    # mallory did to its own stream; what mallory trimmed is its own loss, counted apart;
+    # all it tried beyond its keys was refused; the long script ended no worker.
+    assert {"tenant_trim", "long_script", "same_tail_images", "tenant_last_id"} <= set(kinds)
+    victim, mallory = report["tenants"]["victim"], report["tenants"]["mallory"]
+    assert victim["jobs_in"] >= 40 and victim["answered"] == victim["results_out"]
+    assert victim["answered"] == victim["jobs_in"]
+    assert mallory["trimmed_by_tenant"] > 0 and mallory["refused_stream_closed"] > 0
+    assert mallory["answered"] == mallory["results_out"] == mallory["jobs_in"]
+    attacks = report["tenant_attacks"]
+    assert attacks["refused_noperm"] == attacks["attempts_on_others"] > 0
+    assert not report["crashes"] and not report["tenant_failures"]
+    assert "trimmed_by_tenant" in proc.stdout
