@@ -63,10 +63,12 @@ def parse(spec: str) -> list[tuple[str, int]]:
         if name in seen:
             raise TenantError(f"tenant {name!r} is named twice")
         seen.add(name)
-        try:
-            w = int(weight) if weight.strip() else 1
-        except ValueError:
-            raise TenantError(f"tenant {name!r}: weight {weight!r} is not an integer") from None
+        weight = weight.strip()
+        # ASCII digits only (int() also takes other scripts' digits and underscores), and
+        # few of them (int() refuses thousands).
+        if weight and not re.fullmatch(r"[0-9]{1,4}", weight):
+            raise TenantError(f"tenant {name!r}: weight {weight[:20]!r} is not a whole number")
+        w = int(weight) if weight else 1
         if not 1 <= w <= MAX_WEIGHT:
             raise TenantError(f"tenant {name!r}: weight must be between 1 and {MAX_WEIGHT}")
         out.append((name, w))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from producer import Producer, tenants
 from producer.shards import hash_tag, layout, slot_of
@@ -20,6 +22,8 @@ from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer
 from tests.test_security import WORKER_ACL
 from tests.worker_harness import running_worker, wait_results
+from worker.config.errors import ConfigError
+from worker.config.settings import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LAST_ID = "18446744073709551615-18446744073709551615"
@@ -351,3 +355,14 @@ async def test_a_tenants_dead_letter_is_replayed_to_its_own_stream(
         assert admin.xlen("gpufeed:jobs") == 0
         operator.close()
     admin.close()
+
+
+@given(st.text(max_size=200))
+@example("acme=" + "9" * 5000)
+@example("acme=１２")
+@example("acme=1_0")
+def test_any_tenants_text_is_a_list_or_one_config_line(raw: str) -> None:
+    try:
+        WorkerConfig.load(env={"GPUFEED_TENANTS": raw})
+    except ConfigError as exc:
+        assert "\n" not in str(exc) and str(exc).startswith("GPUFEED_TENANTS: ")

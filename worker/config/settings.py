@@ -381,6 +381,9 @@ class WorkerConfig:
             or (
                 self.decode_processes.isascii()
                 and self.decode_processes.isdigit()
+                # int() refuses numbers of thousands of digits (ValueError, not a setting's
+                # one line): a count that long is over the bound anyway.
+                and len(self.decode_processes) <= 4
                 and int(self.decode_processes) <= MAX_DECODE_PROCESSES
             ),
             "GPUFEED_DECODE_PROCESSES",
