@@ -1,6 +1,7 @@
 """The documentation site reads the same with no network, as on an operator's air-gapped
 host: served from loopback to a headless Chromium whose every other request goes to a dead
-proxy, the concepts page's diagram is drawn, and no page asks for an outside host.
+proxy, the concepts page's diagram is drawn, and no page asks for an outside host; and every
+diagram of the site is legible at the site's default width, its smallest text at least 11 px.
 
 Beside it, the same site built without the mermaid served with it: the diagram stays its
 source text and the page asks a CDN for mermaid, so both checks can fail.
@@ -9,6 +10,7 @@ source text and the page asks a CDN for mermaid, so both checks can fail.
 from __future__ import annotations
 
 import functools
+import html
 import http.server
 import json
 import re
@@ -82,7 +84,7 @@ class Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def open_offline(url: str, work: Path) -> tuple[str, list[str]]:
+def open_offline(url: str, work: Path, width: int = 1280) -> tuple[str, list[str]]:
     """The page's DOM after its scripts ran, and the outside hosts it asked for."""
     assert CHROMIUM is not None
     netlog = work / "netlog.json"
@@ -91,7 +93,8 @@ def open_offline(url: str, work: Path) -> tuple[str, list[str]]:
         CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu",
         f"--user-data-dir={work / 'profile'}", f"--proxy-server={dead}",
         "--disable-background-networking", "--disable-component-update", "--no-first-run",
-        "--virtual-time-budget=10000", f"--log-net-log={netlog}", "--dump-dom", url,
+        f"--window-size={width},900", "--virtual-time-budget=10000", f"--log-net-log={netlog}",
+        "--dump-dom", url,
     ]  # fmt: skip
     done = subprocess.run(
         argv,
@@ -133,3 +136,79 @@ def test_without_the_served_mermaid_the_diagram_is_source_text_and_a_cdn_is_aske
     dom, outside = open_offline(serve["bare"] + "concepts/", tmp_path)
     assert "<code>flowchart" in dom and '<div class="mermaid">' not in dom
     assert outside == ["unpkg.com"]
+
+
+# Written into a copy of each page with a diagram, first in its <head>: the theme draws each
+# diagram into a closed shadow root, which no script of the page could read, so they are
+# opened; once every diagram is drawn, each one's smallest text as shown on screen (its
+# computed font size times the scale the page's width squeezes the svg to) is written into
+# the DOM, where --dump-dom carries it out.
+MEASURE = """
+(function () {
+  var roots = [];
+  var attach = Element.prototype.attachShadow;
+  Element.prototype.attachShadow = function (init) {
+    var root = attach.call(this, Object.assign({}, init, {mode: "open"}));
+    roots.push(root);
+    return root;
+  };
+  function measure() {
+    var blocks = document.querySelectorAll(".mermaid");
+    var svgs = [];
+    roots.forEach(function (root) {
+      root.querySelectorAll("svg").forEach(function (svg) { svgs.push(svg); });
+    });
+    if (svgs.length < blocks.length) { setTimeout(measure, 100); return; }
+    var out = svgs.map(function (svg) {
+      var box = svg.getBoundingClientRect();
+      var view = svg.viewBox.baseVal;
+      var scale = view && view.width ? box.width / view.width : 1;
+      var sizes = [];
+      svg.querySelectorAll("text, tspan, foreignObject *").forEach(function (el) {
+        var own = Array.prototype.some.call(el.childNodes, function (n) {
+          return n.nodeType === 3 && n.textContent.trim();
+        });
+        if (own) sizes.push(parseFloat(getComputedStyle(el).fontSize) * scale);
+      });
+      return {width: box.width, height: box.height, texts: sizes.length,
+              smallest_px: sizes.length ? Math.min.apply(null, sizes) : 0};
+    });
+    var pre = document.createElement("pre");
+    pre.id = "diagram-legibility";
+    pre.textContent = JSON.stringify(out);
+    document.body.appendChild(pre);
+  }
+  window.addEventListener("load", function () { setTimeout(measure, 0); });
+})();
+"""
+MEASURED = re.compile(r'<pre id="diagram-legibility">([^<]*)</pre>')
+# The site's default width: a 1280 px window, the theme's content column beside its two
+# sidebars; 11 px is the smallest text the theme itself sets (its footnotes and tables).
+SMALLEST_PX = 11
+
+
+@needs_chromium
+def test_every_diagram_is_legible_at_the_sites_width(
+    sites: dict[str, Path], serve: dict[str, str], tmp_path: Path
+) -> None:
+    site = sites["served"]
+    pages = sorted(p for p in site.rglob("index.html") if '<pre class="mermaid">' in p.read_text())
+    assert site / "concepts" / "index.html" in pages
+    for i, page in enumerate(pages):
+        measured = page.with_name("diagram-legibility.html")
+        measured.write_text(
+            page.read_text().replace("<head>", f"<head><script>{MEASURE}</script>", 1)
+        )
+        url = serve["served"] + measured.relative_to(site).as_posix()
+        dom, _ = open_offline(url, tmp_path / f"p{i}")
+        found = MEASURED.search(dom)
+        where = page.parent.relative_to(site).as_posix()
+        assert found, f"{where}: the diagrams were not drawn"
+        diagrams = json.loads(html.unescape(found.group(1)))
+        assert diagrams, where
+        for n, diagram in enumerate(diagrams, 1):
+            assert diagram["texts"] > 0, f"{where} diagram {n}: no text"
+            assert diagram["smallest_px"] >= SMALLEST_PX, (
+                f"{where} diagram {n}: text {diagram['smallest_px']:.1f} px in"
+                f" {diagram['width']:.0f} x {diagram['height']:.0f} px, under {SMALLEST_PX} px"
+            )
