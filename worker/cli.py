@@ -54,6 +54,7 @@ EXITS: tuple[tuple[str, str, int, Callable[[BaseException], str]], ...] = (
     ("worker.model.loader", "WeightsUnavailable", EXIT_CONFIG, lambda e: f"{e}. {WEIGHTS_FIX}"),
     ("worker.delivery.redis_check", "RedisUnavailable", EXIT_REDIS, _redis_line),
     ("worker.model.compiler", "CompileRefused", EXIT_COMPILE, str),
+    ("worker.tools.doctor.redis_access", "RedisNotAnswering", EXIT_REDIS, str),
 )
 
 

@@ -24,7 +24,13 @@ from worker.tools.doctor.evidence import evidence_from
 from worker.tools.doctor.hot_list_section import hot_list_section
 from worker.tools.doctor.options import DoctorOptions
 from worker.tools.doctor.profile_section import profile_section
-from worker.tools.doctor.redis_access import cleanup, free_port, open_redis
+from worker.tools.doctor.redis_access import (
+    cleanup,
+    free_port,
+    open_redis,
+    require_answer,
+    url_given,
+)
 from worker.tools.doctor.run_config import doctor_config, usable_weights
 from worker.tools.doctor.schema import SCHEMA_VERSION
 from worker.tools.doctor.serving_step import eager_of
@@ -39,10 +45,14 @@ async def run_doctor(
     profile_step: StepFn | None = None,
 ) -> dict[str, Any]:
     """Run (a)-(e) and return the report (it validates against SCHEMA). `profile_step`
-    replaces the serving step in (b) only: tests pass a model of many tiny ops."""
+    replaces the serving step in (b) only: tests pass a model of many tiny ops. Raises
+    RedisNotAnswering when the REDIS_URL the operator gave does not answer."""
     from worker.lifecycle.service import RedisUnavailable, Worker
 
     options = options or DoctorOptions()
+    if url_given(config):
+        # Before the model loads: the refusal takes a second, not a start-up.
+        require_answer(config.redis_url)
     t0 = time.perf_counter()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     notes: list[str] = []

@@ -1,15 +1,49 @@
 """The Redis the end-to-end run uses: the configured one or a private one, and the cleanup
-of every key the run made."""
+of every key the run made.
+
+A REDIS_URL the operator named is the one measured, or none: a private redis-server in its
+place would answer "why is production slow?" with a throwaway server's figures. Only with
+REDIS_URL unset does a silent Redis mean a private one (the offline use)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import sys
 import tempfile
 from pathlib import Path
 
+import redis
+
 from producer.shards import connect_async
+from worker.config.settings import DEFAULT_REDIS_URL, WorkerConfig, redact_url
+
+
+class RedisNotAnswering(RuntimeError):
+    """The REDIS_URL the operator gave does not answer (one line, password redacted)."""
+
+
+def url_given(config: WorkerConfig) -> bool:
+    """REDIS_URL came from the operator (environment or --redis-url), not the default. A flag
+    that repeats the default while the variable is unset cannot be told from it."""
+    return config.redis_url != DEFAULT_REDIS_URL or bool(os.environ.get("REDIS_URL", "").strip())
+
+
+def require_answer(url: str) -> None:
+    """Raise RedisNotAnswering when `url` does not answer a PING within 2 s."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        raise RedisNotAnswering(
+            f"doctor: REDIS_URL {redact_url(url)} does not answer ({exc}), and doctor measures "
+            "the Redis it is given, not a stand-in; to measure on a private redis-server on "
+            "purpose, leave REDIS_URL unset (`REDIS_URL= python -m worker doctor`)"
+        ) from None
 
 
 def free_port() -> int:
