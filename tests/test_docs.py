@@ -4,7 +4,11 @@ metric, make target and command, exactly as their generator writes them from the
 
 from __future__ import annotations
 
+import json
 import re
+import shlex
+import shutil
+import subprocess
 from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
@@ -117,6 +121,26 @@ def test_every_command_is_documented() -> None:
             assert f"### `{ctx.command_path}`" in text
 
 
+def _outline(help_text: str) -> list[str]:
+    """A --help's section headings and command names, in the order it prints them."""
+    return re.findall(r"^(\S[^\n]*:)$|^  ([a-z][\w-]*) {2,}", help_text, flags=re.M)
+
+
+def test_the_cli_page_shows_the_workers_help_as_it_prints_it() -> None:
+    text = page("cli.md")
+    block = text.split("### `python -m worker`\n\n```text\n", 1)[1].split("```", 1)[0]
+    printed = ClickRunner().invoke(cli, ["--help"], prog_name="python -m worker")
+    assert printed.exit_code == 0, printed.output
+    # Each section where --help prints it (the settings' lines only a pointer to their page).
+    assert _outline(block) == _outline(printed.output)
+    assert "Worker settings (flags win over the environment):" in block
+    assert "see Configuration" in block.split("Worker settings", 1)[1].split("\n\n", 1)[0]
+    # Ahead of all of it, the commands: each a link to its own --help on the page.
+    worker = text.split("## The worker", 1)[1].split("### ", 1)[0]
+    for name in cli.commands:
+        assert f"[`python -m worker {name}`](#python-m-worker-{name})" in worker
+
+
 def test_the_documented_test_command_is_what_ci_runs() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test     #" in README
@@ -189,3 +213,67 @@ def test_the_cli_page_is_the_same_whatever_ran_before() -> None:
         assert result.exit_code == 0, result.output
         assert "-h, --help" in result.output, name
     assert (docs_gen.DOCS / "reference/cli.md").read_text() == docs_gen.PAGES["reference/cli.md"]()
+
+
+def _heartbeat_commands() -> list[str]:
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("## Heartbeats and the log line", 1)[1].split("\n## ", 1)[0]
+    return [line.strip() for line in section.splitlines() if line.startswith("    ")]
+
+
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli")
+def test_the_documented_heartbeat_commands_print_it_readably(redis_url: str) -> None:
+    import msgpack
+    import redis
+
+    name = "gpu-host-1-gpu0"  # the worker the page names
+    snap = {
+        "name": name,
+        "jobs_per_s": 12.5,
+        "p50_ms": 41.2,
+        "p99_ms": 97.5,
+        "batch_fill": 0.75,
+        "gpu_util_pct": 87.0,
+        "in_flight": 7,
+        "stage_ms": {"decode": 5.1, "compute": 18.0},
+        "errors_by_code": {},
+    }
+    # As the worker writes it (worker.observe.observer.write_heartbeat, which imports torch):
+    # the plain fields as text, the whole snapshot as msgpack.
+    plain: dict[str, str | bytes] = {
+        k: str(v) for k, v in snap.items() if not isinstance(v, dict | list)
+    }
+    plain["snapshot"] = msgpack.packb(snap, use_bin_type=True)
+    redis.Redis.from_url(redis_url).hset(f"gpufeed:worker:{name}", mapping=plain)
+    from tests.cli_runner import clean_env
+
+    commands = _heartbeat_commands()
+    assert any(c.startswith("python -m producer stats --json") for c in commands), commands
+    env = clean_env()
+    for command in commands:
+        argv = shlex.split(command.split("#", 1)[0])
+        if argv[0] == "redis-cli":
+            done = subprocess.run(
+                [argv[0], "-u", redis_url, *argv[1:]],
+                env=env,
+                capture_output=True,
+                timeout=60,
+                check=False,
+            )
+            assert done.returncode == 0, (command, done.stderr)
+            output = done.stdout
+        else:
+            assert argv[:3] == ["python", "-m", "producer"], command
+            ran = ClickRunner().invoke(producer_app, argv[3:], env={"REDIS_URL": redis_url})
+            assert ran.exit_code == 0, (command, ran.output)
+            output = ran.stdout_bytes
+        # What a terminal shows: text, not msgpack's bytes.
+        shown = output.decode("utf-8")
+        if "stats" in argv:
+            (worker,) = json.loads(shown)["workers"]
+            assert worker["name"] == name
+            assert worker["fields"]["snapshot"]["stage_ms"]["compute"] == 18.0
+        elif "HMGET" in argv:
+            assert shown.split() == ["12.5", "41.2", "97.5", "0.75", "87.0", "7"], shown
+        else:
+            assert shown.split() == [f"gpufeed:worker:{name}"], shown
