@@ -523,11 +523,50 @@ def submit(
             else:
                 out.print(f"submitted {len(ids)} job(s) to {target}", soft_wrap=True)
             return
+        # Said before the wait too: a minute of "waiting" on a stream nobody reads is lost.
+        if (no_reader := _no_reader(producer, level, settings.group)) is not None:
+            print(f"note: {no_reader}; waiting {timeout:g}s for one", file=sys.stderr)
         with _progress("waiting", len(ids)) as progress:
             results = producer.wait(
                 ids, timeout, on_result=lambda _: progress.advance(progress.task_ids[0])
             )
-    _report(ids, results, timeout, json_out)
+        if len(results) < len(ids):
+            # Asked again: a worker may have started, or gone, meanwhile.
+            no_reader = _no_reader(producer, level, settings.group)
+    _report(ids, results, timeout, json_out, no_reader=no_reader)
+
+
+def _no_reader(producer: Producer, level: str, group: str) -> str | None:
+    """Why no worker will answer, in one clause: the job streams jobs were sent to (each
+    shard's, at `level`) whose consumer group does not exist or has no consumer, read as
+    `producer stats` reads them. None when each has one, or when this Redis user may not
+    look (a tenant's, docs/security.md): nothing is known then."""
+    unread: list[str] = []
+    try:
+        for shard in producer.shards:
+            stream = level_stream(shard.stream, level)
+            snapshot = collect_stats(
+                producer.client,
+                stream,
+                group,
+                shard.results_stream,
+                dead_stream=shard.dead_stream,
+            )
+            found = snapshot["group"]
+            if snapshot["stream"]["exists"] is None:
+                return None
+            if found is None:
+                unread.append(f"{stream} (its group {group} does not exist)")
+            elif not found["consumers"]:
+                unread.append(f"{stream} (its group {group} has 0 consumers)")
+    except redis.exceptions.NoPermissionError:
+        return None
+    if not unread:
+        return None
+    return (
+        f"no worker reads {', '.join(unread)}: start one with `make run-worker` or "
+        "`python -m worker`"
+    )
 
 
 def _refuse_empty_files(files: list[Path]) -> None:
@@ -550,7 +589,12 @@ def _refuse_empty_files(files: list[Path]) -> None:
 
 
 def _report(
-    ids: list[str], results: dict[str, wire.JobResult], timeout: float, json_out: bool
+    ids: list[str],
+    results: dict[str, wire.JobResult],
+    timeout: float,
+    json_out: bool,
+    *,
+    no_reader: str | None = None,
 ) -> None:
     if json_out:
         for job_id in ids:
@@ -563,6 +607,8 @@ def _report(
     problems = [f"{failed} of {len(ids)} job(s) failed"] if failed else []
     if missing:
         problems.append(f"{missing} of {len(ids)} job(s) have no result after {timeout:g}s")
+        if no_reader is not None:
+            problems.append(no_reader)
     if problems:
         raise _fail("; ".join(problems), EXIT_FAILED)
 
