@@ -564,6 +564,11 @@ def fake_worker(redis_url: str) -> Iterator[FakeWorker]:
         client.close()
 
     def start(fail: set[str]) -> None:
+        # Seen as a worker is (`submit --wait` looks): a consumer of the workers' group.
+        admin = redis.Redis.from_url(redis_url)
+        admin.xgroup_create(JOBS, wire.DEFAULT_GROUP, id="$", mkstream=True)
+        admin.xgroup_createconsumer(JOBS, wire.DEFAULT_GROUP, "fake-worker")
+        admin.close()
         thread = threading.Thread(target=run, args=(fail,), daemon=True)
         thread.start()
         threads.append(thread)
@@ -602,7 +607,10 @@ def test_cli_submit_wait_timeout(image_dir: Path, redis_url: str) -> None:
     proc = gpufeed("submit", str(image_dir), "--wait", "--timeout", "0.3", "--redis-url", redis_url)
     assert proc.returncode == 1
     assert "missing" in proc.stdout
-    assert proc.stderr.strip() == "error: 3 of 3 job(s) have no result after 0.3s"
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: 3 of 3 job(s) have no result after 0.3s; no worker reads gpufeed:jobs (its "
+        "group gpufeed does not exist): start one with `make run-worker` or `python -m worker`"
+    )
 
 
 def test_cli_usage_errors(sample_dir: Path, redis_url: str, redis_client: redis.Redis) -> None:
