@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
 
+import click
 import pytest
 from click.testing import CliRunner as ClickRunner
 
@@ -277,3 +278,66 @@ def test_the_documented_heartbeat_commands_print_it_readably(redis_url: str) -> 
             assert shown.split() == ["12.5", "41.2", "97.5", "0.75", "87.0", "7"], shown
         else:
             assert shown.split() == [f"gpufeed:worker:{name}"], shown
+
+
+NEWCOMER_PAGES = ("troubleshooting.md", "coming-from.md")
+
+
+def _command(argv: list[str]) -> tuple[click.Command, list[str]] | None:
+    """The click command a documented `python -m worker|producer ...` line runs, and the
+    words after it; None for another program."""
+    if argv[:2] != ["python", "-m"] or len(argv) < 3 or argv[2] not in ("worker", "producer"):
+        return None
+    command: click.Command = cli if argv[2] == "worker" else producer_app
+    rest = argv[3:]
+    while isinstance(command, click.Group) and rest and rest[0] in command.commands:
+        command, rest = command.commands[rest[0]], rest[1:]
+    return command, rest
+
+
+@pytest.mark.parametrize("name", NEWCOMER_PAGES)
+def test_the_newcomer_pages_name_what_exists(name: str) -> None:
+    from worker.observe.metrics import DELIVERY_EVENTS
+    from worker.tools.doctor.verdict import VERDICTS
+
+    text = (ROOT / "docs" / name).read_text()
+    # In the site's navigation, so the strict build (tests/test_docs_site.py) checks its links.
+    assert re.search(rf"^  - [^:\n]+: {re.escape(name)}$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    settings = set(settings_help.SETTINGS) | set(TOOL_VARIABLES)
+    for setting in set(re.findall(r"\bGPUFEED_[A-Z0-9_]+\b", text)):
+        assert setting in settings, f"{name}: {setting} is no setting"
+    metrics = page("metrics.md")
+    for metric in set(re.findall(r"`(gpufeed_[a-z_]+)", text)):
+        assert f"`{metric}" in metrics, f"{name}: {metric} is no metric"
+    for label, names in (("stage", STAGES), ("event", DELIVERY_EVENTS)):
+        for value in re.findall(rf'{label}="(\w+)"', text):
+            assert value in names, f"{name}: {label}={value}"
+    for verdict in re.findall(r"^\| `([a-z-]+-bound|feed-starved|healthy)`", text, re.M):
+        assert verdict in VERDICTS, f"{name}: verdict {verdict}"
+    # Each command, and each of its options, is one the command takes.
+    commands = re.findall(r"`(python -m [^`]+)`", text) + re.findall(
+        r"^    (python -m .+?)(?:  +#.*)?$", text, re.M
+    )
+    assert commands
+    for line in commands:
+        found = _command(shlex.split(line))
+        assert found is not None, line
+        command, rest = found
+        assert not isinstance(command, click.Group) or not rest, f"{name}: {line}"
+        options = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
+        options |= {"--help", "-h"}
+        for word in rest:
+            if word.startswith("-"):
+                assert word.split("=", 1)[0] in options, f"{name}: {line}: {word}"
+
+
+def test_the_mapping_page_maps_tritons_batching_to_gpufeeds_settings() -> None:
+    rows = (ROOT / "docs" / "coming-from.md").read_text().splitlines()
+    for triton, setting in (
+        ("max_queue_delay_microseconds", "GPUFEED_MAX_WAIT_MS"),
+        ("preferred_batch_size", "GPUFEED_BATCH_SIZES"),
+        ("instance_group", "GPUFEED_PROCESSES"),
+        ("max_batch_size", "GPUFEED_BATCH_SIZE`"),
+    ):
+        (row,) = [r for r in rows if r.startswith("|") and triton in r.split(" | ")[0]]
+        assert setting in row.split(" | ", 1)[1], row
