@@ -49,8 +49,9 @@ from producer.batch_ids import IdStore, id_hashes
 from producer.batch_output import Existing, Output
 from producer.batch_redis import Fields, RawLink, field_map
 from producer.batch_rows import Rows, error_fields
-from producer.batch_sources import Item, ItemError, Source, open_source, printable
+from producer.batch_sources import Item, ItemError, NotImages, Source, open_source, printable
 from producer.client import Producer
+from producer.jobs import _fit_id
 from producer.priorities import level_stream, pick_level
 from producer.replies import last_id, xread_entries
 from producer.stats import collect_stats
@@ -118,6 +119,12 @@ class Progress:
     # all counted, the first NAMED_NOT_REGULAR named.
     not_regular: int = 0
     not_regular_files: list[str] = field(default_factory=list)
+    # Files a folder or prefix holds whose names are not images: never read (the workers
+    # would only answer `unsupported_format`), but counted and a few named.
+    not_images: NotImages = field(default_factory=NotImages)
+    # This run's rows the workers marked `duplicate_of`: the id had a result already (ids
+    # default to file names; a result is kept per id for GPUFEED_RESULT_TTL_S).
+    duplicates: int = 0
     # The whole output once finished: its rows by status and error code.
     output_ok: int = 0
     output_error_codes: Counter[str] = field(default_factory=Counter)
@@ -187,6 +194,10 @@ class Progress:
             "ignored_answers": self.ignored,
             "not_regular": self.not_regular,
             "not_regular_files": self.not_regular_files,
+            "not_images": self.not_images.count,
+            "not_images_by_extension": self.not_images.by_extension,
+            "not_image_files": self.not_images.examples,
+            "duplicates": self.duplicates,
             "finished": self.finished,
             "rows": self.rows,
             "in_output": {
@@ -254,6 +265,9 @@ class BatchOptions:
     # No local file is read past this (the workers' GPUFEED_MAX_IMAGE_BYTES): a larger one
     # is an error row, as a worker would have answered it.
     max_image_bytes: int = wire.DEFAULT_MAX_IMAGE_BYTES
+    # Prepended to every item's id: the same files as new jobs, not `duplicate_of` the
+    # results their ids got before (a result is kept per id for GPUFEED_RESULT_TTL_S).
+    id_prefix: str = ""
 
 
 def default_in_flight(producer: Producer, stream: str) -> int:
@@ -288,6 +302,11 @@ def reply_stream_for(producer: Producer, out: Path) -> str:
     if producer.cluster:
         return producer.shards[0].reply_stream(name)
     return name
+
+
+def _prefixed(pages: Iterator[list[Item]], prefix: str) -> Iterator[list[Item]]:
+    for page in pages:
+        yield [item._replace(id=_fit_id(prefix + item.id)) for item in page]
 
 
 class _Items:
@@ -364,7 +383,10 @@ class BatchRun:
             retried=existing.retried,
             done_ids=len(existing.done),
         )
-        pages = source.pages(on_skip=self.progress.skip_entry)
+        progress = self.progress
+        pages = source.pages(on_skip=progress.skip_entry, on_other=progress.not_images.add)
+        if options.id_prefix:
+            pages = _prefixed(pages, options.id_prefix)
         self.items = _Items(pages, IdStore(existing.done), self.progress)
         self.reply_to = reply_stream_for(producer, output.path)
         # Earlier runs' reply streams (a killed run's gets its late answers still): gone
@@ -595,6 +617,8 @@ class BatchRun:
         progress = self.progress
         ok = wire.STATUS_OK.encode()
         for fields in self.rows.fields[since:]:
+            if fields.get(wire.RES_DUPLICATE_OF):
+                progress.duplicates += 1
             if fields.get(wire.RES_STATUS) == ok:
                 progress.ok += 1
             else:

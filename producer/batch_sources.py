@@ -29,7 +29,7 @@ import operator
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 from urllib.parse import urlsplit
@@ -51,6 +51,42 @@ KEEP_FORMATS = ("csv", "jsonl", "parquet")
 
 # Called with a folder entry that is not taken and why (a FIFO, a device, a broken link...).
 OnSkip = Callable[[str, str], None]
+# Called with each file (a folder's, relative to it; a prefix's key) whose name is not one
+# of IMAGE_EXTENSIONS: not read, and said so, since the workers could only refuse it.
+OnOther = Callable[[str], None]
+# Names of such files kept as examples (all are counted).
+NAMED_OTHERS = 5
+
+
+@dataclass
+class NotImages:
+    """The files a source passed over for their names: counted by extension, a few named."""
+
+    count: int = 0
+    by_extension: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, name: str) -> None:
+        self.count += 1
+        base = name.rsplit("/", 1)[-1]
+        dot = base.rfind(".")
+        ext = base[dot:].lower() if dot > 0 else "(no extension)"
+        self.by_extension[ext] = self.by_extension.get(ext, 0) + 1
+        if len(self.examples) < NAMED_OTHERS:
+            self.examples.append(printable(name))
+
+    def summary(self) -> str:
+        """Which extensions, how many of each, and a few names, in one clause."""
+        exts = sorted(self.by_extension.items(), key=lambda kv: (-kv[1], kv[0]))
+        kinds = ", ".join(f"{ext} {n}" for ext, n in exts[:5])
+        more = ", ..." if len(exts) > 5 else ""
+        named = ", ".join(self.examples) + (", ..." if self.count > len(self.examples) else "")
+        return f"{kinds}{more}; e.g. {named}"
+
+
+def read_extensions() -> str:
+    """The names `producer batch` reads from a folder or a prefix, for a message."""
+    return " ".join(sorted(IMAGE_EXTENSIONS))
 
 
 class SourceError(ValueError):
@@ -204,15 +240,31 @@ class Source:
     path_root: Path | None = None
     # Manifest columns carried into each output row (--keep-columns).
     keep: tuple[str, ...] = ()
+    # A folder's files whose names are not images, from the listing that counted `total`.
+    not_images: NotImages | None = field(default=None, compare=False)
 
-    def pages(self, on_skip: OnSkip | None = None) -> Iterator[list[Item]]:
+    def pages(
+        self, on_skip: OnSkip | None = None, on_other: OnOther | None = None
+    ) -> Iterator[list[Item]]:
         """The items, a page at a time; a folder's entries that are not regular image
-        files are passed to `on_skip` with the reason."""
+        files are passed to `on_skip` with the reason, and a folder's files or a prefix's
+        keys whose names are not images to `on_other`."""
         if self.kind == "folder":
-            return _folder_pages(Path(self.spec), self.path_root, on_skip)
+            return _folder_pages(Path(self.spec), self.path_root, on_skip, on_other)
         if self.kind == "prefix":
-            return _prefix_pages(self.spec)
+            return _prefix_pages(self.spec, on_other=on_other)
         return _manifest_pages(Path(self.spec), self.path_root, self.keep)
+
+    def nothing_to_run(self) -> NotImages | None:
+        """None when the source names at least one item; otherwise what it passed over for
+        the names (a folder's from the listing that counted `total`; a prefix is listed up
+        to its first image key, so to its end when it has none)."""
+        if self.kind == "folder":
+            return (self.not_images or NotImages()) if self.total == 0 else None
+        if self.kind == "manifest":
+            return NotImages() if self.total == 0 else None
+        found = NotImages()
+        return None if next(iter(self.pages(on_other=found.add)), None) else found
 
 
 def open_source(
@@ -299,7 +351,8 @@ def _open_source(spec: str, path_root: str | os.PathLike[str] | None) -> Source:
     if p.is_dir():
         # Listed once before the run (as a manifest's lines are counted), so the progress
         # has its total from the start.
-        return Source(str(p), "folder", _count_files(str(p)), root)
+        others = NotImages()
+        return Source(str(p), "folder", _count_files(str(p), others.add), root, not_images=others)
     try:
         mode = p.stat().st_mode
     except OSError:
@@ -322,11 +375,13 @@ def _local_item(file: str, id: str, root: Path | None) -> Item:
     return Item(id=id, source=file, path=relative.replace(os.sep, "/"))
 
 
-def _count_files(folder: str) -> int:
-    return sum(1 for _ in _image_files(folder, None))
+def _count_files(folder: str, on_other: OnOther | None = None) -> int:
+    return sum(1 for _ in _image_files(folder, None, on_other))
 
 
-def _folder_pages(folder: Path, root: Path | None, on_skip: OnSkip | None) -> Iterator[list[Item]]:
+def _folder_pages(
+    folder: Path, root: Path | None, on_skip: OnSkip | None, on_other: OnOther | None = None
+) -> Iterator[list[Item]]:
     """Regular image files under `folder`, in a stable order (a folder's files by name,
     then its subfolders by name, as os.walk with sorted names gives them), id: the path
     relative to `folder`. Symbolic links to folders are not followed; one to a file is
@@ -336,7 +391,7 @@ def _folder_pages(folder: Path, root: Path | None, on_skip: OnSkip | None) -> It
     # which costs one isascii.
     plain = is_text(top)
     page: list[Item] = []
-    for file, relative in _image_files(top, on_skip):
+    for file, relative in _image_files(top, on_skip, on_other):
         if plain and (relative.isascii() or is_text(relative)):
             # An id of at most 32 characters is at most 128 bytes: no need to measure it.
             job_id = relative if len(relative) <= 32 else _fit_id(relative)
@@ -377,7 +432,9 @@ def _bytes_id(relative: str) -> str:
     return f"{digest}~{tail}"
 
 
-def _image_files(top: str, on_skip: OnSkip | None) -> Iterator[tuple[str, str]]:
+def _image_files(
+    top: str, on_skip: OnSkip | None, on_other: OnOther | None = None
+) -> Iterator[tuple[str, str]]:
     """(path, path relative to `top`) of each image-named regular file under `top`, depth
     first. A list of the folders still to list, not recursion: a tree of any depth is
     walked (a path over the system's limit, PATH_MAX, cannot be listed and is reported as
@@ -425,6 +482,8 @@ def _image_files(top: str, on_skip: OnSkip | None) -> Iterator[tuple[str, str]]:
                     yield entry.path, prefix + name
                 elif on_skip is not None:
                     on_skip(printable(entry.path), _not_regular(entry.path))
+            elif on_other is not None:
+                on_other(prefix + name)
         # Reversed: the first subfolder by name is listed next.
         todo.extend((e.path, f"{prefix}{e.name}/", depth + 1) for e in reversed(folders))
 
@@ -647,9 +706,11 @@ def _split_prefix(url: str) -> tuple[str, str, str]:
     return parts.scheme, parts.netloc, parts.path.lstrip("/")
 
 
-def _prefix_pages(spec: str, page_size: int = LIST_PAGE) -> Iterator[list[Item]]:
+def _prefix_pages(
+    spec: str, page_size: int = LIST_PAGE, on_other: OnOther | None = None
+) -> Iterator[list[Item]]:
     """The image keys under the prefix, a listing page at a time; id: the key relative to
-    the prefix."""
+    the prefix. Keys whose names are not images go to `on_other`."""
     import obstore
     from obstore.exceptions import BaseError
 
@@ -660,9 +721,11 @@ def _prefix_pages(spec: str, page_size: int = LIST_PAGE) -> Iterator[list[Item]]
             page: list[Item] = []
             for meta in chunk:
                 key = meta["path"]
-                if Path(key).suffix.lower() not in IMAGE_EXTENSIONS:
-                    continue
                 relative = key[len(prefix) :].lstrip("/") if key.startswith(prefix) else key
+                if Path(key).suffix.lower() not in IMAGE_EXTENSIONS:
+                    if on_other is not None:
+                        on_other(relative or key)
+                    continue
                 page.append(
                     Item(
                         id=_fit_id(relative or key),

@@ -22,6 +22,9 @@ from rich.table import Table
 from producer.batch_runner import Progress as RunProgress
 
 JSON_EVERY_S = 1.0
+# Without a terminal (a CI log, a file, a pipe) and without --json: one plain line this often,
+# so that a long run is not silent until its summary.
+PLAIN_EVERY_S = 10.0
 # Entries passed over that the table names (--json names more).
 NAMED_IN_TABLE = 10
 
@@ -29,9 +32,14 @@ NAMED_IN_TABLE = 10
 class BatchView:
     """A context manager whose `update` is the run's `on_progress`."""
 
-    def __init__(self, err: Console, *, json_lines: bool) -> None:
+    def __init__(
+        self, err: Console, *, json_lines: bool, plain_every_s: float = PLAIN_EVERY_S
+    ) -> None:
         self.json_lines = json_lines
         self._last_json = 0.0
+        self._err = err
+        self._plain_every_s = plain_every_s if not (err.is_terminal or json_lines) else None
+        self._last_plain = 0.0
         self._bar: Progress | None = None
         self._task = None
         if err.is_terminal and not json_lines:
@@ -80,9 +88,22 @@ class BatchView:
                 in_flight=p.in_flight,
                 skipped=p.skipped,
             )
+        every = self._plain_every_s
+        if every is not None and not p.finished and p.elapsed_s - self._last_plain >= every:
+            self._last_plain = p.elapsed_s
+            print(plain_line(p), file=self._err.file, flush=True)
         if self.json_lines and (p.finished or p.elapsed_s - self._last_json >= JSON_EVERY_S):
             self._last_json = p.elapsed_s
             print(json.dumps({"progress": p.to_dict()}), flush=True)
+
+
+def plain_line(p: RunProgress) -> str:
+    """The progress bar's figures as one line of text, for a log."""
+    todo = "?" if p.todo is None else str(p.todo)
+    return (
+        f"batch: {p.answered}/{todo} answered, ok {p.ok}, errors {p.errors}, "
+        f"skipped {p.skipped}, in flight {p.in_flight}, {p.rate:.0f}/s, {p.elapsed_s:.0f} s"
+    )
 
 
 def summary(p: RunProgress, out: Console) -> None:
@@ -99,10 +120,15 @@ def summary(p: RunProgress, out: Console) -> None:
             table.add_row(f"  {named}", "", style="yellow")
         if p.not_regular > NAMED_IN_TABLE:
             table.add_row(f"  ... and {p.not_regular - NAMED_IN_TABLE} more", "")
+    if p.not_images.count:
+        table.add_row("passed over (not an image name)", str(p.not_images.count), style="yellow")
+        table.add_row(f"  {p.not_images.summary()}", "", style="yellow")
     table.add_row("ok (this run)", str(p.ok))
     table.add_row("error (this run)", str(p.errors), style="red" if p.errors else "")
     for code, n in p.error_codes.most_common():
         table.add_row(f"  {code}", str(n), style="red")
+    if p.duplicates:
+        table.add_row("  duplicate_of (id answered before)", str(p.duplicates), style="yellow")
     if p.ignored:
         table.add_row("answers ignored (to no job of this run)", str(p.ignored), style="red")
     table.add_row("rows in the output", str(p.rows))
@@ -114,6 +140,26 @@ def summary(p: RunProgress, out: Console) -> None:
     table.add_row("rate (this run)", f"{p.rate:.1f} jobs/s")
     table.add_row("wall time", f"{p.elapsed_s:.1f} s")
     out.print(table)
+
+
+def duplicates_message(p: RunProgress) -> str:
+    """What `duplicate_of` rows mean and what to do, in one line."""
+    return (
+        f"{p.duplicates} row(s) of this run are marked duplicate_of: their id had a result "
+        "already (ids default to file names, and results are kept per id for "
+        "GPUFEED_RESULT_TTL_S, 24 h by default); each row holds this run's own answer, but "
+        "the id's stored result is the earlier one. To run the same files as new jobs, give "
+        "them new ids (--id-prefix run2/)"
+    )
+
+
+def not_images_message(p: RunProgress) -> str:
+    from producer.batch_sources import read_extensions
+
+    return (
+        f"{p.not_images.count} file(s) passed over, not an image name batch reads "
+        f"({read_extensions()}): {p.not_images.summary()}"
+    )
 
 
 def failed_message(p: RunProgress) -> str:

@@ -696,6 +696,13 @@ def _ends_on_signals(command: Callable[..., None]) -> Callable[..., None]:
     "separated by commas (e.g. product_id,caption), as text",
 )
 @click.option(
+    "--id-prefix",
+    default="",
+    show_default=False,
+    help="prepended to each job id: the same files as new jobs, not duplicate_of the "
+    "results their ids got before (GPUFEED_RESULT_TTL_S)",
+)
+@click.option(
     "--local",
     is_flag=True,
     help="start a private Redis and one worker per GPU (one CPU worker without a GPU) for "
@@ -720,6 +727,7 @@ def batch(
     max_memory_share: float,
     max_image_bytes: int,
     keep_columns: str,
+    id_prefix: str,
     local: bool,
     json_out: bool,
 ) -> None:
@@ -728,8 +736,15 @@ def batch(
     With --local, on this machine alone: nothing needs to run before, nothing runs after."""
     from producer.batch_output import OutputError, output_format
     from producer.batch_runner import BatchOptions
-    from producer.batch_sources import SourceError, open_source
-    from producer.batch_view import failed_message, ignored_message, print_json, summary
+    from producer.batch_sources import SourceError, open_source, read_extensions
+    from producer.batch_view import (
+        duplicates_message,
+        failed_message,
+        ignored_message,
+        not_images_message,
+        print_json,
+        summary,
+    )
 
     options = BatchOptions(
         in_flight=in_flight,
@@ -740,12 +755,26 @@ def batch(
         meta=None if meta is None else meta.encode(),
         checkpoint_s=checkpoint,
         max_image_bytes=max_image_bytes,
+        id_prefix=id_prefix,
     )
     try:
         output_format(out_path)
         src = open_source(source, path_root=path_root, keep_columns=keep_columns.split(","))
+        # Before any output or service: a source with nothing to run is a mistake to say,
+        # not an empty file and exit 0.
+        passed_over = src.nothing_to_run()
     except (SourceError, OutputError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
+    if passed_over is not None:
+        what = (
+            f"; passed over {passed_over.count}: {passed_over.summary()}"
+            if passed_over.count
+            else ""
+        )
+        raise _fail(
+            f"nothing to run: {source} has no image batch reads ({read_extensions()}){what}",
+            EXIT_USAGE,
+        )
     if local:
         with contextlib.ExitStack() as stack:
             service = _local_service(stack, json_out=json_out)
@@ -769,6 +798,10 @@ def batch(
         summary(progress, out)
     if progress.ignored:
         print(f"warning: {ignored_message(progress)}", file=sys.stderr)
+    if progress.not_images.count:
+        print(f"note: {not_images_message(progress)}", file=sys.stderr)
+    if progress.duplicates:
+        print(f"note: {duplicates_message(progress)}", file=sys.stderr)
     # The exit code says what the output holds, whichever run wrote its rows.
     if progress.output_errors:
         raise _fail(failed_message(progress), EXIT_FAILED)
@@ -799,6 +832,18 @@ def _run_batch(
                 return run_batch(src, out_path, producer, options, on_progress=on_progress)
         except (ValueError, UnknownPriority) as exc:  # SourceError, OutputError among them
             raise _fail(str(exc), EXIT_USAGE) from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # Lost mid-run: the output holds what was committed, and resumes from there.
+            reason = unreachable(redact(settings.redis_url), exc)
+            password = urlsplit(settings.redis_url).password
+            for secret in {password, unquote(password or "")} - {None, ""}:
+                reason = reason.replace(str(secret), "***")
+            when = "to go on" if service is not None else "once Redis is back"
+            raise _fail(
+                f"{reason}; the output keeps the rows written so far: run the same command "
+                f"again {when}",
+                EXIT_UNREACHABLE,
+            ) from None
         except KeyboardInterrupt as exc:
             if service is not None and service.ended is not None:
                 raise _fail(
