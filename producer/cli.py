@@ -777,7 +777,8 @@ def batch(
         )
     if local:
         with contextlib.ExitStack() as stack:
-            service = _local_service(stack, json_out=json_out)
+            idle = _nothing_left(src, out_path, options)
+            service = _local_service(stack, json_out=json_out, workers=not idle)
             local_settings = settings.merged(redis_url=service.redis_url)
             progress = _run_batch(
                 local_settings, src, out_path, options, json_out=json_out, service=service
@@ -855,9 +856,31 @@ def _run_batch(
             raise _fail(f"{said}: run the same command again to go on", code) from None
 
 
-def _local_service(stack: contextlib.ExitStack, *, json_out: bool) -> LocalService:
+def _nothing_left(src: Source, out_path: Path, options: BatchOptions) -> bool:
+    """`batch --local` with every item's row in the output already: no worker to start."""
+    from producer.batch_output import OutputError
+    from producer.jobs import _fit_id
+    from producer.local_run import nothing_left
+
+    prefix = options.id_prefix
+    try:
+        return nothing_left(
+            src,
+            out_path,
+            retry_failed=options.retry_failed,
+            job_id=(lambda i: _fit_id(prefix + i)) if prefix else str,
+        )
+    except OutputError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+
+
+def _local_service(
+    stack: contextlib.ExitStack, *, json_out: bool, workers: bool = True
+) -> LocalService:
     """`batch --local`: a private Redis and workers of its own, ready, entered on `stack`
-    (which stops them and removes their files when it closes, however it closes)."""
+    (which stops them and removes their files when it closes, however it closes).
+    `workers=False`: nothing left to submit, the Redis alone (the run still finishes its
+    output and counts its rows, as against a deployment)."""
     from producer.batch_view import print_json
     from producer.local_run import LocalRunError, local_service, replaced_settings
 
@@ -869,7 +892,7 @@ def _local_service(stack: contextlib.ExitStack, *, json_out: bool) -> LocalServi
 
     with err.status("starting the local service") as status:
         try:
-            service = stack.enter_context(local_service(on_state=on_state))
+            service = stack.enter_context(local_service(on_state=on_state, workers=workers))
         except LocalRunError as exc:
             raise _fail(f"--local: {exc}", EXIT_FAILED) from None
     # Said before the workers drain and Redis stops (the stack unwinds last-in first).
@@ -877,6 +900,9 @@ def _local_service(stack: contextlib.ExitStack, *, json_out: bool) -> LocalServi
     replaced = replaced_settings(os.environ)
     if replaced:
         err.print(f"local: {', '.join(replaced)} set here, not used: a local run has its own")
+    if not workers:
+        err.print("local: every item has its row in the output already: no worker started")
+        return service
     err.print(
         f"local: Redis at {service.redis_url}, "
         + ", ".join(f"worker {w.name} on {w.device}" for w in service.workers)

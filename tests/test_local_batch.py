@@ -145,7 +145,7 @@ def test_a_worker_that_dies_ends_the_run_with_its_reason_and_nothing_is_left(
     os.kill(pids[0], signal.SIGKILL)
     _, stderr = client.communicate(timeout=120)
     assert client.returncode == 1, stderr[-3000:]
-    assert "exited with status -9" in stderr
+    assert "ended by SIGKILL: killed, e.g. by the kernel's out-of-memory killer" in stderr
     assert "run the same command again" in stderr
     assert not any(alive(pid) for pid in pids)
     assert local_folders() == before
