@@ -63,8 +63,6 @@ promtool: $(STAMP) ## put promtool (from Debian's prometheus package) into .venv
 
 # The one test command (CI runs exactly this): lint and types, then the suite, whose property
 # tests draw the same examples on every run (HYPOTHESIS_PROFILE=ci; `make fuzz` draws new ones).
-# The 30 slowest tests are listed at the end: the suite's budget (15 minutes on 2 cores) is
-# kept by looking there first.
 test: setup lint ## ruff, mypy, then the test suite (starts its own redis-server)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q --durations=30
 

@@ -8,6 +8,7 @@ Machine-readable output (`--json`) goes to stdout; progress bars and errors go t
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import json
 import os
@@ -1205,4 +1206,7 @@ def replay_dead(
 
 
 def main() -> None:
+    # A crash in a C extension (a signal mid-call) prints every thread's Python stack on
+    # stderr instead of ending the process with nothing but its signal.
+    faulthandler.enable()
     app(prog_name="gpufeed")
