@@ -33,8 +33,8 @@ from producer import wire
 from worker.lifecycle.service import Worker
 from worker.observe.gpu_sampler import percentile
 from worker.tools.bench.ablations import Variant
-from worker.tools.bench.context import Bench, BenchError
-from worker.tools.bench.gpufeed_run import stop_worker
+from worker.tools.bench.context import Bench
+from worker.tools.bench.gpufeed_run import stop_worker, watch
 from worker.tools.bench.images import ImageSetSpec, load_image_set
 from worker.tools.bench.profiles import ModelPlan, PriorityPlan
 from worker.tools.bench.redis_env import paced_push, push_jobs, wait_for_results
@@ -73,12 +73,12 @@ async def priority_section(b: Bench, plan: PriorityPlan) -> dict[str, Any]:
         "weights": runs["priorities"]["settings"]["priority_weights"],
         "seconds": plan.seconds,
         "runs": runs,
-        "high_p50_speedup": _ratio(fifo["p50_ms"], prio["p50_ms"]),
-        "high_p99_speedup": _ratio(fifo["p99_ms"], prio["p99_ms"]),
+        "high_p50_speedup": ratio(fifo["p50_ms"], prio["p50_ms"]),
+        "high_p99_speedup": ratio(fifo["p99_ms"], prio["p99_ms"]),
     }
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
 
@@ -102,11 +102,7 @@ async def _run(
     try:
         await worker.startup(wait_for_redis=False)
         main = asyncio.create_task(worker.main_loop(), name=f"bench-priority-{mode}")
-
-        def alive() -> None:
-            if main.done():
-                main.result()
-                raise BenchError(f"{keys.run_id}: the worker stopped before all results were in")
+        alive = watch(main, keys)
 
         holds = worker.in_flight.limit
         warm, probe = worker.batch_size * 2, holds * 2

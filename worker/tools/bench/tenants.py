@@ -41,8 +41,8 @@ from typing import Any
 from producer.tenants import names as tenant_names
 from worker.lifecycle.service import Worker
 from worker.tools.bench.ablations import Variant
-from worker.tools.bench.context import Bench, BenchError
-from worker.tools.bench.gpufeed_run import stop_worker
+from worker.tools.bench.context import Bench
+from worker.tools.bench.gpufeed_run import stop_worker, watch
 from worker.tools.bench.images import load_image_set
 from worker.tools.bench.priority import (
     BURST_FACTOR,
@@ -50,6 +50,7 @@ from worker.tools.bench.priority import (
     Answered,
     latency_summary,
     priority_set,
+    ratio,
     read_answered,
 )
 from worker.tools.bench.profiles import ModelPlan, TenantsPlan
@@ -89,13 +90,9 @@ async def tenants_section(b: Bench, plan: TenantsPlan) -> dict[str, Any]:
         "seconds": plan.seconds,
         "min_burst": plan.min_burst,
         "runs": runs,
-        "live_p50_speedup": _ratio(fifo["p50_ms"], fair["p50_ms"]),
-        "live_p99_speedup": _ratio(fifo["p99_ms"], fair["p99_ms"]),
+        "live_p50_speedup": ratio(fifo["p50_ms"], fair["p50_ms"]),
+        "live_p99_speedup": ratio(fifo["p99_ms"], fair["p99_ms"]),
     }
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a is not None and b else None
 
 
 def _streams(keys: RunKeys, tenant: str, mode: str) -> tuple[str, str]:
@@ -127,11 +124,7 @@ async def _run(
     try:
         await worker.startup(wait_for_redis=False)
         main = asyncio.create_task(worker.main_loop(), name=f"bench-tenants-{mode}")
-
-        def alive() -> None:
-            if main.done():
-                main.result()
-                raise BenchError(f"{keys.run_id}: the worker stopped before all results were in")
+        alive = watch(main, keys)
 
         async def answered(stream: str, count: int) -> None:
             await wait_for_results(
