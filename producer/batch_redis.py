@@ -14,7 +14,9 @@ as redis-py's own exceptions (ConnectionError, TimeoutError, ResponseError).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import signal
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -22,6 +24,21 @@ import hiredis
 import redis
 
 Fields = dict[bytes, bytes]
+
+# ^C and SIGTERM (producer/batch_runner.py raises them as exceptions) wait while a call is
+# on the wire: raised inside redis-py's send or hiredis's read, one ended the client by
+# SIGSEGV (seen twice under load). Held for one call, they are raised right after it.
+_HELD = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
 
 # ARGV: for each job, its number of field arguments and then those fields.
 XADDS = b"""
@@ -78,8 +95,9 @@ class RawLink:
         conn = self._conn
         commands = [pack((b"XADD", stream, b"*", *fields)) for fields in jobs]
         try:
-            conn.send_packed_command(commands, check_health=False)
-            return [bytes(conn.read_response()) for _ in commands]
+            with _signals_held():
+                conn.send_packed_command(commands, check_health=False)
+                return [bytes(conn.read_response()) for _ in commands]
         except (redis.RedisError, OSError):
             # Replies left unread (after an error reply) put the connection out of step.
             self._broken()
@@ -90,8 +108,9 @@ class RawLink:
         pack: Any = hiredis.pack_command
         conn = self._conn
         try:
-            conn.send_packed_command([pack(tuple(args))], check_health=False)
-            return conn.read_response()
+            with _signals_held():
+                conn.send_packed_command([pack(tuple(args))], check_health=False)
+                return conn.read_response()
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             self._broken()
             raise
@@ -107,8 +126,9 @@ class RawLink:
         args += [b"STREAMS", stream, cursor]
         conn = self._conn
         try:
-            conn.send_command(*args, check_health=False)
-            reply = conn.read_response()
+            with _signals_held():
+                conn.send_command(*args, check_health=False)
+                reply = conn.read_response()
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             self._broken()
             raise
