@@ -141,7 +141,7 @@ docs-serve: setup ## serve the site on http://127.0.0.1:8000, rebuilt on each ed
 # The reference pages written from the code (docs/reference/: settings, error codes, result
 # fields, metrics, make targets, command line); tests/test_docs.py fails when one is stale.
 docs-gen: setup ## rewrite the generated reference pages under docs/reference/
-	$(PY) -m worker.tools.docs_gen
+	$(PY) -m worker.docs_gen
 
 # The benchmark's figures for the docs: runs the bench (BENCH_PROFILE, default quick), keeps
 # its report as docs/figures/report.json, and writes docs/figures.md and every

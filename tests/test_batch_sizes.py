@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from producer.wire import JobResult
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, tiny_config, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.model.sizes import (
     KEEP_BELOW,
     MAX_SIZES,

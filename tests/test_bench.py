@@ -19,9 +19,9 @@ from PIL import Image
 
 from worker.cli import cli
 from worker.config.settings import WorkerConfig
+from worker.decode import gil_account
 from worker.decode.cache import cache_key
 from worker.decode.cpu import DecodeSpec, decode_into, decode_to_array
-from worker.observe import gil_account
 from worker.tools.bench.ablations import CpuPreprocess
 from worker.tools.bench.accuracy import SIZES, accuracy_section
 from worker.tools.bench.images import ImageSetSpec, load_image_set

@@ -27,7 +27,7 @@ from tests.images import jpeg_bytes
 from tests.redis_cluster import RedisCluster, ResultWatcher, results_by_id
 from tests.redis_server import RedisServer
 from tests.worker_harness import serving
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.service import Worker
 

@@ -25,6 +25,7 @@ import redis
 import torch
 
 from tests.test_step import random_batch, tiny_step
+from worker.base.device import make_context
 from worker.decode.cpu import DecodeInfo
 from worker.decode.pool import DecodeResult
 from worker.jobs import Job
@@ -38,7 +39,6 @@ from worker.model.precision import precision_check
 from worker.model.sizes import BatchSizes
 from worker.model.step import InferenceStep
 from worker.pipeline.batcher import Batch
-from worker.pipeline.device import make_context
 from worker.pipeline.launch import Launched, LaunchFailed, ModelRunner
 from worker.pipeline.staging import InputRing, OutputRing
 from worker.pipeline.transfer import DeviceTransfer

@@ -29,7 +29,7 @@ import torchvision
 ROOT = Path(__file__).resolve().parent.parent
 
 CUDA_PATH = (
-    "worker/pipeline/device.py",
+    "worker/base/device.py",
     "worker/pipeline/transfer.py",
     "worker/pipeline/launch.py",
     "worker/pipeline/staging.py",

@@ -17,7 +17,7 @@ import redis
 from producer.wire import ErrorCode, JobResult
 from tests.images import jpeg_bytes, png_bytes, rle_bmp_bytes
 from tests.worker_harness import running_worker, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.decode.pool import DecodePool, DecodeResult

@@ -27,7 +27,7 @@ from tests.images import (
     truncated_jpeg_bytes,
 )
 from tests.worker_harness import running_worker, tiny_config, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.decode import processes
 from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cpu import DecodeSpec

@@ -26,7 +26,7 @@ from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.model_dirs import make_model_dir
 from tests.worker_harness import running_worker, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.service import Worker
 from worker.model.loader import load_null

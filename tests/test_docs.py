@@ -24,8 +24,8 @@ from worker.cli import cli
 from worker.config import settings_help
 from worker.config.settings import TOOL_VARIABLES, WorkerConfig
 from worker.observe.metrics import STAGES, WorkerMetrics
-from worker.tools import docs_gen
-from worker.tools.docs_gen import cli_page, make_page, wire_pages
+from worker import docs_gen
+from worker.docs_gen import cli_page, make_page, wire_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -25,7 +25,7 @@ from tests.cli_runner import run_module
 from tests.http_images import ImageServer
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.fetch.policy import AddressPolicy, loggable_url, parse_host_list
 from worker.jobs import parse_job

@@ -1,4 +1,4 @@
-"""What holds the GIL per job (worker/observe/gil_account.py): the projection's arithmetic, and the
+"""What holds the GIL per job (worker/decode/gil_account.py): the projection's arithmetic, and the
 per-thread accounting on real decode threads."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from worker.decode import gil_account
 from worker.decode.cpu import DecodeSpec, decode_pixels
 from worker.decode.gpu import synthetic_jpeg
-from worker.observe import gil_account
 
 _US = st.floats(min_value=0.0, max_value=1e5, allow_nan=False)
 _HELD = st.fixed_dictionaries({k: _US for k in gil_account.KINDS})

@@ -19,6 +19,7 @@ from PIL import Image
 
 from producer.wire import ErrorCode
 from tests.images import encode, jpeg_bytes, photo_like, png_bytes
+from worker.base.device import make_context
 from worker.decode.cpu import DecodeError, DecodeSpec, decode_to_array
 from worker.decode.gpu import (
     FIT_CHUNK_PIXELS,
@@ -38,7 +39,6 @@ from worker.decode.gpu import (
 from worker.decode.pool import DecodePool
 from worker.jobs import Job
 from worker.pipeline.batcher import Batch
-from worker.pipeline.device import make_context
 from worker.pipeline.launch import ModelRunner
 from worker.pipeline.staging import InputRing, OutputRing
 from worker.pipeline.transfer import DeviceTransfer

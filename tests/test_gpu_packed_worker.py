@@ -20,7 +20,7 @@ from PIL import Image
 from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
 from tests.worker_harness import serving, tiny_config, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.gpu_packed import BatchJpegBackend, NvImgCodecInto, PackedGpuDecoder
 from worker.lifecycle.service import Worker

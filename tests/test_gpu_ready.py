@@ -32,6 +32,7 @@ from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
 from tests.test_step import tiny_step
 from tests.worker_harness import running_worker, wait_results
+from worker.base.device import make_context, prepare_graph_thread
 from worker.decode import gpu as gpu_module
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.decode.gpu import (
@@ -55,7 +56,6 @@ from worker.observe.gpu_sampler import (
     nvml_index_for,
 )
 from worker.pipeline.batcher import Batch
-from worker.pipeline.device import make_context, prepare_graph_thread
 from worker.pipeline.launch import LaunchFailed, ModelRunner
 from worker.pipeline.staging import InputRing, OutputRing
 from worker.pipeline.transfer import DeviceTransfer

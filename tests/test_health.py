@@ -23,7 +23,7 @@ from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer, free_port
 from tests.test_observability import get, metric
 from tests.worker_harness import running_worker, tiny_config, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.service import Worker
 from worker.observe import health as health_mod

@@ -23,7 +23,7 @@ from redis.exceptions import ResponseError
 from producer.wire import JobResult
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, tiny_config, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.decode.payloads import PayloadMemory
 from worker.delivery.intake_main import Intake
 from worker.delivery.intake_process import IntakeProcess

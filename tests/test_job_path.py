@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from producer.wire import ErrorCode
 from worker.decode.cpu import DecodeError
-from worker.fetch.path import read_job_path
+from worker.decode.job_path import read_job_path
 
 LIMIT = 1024
 CONTENT = b"\xff\xd8\xff not really a jpeg"

@@ -1,6 +1,8 @@
-"""worker/ is grouped by concern: each folder imports no more than its docstring says, no two
-modules import each other however indirectly (imports inside functions count), and only a
-handful of modules sit flat at worker/'s top."""
+"""worker/ is grouped by concern and its parts stand in layers: each folder imports no more
+than its docstring says, every folder and flat module imports only from the layers below its
+own (worker/__init__.py's `Layers:` line), no two modules import each other however
+indirectly (imports inside functions count), and only a handful of modules sit flat at
+worker/'s top."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.tools.docs_gen import layout_page
+from worker.docs_gen import layout_page
 
 ROOT = layout_page.ROOT
 
@@ -23,6 +25,60 @@ def test_each_folder_says_what_it_holds_and_imports_no_more_than_it_says(folder:
         f"worker/{folder} imports {sorted(extra)}, which its __init__ docstring's "
         "'May import:' line does not name: import from a part it may, or say why it may"
     )
+
+
+def test_every_folder_and_flat_module_stands_in_exactly_one_layer() -> None:
+    named = [part for layer in layout_page.layers() for part in layer]
+    assert sorted(named) == sorted(set(named)), f"named twice in a layer: {named}"
+    missing = set(layout_page.parts()) - set(named)
+    assert not missing, (
+        f"worker/{sorted(missing)} stand in no layer: add each to the `Layers:` line of "
+        "worker/__init__.py, above every part it imports and below every part importing it"
+    )
+    gone = set(named) - set(layout_page.parts())
+    assert not gone, f"worker/__init__.py's `Layers:` line names parts that are gone: {gone}"
+
+
+@pytest.mark.parametrize("part", layout_page.parts())
+def test_each_part_imports_only_from_the_layers_below_its_own(part: str) -> None:
+    level = layout_page.layer_of()
+    if part not in level:
+        pytest.skip("in no layer: the test above says so")
+    upward = {
+        name: level[name]
+        for name in layout_page.imports_of(part)
+        if name in level and level[name] >= level[part]
+    }
+    assert not upward, (
+        f"worker/{part} (layer {level[part]}) imports {upward} (part: layer), at or above its "
+        "own: move what it needs down a layer, hand it in from above, or import it for "
+        "annotations only under `if TYPE_CHECKING:`"
+    )
+
+
+@pytest.mark.parametrize("folder", [f.name for f in layout_page.folders()])
+def test_each_folder_says_it_may_import_only_the_layers_below_its_own(folder: str) -> None:
+    level = layout_page.layer_of()
+    (declared,) = [f for f in layout_page.folders() if f.name == folder]
+    above = sorted(n for n in declared.may_import if n in level and level[n] >= level[folder])
+    assert not above, f"worker/{folder}/__init__.py may import {above}, not below its layer"
+
+
+def test_the_layer_check_sees_an_upward_import_and_passes_over_a_type_only_one(
+    tmp_path: Path,
+) -> None:
+    module = tmp_path / "worker" / "decode" / "x.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from worker.base.errors import ConfigError\n"
+        "def f() -> None:\n"
+        "    from worker.pipeline import launch\n"
+        "if TYPE_CHECKING:\n"
+        "    from worker.jobs import Job\n"
+    )
+    names = layout_page._runtime_imports(module, "worker.decode")
+    assert {layout_page.part_of(n) for n in names} - {None} == {"base", "pipeline"}
 
 
 def test_at_most_six_modules_sit_flat_at_the_top() -> None:

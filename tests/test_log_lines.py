@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 WRITER = """
 import sys
-from worker.observe.logs import configure_logging
+from worker.base.logs import configure_logging
 import structlog
 configure_logging("json", "info")
 log = structlog.get_logger("t")

@@ -33,8 +33,8 @@ from tests.model_dirs import (
     write_tinynet,
 )
 from tests.worker_harness import running_worker, tiny_config, wait_results
+from worker.base.errors import ConfigError
 from worker.cli import cli
-from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.delivery.writer import WriterSettings, result_fields

@@ -6,7 +6,7 @@ import pytest
 import torchvision
 from torchvision.models import list_models
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.model.names import check_name, registered_models
 
 

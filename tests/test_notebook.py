@@ -18,7 +18,7 @@ from PIL import Image
 from torch import nn
 
 from tests.images import jpeg_bytes
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.model.from_module import ModuleNotExportable
 
 ROOT = Path(__file__).resolve().parents[1]

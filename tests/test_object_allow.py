@@ -19,7 +19,7 @@ from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.test_fetch import FAST_FETCH, assert_exactly_once, put_objects, results_by_id
 from tests.worker_harness import running_worker, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.fetch.objects import parse_object_allow, split_store_url
 from worker.fetch.result import FetchError

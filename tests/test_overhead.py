@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from producer.wire import JobResult
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
+from worker.base.errors import ConfigError
 from worker.cli import cli
-from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.model.loader import load_configured
 from worker.model.step import build_step

@@ -20,7 +20,7 @@ from producer.wire import JobResult
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 
 NULL = {"model": "null", "input_size": 64, "batch_size": 4}

@@ -29,8 +29,8 @@ from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer
 from tests.worker_harness import running_worker
 from worker import jobs
+from worker.base.errors import ConfigError
 from worker.cli import cli
-from worker.config.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.delivery.redis_check import preflight
 from worker.jobs import Job, job_of_entry, parse_job

@@ -17,8 +17,8 @@ from producer.wire import JobResult
 from tests.cli_runner import run_module
 from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, wait_results
+from worker.base.errors import ConfigError
 from worker.cli import cli
-from worker.config.errors import ConfigError
 from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from producer.wire import JobResult
 from tests.worker_harness import running_worker, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeSpec, decode_pixels
 from worker.decode.pool import DecodePool

@@ -22,7 +22,7 @@ from tests.images import jpeg_bytes
 from tests.redis_server import RedisServer
 from tests.test_security import WORKER_ACL
 from tests.worker_harness import running_worker, wait_results
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ import redis
 from tests.cli_runner import clean_env, run_module
 from tests.images import jpeg_bytes
 from tests.redis_server import free_port
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -50,7 +50,7 @@ def _redis_line(exc: BaseException) -> str:
 # that import torch, which a setting error must not wait for; and an error whose module was
 # never imported cannot have been raised, so only loaded modules are looked in.
 EXITS: tuple[tuple[str, str, int, Callable[[BaseException], str]], ...] = (
-    ("worker.config.errors", "ConfigError", EXIT_CONFIG, str),
+    ("worker.base.errors", "ConfigError", EXIT_CONFIG, str),
     ("worker.model.loader", "WeightsUnavailable", EXIT_CONFIG, lambda e: f"{e}. {WEIGHTS_FIX}"),
     ("worker.delivery.redis_check", "RedisUnavailable", EXIT_REDIS, _redis_line),
     ("worker.model.compiler", "CompileRefused", EXIT_COMPILE, str),
@@ -164,7 +164,7 @@ def cli() -> None:
 def run(wait_for_redis: bool, **options: Any) -> None:
     """Run the worker until SIGTERM or SIGINT (a second one skips the drain); with
     GPUFEED_PROCESSES > 1, a supervisor of that many worker processes."""
-    from worker.observe.logs import configure_logging
+    from worker.base.logs import configure_logging
 
     with exits():
         config = load_config(options)
@@ -279,7 +279,7 @@ def doctor(
     """Why is the device not busier? Ceiling, profile, host syncs, a run, and a verdict."""
     if urls and paths:
         raise click.UsageError("--urls and --paths each choose where the jobs' images are: one")
-    from worker.observe.logs import configure_logging
+    from worker.base.logs import configure_logging
     from worker.tools.doctor import DoctorOptions, print_json, render, report_console, run_doctor
 
     with exits():
@@ -381,8 +381,8 @@ def bench(
     """
     from dataclasses import replace
 
-    from worker.observe.logs import configure_logging
-    from worker.pipeline.device import resolve_device
+    from worker.base.device import resolve_device
+    from worker.base.logs import configure_logging
     from worker.tools.bench.profiles import make_profile
     from worker.tools.bench.report import NO_PLOT, PLOT_FIX, render_markdown, validate_report
     from worker.tools.bench.suite import run_bench
@@ -457,10 +457,10 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     reason for a broken directory, 4 when the compiled step is refused."""
     import json
 
+    from worker.base.logs import configure_logging
     from worker.model.check import check_model, render
     from worker.model.manifest import looks_like_model_dir
     from worker.model.names import is_null_model
-    from worker.observe.logs import configure_logging
 
     # The path as typed, made unmistakably a path for GPUFEED_MODEL ("tagger" -> "./tagger");
     # `null` is the null model.

@@ -27,9 +27,9 @@ from redis.exceptions import RedisError
 from producer import shards, tenants, wire
 from producer.priorities import level_stream, parse_levels
 from producer.shards import Shard
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
+from worker.base.paths import lookup, path_problem
 from worker.config.lanes import Lanes
-from worker.config.paths import lookup, path_problem
 from worker.fetch.objects import object_allow_problem
 from worker.fetch.policy import parse_host_list
 from worker.model.manifest import looks_like_model_dir, read_manifest

@@ -2,7 +2,7 @@
 
 The one source behind `python -m worker --help` (and `run --help`, `doctor --help`, ...) and
 the site's configuration page (docs/reference/configuration.md, written by
-`python -m worker.tools.docs_gen`). A new setting in worker/config/settings.py gets its row here.
+`python -m worker.docs_gen`). A new setting in worker/config/settings.py gets its row here.
 
 Meanings are Markdown: backticks, and links to the site's pages written relative to docs/
 (`[Priorities](priorities.md)`). `--help` shows them as plain text (`plain`): the link's

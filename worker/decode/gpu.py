@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from producer.wire import ErrorCode
+from worker.base.device import DoneEvent, Event, cuda_event
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_into, resize_geometry
-from worker.pipeline.device import DoneEvent, Event, cuda_event
 
 log = structlog.get_logger("gpufeed.gpu_decode")
 

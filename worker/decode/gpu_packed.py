@@ -52,6 +52,7 @@ import numpy as np
 import structlog
 import torch
 
+from worker.base.device import DoneEvent, Event, cuda_event
 from worker.decode.cpu import DecodeSpec
 from worker.decode.gpu import (
     DECODER_CPU_THREADS,
@@ -61,7 +62,6 @@ from worker.decode.gpu import (
 )
 from worker.decode.packed import PackedSlots
 from worker.decode.rows import decode_row
-from worker.pipeline.device import DoneEvent, Event, cuda_event
 
 log = structlog.get_logger("gpufeed.gpu_decode")
 

@@ -34,13 +34,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 import structlog
 
 from producer.wire import ErrorCode
+from worker.decode import gil_account
 from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import (
     DecodeError,
@@ -52,10 +53,12 @@ from worker.decode.cpu import (
 )
 from worker.decode.gpu import GpuDecodeRouter, GpuRow
 from worker.decode.gpu_packed import DeferredRow
+from worker.decode.job_path import read_job_path
 from worker.decode.rows import decode_row, write_decoded_row
-from worker.fetch.path import read_job_path
-from worker.jobs import Job
-from worker.observe import gil_account
+
+if TYPE_CHECKING:
+    # For annotations only: importing it at run time would tie this folder to a layer above it.
+    from worker.jobs import Job
 
 log = structlog.get_logger("gpufeed.decode")
 

@@ -53,11 +53,11 @@ from worker.decode.arena import (
 )
 from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_pixels, write_row
+from worker.decode.job_path import read_job_path
 from worker.decode.jpeg_header import segments
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import open_payloads
 from worker.decode.rows import THUMBNAIL_PIXELS, decode_row, gpu_placement, write_decoded_row
-from worker.fetch.path import read_job_path
 
 # magic, description length, payload length
 HEADER = struct.Struct("<4sIQ")

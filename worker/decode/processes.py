@@ -46,7 +46,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgpack
 import numpy as np
@@ -54,6 +54,7 @@ import numpy.typing as npt
 import structlog
 
 from producer.wire import ErrorCode
+from worker.decode import gil_account
 from worker.decode.arena import DEFERRED, DONE, ERROR_CODES, PENDING, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
@@ -63,8 +64,10 @@ from worker.decode.payloads import PayloadMemory
 from worker.decode.pool import DecodeResult, over_budget
 from worker.decode.process_main import ANSWER, HEADER, MAGIC, spec_args
 from worker.decode.rows import write_decoded_row
-from worker.jobs import Job
-from worker.observe import gil_account
+
+if TYPE_CHECKING:
+    # For annotations only: importing it at run time would tie this folder to a layer above it.
+    from worker.jobs import Job
 
 log = structlog.get_logger("gpufeed.decode")
 

@@ -10,8 +10,7 @@ process of its own (`writer_process.py`, the worker's side; `writer_main.py`, th
 (`intake_process.py`, the worker's side; `intake_main.py`, the process; `stream_reply.py`,
 its reading of XREADGROUP's replies, payloads straight into shared memory; `payload_ring.py`,
 which part of the payload memory each read may fill). It imports model for the answer kinds, which
-the writer's process rebuilds from their rows, and observe for the logs that process sets up
-as the worker does.
+the writer's process rebuilds from their rows.
 
-May import: config, jobs, model, observe, producer.
+May import: base, config, jobs, model, producer.
 """

@@ -18,7 +18,7 @@ from redis.exceptions import NoPermissionError
 from producer import wire
 from producer.backoff import Backoff
 from producer.reach import unreachable
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.delivery.redis_errors import ANY, NO_REDIS, temporary
 from worker.delivery.redis_scripts import CHECK_KEYS

@@ -37,6 +37,7 @@ import msgpack
 import structlog
 from redis.asyncio.cluster import RedisCluster
 
+from worker.base.logs import configure_logging
 from worker.config.settings import WorkerConfig
 from worker.delivery.cluster_node import ShardNodeClient
 from worker.delivery.outcome_wire import Row, outcomes_of
@@ -45,7 +46,6 @@ from worker.delivery.replicas import ReplicaWait
 from worker.delivery.sharding import ShardedWriter
 from worker.delivery.writer import ResultWriter, WriterSettings
 from worker.jobs import Outcome
-from worker.observe.logs import configure_logging
 
 log = structlog.get_logger("gpufeed.writer")
 

@@ -1,5 +1,5 @@
-"""Images where they live: the fetch stage for jobs that name a `url`, and the file of a
-`path` job (`path.py`).
+"""Images where they live: the fetch stage for jobs that name a `url` (a `path` job's file is
+read where it is decoded: worker/decode/job_path.py).
 
 One module per source, side by side: `http.py` (http and https, aiohttp), `s3.py` (s3://,
 gs:// and az://, obstore); `policy.py` decides which addresses may be reached and
@@ -7,5 +7,5 @@ gs:// and az://, obstore); `policy.py` decides which addresses may be reached an
 runs the fetches between the reader and the batcher. The clients are imported only when a
 worker builds its stage, so a host without them still runs `image` and `path` jobs.
 
-May import: decode, jobs, observe, producer.
+May import: decode, jobs, producer.
 """

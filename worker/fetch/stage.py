@@ -37,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 import structlog
@@ -48,7 +48,10 @@ from worker.fetch.objects import ObjectAllow, parse_object_allow, split_store_ur
 from worker.fetch.policy import AddressPolicy, loggable_url
 from worker.fetch.result import Fetched, FetchError, Validator
 from worker.jobs import Job, Outcome
-from worker.observe.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    # For annotations only: importing it at run time would tie this folder to a layer above it.
+    from worker.observe.metrics import WorkerMetrics
 
 log = structlog.get_logger("gpufeed.fetch")
 

@@ -6,5 +6,5 @@ into the cache before the worker joins the group;
 `supervisor.py` runs several worker processes on one device; `event_loop.py` is the loop
 every command runs in.
 
-May import: config, decode, delivery, fetch, jobs, model, observe, pipeline, producer.
+May import: base, config, decode, delivery, fetch, jobs, model, observe, pipeline, producer.
 """

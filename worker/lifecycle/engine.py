@@ -20,7 +20,8 @@ from typing import Any
 import structlog
 import torch
 
-from worker.config.errors import ConfigError
+from worker.base.device import DeviceContext, make_context
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig, gpu_decode_share
 from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cache import DecodeCache
@@ -63,7 +64,6 @@ from worker.model.sizes import (
 )
 from worker.model.step import StepFn, build_step, check_step, pick_dtype, resolve_compile_mode
 from worker.observe.health import Health
-from worker.pipeline.device import DeviceContext, make_context
 from worker.pipeline.launch import ModelRunner
 from worker.pipeline.staging import (
     InputRing,

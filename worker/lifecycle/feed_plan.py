@@ -34,7 +34,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 
 # Below this many cores `auto` decodes on threads (see the module's docstring).

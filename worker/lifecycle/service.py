@@ -23,7 +23,8 @@ import structlog
 import torch
 from PIL import Image
 
-from worker.config.errors import ConfigError
+from worker.base.device import DeviceContext, resolve_device
+from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.cache import DecodeCache
 from worker.decode.gpu_packed import BatchJpegBackend
@@ -54,7 +55,6 @@ from worker.observe.observer import Observer
 from worker.pipeline.batcher import Batcher
 from worker.pipeline.completion import CompletionWatcher
 from worker.pipeline.degrade import DegradeSwitch, Serving
-from worker.pipeline.device import DeviceContext, resolve_device
 from worker.pipeline.launch import ModelRunner
 from worker.pipeline.staging import InputRing, OutputRing
 

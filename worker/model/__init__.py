@@ -1,6 +1,6 @@
 """The model: loading (torchvision names, model directories, `loaded.py`), the output kinds
 (heads, readers, answers), the one compiled step, its compile checks, precision and
-ceiling.
+ceiling; what the step returns per image (`outputs.py`).
 
-May import: config, decode, pipeline, producer.
+May import: base, decode, producer.
 """

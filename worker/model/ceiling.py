@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from worker.base.device import cuda_event, mark_cudagraph_step
 from worker.model.step import StepFn
-from worker.pipeline.device import cuda_event, mark_cudagraph_step
 
 
 def direct_feed_ceiling(

@@ -13,12 +13,12 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from worker.config.settings import WorkerConfig
+from worker.base.device import make_context, mark_cudagraph_step, resolve_device
 from worker.decode.cpu import DecodeSpec, decode_into
 from worker.decode.gpu import synthetic_jpeg
 from worker.model.answers import Answer, Classification, Embedding, RawOutput
@@ -28,7 +28,10 @@ from worker.model.loaded import LoadedModel
 from worker.model.loader import load_configured
 from worker.model.readers import make_reader
 from worker.model.step import build_step, check_step, pick_dtype, resolve_compile_mode
-from worker.pipeline.device import make_context, mark_cudagraph_step, resolve_device
+
+if TYPE_CHECKING:
+    # For annotations only: importing it at run time would tie this folder to a layer above it.
+    from worker.config.settings import WorkerConfig
 
 
 def default_batch(device: torch.device) -> int:

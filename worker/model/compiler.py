@@ -42,9 +42,9 @@ import structlog
 import torch
 from torch import nn
 
+from worker.base.device import mark_cudagraph_step, prepare_graph_thread
 from worker.model.sizes import SizeReport
 from worker.model.step import StepFn
-from worker.pipeline.device import mark_cudagraph_step, prepare_graph_thread
 
 log = structlog.get_logger("gpufeed.compiler")
 

@@ -16,14 +16,18 @@ decoders, the staging ring and the device copy stay as they are (InferenceStep's
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from worker.config.errors import ConfigError
-from worker.config.settings import WorkerConfig
+from worker.base.errors import ConfigError
 from worker.model.directory import load_model_dir
 from worker.model.loaded import LoadedModel
 from worker.model.step import InferenceStep, build_step
+
+if TYPE_CHECKING:
+    # For annotations only: importing it at run time would tie this folder to a layer above it.
+    from worker.config.settings import WorkerConfig
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ import structlog
 import torch
 from torch import nn
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.model.loaded import LoadedModel, file_label
 from worker.model.manifest import (
     MANIFEST,

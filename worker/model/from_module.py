@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.model.directory import load_model_dir
 from worker.model.manifest import KINDS, MANIFEST, RESIZE_MODES
 

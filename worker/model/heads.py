@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.model.manifest import OutputSpec
-from worker.pipeline.staging import OutputField, classify_layout
+from worker.model.outputs import OutputField, classify_layout
 
 _DTYPES = {"float16": torch.float16, "float32": torch.float32}
 

@@ -22,7 +22,7 @@ import torchvision
 from torch import nn
 from torchvision.models import get_model, get_model_weights, list_models
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.model.directory import load_model_dir
 from worker.model.loaded import LoadedModel, file_label
 from worker.model.manifest import looks_like_model_dir

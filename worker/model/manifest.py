@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

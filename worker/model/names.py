@@ -20,8 +20,8 @@ import stat
 from collections.abc import Collection
 from pathlib import Path
 
-from worker.config.errors import ConfigError
-from worker.config.paths import lookup
+from worker.base.errors import ConfigError
+from worker.base.paths import lookup
 from worker.model.manifest import MANIFEST, looks_like_model_dir
 
 # The null model (null.py), named here so that naming it needs no torch.

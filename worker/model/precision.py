@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from worker.base.device import mark_cudagraph_step
 from worker.model.step import InferenceStep, StepFn, has_exact_reference, reference_copy
-from worker.pipeline.device import mark_cudagraph_step
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.decode.packed import HEADER_BYTES, HEADER_WORDS, OFFSET_WORD, packed_side
 from worker.decode.rows import GEOMETRY_WORDS
 

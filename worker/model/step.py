@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 from worker.model.heads import ClassifyHead, Head, make_head
 from worker.model.loaded import LoadedModel
-from worker.pipeline.staging import OutputField
+from worker.model.outputs import OutputField
 
 # Modules are copied with copy.deepcopy, which rebuilds every object through its class: in
 # an exported or traced model that includes pytree's LeafSpec, whose constructor warns of

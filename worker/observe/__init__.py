@@ -1,7 +1,7 @@
 """Watching the worker: the observer that counts what happened (`observer.py`), the
 Prometheus metrics (`metrics.py`), `/live` and `/ready` (`health.py`), GPU utilisation
-(`gpu_sampler.py`), who holds the GIL (`gil_account.py`), what Redis itself spends per job
-(`redis_cpu.py`) and the log set-up (`logs.py`).
+(`gpu_sampler.py`) and what Redis itself spends per job (`redis_cpu.py`). It sits above
+the stages it watches and reads what they hand it.
 
-May import: config, decode, delivery, jobs, pipeline.
+May import: config, delivery, jobs, pipeline.
 """

@@ -36,6 +36,7 @@ import numpy.typing as npt
 import structlog
 import torch
 
+from worker.base.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
 from worker.decode.gpu import GpuDecodeFailed, GpuDecoder, GpuRow
 from worker.decode.gpu_packed import DeferredRow, PackedGpuDecoder
 from worker.decode.pool import DecodeResult
@@ -44,7 +45,6 @@ from worker.model.sizes import BatchSizes
 from worker.model.step import StepFn
 from worker.pipeline.batcher import Batch
 from worker.pipeline.degrade import Serving
-from worker.pipeline.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
 from worker.pipeline.staging import OutputSlot
 from worker.pipeline.transfer import DeviceTransfer
 

@@ -37,9 +37,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from worker.base.device import Event
 from worker.decode.arena import SharedArena
 from worker.decode.packed import PackedSlots
-from worker.pipeline.device import Event
+from worker.model.outputs import OutputField, classify_layout
 
 # cudaHostRegisterPortable: pinned for every CUDA context, as torch's own pinned memory is.
 _REGISTER_PORTABLE = 1
@@ -87,31 +88,6 @@ class InputSlot:
         if self.packed is None:
             return self.images.numel()
         return self.packed.used_bytes(self.index)
-
-
-@dataclass(frozen=True)
-class OutputField:
-    """One tensor of the step's output: its name, its shape per image and its dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes per image."""
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.dtype.itemsize
-
-
-def classify_layout(top_k: int) -> tuple[OutputField, ...]:
-    """The softmax classifier's output: top-k indices and scores."""
-    return (
-        OutputField("indices", (top_k,), torch.int32),
-        OutputField("scores", (top_k,), torch.float32),
-    )
 
 
 @dataclass(eq=False)

@@ -21,7 +21,7 @@ from collections.abc import Collection
 
 import torch
 
-from worker.pipeline.device import DeviceContext, DoneEvent, Event, cuda_event
+from worker.base.device import DeviceContext, DoneEvent, Event, cuda_event
 from worker.pipeline.staging import InputSlot
 
 

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from worker.decode import gil_account
 from worker.lifecycle.service import Worker
-from worker.observe import gil_account
 from worker.tools.bench.ablations import CpuPreprocessPool, Variant
 from worker.tools.bench.context import Bench, BenchError
 from worker.tools.bench.image_server import ImageServer

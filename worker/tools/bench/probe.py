@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import torch
 
-from worker.observe import gil_account
+from worker.decode import gil_account
 from worker.observe.gpu_sampler import GpuSampler
 
 GROUPS = ("decode", "model", "event_loop", "naive", "other")
@@ -113,7 +113,7 @@ class RunProbe:
         self._host_after = 0.0
         self._t0 = 0.0
         self.wall_s = 0.0
-        # What holds the GIL (worker/observe/gil_account.py): the thread that started the probe is
+        # What holds the GIL (worker/decode/gil_account.py): the thread that started the probe is
         # the event loop's.
         self._loop_tid = 0
         self._gil_before: gil_account.Snapshot | None = None
@@ -162,7 +162,7 @@ class RunProbe:
 
     def gil(self, jobs: int, cores: int, *, model_on_cpu: bool) -> dict[str, Any] | None:
         """GIL-holding and CPU µs per job by thread kind, and the projection for 16 cores
-        and for this host's (worker/observe/gil_account.py)."""
+        and for this host's (worker/decode/gil_account.py)."""
         if self._gil_before is None or self._gil_after is None:
             return None
         figures = gil_account.gil_figures(

@@ -48,11 +48,11 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
+from worker.base.device import resolve_device
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.feed_plan import decode_processes_for
 from worker.lifecycle.service import default_decode_threads
 from worker.model.step import resolve_compile_mode
-from worker.pipeline.device import resolve_device
 from worker.tools.bench import report as report_mod
 from worker.tools.bench.ablations import (
     CACHE_OFF_REPEATS,

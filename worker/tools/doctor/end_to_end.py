@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from worker.config.settings import WorkerConfig
+from worker.decode import gil_account
 from worker.delivery import redis_errors
-from worker.observe import gil_account
 from worker.observe.gpu_sampler import GpuSampler
 from worker.observe.metrics import STAGES
 from worker.observe.observer import Observer

@@ -54,7 +54,7 @@ def profile_forward(
     kernels; CPU: the outermost aten operators ("kernels" of the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from worker.pipeline.device import mark_cudagraph_step
+    from worker.base.device import mark_cudagraph_step
 
     cuda = example.is_cuda
     out: dict[str, Any] = {

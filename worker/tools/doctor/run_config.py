@@ -43,7 +43,7 @@ def usable_weights(config: WorkerConfig, notes: list[str]) -> WorkerConfig:
     weights = config.weights
     if weights.lower() == "none" or "/" in weights or weights.endswith((".pt", ".pth")):
         return config
-    from worker.config.errors import ConfigError
+    from worker.base.errors import ConfigError
     from worker.model.loader import classification_models, prefetch_weights
 
     if config.model not in classification_models():

@@ -59,7 +59,7 @@ _KINDS_US = {
 
 _GIL = _obj(
     "what holds the GIL per job, and the most one process could serve "
-    "(worker/observe/gil_account.py)",
+    "(worker/decode/gil_account.py)",
     {
         "jobs": _t("integer", "results the figures are per", "jobs"),
         "threads": _map(

@@ -64,6 +64,7 @@ import redis
 import structlog
 import torch
 
+from worker.base.logs import configure_logging
 from worker.config.settings import WorkerConfig
 from worker.decode.cpu import DecodeInfo, DecodeSpec, decode_to_array
 from worker.decode.gpu import (
@@ -87,7 +88,6 @@ from worker.model.compiler import (
 )
 from worker.model.step import resolve_compile_mode
 from worker.observe.gpu_sampler import GpuSampler
-from worker.observe.logs import configure_logging
 from worker.observe.redis_cpu import redis_cost, redis_cpu_s
 from worker.tools.command_line import CONTEXT_SETTINGS, parse
 from worker.tools.doctor.environment import environment

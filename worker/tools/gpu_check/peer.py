@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import functional as tf
 
+from worker.base.device import mark_cudagraph_step
 from worker.model.compiler import changes_since, compile_step, snapshot
-from worker.pipeline.device import mark_cudagraph_step
 
 # Batches each loader process keeps ready (torch's default is 2).
 PREFETCH = 4

@@ -3,8 +3,11 @@
 Each page under docs/reference/ has one source in the code (worker/config/settings_help.py,
 producer/wire_help.py, worker/observe/metrics.py, the Makefile, the CLIs' own help), and so
 has the map of worker/'s folders on docs/development.md (their own docstrings). `python -m
-worker.tools.docs_gen` (`make docs-gen`) writes them; `--check` says which committed page
-differs from what would be written, as tests/test_docs.py does.
+worker.docs_gen` (`make docs-gen`) writes them; `--check` says which committed page
+differs from what would be written, as tests/test_docs.py does. It reads every other part,
+the command line included, so it is the top layer.
+
+May import: cli, config, observe, producer, tools.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from worker.tools.docs_gen import (
+from worker.docs_gen import (
     cli_page,
     layout_page,
     make_page,
@@ -21,9 +24,9 @@ from worker.tools.docs_gen import (
     wire_pages,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-FIX_COMMAND = "make docs-gen  (or: python -m worker.tools.docs_gen)"
+FIX_COMMAND = "make docs-gen  (or: python -m worker.docs_gen)"
 
 # Page (relative to docs/) -> what writes it.
 PAGES: dict[str, Callable[[], str]] = {

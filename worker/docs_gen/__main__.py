@@ -1,16 +1,16 @@
-"""`python -m worker.tools.docs_gen [--check]`: write the reference pages, or with --check
+"""`python -m worker.docs_gen [--check]`: write the reference pages, or with --check
 exit 1 naming those that differ from what would be written."""
 
 from __future__ import annotations
 
 import sys
 
-from worker.tools import docs_gen
+from worker import docs_gen
 
 
 def main(argv: list[str]) -> int:
     if argv not in ([], ["--check"]):
-        print("usage: python -m worker.tools.docs_gen [--check]", file=sys.stderr)
+        print("usage: python -m worker.docs_gen [--check]", file=sys.stderr)
         return 2
     if argv == ["--check"]:
         stale = docs_gen.stale()

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.tools.docs_gen.markdown import notice
+from worker.docs_gen.markdown import notice
 
 _TARGET = re.compile(r"^([a-zA-Z0-9_-]+):.*?## (.*)$")
 

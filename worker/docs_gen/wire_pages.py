@@ -6,7 +6,7 @@ from __future__ import annotations
 from producer import wire, wire_help
 from producer.wire import ErrorCode
 from worker.config import settings_help
-from worker.tools.docs_gen.markdown import notice
+from worker.docs_gen.markdown import notice
 from worker.tools.markdown import table
 
 

@@ -7,7 +7,7 @@ from dataclasses import fields
 
 from worker.config import settings_help
 from worker.config.settings import WorkerConfig
-from worker.tools.docs_gen.markdown import notice
+from worker.docs_gen.markdown import notice
 from worker.tools.markdown import table
 
 INTRO = """\

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from worker.config.errors import ConfigError
+from worker.base.errors import ConfigError
 
 
 class Event(Protocol):

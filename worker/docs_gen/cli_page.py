@@ -16,7 +16,7 @@ import click
 
 from worker.cli import DefaultGroup
 from worker.config.settings import WorkerConfig
-from worker.tools.docs_gen.markdown import notice
+from worker.docs_gen.markdown import notice
 
 # A fixed width: the page must not depend on the terminal that wrote it.
 WIDTH = 100
