@@ -5,6 +5,6 @@ from the layers below its own and from `producer`, never from its own layer's ot
 from above. Imports for annotations only (under `if TYPE_CHECKING:`) are no run-time tie and
 do not count. tests/test_layout.py checks it and docs/development.md shows it.
 
-Layers: base, quick_exit | decode | model | jobs | fetch | config | delivery | pipeline |
+Layers: base, quick_exit | ipc | decode | model | jobs | fetch | config | delivery | pipeline |
 observe | lifecycle | notebook, tools | cli | docs_gen
 """

@@ -18,6 +18,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from worker.base.errors import GpufeedError
 from worker.config import settings_help
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.event_loop import run_async
@@ -25,52 +26,24 @@ from worker.quick_exit import exit_now
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-EXIT_CONFIG = 2
-EXIT_REDIS = 3
-EXIT_COMPILE = 4
-
 
 def fail(message: str, code: int) -> NoReturn:
     click.echo(f"gpufeed: {message}", err=True)
     sys.exit(code)
 
 
-WEIGHTS_FIX = "Set GPUFEED_WEIGHTS=none for random weights or to a local file."
-
-
-def _redis_line(exc: BaseException) -> str:
-    # Its module is loaded: it raised `exc`.
-    from worker.delivery.redis_check import REDIS_FIX
-
-    return f"{exc}; {REDIS_FIX}"
-
-
-# The errors every command ends on: module, class, exit code, and the line said (after
-# "gpufeed: " and the command's own prefix). Named rather than imported: most live in modules
-# that import torch, which a setting error must not wait for; and an error whose module was
-# never imported cannot have been raised, so only loaded modules are looked in.
-EXITS: tuple[tuple[str, str, int, Callable[[BaseException], str]], ...] = (
-    ("worker.base.errors", "ConfigError", EXIT_CONFIG, str),
-    ("worker.model.loader", "WeightsUnavailable", EXIT_CONFIG, lambda e: f"{e}. {WEIGHTS_FIX}"),
-    ("worker.delivery.redis_check", "RedisUnavailable", EXIT_REDIS, _redis_line),
-    ("worker.model.compiler", "CompileRefused", EXIT_COMPILE, str),
-    ("worker.tools.doctor.redis_access", "RedisNotAnswering", EXIT_REDIS, str),
-)
-
-
 def exit_for(exc: BaseException) -> tuple[int, str] | None:
-    """The exit code and line EXITS gives `exc`; None for any other error."""
-    for module, name, code, line in EXITS:
-        kind = getattr(sys.modules.get(module), name, None)
-        if isinstance(kind, type) and isinstance(exc, kind):
-            return code, line(exc)
+    """The exit code and line `exc` ends a command with (worker/base/errors.py); None for an
+    error that does not end one that way."""
+    if isinstance(exc, GpufeedError) and exc.exit_code is not None:
+        return exc.exit_code, exc.operator_line()
     return None
 
 
 @contextlib.contextmanager
 def exits(prefix: str = "") -> Iterator[None]:
-    """Ends the command on an error of EXITS with its line and exit code; any other error
-    goes on up."""
+    """Ends the command on an error that carries an exit code, with its line; any other
+    error goes on up."""
     try:
         yield
     except Exception as exc:

@@ -42,6 +42,7 @@ from PIL import (
 )
 
 from producer.wire import ErrorCode
+from worker.base.errors import GpufeedError
 from worker.decode.jpeg_header import jpeg_cost_problem, segments
 
 # Importing the plugins registers them now, at import time: otherwise the first
@@ -115,7 +116,7 @@ class DecodeSpec:
             )
 
 
-class DecodeError(Exception):
+class DecodeError(GpufeedError):
     """A job's image cannot be used; ``code`` is the wire error code for its result."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:

@@ -60,6 +60,7 @@ from PIL import Image
 
 from producer.wire import ErrorCode
 from worker.base.device import DoneEvent, Event, cuda_event
+from worker.base.errors import GpufeedError
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_into, resize_geometry
 
 log = structlog.get_logger("gpufeed.gpu_decode")
@@ -78,7 +79,7 @@ SIZE_CLASSES: tuple[tuple[str, float], ...] = (
 _CLASS_SAMPLES = {"small": (480, 360), "medium": (1280, 960), "large": (2600, 1950)}
 
 
-class GpuDecodeUnavailable(RuntimeError):
+class GpuDecodeUnavailable(GpufeedError, RuntimeError):
     """No usable GPU JPEG decoder here; the message says why."""
 
 
@@ -87,7 +88,7 @@ class GpuEnginesUnavailable(GpuDecodeUnavailable):
     library did not load, or the device has none of what they need)."""
 
 
-class GpuDecodeFailed(RuntimeError):
+class GpuDecodeFailed(GpufeedError, RuntimeError):
     """The GPU decoder raised on a batch. `ready` fires once the work it had queued on the
     device (possibly writing rows of the destination) has run; None when nothing was."""
 

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from worker.base.errors import GpufeedError
 from worker.decode.rows import GEOMETRY_WORDS, DecodedRow
 
 # int32 words per row record: the geometry, then the pixels' offset in the slot and their
@@ -69,7 +70,7 @@ def _no_room(size: int, used: int, capacity: int) -> str:
     )
 
 
-class SlotFull(Exception):
+class SlotFull(GpufeedError):
     """No room left in the slot for a row (it was decoded again after its process died)."""
 
 

@@ -22,12 +22,13 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import SlotNotCoveredError
 
+from worker.base.errors import GpufeedError
 from worker.delivery.redis_errors import REDIRECTED, UNREACHABLE
 
 log = structlog.get_logger("gpufeed.cluster")
 
 
-class SlotMoved(RedisConnectionError):
+class SlotMoved(GpufeedError, RedisConnectionError):
     """The node no longer serves the shard's slot: nothing was done there, try again."""
 
 

@@ -18,7 +18,7 @@ from redis.exceptions import NoPermissionError
 from producer import wire
 from producer.backoff import Backoff
 from producer.reach import unreachable
-from worker.base.errors import ConfigError
+from worker.base.errors import EXIT_REDIS, ConfigError, GpufeedError
 from worker.config.settings import WorkerConfig
 from worker.delivery.redis_errors import ANY, NO_REDIS, temporary
 from worker.delivery.redis_scripts import CHECK_KEYS
@@ -31,8 +31,13 @@ REDIS_FIX = "start one (make run-redis) or set REDIS_URL; without --no-wait the 
 PREFLIGHT_CONNECT_S = 5.0
 
 
-class RedisUnavailable(RuntimeError):
-    pass
+class RedisUnavailable(GpufeedError, RuntimeError):
+    """Redis does not answer at start-up, or the worker's user may not do what it must."""
+
+    exit_code = EXIT_REDIS
+
+    def operator_line(self) -> str:
+        return f"{self}; {REDIS_FIX}"
 
 
 def heartbeat_key(worker_name: str) -> str:

@@ -17,15 +17,69 @@ of bulk strings or nil for an entry deleted while pending; or an error line.
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any
 
-from redis._parsers.base import BaseParser
+from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from worker.base.errors import GpufeedError
+
+# redis-py's own mapping of an error answer to the exception it raises has no public name:
+# this is the one place it is imported, checked at import (`redis_parse_error`). The range
+# pyproject.toml pins redis-py to is the one where it is what the check expects
+# (tests/test_redis_py_range.py).
+try:
+    from redis._parsers import base as _redis_parsers
+except ImportError:  # the check below says so, naming the version
+    _redis_parsers = None  # type: ignore[assignment]
+
+SUPPORTED_REDIS_PY = "redis>=5.0,<9"
+
+
+class RedisPyUnsupported(RuntimeError):
+    """The installed redis-py's private error mapping is not the one this module reads."""
+
+
+def redis_parse_error() -> Callable[[str], Exception]:
+    """redis-py's `BaseParser.parse_error`, checked on two answers the intake tells apart
+    (LOADING is waited out, NOGROUP is a refusal): an error answer read here must raise
+    what redis-py itself raises for it. Raises RedisPyUnsupported, one line naming the
+    installed redis-py, where it is missing or maps them otherwise."""
+    parse = getattr(getattr(_redis_parsers, "BaseParser", None), "parse_error", None)
+    if not callable(parse):
+        raise _unsupported("has no redis._parsers.base.BaseParser.parse_error")
+    try:
+        loading = parse("LOADING Redis is loading the dataset in memory")
+        refused = parse("NOGROUP No such key 'jobs' or consumer group 'g'")
+    except Exception as exc:  # whatever a changed private API raises, said in one line
+        raise _unsupported(f"fails in BaseParser.parse_error ({type(exc).__name__})") from exc
+    if not isinstance(loading, BusyLoadingError) or not isinstance(refused, ResponseError):
+        raise _unsupported(
+            f"maps LOADING and NOGROUP answers to {type(loading).__name__} and "
+            f"{type(refused).__name__}, not BusyLoadingError and ResponseError"
+        )
+    return parse  # type: ignore[no-any-return]
+
+
+def _unsupported(what: str) -> RedisPyUnsupported:
+    return RedisPyUnsupported(
+        f"redis-py {version('redis')} {what} (the worker reads Redis's error answers with "
+        f"it): pip install '{SUPPORTED_REDIS_PY}'"
+    )
+
+
+try:
+    _PARSE_ERROR = redis_parse_error()
+except RedisPyUnsupported as exc:
+    # At import, before the worker reads anything: one line and a setting's exit code, not
+    # a traceback the first time Redis answers with an error.
+    print(f"gpufeed: {exc}", file=sys.stderr)
+    raise SystemExit(2) from None
+
 _CRLF = b"\r\n"
-# redis-py's own mapping of an error answer to the exception it raises.
-_PARSE_ERROR: Callable[[str], Exception] = BaseParser.parse_error
 # How much is received at a time outside payloads (ids, small fields, the array headers).
 _CHUNK = 1 << 18
 
@@ -33,7 +87,7 @@ _CHUNK = 1 << 18
 Entry = list[Any]
 
 
-class ErrorReply(Exception):
+class ErrorReply(GpufeedError):
     """Redis answered the command with an error: the reply was read whole, the connection
     is in step. `error` is what redis-py raises for that answer (ResponseError for
     NOGROUP, BusyLoadingError for LOADING, ...)."""
@@ -43,7 +97,7 @@ class ErrorReply(Exception):
         self.error: Exception = _PARSE_ERROR(message)
 
 
-class BrokenReply(RedisConnectionError):
+class BrokenReply(GpufeedError, RedisConnectionError):
     """The reply ended early or is not what XREADGROUP answers: the connection is out of
     step and must be dropped."""
 

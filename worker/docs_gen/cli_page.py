@@ -14,7 +14,8 @@ from dataclasses import fields
 
 import click
 
-from worker.cli import DefaultGroup
+from producer.cli import app
+from worker.cli import DefaultGroup, cli
 from worker.config.settings import WorkerConfig
 from worker.docs_gen.markdown import notice
 
@@ -24,14 +25,10 @@ _SETTINGS = {f.name for f in fields(WorkerConfig)}
 
 
 def worker_command() -> click.Command:
-    from worker.cli import cli
-
     return cli
 
 
 def producer_command() -> click.Command:
-    from producer.cli import app
-
     return app
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.observe.metrics import DELIVERY_EVENTS, STAGE_INFO, WorkerMetrics
 from worker.docs_gen.markdown import notice
+from worker.observe.metrics import DELIVERY_EVENTS, STAGE_INFO, WorkerMetrics
 from worker.tools.markdown import table
 
 # The series a metric of each type writes, as Prometheus's text format names them.

@@ -7,5 +7,5 @@ gs:// and az://, obstore); `policy.py` decides which addresses may be reached an
 runs the fetches between the reader and the batcher. The clients are imported only when a
 worker builds its stage, so a host without them still runs `image` and `path` jobs.
 
-May import: decode, jobs, producer.
+May import: base, decode, jobs, producer.
 """

@@ -28,6 +28,7 @@ from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
 from producer.wire import ErrorCode
+from worker.base.errors import GpufeedError
 from worker.fetch.policy import AddressPolicy, loggable_url
 from worker.fetch.result import Fetched, FetchError, Validator, too_large
 
@@ -36,7 +37,7 @@ _CHUNK = 256 * 1024
 USER_AGENT = "gpufeed"
 
 
-class ForbiddenAddress(Exception):
+class ForbiddenAddress(GpufeedError):
     """Raised by the resolver: not an OSError, so aiohttp does not take it for a DNS failure
     and try the next address."""
 

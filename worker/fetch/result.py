@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass
 
 from producer.wire import ErrorCode
+from worker.base.errors import GpufeedError
 
 # Labels of gpufeed_fetch_total{status}: a small, fixed set (never a host name or URL).
 FETCH_STATUSES = (
@@ -43,7 +44,7 @@ class Fetched:
     attempts: int = 1
 
 
-class FetchError(Exception):
+class FetchError(GpufeedError):
     """A fetch that failed for good; `code` and `message` become the job's error result.
 
     `message` never holds the URL's query string (worker/fetch/policy.py `loggable_url`).

@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from producer.wire import ErrorCode
+from worker.base.errors import GpufeedError
 from worker.decode.cache import DecodeCache
 from worker.fetch.objects import ObjectAllow, parse_object_allow, split_store_url
 from worker.fetch.policy import AddressPolicy, loggable_url
@@ -116,7 +117,7 @@ class _Unavailable:
         return None
 
 
-class HostBusy(Exception):
+class HostBusy(GpufeedError):
     """A job of a stalled host past its queue: answered at once, never queued."""
 
 

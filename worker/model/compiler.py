@@ -43,14 +43,17 @@ import torch
 from torch import nn
 
 from worker.base.device import mark_cudagraph_step, prepare_graph_thread
+from worker.base.errors import EXIT_COMPILE, GpufeedError
 from worker.model.sizes import SizeReport
 from worker.model.step import StepFn
 
 log = structlog.get_logger("gpufeed.compiler")
 
 
-class CompileRefused(RuntimeError):
+class CompileRefused(GpufeedError, RuntimeError):
     """The compiled step is not what was asked for; the message says why."""
+
+    exit_code = EXIT_COMPILE
 
 
 @dataclass(frozen=True)

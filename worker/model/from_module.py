@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from worker.base.errors import ConfigError
+from worker.base.errors import ConfigError, GpufeedError
 from worker.model.directory import load_model_dir
 from worker.model.manifest import KINDS, MANIFEST, RESIZE_MODES
 
@@ -34,7 +34,7 @@ EXAMPLE_BATCH = 2
 MAX_BATCH = 4096
 
 
-class ModuleNotExportable(ValueError):
+class ModuleNotExportable(GpufeedError, ValueError):
     """The module cannot become a model directory; the message is one line naming it."""
 
 

@@ -22,7 +22,7 @@ import torchvision
 from torch import nn
 from torchvision.models import get_model, get_model_weights, list_models
 
-from worker.base.errors import ConfigError
+from worker.base.errors import EXIT_CONFIG, ConfigError, GpufeedError
 from worker.model.directory import load_model_dir
 from worker.model.loaded import LoadedModel, file_label
 from worker.model.manifest import looks_like_model_dir
@@ -37,8 +37,16 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-class WeightsUnavailable(RuntimeError):
+WEIGHTS_FIX = "Set GPUFEED_WEIGHTS=none for random weights or to a local file."
+
+
+class WeightsUnavailable(GpufeedError, RuntimeError):
     """Pretrained weights could not be fetched (no network, no cache)."""
+
+    exit_code = EXIT_CONFIG
+
+    def operator_line(self) -> str:
+        return f"{self}. {WEIGHTS_FIX}"
 
 
 def load_configured(

@@ -3,5 +3,5 @@ Prometheus metrics (`metrics.py`), `/live` and `/ready` (`health.py`), GPU utili
 (`gpu_sampler.py`) and what Redis itself spends per job (`redis_cpu.py`). It sits above
 the stages it watches and reads what they hand it.
 
-May import: config, delivery, jobs, pipeline.
+May import: base, config, delivery, jobs, pipeline.
 """

@@ -30,6 +30,8 @@ from typing import Any
 
 import psutil
 
+from worker.base.errors import GpufeedError
+
 Sample = dict[str, float]
 
 
@@ -79,7 +81,7 @@ class CudaIdentity:
     pci_bus_id: str | None = None
 
 
-class DeviceNotFound(LookupError):
+class DeviceNotFound(GpufeedError, LookupError):
     """The CUDA device could not be found among NVML's devices."""
 
 

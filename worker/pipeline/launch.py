@@ -37,6 +37,7 @@ import structlog
 import torch
 
 from worker.base.device import DeviceContext, DoneEvent, Event, cuda_event, mark_cudagraph_step
+from worker.base.errors import GpufeedError
 from worker.decode.gpu import GpuDecodeFailed, GpuDecoder, GpuRow
 from worker.decode.gpu_packed import DeferredRow, PackedGpuDecoder
 from worker.decode.pool import DecodeResult
@@ -57,7 +58,7 @@ RedecodeFn = Callable[
 ]
 
 
-class LaunchFailed(RuntimeError):
+class LaunchFailed(GpufeedError, RuntimeError):
     """A launch raised. `fence` fires once the device work it had queued has run: release
     the pinned slot after it (the slot's twin already waits for it)."""
 

@@ -38,6 +38,7 @@ import numpy.typing as npt
 import torch
 
 from worker.base.device import Event
+from worker.base.errors import GpufeedError
 from worker.decode.arena import SharedArena
 from worker.decode.packed import PackedSlots
 from worker.model.outputs import OutputField, classify_layout
@@ -46,7 +47,7 @@ from worker.model.outputs import OutputField, classify_layout
 _REGISTER_PORTABLE = 1
 
 
-class PinError(RuntimeError):
+class PinError(GpufeedError, RuntimeError):
     """The shared staging memory could not be registered with CUDA."""
 
 

@@ -13,6 +13,7 @@ import redis
 import redis.asyncio as aioredis
 import torch
 
+from worker.base.errors import GpufeedError
 from worker.config.settings import WorkerConfig
 from worker.tools.bench.ablations import Variant
 from worker.tools.bench.images import ImageSet
@@ -24,7 +25,7 @@ from worker.tools.bench.redis_env import RunKeys, delete_run
 MODEL_SETTINGS = ("weights", "batch_size", "precision", "input_size")
 
 
-class BenchError(RuntimeError):
+class BenchError(GpufeedError, RuntimeError):
     """A run could not be measured; the message says which and why."""
 
 

@@ -17,11 +17,14 @@ from pathlib import Path
 import redis
 
 from producer.shards import connect_async
+from worker.base.errors import EXIT_REDIS, GpufeedError
 from worker.config.settings import DEFAULT_REDIS_URL, WorkerConfig, redact_url
 
 
-class RedisNotAnswering(RuntimeError):
+class RedisNotAnswering(GpufeedError, RuntimeError):
     """The REDIS_URL the operator gave does not answer (one line, password redacted)."""
+
+    exit_code = EXIT_REDIS
 
 
 def url_given(config: WorkerConfig) -> bool:

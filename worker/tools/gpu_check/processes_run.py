@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from worker.base.errors import GpufeedError
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.supervisor import config_env
 from worker.tools.gpu_check.feed import Feeder
@@ -33,7 +34,7 @@ _PROJECT = Path(__file__).resolve().parents[3]
 _POLL_S = 0.05
 
 
-class RunFailed(RuntimeError):
+class RunFailed(GpufeedError, RuntimeError):
     """The workers did not start, or stopped, before the window was measured."""
 
 
