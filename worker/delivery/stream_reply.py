@@ -25,7 +25,7 @@ from typing import Any
 from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from worker.base.errors import GpufeedError
+from worker.base.errors import EXIT_CONFIG, GpufeedError
 
 # redis-py's own mapping of an error answer to the exception it raises has no public name:
 # this is the one place it is imported, checked at import (`redis_parse_error`). The range
@@ -39,8 +39,10 @@ except ImportError:  # the check below says so, naming the version
 SUPPORTED_REDIS_PY = "redis>=5.0,<9"
 
 
-class RedisPyUnsupported(RuntimeError):
+class RedisPyUnsupported(GpufeedError, RuntimeError):
     """The installed redis-py's private error mapping is not the one this module reads."""
+
+    exit_code = EXIT_CONFIG
 
 
 def redis_parse_error() -> Callable[[str], Exception]:
@@ -76,8 +78,8 @@ try:
 except RedisPyUnsupported as exc:
     # At import, before the worker reads anything: one line and a setting's exit code, not
     # a traceback the first time Redis answers with an error.
-    print(f"gpufeed: {exc}", file=sys.stderr)
-    raise SystemExit(2) from None
+    print(f"gpufeed: {exc.operator_line()}", file=sys.stderr)
+    raise SystemExit(exc.exit_code) from None
 
 _CRLF = b"\r\n"
 # How much is received at a time outside payloads (ids, small fields, the array headers).
