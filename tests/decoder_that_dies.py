@@ -16,6 +16,6 @@ def _end(*args: Any, **kwargs: Any) -> Any:
 
 
 if __name__ == "__main__":
-    # Reading a work item's description is the first thing a process does with it.
-    process_main.msgpack.unpackb = _end
+    # Ready, it is given a run and ends before its first row.
+    process_main.decode_run = _end
     sys.exit(process_main.main(sys.argv[1:]))

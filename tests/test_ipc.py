@@ -8,6 +8,7 @@ Run as ``python -m tests.test_ipc <fds>``, this module is the child of the tests
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import select
 import socket
@@ -23,6 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from worker.decode.process_main import DECODE
 from worker.ipc import frames
 from worker.ipc.child import Child, ChildNotReady, Restarts, owned_by_the_worker
 from worker.ipc.frames import HEAD, BadFrame, FrameBuffer, Receiver, Sender
@@ -53,7 +55,7 @@ TESTS = Wire("test", Start, Note, Echoed)
 
 def _protocols() -> list[Wire]:
     """Every protocol's table: a message added to one is round-tripped below."""
-    return [TESTS]
+    return [TESTS, DECODE]
 
 
 # ------------------------------------------------------------- values from the fields
@@ -80,20 +82,26 @@ def _values(hint: Any) -> st.SearchStrategy[Any]:
         return st.lists(_values(args[0]), max_size=4)
     if origin is tuple:
         items = [_values(a) for a in args if a is not Ellipsis]
-        return st.lists(items[0], max_size=4) if Ellipsis in args else st.tuples(*items)
+        return st.lists(items[0], max_size=4).map(tuple) if Ellipsis in args else st.tuples(*items)
     if origin is dict:
         return st.dictionaries(_values(args[0]), _values(args[1]), max_size=4)
+    if dataclasses.is_dataclass(hint):
+        return _built(hint, [f.name for f in dataclasses.fields(hint)])
     raise TypeError(f"no values for {hint!r}: give the test a strategy for it")
 
 
-def _messages(kind: type[Any]) -> st.SearchStrategy[Any]:
-    """Messages of `kind`, each field drawn from its declared type."""
+def _built(kind: type[Any], names: list[str]) -> st.SearchStrategy[Any]:
+    """Instances of `kind`, each of `names` drawn from the type its class declares."""
     hints = typing.get_type_hints(kind, globalns=vars(sys.modules[kind.__module__]))
-    return st.builds(kind, **{name: _values(hints[name]) for name in kind._fields})
+    return st.builds(kind, **{name: _values(hints[name]) for name in names})
 
 
-# Kinds whose fields are not plain values (they cross by `to_wire`): their own strategies.
-CUSTOM: dict[type[Any], st.SearchStrategy[Any]] = {}
+def _messages(kind: type[Any]) -> st.SearchStrategy[Any]:
+    """Messages of `kind`: a NamedTuple's fields, or a dataclass's (one that crosses by
+    `to_wire`, by name)."""
+    if dataclasses.is_dataclass(kind):
+        return _values(kind)
+    return _built(kind, list(kind._fields))
 
 
 def _plain(value: Any) -> Any:
@@ -107,9 +115,7 @@ def _plain(value: Any) -> Any:
 
 def _every_message() -> st.SearchStrategy[tuple[Wire, Any]]:
     pairs = [
-        st.tuples(st.just(wire), CUSTOM.get(kind) or _messages(kind))
-        for wire in _protocols()
-        for kind in wire.kinds
+        st.tuples(st.just(wire), _messages(kind)) for wire in _protocols() for kind in wire.kinds
     ]
     return st.one_of(*pairs)
 

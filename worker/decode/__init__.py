@@ -6,5 +6,5 @@ the `payloads` memory the intake's process fills) and `pool` (decode
 threads in the worker); `cache`, decoded rows of images seen before; `job_path`, the file a
 `path` job names, read under its root; `gil_account`, who holds the GIL while they run.
 
-May import: base, producer.
+May import: base, ipc, producer.
 """

@@ -1,14 +1,15 @@
 """A decode process: decodes the rows the worker sends it, straight into the shared ring.
 
-Started by worker/decode/processes.py as ``python -m worker.decode.process_main``, with the
-staging memory file and one end of a socket pair inherited. It imports the decoders and
+Started by worker/decode/processes.py as ``python -m worker.decode.process_main`` (through
+worker/ipc/child.py), with two sockets, the staging memory file and the payload memory
+inherited; its settings (`DecodeInit`) are its first frame. It imports the decoders and
 numpy, never torch, so it starts in a fraction of a second and holds tens of MB.
 
-What crosses the socket, per work item (a run of one batch's rows, not an image):
-the worker sends a header, the item's description (msgpack: row indices, payload lengths,
-paths, reply streams) and the payload bytes back to back; the process answers 16 bytes
-(the item's token) once every row of it has its record in the result table. The pixels
-and each row's record go through shared memory, never through the socket; with packed rows
+What crosses the sockets is typed messages in frames (worker/ipc/): per work item (a run of
+one batch's rows, not an image) the worker sends a `Run` (row indices, payload lengths,
+paths, reply streams) with the payload bytes as the frame's tail, back to back; the process
+answers `RunDone` once every row of it has its record in the result table. The pixels and
+each row's record go through shared memory, never through the socket; with packed rows
 (worker/decode/packed.py) each image takes its place in its slot as its decode ends. A
 run's rows are decoded cheapest first (by the pixels their headers announce), so that a
 small image sent beside large ones is done before them; the decode budget bounds the run.
@@ -25,17 +26,14 @@ its budget) and replaced, and the rows it had not finished are sent to its repla
 from __future__ import annotations
 
 import contextlib
-import json
-import signal
 import socket
 import struct
 import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import msgpack
 import numpy as np
 import numpy.typing as npt
 import simplejpeg  # type: ignore[import-untyped]
@@ -58,12 +56,9 @@ from worker.decode.jpeg_header import segments
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import open_payloads
 from worker.decode.rows import THUMBNAIL_PIXELS, decode_row, gpu_placement, write_decoded_row
-
-# magic, description length, payload length
-HEADER = struct.Struct("<4sIQ")
-MAGIC = b"GFDI"
-# token (0: the process is ready), spare
-ANSWER = struct.Struct("<qq")
+from worker.ipc.child import owned_by_the_worker
+from worker.ipc.frames import Receiver
+from worker.ipc.messages import Ready, Wire
 
 _ERROR_INDEX = {code: i for i, code in enumerate(ERROR_CODES)}
 _PNG = b"\x89PNG\r\n\x1a\n"
@@ -73,19 +68,41 @@ _JPEG_SIZE = struct.Struct(">HH")  # SOFn, after the precision: height, width
 _FRAMES = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
-def spec_args(spec: DecodeSpec) -> str:
-    return json.dumps(spec.__dict__)
+class DecodeInit(NamedTuple):
+    """A decode process's settings: the first frame the worker sends it."""
+
+    slot: int  # its progress record in the arena
+    layout: dict[str, int]  # the arena's ArenaLayout, by field
+    spec: dict[str, Any]  # the DecodeSpec, by field
+    row_side: int  # 0: rows of the input size, fitted on the device
+    path_root: str  # "": path jobs are refused
+    cache_bytes: int  # its share of the decode cache
+    delay_s: float  # the test hook's sleep before each row
+    max_image_pixels: int  # what Pillow may open (GPUFEED_MAX_IMAGE_PIXELS)
+    payloads_size: int  # the payload memory's bytes (0: none, payloads come in the tail)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view`; False at end of stream (the worker closed its end)."""
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
+class Run(NamedTuple):
+    """A run of one batch's rows; the payloads not in the payload memory come as the
+    frame's tail, back to back."""
+
+    token: int
+    rows: list[int]  # the ring rows
+    lengths: list[int]  # each payload's bytes; -1: a path job (read here); -2: nothing
+    paths: list[bytes | None]
+    namespaces: list[str | None]  # the reply streams the cache keys include (None: not cached)
+    places: list[int]  # where each payload lies in the payload memory (-1: in the tail)
+    gpu: list[bool]  # the worker would have the GPU decode this row if it can
+    accept: float  # of the thumbnails offered to the GPU, the fraction left for it
+
+
+class RunDone(NamedTuple):
+    """Every row of the run `token` has its record in the result table."""
+
+    token: int
+
+
+DECODE = Wire("decode", DecodeInit, Run, RunDone)
 
 
 class RowDecoder:
@@ -315,7 +332,7 @@ def decode_cost(data: memoryview | bytes | None) -> int:
 
 
 def serve(
-    sock: socket.socket,
+    receiver: Receiver,
     answers: socket.socket,
     arena: SharedArena,
     index: int,
@@ -324,85 +341,82 @@ def serve(
     payloads: memoryview | None = None,
 ) -> None:
     """`payloads`: the payload memory the intake's process fills (worker/decode/payloads.py);
-    a row whose place is not -1 reads its bytes there instead of from the message."""
+    a row whose place is not -1 reads its bytes there instead of from the frame's tail."""
     progress = arena.progress[index : index + 1]
-    header = bytearray(HEADER.size)
-    payload = bytearray(1 << 20)
-    answers.sendall(ANSWER.pack(0, 0))
-    while True:
-        if not _recv_exact(sock, memoryview(header)):
-            return
-        magic, meta_len, payload_len = HEADER.unpack(header)
-        if magic != MAGIC:
+    answers.sendall(DECODE.frame(Ready()))
+    while (frame := receiver.next()) is not None:
+        body, tail = frame
+        run = DECODE.message(body)
+        if not isinstance(run, Run):
             raise SystemExit(f"decode process {index}: bad message from the worker")
-        meta = bytearray(meta_len)
-        if not _recv_exact(sock, memoryview(meta)):
-            return
-        if payload_len > len(payload):
-            payload = bytearray(payload_len)
-        view = memoryview(payload)[:payload_len]
-        if not _recv_exact(sock, view):
-            return
-        token, rows, lengths, paths, namespaces, places, gpus, accept = msgpack.unpackb(meta)
-        decoder.thumbnail_accept = accept
-        # The run's start, then no row (the last run's is not this run's), then the token:
-        # the worker reads the token first, so a token it knows comes with its run's time.
-        # The budget bounds the run, not each row alone.
-        progress["started_ns"] = time.monotonic_ns()
-        progress["row"] = -1
-        progress["token"] = token
-        datas: list[memoryview | None] = []
-        offset = 0
-        for length, at in zip(lengths, places, strict=True):
-            # length: the payload's bytes; -1: a path job (read here); -2: nothing to decode.
-            if at >= 0 and payloads is not None:
-                datas.append(payloads[at : at + length])
-            elif length >= 0:
-                datas.append(view[offset : offset + length])
-                offset += length
-            else:
-                datas.append(None)
-        for i in cheapest_first(datas):
-            progress["row"] = rows[i]
-            decoder.decode(rows[i], datas[i], paths[i], namespaces[i], gpus[i])
-        progress["token"] = 0
-        answers.sendall(ANSWER.pack(token, 0))
+        decode_run(run, tail, progress, decoder, payloads)
+        answers.sendall(DECODE.frame(RunDone(run.token)))
+
+
+def decode_run(
+    run: Run,
+    tail: memoryview,
+    progress: Any,
+    decoder: RowDecoder,
+    payloads: memoryview | None,
+) -> None:
+    """Decode every row of `run` into the arena, cheapest first."""
+    decoder.thumbnail_accept = run.accept
+    # The run's start, then no row (the last run's is not this run's), then the token:
+    # the worker reads the token first, so a token it knows comes with its run's time.
+    # The budget bounds the run, not each row alone.
+    progress["started_ns"] = time.monotonic_ns()
+    progress["row"] = -1
+    progress["token"] = run.token
+    datas: list[memoryview | None] = []
+    offset = 0
+    for length, at in zip(run.lengths, run.places, strict=True):
+        # length: the payload's bytes; -1: a path job (read here); -2: nothing to decode.
+        if at >= 0 and payloads is not None:
+            datas.append(payloads[at : at + length])
+        elif length >= 0:
+            datas.append(tail[offset : offset + length])
+            offset += length
+        else:
+            datas.append(None)
+    rows, paths, namespaces, gpus = run.rows, run.paths, run.namespaces, run.gpu
+    for i in cheapest_first(datas):
+        progress["row"] = rows[i]
+        decoder.decode(rows[i], datas[i], paths[i], namespaces[i], gpus[i])
+    progress["token"] = 0
 
 
 def main(argv: list[str]) -> int:
-    # A terminal's Ctrl-C and systemd's stop signal reach the whole process group, this
-    # process too: the worker drains its batches first and ends this process by closing
-    # its socket (its own death closes it as well), so the signals are the worker's alone.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    arena_fd, sock_fd, answers_fd, index = (int(a) for a in argv[:4])
-    layout = ArenaLayout.from_args(argv[4:8])
-    spec = DecodeSpec(**json.loads(argv[8]))
-    row_side = int(argv[9])
-    path_root = Path(argv[10]) if argv[10] else None
-    cache_bytes = int(argv[11])
-    delay_s = float(argv[12])
-    max_image_pixels = int(argv[13])
-    payloads_fd, payloads_size = int(argv[14]), int(argv[15])
-    payloads = open_payloads(payloads_fd, payloads_size, write=False) if payloads_fd >= 0 else None
-    # What the worker sets at start-up (GPUFEED_MAX_IMAGE_PIXELS is checked from the header).
-    Image.MAX_IMAGE_PIXELS = max(max_image_pixels, Image.MAX_IMAGE_PIXELS or 0)
-    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
-    arena = SharedArena.open(layout, arena_fd)
-    decoder = RowDecoder(
-        arena,
-        spec,
-        row_side=row_side,
-        path_root=path_root,
-        cache_bytes=cache_bytes,
-        delay_s=delay_s,
-    )
+    owned_by_the_worker()
+    data_fd, answers_fd, arena_fd, *payloads_fd = (int(a) for a in argv)
     with (
-        socket.socket(fileno=sock_fd) as sock,
+        socket.socket(fileno=data_fd) as sock,
         socket.socket(fileno=answers_fd) as answers,
         contextlib.suppress(BrokenPipeError, ConnectionResetError),
     ):
-        serve(sock, answers, arena, index, decoder, payloads=payloads)
+        receiver = Receiver(sock, tail_bytes=1 << 20)
+        first = receiver.next()
+        if first is None:
+            return 0
+        init = DECODE.message(first[0])
+        if not isinstance(init, DecodeInit):
+            raise SystemExit("decode process: the worker's first message is not its settings")
+        payloads = (
+            open_payloads(payloads_fd[0], init.payloads_size, write=False) if payloads_fd else None
+        )
+        # What the worker sets at start-up (GPUFEED_MAX_IMAGE_PIXELS is checked from the header).
+        Image.MAX_IMAGE_PIXELS = max(init.max_image_pixels, Image.MAX_IMAGE_PIXELS or 0)
+        warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+        arena = SharedArena.open(ArenaLayout(**init.layout), arena_fd)
+        decoder = RowDecoder(
+            arena,
+            DecodeSpec(**init.spec),
+            row_side=init.row_side,
+            path_root=Path(init.path_root) if init.path_root else None,
+            cache_bytes=init.cache_bytes,
+            delay_s=init.delay_s,
+        )
+        serve(receiver, answers, arena, init.slot, decoder, payloads=payloads)
     return 0
 
 

@@ -34,26 +34,21 @@ replacement, no job is lost.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import os
-import queue
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import msgpack
 import numpy as np
 import numpy.typing as npt
 import structlog
 
 from producer.wire import ErrorCode
+from worker.base.errors import GpufeedError
 from worker.decode import gil_account
 from worker.decode.arena import DEFERRED, DONE, ERROR_CODES, PENDING, SharedArena
 from worker.decode.cache import DecodeCache
@@ -62,8 +57,10 @@ from worker.decode.gpu_packed import DeferredRow
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import PayloadMemory
 from worker.decode.pool import DecodeResult, over_budget
-from worker.decode.process_main import ANSWER, HEADER, MAGIC, spec_args
+from worker.decode.process_main import DECODE, DecodeInit, Run, RunDone
 from worker.decode.rows import write_decoded_row
+from worker.ipc.child import READY_TIMEOUT_S, Child, ChildNotReady, Restarts
+from worker.ipc.messages import Ready
 
 if TYPE_CHECKING:
     # For annotations only: importing it at run time would tie this folder to a layer above it.
@@ -71,13 +68,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("gpufeed.decode")
 
-_PROJECT = str(Path(__file__).resolve().parents[2])
 # What each decode process runs (`python -m`).
 CHILD_MODULE = "worker.decode.process_main"
-# sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
-_IOV = 512
-_START_TIMEOUT_S = 60.0
-_Message = list[bytes | memoryview]
 # Processes that die before they are ready, in a row, before the pool gives up on them.
 _MAX_FAILED_STARTS = 3
 # Processes ending on the same rows with none of them started, before those rows fail.
@@ -87,7 +79,7 @@ _MAX_ATTEMPTS = 3
 _PLACES_KEPT = 1 << 16
 
 
-class DecodeProcessesFailed(RuntimeError):
+class DecodeProcessesFailed(GpufeedError, RuntimeError):
     """The decode processes cannot start (a broken install, no memory)."""
 
 
@@ -144,16 +136,10 @@ class _Item:
 @dataclass(eq=False)
 class _Process:
     slot: int  # its progress record in the arena
-    popen: subprocess.Popen[bytes]
-    data: socket.socket  # the worker sends on it (the sender thread, blocking)
-    answers: socket.socket  # the worker reads from it (the event loop, non-blocking)
-    outbox: queue.SimpleQueue[_Message | None]
-    sender: threading.Thread
+    child: Child
     items: dict[int, _Item] = field(default_factory=dict)
     # Rows sent and not yet answered: what routing balances.
     load: int = 0
-    ready: bool = False
-    received: bytearray = field(default_factory=bytearray)
 
 
 class ProcessDecodePool:
@@ -213,7 +199,8 @@ class ProcessDecodePool:
         self.reduced = 0
         self.reduced_ms = 0.0
         self.broken: str | None = None
-        self._failed_starts = 0
+        # Processes that died before they were ready, in a row.
+        self._starts = Restarts(_MAX_FAILED_STARTS)
         self._tokens = itertools.count(1)
         self._next = 0  # the process that gets the next group's first run
         # With the cache on: the process each image (by its fingerprint) was last sent to.
@@ -234,119 +221,66 @@ class ProcessDecodePool:
 
     @property
     def pids(self) -> list[int]:
-        return [p.popen.pid for p in self._procs]
+        return [p.child.pid for p in self._procs]
 
     # ---------------------------------------------------------------- processes
     def _spawn(self, slot: int) -> _Process:
         self.arena.progress[slot] = (0, -1, 0)
-        data_parent, data_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         memory = self.payloads
-        answers_parent, answers_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with contextlib.suppress(OSError):
-            data_parent.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT, env.get("PYTHONPATH")) if p)
-        args = [
-            sys.executable,
-            "-m",
+        child = Child(
             CHILD_MODULE,
-            str(self.arena.fd),
-            str(data_child.fileno()),
-            str(answers_child.fileno()),
-            str(slot),
-            *self.arena.layout.as_args(),
-            spec_args(self.spec),
-            str(self.row_side),
-            str(self.path_root or ""),
-            str(self.cache_bytes),
-            repr(self.delay_s),
-            str(self.max_image_pixels),
-            str(memory.fd if memory is not None else -1),
-            str(memory.size if memory is not None else 0),
-        ]
-        fds = (self.arena.fd, data_child.fileno(), answers_child.fileno())
-        try:
-            popen = subprocess.Popen(
-                args,
-                pass_fds=fds if memory is None else (*fds, memory.fd),
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            data_child.close()
-            answers_child.close()
-        answers_parent.setblocking(False)
-        outbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
-        sender = threading.Thread(
-            target=_send_loop,
-            args=(data_parent, outbox),
-            name=f"gpufeed-decode-send-{slot}",
-            daemon=True,
+            wire=DECODE,
+            sender=f"gpufeed-decode-send-{slot}",
+            fds=(self.arena.fd,) if memory is None else (self.arena.fd, memory.fd),
+            send_buffer=4 << 20,
+            sendmsg=_sendmsg,
         )
-        proc = _Process(slot, popen, data_parent, answers_parent, outbox, sender)
-        sender.start()
-        self._loop.add_reader(answers_parent.fileno(), self._on_answer, proc)
+        child.send(
+            DecodeInit(
+                slot=slot,
+                layout=self.arena.layout.__dict__,
+                spec=self.spec.__dict__,
+                row_side=self.row_side,
+                path_root=str(self.path_root or ""),
+                cache_bytes=self.cache_bytes,
+                delay_s=self.delay_s,
+                max_image_pixels=self.max_image_pixels,
+                payloads_size=memory.size if memory is not None else 0,
+            )
+        )
+        proc = _Process(slot, child)
+        child.watch(self._loop, self._on_answer, proc)
         return proc
 
     def _wait_ready(self) -> None:
         """Start-up only: every process imported its decoders and answered."""
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        try:
-            for proc in self._procs:
-                self._wait_one(proc, deadline)
-        except DecodeProcessesFailed:
-            self.shutdown()
-            raise
-
-    def _wait_one(self, proc: _Process, deadline: float) -> None:
-        proc.answers.setblocking(True)
-        try:
-            while not proc.ready:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise DecodeProcessesFailed("decode processes did not start in 60 s")
-                proc.answers.settimeout(left)
-                try:
-                    chunk = proc.answers.recv(ANSWER.size)
-                except TimeoutError:
-                    continue
-                if not chunk:
-                    code = proc.popen.wait()
-                    raise DecodeProcessesFailed(
-                        f"decode process {proc.slot} exited with {code} before it was ready"
-                        " (its error is above)"
-                    )
-                proc.received += chunk
-                self._take_answers(proc)
-        finally:
-            proc.answers.setblocking(False)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for proc in self._procs:
+            try:
+                proc.child.wait_ready(deadline, partial(self._take, proc))
+            except ChildNotReady as exc:
+                self.shutdown()
+                raise DecodeProcessesFailed(
+                    exc.said(f"decode process {proc.slot}", "decode processes")
+                ) from None
 
     def _on_answer(self, proc: _Process) -> None:
-        try:
-            chunk = proc.answers.recv(64 * ANSWER.size)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
+        messages = proc.child.receive()
+        if messages is None:
             if proc in self._procs:
                 self._retire(proc, cause="crash")
             return
-        proc.received += chunk
-        self._take_answers(proc)
+        for message in messages:
+            self._take(proc, message)
 
-    def _take_answers(self, proc: _Process) -> None:
-        while len(proc.received) >= ANSWER.size:
-            token, _ = ANSWER.unpack_from(proc.received)
-            del proc.received[: ANSWER.size]
-            if token == 0:
-                proc.ready = True
-                self._failed_starts = 0
-                continue
-            item = proc.items.pop(token, None)
+    def _take(self, proc: _Process, message: Any) -> None:
+        if isinstance(message, RunDone):
+            item = proc.items.pop(message.token, None)
             if item is not None:
                 proc.load -= len(item.positions)
                 self._collect(item)
+        elif isinstance(message, Ready):
+            self._starts.proved()
 
     def _collect(self, item: _Item) -> None:
         group = item.group
@@ -420,7 +354,7 @@ class ProcessDecodePool:
         past its `until`; `crash`: it died), answer the row it was on and the rows of the
         groups out of time, and send the other rows it had not finished to a new process in
         its place."""
-        self._stop(proc)
+        code = proc.child.end(0)
         # Read once the process is gone: nothing moves under the reads any more.
         progress = self.arena.progress
         token = int(progress["token"][proc.slot])
@@ -429,21 +363,20 @@ class ProcessDecodePool:
         # The process's run: when it started, and whether it is past the budget.
         on_ms = (now - int(progress["started_ns"][proc.slot])) / 1e6
         run_over = on is not None and on_ms >= self.budget_s * 1000
-        code = proc.popen.returncode
         index = self._procs.index(proc)
         log.warning(
             "decode_process_replaced",
             cause=cause,
-            pid=proc.popen.pid,
+            pid=proc.child.pid,
             exit_code=code,
             rows_held=sum(len(item.positions) for item in proc.items.values()),
         )
         # Ended by us, a process that had not started yet says nothing about the install.
-        if not proc.ready and cause == "crash":
-            self._failed_starts += 1
+        if not proc.child.ready and cause == "crash":
+            self._starts.charge()
         if self._closed:
             return
-        if self._failed_starts >= _MAX_FAILED_STARTS:
+        if self._starts.given_up:
             self.broken = f"decode processes exit before they are ready (last exit code {code})"
             log.error("decode_processes_broken", reason=self.broken)
         replacement = None if self.broken else self._spawn(proc.slot)
@@ -531,20 +464,6 @@ class ProcessDecodePool:
             f"the decode process ended (exit code {code}) while decoding this image; it was "
             "replaced",
         )
-
-    def _stop(self, proc: _Process) -> None:
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(proc.answers.fileno())
-        proc.outbox.put(None)
-        if proc.popen.poll() is None:
-            proc.popen.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=5)
-        # Closing both ends also ends a sender blocked on a full socket.
-        with contextlib.suppress(OSError):
-            proc.data.shutdown(socket.SHUT_RDWR)
-        proc.data.close()
-        proc.answers.close()
 
     # ---------------------------------------------------------------- rows
     def submit_rows(
@@ -726,10 +645,8 @@ class ProcessDecodePool:
             else:
                 lengths.append(-1 if job.path is not None else -2)
                 paths.append(job.path)
-        accept = self.gpu_thumbnail_accept
-        meta = msgpack.packb((token, rows, lengths, paths, namespaces, places, gpu, accept))
-        size = sum(len(p) for p in payloads)
-        proc.outbox.put([HEADER.pack(MAGIC, len(meta), size), meta, *payloads])
+        run = Run(token, rows, lengths, paths, namespaces, places, gpu, self.gpu_thumbnail_accept)
+        proc.child.send_parts(DECODE.parts(run, payloads))
 
     async def redecode(
         self, jobs: Sequence[Job], rows: Sequence[npt.NDArray[np.uint8]]
@@ -800,13 +717,10 @@ class ProcessDecodePool:
         self._closed = True
         deadline = time.monotonic() + self.budget_s
         for proc in self._procs:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(proc.answers.fileno())
-            proc.outbox.put(None)
+            proc.child.unwatch()
+            proc.child.close()
         for proc in self._procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            self._stop(proc)
+            proc.child.end(max(0.0, deadline - time.monotonic()))
             for item in proc.items.values():
                 if not item.group.future.done():
                     item.group.future.cancel()
@@ -853,33 +767,8 @@ def waited_over_budget(budget_ms: int) -> DecodeError:
     )
 
 
-def _send_loop(sock: socket.socket, outbox: queue.SimpleQueue[_Message | None]) -> None:
-    """A process's sender thread: blocking sends, the GIL released while the kernel copies."""
-    try:
-        while (buffers := outbox.get()) is not None:
-            _send_all(sock, buffers)
-    except OSError:
-        # The process is gone: the event loop sees its answers end and replaces it.
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_WR)
-
-
-def _send_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
-    views = [memoryview(b) for b in buffers if len(b)]
-    i = 0
-    while i < len(views):
-        chunk = views[i : i + _IOV]
-        # The kernel's copy runs without the GIL: the bench and doctor count it apart.
-        sent = (
-            gil_account.timed(sock.sendmsg, chunk) if gil_account.switch.on else sock.sendmsg(chunk)
-        )
-        while sent and i < len(views):
-            n = views[i].nbytes
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+def _sendmsg(sock: socket.socket, buffers: list[memoryview]) -> int:
+    # The kernel's copy runs without the GIL: the bench and doctor count it apart.
+    if gil_account.switch.on:
+        return gil_account.timed(sock.sendmsg, buffers)
+    return sock.sendmsg(buffers)
