@@ -32,6 +32,7 @@ CUDA_PATH = (
     "worker/base/device.py",
     "worker/pipeline/transfer.py",
     "worker/pipeline/launch.py",
+    "worker/pipeline/gpu_decode.py",
     "worker/pipeline/staging.py",
     "worker/pipeline/completion.py",
     "worker/model/step.py",

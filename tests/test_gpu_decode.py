@@ -39,6 +39,7 @@ from worker.decode.gpu import (
 from worker.decode.pool import DecodePool
 from worker.jobs import Job
 from worker.pipeline.batcher import Batch
+from worker.pipeline.gpu_decode import GpuDecodeStage
 from worker.pipeline.launch import ModelRunner
 from worker.pipeline.staging import InputRing, OutputRing
 from worker.pipeline.transfer import DeviceTransfer
@@ -250,8 +251,10 @@ async def test_runner_on_cpu_decodes_deferred_rows_with_the_cpu_fallback() -> No
     ctx = make_context(torch.device("cpu"))
     ring = InputRing(1, 4, 20, pin=False)
     out_ring = OutputRing(1, 4, 3, pin=False)
-    runner = ModelRunner(ctx, step, DeviceTransfer(ctx, 1, 4, 20), cudagraphs=False)
-    runner.use_gpu_decode(None, pool.decode_on_cpu)  # type: ignore[arg-type]
+    transfer = DeviceTransfer(ctx, 1, 4, 20)
+    runner = ModelRunner(ctx, step, transfer, cudagraphs=False)
+    stage = GpuDecodeStage(transfer)
+    stage.use_rows(None, pool.decode_on_cpu)  # type: ignore[arg-type]
     try:
         images = [jpeg_bytes(60 + 10 * i, 50, seed=i) for i in range(3)]
         slot = await ring.acquire()
@@ -260,7 +263,9 @@ async def test_runner_on_cpu_decodes_deferred_rows_with_the_cpu_fallback() -> No
         batch = Batch(seq=1, slot=slot, jobs=jobs, futures=futures, opened_s=0.0)
         results = await batch.decoded()
         assert all(r.gpu is not None for r in results)
-        launched = await runner.launch(batch, await out_ring.acquire())
+        launched = await runner.launch(
+            batch, await out_ring.acquire(), rows=await stage.rows(batch)
+        )
         assert all(r.gpu is None and r.error is None for r in batch.results)
         for i, data in enumerate(images):
             want, _ = decode_to_array(data, spec)
@@ -270,6 +275,7 @@ async def test_runner_on_cpu_decodes_deferred_rows_with_the_cpu_fallback() -> No
         assert np.array_equal(launched.out.indices_np, ref_idx.numpy())
     finally:
         runner.shutdown()
+        stage.shutdown()
         pool.shutdown()
 
 
@@ -405,8 +411,10 @@ async def test_gpu_rows_and_copied_rows_meet_in_the_twin(gpu_decoder: str) -> No
     )
     ring = InputRing(2, 6, 20, pin=True)
     out_ring = OutputRing(2, 6, 3, pin=True)
-    runner = ModelRunner(ctx, step, DeviceTransfer(ctx, 2, 6, 20), cudagraphs=False)
-    runner.use_gpu_decode(decoder, pool.decode_on_cpu)
+    transfer = DeviceTransfer(ctx, 2, 6, 20)
+    runner = ModelRunner(ctx, step, transfer, cudagraphs=False)
+    stage = GpuDecodeStage(transfer)
+    stage.use_rows(decoder, pool.decode_on_cpu)
     try:
         images = [
             jpeg_bytes(80, 60, seed=1),
@@ -421,7 +429,9 @@ async def test_gpu_rows_and_copied_rows_meet_in_the_twin(gpu_decoder: str) -> No
         batch = Batch(seq=1, slot=slot, jobs=jobs, futures=futures, opened_s=0.0)
         results = await batch.decoded()
         assert [r.gpu is not None for r in results] == [True, False, True, False, True]
-        launched = await runner.launch(batch, await out_ring.acquire())
+        launched = await runner.launch(
+            batch, await out_ring.acquire(), rows=await stage.rows(batch)
+        )
         launched.done.synchronize()  # type: ignore[attr-defined]  # a test may wait
         # Reference: all rows decoded on the CPU, eager step on the device.
         ref = np.zeros((6, 20, 20, 3), dtype=np.uint8)
@@ -433,4 +443,5 @@ async def test_gpu_rows_and_copied_rows_meet_in_the_twin(gpu_decoder: str) -> No
         torch.testing.assert_close(got, ref_scores[:5].cpu(), atol=0.02, rtol=0.05)
     finally:
         runner.shutdown()
+        stage.shutdown()
         pool.shutdown()

@@ -56,6 +56,7 @@ from worker.observe.gpu_sampler import (
     nvml_index_for,
 )
 from worker.pipeline.batcher import Batch
+from worker.pipeline.gpu_decode import GpuDecodeStage
 from worker.pipeline.launch import LaunchFailed, ModelRunner
 from worker.pipeline.staging import InputRing, OutputRing
 from worker.pipeline.transfer import DeviceTransfer
@@ -228,8 +229,10 @@ async def test_a_raising_gpu_decoder_sends_its_rows_to_the_cpu(backend: type) ->
     ctx = make_context(CPU)
     ring = InputRing(1, 4, 20, pin=False)
     out_ring = OutputRing(1, 4, 3, pin=False)
-    runner = ModelRunner(ctx, step, DeviceTransfer(ctx, 1, 4, 20), cudagraphs=False)
-    runner.use_gpu_decode(GpuDecoder(CPU, backend()), pool.decode_on_cpu)
+    transfer = DeviceTransfer(ctx, 1, 4, 20)
+    runner = ModelRunner(ctx, step, transfer, cudagraphs=False)
+    stage = GpuDecodeStage(transfer)
+    stage.use_rows(GpuDecoder(CPU, backend()), pool.decode_on_cpu)
     try:
         images = [jpeg_bytes(60, 50, seed=1), png_bytes(40, 40, seed=2), jpeg_bytes(50, 70, seed=3)]
         slot = await ring.acquire()
@@ -239,7 +242,9 @@ async def test_a_raising_gpu_decoder_sends_its_rows_to_the_cpu(backend: type) ->
         results = await batch.decoded()
         assert [r.gpu is not None for r in results] == [True, False, True]
         with capture_logs() as logs:
-            launched = await runner.launch(batch, await out_ring.acquire())
+            launched = await runner.launch(
+                batch, await out_ring.acquire(), rows=await stage.rows(batch)
+            )
         assert [e["job_ids"] for e in logs if e["event"] == "gpu_decode_failed"] == [["j0", "j2"]]
         assert all(r.gpu is None and r.error is None for r in batch.results)
         for i, data in enumerate(images):
@@ -250,6 +255,7 @@ async def test_a_raising_gpu_decoder_sends_its_rows_to_the_cpu(backend: type) ->
         assert np.array_equal(launched.out.indices_np, ref_idx.numpy())
     finally:
         runner.shutdown()
+        stage.shutdown()
         pool.shutdown()
 
 

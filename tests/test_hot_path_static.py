@@ -21,6 +21,7 @@ FORBIDDEN = frozenset({"item", "cpu", "tolist", "numpy", "synchronize"})
 HOT_PATH = (
     "worker/pipeline/transfer.py",
     "worker/pipeline/launch.py",
+    "worker/pipeline/gpu_decode.py",
     "worker/model/step.py",
     "worker/pipeline/staging.py",
     "worker/pipeline/batcher.py",

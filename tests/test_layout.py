@@ -81,6 +81,17 @@ def test_the_layer_check_sees_an_upward_import_and_passes_over_a_type_only_one(
     assert {layout_page.part_of(n) for n in names} - {None} == {"base", "pipeline"}
 
 
+def test_the_model_runner_only_copies_and_runs_the_step() -> None:
+    # Decoding is the decode stages' (worker/pipeline/gpu_decode.py for the GPU's rows): the
+    # runner that launches the step knows no decoder, so data flows one way.
+    imports = {
+        target
+        for target in module_graph()["worker.pipeline.launch"]
+        if target.startswith("worker.decode")
+    }
+    assert not imports, imports
+
+
 def test_at_most_six_modules_sit_flat_at_the_top() -> None:
     assert len(layout_page.flat_modules()) <= 6, layout_page.flat_modules()
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from worker.base.errors import ConfigError
+from worker.base.errors import ConfigError, GpufeedError
 
 
 class Event(Protocol):
@@ -25,6 +25,16 @@ class Event(Protocol):
     def query(self) -> bool: ...
 
     def elapsed_time(self, end_event: Any) -> float: ...
+
+
+class FencedError(GpufeedError, RuntimeError):
+    """A stage raised after it had queued device work for a batch's slot. `fence` fires once
+    that work has run: the pinned slot is released after it (its twin already waits for
+    it), never on a host wait."""
+
+    def __init__(self, message: str, fence: Event) -> None:
+        super().__init__(message)
+        self.fence = fence
 
 
 class DoneEvent:

@@ -15,9 +15,9 @@ import structlog
 from producer import tenants
 from producer.shards import Shard
 from producer.wire import ErrorCode
+from worker.base.device import FencedError
 from worker.config.lanes import Lanes
 from worker.decode.cpu import DecodeError
-from worker.decode.split import DecodeSplit
 from worker.delivery.sharding import reply_to_problem, wrong_shard_problem
 from worker.fetch.stage import FetchStage
 from worker.jobs import Job, Outcome, past_deadline
@@ -25,8 +25,9 @@ from worker.pipeline.batcher import Batch
 from worker.pipeline.completion import CompletionWatcher
 from worker.pipeline.degrade import DegradeSwitch, Serving
 from worker.pipeline.device_room import DeviceRoom
+from worker.pipeline.gpu_decode import GpuDecodeStage
 from worker.pipeline.job_queue import JobQueue
-from worker.pipeline.launch import Launched, LaunchFailed, ModelRunner
+from worker.pipeline.launch import Launched, ModelRunner
 from worker.pipeline.staging import InputRing
 
 log = structlog.get_logger("gpufeed.worker")
@@ -153,11 +154,11 @@ class Dispatcher:
         steps: Steps,
         answer: Answer,
         on_launched: Callable[[Launched], None],
+        gpu_decode: GpuDecodeStage,
         room: DeviceRoom | None = None,
-        split: DecodeSplit | None = None,
     ) -> None:
         self._room = room
-        self._split = split
+        self._gpu_decode = gpu_decode
         self._upcoming: asyncio.Task[Batch | None] | None = None
         self._sealed = sealed
         self._ring = ring
@@ -177,7 +178,7 @@ class Dispatcher:
         await batch.decoded()
         batch.decoded_s = time.monotonic()
         expire_rows(batch)
-        batch.device_rows = self._runner.start_device_rows(batch)
+        self._gpu_decode.start(batch)
         return batch
 
     async def run(self) -> None:
@@ -201,8 +202,7 @@ class Dispatcher:
                 self._watcher.track(None)
                 return
             upcoming = self._upcoming = asyncio.create_task(self._take(), name="dispatch_take")
-            if self._split is not None:
-                await self._observe_split(batch, ready_s)
+            await self._gpu_decode.observe_split(batch, ready_s)
             results = batch.results
             if not batch.valid_rows:
                 self._dropped()
@@ -219,7 +219,8 @@ class Dispatcher:
             serving = self._steps.now()
             out = await serving.out_ring.acquire()
             try:
-                launched = await self._runner.launch(batch, out, serving)
+                rows = await self._gpu_decode.rows(batch)
+                launched = await self._runner.launch(batch, out, serving, rows=rows)
             except Exception as exc:  # noqa: BLE001 - the batch fails, the worker goes on
                 log.error(
                     "batch_failed",
@@ -229,7 +230,7 @@ class Dispatcher:
                 )
                 serving.out_ring.release(out)
                 self._dropped()
-                if isinstance(exc, LaunchFailed):
+                if isinstance(exc, FencedError):
                     # Device work queued before the failure may still read the slot.
                     batch.slot.copy_done = exc.fence
                     self._ring.release_after_copy(batch.slot)
@@ -250,21 +251,6 @@ class Dispatcher:
             batch.slot.copy_done = launched.copied
             self._ring.release_after_copy(batch.slot)
             self._watcher.track(launched)
-
-    async def _observe_split(self, batch: Batch, ready_s: float) -> None:
-        """Tell the decode split how long this batch kept the dispatcher waiting for its CPU
-        rows (since the later of its arrival and the dispatcher being ready for it) and for
-        its GPU rows (worker/decode/split.py)."""
-        assert self._split is not None
-        cpu_wait = batch.decoded_s - max(batch.taken_s, ready_s)
-        gpu_wait = 0.0
-        rows = batch.device_rows
-        if rows is not None and not rows.done():
-            t0 = time.monotonic()
-            # The launch awaits it (and raises what it raised); here it is only timed.
-            await asyncio.wait([rows])
-            gpu_wait = time.monotonic() - t0
-        self._split.observe(cpu_wait, gpu_wait)
 
     def _dropped(self) -> None:
         """A sealed batch that will not reach the completion watcher leaves the device's

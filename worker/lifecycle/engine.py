@@ -64,6 +64,7 @@ from worker.model.sizes import (
 )
 from worker.model.step import StepFn, build_step, check_step, pick_dtype, resolve_compile_mode
 from worker.observe.health import Health
+from worker.pipeline.gpu_decode import GpuDecodeStage
 from worker.pipeline.launch import ModelRunner
 from worker.pipeline.staging import (
     InputRing,
@@ -105,6 +106,9 @@ class Engine:
     transfer: DeviceTransfer
     ring_budget: dict[str, Any]
     runner: ModelRunner
+    # The stage between the batcher and the launch: the rows left for the GPU decoded, and
+    # (GPU decode into packed rows) the split of each batch with the decode processes.
+    gpu_decode: GpuDecodeStage
     compile_report: CompileReport
     precision: PrecisionReport | AgreementReport | None
     decoder: AnyDecodePool
@@ -119,8 +123,6 @@ class Engine:
     degraded: DegradedModel | None = None
     degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
     degraded_out_ring: OutputRing | None = None
-    # GPU decode into packed rows: the split of each batch with the decode processes.
-    decode_split: DecodeSplit | None = None
 
     def staged_bytes_per_image(self) -> int:
         """Bytes staged (and copied to the device) per image: with packed rows, what the
@@ -222,6 +224,9 @@ async def warm_up(
     log.info("resize_placement", placement=placement, **budget)
     mode = resolve_compile_mode(cfg.compile, device)
     runner = ModelRunner(ctx, step, transfer, cudagraphs=mode_uses_cudagraphs(mode) and ctx.is_cuda)
+    gpu_decode = GpuDecodeStage(transfer)
+    # Callbacks run last first: the launch thread ends before the GPU decoders it may wait on.
+    exit_stack.callback(gpu_decode.shutdown)
     exit_stack.callback(runner.shutdown)
     health.watch_launches(lambda: runner.launch_started_s, cfg.ring_slots, device=device)
     example = torch.zeros((batch_size, side, side, 3), dtype=torch.uint8, device=device)
@@ -314,7 +319,6 @@ async def warm_up(
     cache = DecodeCache(cache_bytes // 2 if arena is not None else cache_bytes)
     decoder: AnyDecodePool
     payloads: PayloadMemory | None = None
-    split: DecodeSplit | None = None
     if arena is not None:
         if plan.intake == "process":
             payloads = _payload_memory(cfg, batch_size, exit_stack)
@@ -324,7 +328,7 @@ async def warm_up(
         exit_stack.callback(decoder.shutdown)
         if plan.packed and cfg.decode != "cpu":
             split, share_why = _packed_gpu_decode(
-                cfg, loaded, device, decoder, runner, rows=rows, make_backend=gpu_backend
+                cfg, loaded, device, decoder, gpu_decode, rows=rows, make_backend=gpu_backend
             )
             share = split.share if split is not None else 0.0
             plan = replace(plan, gpu_decode_share=share, gpu_decode_why=share_why)
@@ -333,7 +337,7 @@ async def warm_up(
             cfg,
             loaded,
             device=device,
-            runner=runner,
+            gpu_decode=gpu_decode,
             threads=threads,
             cache=cache,
             rows=rows,
@@ -353,6 +357,7 @@ async def warm_up(
         transfer=transfer,
         ring_budget=budget,
         runner=runner,
+        gpu_decode=gpu_decode,
         compile_report=report,
         precision=precision,
         decoder=decoder,
@@ -363,7 +368,6 @@ async def warm_up(
         degraded=degraded,
         degraded_step=compiled.degraded_step,
         degraded_out_ring=degraded_out_ring,
-        decode_split=split,
     )
 
 
@@ -494,13 +498,13 @@ def _packed_gpu_decode(
     loaded: LoadedModel,
     device: torch.device,
     pool: ProcessDecodePool,
-    runner: ModelRunner,
+    gpu_decode: GpuDecodeStage,
     *,
     rows: int,
     make_backend: Callable[[], BatchJpegBackend] | None,
 ) -> tuple[DecodeSplit | None, str]:
     """GPU decode into packed rows (GPUFEED_DECODE=gpu|auto with decode processes): the
-    decoder the runner uses, and the split of each batch's rows between it and the
+    decoder the GPU decode stage uses, and the split of each batch's rows between it and the
     processes, with why. (None, why) where it cannot run: an error for `gpu`, a log line
     for `auto`."""
     mode = cfg.decode
@@ -558,7 +562,7 @@ def _packed_gpu_decode(
         pool.gpu_share = value
 
     split = DecodeSplit(share, tune=setting is None, on_change=set_share)
-    runner.use_packed_gpu_decode(decoder, pool.redecode)
+    gpu_decode.use_packed(decoder, pool.redecode, split)
     log.info("gpu_decode", decode=mode, gpu_decoder=decoder.backend_name, share=round(share, 3))
     return split, why
 
@@ -579,7 +583,7 @@ def _decode_pool(
     loaded: LoadedModel,
     *,
     device: torch.device,
-    runner: ModelRunner,
+    gpu_decode: GpuDecodeStage,
     threads: int,
     cache: DecodeCache,
     rows: int,
@@ -622,7 +626,7 @@ def _decode_pool(
     )
     exit_stack.callback(decoder.shutdown)
     if gpu is not None:
-        runner.use_gpu_decode(gpu_decoder, decoder.decode_on_cpu)
+        gpu_decode.use_rows(gpu_decoder, decoder.decode_on_cpu)
     return decoder
 
 

@@ -232,7 +232,7 @@ def wire(
         answer=writer.put,
         on_launched=health.launched,
         room=room,
-        split=engine.decode_split,
+        gpu_decode=engine.gpu_decode,
     )
     stages = Stages(
         engine=engine,

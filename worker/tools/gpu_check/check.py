@@ -426,28 +426,28 @@ def count_step_replays(owner: Any, attr: str = "step") -> Iterator[StepReplays]:
             graph_cls.replay = original_replay
 
 
-def gpu_decoder_of(runner: Any) -> str | None:
+def gpu_decoder_of(stage: Any) -> str | None:
     """The GPU JPEG decoder the run's decode resolved to (None: the CPU decodes every row)."""
-    if runner.packed_decoder is not None:
-        return f"{runner.packed_decoder.backend_name} (packed rows)"
-    if runner.gpu_decoder is not None:
-        return f"{runner.gpu_decoder.backend.name} (decode threads)"
+    if stage.packed_decoder is not None:
+        return f"{stage.packed_decoder.backend_name} (packed rows)"
+    if stage.gpu_decoder is not None:
+        return f"{stage.gpu_decoder.backend.name} (decode threads)"
     return None
 
 
-def gpu_engines_of(runner: Any) -> dict[str, bool] | None:
+def gpu_engines_of(stage: Any) -> dict[str, bool] | None:
     """Which of nvImageCodec's GPU backends answered the decoder's start-up probe (the
     hardware JPEG engines among them); None where no nvImageCodec decoder runs."""
-    if runner.packed_decoder is not None:
-        return dict(runner.packed_decoder.engines) or None
-    if runner.gpu_decoder is not None:
-        engines = getattr(runner.gpu_decoder.backend, "engines", None)
+    if stage.packed_decoder is not None:
+        return dict(stage.packed_decoder.engines) or None
+    if stage.gpu_decoder is not None:
+        engines = getattr(stage.gpu_decoder.backend, "engines", None)
         return dict(engines) if engines else None
     return None
 
 
-def _wrong_shape(runner: Any) -> int:
-    decoder = runner.packed_decoder if runner.packed_decoder is not None else runner.gpu_decoder
+def _wrong_shape(stage: Any) -> int:
+    decoder = stage.packed_decoder if stage.packed_decoder is not None else stage.gpu_decoder
     return int(getattr(decoder, "wrong_shape", 0))
 
 
@@ -462,22 +462,22 @@ class GpuRows:
 
 
 @contextlib.contextmanager
-def count_gpu_rows(runner: Any) -> Iterator[GpuRows]:
-    """The rows the runner's GPU JPEG decoder decoded while active (final when it ends):
+def count_gpu_rows(stage: Any) -> Iterator[GpuRows]:
+    """The rows the GPU decode stage's JPEG decoder decoded while active (final when it ends):
     the packed rows' decoder counts its own; the decode threads' one is counted here, call
     by call, through its instance."""
     counts = GpuRows()
-    wrong_shape = _wrong_shape(runner)
-    packed = runner.packed_decoder
+    wrong_shape = _wrong_shape(stage)
+    packed = stage.packed_decoder
     if packed is not None:
         decoded, failed = packed.decoded, packed.failed
         try:
             yield counts
         finally:
             counts.decoded, counts.failed = packed.decoded - decoded, packed.failed - failed
-            counts.wrong_shape = _wrong_shape(runner) - wrong_shape
+            counts.wrong_shape = _wrong_shape(stage) - wrong_shape
         return
-    threads = runner.gpu_decoder
+    threads = stage.gpu_decoder
     if threads is None:
         yield counts
         return
@@ -494,7 +494,7 @@ def count_gpu_rows(runner: Any) -> Iterator[GpuRows]:
         yield counts
     finally:
         del threads.decode_rows  # the class's method again
-        counts.wrong_shape = _wrong_shape(runner) - wrong_shape
+        counts.wrong_shape = _wrong_shape(stage) - wrong_shape
 
 
 class Report:
@@ -858,7 +858,7 @@ async def _measure_pipeline(
             redis0 = await redis_cpu_s(worker.redis)
             with (
                 count_step_replays(worker.runner) as replays,
-                count_gpu_rows(worker.runner) as gpu_rows,
+                count_gpu_rows(worker.engine.gpu_decode) as gpu_rows,
             ):
                 n0, t0, b0 = done_count(), time.monotonic(), c.batches
                 hits0, errors0 = c.cache_hits, c.results_error
@@ -908,14 +908,14 @@ async def _measure_pipeline(
                     "gpu_decode_share": worker.engine.plan.gpu_decode_share,
                     "gpu_decode_why": worker.engine.plan.gpu_decode_why,
                     "decode_setting": args.decode,
-                    "gpu_decoder": gpu_decoder_of(worker.runner),
+                    "gpu_decoder": gpu_decoder_of(worker.engine.gpu_decode),
                     "gpu_decoded_in_window": gpu_rows.decoded,
                     "gpu_decode_failed_in_window": gpu_rows.failed,
                     # Of those handed back, the rows the library wrote at another shape
                     # than their place (its EXIF reading and ours disagreeing).
                     "gpu_decode_wrong_shape_in_window": gpu_rows.wrong_shape,
                     # Whether the hardware JPEG engines answered at start-up.
-                    "gpu_engines": gpu_engines_of(worker.runner),
+                    "gpu_engines": gpu_engines_of(worker.engine.gpu_decode),
                     **redis_cpu,
                 },
             )
@@ -1097,7 +1097,7 @@ async def _measure_before(
     the same worker: what the engines add on this host. Judged by no rule: `why_not`
     says why there is no time for it (None: there is)."""
     pool = worker.decoder
-    split = worker.engine.decode_split
+    split = worker.engine.gpu_decode.split
     if split is None or not isinstance(pool, ProcessDecodePool):
         report.skip("before", "no GPU decode in this run")
         return
