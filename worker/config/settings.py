@@ -1,8 +1,9 @@
 """The worker's configuration: one typed object, read once at start-up from env and flags.
 
-Every setting has an environment variable (the names in DESIGN.md are part of the contract
-with operators) and may be overridden by a CLI flag of the same name in kebab case. Invalid
-values raise ConfigError with one line that names the variable and what is accepted.
+Every setting has an environment variable (the names docs/reference/configuration.md lists
+are part of the contract with operators) and may be overridden by a CLI flag of the same
+name in kebab case. Invalid values raise ConfigError with one line that names the variable
+and what is accepted.
 """
 
 from __future__ import annotations

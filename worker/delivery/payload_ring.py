@@ -1,7 +1,7 @@
 """Where the intake's process may put the next read's image payloads, and when it may reuse
 that memory.
 
-The payload memory (worker/delivery/payload_arena.py) is used as a ring: each read's
+The payload memory (worker/decode/payloads.py) is used as a ring: each read's
 payloads take one contiguous span, after the span of the read before. A span comes free
 once every job it holds has had its result published; the ring reuses memory in the order
 it handed it out, so a span that frees early waits for the older ones before its memory

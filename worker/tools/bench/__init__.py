@@ -1,6 +1,6 @@
 """`python -m worker bench` (`make bench`): what gpufeed is worth, measured on this machine.
 
-- `runner`: one invocation runs the direct-feed ceiling, the naive reference worker, gpufeed
+- `suite`: one invocation runs the direct-feed ceiling, the naive reference worker, gpufeed
   with its defaults and with each optimisation switched off (every job's bytes unique, so
   the decode cache never hits), and the decode cache on repeated images, on deterministic
   image sets;
@@ -16,5 +16,11 @@
 - `accuracy`: both resize placements against torchvision's eval transforms (pixels, a
   classifier's top-1 and embedding cosine);
 - `probe`: CPU per thread group, GPU utilisation and memory during a run;
-- `report`: report.json (docs/bench-schema.md), report.md and throughput.png.
+- the sections beside those runs, one module each: `overhead` (what gpufeed costs per job,
+  beside `queue_ceiling`), `load_latency`, `live_producer`, `priority`, `tenants`,
+  `warm_start`, `batch` and `process_scaling`; `url_jobs` and `image_server` for `url`
+  jobs;
+- `report`: report.json (docs/bench-schema.md), report.md and throughput.png; `provenance`:
+  the CPU and the source tree its figures come from; `figures_page`: docs/figures.md,
+  written from a report.
 """
