@@ -5,6 +5,7 @@ when its process dies or Redis refuses it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from producer.wire import ErrorCode
 from worker.config.settings import WorkerConfig
+from worker.delivery import outcome_wire
 from worker.delivery.outcome_wire import outcome_rows, outcomes_of
 from worker.delivery.writer import PublishCall, PublishState, WriterSettings
 from worker.delivery.writer_main import WriterInit
@@ -116,6 +118,59 @@ def test_what_the_writer_process_receives_publishes_as_the_loop_would(
     assert call.split(received) == call.split(outcomes)
     for where in call.split(outcomes):
         assert call.args([got[i] for i in where]) == call.args([sent[i] for i in where])
+
+
+def test_every_field_of_a_job_and_an_outcome_crosses_or_is_left_on_purpose() -> None:
+    """A field added to Job or Outcome is carried to the writer's process or named as left
+    in the worker: never dropped unseen on its way."""
+    job_fields = {f.name for f in dataclasses.fields(Job)}
+    carried, left = set(outcome_wire.JOB_FIELDS), outcome_wire.JOB_LEFT
+    assert not carried & left
+    assert job_fields == carried | left, (
+        f"worker/delivery/outcome_wire.py: carry {sorted(job_fields - carried - left)} to the "
+        "writer's process (JOB_FIELDS) or say why it stays (JOB_LEFT)"
+    )
+    outcome_fields = {f.name for f in dataclasses.fields(Outcome)}
+    converted = {"job", "answer", "error_code"}
+    assert (
+        outcome_fields == set(outcome_wire.OUTCOME_FIELDS) | outcome_wire.OUTCOME_LEFT | converted
+    )
+
+
+def test_each_carried_field_arrives_with_its_own_value() -> None:
+    """Each carried field gets a value no other field has: one read by the wrong name or
+    place would show."""
+    values: dict[str, object] = {
+        "entry_id": "1-1",
+        "job_id": "own-id",
+        "reply_to": "replies",
+        "meta": b"meta",
+        "stream": "jobs:high",
+        "level": "high",
+        "has_own_id": True,
+        "timings_ms": {"decode": 1.5},
+    }
+    assert set(values) == set(outcome_wire.JOB_FIELDS)
+    job = Job(image=b"x", path=None, **values)
+    sent = Outcome(
+        job=job,
+        ok=False,
+        error_code=ErrorCode.UNSUPPORTED_FORMAT,
+        error_message="bad",
+        extra={"width": 3},
+        dead_fields=[b"image", "x"],
+    )
+    frame = msgpack.packb(outcome_rows([sent]), use_bin_type=True)
+    (got,) = outcomes_of(msgpack.unpackb(frame, raw=False, strict_map_key=False))
+    assert {name: getattr(got.job, name) for name in values} == values
+    assert got.job.image is None
+    assert (got.ok, got.error_code, got.error_message, got.extra, got.dead_fields) == (
+        False,
+        ErrorCode.UNSUPPORTED_FORMAT,
+        "bad",
+        {"width": 3},
+        [b"image", "x"],
+    )
 
 
 def _read_jobs(client: redis.Redis, n: int, *, dead: bool = False) -> list[Outcome]:

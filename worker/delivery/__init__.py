@@ -12,5 +12,5 @@ its reading of XREADGROUP's replies, payloads straight into shared memory; `payl
 which part of the payload memory each read may fill). It imports model for the answer kinds, which
 the writer's process rebuilds from their rows.
 
-May import: base, config, jobs, model, producer.
+May import: base, config, ipc, jobs, model, producer.
 """

@@ -1,23 +1,24 @@
 """The result writer's process: publishes the outcomes the worker sends it.
 
 Started by worker/delivery/writer_process.py as ``python -m worker.delivery.writer_main``
-with one end of two socket pairs inherited: frames from the worker, reports to it. It runs
+(through worker/ipc/child.py) with one end of two socket pairs inherited: frames from the
+worker, reports to it. It runs
 the very ResultWriter (one per shard) a worker without it runs on its event loop, with its
 own Redis clients, so every guarantee of the writer holds unchanged (atomic
 acknowledge-and-publish, retries while Redis is away, refusals, stand-ins, replica waits);
 what moves is its Python per job. It imports redis and msgpack, never torch or numpy.
 
-Frames both ways are a 4-byte length and a msgpack array. The worker sends:
+Both ways cross typed messages in frames (worker/ipc/; `WRITER` lists them). The worker
+sends:
 
-- ``[init]``: the `WriterInit`, first frame only;
-- ``["put", token, rows]``: a batch's outcomes for the queue (worker/delivery/outcome_wire.py);
-- ``["now", token, rows]``: outcomes published outside the queue (`publish_now`);
-- ``["close"]``: publish what is queued, then end.
+- `WriterInit`, first frame only;
+- `Put`: a batch's outcomes for the queue, as rows (worker/delivery/outcome_wire.py);
+- `Now`: outcomes published outside the queue (`publish_now`);
+- `Close`: publish what is queued, then end.
 
-This process answers ``["ready"]`` once, then ``["done", token, positions, states, write_ms,
-published, duplicates]`` per publish of the token's outcomes, ``["now_done", token]``,
-``["stall", seconds, reason]`` when the writer's stall changes, ``["event", name, n]`` for
-the worker's metrics, and ``["closed"]`` last. The end of the worker's socket is a close.
+This process answers `Ready` once, then `Done` per publish of a token's outcomes, `NowDone`,
+`Stall` when the writer's stall changes, `Event` for the worker's metrics, and `Closed`
+last. The end of the worker's socket is a close.
 """
 
 from __future__ import annotations
@@ -25,15 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
-import struct
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
-import msgpack
 import structlog
 from redis.asyncio.cluster import RedisCluster
 
@@ -45,11 +44,13 @@ from worker.delivery.redis_check import make_client
 from worker.delivery.replicas import ReplicaWait
 from worker.delivery.sharding import ShardedWriter
 from worker.delivery.writer import ResultWriter, WriterSettings
+from worker.ipc.child import owned_by_the_worker
+from worker.ipc.frames import read_async
+from worker.ipc.messages import Ready, Wire
 from worker.jobs import Outcome
 
 log = structlog.get_logger("gpufeed.writer")
 
-FRAME = struct.Struct("<I")
 # How often the writer's stall is looked at (a change is sent to the worker).
 STALL_POLL_S = 0.25
 
@@ -91,13 +92,12 @@ class WriterInit:
             log_level=cfg.log_level,
         )
 
-    def frame(self) -> bytes:
-        fields = {**self.__dict__, "writers": [w.__dict__ for w in self.writers]}
-        return pack_frame([fields])
+    def to_wire(self) -> dict[str, Any]:
+        """Its fields by name, the writers' too (a message's fields are plain values)."""
+        return {**self.__dict__, "writers": [w.__dict__ for w in self.writers]}
 
     @classmethod
-    def from_frame(cls, body: bytes) -> WriterInit:
-        (fields,) = msgpack.unpackb(body, raw=False)
+    def from_wire(cls, fields: dict[str, Any]) -> WriterInit:
         # msgpack gives lists back where the settings hold tuples.
         writers = [
             WriterSettings(**{**w, "owned": tuple(tuple(row) for row in w.get("owned", ()))})
@@ -106,20 +106,67 @@ class WriterInit:
         return cls(writers=writers, **fields)
 
 
-# Each side packs from one thread only (its event loop), so one Packer each will do.
-_pack = msgpack.Packer(use_bin_type=True).pack
+class Put(NamedTuple):
+    """A batch's outcomes, for the writer's queue."""
+
+    token: int
+    rows: list[Row]
 
 
-def pack_frame(message: list[Any]) -> bytes:
-    """`message` as a frame: its length, then its msgpack."""
-    body = _pack(message)
-    return FRAME.pack(len(body)) + body
+class Now(NamedTuple):
+    """Outcomes to publish outside the queue (`ResultWriter.publish_now`)."""
+
+    token: int
+    rows: list[Row]
+
+
+class Close(NamedTuple):
+    """Publish what is queued, then end."""
+
+
+class Done(NamedTuple):
+    """Outcomes of `token` published (by their positions in it), with the writers' counts."""
+
+    token: int
+    positions: list[int]
+    states: list[int]  # PublishState, each
+    write_ms: list[float]
+    published: int
+    duplicates: int
+
+
+class NowDone(NamedTuple):
+    """The `Now` of `token` is published."""
+
+    token: int
+
+
+class Stall(NamedTuple):
+    """The writer's stall changed: answers have waited `seconds` (0: none) because of
+    `reason`."""
+
+    seconds: float
+    reason: str
+
+
+class Event(NamedTuple):
+    """An event the worker's metrics count."""
+
+    name: str
+    n: int
+
+
+class Closed(NamedTuple):
+    """Everything sent before `Close` is published: the last message."""
+
+
+WRITER = Wire("writer", WriterInit, Put, Now, Close, Done, NowDone, Stall, Event, Closed)
 
 
 class WriterService:
     """The writers of one worker, fed by its frames."""
 
-    def __init__(self, init: WriterInit, send: Any) -> None:
+    def __init__(self, init: WriterInit, send: Callable[[Any], None]) -> None:
         self._send = send
         url = init.redis_url
         self._clients: list[Any] = []
@@ -128,7 +175,7 @@ class WriterService:
             ReplicaWait(
                 init.wait_replicas,
                 init.wait_replicas_timeout_ms,
-                on_short=lambda n: self._send(["event", "replica_wait_timeout", n]),
+                on_short=lambda n: self._send(Event("replica_wait_timeout", n)),
             )
             if init.wait_replicas
             else None
@@ -174,7 +221,7 @@ class WriterService:
             got[2].append(outcome.job.timings_ms.get("write", 0.0))
         published, duplicates = self.writer.published, self.writer.duplicates
         for token, (positions, got_states, write_ms) in by_token.items():
-            self._send(["done", token, positions, got_states, write_ms, published, duplicates])
+            self._send(Done(token, positions, got_states, write_ms, published, duplicates))
 
     def _outcomes(self, token: int, rows: list[Row]) -> list[Outcome]:
         outcomes = outcomes_of(rows)
@@ -185,7 +232,7 @@ class WriterService:
 
     async def _publish_now(self, token: int, rows: list[Row]) -> None:
         await self.writer.publish_now(self._outcomes(token, rows))
-        self._send(["now_done", token])
+        self._send(NowDone(token))
 
     async def _watch_stall(self) -> None:
         while True:
@@ -193,7 +240,7 @@ class WriterService:
             stall = (seconds > 0, reason)
             if stall != self._stall:
                 self._stall = stall
-                self._send(["stall", seconds, reason])
+                self._send(Stall(seconds, reason))
             await asyncio.sleep(STALL_POLL_S)
 
     async def serve(self, reader: asyncio.StreamReader) -> None:
@@ -208,22 +255,21 @@ class WriterService:
         watch = asyncio.create_task(self._watch_stall(), name="writer-stall")
         now: set[asyncio.Task[None]] = set()
         try:
-            self._send(["ready"])
+            self._send(Ready())
             while True:
-                frame = await _read_frame(reader)
-                if frame is None or frame[0] == "close":
+                message = await _read(reader)
+                if message is None or isinstance(message, Close):
                     break
-                kind, token, rows = frame
-                if kind == "put":
-                    await self.writer.put(self._outcomes(token, rows))
-                elif kind == "now":
-                    task = asyncio.create_task(self._publish_now(token, rows))
+                if isinstance(message, Put):
+                    await self.writer.put(self._outcomes(message.token, message.rows))
+                elif isinstance(message, Now):
+                    task = asyncio.create_task(self._publish_now(message.token, message.rows))
                     now.add(task)
                     task.add_done_callback(now.discard)
             await asyncio.gather(*now)
             await self.writer.close()
             await run
-            self._send(["closed"])
+            self._send(Closed())
         finally:
             for task in (run, watch, *now):
                 task.cancel()
@@ -251,26 +297,23 @@ def _end_if_failed(run: asyncio.Task[None]) -> None:
         os._exit(70)
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> list[Any] | None:
-    """The next frame; None at the end of the worker's socket."""
-    try:
-        head = await reader.readexactly(FRAME.size)
-        (size,) = FRAME.unpack(head)
-        body = await reader.readexactly(size)
-    except asyncio.IncompleteReadError:
-        return None
-    message: list[Any] = msgpack.unpackb(body, raw=False, strict_map_key=False)
-    return message
+async def _read(reader: asyncio.StreamReader) -> Any:
+    """The worker's next message; None at the end of its socket."""
+    frame = await read_async(reader)
+    return None if frame is None else WRITER.message(frame[0])
 
 
 async def _main(data: socket.socket, reports: socket.socket) -> int:
     # Both streams' writers are kept: one dropped closes its socket.
     reader, data_writer = await asyncio.open_connection(sock=data)
     _, writer = await asyncio.open_connection(sock=reports)
-    head = await reader.readexactly(FRAME.size)
-    init = WriterInit.from_frame(await reader.readexactly(FRAME.unpack(head)[0]))
+    init = await _read(reader)
+    if init is None:
+        return 0  # the worker closed its end before it sent the settings
+    if not isinstance(init, WriterInit):
+        raise SystemExit("result writer process: the worker's first message is not its settings")
     configure_logging(init.log_format, init.log_level)
-    service = WriterService(init, lambda message: writer.write(pack_frame(message)))
+    service = WriterService(init, lambda message: writer.write(WRITER.frame(message)))
     try:
         await service.serve(reader)
         await writer.drain()
@@ -281,10 +324,7 @@ async def _main(data: socket.socket, reports: socket.socket) -> int:
 
 
 def main(argv: list[str]) -> int:
-    # The worker owns this process: its Ctrl-C and stop signal reach the whole process
-    # group, and the worker drains its batches before it asks this process to close.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    owned_by_the_worker()
     data = socket.socket(fileno=int(argv[0]))
     reports = socket.socket(fileno=int(argv[1]))
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):

@@ -7,9 +7,9 @@ JPEGs: the loop went from 56-65 to 32-39 µs per job with publishing stubbed out
 writer (worker/delivery/writer.py, one per shard, unchanged) runs in its own process
 (worker/delivery/writer_main.py), and the worker's side is this proxy, with the interface
 of a ResultWriter: per batch it packs the outcomes' rows (worker/delivery/outcome_wire.py)
-into one frame, sent by a thread of its own (a blocking send, without the GIL), and it
-reads one report per publish of a batch back on the event loop, where the worker's
-bookkeeping (held entries, in-flight places, metrics) goes on as before.
+into one frame, sent by the child's sender thread (a blocking send, without the GIL;
+worker/ipc/), and it reads one report per publish of a batch back on the event loop, where
+the worker's bookkeeping (held entries, in-flight places, metrics) goes on as before.
 
 Nothing of a job's guarantee moves to the proxy: a job is acknowledged only with its
 result, by the script, in Redis. A writer process that dies is replaced and sent every
@@ -22,39 +22,43 @@ a failed writer task does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-import os
-import queue
-import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
 from typing import Any
 
-import msgpack
 import structlog
 
+from worker.base.errors import GpufeedError
 from worker.delivery.outcome_wire import outcome_rows
-from worker.delivery.writer_main import FRAME, WriterInit, pack_frame
+from worker.delivery.writer_main import (
+    WRITER,
+    Close,
+    Closed,
+    Done,
+    Event,
+    Now,
+    NowDone,
+    Put,
+    Stall,
+    WriterInit,
+)
+from worker.ipc.child import READY_TIMEOUT_S, Child, ChildNotReady, Restarts
+from worker.ipc.messages import Ready
 from worker.jobs import Outcome
 
 log = structlog.get_logger("gpufeed.writer")
 
-_PROJECT = str(Path(__file__).resolve().parents[2])
 CHILD_MODULE = "worker.delivery.writer_main"
-_START_TIMEOUT_S = 60.0
 # Writer processes that end in a row without publishing anything before the worker stops.
 MAX_RESTARTS = 3
 # How long a writer process may take to end once its socket is closed.
 _EXIT_WAIT_S = 5.0
 
 
-class WriterProcessFailed(RuntimeError):
+class WriterProcessFailed(GpufeedError, RuntimeError):
     """The result writer's process cannot start, or ends again and again."""
 
 
@@ -66,17 +70,6 @@ class _Item:
     done: bytearray
     left: int
     now: asyncio.Future[None] | None = None  # publish_now's waiter
-
-
-@dataclass(eq=False)
-class _Child:
-    popen: subprocess.Popen[bytes]
-    data: socket.socket  # the sender thread writes on it (blocking)
-    sock: socket.socket  # its reports are read from it (the event loop, non-blocking)
-    outbox: queue.SimpleQueue[bytes | None]
-    sender: threading.Thread
-    received: bytearray
-    ready: bool = False
 
 
 class WriterProcess:
@@ -106,7 +99,8 @@ class WriterProcess:
         self._stalled_since: float | None = None
         self._stall_reason = ""
         self._restarting_since: float | None = None
-        self._restarts = 0  # in a row without a publish
+        # Processes that ended in a row without a publish: past MAX_RESTARTS, the worker stops.
+        self._restarts = Restarts(MAX_RESTARTS + 1)
         self._child = self._spawn()
         self._wait_ready()
 
@@ -125,7 +119,7 @@ class WriterProcess:
 
     @property
     def pid(self) -> int:
-        return self._child.popen.pid
+        return self._child.pid
 
     def stalled(self) -> tuple[float, str]:
         """How long answers have waited that could not be published, and why (0: none)."""
@@ -142,20 +136,20 @@ class WriterProcess:
         while len(self._items) >= self._max_items and not self._ended.done():
             self._room.clear()
             await self._room.wait()
-        self._submit("put", outcomes)
+        self._submit(Put, outcomes)
 
     async def publish_now(self, outcomes: list[Outcome]) -> None:
         """Publish outside the queue; returns once the writer's process has (see
         ResultWriter.publish_now)."""
         if outcomes:
             now = self._loop.create_future()
-            self._submit("now", outcomes, now)
+            self._submit(Now, outcomes, now)
             await now
 
     async def close(self) -> None:
         """Ask `run` to finish once everything sent before this call is published."""
         self._closing = True
-        self._child.outbox.put(pack_frame(["close"]))
+        self._child.send(Close())
 
     async def run(self) -> None:
         try:
@@ -165,18 +159,7 @@ class WriterProcess:
 
     def shutdown(self) -> None:
         """End the writer's process (its socket closed; killed if it does not end)."""
-        child = self._child
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(child.sock.fileno())
-        child.outbox.put(None)
-        try:
-            child.popen.wait(timeout=_EXIT_WAIT_S if self._ended.done() else 0.1)
-        except subprocess.TimeoutExpired:
-            child.popen.kill()
-            child.popen.wait()
-        child.sender.join(_EXIT_WAIT_S)
-        child.sock.close()
-        child.data.close()
+        self._child.end(_EXIT_WAIT_S if self._ended.done() else 0.1)
         for item in self._items.values():
             if item.now is not None and not item.now.done():
                 item.now.cancel()
@@ -185,124 +168,63 @@ class WriterProcess:
         self._room.set()
 
     # --------------------------------------------------------------------- sending
-    def _submit(self, kind: str, outcomes: list[Outcome], now: Any = None) -> None:
+    def _submit(
+        self, kind: type[Put] | type[Now], outcomes: list[Outcome], now: Any = None
+    ) -> None:
         if self._ended.done():
             raise WriterProcessFailed("the result writer's process has ended")
         token = next(self._tokens)
         self._items[token] = _Item(outcomes, bytearray(len(outcomes)), len(outcomes), now)
-        self._child.outbox.put(pack_frame([kind, token, outcome_rows(outcomes)]))
+        self._child.send(kind(token, outcome_rows(outcomes)))
 
     # ------------------------------------------------------------------- processes
-    def _spawn(self) -> _Child:
-        data, data_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        reports, reports_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT, env.get("PYTHONPATH")) if p)
-        fds = (data_child.fileno(), reports_child.fileno())
-        try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, *map(str, fds)],
-                pass_fds=fds,
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            data_child.close()
-            reports_child.close()
-        outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        outbox.put(self._init.frame())
-        sender = threading.Thread(
-            target=_send_loop, args=(data, outbox), name="gpufeed-writer-send", daemon=True
-        )
-        sender.start()
-        reports.setblocking(False)
-        child = _Child(popen, data, reports, outbox, sender, bytearray())
-        self._loop.add_reader(reports.fileno(), self._on_readable, child)
+    def _spawn(self) -> Child:
+        child = Child(CHILD_MODULE, wire=WRITER, sender="gpufeed-writer-send")
+        child.send(self._init)
+        child.watch(self._loop, self._on_readable, child)
         return child
 
     def _wait_ready(self) -> None:
         """Start-up only: the writer's process imported its modules and built its writers."""
         child = self._child
-        self._loop.remove_reader(child.sock.fileno())
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        child.sock.setblocking(True)
         try:
-            while not child.ready:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self.shutdown()
-                    raise WriterProcessFailed("the result writer's process did not start in 60 s")
-                child.sock.settimeout(left)
-                try:
-                    chunk = child.sock.recv(1 << 16)
-                except TimeoutError:
-                    continue
-                if not chunk:
-                    code = child.popen.wait()
-                    self.shutdown()
-                    raise WriterProcessFailed(
-                        f"the result writer's process exited with {code} before it was ready"
-                        " (its error is above)"
-                    )
-                child.received += chunk
-                self._take_frames(child)
-        finally:
-            child.sock.setblocking(False)
-        self._loop.add_reader(child.sock.fileno(), self._on_readable, child)
+            child.wait_ready(time.monotonic() + READY_TIMEOUT_S, partial(self._handle, child))
+        except ChildNotReady as exc:
+            self.shutdown()
+            raise WriterProcessFailed(exc.said("the result writer's process")) from None
 
-    def _on_readable(self, child: _Child) -> None:
-        try:
-            chunk = child.sock.recv(1 << 18)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(child.sock.fileno())
-            # After its last report ("closed") a process ends as asked: nothing to replace.
+    def _on_readable(self, child: Child) -> None:
+        messages = child.receive()
+        if messages is None:
+            child.unwatch()
+            # After its last report (`Closed`) a process ends as asked: nothing to replace.
             if child is self._child and not self._ended.done():
                 self._ended_child(child)
             return
-        child.received += chunk
-        self._take_frames(child)
+        for message in messages:
+            self._handle(child, message)
 
-    def _take_frames(self, child: _Child) -> None:
-        buf = child.received
-        start = 0
-        while len(buf) - start >= FRAME.size:
-            (size,) = FRAME.unpack_from(buf, start)
-            end = start + FRAME.size + size
-            if len(buf) < end:
-                break
-            self._handle(child, msgpack.unpackb(buf[start + FRAME.size : end], raw=False))
-            start = end
-        del buf[:start]
-
-    def _handle(self, child: _Child, message: list[Any]) -> None:
-        kind = message[0]
-        if kind == "done":
-            _, token, positions, states, write_ms, published, duplicates = message
-            self._counts = (published, duplicates)
-            self._restarts = 0
-            self._done(token, positions, states, write_ms)
-        elif kind == "now_done":
-            item = self._items.get(message[1])
+    def _handle(self, child: Child, message: Any) -> None:
+        if isinstance(message, Done):
+            self._counts = (message.published, message.duplicates)
+            self._restarts.proved()
+            self._done(message.token, message.positions, message.states, message.write_ms)
+        elif isinstance(message, NowDone):
+            item = self._items.get(message.token)
             if item is not None and item.now is not None:
                 if not item.now.done():
                     item.now.set_result(None)
                 item.now = None
-                self._forget(message[1], item)
-        elif kind == "stall":
-            _, seconds, reason = message
+                self._forget(message.token, item)
+        elif isinstance(message, Stall):
+            seconds = message.seconds
             self._stalled_since = time.monotonic() - seconds if seconds > 0 else None
-            self._stall_reason = reason
-        elif kind == "event":
-            self._on_event(message[1], message[2])
-        elif kind == "ready":
-            child.ready = True
+            self._stall_reason = message.reason
+        elif isinstance(message, Event):
+            self._on_event(message.name, message.n)
+        elif isinstance(message, Ready):
             self._restarting_since = None
-        elif kind == "closed" and not self._ended.done():
+        elif isinstance(message, Closed) and not self._ended.done():
             self._ended.set_result(None)
 
     def _done(
@@ -333,31 +255,21 @@ class WriterProcess:
             del self._items[token]
             self._room.set()
 
-    def _ended_child(self, child: _Child) -> None:
+    def _ended_child(self, child: Child) -> None:
         """The writer's process ended without being asked: a new one gets what it had not
         reported published."""
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(child.sock.fileno())
-        child.outbox.put(None)
-        try:
-            code = child.popen.wait(timeout=_EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:
-            # Its socket closed, yet it runs on: it is replaced all the same.
-            child.popen.kill()
-            code = child.popen.wait()
-        child.sender.join(_EXIT_WAIT_S)
-        child.sock.close()
-        child.data.close()
+        # Its socket closed, yet one that runs on is killed: it is replaced all the same.
+        code = child.end(_EXIT_WAIT_S)
         self._counted = (self.published, self.duplicates)
         self._counts = (0, 0)
-        self._restarts += 1
         held = self.queued
-        if self._restarts > MAX_RESTARTS:
+        if self._restarts.charge():
             log.error("result_writer_process_failed", exit_code=code, held=held)
             self._ended.set_exception(
                 WriterProcessFailed(
-                    f"the result writer's process ended {self._restarts} times in a row without"
-                    f" publishing (last exit code {code}); {held} answers stay pending in Redis"
+                    f"the result writer's process ended {self._restarts.in_a_row} times in a row "
+                    f"without publishing (last exit code {code}); {held} answers stay pending in "
+                    "Redis"
                 )
             )
             self._room.set()
@@ -374,21 +286,8 @@ class WriterProcess:
             del self._items[token]
             todo = [o for o, d in zip(item.outcomes, item.done, strict=True) if not d]
             if todo:
-                self._submit("now" if item.now is not None else "put", todo, item.now)
+                self._submit(Now if item.now is not None else Put, todo, item.now)
             elif item.now is not None:
-                self._submit("now", [], item.now)
+                self._submit(Now, [], item.now)
         if self._closing:
-            self._child.outbox.put(pack_frame(["close"]))
-
-
-def _send_loop(sock: socket.socket, outbox: queue.SimpleQueue[bytes | None]) -> None:
-    """The sender thread: blocking sends, the GIL released while the kernel copies."""
-    try:
-        while (frame := outbox.get()) is not None:
-            sock.sendall(frame)
-    except OSError:
-        # The process is gone: the event loop sees its socket end and replaces it.
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_WR)
+            self._child.send(Close())
