@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-from worker.decode.gpu import synthetic_jpeg
-from worker.decode.gpu_packed import NvImgCodecInto, Place
+from worker.decode.codecs import Place
+from worker.decode.nvimgcodec import NvImgCodec
+from worker.decode.samples import synthetic_jpeg
 
 BUSY = ("alone", "python", "native")
 
@@ -67,7 +68,7 @@ def busy_thread(kind: str) -> Iterator[None]:
 
 
 def timed_calls(
-    backend: NvImgCodecInto,
+    backend: NvImgCodec,
     images: list[bytes],
     buffer: torch.Tensor,
     places: list[Place],
@@ -125,7 +126,7 @@ def main() -> None:
     default_interval = sys.getswitchinterval()
     print(f"{args.images} images of {width}x{height} per lane call, {args.calls} calls each")
     for threads in (int(t) for t in args.threads.split(",")):
-        backend = NvImgCodecInto(args.device, threads=threads)
+        backend = NvImgCodec(device if cuda else None, threads=threads)
         print(f"\n{backend.name}, max_num_cpu_threads={threads}")
         with torch.cuda.stream(stream) if stream is not None else _nothing():
             timed_calls(

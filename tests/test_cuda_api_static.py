@@ -41,6 +41,8 @@ CUDA_PATH = (
     "worker/model/ceiling.py",
     "worker/decode/gpu.py",
     "worker/decode/gpu_packed.py",
+    "worker/decode/nvimgcodec.py",
+    "worker/decode/torchvision_jpeg.py",
     "worker/observe/gpu_sampler.py",
     "worker/observe/health.py",
     "worker/tools/gpu_check/check.py",
@@ -107,7 +109,7 @@ NVIMGCODEC_API = frozenset(
         "NVIMGCODEC_DEVICE_CPU_ONLY",
         "BackendKind",
         "BackendKind.CPU_ONLY",
-        # worker/decode/gpu.py GPU_BACKENDS, taken by name with getattr.
+        # worker/decode/nvimgcodec.py GPU_BACKENDS, taken by name with getattr.
         "BackendKind.HW_GPU_ONLY",
         "BackendKind.GPU_ONLY",
         "BackendKind.HYBRID_CPU_GPU",
@@ -195,7 +197,7 @@ def test_keyword_parameters_exist(name: str, keywords: tuple[str, ...]) -> None:
     assert not missing, f"{name} lacks {missing}"
 
 
-NVIMGCODEC_USERS = ("worker/decode/gpu.py", "worker/decode/gpu_packed.py")
+NVIMGCODEC_USERS = ("worker/decode/nvimgcodec.py",)
 
 
 def nvimgcodec_names_in_code() -> set[str]:
@@ -210,7 +212,7 @@ def test_gpu_decode_uses_only_vendored_nvimgcodec_names() -> None:
     assert used, "the walk found no nvImageCodec use in the GPU decoders"
     assert {"as_images", "Decoder", "NVIMGCODEC_DEVICE_CPU_ONLY"} <= used
     assert used <= NVIMGCODEC_API, f"not in nvImageCodec 0.9: {sorted(used - NVIMGCODEC_API)}"
-    from worker.decode.gpu import GPU_BACKENDS
+    from worker.decode.nvimgcodec import GPU_BACKENDS
 
     taken_by_name = {f"BackendKind.{kind}" for kind in GPU_BACKENDS}
     assert taken_by_name <= NVIMGCODEC_API, sorted(taken_by_name - NVIMGCODEC_API)

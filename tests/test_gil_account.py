@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from worker.decode import gil_account
 from worker.decode.cpu import DecodeSpec, decode_pixels
-from worker.decode.gpu import synthetic_jpeg
+from worker.decode.samples import synthetic_jpeg
 
 _US = st.floats(min_value=0.0, max_value=1e5, allow_nan=False)
 _HELD = st.fixed_dictionaries({k: _US for k in gil_account.KINDS})

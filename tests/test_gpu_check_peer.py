@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from worker.decode.gpu import synthetic_jpeg
+from worker.decode.samples import synthetic_jpeg
 from worker.tools.gpu_check.peer import dataloader_rate
 
 

@@ -20,14 +20,12 @@ from PIL import Image
 from producer.wire import ErrorCode
 from tests.images import encode, jpeg_bytes, photo_like, png_bytes
 from worker.base.device import make_context
+from worker.decode.codecs import GpuEnginesUnavailable
 from worker.decode.cpu import DecodeError, DecodeSpec, decode_to_array
 from worker.decode.gpu import (
     FIT_CHUNK_PIXELS,
     GpuDecoder,
     GpuDecodeRouter,
-    GpuEnginesUnavailable,
-    NvImgCodecBackend,
-    TorchvisionBackend,
     fit_into,
     fit_many_into,
     make_backend,
@@ -36,7 +34,9 @@ from worker.decode.gpu import (
     setup_gpu_decode,
     size_class,
 )
+from worker.decode.nvimgcodec import NvImgCodec
 from worker.decode.pool import DecodePool
+from worker.decode.torchvision_jpeg import TorchvisionJpeg
 from worker.jobs import Job
 from worker.pipeline.batcher import Batch
 from worker.pipeline.gpu_decode import GpuDecodeStage
@@ -140,7 +140,7 @@ def test_router_applies_limits_and_reports_upright_size() -> None:
 
 
 def test_decoder_on_cpu_writes_rows_and_isolates_a_bad_image() -> None:
-    decoder = GpuDecoder(torch.device("cpu"), TorchvisionBackend(torch.device("cpu")))
+    decoder = GpuDecoder(torch.device("cpu"), TorchvisionJpeg(torch.device("cpu")))
     try:
         images = [jpeg_bytes(100, 80, seed=1), jpeg_with_orientation(8), jpeg_bytes(80, 100)]
         rows = []
@@ -174,7 +174,7 @@ def test_a_row_the_decoder_turns_otherwise_than_the_header_goes_to_the_cpu() -> 
     decoder, counted; the rows around it are written as the CPU would write them."""
     pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed")
     cpu = torch.device("cpu")
-    decoder = GpuDecoder(cpu, NvImgCodecBackend(cpu, cpu_only=True))
+    decoder = GpuDecoder(cpu, NvImgCodec(None))
     images = [jpeg_bytes(100, 80, seed=1), jpeg_turned_only_by_its_second_exif()]
     images.append(jpeg_with_orientation(8))
     try:

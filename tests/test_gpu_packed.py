@@ -20,16 +20,11 @@ from structlog.testing import capture_logs
 
 from tests.images import jpeg_bytes
 from tests.test_gpu_decode import jpeg_turned_only_by_its_second_exif
-from worker.decode import gpu
+from worker.decode import nvimgcodec as nvimgcodec_module
+from worker.decode.codecs import GpuEnginesUnavailable, Place
 from worker.decode.cpu import DecodeSpec
-from worker.decode.gpu import GPU_BACKENDS, GpuEnginesUnavailable
-from worker.decode.gpu_packed import (
-    LANE_SWITCH_INTERVAL_S,
-    DeferredRow,
-    NvImgCodecInto,
-    PackedGpuDecoder,
-    Place,
-)
+from worker.decode.gpu_packed import LANE_SWITCH_INTERVAL_S, DeferredRow, PackedGpuDecoder
+from worker.decode.nvimgcodec import GPU_BACKENDS, NvImgCodec
 from worker.decode.packed import BYTES_WORD, HEADER_BYTES, OFFSET_WORD, PackedSlots, packed_side
 from worker.decode.rows import decode_row, gpu_placement
 from worker.model.resample import PackedResampler
@@ -66,7 +61,7 @@ def deferred(row: int, data: bytes | memoryview) -> DeferredRow:
 
 
 def cpu_only_decoder(slots: PackedSlots) -> PackedGpuDecoder:
-    return PackedGpuDecoder(slots, lambda: NvImgCodecInto(None), device=CPU)
+    return PackedGpuDecoder(slots, lambda: NvImgCodec(None), device=CPU)
 
 
 def twin_of(slots: PackedSlots) -> torch.Tensor:
@@ -189,7 +184,7 @@ def decoder_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[DecoderCalls]:
 
     calls = DecoderCalls(nvimgcodec.Decoder)
     monkeypatch.setattr(nvimgcodec, "Decoder", calls)
-    monkeypatch.setattr(gpu, "_engines", {})  # what a fresh process asks
+    monkeypatch.setattr(nvimgcodec_module, "_engines", {})  # what a fresh process asks
     yield calls
 
 
@@ -204,7 +199,7 @@ def test_a_lane_whose_gpu_backends_do_not_answer_refuses_to_start_and_says_so(
     nvImageCodec)."""
     slots = new_slots(2)
     with capture_logs() as logs, pytest.raises(GpuEnginesUnavailable) as raised:
-        PackedGpuDecoder(slots, lambda: NvImgCodecInto(0), device=CPU)
+        PackedGpuDecoder(slots, lambda: NvImgCodec(torch.device("cuda", 0)), device=CPU)
     assert "none of its GPU backends (HW_GPU_ONLY, GPU_ONLY, HYBRID_CPU_GPU)" in str(raised.value)
     assert "nvjpeg" in str(raised.value)
     assert [decoder_calls.kinds(i) for i in range(3)] == [[k] for k in GPU_BACKENDS]
@@ -214,7 +209,7 @@ def test_a_lane_whose_gpu_backends_do_not_answer_refuses_to_start_and_says_so(
     assert event["hardware_engines_answered"] is False
     assert event["log_level"] == "warning" and set(event["why_not"]) == set(GPU_BACKENDS)
     with capture_logs() as again, pytest.raises(GpuEnginesUnavailable):
-        NvImgCodecInto(0)  # the other lane: asked once per process
+        NvImgCodec(torch.device("cuda", 0))  # the other lane: asked once per process
     assert len(decoder_calls.calls) == 3 and again == []
 
 
@@ -225,9 +220,11 @@ def test_a_lane_decodes_with_the_gpu_backends_that_answered_and_one_thread(
     executor thread, and says which answered (the GPU check reports them); the CPU-only
     decoder of the tests takes one thread too."""
     answered = {"HW_GPU_ONLY": True, "GPU_ONLY": False, "HYBRID_CPU_GPU": True}
-    monkeypatch.setattr(gpu, "backend_engines", lambda *a, **k: dict(answered))
+    monkeypatch.setattr(nvimgcodec_module, "backend_engines", lambda *a, **k: dict(answered))
     decoder_calls.answer = object()  # no decoder of these backends can be built here
-    decoder = PackedGpuDecoder(new_slots(2), lambda: NvImgCodecInto(0), device=CPU)
+    decoder = PackedGpuDecoder(
+        new_slots(2), lambda: NvImgCodec(torch.device("cuda", 0)), device=CPU
+    )
     decoder.shutdown()
     assert len(decoder_calls.calls) == 2  # one per lane
     assert decoder_calls.kinds(0) == ["HW_GPU_ONLY", "HYBRID_CPU_GPU"]
@@ -236,7 +233,7 @@ def test_a_lane_decodes_with_the_gpu_backends_that_answered_and_one_thread(
     assert decoder.engines == answered and decoder.hardware_engines_answered
     assert decoder.backend_name.endswith("(HW_GPU_ONLY, HYBRID_CPU_GPU)")
     decoder_calls.answer = None
-    cpu_only = NvImgCodecInto(None)
+    cpu_only = NvImgCodec(None)
     assert decoder_calls.kinds(2) == ["CPU_ONLY"] and cpu_only.engines == {}
     assert decoder_calls.calls[2]["max_num_cpu_threads"] == 1
 
@@ -649,7 +646,7 @@ def test_on_cuda_the_jpeg_engines_write_the_rows_the_cpu_would() -> None:
         everything.write(i, decode_row(data, SPEC, R)[0])
     slots = new_slots(len(images))
     twin = torch.zeros(slots.slot_bytes, dtype=torch.uint8, device=device)
-    decoder = PackedGpuDecoder(slots, lambda: NvImgCodecInto(0), device=device)
+    decoder = PackedGpuDecoder(slots, lambda: NvImgCodec(torch.device("cuda", 0)), device=device)
     try:
         rows = [deferred(i, data) for i, data in enumerate(images)]
         result = decoder.decode_sync(rows, twin)
@@ -678,7 +675,7 @@ def test_the_gpu_checks_engine_rates_time_each_size_and_count_a_batchs_syncs() -
         CPU,
         seconds=0.05,
         sizes=((64, 64, 4, 2), (640, 480, 2, 1)),
-        make_backend=lambda: NvImgCodecInto(None),
+        make_backend=lambda: NvImgCodec(None),
         count_syncs=count_host_syncs,
     )
     assert found["backend"].endswith("(cpu only)")

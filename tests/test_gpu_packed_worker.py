@@ -22,7 +22,9 @@ from tests.images import jpeg_bytes, png_bytes
 from tests.worker_harness import serving, tiny_config, wait_results
 from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
-from worker.decode.gpu_packed import BatchJpegBackend, NvImgCodecInto, PackedGpuDecoder
+from worker.decode.codecs import IntoCodec
+from worker.decode.gpu_packed import PackedGpuDecoder
+from worker.decode.nvimgcodec import NvImgCodec
 from worker.lifecycle.service import Worker
 from worker.tools.bench.accuracy import oriented_jpeg
 
@@ -32,8 +34,8 @@ pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed")
 class CpuOnlyGpuDecode(Worker):
     """A worker whose GPU JPEG decoder is nvImageCodec's CPU-only backend."""
 
-    def gpu_backend(self) -> Callable[[], BatchJpegBackend] | None:
-        return lambda: NvImgCodecInto(None)
+    def gpu_backend(self) -> Callable[[], IntoCodec] | None:
+        return lambda: NvImgCodec(None)
 
 
 def _saved(data: bytes, mode: str, **options: object) -> bytes:
@@ -200,7 +202,7 @@ async def test_gpu_decode_with_processes_says_what_it_cannot_do(
         assert auto.engine.gpu_decode.packed_decoder is None
 
 
-class SlowBackend(NvImgCodecInto):
+class SlowBackend(NvImgCodec):
     """The CPU-only decoder, each call held 0.3 s, counting calls that overlap."""
 
     lock = threading.Lock()
@@ -223,7 +225,7 @@ class SlowBackend(NvImgCodecInto):
 
 
 class SlowGpuDecode(Worker):
-    def gpu_backend(self) -> Callable[[], BatchJpegBackend] | None:
+    def gpu_backend(self) -> Callable[[], IntoCodec] | None:
         return lambda: SlowBackend(None)
 
 

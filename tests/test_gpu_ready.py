@@ -33,19 +33,19 @@ from tests.images import jpeg_bytes, png_bytes
 from tests.test_step import tiny_step
 from tests.worker_harness import running_worker, wait_results
 from worker.base.device import make_context, prepare_graph_thread
-from worker.decode import gpu as gpu_module
+from worker.decode import nvimgcodec as nvimgcodec_module
+from worker.decode.codecs import GpuDecodeUnavailable
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.decode.gpu import (
     GpuDecodeFailed,
     GpuDecoder,
     GpuDecodeRouter,
-    GpuDecodeUnavailable,
-    NvImgCodecBackend,
-    TorchvisionBackend,
     make_backend,
     setup_gpu_decode,
 )
+from worker.decode.nvimgcodec import NvImgCodec
 from worker.decode.pool import DecodePool
+from worker.decode.torchvision_jpeg import TorchvisionJpeg
 from worker.jobs import Job
 from worker.observe.gpu_sampler import (
     CudaIdentity,
@@ -79,7 +79,7 @@ def fake_nvimgcodec(*, colour_specs: Sequence[str], decoder_error: str | None = 
             raise RuntimeError(decoder_error)
         made["decoder"] = kwargs
         # The start-up probe decodes one JPEG per backend: an image of the probe's size.
-        width, height = gpu_module._PROBE_SIZE
+        width, height = nvimgcodec_module._PROBE_SIZE
         probed = types.SimpleNamespace(shape=(height, width, 3))
         return types.SimpleNamespace(
             decode=lambda data, *a, **k: probed if isinstance(data, bytes) else []
@@ -90,7 +90,7 @@ def fake_nvimgcodec(*, colour_specs: Sequence[str], decoder_error: str | None = 
         return kwargs
 
     module.BackendKind = types.SimpleNamespace(  # type: ignore[attr-defined]
-        **{kind: kind for kind in ("CPU_ONLY", *gpu_module.GPU_BACKENDS)}
+        **{kind: kind for kind in ("CPU_ONLY", *nvimgcodec_module.GPU_BACKENDS)}
     )
     module.Backend = lambda kind: kind  # type: ignore[attr-defined]
     module.Decoder = decoder  # type: ignore[attr-defined]
@@ -102,8 +102,8 @@ def fake_nvimgcodec(*, colour_specs: Sequence[str], decoder_error: str | None = 
 @pytest.fixture
 def fresh_probe(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a fresh process asks: no backend probed yet."""
-    monkeypatch.setattr(gpu_module, "_engines", {})
-    monkeypatch.setattr(gpu_module, "_why_not", {})
+    monkeypatch.setattr(nvimgcodec_module, "_engines", {})
+    monkeypatch.setattr(nvimgcodec_module, "_why_not", {})
 
 
 @pytest.mark.usefixtures("fresh_probe")
@@ -112,10 +112,10 @@ def test_nvimgcodec_is_asked_for_srgb(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = fake_nvimgcodec(colour_specs=["UNCHANGED", "SRGB", "GRAY", "SYCC"])
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
     backend = make_backend(CPU, "auto")
-    assert isinstance(backend, NvImgCodecBackend)
+    assert isinstance(backend, NvImgCodec)
     assert fake.made["params"] == {"apply_exif_orientation": True, "color_spec": "SRGB"}
     # The GPU backends that answered the probe, one CPU thread, never the CPU backend.
-    assert fake.made["decoder"]["backends"] == list(gpu_module.GPU_BACKENDS)
+    assert fake.made["decoder"]["backends"] == list(nvimgcodec_module.GPU_BACKENDS)
     assert fake.made["decoder"]["max_num_cpu_threads"] == 1
 
 
@@ -136,7 +136,7 @@ def test_a_broken_nvimgcodec_falls_back_to_torchvision_with_a_log_line(
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
     with capture_logs() as logs:
         backend = make_backend(CPU, "auto")
-    assert isinstance(backend, TorchvisionBackend)
+    assert isinstance(backend, TorchvisionJpeg)
     [line] = [e for e in logs if e["event"] == "gpu_decoder_unavailable"]
     assert line["log_level"] == "warning" and line["using"] == "torchvision"
     assert "none of its GPU backends" in line["reason"]
@@ -149,7 +149,7 @@ def test_a_missing_nvimgcodec_is_not_worth_a_warning(monkeypatch: pytest.MonkeyP
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # import raises ImportError
     with capture_logs() as logs:
         backend = make_backend(CPU, "auto")
-    assert isinstance(backend, TorchvisionBackend)
+    assert isinstance(backend, TorchvisionJpeg)
     assert logs == []
 
 
@@ -196,7 +196,7 @@ class HalfwayBackend:
     applies_exif = True
 
     def __init__(self) -> None:
-        self.real = TorchvisionBackend(CPU)
+        self.real = TorchvisionJpeg(CPU)
 
     def decode(self, datas: Sequence[bytes], stream: Any) -> list[torch.Tensor | None]:
         decoded = self.real.decode(datas, stream)

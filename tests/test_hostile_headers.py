@@ -100,14 +100,15 @@ def test_a_routing_failure_fails_its_row_alone(monkeypatch: pytest.MonkeyPatch) 
 
 pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed")
 
-from worker.decode.gpu_packed import BatchJpegBackend, NvImgCodecInto  # noqa: E402
+from worker.decode.codecs import IntoCodec  # noqa: E402
+from worker.decode.nvimgcodec import NvImgCodec  # noqa: E402
 
 
 class CpuOnlyGpuDecode(Worker):
     """A worker whose GPU JPEG decoder is nvImageCodec's CPU-only backend."""
 
-    def gpu_backend(self) -> Callable[[], BatchJpegBackend] | None:
-        return lambda: NvImgCodecInto(None)
+    def gpu_backend(self) -> Callable[[], IntoCodec] | None:
+        return lambda: NvImgCodec(None)
 
 
 async def test_a_worker_decoding_on_the_gpu_answers_hostile_headers_as_decode_errors(

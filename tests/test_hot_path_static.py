@@ -28,6 +28,8 @@ HOT_PATH = (
     "worker/decode/pool.py",
     "worker/decode/gpu.py",
     "worker/decode/gpu_packed.py",
+    "worker/decode/nvimgcodec.py",
+    "worker/decode/torchvision_jpeg.py",
     "worker/pipeline/completion.py",
     "worker/model/compiler.py",
     "worker/model/ceiling.py",
@@ -69,8 +71,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "synchronize",
     ): "start-up measurement of the GPU decoder's rate, before the worker takes jobs",
     (
-        "worker/decode/gpu_packed.py",
-        "NvImgCodecInto.decode_into",
+        "worker/decode/nvimgcodec.py",
+        "NvImgCodec.decode_into",
         "numpy",
     ): "the CPU-only backend's buffers: numpy views of host memory, never on CUDA",
     (

@@ -1,25 +1,10 @@
-"""JPEG decode on the GPU (GPUFEED_DECODE=gpu|auto), CPU decode for everything else.
+"""JPEG decode on the GPU for the decode threads (GPUFEED_DECODE=gpu|auto), CPU decode for
+everything else.
 
-The library: NVIDIA nvImageCodec (`nvidia-nvimgcodec-cu12` / `-cu13`) where it is
-installed; torchvision's nvJPEG decode otherwise. nvImageCodec is the maintained one: it
-batches nvJPEG, uses the hardware JPEG engine of A100/H100/H200-class GPUs, applies EXIF
-orientation itself, takes our CUDA stream, and returns None for an image it cannot decode
-instead of failing the batch. torchvision's GPU decode (deprecated since torchvision 0.29)
-needs nothing beyond torchvision, which is why it stays as the fallback: it fails a whole
-batch on one bad image (we then retry image by image) and synchronises its own stream on the
-calling thread, which is the GPU decode thread here, never the launch thread.
-
-nvImageCodec is asked for its GPU backends only, each tried on a small JPEG at start-up
-(none answering: no nvImageCodec decoder, said so), with one executor thread. Its EXIF
-reading is not the router's (it reads every EXIF segment, Pillow the first): a row it
-decodes at another upright size than the router read goes to the CPU decoder, counted.
-
-torchvision allocates its outputs on the caller's current stream but writes them on a
-stream of its own. Were that our working stream, a block freed there while our kernels are
-still queued (the stream waits on compute) could come back as the next call's output and
-be overwritten before it was read. So it runs under a stream that allocates nothing else,
-our stream waits on it, and each output is `record_stream`ed on our stream, so the
-allocator keeps it until the resize that reads it has run.
+The codec is one of worker/decode/codecs.py's table (nvImageCodec where it is installed,
+torchvision's nvJPEG otherwise), through its `decode` call. nvImageCodec's EXIF reading is
+not the router's (it reads every EXIF segment, Pillow the first): a row it decodes at
+another upright size than the router read goes to the CPU decoder, counted.
 
 Any failure to build a GPU decoder (nvImageCodec missing or failing, torchvision without
 nvJPEG, no device) leaves the worker on CPU decode with a log line; a decoder that raises
@@ -42,15 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import io
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import structlog
@@ -61,7 +44,15 @@ from PIL import Image
 from producer.wire import ErrorCode
 from worker.base.device import DoneEvent, Event, cuda_event
 from worker.base.errors import GpufeedError
+from worker.decode.codecs import (
+    CODECS,
+    GpuDecodeUnavailable,
+    JpegCodec,
+    NvImgCodecMissing,
+    codec_class,
+)
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_into, resize_geometry
+from worker.decode.samples import synthetic_jpeg
 
 log = structlog.get_logger("gpufeed.gpu_decode")
 
@@ -77,15 +68,6 @@ SIZE_CLASSES: tuple[tuple[str, float], ...] = (
     ("large", float("inf")),
 )
 _CLASS_SAMPLES = {"small": (480, 360), "medium": (1280, 960), "large": (2600, 1950)}
-
-
-class GpuDecodeUnavailable(GpufeedError, RuntimeError):
-    """No usable GPU JPEG decoder here; the message says why."""
-
-
-class GpuEnginesUnavailable(GpuDecodeUnavailable):
-    """nvImageCodec loaded, but none of its GPU backends decoded a JPEG here (its nvJPEG
-    library did not load, or the device has none of what they need)."""
 
 
 class GpuDecodeFailed(GpufeedError, RuntimeError):
@@ -242,262 +224,29 @@ def same_size_groups(
     return [chunk for chunks in by_size.values() for chunk in chunks]
 
 
-class JpegBackend(Protocol):
-    name: str
-    applies_exif: bool
-
-    def decode(self, datas: Sequence[bytes], stream: Any) -> list[torch.Tensor | None]:
-        """[3, H, W] uint8 per image on the decoder's device (None: not decodable), queued
-        on `stream` (the current stream of the calling thread)."""
-        ...
-
-
-# nvImageCodec's backends a GPU decoder takes, as its BackendKind names them: the JPEG
-# engines of A100/H100/H200-class GPUs, the GPU-only decoders, and nvJPEG's CUDA decoder
-# (Huffman decode on the host for small images, on the GPU for large ones; 0.8's sources
-# register it as HYBRID_CPU_GPU). The library hands an image the engines cannot take to
-# the next of them. Its CPU backend is left out: it decodes on its own threads into host
-# memory, then copies to the device with host syncs on those threads, and a decoder
-# allowed it turns CPU-only without a word when libnvjpeg does not load.
-GPU_BACKENDS: tuple[str, ...] = ("HW_GPU_ONLY", "GPU_ONLY", "HYBRID_CPU_GPU")
-HARDWARE_BACKEND = "HW_GPU_ONLY"
-# Threads of each decoder's executor. The library's default, one per core, makes every
-# call wait at a barrier for all of them, on a host whose cores run the decode processes;
-# what it gives them for a batch routed here (header checks, the host half of a small
-# image's hybrid decode) is small, and the calling thread takes a share of it too.
-DECODER_CPU_THREADS = 1
-# The JPEG each backend is asked to decode at start-up: baseline 4:2:0, as photos are, and
-# of a photo's order of size, not a few blocks, so that no limit of an engine's on small
-# images passes for the engine being absent.
-_PROBE_SIZE = (320, 240)
-
-_engines: dict[tuple[int, tuple[str, ...], int], dict[str, bool]] = {}
-# Why each backend that did not answer did not, for the error that says none did.
-_why_not: dict[tuple[int, tuple[str, ...], int], dict[str, str]] = {}
-_engines_lock = threading.Lock()
-
-
-def nvimgcodec_decoder(
-    nvimgcodec: Any,
-    device_id: int,
-    *,
-    backends: Sequence[str] = GPU_BACKENDS,
-    threads: int = DECODER_CPU_THREADS,
-) -> tuple[Any, dict[str, bool]]:
-    """An nvImageCodec decoder on `device_id` that takes only those of `backends` that
-    decoded a JPEG here, with `threads` executor threads; and, per backend, whether it
-    did. Raises GpuEnginesUnavailable when none did: GPU decode never runs CPU-only."""
-    engines = backend_engines(nvimgcodec, device_id, backends=backends, threads=threads)
-    answered = [kind for kind in backends if engines[kind]]
-    if not answered:
-        version = getattr(nvimgcodec, "__version__", "?")
-        why = _why_not.get((device_id, tuple(backends), threads), {})
-        reasons = "; ".join(sorted({reason for reason in why.values()}))
-        raise GpuEnginesUnavailable(
-            f"nvImageCodec {version}: none of its GPU backends ({', '.join(backends)}) "
-            f"decoded a JPEG on device {device_id}"
-            + (f" ({reasons})" if reasons else "")
-            + "; is its nvJPEG library installed (pip install nvidia-nvjpeg-cu12 or -cu13, "
-            "as the CUDA of nvImageCodec)?"
-        )
-    decoder = nvimgcodec.Decoder(
-        device_id=device_id,
-        max_num_cpu_threads=threads,
-        backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, k)) for k in answered],
-    )
-    return decoder, engines
-
-
-def backend_engines(
-    nvimgcodec: Any,
-    device_id: int,
-    *,
-    backends: Sequence[str] = GPU_BACKENDS,
-    threads: int = DECODER_CPU_THREADS,
-) -> dict[str, bool]:
-    """Per backend kind, whether a decoder allowed only that one decodes a small JPEG on
-    `device_id`. Asked once per process (start-up: a decoder each), logged as one event."""
-    key = (device_id, tuple(backends), threads)
-    with _engines_lock:
-        known = _engines.get(key)
-        if known is not None:
-            return dict(known)
-        sample = synthetic_jpeg(*_PROBE_SIZE)
-        why = {kind: _probe(nvimgcodec, device_id, kind, threads, sample) for kind in backends}
-        engines = {kind: reason is None for kind, reason in why.items()}
-        _engines[key] = engines
-        _why_not[key] = {kind: reason for kind, reason in why.items() if reason is not None}
-    hardware = engines.get(HARDWARE_BACKEND, False)
-    (log.info if hardware else log.warning)(
-        "gpu_decode_engines",
-        nvimgcodec=getattr(nvimgcodec, "__version__", "?"),
-        device=device_id,
-        engines=engines,
-        hardware_engines_answered=hardware,
-        why_not={kind: reason for kind, reason in why.items() if reason is not None},
-    )
-    return dict(engines)
-
-
-def _probe(nvimgcodec: Any, device_id: int, kind: str, threads: int, sample: bytes) -> str | None:
-    """None when a decoder allowed only backend `kind` decodes `sample` upright at its
-    size, else why not."""
-    width, height = _PROBE_SIZE
-    try:
-        decoder = nvimgcodec.Decoder(
-            device_id=device_id,
-            max_num_cpu_threads=threads,
-            backends=[nvimgcodec.Backend(getattr(nvimgcodec.BackendKind, kind))],
-        )
-        params = nvimgcodec.DecodeParams(
-            apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
-        )
-        image = decoder.decode(sample, params=params)
-    except Exception as exc:  # noqa: BLE001 - whatever the library raised: it did not answer
-        return f"{type(exc).__name__}: {exc}"
-    if image is None:
-        return "it decoded nothing"
-    shape = tuple(image.shape)
-    return None if shape == (height, width, 3) else f"it decoded {shape}"
-
-
-class NvImgCodecBackend:
-    name = "nvimgcodec"
-    applies_exif = True
-
-    def __init__(self, device: torch.device, *, cpu_only: bool = False) -> None:
-        """`cpu_only`: nvImageCodec's CPU backend into host memory, never on CUDA (the
-        tests' way to run the real library without a GPU)."""
+def make_backend(device: torch.device, prefer: str = "auto") -> JpegCodec:
+    """The codec `prefer` names (codecs.CODECS), or with `auto` the first of the table that
+    builds here. `auto` passes over a codec that fails to build, logged (a missing
+    library silently); GpuDecodeUnavailable when none can be built, or the one named
+    cannot."""
+    names = list(CODECS) if prefer == "auto" else [prefer]
+    reasons: list[str] = []
+    for name in names:
         try:
-            nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
-        except ImportError as exc:
-            raise NvImgCodecMissing(f"nvImageCodec is not installed ({exc})") from None
-        self._nv: Any = nvimgcodec
-        self.device = device
-        self._cuda = not cpu_only
-        self.engines: dict[str, bool] = {}
-        version = getattr(nvimgcodec, "__version__", "?")
-        try:
-            if cpu_only:
-                self._decoder = nvimgcodec.Decoder(
-                    device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                    max_num_cpu_threads=DECODER_CPU_THREADS,
-                    backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
-                )
-                self.name = "nvimgcodec (cpu only)"
-            else:
-                self._decoder, self.engines = nvimgcodec_decoder(nvimgcodec, device.index or 0)
-            # sRGB output, interleaved uint8 [H, W, 3] (the default sample format for it);
-            # the colour spec is SRGB since nvImageCodec 0.7 (there is no RGB).
-            self._params = nvimgcodec.DecodeParams(
-                apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
-            )
-        except GpuDecodeUnavailable:
-            raise
-        except Exception as exc:  # whatever the library raises means: no decoder
-            raise GpuDecodeUnavailable(
-                f"nvImageCodec {version} could not build a decoder: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    def decode(self, datas: Sequence[bytes], stream: Any) -> list[torch.Tensor | None]:
-        handle = int(stream.cuda_stream) if stream is not None else 0
-        # bytes convert to nvImageCodec CodeStreams; it returns None for an image it cannot
-        # decode, and makes its outputs ready on `cuda_stream`.
-        images = self._decoder.decode(list(datas), params=self._params, cuda_stream=handle)
-        out: list[torch.Tensor | None] = []
-        for img in images:
-            if img is None:
-                out.append(None)
-                continue
-            # Zero-copy through __cuda_array_interface__ (host memory: the array interface);
-            # the tensor holds a reference to `img`, which owns the memory. [H, W, 3] uint8.
-            hwc = (
-                torch.as_tensor(img, device=self.device)
-                if self._cuda
-                else torch.from_numpy(np.asarray(img))
-            )
-            out.append(hwc.permute(2, 0, 1))
-        return out
-
-
-class NvImgCodecMissing(GpuDecodeUnavailable):
-    """nvImageCodec is not installed (the usual case: not worth a warning)."""
-
-
-class TorchvisionBackend:
-    name = "torchvision"
-    applies_exif = False  # its CUDA path ignores apply_exif_orientation
-
-    def __init__(self, device: torch.device) -> None:
-        # Only a GPU decoder loads torchvision.io's image library (and its nvJPEG).
-        from torchvision.io import ImageReadMode, decode_jpeg  # noqa: PLC0415
-
-        self.device = device
-        self._decode = decode_jpeg
-        self._rgb = ImageReadMode.RGB
-        # The current stream while torchvision allocates its outputs: nothing else is ever
-        # allocated on it (see the module docstring).
-        self.alloc_stream: Any = (
-            torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-            if device.type == "cuda"
-            else None
-        )
-
-    def decode(self, datas: Sequence[bytes], stream: Any) -> list[torch.Tensor | None]:
-        with _stream_ctx(self.alloc_stream):
-            out = self._decode_all(datas)
-        if stream is not None and self.alloc_stream is not None:
-            # torchvision ordered alloc_stream after its own writes; `stream` (the readers')
-            # after alloc_stream; the allocator keeps each output until `stream` read it.
-            stream.wait_stream(self.alloc_stream)
-            for img in out:
-                if img is not None:
-                    img.record_stream(stream)
-        return out
-
-    def _decode_all(self, datas: Sequence[bytes]) -> list[torch.Tensor | None]:
-        # Encoded bytes stay on the host (nvJPEG parses them there); bytearray: writable.
-        encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas]
-        try:
-            decoded = self._decode(encoded, mode=self._rgb, device=self.device)
-            return list(decoded)
-        except RuntimeError:
-            pass
-        # One bad image fails the whole call: retry one by one so it fails alone.
-        out: list[torch.Tensor | None] = []
-        for t in encoded:
-            try:
-                out.append(self._decode([t], mode=self._rgb, device=self.device)[0])
-            except RuntimeError:
-                out.append(None)
-        return out
-
-
-def make_backend(device: torch.device, prefer: str = "auto") -> JpegBackend:
-    """nvImageCodec if installed (or asked for), else torchvision. Any failure to build
-    nvImageCodec's decoder falls back to torchvision, logged; GpuDecodeUnavailable when
-    neither can be built."""
-    if prefer in ("auto", "nvimgcodec"):
-        try:
-            return NvImgCodecBackend(device)
-        except Exception as exc:  # any failure: the next decoder, and say why
-            if prefer == "nvimgcodec":
+            codec: JpegCodec = codec_class(name)(device)
+            return codec
+        except Exception as exc:  # any failure: the next codec, and say why
+            if prefer != "auto":
                 if isinstance(exc, GpuDecodeUnavailable):
                     raise
-                raise GpuDecodeUnavailable(f"nvImageCodec: {type(exc).__name__}: {exc}") from exc
-            if not isinstance(exc, NvImgCodecMissing):
+                raise GpuDecodeUnavailable(f"{name}: {type(exc).__name__}: {exc}") from exc
+            reasons.append(f"{name}: {exc}")
+            later = names[names.index(name) + 1 :]
+            if later and not isinstance(exc, NvImgCodecMissing):
                 log.warning(
-                    "gpu_decoder_unavailable",
-                    decoder="nvimgcodec",
-                    reason=f"{exc}",
-                    using="torchvision",
+                    "gpu_decoder_unavailable", decoder=name, reason=f"{exc}", using=later[0]
                 )
-    try:
-        return TorchvisionBackend(device)
-    except Exception as exc:  # ImportError, RuntimeError, CUDA errors alike
-        raise GpuDecodeUnavailable(
-            f"torchvision's JPEG decode is unusable: {type(exc).__name__}: {exc}"
-        ) from exc
+    raise GpuDecodeUnavailable("no GPU JPEG codec builds here: " + "; ".join(reasons))
 
 
 @dataclass
@@ -510,7 +259,7 @@ class GpuDecodeResult:
 class GpuDecoder:
     """Decodes deferred JPEG rows into a device batch on its own thread and stream."""
 
-    def __init__(self, device: torch.device, backend: JpegBackend | None = None) -> None:
+    def __init__(self, device: torch.device, backend: JpegCodec | None = None) -> None:
         self.device = device
         self.backend = backend or make_backend(device)
         self.stream: Any = (
@@ -617,22 +366,6 @@ class GpuDecoder:
 def _stream_ctx(stream: Any) -> contextlib.AbstractContextManager[Any]:
     """torch.cuda.stream(s) when s is a CUDA stream, nothing otherwise."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def synthetic_jpeg(
-    width: int, height: int, seed: int = 0, quality: int = 90, mode: str = "RGB"
-) -> bytes:
-    """A photo-like JPEG (gradient plus noise), for calibration and benchmarks; `mode`:
-    the JPEG's colour mode as Pillow writes it (RGB, L for grey, CMYK as Adobe does)."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack(
-        [x * 255 / max(width - 1, 1), y * 255 / max(height - 1, 1), (x + y) % 256], axis=-1
-    )
-    noisy = np.clip(base + rng.normal(0, 12, size=base.shape), 0, 255).astype(np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(noisy, "RGB").convert(mode).save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
 
 
 @dataclass

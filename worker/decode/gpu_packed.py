@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import queue
 import sys
 import threading
@@ -46,22 +45,18 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import structlog
 import torch
 
 from worker.base.device import DoneEvent, Event, cuda_event
+from worker.decode.codecs import IntoCodec, Place
 from worker.decode.cpu import DecodeSpec
-from worker.decode.gpu import (
-    DECODER_CPU_THREADS,
-    HARDWARE_BACKEND,
-    nvimgcodec_decoder,
-    synthetic_jpeg,
-)
+from worker.decode.nvimgcodec import HARDWARE_BACKEND
 from worker.decode.packed import PackedSlots
 from worker.decode.rows import decode_row
+from worker.decode.samples import synthetic_jpeg
 
 log = structlog.get_logger("gpufeed.gpu_decode")
 
@@ -102,130 +97,6 @@ class DeferredRow:
     offset: int = -1
 
 
-# Where a decoder writes image i: (byte offset in the twin, height, width), [h, w, 3] uint8.
-Place = tuple[int, int, int]
-
-
-class BatchJpegBackend(Protocol):
-    """One decoder: not shared between threads."""
-
-    name: str
-
-    def decode_into(
-        self, datas: Sequence[Any], twin: torch.Tensor, places: Sequence[Place], stream: int
-    ) -> list[bool]:
-        """Decode image i into `twin` (flat uint8 on the decoder's device) at places[i],
-        upright, queued on the CUDA stream `stream` (0 off CUDA); False where it could
-        not."""
-        ...
-
-
-class _DeviceImage:
-    """A device buffer as __cuda_array_interface__ describes it, without a tensor view: the
-    library reads the dict once per image (a tensor builds it anew in Python each time)."""
-
-    __slots__ = ("__cuda_array_interface__",)
-
-    def __init__(self, pointer: int, height: int, width: int, stream: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (height, width, 3),
-            "typestr": "|u1",
-            "data": (pointer, False),
-            "strides": None,
-            # The decode's own stream: a buffer tied to another stream would make the
-            # library wait for that stream on the host.
-            "stream": stream,
-            "version": 3,
-        }
-
-
-class NvImgCodecInto:
-    """nvImageCodec's decoder writing into caller buffers. On CUDA it takes only the GPU
-    backends that decoded a JPEG at start-up (`engines` says which did; none raises
-    GpuEnginesUnavailable) and one executor thread. `device_index` None: its CPU-only
-    backend into host memory (no GPU needed; the tests' way to run the real library).
-    `threads`: the executor's threads, for measurements."""
-
-    def __init__(self, device_index: int | None, *, threads: int = DECODER_CPU_THREADS) -> None:
-        nvimgcodec: Any = importlib.import_module("nvidia.nvimgcodec")
-        self._nv = nvimgcodec
-        self.name = f"nvimgcodec {nvimgcodec.__version__}"
-        # Per GPU backend, whether it decoded a JPEG at start-up (empty off CUDA).
-        self.engines: dict[str, bool] = {}
-        if device_index is None:
-            self._decoder = nvimgcodec.Decoder(
-                device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                max_num_cpu_threads=threads,
-                backends=[nvimgcodec.Backend(nvimgcodec.BackendKind.CPU_ONLY)],
-            )
-            self.name += " (cpu only)"
-        else:
-            self._decoder, self.engines = nvimgcodec_decoder(
-                nvimgcodec, device_index, threads=threads
-            )
-            self.name += f" ({', '.join(k for k, ok in self.engines.items() if ok)})"
-        self._params = nvimgcodec.DecodeParams(
-            apply_exif_orientation=True, color_spec=nvimgcodec.ColorSpec.SRGB
-        )
-        self._cuda = device_index is not None
-        self._last: tuple[Any, Any] = ((), ())
-        # The last call's images decoded at another shape than their place's: (index in
-        # the call, the shape the library reports). Their rows were answered False.
-        self.misshapen: list[tuple[int, tuple[int, ...]]] = []
-
-    @property
-    def hardware_engines_answered(self) -> bool:
-        return self.engines.get(HARDWARE_BACKEND, False)
-
-    def decode_into(
-        self, datas: Sequence[Any], twin: torch.Tensor, places: Sequence[Place], stream: int
-    ) -> list[bool]:
-        nvimgcodec = self._nv
-        self.misshapen = []
-        if self._cuda:
-            base = twin.data_ptr()
-            buffers: list[Any] = [_DeviceImage(base + o, h, w, stream) for o, h, w in places]
-        else:
-            host = twin.numpy()
-            buffers = [host[o : o + h * w * 3].reshape(h, w, 3) for o, h, w in places]
-        images = nvimgcodec.as_images(buffers, cuda_stream=stream)
-        # bytes as they are; payload memory (a memoryview) as a numpy view of it, no copy:
-        # the library takes either, not a memoryview.
-        sources = [d if isinstance(d, bytes) else np.frombuffer(d, np.uint8) for d in datas]
-        decoded = self._decoder.decode(
-            sources, images=images, params=self._params, cuda_stream=stream
-        )
-        # The library's image objects live until the next call has decoded (which waits for
-        # this batch's work): none is destroyed while its decode may still be queued.
-        self._last = (images, decoded)
-        ok: list[bool] = []
-        for i, (image, (_, height, width)) in enumerate(zip(decoded, places, strict=True)):
-            if image is None:
-                ok.append(False)
-                continue
-            # The library reshapes a place to what it decoded (the same bytes or fewer) and
-            # reports success: an image it turned otherwise than the header read here (its
-            # EXIF reading is not ours) lies in the place at another shape.
-            shape = tuple(image.shape)
-            if shape != (height, width, 3):
-                self.misshapen.append((i, shape))
-                ok.append(False)
-                continue
-            ok.append(True)
-        return ok
-
-
-def nvimgcodec_available() -> str | None:
-    """None when nvImageCodec imports, else why not (for the plan line and the docs)."""
-    try:
-        importlib.import_module("nvidia.nvimgcodec")
-    except ImportError as exc:
-        return f"nvImageCodec is not installed ({exc})"
-    except Exception as exc:  # noqa: BLE001 - a broken install says why, never ends start-up
-        return f"nvImageCodec does not load: {type(exc).__name__}: {exc}"
-    return None
-
-
 @dataclass
 class PackedGpuResult:
     ready: Event | None  # the decoded rows are in the twin once this fired
@@ -236,7 +107,7 @@ class PackedGpuResult:
 
 @dataclass
 class _Lane:
-    backend: BatchJpegBackend
+    backend: IntoCodec
     stream: Any  # torch.cuda.Stream, or None off CUDA
 
 
@@ -246,7 +117,7 @@ class PackedGpuDecoder:
     def __init__(
         self,
         packed: PackedSlots,
-        make_backend: Callable[[], BatchJpegBackend],
+        make_backend: Callable[[], IntoCodec],
         *,
         device: torch.device,
         lanes: int = LANES,

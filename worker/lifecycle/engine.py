@@ -25,15 +25,11 @@ from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig, gpu_decode_share
 from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cache import DecodeCache
+from worker.decode.codecs import GpuDecodeUnavailable, IntoCodec
 from worker.decode.cpu import DecodeSpec
-from worker.decode.gpu import GpuDecodeUnavailable, setup_gpu_decode
-from worker.decode.gpu_packed import (
-    BatchJpegBackend,
-    NvImgCodecInto,
-    PackedGpuDecoder,
-    measure_rates,
-    nvimgcodec_available,
-)
+from worker.decode.gpu import setup_gpu_decode
+from worker.decode.gpu_packed import PackedGpuDecoder, measure_rates
+from worker.decode.nvimgcodec import NvImgCodec, nvimgcodec_available
 from worker.decode.packed import packed_side
 from worker.decode.payloads import PayloadMemory, payload_bytes
 from worker.decode.pool import DecodePool
@@ -176,7 +172,7 @@ async def warm_up(
     health: Health,
     exit_stack: contextlib.AsyncExitStack,
     decode_hook: DecodeHook | None,
-    gpu_backend: Callable[[], BatchJpegBackend] | None = None,
+    gpu_backend: Callable[[], IntoCodec] | None = None,
 ) -> Engine:
     """Load the model, allocate the rings, compile and warm up the batch shapes, then
     start the decode threads (GPU decode where GPUFEED_DECODE asks for it). `gpu_backend`:
@@ -501,7 +497,7 @@ def _packed_gpu_decode(
     gpu_decode: GpuDecodeStage,
     *,
     rows: int,
-    make_backend: Callable[[], BatchJpegBackend] | None,
+    make_backend: Callable[[], IntoCodec] | None,
 ) -> tuple[DecodeSplit | None, str]:
     """GPU decode into packed rows (GPUFEED_DECODE=gpu|auto with decode processes): the
     decoder the GPU decode stage uses, and the split of each batch's rows between it and the
@@ -528,8 +524,8 @@ def _packed_gpu_decode(
             )
         index = device.index if device.index is not None else torch.cuda.current_device()
 
-        def make_backend() -> BatchJpegBackend:
-            return NvImgCodecInto(index)
+        def make_backend() -> IntoCodec:
+            return NvImgCodec(torch.device("cuda", index))
 
     packed = pool.arena.packed
     assert packed is not None

@@ -27,7 +27,7 @@ from worker.base.device import DeviceContext, resolve_device
 from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.cache import DecodeCache
-from worker.decode.gpu_packed import BatchJpegBackend
+from worker.decode.codecs import IntoCodec
 from worker.delivery.in_flight import InFlight
 from worker.delivery.reader import Reader, ensure_group
 from worker.delivery.reclaimer import Reclaimer
@@ -212,7 +212,7 @@ class Worker:
         self.should_exit.set()
 
     # ----------------------------------------------------------------------- the steps
-    def gpu_backend(self) -> Callable[[], BatchJpegBackend] | None:
+    def gpu_backend(self) -> Callable[[], IntoCodec] | None:
         """The JPEG decoder GPU decode into packed rows builds; None: nvImageCodec on the
         worker's CUDA device (the tests give its CPU-only backend)."""
         return None

@@ -20,7 +20,7 @@ import torch
 
 from worker.base.device import make_context, mark_cudagraph_step, resolve_device
 from worker.decode.cpu import DecodeSpec, decode_into
-from worker.decode.gpu import synthetic_jpeg
+from worker.decode.samples import synthetic_jpeg
 from worker.model.answers import Answer, Classification, Embedding, RawOutput
 from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import compile_step

@@ -35,7 +35,7 @@ async def end_to_end_section(
 ) -> int | None:
     """Run the worker's main loop on synthetic jobs; fills `out`, returns the host syncs
     counted meanwhile (CUDA; None on the CPU)."""
-    from worker.decode.gpu import synthetic_jpeg
+    from worker.decode.samples import synthetic_jpeg
 
     cfg: WorkerConfig = worker.config
     jobs = int(out["jobs"])

@@ -66,17 +66,12 @@ import torch
 
 from worker.base.logs import configure_logging
 from worker.config.settings import WorkerConfig
+from worker.decode.codecs import GpuDecodeUnavailable
 from worker.decode.cpu import DecodeInfo, DecodeSpec, decode_to_array
-from worker.decode.gpu import (
-    GpuDecodeFailed,
-    GpuDecoder,
-    GpuDecodeUnavailable,
-    GpuRow,
-    make_backend,
-    synthetic_jpeg,
-)
+from worker.decode.gpu import GpuDecodeFailed, GpuDecoder, GpuRow, make_backend
 from worker.decode.gpu_packed import LANE_SCOPE
 from worker.decode.processes import ProcessDecodePool
+from worker.decode.samples import synthetic_jpeg
 from worker.lifecycle.service import Worker
 from worker.model.ceiling import direct_feed_ceiling
 from worker.model.compiler import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.decode.gpu import synthetic_jpeg
+from worker.decode.samples import synthetic_jpeg
 from worker.tools.bench.process_scaling import process_scaling
 
 # (width, height, distinct images): a large JPEG takes a while to make, and its decode

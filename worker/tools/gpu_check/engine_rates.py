@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from worker.decode.gpu import synthetic_jpeg
-from worker.decode.gpu_packed import BatchJpegBackend, NvImgCodecInto, nvimgcodec_available
+from worker.decode.codecs import IntoCodec
+from worker.decode.nvimgcodec import NvImgCodec, nvimgcodec_available
+from worker.decode.samples import synthetic_jpeg
 
 # (width, height, images per call, distinct images): a large JPEG takes a while to make.
 SIZES: tuple[tuple[int, int, int, int], ...] = (
@@ -30,7 +31,7 @@ def engine_rates(
     *,
     seconds: float = 0.5,
     sizes: tuple[tuple[int, int, int, int], ...] = SIZES,
-    make_backend: Callable[[], BatchJpegBackend] | None = None,
+    make_backend: Callable[[], IntoCodec] | None = None,
     count_syncs: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> dict[str, Any]:
     """images/s per image size; `count_syncs` (the check's sync counter, entered around one
@@ -39,8 +40,8 @@ def engine_rates(
         why = nvimgcodec_available()
         if why is not None:
             return {"status": f"not measured: {why}"}
-        index = (device.index or 0) if device.type == "cuda" else None
-        make_backend = lambda: NvImgCodecInto(index)  # noqa: E731 - one line, one use
+        on = torch.device("cuda", device.index or 0) if device.type == "cuda" else None
+        make_backend = lambda: NvImgCodec(on)  # noqa: E731 - one line, one use
     backend = make_backend()
     cuda = device.type == "cuda"
     stream = torch.cuda.Stream(device) if cuda else None  # type: ignore[no-untyped-call]
