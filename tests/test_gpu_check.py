@@ -994,11 +994,11 @@ def test_a_feeder_whose_check_is_gone_pushes_nothing(redis_url: str, rate: float
     (its parent is another process by then), it ends at once, backlog or paced."""
     import multiprocessing
 
-    from worker.tools.gpu_check.feed import FeedPlan, feed
+    from worker.tools.gpu_check.feed import FeedOrder, feed
 
     ctx = multiprocessing.get_context("spawn")
     pushed, done = ctx.Value("q", 0), ctx.Value("q", 0)
-    gone = FeedPlan(redis_url, "gpu-check:orphan", [b"\xff\xd8"], 64, rate, 50, 0, parent=-1)
+    gone = FeedOrder(redis_url, "gpu-check:orphan", [b"\xff\xd8"], 64, rate, 50, 0, parent=-1)
     feed(gone, ctx.Event(), pushed, done)
     client = redis.Redis.from_url(redis_url)
     try:

@@ -1,5 +1,5 @@
 """The two hand-overs between the stages that are the worker's own decisions: what a read
-returned (answered at once, fetched, or batched: `Intake`), and which step a sealed batch
+returned (answered at once, fetched, or batched: `ReadRouter`), and which step a sealed batch
 runs on and what its failure answers (`Dispatcher`)."""
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from worker.pipeline.staging import InputRing
 
 log = structlog.get_logger("gpufeed.worker")
 
-Answer = Callable[[list[Outcome]], Awaitable[None]]
+Reply = Callable[[list[Outcome]], Awaitable[None]]
 Deliver = Callable[[list[Job]], Awaitable[None]]
 
 
-class Intake:
+class ReadRouter:
     """Where what one read (or one reclaim) returned goes: answered at once (rejected,
     late), to the fetch stage (`url` jobs), or to the batcher as one queue item."""
 
@@ -46,7 +46,7 @@ class Intake:
         held: MutableMapping[tuple[str, str], Job],
         fetcher: FetchStage,
         jobs: JobQueue,
-        answer: Answer,
+        answer: Reply,
         shards: list[Shard],
         cluster: bool,
     ) -> None:
@@ -152,7 +152,7 @@ class Dispatcher:
         runner: ModelRunner,
         watcher: CompletionWatcher,
         steps: Steps,
-        answer: Answer,
+        answer: Reply,
         on_launched: Callable[[Launched], None],
         gpu_decode: GpuDecodeStage,
         room: DeviceRoom | None = None,

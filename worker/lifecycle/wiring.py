@@ -42,7 +42,7 @@ from worker.delivery.writer_main import WriterInit
 from worker.delivery.writer_process import WriterProcess
 from worker.fetch.stage import FetchSettings, FetchStage
 from worker.jobs import Job, Outcome
-from worker.lifecycle.dispatch import Dispatcher, Intake, Steps
+from worker.lifecycle.dispatch import Dispatcher, ReadRouter, Steps
 from worker.lifecycle.engine import Engine
 from worker.model.compiler import still_compiled
 from worker.model.readers import make_reader
@@ -178,7 +178,7 @@ def wire(
         take_place=in_flight.take,
     )
     exit_stack.push_async_callback(fetcher.close)
-    intake = Intake(
+    intake = ReadRouter(
         held=held,
         fetcher=fetcher,
         jobs=jobs_q,

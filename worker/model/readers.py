@@ -20,7 +20,7 @@ from worker.model.manifest import OutputSpec
 Arrays = Sequence[npt.NDArray[Any]]
 
 
-class Reader(Protocol):
+class OutputReader(Protocol):
     def read(self, arrays: Arrays, rows: Sequence[int]) -> list[Answer]:
         """One answer per row in `rows`, from the slot's arrays (one per layout field)."""
         ...
@@ -121,7 +121,7 @@ class RawReader:
         return [RawOutput(outputs[row].tobytes(), shape, self.dtype) for row in rows]
 
 
-def make_reader(spec: OutputSpec, categories: Sequence[str] | None) -> Reader:
+def make_reader(spec: OutputSpec, categories: Sequence[str] | None) -> OutputReader:
     """The reader for `spec`; `categories`: the class names of a classifier."""
     if spec.kind == "classify":
         sigmoid = spec.activation == "sigmoid"

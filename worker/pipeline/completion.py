@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from worker.jobs import Outcome
-from worker.model.readers import ClassifyReader, Reader
+from worker.model.readers import ClassifyReader, OutputReader
 from worker.pipeline.device_room import DeviceRoom
 from worker.pipeline.launch import Launched
 from worker.pipeline.staging import OutputRing
@@ -31,7 +31,7 @@ class CompletionWatcher:
         out_ring: OutputRing,
         publish: PublishFn,
         *,
-        reader: Reader | None = None,
+        reader: OutputReader | None = None,
         poll_interval_s: float = 0.0005,
         on_batch_done: BatchDoneFn | None = None,
         room: DeviceRoom | None = None,

@@ -47,7 +47,7 @@ import structlog
 
 from worker.delivery import redis_errors
 from worker.delivery.redis_scripts import WAITING_HEAD
-from worker.model.readers import Reader
+from worker.model.readers import OutputReader
 from worker.model.step import StepFn
 from worker.pipeline.staging import OutputRing
 
@@ -62,7 +62,7 @@ class Serving:
     weights: str  # the result's `weights`
     degraded: bool
     out_ring: OutputRing
-    reader: Reader
+    reader: OutputReader
     # The compiled step; None: the runner's own (`ModelRunner.step`, the main step).
     step: StepFn | None = None
 

@@ -28,13 +28,15 @@ from worker.tools.bench.context import Bench
 from worker.tools.bench.gpufeed_run import stop_worker, watch
 from worker.tools.bench.naive_run import naive_on_thread
 from worker.tools.bench.profiles import ModelPlan, SetPlan
-from worker.tools.bench.redis_env import Answer, collect, paced_push, push_jobs
+from worker.tools.bench.redis_env import ReadBack, collect, paced_push, push_jobs
 
 SHARE = 0.8  # of a design's capacity
 WARM_SHARE = 0.1  # of each run's results, left out
 
 
-def _point(worker: str, load: str, rate: float, answers: list[Answer], jobs: int) -> dict[str, Any]:
+def _point(
+    worker: str, load: str, rate: float, answers: list[ReadBack], jobs: int
+) -> dict[str, Any]:
     kept = answers[int(len(answers) * WARM_SHARE) :]
     latency = sorted(float(max(0, a.ms - a.job_ms)) for a in kept)
     span_ms = max(a.ms for a in answers) - min(a.job_ms for a in answers) if answers else 0
@@ -52,7 +54,7 @@ def _point(worker: str, load: str, rate: float, answers: list[Answer], jobs: int
 
 async def _naive_at(
     b: Bench, plan: ModelPlan, sp: SetPlan, rate: float, count: int
-) -> list[Answer]:
+) -> list[ReadBack]:
     keys = b.keys(plan.model, sp.spec.name, "latency-naive")
     loop = asyncio.get_running_loop()
     async with naive_on_thread(b, plan, keys) as (worker, executor):
@@ -78,14 +80,14 @@ async def _naive_at(
 
 async def _gpufeed_at(
     b: Bench, plan: ModelPlan, sp: SetPlan, loads: list[tuple[str, float, int]]
-) -> tuple[list[list[Answer]], int, float]:
+) -> tuple[list[list[ReadBack]], int, float]:
     """gpufeed's defaults at each (name, rate, jobs), one worker for all, warmed first; the
     answers per load, the batch size and the max wait."""
     keys = b.keys(plan.model, sp.spec.name, "latency-gpufeed")
     config = b.worker_config(plan, DEFAULTS, keys)
     worker = Worker(config)
     main: asyncio.Task[None] | None = None
-    out: list[list[Answer]] = []
+    out: list[list[ReadBack]] = []
     try:
         await worker.startup(wait_for_redis=False)
         main = asyncio.create_task(worker.main_loop(), name="bench-load-latency-loop")

@@ -14,10 +14,10 @@ import torch
 from worker.lifecycle.service import Worker
 from worker.model.ceiling import direct_feed_ceiling
 from worker.observe.gpu_sampler import percentile
-from worker.tools.bench.redis_env import Answer
+from worker.tools.bench.redis_env import ReadBack
 
 
-def summarise(answers: Sequence[Answer], t0_ms: float, bin_s: float) -> dict[str, Any]:
+def summarise(answers: Sequence[ReadBack], t0_ms: float, bin_s: float) -> dict[str, Any]:
     """Throughput, burst latency, service latency, mean stage times and the timeline."""
     finish = sorted(max(0.0, a.ms - t0_ms) for a in answers)
     if not finish:

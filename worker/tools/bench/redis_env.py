@@ -43,7 +43,7 @@ class RunKeys:
 
 
 @dataclass(frozen=True)
-class Answer:
+class ReadBack:
     """One result as the benchmark reads it back."""
 
     ms: int  # Redis time the result was added (its entry ID)
@@ -60,7 +60,7 @@ def _entry_ms(entry_id: bytes | str) -> int:
     return int(text.rsplit(":", 1)[-1].split("-", 1)[0])
 
 
-def parse_answer(entry_id: bytes, fields_: Mapping[bytes, bytes]) -> Answer:
+def parse_answer(entry_id: bytes, fields_: Mapping[bytes, bytes]) -> ReadBack:
     details: dict[str, Any] = {}
     raw = fields_.get(wire.RES_RESULT)
     if raw:
@@ -69,7 +69,7 @@ def parse_answer(entry_id: bytes, fields_: Mapping[bytes, bytes]) -> Answer:
     status = fields_.get(wire.RES_STATUS, b"").decode()
     timings = {str(k): float(v) for k, v in (details.get("timings_ms") or {}).items()}
     cached = details.get("cached")
-    return Answer(
+    return ReadBack(
         ms=_entry_ms(entry_id),
         job_ms=_entry_ms(job_entry),
         ok=status == wire.STATUS_OK,
@@ -151,8 +151,8 @@ def paced_push(
             time.sleep(pause)
 
 
-async def read_answers(client: aioredis.Redis, stream: str) -> list[Answer]:
-    out: list[Answer] = []
+async def read_answers(client: aioredis.Redis, stream: str) -> list[ReadBack]:
+    out: list[ReadBack] = []
     start = "-"
     while True:
         chunk: Any = await client.xrange(stream, min=start, max="+", count=1000)
@@ -188,7 +188,7 @@ async def collect(
     *,
     alive: Callable[[], None],
     timeout_s: float,
-) -> list[Answer]:
+) -> list[ReadBack]:
     """Wait until `expected` results are in `stream` (or the time is up); return them all."""
     await wait_for_results(client, stream, expected, alive=alive, timeout_s=timeout_s)
     return await read_answers(client, stream)

@@ -34,7 +34,7 @@ def unique_jpeg(data: bytes, n: int) -> bytes:
 
 
 @dataclass(frozen=True)
-class FeedPlan:
+class FeedOrder:
     redis_url: str
     stream: str
     images: Sequence[bytes]
@@ -60,7 +60,7 @@ class FeedPlan:
 
 
 def feed(
-    plan: FeedPlan, stop: EventType, pushed: Synchronized[int], done: Synchronized[int]
+    plan: FeedOrder, stop: EventType, pushed: Synchronized[int], done: Synchronized[int]
 ) -> None:
     """Keep `plan.backlog` jobs ahead of the worker's answers (`done`, kept by the parent)
     until `stop` is set, or with a rate push the plan's paced jobs; `pushed` counts what was
@@ -99,7 +99,7 @@ def _orphaned(parent: int) -> bool:
     return os.getppid() != parent
 
 
-def paced(plan: FeedPlan, stop: EventType, pushed: Synchronized[int]) -> None:
+def paced(plan: FeedOrder, stop: EventType, pushed: Synchronized[int]) -> None:
     """`plan.count` jobs at `plan.rate_per_s`, each pipeline holding the jobs due by then."""
     client = redis.Redis.from_url(plan.redis_url)
     images = plan.images
@@ -148,7 +148,7 @@ class Feeder:
         self._stop = ctx.Event()
         self._pushed: Synchronized[int] = ctx.Value("q", 0)
         self._done: Synchronized[int] = ctx.Value("q", 0)
-        plan = FeedPlan(
+        plan = FeedOrder(
             redis_url,
             stream,
             list(images),
