@@ -8,7 +8,8 @@ producer/.
 In it:
 
 - a path under the repository's own folders (`worker/...`, `producer/...`, `scripts/...`,
-  `tests/...`, `docs/...`) names a file or folder of this repository;
+  `tests/...`, `docs/...`) names a file or folder of this repository, and a page's
+  `#anchor` one of its headings;
 - a `.py` path relative to a folder of the code (`pipeline/launch.py`, `gpu_check/peer.py`)
   names a file under one of the folders above the text that names it, or under worker/ or
   producer/;
@@ -125,7 +126,9 @@ def all_prose() -> tuple[Prose, ...]:
 
 # --------------------------------------------------------------------------- the rules
 _NOT_AFTER = r"(?<![\w./-])"
-TOP_PATH = re.compile(_NOT_AFTER + r"((?:" + "|".join(TOP_FOLDERS) + r")/[\w./-]*[\w/])")
+TOP_PATH = re.compile(
+    _NOT_AFTER + r"((?:" + "|".join(TOP_FOLDERS) + r")/[\w./-]*[\w/])(?:#([\w-]+))?"
+)
 RELATIVE_PY = re.compile(_NOT_AFTER + r"([a-z_][\w-]*(?:/[\w-]+)*/\w+\.py)\b")
 BARE_PY = re.compile(_NOT_AFTER + r"(\w+\.py)\b")
 BARE_MD = re.compile(_NOT_AFTER + r"([\w-]+\.md)\b")
@@ -153,6 +156,16 @@ def modules_named(name: str) -> bool:
         for p in (ROOT / top).rglob(name)
         if "__pycache__" not in p.parts
     )
+
+
+@cache
+def anchors(page: Path) -> frozenset[str]:
+    """The anchors of a page's headings, as the site's table of contents makes them."""
+    if page.suffix != ".md":
+        return frozenset()
+    headings = re.findall(r"^#+ (.+?)\s*$", page.read_text(), re.M)
+    slugs = (re.sub(r"[^\w\s-]", "", h).strip().lower() for h in headings)
+    return frozenset(re.sub(r"[-\s]+", "-", slug) for slug in slugs)
 
 
 def top_level_names(module: Path) -> set[str]:
@@ -209,6 +222,8 @@ def _found(prose: Prose) -> list[tuple[int, str]]:
             continue
         if not (ROOT / ref).exists():
             out.append((match.start(), ref))
+        elif match.group(2) and match.group(2) not in anchors(ROOT / ref):
+            out.append((match.start(), f"{ref}#{match.group(2)} (no such heading)"))
     ancestors = [prose.path.parent, *prose.path.parent.parents]
     bases = [a for a in ancestors if ROOT in (a, *a.parents)] + [ROOT / "worker", ROOT / "producer"]
     for match in RELATIVE_PY.finditer(text):
@@ -282,6 +297,7 @@ def test_each_package_s_list_of_modules_names_its_modules() -> None:
         ("the launch thread (`pipeline/device.py`)", "pipeline/device.py"),
         ("as worker.pipeline.device does", "worker.pipeline has no module or name device"),
         ("`python -m worker.tools.docs_gen`", "worker.tools has no module or name docs_gen"),
+        ("(docs/concepts.md#the-intake-process)", "no such heading"),
         ("from `worker.delivery.reader.Nothing`", "defines no Nothing"),
     ],
 )
@@ -295,6 +311,7 @@ def test_the_check_sees_a_name_that_is_not_there(text: str, problem: str) -> Non
     [
         "the reader (worker/delivery/reader.py) and `payload_ring.py`",
         "docs/figures.md, scripts/gpu-check.sh and tests/test_layout.py",
+        "docs/concepts.md#the-intakes-process, docs/gpu-hosts.md#make-gpu-check",
         "`python -m worker.tools.gpu_check.carry`, worker.delivery.reader.Reader",
         "the runner's step (worker.runner.step): an attribute, not a module",
         "an entry `.../get?id=1` and `tools/gpu_check/peer.py`",
@@ -303,3 +320,96 @@ def test_the_check_sees_a_name_that_is_not_there(text: str, problem: str) -> Non
 def test_the_check_passes_names_that_are_there(text: str) -> None:
     prose = Prose(ROOT / "worker" / "delivery" / "payload_ring.py", 1, text)
     assert problems_of(prose) == []
+
+
+# --------------------------------------------------------------------------- figures
+# A comment or docstring of worker/ or producer/ carries no measured figure. A figure that
+# justifies a choice goes stale as the code and the hosts change, so it lives in the docs
+# (docs/figures.md, written from a benchmark report, or the page about the choice, which
+# says where and when it was measured) and the comment keeps the reason and points there.
+#
+# A measured figure, for this check: in one sentence (or clause, or list item), a number
+# with a unit of time (ns, µs, us, ms, s, seconds, minutes, hours) or of rate (jobs/s,
+# images/s, GB/s, ..., "N a second"), and a sign that it was measured rather than chosen:
+# a measuring word (measured, measures, took, takes, cost, costs), an approximation
+# (about, ~, some, near, roughly), or a host (on this / a 2-core / a loaded ... host or
+# machine, N cores, N-core, an H100 or H200). A setting (a timeout, an interval, a
+# backoff, a limit, a target) is an exact number said as one ("within 2 s", "every
+# 20 ms") and passes; a setting whose sentence reads like a measurement is in
+# SETTING_FIGURES, with why.
+_UNIT = (
+    r"(?:ns|µs|us|ms|s|sec|seconds?|minutes?|min|hours?|h"
+    r"|(?:jobs|images|img|calls|reads|rows|entries|commands|requests)/s|[KMG]i?B/s)"
+)
+FIGURE = re.compile(
+    r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:\s?-\s?\d[\d,]*(?:\.\d+)?)?"
+    r"(?:\s" + _UNIT + r"(?![\w/])|(?:µs|us|ms|ns)\b|\s(?:\w+\s)?a second\b)"
+)
+MEASURED = re.compile(
+    r"\b(?:measur\w*|took|takes|costs?|about|some|near(?:ly)?|roughly)\b|~\s?\d"
+    r"|\bon (?:this|that|the|a|an|one)(?: \w+)?(?: \d+-core)? (?:host|machine|box)\b"
+    r"|\b\d+(?:-core| (?:idle |busy )?cores)\b|\b[AH]\d00\b",
+    re.I,
+)
+# Where one sentence (or clause, or list item) ends and the next begins.
+_SENTENCE_END = re.compile(
+    r"(?<=[.!?])\s+(?=[A-Z(`\"'0-9])|;\s+|\n\s*\n|\n\s*(?=- |\(\w\) |\d+\w?\. )"
+)
+
+# Settings whose sentence reads like a measurement: (file, words of the sentence) -> why.
+SETTING_FIGURES: dict[tuple[str, str], str] = {
+    ("worker/pipeline/degrade.py", "How often the backlog is measured"): (
+        "the interval between looks at the backlog, a setting's bounds"
+    ),
+}
+
+
+def comment_blocks(path: Path) -> Iterator[Prose]:
+    """A module's comments, each run of comment lines as one text, and its docstrings."""
+    source = path.read_text()
+    lines: list[str] = []
+    start = last = -1
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type != tokenize.COMMENT:
+            continue
+        if lines and token.start[0] != last + 1:
+            yield Prose(path, start, "\n".join(lines))
+            lines = []
+        if not lines:
+            start = token.start[0]
+        lines.append(token.string.lstrip("#").strip())
+        last = token.start[0]
+    if lines:
+        yield Prose(path, start, "\n".join(lines))
+    yield from (p for p in code_prose(path) if not p.text.lstrip().startswith("#"))
+
+
+def measured_figures(prose: Prose) -> list[str]:
+    """The sentences of `prose` that carry a measured figure, each with its line."""
+    found = []
+    at = 0
+    for sentence in [*_SENTENCE_END.split(prose.text)]:
+        at = prose.text.find(sentence, at)
+        figure = FIGURE.search(sentence)
+        if figure and MEASURED.search(sentence):
+            line = prose.line + prose.text.count("\n", 0, at)
+            found.append(f"{line}: {' '.join(sentence.split())}")
+        at += len(sentence)
+    return found
+
+
+def test_no_comment_or_docstring_carries_a_measured_figure() -> None:
+    found = []
+    for top in ("worker", "producer"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if rewritten(path):
+                continue
+            rel = path.relative_to(ROOT).as_posix()
+            for prose in comment_blocks(path):
+                for sentence in measured_figures(prose):
+                    if not any(f == rel and w in sentence for f, w in SETTING_FIGURES):
+                        found.append(f"{rel}:{sentence}")
+    assert not found, (
+        "measured figures in the code's prose: move each to the docs page about the choice "
+        "(or docs/figures.md), keep the reason here and point there:\n" + "\n".join(found)
+    )

@@ -2,9 +2,10 @@
 
 Batch workloads often send the same image many times (thumbnails, logos, re-submitted
 jobs). Decoding a 4000x3000 JPEG costs tens of milliseconds of CPU; copying a cached
-[S, S, 3] row costs microseconds. The key is a 128-bit BLAKE2b digest of the bytes (about
-1 GB/s, so negligible next to a decode), and the cache holds rows, not tensors on the
-device, so it costs host memory only and never touches the hot path's buffers.
+[S, S, 3] row costs microseconds. The key is a 128-bit BLAKE2b digest of the bytes (far
+cheaper than a decode: docs/concepts.md#decode-processes), and the cache holds rows, not
+tensors on the device, so it costs host memory only and never touches the hot path's
+buffers.
 
 The key includes the job's reply stream: a hit shows in the result (`cached`, and a decode
 time near zero), so a cache shared between reply streams would tell one tenant that another

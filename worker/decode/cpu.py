@@ -86,7 +86,8 @@ class DecodeSpec:
     ``max_decode_bytes`` bounds the memory of one decode: the decoded frame as Pillow holds it
     (see `decoded_bytes`), at the DCT scale that would be used, plus the copy that converts
     it to RGB; also checked from the header. ``max_slow_decoder_pixels`` bounds images whose
-    Pillow decoder is written in Python (RLE-compressed BMP): about 0.3 s a million pixels.
+    Pillow decoder is written in Python (RLE-compressed BMP), slow per pixel
+    (docs/security.md#hostile-input gives its cost).
     """
 
     size: int
@@ -425,8 +426,8 @@ def jpeg_orientation(data: bytes | memoryview) -> int:
 
 def _jpeg_exif(data: bytes | memoryview) -> bytes | None:
     """The first APP1 segment holding EXIF ("Exif\\0\\0" and its TIFF data), or None."""
-    # The segments before the scan, never a search of the whole file: that held the GIL
-    # for about 60 us per 95 KB photo without EXIF.
+    # The segments before the scan, never a search of the whole file: a search holds the
+    # GIL for a share of a decode's time (docs/concepts.md#decode-and-resize).
     for marker, pos, length in segments(data):
         if marker == 0xE1 and data[pos + 4 : pos + 10] == b"Exif\x00\x00":
             return bytes(data[pos + 4 : pos + 2 + length])
@@ -470,7 +471,8 @@ def _check_cost(
     slow = [t.codec_name for t in im.tile if t.codec_name in Image.DECODERS]
     if slow and width * height > spec.max_slow_decoder_pixels:
         # Image.DECODERS holds the decoders written in Python (for the formats we accept,
-        # only BMP's RLE8/RLE4): ~0.3 s a million pixels, holding the GIL most of it.
+        # only BMP's RLE8/RLE4): slow per pixel, holding the GIL most of the time
+        # (docs/security.md#hostile-input gives the cost).
         raise DecodeError(
             ErrorCode.IMAGE_TOO_LARGE,
             f"{width}x{height} is {width * height} pixels of RLE-compressed data, over the "

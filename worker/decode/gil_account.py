@@ -20,9 +20,9 @@ How "holding the GIL" is measured:
   decoded array's copy into Pillow's layout), resize, transpose and new canvases, and the
   copy of the pixels into the staging row. What holds the GIL in C counts as held: the
   search for EXIF in the JPEG's bytes, Pillow's `tobytes` behind `np.asarray(image)`.
-  `timing_releases()` times them (two `time.thread_time` reads per call, about 0.9 µs on
-  the 2-core development host: 2-3 calls, 2-3 µs per image) while it is on: the bench and
-  `doctor` turn it on for their runs, a serving worker never does;
+  `timing_releases()` times them (two `time.thread_time` reads per call, 2-3 calls per
+  image: its cost is in docs/benchmarks.md#what-holds-the-gil-per-job) while it is on: the
+  bench and `doctor` turn it on for their runs, a serving worker never does;
 - threads no Python code started (torch's intra-op pool): C++ only, they never hold the
   GIL; their CPU counts towards the cores.
 

@@ -67,11 +67,10 @@ LANES = 2
 # lets the GIL go and takes it back several times per image inside a call (each source
 # parsed, each caller buffer wrapped and reshaped with it released), and each time a busy
 # Python thread holds it (the event loop under load) the lane waits up to the interval for
-# it. A 64-thumbnail call (scripts/lane_gil.py, CPU-only backend, 2 idle cores): 2.8 ms
-# alone; beside a busy Python thread 250 ms median at the default 5 ms, 42 ms at 1 ms, 16 ms
-# at 0.5 ms and 0.2 ms, 9 ms at 0.1 ms; on a loaded host 12 ms at 5 ms, 7 ms at 0.2 ms, as
-# beside a thread busy in native code (no GIL wait left). The busy thread's own rate did
-# not measurably change; the executor's thread count and splitting the call did not help.
+# it: a call many times longer than alone at the default interval, a small multiple at
+# this one (scripts/lane_gil.py measures it; docs/gpu-hosts.md#the-hot-path, step 7, gives
+# the figures). The busy thread's own rate did not change; the executor's thread count and
+# splitting the call did not help.
 LANE_SWITCH_INTERVAL_S = 0.0002
 
 # The profiler range around a lane's decode call. nvImageCodec's hardware decoder waits on

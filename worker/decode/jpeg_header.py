@@ -12,8 +12,8 @@ beside the output, and its time grows with its scans: a 400 KB progressive JPEG 
 The scans are counted with one search for the SOS marker after the first scan: in
 entropy-coded data a 0xFF byte is always followed by 0x00 or a restart marker, so FF DA
 there is always a marker. A sequential JPEG whose first scan holds every component has no
-other (libjpeg refuses a second one), so it is not searched: that search cost about 80 us
-of an 84 KB photo's ~1.1 ms decode.
+other (libjpeg refuses a second one), so it is not searched: the search costs a share of a
+photo's decode worth saving (docs/concepts.md#decode-and-resize).
 
 The header is the sender's: every function here answers any bytes at all with a result or
 None ("cannot be read", "not for the GPU"), never an exception, since some of them run

@@ -3,8 +3,9 @@ payload memory where the decode processes will read them.
 
 redis-py reads a reply in socket-sized chunks, hands them to its parser (a copy) and makes
 a Python bytes object of every value (another); the intake's process then copied each
-payload into the shared memory (a third): measured on a 2-core host, ~115 µs of CPU per
-84 KB payload, which would cap one intake process near 9,000 jobs/s. Here the bytes of an
+payload into the shared memory (a third), a cost per payload that would cap one intake
+process well below a GPU host's rate (docs/concepts.md#the-intakes-process gives the
+figures, before and after). Here the bytes of an
 `image` value go from the kernel into the payload memory once (`recv_into`); the other
 fields are small and become bytes as before. Only the reply is read here: the connection
 (its authentication, TLS, database, health checks, reconnects) is redis-py's.

@@ -7,14 +7,11 @@ choice follows a setting when one is given; `auto` picks from the host:
 - decode processes: unless GPUFEED_DECODE_THREADS is set (an operator who sized the
   threads keeps them), on 4 cores or more, one per core but one, left to the worker's own
   process (the event loop, Redis, the launches), at most 32. Where one process's GIL binds
-  (many cores), processes take decode out of it: measured on a 2-core host with a second
-  Python thread busy in the worker's process (as its event loop is under load), two decode
-  threads fell from 882 to 47 images/s of 640x480 JPEGs while two decode processes kept
-  457; and the worker's GIL account projects 2,147 jobs/s on 16 cores with processes
-  against 1,487 with threads (null model, 640x480, every job decoded). Where the cores
-  bind (few), the worker's own CPU competes with K busy processes: on that 2-core host the
-  worker served 730 jobs/s with 2 decode threads and 630 with 2 decode processes (64x64:
-  1,414 and 1,068), so below 4 cores `auto` keeps threads. Threads stay too where
+  (many cores), processes take decode out of it: decode threads beside a busy Python
+  thread wait out the GIL for every image, processes do not. Where the cores bind (few),
+  the worker's own CPU competes with K busy processes, and threads serve more, so below 4
+  cores `auto` keeps threads (docs/concepts.md#decode-processes gives the figures of
+  both). Threads stay too where
   processes cannot run: a decode hook that only a thread can run (tests), or no memory
   files (memfd, Linux only). GPU decode (GPUFEED_DECODE) works with either: with processes
   the GPU's engines decode their share of each batch into its packed rows

@@ -214,7 +214,7 @@ class _Nvml:
         with contextlib.suppress(nv.NVMLError):
             out["sm_clock_mhz"] = float(nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
         with contextlib.suppress(nv.NVMLError):
-            # KB/s over the last ~20 ms, per NVML.
+            # KB/s over NVML's own counting window (nvmlDeviceGetPcieThroughput).
             tx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_TX_BYTES)
             rx = nv.nvmlDeviceGetPcieThroughput(h, nv.NVML_PCIE_UTIL_RX_BYTES)
             out["pcie_tx_mib_s"] = tx / 1024.0

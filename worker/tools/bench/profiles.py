@@ -126,7 +126,7 @@ class Profile:
     name: str
     models: tuple[ModelPlan, ...]
     sets: tuple[SetPlan, ...]
-    compile_variant_on_cpu: bool  # compiling costs ~30 s per model on the CPU
+    compile_variant_on_cpu: bool  # compiling is slow on the CPU (docs/benchmarks.md)
     curve: CurvePlan | None
     ceiling_s: float  # timed part of each direct-feed measurement
     stage_min_s: float  # least time per decode-rate measurement
@@ -209,7 +209,8 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             stage_min_s=1.0,
             stage_images=8,
             time_limit_s=None if cuda else 300.0,
-            # Where decode dominates; the photo set too would push it over 5 min on 2 cores.
+            # Where decode dominates; the photo set too would push it past its time limit
+            # on 2 cores.
             cache_roles=("large",),
             overhead=OverheadPlan(jobs=20_000 if cuda else 10_000),
             priority=PriorityPlan(seconds=2.0),

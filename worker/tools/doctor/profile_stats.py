@@ -18,8 +18,8 @@ from typing import Any
 
 from worker.observe.gpu_sampler import percentile
 
-# A kernel shorter than this does too little work to hide its own launch cost (a CUDA
-# launch costs some 3-10 µs of host time), so a step made mostly of them is launch-bound.
+# A kernel shorter than this does too little work to hide its own launch cost (each CUDA
+# launch costs the host microseconds), so a step made mostly of them is launch-bound.
 TINY_US = 10.0
 
 Event = tuple[float, float]  # (start_us, duration_us)

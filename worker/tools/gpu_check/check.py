@@ -567,7 +567,7 @@ class Deadline:
 
 # What each phase costs besides its own window, in seconds, on a 16-core GPU host: what the
 # budget plan adds up. Each phase still checks the time left when it starts.
-STARTUP_S = 100.0  # resnet50 compiled cold at its four batch shapes (40-90 s), its checks
+STARTUP_S = 100.0  # resnet50 compiled cold at its four batch shapes, its checks
 STARTUP_EAGER_S = 20.0  # no compile: the model built and warmed up
 LIGHT_START_S = 75.0  # the light model's worker, compiled for the full batch alone
 LIGHT_START_EAGER_S = 20.0

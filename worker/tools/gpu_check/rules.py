@@ -24,8 +24,8 @@ from worker.tools.doctor.verdict import HEALTHY_RATIO
 
 # The photo window's images/s (640x480 JPEGs, every one decoded) against the model's
 # direct-feed ceiling, and the GPU's NVML utilisation over it: half the ceiling and 55%.
-# One 640x480 JPEG costs a CPU core ~1.4 ms, so on a 16-core host the cores alone decode
-# ~10,000 a second against resnet50's ~21,700 on an H200: the rest is the GPU's JPEG
+# A GPU host's cores alone decode 640x480 JPEGs at about half resnet50's ceiling on an
+# H200 (docs/gpu-hosts.md#make-gpu-check gives the figures): the rest is the GPU's JPEG
 # engines' to decode, and half the ceiling is what the two together are held to.
 RATIO_TARGET = 0.5
 GPU_UTIL_TARGET = 55.0
