@@ -12,6 +12,14 @@ from pathlib import Path
 from redis.typing import EncodableT, FieldT
 
 from producer import wire
+from producer.job_fields import (
+    DEADLINE_PROBLEM,
+    SOURCES,
+    Problem,
+    deadline_in_range,
+    field_problem,
+    sources_problem,
+)
 
 # The file names taken as images from a folder: the formats the workers decode
 # (worker/decode/cpu.py); anything else would only come back `unsupported_format`.
@@ -74,56 +82,51 @@ class Job:
         )
 
     def fields(self) -> dict[FieldT, EncodableT]:
-        """The stream entry fields, only those that are set; ValueError if the job is invalid."""
-        given = [n for n in ("image", "path", "url") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError(
-                "a job needs exactly one of image (bytes), path or url"
-                + (f", not {' and '.join(given)}" if given else "")
-            )
+        """The stream entry fields, only those that are set; ValueError if the job is one
+        the workers would refuse, with the words they would answer it with: the rules and
+        their order are the workers' (producer/job_fields.py holds them for both sides)."""
+        texts = {"path": self.path, "url": self.url, "id": self.id, "reply_to": self.reply_to}
+        encoded = {n: v.encode() for n, v in texts.items() if v is not None}
+        for name in ("id", "reply_to"):
+            if name in encoded:
+                _refuse(field_problem(name, encoded[name]))
+        if self.deadline_ms is not None and (
+            not isinstance(self.deadline_ms, int) or deadline_in_range(self.deadline_ms) is None
+        ):
+            raise ValueError(DEADLINE_PROBLEM[1])
+        given = [n for n in SOURCES if getattr(self, n) is not None]
+        _refuse(sources_problem(given))
+        for name in ("image", "meta"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (bytes, bytearray, memoryview)):
+                raise ValueError(f"{name} must be bytes, not {type(value).__name__}")
+        (source,) = given
+        value = encoded.get(source, self.image)
+        assert value is not None  # one source is given: sources_problem said so
+        _refuse(field_problem(source, value))
+        if self.url is not None and "://" not in self.url:
+            raise ValueError(f"url needs a scheme (http://, https://, s3://...): {self.url!r}")
         out: dict[FieldT, EncodableT] = {}
         if self.image is not None:
-            if not isinstance(self.image, (bytes, bytearray, memoryview)):
-                raise ValueError(f"image must be bytes, not {type(self.image).__name__}")
-            if len(self.image) == 0:
-                raise ValueError("image is empty")
             out[wire.JOB_IMAGE] = self.image
-        if self.path is not None:
-            if not self.path:
-                raise ValueError("path is empty")
-            out[wire.JOB_PATH] = self.path.encode()
-        if self.url is not None:
-            if not self.url.strip():
-                raise ValueError("url is empty")
-            if "://" not in self.url:
-                raise ValueError(f"url needs a scheme (http://, https://, s3://...): {self.url!r}")
-            out[wire.JOB_URL] = self.url.encode()
-        if self.id is not None:
-            _check_id(self.id)
-            out[wire.JOB_ID] = self.id.encode()
-        if self.reply_to is not None:
-            if not self.reply_to:
-                raise ValueError("reply_to is empty")
-            out[wire.JOB_REPLY_TO] = self.reply_to.encode()
+        for name, field in (
+            ("path", wire.JOB_PATH),
+            ("url", wire.JOB_URL),
+            ("id", wire.JOB_ID),
+            ("reply_to", wire.JOB_REPLY_TO),
+        ):
+            if name in encoded:
+                out[field] = encoded[name]
         if self.meta is not None:
-            if not isinstance(self.meta, (bytes, bytearray, memoryview)):
-                raise ValueError(f"meta must be bytes, not {type(self.meta).__name__}")
             out[wire.JOB_META] = self.meta
         if self.deadline_ms is not None:
-            if not isinstance(self.deadline_ms, int) or not 10**12 <= self.deadline_ms < 10**14:
-                raise ValueError("deadline_ms must be a Unix time in milliseconds (an int)")
             out[wire.JOB_DEADLINE_MS] = str(self.deadline_ms).encode()
         return out
 
 
-def _check_id(job_id: str) -> None:
-    if not job_id:
-        raise ValueError("id is empty; leave it out to use the stream entry ID")
-    size = len(job_id.encode())
-    if size > wire.MAX_ID_BYTES:
-        raise ValueError(
-            f"id is {size} bytes, over the limit of {wire.MAX_ID_BYTES}: {job_id[:40]}..."
-        )
+def _refuse(problem: Problem | None) -> None:
+    if problem is not None:
+        raise ValueError(problem[1])
 
 
 def file_job_ids(files: Sequence[str | os.PathLike[str]], *, id_prefix: str = "") -> list[str]:

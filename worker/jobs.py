@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -11,6 +10,13 @@ from typing import Any
 import structlog
 
 from producer import wire
+from producer.job_fields import (
+    DEADLINE_PROBLEM,
+    SOURCES,
+    deadline_of,
+    field_problem,
+    sources_problem,
+)
 from producer.priorities import entry_ref
 from producer.wire import ErrorCode
 from worker.model.answers import Answer
@@ -20,7 +26,6 @@ log = structlog.get_logger("gpufeed.jobs")
 # A Unix time in milliseconds: ASCII digits only (str.isdigit() and int() also take
 # superscripts, other scripts' digits and underscores), at most 20 of them so that int()
 # never meets a number it refuses; ASCII white space around it.
-_DEADLINE = re.compile(rb"\s*([0-9]{1,20})\s*")
 
 
 @dataclass(eq=False)
@@ -116,13 +121,6 @@ class Outcome:
         return f"{code}: {self.error_message}"
 
 
-def _text(raw: bytes) -> str | None:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
 def parse_job(
     entry_id: str,
     fields: dict[bytes, bytes],
@@ -131,96 +129,49 @@ def parse_job(
 ) -> Job:
     """Turn a stream entry into a Job; contract violations become `rejected`, never raise.
 
+    The rules are producer/job_fields.py's, which the producer checks before sending.
     Unknown fields are ignored, as the contract says, so producers can add their own. The
     fields a result echoes (`meta`, and `reply_to` as a key) are bounded here, before the
     job costs anything: an oversized one would make its result too large for one publish
-    call, and the answer that says so carries neither.
+    call, and the answer that says so carries neither. A bad id is the first problem told:
+    the answer then goes under the entry ID, so that it can be found.
     """
     raw_id = fields.get(wire.JOB_ID)
-    raw_reply = fields.get(wire.JOB_REPLY_TO)
+    reply_to, reply_problem = _text_field(
+        "reply_to", fields.get(wire.JOB_REPLY_TO), default_reply_to
+    )
+    job_id, id_problem = _text_field("id", raw_id, entry_id)
+    rejected = id_problem or reply_problem
+
     meta = fields.get(wire.JOB_META)
+    if meta is not None:
+        too_large = field_problem("meta", meta, limit=max_meta_bytes)
+        if too_large is not None:
+            # Never echoed, whatever else is wrong with the job.
+            rejected = rejected or too_large
+            meta = None
+
+    deadline_ms: int | None = None
+    raw_deadline = fields.get(wire.JOB_DEADLINE_MS)
+    if raw_deadline is not None and rejected is None:
+        deadline_ms = deadline_of(raw_deadline)
+        if deadline_ms is None:
+            rejected = DEADLINE_PROBLEM
+
     image = fields.get(wire.JOB_IMAGE)
     path = fields.get(wire.JOB_PATH)
     raw_url = fields.get(wire.JOB_URL)
-    raw_deadline = fields.get(wire.JOB_DEADLINE_MS)
-
-    reply_to = default_reply_to
-    rejected: tuple[ErrorCode, str] | None = None
-    if raw_reply is not None:
-        text = _text(raw_reply)
-        if len(raw_reply) > wire.MAX_REPLY_TO_BYTES:
-            rejected = (
-                ErrorCode.INVALID_JOB,
-                f"reply_to is {len(raw_reply):,} bytes; at most {wire.MAX_REPLY_TO_BYTES:,} "
-                "are allowed",
-            )
-        elif text is None or not text.strip():
-            rejected = (ErrorCode.INVALID_JOB, "reply_to is empty or not a UTF-8 stream name")
-        else:
-            reply_to = text
-
-    # The result must be findable, so a bad id falls back to the entry ID for the answer.
-    job_id = entry_id
-    has_own_id = False
-    if raw_id is not None:
-        text = _text(raw_id)
-        if len(raw_id) > wire.MAX_ID_BYTES:
-            rejected = (
-                ErrorCode.ID_TOO_LONG,
-                f"id is {len(raw_id)} bytes, at most {wire.MAX_ID_BYTES} are allowed",
-            )
-        elif text is None:
-            rejected = (ErrorCode.INVALID_JOB, "id is not valid UTF-8")
-        elif text == "":
-            rejected = (ErrorCode.INVALID_JOB, "id is empty")
-        else:
-            job_id = text
-            has_own_id = True
-
-    if meta is not None and len(meta) > max_meta_bytes:
-        # Never echoed, whatever else is wrong with the job.
-        rejected = rejected or (
-            ErrorCode.INVALID_JOB,
-            f"meta is {len(meta):,} bytes; at most {max_meta_bytes:,} are allowed "
-            "(GPUFEED_MAX_META_BYTES); it is not echoed",
-        )
-        meta = None
-
-    deadline_ms: int | None = None
-    if raw_deadline is not None and rejected is None:
-        deadline_ms = _deadline(raw_deadline)
-        if deadline_ms is None:
-            rejected = (
-                ErrorCode.INVALID_JOB,
-                "deadline_ms is not a Unix time in milliseconds (a positive integer)",
-            )
-
     url: str | None = None
     if rejected is None:
-        sources = [
-            n for n, v in (("image", image), ("path", path), ("url", raw_url)) if v is not None
-        ]
-        if len(sources) > 1:
-            rejected = (
-                ErrorCode.INVALID_JOB,
-                f"give exactly one of image, path or url, not {' and '.join(sources)}",
-            )
-        elif not sources:
-            rejected = (ErrorCode.INVALID_JOB, "the job has none of the image, path or url fields")
-        elif image is not None and len(image) == 0:
-            rejected = (ErrorCode.EMPTY_IMAGE, "the image field is empty")
-        elif path is not None and len(path) == 0:
-            rejected = (ErrorCode.INVALID_JOB, "the path field is empty")
-        elif raw_url is not None and len(raw_url) > wire.MAX_URL_BYTES:
-            rejected = (
-                ErrorCode.INVALID_JOB,
-                f"the url is {len(raw_url):,} bytes long; at most {wire.MAX_URL_BYTES:,}",
-            )
-        elif raw_url is not None:
-            url = _text(raw_url)
-            if url is None or not url.strip():
-                rejected = (ErrorCode.INVALID_JOB, "the url field is empty or not UTF-8")
-                url = None
+        given = {
+            n: v for n, v in zip(SOURCES, (image, path, raw_url), strict=True) if v is not None
+        }
+        rejected = sources_problem(list(given))
+        if rejected is None:
+            [(name, value)] = given.items()
+            rejected = field_problem(name, value)
+            if rejected is None and raw_url is not None:
+                url = raw_url.decode("utf-8")
 
     return Job(
         entry_id=entry_id,
@@ -232,18 +183,20 @@ def parse_job(
         url=url,
         deadline_ms=deadline_ms,
         rejected=rejected,
-        has_own_id=has_own_id,
+        has_own_id=raw_id is not None and id_problem is None,
     )
 
 
-def _deadline(raw: bytes) -> int | None:
-    match = _DEADLINE.fullmatch(raw)
-    if match is None:
-        return None
-    value = int(match.group(1))
-    # Milliseconds since 1970 have 13 digits until 2286; seconds (10 digits) are a mistake
-    # that would pass every job's deadline at once.
-    return value if 10**12 <= value < 10**14 else None
+def _text_field(
+    name: str, raw: bytes | None, default: str
+) -> tuple[str, tuple[ErrorCode, str] | None]:
+    """A text field's value (`default` when absent or broken) and its problem, if any."""
+    if raw is None:
+        return default, None
+    problem = field_problem(name, raw)
+    if problem is not None:
+        return default, problem
+    return raw.decode("utf-8"), None
 
 
 def job_of_entry(
