@@ -15,7 +15,7 @@ is either carried or left on purpose, never dropped unseen.
 
 from __future__ import annotations
 
-from operator import attrgetter
+from collections.abc import Callable
 from typing import Any
 
 from producer.wire import ErrorCode
@@ -61,45 +61,64 @@ OUTCOME_LEFT = frozenset({"refused_logged"})
 _KINDS: tuple[type[Any], ...] = (Classification, Embedding, RawOutput)
 _KIND_INDEX = {kind: i for i, kind in enumerate(_KINDS)}
 _CODES = {code.value: code for code in ErrorCode}
-_job_values = attrgetter(*JOB_FIELDS)
-_outcome_values = attrgetter(*OUTCOME_FIELDS)
 
-# (JOB_FIELDS' values, OUTCOME_FIELDS' values, (answer kind, answer) or None, code or None)
+# A row: JOB_FIELDS' values, OUTCOME_FIELDS' values, then the answer ((its kind's index,
+# its fields) or None) and the error code's value (or None), flat.
 Row = tuple[Any, ...]
 
-
-def outcome_rows(outcomes: list[Outcome]) -> list[Row]:
-    """`outcomes` as rows that msgpack packs as they are (see `outcomes_of`)."""
+# Both functions are written from the field lists once, at import (as dataclasses writes an
+# __init__): the worker packs a batch with the bytecode of a hand-written tuple, one
+# attribute read per field, and the order stands in one place.
+_carried = [f"j.{name}" for name in JOB_FIELDS] + [f"o.{name}" for name in OUTCOME_FIELDS]
+_names = [f"job_{name}" for name in JOB_FIELDS] + [f"outcome_{name}" for name in OUTCOME_FIELDS]
+_SOURCE = f"""
+def outcome_rows(outcomes):
     kinds = _KIND_INDEX
     return [
         (
-            _job_values(o.job),
-            _outcome_values(o),
+            {", ".join(_carried)},
             None if (a := o.answer) is None else (kinds[type(a)], a),
             None if (c := o.error_code) is None else c.value,
         )
         for o in outcomes
+        for j in (o.job,)
     ]
 
 
-def outcomes_of(rows: list[Row]) -> list[Outcome]:
-    """The outcomes of `outcome_rows`, as msgpack unpacked them (`raw=False`), each with a
-    job of its own that carries what its result is made of (no image bytes)."""
-    out: list[Outcome] = []
-    for job_values, outcome_values, answer, code in rows:
-        job = Job(image=None, path=None, **dict(zip(JOB_FIELDS, job_values, strict=True)))
+def outcomes_of(rows):
+    out = []
+    for {", ".join(_names)}, answer, code in rows:
+        job = Job(image=None, path=None, {", ".join(f"{n}=job_{n}" for n in JOB_FIELDS)})
         out.append(
             Outcome(
                 job=job,
                 answer=None if answer is None else _answer(answer),
-                error_code=None if code is None else _CODES.get(code, ErrorCode.INTERNAL_ERROR),
-                **dict(zip(OUTCOME_FIELDS, outcome_values, strict=True)),
+                error_code=None if code is None else _CODES.get(code, _INTERNAL_ERROR),
+                {", ".join(f"{n}=outcome_{n}" for n in OUTCOME_FIELDS)},
             )
         )
     return out
+"""
 
 
 def _answer(packed: list[Any]) -> Answer:
     kind, fields = packed
     answer: Answer = _KINDS[kind](*fields)
     return answer
+
+
+_written: dict[str, Any] = {
+    "Job": Job,
+    "Outcome": Outcome,
+    "_KIND_INDEX": _KIND_INDEX,
+    "_CODES": _CODES,
+    "_INTERNAL_ERROR": ErrorCode.INTERNAL_ERROR,
+    "_answer": _answer,
+}
+exec(compile(_SOURCE, f"<{__name__}: rows>", "exec"), _written)
+
+outcome_rows: Callable[[list[Outcome]], list[Row]] = _written["outcome_rows"]
+outcome_rows.__doc__ = """`outcomes` as rows that msgpack packs as they are (see `outcomes_of`)."""
+outcomes_of: Callable[[list[Row]], list[Outcome]] = _written["outcomes_of"]
+outcomes_of.__doc__ = """The outcomes of `outcome_rows`, as msgpack unpacked them (`raw=False`),
+each with a job of its own that carries what its result is made of (no image bytes)."""
