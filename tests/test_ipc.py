@@ -153,12 +153,17 @@ def test_a_side_a_field_short_fails_at_its_first_message() -> None:
         added: str
 
     newer = Wire("test", Start, NoteWithMore, Echoed)
-    with pytest.raises(BadFrame, match="Expected 5 arguments, got 6"):
+    with pytest.raises(BadFrame, match="a test Note has 5 fields, not"):
         TESTS.message(newer.body(NoteWithMore(1, "a", None, [], {}, "new")))
-    with pytest.raises(BadFrame, match="Expected 6 arguments, got 5"):
+    with pytest.raises(BadFrame, match="a test NoteWithMore has 6 fields, not"):
         newer.message(TESTS.body(Note(1, "a", None, [], {})))
-    with pytest.raises(BadFrame, match="not a test message"):
+    with pytest.raises(BadFrame, match="a test Ready has 0 fields, not 7"):
         TESTS.message(TESTS.body(Ready())[:-1] + b"\x07")
+    unknown = TESTS.body(Ready())
+    with pytest.raises(BadFrame, match="not a test message"):
+        TESTS.message(bytes([unknown[0], 99, *unknown[2:]]))
+    with pytest.raises(BadFrame, match="not a test message"):
+        TESTS.message(b"\xc1")
 
 
 # --------------------------------------------------------------------------- frames

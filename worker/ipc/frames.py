@@ -29,6 +29,8 @@ from worker.base.errors import GpufeedError
 # length, the tail's length.
 HEAD = struct.Struct("<4sIQ")
 MAGIC = b"GFf1"
+_HEAD_SIZE = HEAD.size
+_unpack_head = HEAD.unpack_from
 # sendmsg takes at most IOV_MAX (1024 on Linux) buffers per call.
 _IOV = 512
 # What the worker reads of a child's answers at a time.
@@ -112,7 +114,7 @@ class FrameBuffer:
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def receive(self, sock: socket.socket, decode: Callable[[memoryview], _T]) -> list[_T] | None:
+    def receive(self, sock: socket.socket, decode: Callable[[bytearray], _T]) -> list[_T] | None:
         """The whole frames `sock` has for now, each message through `decode` (`[]`:
         none yet); None once the other end is closed (the child has ended, or is ending)."""
         try:
@@ -129,24 +131,25 @@ class FrameBuffer:
     def feed(self, data: Buffer) -> None:
         self._buf += data
 
-    def take(self, decode: Callable[[memoryview], _T]) -> list[_T]:
+    def take(self, decode: Callable[[bytearray], _T]) -> list[_T]:
         """The whole frames received so far, through `decode`."""
         buf = self._buf
+        received = len(buf)
         out: list[_T] = []
         start = 0
-        with memoryview(buf) as view:
-            while len(buf) - start >= HEAD.size:
-                size, tail = _lengths(buf, start)
-                if tail:
-                    raise BadFrame("a frame from a child carries a tail")
-                end = start + HEAD.size + size
-                if len(buf) < end:
-                    break
-                with view[start + HEAD.size : end] as body:
-                    out.append(decode(body))
-                start = end
-        # The view is released: the bytearray may shrink.
-        del buf[:start]
+        while received - start >= _HEAD_SIZE:
+            magic, size, tail = _unpack_head(buf, start)
+            if magic != MAGIC or tail:
+                _lengths(buf, start)  # says what is wrong with it
+                raise BadFrame("a frame from a child carries a tail")
+            end = start + _HEAD_SIZE + size
+            if received < end:
+                break
+            # A copy: the child's messages are small, and the buffer moves on under it.
+            out.append(decode(buf[start + _HEAD_SIZE : end]))
+            start = end
+        if start:
+            del buf[:start]
         return out
 
 

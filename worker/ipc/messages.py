@@ -2,10 +2,10 @@
 
 What crosses is `(tag, fields)`: the tag is the message's place in its protocol's table
 (`Wire`), the fields go in the class's own order, as msgpack packs a tuple, and come back
-through the class's `_make`, which refuses a count of fields other than the class's. So a
-field added to a message is sent and read by both sides, and a side that would be a field
-short fails at its first message, never quietly; tests/test_ipc.py round-trips every
-message of every table from the fields its class declares.
+as the class again, refused whole when their count is not the class's. So a field added to
+a message is sent and read by both sides, and a side that would be a field short fails at
+its first message, never quietly; tests/test_ipc.py round-trips every message of every
+table from the fields its class declares.
 
 A message whose fields are not plain values (the result writer's settings, a list of
 dataclasses) says how it crosses itself, by name: `to_wire()` gives its fields, the class's
@@ -14,6 +14,7 @@ dataclasses) says how it crosses itself, by name: `to_wire()` gives its fields, 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -35,21 +36,29 @@ class Wire:
         self.kinds: tuple[type[Any], ...] = (Ready, *kinds)
         self._tags: dict[type[Any], int] = {}
         self._encode: dict[type[Any], Callable[[Any], Any] | None] = {}
-        self._decode: list[Callable[[Any], Any]] = []
+        # Per tag: the kind, and its count of fields (-1: it rebuilds itself, `from_wire`).
+        self._shapes: list[tuple[type[Any], int]] = []
         for tag, kind in enumerate(self.kinds):
-            custom = getattr(kind, "from_wire", None)
-            if custom is None and not hasattr(kind, "_make"):
+            custom = hasattr(kind, "from_wire")
+            if not custom and not hasattr(kind, "_fields"):
                 raise TypeError(f"{kind.__name__}: a message is a NamedTuple or has from_wire")
             self._tags[kind] = tag
-            self._encode[kind] = kind.to_wire if custom is not None else None
-            self._decode.append(custom if custom is not None else kind._make)
+            self._encode[kind] = kind.to_wire if custom else None
+            self._shapes.append((kind, -1 if custom else len(kind._fields)))
+        # One packer per thread: a packer keeps its buffer between calls.
+        self._local = threading.local()
 
     def body(self, message: Any) -> bytes:
         """`message` as msgpack: its tag and its fields."""
         kind = type(message)
         encode = self._encode[kind]
         fields = message if encode is None else encode(message)
-        return msgpack.packb((self._tags[kind], fields), use_bin_type=True)
+        try:
+            pack = self._local.pack
+        except AttributeError:
+            pack = self._local.pack = msgpack.Packer(use_bin_type=True).pack
+        body: bytes = pack((self._tags[kind], fields))
+        return body
 
     def frame(self, message: Any) -> bytes:
         """`message` as one whole frame, head included."""
@@ -65,7 +74,19 @@ class Wire:
         """The message of a frame's bytes."""
         try:
             tag, fields = msgpack.unpackb(body, raw=False, strict_map_key=False)
-            return self._decode[tag](fields)
+            kind, count = self._shapes[tag]
         except (ValueError, TypeError, IndexError) as exc:
-            # A field too many or too few comes here too (`_make` counts them).
             raise BadFrame(f"not a {self.name} message: {exc}") from exc
+        if count < 0:
+            return kind.from_wire(fields)
+        if not isinstance(fields, list) or len(fields) != count:
+            raise BadFrame(
+                f"a {self.name} {kind.__name__} has {count} fields, not {fields!r:.80}: "
+                "the worker and its child are not the same version"
+            )
+        return _new(kind, fields)
+
+
+# A NamedTuple's own constructor, without the keyword handling of its generated __new__:
+# the count is checked above.
+_new = tuple.__new__
