@@ -25,7 +25,7 @@ from tests.images import jpeg_bytes
 from tests.worker_harness import running_worker, tiny_config, wait_results
 from worker.base.errors import ConfigError
 from worker.decode.payloads import PayloadMemory
-from worker.delivery.intake_main import Intake
+from worker.delivery.intake_main import Intake, IntakeInit, ReadFailed, ReadOk
 from worker.delivery.intake_process import IntakeProcess
 from worker.delivery.payload_ring import PayloadRing
 from worker.lifecycle import engine as engine_module
@@ -305,13 +305,10 @@ def test_the_raw_reply_reads_what_redis_py_reads(
         for fields in entries:
             client.xadd(name, fields)
     memory = bytearray(8000)
-    intake = Intake(
-        {b"url": redis_url.encode(), b"group": b"g", b"consumer": b"c", b"connect_timeout_s": 2.0},
-        memoryview(memory),
-    )
+    intake = Intake(IntakeInit(redis_url, "g", "c", 2.0), memoryview(memory))
     try:
-        status, replies, used = intake.read([[[[n, ">"] for n in names], 100, None]], 0, room)
-        assert status == b"ok" and used <= room
+        answer = intake.read([[[[n, ">"] for n in names], 100, None]], 0, room)
+        assert isinstance(answer, ReadOk) and answer.used <= room
         expected = client.xreadgroup("g", "c", {n: "0" for n in names}, count=100)
         if deleted:
             for name, entries in zip(names, streams, strict=True):
@@ -319,10 +316,11 @@ def test_the_raw_reply_reads_what_redis_py_reads(
                     first = client.xrange(name, count=1)[0][0]
                     client.xdel(name, first)
             # The consumer's history: entries deleted while pending come back as nil.
-            status, replies, _ = intake.read([[[[n, "0"] for n in names], 100, None]], 0, 0)
+            answer = intake.read([[[[n, "0"] for n in names], 100, None]], 0, 0)
+            assert isinstance(answer, ReadOk)
             expected = client.xreadgroup("g", "c", {n: "0" for n in names}, count=100)
         got = {}
-        for stream, entries in replies[0]:
+        for stream, entries in answer.replies[0]:
             rows = []
             for entry_id, fields, at, length in entries:
                 read = fields
@@ -347,18 +345,14 @@ async def test_a_blocking_read_that_times_out_and_an_error_among_calls_keep_the_
 ) -> None:
     redis_client.xgroup_create("s", "g", id="0", mkstream=True)
     memory = bytearray(1000)
-    intake = Intake(
-        {b"url": redis_url.encode(), b"group": b"g", b"consumer": b"c", b"connect_timeout_s": 2.0},
-        memoryview(memory),
-    )
+    intake = Intake(IntakeInit(redis_url, "g", "c", 2.0), memoryview(memory))
     try:
-        assert intake.read([[[[b"s", b">"]], 5, 50]], 0, 1000) == [b"ok", [[]], 0]
-        status, kind, message = intake.read(
-            [[[[b"s", b">"]], 5, None], [[[b"nope", b">"]], 5, None]], 0, 1000
-        )
-        assert (status, kind) == (b"error", b"response") and "NOGROUP" in message
+        assert intake.read([[[[b"s", b">"]], 5, 50]], 0, 1000) == ReadOk([[]], 0)
+        failed = intake.read([[[[b"s", b">"]], 5, None], [[[b"nope", b">"]], 5, None]], 0, 1000)
+        assert isinstance(failed, ReadFailed)
+        assert failed.kind == "response" and "NOGROUP" in failed.message
         redis_client.xadd("s", {"image": b"abc"})
-        status, _, used = intake.read([[[[b"s", b">"]], 5, None]], 0, 1000)
-        assert status == b"ok" and used == 3 and bytes(memory[:3]) == b"abc"
+        answer = intake.read([[[[b"s", b">"]], 5, None]], 0, 1000)
+        assert isinstance(answer, ReadOk) and answer.used == 3 and bytes(memory[:3]) == b"abc"
     finally:
         intake.client.close()

@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.decode.process_main import DECODE
+from worker.delivery.intake_main import INTAKE
 from worker.delivery.writer_main import WRITER
 from worker.ipc import frames
 from worker.ipc.child import Child, ChildNotReady, Restarts, owned_by_the_worker
@@ -56,7 +57,7 @@ TESTS = Wire("test", Start, Note, Echoed)
 
 def _protocols() -> list[Wire]:
     """Every protocol's table: a message added to one is round-tripped below."""
-    return [TESTS, DECODE, WRITER]
+    return [TESTS, DECODE, INTAKE, WRITER]
 
 
 # ------------------------------------------------------------- values from the fields

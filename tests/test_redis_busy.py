@@ -28,7 +28,7 @@ from tests.test_health import wait_status
 from tests.test_observability import get
 from tests.worker_harness import tiny_config, wait_results
 from worker.delivery.hot_list import HotList
-from worker.delivery.intake_main import Intake
+from worker.delivery.intake_main import Intake, IntakeInit, ReadFailed, ReadOk
 from worker.delivery.intake_process import _PARSE_ERROR
 from worker.delivery.redis_check import RedisUnavailable, preflight
 from worker.delivery.redis_errors import outage
@@ -269,11 +269,10 @@ def test_the_intake_passes_busy_on_whichever_command_met_it(tmp_path: Path) -> N
     server = redis_with_busy_threshold(tmp_path / "redis")
     client = redis.Redis.from_url(server.url)
     client.xgroup_create(JOBS, "g", id="0", mkstream=True)
-    init = {b"url": server.url.encode(), b"group": b"g", b"consumer": b"c"}
-    intake = Intake({**init, b"connect_timeout_s": 2.0}, memoryview(bytearray(1000)))
-    calls = [[[[JOBS.encode(), b">"]], 5, None]]
+    intake = Intake(IntakeInit(server.url, "g", "c", 2.0), memoryview(bytearray(1000)))
+    calls: list[Any] = [[[[JOBS.encode(), b">"]], 5, None]]
     try:
-        assert intake.read(calls, 0, 1000) == [b"ok", [[]], 0]
+        assert intake.read(calls, 0, 1000) == ReadOk([[]], 0)
         script = LongScript(server.url, []).start()
         try:
             answers = [intake.read(calls, 0, 1000)]
@@ -281,10 +280,10 @@ def test_the_intake_passes_busy_on_whichever_command_met_it(tmp_path: Path) -> N
             answers.append(intake.read(calls, 0, 1000))
         finally:
             script.kill()
-        for status, kind, message in answers:
-            assert (status, kind) == (b"error", b"response")
-            assert message.startswith("BUSY ") and outage(_PARSE_ERROR(message))
-        assert intake.read(calls, 0, 1000) == [b"ok", [[]], 0]
+        for answer in answers:
+            assert isinstance(answer, ReadFailed) and answer.kind == "response"
+            assert answer.message.startswith("BUSY ") and outage(_PARSE_ERROR(answer.message))
+        assert intake.read(calls, 0, 1000) == ReadOk([[]], 0)
     finally:
         intake._drop()
         client.close()

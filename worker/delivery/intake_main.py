@@ -2,23 +2,22 @@
 memory, and answers the worker with everything else.
 
 Started by worker/delivery/intake_process.py as ``python -m worker.delivery.intake_main
-<socket fd> <payload memory fd> <its size>``. An 84 KB payload read by redis-py on the
+<socket fd> <payload memory fd>`` (worker/ipc/child.py). An 84 KB payload read by redis-py on the
 worker's event loop costs that loop ~60 µs of CPU (the socket's chunks, the parser's
 copies, a Python bytes object); here it costs this process's, and the worker holds an
 offset and a length. The decode processes read the payload where this process wrote it.
 
-One request, one answer, over one socket, each a frame (a 4-byte length, then msgpack):
+One request, one answer, over one socket, each a typed message in a frame (worker/ipc/;
+`INTAKE` lists them):
 
-- the worker's first frame is ``["init", {url, group, consumer, connect_timeout_s}]``,
-  answered ``["ready"]``;
-- then it sends ``["read", calls, start, end]``: XREADGROUP calls (``[[stream, id],
-  ...], count, block ms or None``), sent in one round trip, and the region of the payload
-  memory this read may fill;
-- the process answers ``["ok", replies, used_end]``: per call, ``[[stream, [[entry id,
-  fields, at, length], ...]], ...]``, where `at` is the payload's offset in the memory
-  (-1: the `image` field is still among the fields, as bytes: it did not fit the region),
-  or ``["error", kind, message]``, kind `away` (Redis unreachable), `response` (a refusal
-  such as NOGROUP) or `other`.
+- the worker's first message is `IntakeInit`, answered `Ready`;
+- then it sends `Read`: XREADGROUP calls (``[[stream, id], ...], count, block ms or
+  None``), sent in one round trip, and the region of the payload memory this read may fill;
+- the process answers `ReadOk`: per call, ``[[stream, [[entry id, fields, at, length],
+  ...]], ...]``, where `at` is the payload's offset in the memory (-1: the `image` field is
+  still among the fields, as bytes: it did not fit the region), and where the payloads it
+  wrote end; or `ReadFailed`, kind `away` (Redis unreachable), `response` (a refusal such
+  as NOGROUP) or `other`.
 
 It holds no state the worker needs: killed, the entries of a read it had not answered stay
 pending in Redis under the worker's consumer name, and the reclaimer takes them back once
@@ -29,46 +28,57 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import signal
 import socket
-import struct
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
-import msgpack
 import redis
 from redis.exceptions import ResponseError
 
 from producer import wire
 from worker.delivery.redis_errors import AWAY, error_code
 from worker.delivery.stream_reply import ErrorReply, ReplyReader
+from worker.ipc.child import owned_by_the_worker
+from worker.ipc.frames import Receiver
+from worker.ipc.messages import Ready, Wire
 
-FRAME = struct.Struct("<I")
 _IMAGE = wire.JOB_IMAGE
 
 
-def read_frame(sock: socket.socket) -> Any:
-    """The next frame's message; None at the end of the socket."""
-    head = _recv_exact(sock, FRAME.size)
-    if head is None:
-        return None
-    (size,) = FRAME.unpack(head)
-    body = _recv_exact(sock, size)
-    if body is None:
-        return None
-    return msgpack.unpackb(body, raw=True, strict_map_key=False)
+class IntakeInit(NamedTuple):
+    """What the process reads with: the worker's first message."""
+
+    url: str  # GPUFEED_REDIS_URL, credentials included: a socket pair, not argv
+    group: str
+    consumer: str
+    connect_timeout_s: float | None
 
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes | None:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            return None
-        got += n
-    return bytes(buffer)
+class Read(NamedTuple):
+    """XREADGROUP calls sent in one round trip; [start, end) of the payload memory is what
+    their payloads may fill."""
+
+    calls: list[list[Any]]  # [[[stream, id], ...], count, block ms or None]
+    start: int
+    end: int
+    node: str | None  # host:port of a Redis Cluster master; None: the URL's Redis
+
+
+class ReadOk(NamedTuple):
+    """Per call, its streams' entries; `used`: where the payloads written end."""
+
+    replies: list[Any]
+    used: int
+
+
+class ReadFailed(NamedTuple):
+    """Redis refused (`response`, as Redis said it), is away (`away`), or `other`."""
+
+    kind: str
+    message: str
+
+
+INTAKE = Wire("intake", IntakeInit, Read, ReadOk, ReadFailed)
 
 
 def as_said(exc: ResponseError) -> str:
@@ -77,35 +87,32 @@ def as_said(exc: ResponseError) -> str:
     return text if not code or text.startswith(code) else f"{code} {text}"
 
 
-def frame(message: Any) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
-    return FRAME.pack(len(body)) + body
-
-
 class Intake:
     """One worker's reads, on a Redis connection of its own."""
 
-    def __init__(self, init: dict[bytes, Any], memory: memoryview) -> None:
-        self.url = url = init[b"url"].decode()
+    def __init__(self, init: IntakeInit, memory: memoryview) -> None:
+        self.url = url = init.url
         tcp = not url.startswith("unix:")
         # RESP2: the reply shape stream_reply.py reads.
         self._options: dict[str, Any] = {
             **({"socket_keepalive": True} if tcp else {}),
             "health_check_interval": 30,
-            "socket_connect_timeout": init[b"connect_timeout_s"],
+            "socket_connect_timeout": init.connect_timeout_s,
             "protocol": 2,
         }
         self.client = redis.Redis.from_url(url, **self._options)
         # On a Redis Cluster each read names the master of its shard's slot (host:port),
         # which the worker's slot map knows: connected to with the URL's credentials and TLS.
-        self._node: bytes | None = None
-        self.group = init[b"group"].decode()
-        self.consumer = init[b"consumer"].decode()
+        self._node: str | None = None
+        self.group = init.group
+        self.consumer = init.consumer
         self.memory = memory
         self._conn: Any = None
         self._reader: ReplyReader | None = None
 
-    def read(self, calls: list[Any], start: int, end: int, node: bytes | None = None) -> list[Any]:
+    def read(
+        self, calls: list[Any], start: int, end: int, node: str | None = None
+    ) -> ReadOk | ReadFailed:
         try:
             if node != self._node:
                 self._to_node(node)
@@ -114,23 +121,23 @@ class Intake:
             # The connection is in step: kept. Told apart as redis-py tells them apart; a
             # refusal goes back as Redis said it, for the worker to raise as redis-py would.
             error = reply.error
-            kind = b"away" if isinstance(error, AWAY) else b"response"
+            kind = "away" if isinstance(error, AWAY) else "response"
             if not isinstance(error, (*AWAY, ResponseError)):
-                kind = b"other"
-            return [b"error", kind, str(reply) if kind == b"response" else repr(error)]
+                kind = "other"
+            return ReadFailed(kind, str(reply) if kind == "response" else repr(error))
         except AWAY as exc:
             self._drop()
-            return [b"error", b"away", f"{type(exc).__name__}: {exc}"]
+            return ReadFailed("away", f"{type(exc).__name__}: {exc}")
         except ResponseError as exc:
             # Refused before the reads went out (the connection's health-check PING met
             # BUSY: a script holds Redis): passed on as Redis said it, for the reader to
             # wait out, as it waits out the same answer to a read.
             self._drop()
-            return [b"error", b"response", as_said(exc)]
+            return ReadFailed("response", as_said(exc))
         except Exception as exc:  # noqa: BLE001 - the worker decides; this process goes on
             self._drop()
-            return [b"error", b"other", f"{type(exc).__name__}: {exc}"]
-        return [b"ok", answers, used]
+            return ReadFailed("other", f"{type(exc).__name__}: {exc}")
+        return ReadOk(answers, used)
 
     def _xreadgroups(self, calls: list[Any], at: int, end: int) -> tuple[list[Any], int]:
         """Every call sent in one round trip, each reply read in turn (all of them, so the
@@ -171,7 +178,7 @@ class Intake:
             self._reader = ReplyReader(sock, self.memory, _IMAGE)
         return self._reader
 
-    def _to_node(self, node: bytes | None) -> None:
+    def _to_node(self, node: str | None) -> None:
         """Read from `node` (host:port of a cluster master; None: the URL's Redis) from now
         on: the connection to the one before is closed."""
         self._drop()
@@ -180,7 +187,7 @@ class Intake:
         if node is None:
             self.client = redis.Redis.from_url(self.url, **self._options)
         else:
-            host, _, port = node.decode().rpartition(":")
+            host, _, port = node.rpartition(":")
             template = redis.ConnectionPool.from_url(self.url, **self._options)
             kwargs = {**template.connection_kwargs, "host": host, "port": int(port)}
             pool = redis.ConnectionPool(connection_class=template.connection_class, **kwargs)
@@ -195,29 +202,28 @@ class Intake:
 
 
 def serve(sock: socket.socket, memory: memoryview) -> None:
-    first = read_frame(sock)
+    receiver = Receiver(sock)
+    first = receiver.next()
     if first is None:
         return
-    _, init = first
+    init = INTAKE.message(first[0])
+    if not isinstance(init, IntakeInit):
+        raise SystemExit("intake process: the worker's first message is not its settings")
     intake = Intake(init, memory)
-    sock.sendall(frame([b"ready"]))
-    while True:
-        request = read_frame(sock)
-        if request is None:
-            return
-        kind, calls, start, end, node = request
-        if kind != b"read":
-            raise SystemExit(f"intake process: unknown request {kind!r}")
-        sock.sendall(frame(intake.read(calls, start, end, node)))
+    sock.sendall(INTAKE.frame(Ready()))
+    while (frame := receiver.next()) is not None:
+        request = INTAKE.message(frame[0])
+        if not isinstance(request, Read):
+            raise SystemExit(f"intake process: unknown request {type(request).__name__}")
+        answer = intake.read(request.calls, request.start, request.end, request.node)
+        sock.sendall(INTAKE.frame(answer))
 
 
 def main(argv: list[str]) -> int:
-    # The worker ends this process by closing its socket, after its readers stopped: a
-    # terminal's Ctrl-C or systemd's stop signal reach it too, and are the worker's alone.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    sock_fd, memory_fd, size = (int(a) for a in argv[:3])
-    mapped = mmap.mmap(memory_fd, size, flags=mmap.MAP_SHARED)
+    owned_by_the_worker()
+    sock_fd, memory_fd = (int(a) for a in argv[:2])
+    # The whole memory file, as large as the worker made it.
+    mapped = mmap.mmap(memory_fd, 0, flags=mmap.MAP_SHARED)
     with (
         socket.socket(fileno=sock_fd) as sock,
         contextlib.suppress(BrokenPipeError, ConnectionResetError),

@@ -18,31 +18,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-import msgpack
 import structlog
-from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from producer import wire
-from worker.delivery.intake_main import FRAME, frame
+from worker.base.errors import GpufeedError
+from worker.delivery import stream_reply
+from worker.delivery.intake_main import INTAKE, IntakeInit, Read, ReadFailed, ReadOk
 from worker.delivery.payload_ring import PayloadRing
+from worker.ipc.child import READY_TIMEOUT_S, Restarts, reap, spawn
+from worker.ipc.frames import read_async
+from worker.ipc.messages import Ready
 
-# redis-py's own mapping of an error answer to the exception it raises.
-_PARSE_ERROR: Callable[[str], Exception] = BaseParser.parse_error
+# redis-py's own mapping of an error answer to the exception it raises (checked at import).
+_PARSE_ERROR: Callable[[str], Exception] = stream_reply._PARSE_ERROR
 
 log = structlog.get_logger("gpufeed.intake")
 
-_PROJECT = str(Path(__file__).resolve().parents[2])
 CHILD_MODULE = "worker.delivery.intake_main"
-_START_TIMEOUT_S = 60.0
 # Intake processes that end in a row without one read answered, before the reader fails.
 MAX_RESTARTS = 3
 
@@ -52,7 +50,7 @@ Call = tuple[dict[str, str], int, int | None]
 Entries = list[tuple[str, dict[bytes, Any] | None, int]]
 
 
-class IntakeProcessFailed(RuntimeError):
+class IntakeProcessFailed(GpufeedError, RuntimeError):
     """The intake's process cannot run (it ends as soon as it starts)."""
 
 
@@ -71,18 +69,14 @@ class IntakeProcess:
         view: memoryview,
         region: tuple[int, int],
     ) -> None:
-        self._init = {
-            "url": url,
-            "group": group,
-            "consumer": consumer,
-            "connect_timeout_s": connect_timeout_s,
-        }
+        # `memory_size` is the file's own size: the process maps the whole file.
+        self._init = IntakeInit(url, group, consumer, connect_timeout_s)
         self._memory_fd = memory_fd
-        self._memory_size = memory_size
         self._view = view
         self.ring = PayloadRing(*region)
         self.restarts = 0  # processes replaced, over the worker's life
-        self._failed_starts = 0  # in a row, without one read answered
+        # Processes started in a row without one read answered.
+        self._starts = Restarts(MAX_RESTARTS)
         self._popen: subprocess.Popen[bytes] | None = None
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         # The streams' socket, which the transport wraps without shutdown() under uvloop.
@@ -110,22 +104,20 @@ class IntakeProcess:
                 await self._start()
             start, end = self.ring.offer()
             wanted = [[list(streams.items()), count, block] for streams, count, block in calls]
-            answer = await self._ask(["read", wanted, start, end, node])
-        kind = answer[0]
-        if kind == b"error":
-            _, what, message = answer
-            text = message.decode("utf-8", "replace") if isinstance(message, bytes) else message
-            if what == b"away":
-                raise RedisConnectionError(text)
-            if what == b"response":
-                raise _PARSE_ERROR(text)
-            raise RuntimeError(f"the intake's process: {text}")
-        _, replies, used = answer
-        self._failed_starts = 0
+            answer = await self._ask(Read(wanted, start, end, node))
+        if isinstance(answer, ReadFailed):
+            if answer.kind == "away":
+                raise RedisConnectionError(answer.message)
+            if answer.kind == "response":
+                raise _PARSE_ERROR(answer.message)
+            raise RuntimeError(f"the intake's process: {answer.message}")
+        if not isinstance(answer, ReadOk):
+            raise RuntimeError(f"the intake's process answered a read with {answer!r}")
+        self._starts.proved()
         placed = 0
         view = self._view
         out: list[dict[str, Entries]] = []
-        for reply in replies:
+        for reply in answer.replies:
             streams: dict[str, Entries] = {}
             for raw_stream, entries in reply:
                 rows: Entries = []
@@ -136,79 +128,62 @@ class IntakeProcess:
                     rows.append((raw_id.decode(), fields, at))
                 streams[raw_stream.decode()] = rows
             out.append(streams)
-        return out, self.ring.taken(start, used, placed)
+        return out, self.ring.taken(start, answer.used, placed)
 
     def release(self, span: int) -> None:
         """A job of `span` had its result published: its payload's memory may come free."""
         self.ring.release(span)
 
-    async def _ask(self, message: list[Any]) -> Any:
+    async def _ask(self, message: Any) -> Any:
         streams = self._streams
         assert streams is not None
         reader, writer = streams
         try:
-            writer.write(frame(message))
+            writer.write(INTAKE.frame(message))
             await writer.drain()
-            head = await reader.readexactly(FRAME.size)
-            body = await reader.readexactly(FRAME.unpack(head)[0])
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            code = self._end()
-            raise RedisConnectionError(
-                f"the intake's process ended (exit code {code}); a new one reads next"
-            ) from exc
+            frame = await read_async(reader)
+        except ConnectionError as exc:
+            raise self._ended() from exc
         except BaseException:
             # Cancelled mid-read (the worker stopping): its answer would come to the next
             # request, so this process goes.
             self._end()
             raise
-        return msgpack.unpackb(body, raw=True, strict_map_key=False)
+        if frame is None:
+            raise self._ended()
+        return INTAKE.message(frame[0])
+
+    def _ended(self) -> RedisConnectionError:
+        """The process's socket ended: it is gone, and the read with it."""
+        code = self._end()
+        return RedisConnectionError(
+            f"the intake's process ended (exit code {code}); a new one reads next"
+        )
 
     async def _start(self) -> None:
-        if self._failed_starts >= MAX_RESTARTS:
+        if self._starts.given_up:
             raise IntakeProcessFailed(
-                f"the intake's process ended {self._failed_starts} times in a row before it "
+                f"the intake's process ended {self._starts.in_a_row} times in a row before it "
                 "answered a read (its errors are above); set GPUFEED_INTAKE=loop"
             )
         if self._popen is not None:
             self.restarts += 1
-        self._failed_starts += 1
-        self._popen, mine = self._spawn()
+        self._starts.charge()
+        self._popen, (mine,) = spawn(CHILD_MODULE, sockets=1, fds=(self._memory_fd,))
+        mine.setblocking(False)
         self._sock = mine
         self._streams = await asyncio.open_unix_connection(sock=mine)
         try:
-            ready = await asyncio.wait_for(self._ask(["init", self._init]), _START_TIMEOUT_S)
+            ready = await asyncio.wait_for(self._ask(self._init), READY_TIMEOUT_S)
         except TimeoutError:
             self._end()
-            raise IntakeProcessFailed("the intake's process did not start in 60 s") from None
-        if ready != [b"ready"]:
+            raise IntakeProcessFailed(
+                f"the intake's process did not start in {READY_TIMEOUT_S:g} s"
+            ) from None
+        if not isinstance(ready, Ready):
             self._end()
             raise IntakeProcessFailed(f"the intake's process answered {ready!r} at start")
         log.info("intake_process_started", pid=self._popen.pid, restarts=self.restarts)
-
-    def _spawn(self) -> tuple[subprocess.Popen[bytes], socket.socket]:
-        """The process (started: it has not yet imported anything) and the worker's end of
-        its socket."""
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PROJECT, env.get("PYTHONPATH")) if p)
-        try:
-            popen = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    CHILD_MODULE,
-                    str(theirs.fileno()),
-                    str(self._memory_fd),
-                    str(self._memory_size),
-                ],
-                pass_fds=(theirs.fileno(), self._memory_fd),
-                env=env,
-                stdin=subprocess.DEVNULL,
-            )
-        finally:
-            theirs.close()
-        mine.setblocking(False)
-        return popen, mine
 
     def _end(self, wait_s: float = 0.5) -> int | None:
         """End the current process: its socket closed, it ends at once (killed if it has
@@ -225,11 +200,7 @@ class IntakeProcess:
         popen = self._popen
         if popen is None:
             return None
-        try:
-            return popen.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            return popen.wait()
+        return reap(popen, wait_s)
 
     def shutdown(self) -> int | None:
         """End the process, for good (the worker is stopping); its exit code (0: it ended
