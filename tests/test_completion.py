@@ -11,7 +11,7 @@ import torch
 
 from producer.wire import ErrorCode
 from worker.decode.cpu import DecodeError, DecodeInfo
-from worker.decode.pool import DecodeResult
+from worker.decode.executor import DecodeResult
 from worker.jobs import Job, Outcome
 from worker.model.answers import Classification
 from worker.model.readers import ClassifyReader

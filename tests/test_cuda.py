@@ -27,7 +27,7 @@ import torch
 from tests.test_step import random_batch, tiny_step
 from worker.base.device import make_context
 from worker.decode.cpu import DecodeInfo
-from worker.decode.pool import DecodeResult
+from worker.decode.executor import DecodeResult
 from worker.jobs import Job
 from worker.model.compiler import (
     CompileRefused,

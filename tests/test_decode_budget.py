@@ -20,7 +20,8 @@ from tests.worker_harness import running_worker, wait_results
 from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.cpu import DecodeSpec, decode_to_array
-from worker.decode.pool import DecodePool, DecodeResult
+from worker.decode.executor import DecodeResult
+from worker.decode.pool import DecodePool
 from worker.jobs import Job
 
 S = 32

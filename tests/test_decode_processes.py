@@ -31,8 +31,9 @@ from worker.base.errors import ConfigError
 from worker.decode import processes
 from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cpu import DecodeSpec
+from worker.decode.executor import DecodeResult
 from worker.decode.packed import BYTES_WORD, HEADER_BYTES, packed_side
-from worker.decode.pool import DecodePool, DecodeResult
+from worker.decode.pool import DecodePool
 from worker.decode.processes import DecodeProcessesFailed, ProcessDecodePool
 from worker.decode.rows import row_side
 from worker.jobs import Job

@@ -11,7 +11,7 @@ import torch
 
 from producer.wire import ErrorCode
 from worker.decode.cpu import DecodeError, DecodeInfo
-from worker.decode.pool import DecodeResult
+from worker.decode.executor import DecodeResult
 from worker.pipeline.batcher import Batch
 from worker.pipeline.staging import InputRing, OutputRing
 from worker.pipeline.transfer import copy_runs

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -45,14 +45,13 @@ from worker.decode import gil_account
 from worker.decode.cache import DecodeCache, cache_key
 from worker.decode.cpu import (
     DecodeError,
-    DecodeInfo,
     DecodeSpec,
     check_row,
     decode_pixels,
     write_row,
 )
-from worker.decode.gpu import GpuDecodeRouter, GpuRow
-from worker.decode.gpu_packed import DeferredRow
+from worker.decode.executor import DecodeExecutor, DecodeGroup, DecodeResult, over_budget
+from worker.decode.gpu import GpuDecodeRouter
 from worker.decode.job_path import read_job_path
 from worker.decode.rows import decode_row, write_decoded_row
 
@@ -61,20 +60,6 @@ if TYPE_CHECKING:
     from worker.jobs import Job
 
 log = structlog.get_logger("gpufeed.decode")
-
-
-class DecodeResult(NamedTuple):
-    """A row's decode: what it holds, or why it holds nothing (a named tuple, as
-    DecodeInfo: one per image)."""
-
-    info: DecodeInfo | None
-    error: DecodeError | None
-    decode_ms: float
-    # Set when the row was left for the GPU: the row in the pinned slot is not written
-    # (GpuRow: decode threads; DeferredRow: decode processes, packed rows).
-    gpu: GpuRow | DeferredRow | None = None
-    # The row came from the decode cache (the same bytes were decoded before).
-    cached: bool = False
 
 
 class _Row(enum.Enum):
@@ -151,8 +136,7 @@ class RowGroup:
         self.left = len(jobs)  # rows without a result yet
         self._next = 0
 
-    @property
-    def complete(self) -> bool:
+    def done(self) -> bool:
         return self.left == 0 or self.future.done()
 
     def claim(self) -> int | None:
@@ -297,7 +281,10 @@ class DecodePool:
 
     def submit(self, job: Job, out: npt.NDArray[np.uint8]) -> asyncio.Future[DecodeResult]:
         """Queue `job` alone for decoding into the staging row `out`; `settle` waits for it."""
-        return self._submit_one(job, out, may_defer=True)
+        future = RowFuture(loop=asyncio.get_running_loop())
+        future.group = RowGroup(future, [job], [out], may_defer=True)
+        self._queue(future.group)
+        return future
 
     def submit_rows(
         self,
@@ -317,42 +304,35 @@ class DecodePool:
         self._queue(group)
         return group
 
-    def _submit_one(
-        self, job: Job, out: npt.NDArray[np.uint8], *, may_defer: bool
-    ) -> asyncio.Future[DecodeResult]:
-        future = RowFuture(loop=asyncio.get_running_loop())
-        future.group = RowGroup(future, [job], [out], may_defer=may_defer)
-        self._queue(future.group)
-        return future
-
     def _queue(self, group: RowGroup) -> None:
         # Once per thread that may take part: each copy lets one more thread claim rows.
         for _ in range(min(len(group.jobs), self.threads)):
             self._work.put(group)
 
-    async def decode_on_cpu(self, job: Job, out: npt.NDArray[np.uint8]) -> DecodeResult:
-        """Decode on a CPU thread whatever the router says (the GPU fallback)."""
-        return (await self.settle([self._submit_one(job, out, may_defer=False)]))[0]
-
-    async def settle(
-        self, rows: Sequence[RowGroup | asyncio.Future[DecodeResult]]
+    async def redecode(
+        self, jobs: Sequence[Job], rows: Sequence[npt.NDArray[np.uint8]]
     ) -> list[DecodeResult]:
+        """Decode `jobs` into `rows` on the CPU threads whatever the router says (the rows
+        the GPU decoder failed)."""
+        return await self.settle([self.submit_rows(jobs, rows, gpu=False)])
+
+    async def decode_on_cpu(self, job: Job, out: npt.NDArray[np.uint8]) -> DecodeResult:
+        """`redecode` of one row (the threads' GPU decoder's fallback, row by row)."""
+        return (await self.redecode([job], [out]))[0]
+
+    async def settle(self, groups: Sequence[DecodeGroup]) -> list[DecodeResult]:
         """The results of a batch's rows in order, giving up each row still decoding
         `budget_s` after its thread started on it. Rows not yet started are waited for: with
         spare threads standing in for stuck ones, they start as soon as the decodes ahead of
-        them end. `rows`: what `submit_rows` and `submit` returned (or any futures)."""
-        parts = [r.group if isinstance(r, RowFuture) else r for r in rows]
-        groups = [p for p in parts if isinstance(p, RowGroup)]
+        them end. `groups`: what `submit_rows` and `submit` returned (or any futures)."""
+        parts = [_part(g) for g in groups]
+        row_groups = [p for p in parts if isinstance(p, RowGroup)]
         while True:
-            waiting = [
-                p.future if isinstance(p, RowGroup) else p
-                for p in parts
-                if not (p.complete if isinstance(p, RowGroup) else p.done())
-            ]
+            waiting = [p.future if isinstance(p, RowGroup) else p for p in parts if not p.done()]
             if not waiting:
                 break
             now = time.monotonic()
-            open_groups = [g for g in groups if not g.complete]
+            open_groups = [g for g in row_groups if not g.done()]
             deadline = min((g.deadline(now, self.budget_s) for g in open_groups), default=None)
             timeout = None if deadline is None else max(0.0, deadline - now)
             await asyncio.wait(waiting, timeout=timeout)
@@ -525,13 +505,12 @@ class DecodePool:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def over_budget(budget_ms: int) -> DecodeError:
-    """The error of a row given up over the decode budget (threads and processes alike)."""
-    return DecodeError(
-        ErrorCode.DECODE_TIMEOUT,
-        f"decoding took longer than the budget of {budget_ms} ms; "
-        "the batch went on without this image",
-    )
+def _part(group: DecodeGroup) -> RowGroup | asyncio.Future[DecodeResult]:
+    if isinstance(group, RowFuture):
+        return group.group
+    if isinstance(group, (RowGroup, asyncio.Future)):
+        return group
+    raise TypeError(f"decode threads settle only the rows they were given, not {group!r}")
 
 
 def _wake(group: RowGroup) -> None:
@@ -543,3 +522,9 @@ def _wake(group: RowGroup) -> None:
 def _cancel(group: RowGroup) -> None:
     with contextlib.suppress(RuntimeError):
         group.future.get_loop().call_soon_threadsafe(group.future.cancel)
+
+
+if TYPE_CHECKING:
+
+    def _keeps_the_contract(pool: DecodePool) -> DecodeExecutor:
+        return pool

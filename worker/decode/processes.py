@@ -53,10 +53,10 @@ from worker.decode import gil_account
 from worker.decode.arena import DEFERRED, DONE, ERROR_CODES, PENDING, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
+from worker.decode.executor import DecodeExecutor, DecodeGroup, DecodeResult, over_budget
 from worker.decode.gpu_packed import DeferredRow
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import PayloadMemory
-from worker.decode.pool import DecodeResult, over_budget
 from worker.decode.process_main import DECODE, DecodeInit, Run, RunDone
 from worker.decode.rows import write_decoded_row
 from worker.ipc.child import READY_TIMEOUT_S, Child, ChildNotReady, Restarts
@@ -107,8 +107,7 @@ class ProcessGroup:
         # gpu[i]: the process may leave jobs[i] for the GPU decoder (empty: none may).
         self.gpu: list[bool] = []
 
-    @property
-    def complete(self) -> bool:
+    def done(self) -> bool:
         return self.left == 0 or self.future.done()
 
     def set(self, position: int, result: DecodeResult) -> None:
@@ -660,16 +659,16 @@ class ProcessDecodePool:
             error = DecodeError(ErrorCode.INTERNAL_ERROR, why)
             group.set(position, DecodeResult(None, error, 0.0))
 
-    async def settle(self, rows: Sequence[object]) -> list[DecodeResult]:
-        """The results of a batch's rows in order (`rows`: what `submit_rows` returned). A
+    async def settle(self, groups: Sequence[DecodeGroup]) -> list[DecodeResult]:
+        """The results of a batch's rows in order (`groups`: what `submit_rows` returned). A
         process's run still decoding `budget_s` after it started ends that process (see the
         module's docstring)."""
-        parts = [r for r in rows if isinstance(r, ProcessGroup)]
-        if len(parts) != len(rows):
+        parts = [g for g in groups if isinstance(g, ProcessGroup)]
+        if len(parts) != len(groups):
             raise TypeError("decode processes settle only the groups they were given")
         check_s = max(0.02, min(self.budget_s / 4, 0.5))
         while True:
-            waiting = [g.future for g in parts if not g.complete]
+            waiting = [g.future for g in parts if not g.done()]
             if not waiting:
                 break
             deadline = self._enforce_budget()
@@ -772,3 +771,9 @@ def _sendmsg(sock: socket.socket, buffers: list[memoryview]) -> int:
     if gil_account.switch.on:
         return gil_account.timed(sock.sendmsg, buffers)
     return sock.sendmsg(buffers)
+
+
+if TYPE_CHECKING:
+
+    def _keeps_the_contract(pool: ProcessDecodePool) -> DecodeExecutor:
+        return pool

@@ -27,6 +27,7 @@ from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cache import DecodeCache
 from worker.decode.codecs import GpuDecodeUnavailable, IntoCodec
 from worker.decode.cpu import DecodeSpec
+from worker.decode.executor import DecodeExecutor
 from worker.decode.gpu import setup_gpu_decode
 from worker.decode.gpu_packed import PackedGpuDecoder, measure_rates
 from worker.decode.nvimgcodec import NvImgCodec, nvimgcodec_available
@@ -74,7 +75,6 @@ from worker.pipeline.transfer import DeviceTransfer
 log = structlog.get_logger("gpufeed.worker")
 
 DecodeHook = Callable[[Job], None]
-AnyDecodePool = DecodePool | ProcessDecodePool
 
 
 def default_batch_size(device: torch.device) -> int:
@@ -107,7 +107,7 @@ class Engine:
     gpu_decode: GpuDecodeStage
     compile_report: CompileReport
     precision: PrecisionReport | AgreementReport | None
-    decoder: AnyDecodePool
+    decoder: DecodeExecutor
     decode_cache: DecodeCache
     decode_threads: int
     plan: FeedPlan
@@ -313,7 +313,7 @@ async def warm_up(
     # With decode processes, half the cache is theirs (rows by their bytes), half the
     # worker's (`url` jobs' rows by their URL), so the two stay within the setting.
     cache = DecodeCache(cache_bytes // 2 if arena is not None else cache_bytes)
-    decoder: AnyDecodePool
+    decoder: DecodeExecutor
     payloads: PayloadMemory | None = None
     if arena is not None:
         if plan.intake == "process":

@@ -28,6 +28,7 @@ from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.cache import DecodeCache
 from worker.decode.codecs import IntoCodec
+from worker.decode.executor import DecodeExecutor
 from worker.delivery.in_flight import InFlight
 from worker.delivery.reader import Reader, ensure_group
 from worker.delivery.reclaimer import Reclaimer
@@ -36,7 +37,6 @@ from worker.delivery.redis_errors import UNREACHABLE
 from worker.delivery.writer_process import WriterProcess
 from worker.jobs import Job
 from worker.lifecycle.engine import (
-    AnyDecodePool,
     DecodeHook,
     Engine,
     default_batch_size,
@@ -429,11 +429,11 @@ class Worker:
         return self.engine.decode_threads
 
     @property
-    def decoder(self) -> AnyDecodePool:
+    def decoder(self) -> DecodeExecutor:
         return self.engine.decoder
 
     @decoder.setter
-    def decoder(self, pool: AnyDecodePool) -> None:
+    def decoder(self, pool: DecodeExecutor) -> None:
         """Another decode pool in its place (the bench's ablations); shut down on exit like
         the one it replaces."""
         self.engine.decoder = pool

@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import structlog
 
 from worker.decode.cache import DecodeCache
-from worker.decode.pool import DecodePool, DecodeResult
-from worker.decode.processes import ProcessDecodePool
+from worker.decode.executor import DecodeExecutor
 from worker.delivery.hot_list import HotEntry, HotList
 from worker.delivery.redis_errors import ANY, FAILING_OVER
 from worker.fetch.stage import FetchStage
@@ -64,7 +62,7 @@ async def warm_start(
     *,
     budget_s: float,
     fetcher: FetchStage,
-    decoder: DecodePool | ProcessDecodePool,
+    decoder: DecodeExecutor,
     ring: InputRing,
     cache: DecodeCache,
 ) -> WarmReport:
@@ -108,7 +106,7 @@ async def _warm_batch(
     deadline: float,
     *,
     fetcher: FetchStage,
-    decoder: DecodePool | ProcessDecodePool,
+    decoder: DecodeExecutor,
     ring: InputRing,
 ) -> bool:
     """Warm `entries`; True when the deadline cut it short."""
@@ -124,9 +122,7 @@ async def _warm_batch(
         # Decoded here, never left for the GPU: the cache keeps what the host holds. What is
         # not decoded by the deadline is given up: the decode budget is a far longer bound.
         group = decoder.submit_rows(ready, slot.array[: len(ready)], gpu=False, until=deadline)
-        # Each pool settles the groups it made (typed apart, as the batcher's).
-        settle: Callable[[Sequence[Any]], Awaitable[list[DecodeResult]]] = decoder.settle
-        results = await settle([group])
+        results = await decoder.settle([group])
         ok = sum(1 for r in results if r.error is None)
         report.warmed += ok
         report.failed += len(ready) - ok

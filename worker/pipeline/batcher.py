@@ -2,14 +2,13 @@
 max wait.
 
 Jobs arrive in lists (what one read returned); the rows a list takes in a batch go to the
-decode pool as one group. Each job gets a row of a staging slot *before* it is decoded, so
-the decode thread writes its pixels straight into the buffer that will be copied to the
-device. A batch is sealed when all
-B rows are taken or when `max_wait_s` has passed since its first row; rows never taken (and
-rows whose decode failed or ran past the decode budget) are padding, masked out of the
-results. The step runs on the smallest compiled batch shape that holds the sealed rows
-(worker/model/sizes.py), always one compiled at start-up, so it never recompiles and cuDNN
-never re-tunes.
+decode executor (worker/decode/executor.py) as one group. Each job gets a row of a staging
+slot *before* it is decoded, so the decoder writes its pixels straight into the buffer that
+will be copied to the device. A batch is sealed when all B rows are taken or when
+`max_wait_s` has passed since its first row; rows never taken (and rows whose decode failed
+or ran past the decode budget) are padding, masked out of the results. The step runs on the
+smallest compiled batch shape that holds the sealed rows (worker/model/sizes.py), always one
+compiled at start-up, so it never recompiles and cuDNN never re-tunes.
 """
 
 from __future__ import annotations
@@ -20,17 +19,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.decode.pool import DecodePool, DecodeResult, RowGroup
-from worker.decode.processes import ProcessDecodePool, ProcessGroup
+from worker.decode.executor import DecodeExecutor, DecodeGroup, DecodeResult
 from worker.jobs import Job
 from worker.pipeline.device_room import DeviceRoom
 from worker.pipeline.job_queue import JobQueue
 from worker.pipeline.staging import InputRing, InputSlot
 
-# A batch's rows: groups of rows from the decode pool, or one future per row.
-Rows = RowGroup | ProcessGroup | asyncio.Future[DecodeResult]
-# Each decode pool settles the rows it handed out (Any: each takes its own kind).
-SettleFn = Callable[[Sequence[Any]], Awaitable[list[DecodeResult]]]
+# The decode executor's wait for the groups it handed out.
+SettleFn = Callable[[Sequence[DecodeGroup]], Awaitable[list[DecodeResult]]]
 
 
 @dataclass(eq=False)
@@ -40,11 +36,14 @@ class Batch:
     seq: int
     slot: InputSlot
     jobs: list[Job]  # row i holds jobs[i]; rows past len(jobs) are padding
-    futures: list[Rows]  # in row order
+    # In row order: the groups of rows the decode executor handed out (or, a batch made
+    # without its `settle`, one future per row).
+    futures: list[DecodeGroup]
     opened_s: float
     sealed_s: float = 0.0
     results: list[DecodeResult] = field(default_factory=list)
-    # The decode pool's wait, which gives up rows over the decode budget; None: wait for all.
+    # The decode executor's wait, which gives up rows over the decode budget; None: wait for
+    # all.
     settle: SettleFn | None = None
     # The GPU decode of the rows left for it, started once the batch was decoded (while the
     # batch before it launched: worker/pipeline/launch.py); the launch awaits it.
@@ -60,7 +59,7 @@ class Batch:
             else:
                 futures = [f for f in self.futures if isinstance(f, asyncio.Future)]
                 if len(futures) != len(self.futures):
-                    raise TypeError("a batch of row groups needs the decode pool's settle")
+                    raise TypeError("a batch of row groups needs the decode executor's settle")
                 self.results = list(await asyncio.gather(*futures))
         return self.results
 
@@ -78,7 +77,7 @@ class Batcher:
     def __init__(
         self,
         ring: InputRing,
-        decoder: DecodePool | ProcessDecodePool,
+        decoder: DecodeExecutor,
         *,
         batch_size: int,
         max_wait_s: float,
@@ -144,7 +143,8 @@ class Batcher:
                 # its own).
                 job.timings_ms["queue"] = (now - job.ready_s) * 1000
             batch.jobs.extend(group)
-            # One submit per group of rows: the pool wakes the loop once when all are done.
+            # One submit per group of rows: the executor wakes the loop once when all are
+            # done.
             batch.futures.append(
                 self.decoder.submit_rows(group, batch.slot.array[first : first + len(group)])
             )

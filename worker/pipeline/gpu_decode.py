@@ -31,9 +31,9 @@ import numpy.typing as npt
 import structlog
 
 from worker.base.device import Event, FencedError
+from worker.decode.executor import DecodeResult
 from worker.decode.gpu import GpuDecodeFailed, GpuDecoder, GpuRow
 from worker.decode.gpu_packed import DeferredRow, PackedGpuDecoder
-from worker.decode.pool import DecodeResult
 from worker.decode.split import DecodeSplit
 from worker.jobs import Job
 from worker.pipeline.batcher import Batch

@@ -29,7 +29,8 @@ from PIL import Image
 from producer.wire import ErrorCode
 from worker.config.settings import WorkerConfig
 from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, sniff_format
-from worker.decode.pool import DecodePool, DecodeResult, RowTicket
+from worker.decode.executor import DecodeResult
+from worker.decode.pool import DecodePool, RowTicket
 from worker.jobs import Job
 from worker.tools.bench.naive import NaivePreprocess
 

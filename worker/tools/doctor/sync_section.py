@@ -29,7 +29,7 @@ async def sync_section(worker: Any, launches: int) -> dict[str, Any]:
     if not worker.ctx.is_cuda:
         out["not_measured"].append("not applicable (no device syncs on CPU)")
         return out
-    from worker.decode.pool import DecodeResult
+    from worker.decode.executor import DecodeResult
     from worker.pipeline.batcher import Batch
     from worker.tools.gpu_check.check import count_host_syncs
 
