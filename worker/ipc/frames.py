@@ -41,7 +41,8 @@ _T = TypeVar("_T")
 
 
 class BadFrame(GpufeedError, RuntimeError):
-    """A frame that does not start with the magic: the stream is out of step."""
+    """A frame that does not start with the magic (the stream is out of step), or a message
+    its receiver cannot read (the two sides are not the same version)."""
 
 
 def head(body: int, tail: int = 0) -> bytes:
