@@ -88,7 +88,6 @@ def _intake(
         consumer="c",
         connect_timeout_s=2.0,
         memory_fd=memory.fd,
-        memory_size=memory.size,
         view=memory.view,
         region=region or (0, memory.size),
     )

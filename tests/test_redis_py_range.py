@@ -31,9 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Modules that still import redis-py's private parsers themselves: being rewritten (their
 # error answers are to be read through stream_reply's checked `_PARSE_ERROR`).
-PRIVATE_IMPORT_ALLOWED = {
-    "worker/delivery/intake_process.py",  # being rewritten
-}
+PRIVATE_IMPORT_ALLOWED: set[str] = set()
 
 
 def pinned_redis() -> Requirement:

@@ -47,18 +47,7 @@ TOP_FOLDERS = ("worker", "producer", "scripts", "tests", "docs")
 
 # Files another change is rewriting right now: their comments and docstrings are checked
 # once it lands and takes them out of this set.
-BEING_REWRITTEN = frozenset(
-    {
-        "worker/decode/processes.py",  # being rewritten
-        "worker/decode/process_main.py",  # being rewritten
-        "worker/delivery/intake_process.py",  # being rewritten
-        "worker/delivery/intake_main.py",  # being rewritten
-        "worker/delivery/writer_process.py",  # being rewritten
-        "worker/delivery/writer_main.py",  # being rewritten
-        "worker/delivery/outcome_wire.py",  # being rewritten
-        "worker/ipc/",  # being rewritten
-    }
-)
+BEING_REWRITTEN: frozenset[str] = frozenset()
 
 # Names that are meant to be no file of this repository.
 ALLOWED = {

@@ -112,14 +112,6 @@ class ArenaLayout:
     def size(self) -> int:
         return self.fill_offset + _aligned(self.slots * 16)
 
-    def as_args(self) -> list[str]:
-        return [str(self.rows), str(self.side), str(self.processes), str(self.batch)]
-
-    @classmethod
-    def from_args(cls, args: list[str]) -> ArenaLayout:
-        rows, side, processes, batch = (int(a) for a in args)
-        return cls(rows=rows, side=side, processes=processes, batch=batch)
-
 
 class SharedArena:
     """The memory file and the three views over it; `open` maps an inherited one."""

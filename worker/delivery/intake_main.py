@@ -2,10 +2,10 @@
 memory, and answers the worker with everything else.
 
 Started by worker/delivery/intake_process.py as ``python -m worker.delivery.intake_main
-<socket fd> <payload memory fd>`` (worker/ipc/child.py). An 84 KB payload read by redis-py on the
-worker's event loop costs that loop ~60 µs of CPU (the socket's chunks, the parser's
-copies, a Python bytes object); here it costs this process's, and the worker holds an
-offset and a length. The decode processes read the payload where this process wrote it.
+<socket fd> <payload memory fd>`` (worker/ipc/child.py). A payload read by redis-py on the
+worker's event loop costs that loop its socket's chunks, the parser's copies and a Python
+bytes object (docs/concepts.md, "The intake's process", has the figures); here it costs
+this process's, and the worker holds an offset and a length. The decode processes read the payload where this process wrote it.
 
 One request, one answer, over one socket, each a typed message in a frame (worker/ipc/;
 `INTAKE` lists them):

@@ -65,11 +65,10 @@ class IntakeProcess:
         consumer: str,
         connect_timeout_s: float | None,
         memory_fd: int,
-        memory_size: int,
         view: memoryview,
         region: tuple[int, int],
     ) -> None:
-        # `memory_size` is the file's own size: the process maps the whole file.
+        # The process maps the whole file: it takes its size from the file itself.
         self._init = IntakeInit(url, group, consumer, connect_timeout_s)
         self._memory_fd = memory_fd
         self._view = view

@@ -2,8 +2,8 @@
 
 Building a job's result (its fields, their msgpack map, the publish call's arguments) and
 parsing the script's answers is per-job Python: on the event loop it is the largest share
-of what the worker's GIL holds per job once decode runs in processes (measured on 64x64
-JPEGs: the loop went from 56-65 to 32-39 µs per job with publishing stubbed out). Here the
+of what the worker's GIL holds per job once decode runs in processes (docs/concepts.md,
+"The result writer's process", has the figures). Here the
 writer (worker/delivery/writer.py, one per shard, unchanged) runs in its own process
 (worker/delivery/writer_main.py), and the worker's side is this proxy, with the interface
 of a ResultWriter: per batch it packs the outcomes' rows (worker/delivery/outcome_wire.py)

@@ -409,7 +409,6 @@ def _intakes(
             consumer=cfg.worker_name,
             connect_timeout_s=PREFLIGHT_CONNECT_S,
             memory_fd=memory.fd,
-            memory_size=memory.size,
             view=memory.view,
             region=(i * share, (i + 1) * share),
         )
