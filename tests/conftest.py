@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -10,6 +11,9 @@ import structlog
 from hypothesis import HealthCheck, settings
 
 from tests.redis_server import RedisServer
+
+if TYPE_CHECKING:
+    from tests.worker_harness import HostShape
 
 # Property tests: `make test` and CI draw the same examples on every run (derandomized, no
 # local example database), so a submission fails only for what the code does; a property
@@ -79,6 +83,19 @@ def tiny_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("weights") / "tiny.pt"
     save_weights_file(module, path, [f"class_{i}" for i in range(10)])
     return path
+
+
+@pytest.fixture(scope="module", params=["small-host", "gpu-host"])
+def host_shape(request: pytest.FixtureRequest) -> HostShape:
+    """The end-to-end tests run in both shapes, whatever this host's cores: a small host's
+    (decode threads, the intake and the result writer on the event loop) and a GPU host's
+    (decode processes, the intake and the writer in processes of their own, packed rows,
+    GPU decode through nvImageCodec). tests/worker_harness.py says how each is pinned and
+    checked. Module-scoped, so that a module may share one worker per shape."""
+    # Imported here: the harness imports the worker, which tests of other parts never need.
+    from tests.worker_harness import HOST_SHAPES
+
+    return HOST_SHAPES[request.param]
 
 
 @pytest.fixture(autouse=True)

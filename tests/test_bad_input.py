@@ -1,7 +1,8 @@
 """The bad-input matrix through a running worker, and random input against job parsing.
 
 Each case gets its one documented error code (or a correct ok result), and none of them
-affects the others: they all travel in the same few batches.
+affects the others: they all travel in the same few batches. The worker runs in a small
+host's shape and in a GPU host's (the `host_shape` fixture).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.images import (
     png_header_only,
     rle_bmp_bytes,
 )
-from tests.worker_harness import running_worker, wait_results
+from tests.worker_harness import HostShape, running_worker, wait_results
 from worker.jobs import parse_job
 
 
@@ -65,7 +66,11 @@ def sixteen_bit_png() -> bytes:
 
 
 async def test_the_bad_input_matrix(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, tmp_path: Path
+    redis_url: str,
+    redis_client: redis.Redis,
+    tiny_weights: Path,
+    tmp_path: Path,
+    host_shape: HostShape,
 ) -> None:
     root = tmp_path / "root"
     root.mkdir()
@@ -108,6 +113,7 @@ async def test_the_bad_input_matrix(
     async with running_worker(
         redis_url,
         tiny_weights,
+        shape=host_shape,
         path_root=root,
         max_image_bytes=200_000,
         max_decode_mb=64,
@@ -131,7 +137,7 @@ async def test_the_bad_input_matrix(
 
 
 async def test_random_and_mutated_payloads_always_get_one_result(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, host_shape: HostShape
 ) -> None:
     rng = random.Random(1234)
     seeds = [jpeg_bytes(120, 90, seed=1), png_bytes(60, 40, seed=2), animated_gif()]
@@ -146,7 +152,7 @@ async def test_random_and_mutated_payloads_always_get_one_result(
         if rng.random() < 0.4:
             data = data[: rng.randint(1, len(data))]
         payloads.append(bytes(data))
-    async with running_worker(redis_url, tiny_weights, batch_size=8):
+    async with running_worker(redis_url, tiny_weights, shape=host_shape, batch_size=8):
         pipe = redis_client.pipeline(transaction=False)
         for i, data in enumerate(payloads):
             pipe.xadd("gpufeed:jobs", {"id": f"fuzz-{i}", "image": data})

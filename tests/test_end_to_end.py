@@ -1,8 +1,10 @@
-"""Jobs through the whole pipeline on the CPU: counts, correctness per row, bad jobs."""
+"""Jobs through the whole pipeline on the CPU: counts, correctness per row, bad jobs; each
+test in a small host's shape and in a GPU host's (the `host_shape` fixture)."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,14 @@ from torchvision.models import MobileNet_V3_Small_Weights
 
 from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
-from tests.worker_harness import running_worker, wait_results
+from tests.worker_harness import (
+    HostShape,
+    SharedWorker,
+    running_worker,
+    served_test,
+    shared_worker,
+    wait_results,
+)
 from worker.decode.cpu import DecodeSpec, decode_to_array
 from worker.model.loader import load_model
 from worker.model.step import build_step
@@ -33,15 +42,32 @@ def reference_scores(weights: Path, images: list[bytes]) -> np.ndarray:
     return np.stack(out)
 
 
+@pytest.fixture(scope="module")
+def e2e_worker(
+    host_shape: HostShape, tiny_weights: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SharedWorker]:
+    """One worker per shape for the tests whose settings agree. max_wait_ms: the bad jobs
+    and the good ones meet in the same batches."""
+    workdir = tmp_path_factory.mktemp("redis")
+    with shared_worker(host_shape, tiny_weights, workdir, batch_size=4, max_wait_ms=200) as w:
+        yield w
+
+
+@pytest.fixture
+def shared(e2e_worker: SharedWorker) -> Iterator[redis.Redis]:
+    """The shared worker's Redis, for one test."""
+    with served_test(e2e_worker) as client:
+        yield client
+
+
 @pytest.mark.parametrize("n_jobs", [1, 4, 5])
 async def test_counts_around_the_batch_size(
-    n_jobs: int, redis_url: str, redis_client: redis.Redis, tiny_weights: Path
+    n_jobs: int, shared: redis.Redis, tiny_weights: Path
 ) -> None:
     images = [jpeg_bytes(200 + 10 * i, 150, seed=i) for i in range(n_jobs)]
-    async with running_worker(redis_url, tiny_weights, batch_size=4):
-        for i, data in enumerate(images):
-            redis_client.xadd("gpufeed:jobs", {"id": f"j{i}", "image": data})
-        entries = await wait_results(redis_client, "gpufeed:results", n_jobs)
+    for i, data in enumerate(images):
+        shared.xadd("gpufeed:jobs", {"id": f"j{i}", "image": data})
+    entries = await wait_results(shared, "gpufeed:results", n_jobs)
 
     results = {r.id: r for r in (JobResult.from_fields(f) for _, f in entries)}
     assert len(entries) == n_jobs and set(results) == {f"j{i}" for i in range(n_jobs)}
@@ -53,22 +79,19 @@ async def test_counts_around_the_batch_size(
         np.testing.assert_allclose(got, expected[i], atol=1e-4)
 
 
-async def test_a_few_hundred_jobs_each_get_exactly_one_result(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
-) -> None:
+async def test_a_few_hundred_jobs_each_get_exactly_one_result(shared: redis.Redis) -> None:
     n = 300
     images = [jpeg_bytes(96, 72, seed=i, quality=80) for i in range(8)]
-    async with running_worker(redis_url, tiny_weights, batch_size=8):
-        pipe = redis_client.pipeline(transaction=False)
-        for i in range(n):
-            pipe.xadd("gpufeed:jobs", {"id": f"bulk-{i}", "image": images[i % 8]})
-        pipe.execute()
-        entries = await wait_results(redis_client, "gpufeed:results", n, timeout_s=120)
+    pipe = shared.pipeline(transaction=False)
+    for i in range(n):
+        pipe.xadd("gpufeed:jobs", {"id": f"bulk-{i}", "image": images[i % 8]})
+    pipe.execute()
+    entries = await wait_results(shared, "gpufeed:results", n, timeout_s=120)
 
     ids = Counter(f[b"id"] for _, f in entries)
     assert len(ids) == n and set(ids.values()) == {1}
     assert all(f[b"status"] == b"ok" for _, f in entries)
-    group = redis_client.xinfo_groups("gpufeed:jobs")[0]
+    group = shared.xinfo_groups("gpufeed:jobs")[0]
     assert group["pending"] == 0
     # Same image, same answer, whichever batch and row it landed in.
     top1_by_image: dict[int, set[bytes]] = {}
@@ -78,9 +101,7 @@ async def test_a_few_hundred_jobs_each_get_exactly_one_result(
     assert all(len(v) == 1 for v in top1_by_image.values())
 
 
-async def test_bad_jobs_fail_alone(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path
-) -> None:
+async def test_bad_jobs_fail_alone(shared: redis.Redis) -> None:
     good = jpeg_bytes(160, 120, seed=5)
     jobs: dict[str, dict[str, bytes]] = {
         "good-1": {"image": good},
@@ -93,10 +114,9 @@ async def test_bad_jobs_fail_alone(
         "path-disabled": {"path": b"photo.jpg"},
         "good-3": {"image": good},
     }
-    async with running_worker(redis_url, tiny_weights, batch_size=4, max_wait_ms=200):
-        for job_id, fields in jobs.items():
-            redis_client.xadd("gpufeed:jobs", {"id": job_id, **fields})
-        entries = await wait_results(redis_client, "gpufeed:results", len(jobs))
+    for job_id, fields in jobs.items():
+        shared.xadd("gpufeed:jobs", {"id": job_id, **fields})
+    entries = await wait_results(shared, "gpufeed:results", len(jobs))
 
     results = {r.id: r for r in (JobResult.from_fields(f) for _, f in entries)}
     assert len(entries) == len(jobs)
@@ -118,13 +138,18 @@ async def test_bad_jobs_fail_alone(
 
 
 async def test_path_jobs_under_the_root(
-    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, tmp_path: Path
+    redis_url: str,
+    redis_client: redis.Redis,
+    tiny_weights: Path,
+    tmp_path: Path,
+    host_shape: HostShape,
 ) -> None:
     root = tmp_path / "images"
     root.mkdir()
-    (root / "a.jpg").write_bytes(jpeg_bytes(seed=9))
+    # Small enough for a row: on a GPU host the decode process stages its bytes for the GPU.
+    (root / "a.jpg").write_bytes(jpeg_bytes(200, 150, seed=9))
     (tmp_path / "secret.jpg").write_bytes(jpeg_bytes(seed=10))
-    async with running_worker(redis_url, tiny_weights, path_root=root):
+    async with running_worker(redis_url, tiny_weights, shape=host_shape, path_root=root):
         redis_client.xadd("gpufeed:jobs", {"id": "p-ok", "path": "a.jpg"})
         redis_client.xadd("gpufeed:jobs", {"id": "p-escape", "path": "../secret.jpg"})
         redis_client.xadd("gpufeed:jobs", {"id": "p-missing", "path": "nope.jpg"})
@@ -136,12 +161,12 @@ async def test_path_jobs_under_the_root(
 
 
 async def test_a_random_weights_worker_answers_with_the_published_class_names(
-    redis_url: str, redis_client: redis.Redis
+    redis_url: str, redis_client: redis.Redis, host_shape: HostShape
 ) -> None:
     """GPUFEED_WEIGHTS=none: the answers are meaningless, but they read as a pretrained
     model's do, with the class names torchvision ships for the model's weights."""
     names = MobileNet_V3_Small_Weights.DEFAULT.meta["categories"]
-    async with running_worker(redis_url, Path("none")):
+    async with running_worker(redis_url, Path("none"), shape=host_shape):
         redis_client.xadd("gpufeed:jobs", {"id": "r1", "image": jpeg_bytes(64, 48)})
         (entry,) = await wait_results(redis_client, "gpufeed:results", 1)
     result = JobResult.from_fields(entry[1])
