@@ -261,20 +261,9 @@ async def test_a_reused_id_served_by_other_weights_runs_again(
 
 
 async def test_results_held_through_a_redis_restart_that_lost_everything_are_written(
-    tmp_path: Path, tiny_weights: Path, host_shape: HostShape, request: pytest.FixtureRequest
+    tmp_path: Path, tiny_weights: Path, host_shape: HostShape
 ) -> None:
     """In both hosts' shapes; the worker then stops right after the results are out."""
-    if host_shape.gpu_host:
-        # Its reads go through the intake's process, which here has not yet found the group
-        # gone when the worker stops; leaving the missing group then raises NOGROUP out of
-        # the shutdown (Worker._leave_group lets only connection errors pass).
-        request.applymarker(
-            pytest.mark.xfail(
-                raises=redis.ResponseError,
-                strict=True,
-                reason="worker bug: a stop while the group is missing ends in NOGROUP",
-            )
-        )
     server = RedisServer(tmp_path / "volatile").start()
     client = redis.Redis(port=server.port)
     try:

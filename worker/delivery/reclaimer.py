@@ -27,7 +27,7 @@ from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
 from worker.delivery.in_flight import InFlight
 from worker.delivery.reader import ensure_group
-from worker.delivery.redis_errors import AWAY, outage, temporary
+from worker.delivery.redis_errors import AWAY, error_code, outage, temporary
 from worker.delivery.redis_scripts import DELETE_IDLE_CONSUMER, REFRESH_OWNED
 from worker.jobs import Job, Outcome, deleted_entry_job, job_of_entry
 
@@ -306,6 +306,10 @@ class Reclaimer:
                 if await self.delete_consumer(name, stream) >= 0:
                     continue
             except ResponseError as exc:
+                if error_code(exc) == "NOGROUP":
+                    # The group is gone (Redis restarted empty, or it was destroyed): there
+                    # is nothing of this consumer's to leave; the next reader recreates it.
+                    continue
                 # Refused for now (a script holds Redis: BUSY): the consumer stays, and the
                 # other workers remove it once it is idle past GPUFEED_CONSUMER_EXPIRY_S.
                 if not temporary(exc):
