@@ -17,6 +17,9 @@ from producer.wire import ErrorCode
 
 # The fields a job gives its image by: exactly one of them.
 SOURCES = ("image", "path", "url")
+# A Unix time in milliseconds: ASCII digits only (str.isdigit() and int() also take
+# superscripts, other scripts' digits and underscores), at most 20 of them so that int()
+# never meets a number it refuses; ASCII white space around it.
 _DEADLINE = re.compile(rb"\s*([0-9]{1,20})\s*")
 
 Problem = tuple[ErrorCode, str]

@@ -35,7 +35,7 @@ class FakeEvent:
 
 
 def make_job(i: int) -> Job:
-    return Job(
+    return Job.new(
         entry_id=f"0-{i}",
         job_id=f"job-{i}",
         image=b"x",

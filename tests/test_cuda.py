@@ -99,7 +99,9 @@ class Pipeline:
             futures.append(f)
         self._seq += 1
         jobs = [
-            Job(entry_id=f"0-{i}", job_id=f"j{i}", reply_to="r", meta=None, image=b"", path=None)
+            Job.new(
+                entry_id=f"0-{i}", job_id=f"j{i}", reply_to="r", meta=None, image=b"", path=None
+            )
             for i in range(rows)
         ]
         batch = Batch(seq=self._seq, slot=slot, jobs=jobs, futures=futures, opened_s=0.0)

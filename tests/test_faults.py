@@ -303,7 +303,7 @@ async def test_a_publish_that_meets_a_restarted_redis_is_retried_not_refused(
         ),
         max_queued=4,
     )
-    job = Job(
+    job = Job.new(
         entry_id=entry,
         job_id="r1",
         reply_to="team:results",

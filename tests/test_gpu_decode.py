@@ -76,7 +76,9 @@ def jpeg_turned_only_by_its_second_exif(width: int = 150, height: int = 112) -> 
 
 
 def make_job(i: int, data: bytes) -> Job:
-    return Job(entry_id=f"0-{i}", job_id=f"j{i}", reply_to="r", meta=None, image=data, path=None)
+    return Job.new(
+        entry_id=f"0-{i}", job_id=f"j{i}", reply_to="r", meta=None, image=data, path=None
+    )
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))

@@ -499,7 +499,7 @@ async def test_the_processes_leave_the_share_spread_over_batches_and_only_what_f
 
     def job(i: int, data: bytes, **more: Any) -> Job:
         fields: dict[str, Any] = {"image": data, "path": None, **more}
-        return Job(entry_id=f"{i}-0", job_id=f"j{i}", reply_to="r", meta=None, **fields)
+        return Job.new(entry_id=f"{i}-0", job_id=f"j{i}", reply_to="r", meta=None, **fields)
 
     progressive = io.BytesIO()
     Image.open(io.BytesIO(jpeg_bytes(96, 64))).save(progressive, "JPEG", progressive=True)
@@ -590,7 +590,7 @@ async def test_thumbnails_get_a_share_of_their_own() -> None:
     assert 192 * 190 > THUMBNAIL_PIXELS >= 96 * 64
     datas = [jpeg_bytes(96, 64, seed=i) for i in range(4)] + [photo, photo]
     jobs = [
-        Job(entry_id=f"{i}-0", job_id=f"j{i}", reply_to="r", meta=None, image=d, path=None)
+        Job.new(entry_id=f"{i}-0", job_id=f"j{i}", reply_to="r", meta=None, image=d, path=None)
         for i, d in enumerate(datas)
     ]
     try:

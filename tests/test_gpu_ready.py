@@ -206,7 +206,9 @@ class HalfwayBackend:
 
 
 def make_job(i: int, data: bytes) -> Job:
-    return Job(entry_id=f"0-{i}", job_id=f"j{i}", reply_to="r", meta=None, image=data, path=None)
+    return Job.new(
+        entry_id=f"0-{i}", job_id=f"j{i}", reply_to="r", meta=None, image=data, path=None
+    )
 
 
 def test_decoder_failure_names_the_event_after_its_work() -> None:

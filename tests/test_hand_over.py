@@ -23,7 +23,7 @@ SPEC = DecodeSpec(size=S)
 
 def make_jobs(first: int, n: int, prefix: str = "j") -> list[Job]:
     return [
-        Job(
+        Job.new(
             entry_id=f"{i}-0",
             job_id=f"{prefix}-{i}",
             reply_to="gpufeed:results",

@@ -30,7 +30,9 @@ _HOSTILE = {"width-0": sof0_width_zero(), "adobe-cut": truncated_adobe()}
 
 
 def _job(i: int, data: bytes) -> Job:
-    return Job(entry_id=f"{i}-0", job_id=f"j{i}", reply_to="r", meta=None, image=data, path=None)
+    return Job.new(
+        entry_id=f"{i}-0", job_id=f"j{i}", reply_to="r", meta=None, image=data, path=None
+    )
 
 
 async def test_a_decode_process_refuses_hostile_headers_and_goes_on() -> None:

@@ -444,7 +444,7 @@ async def test_embed_through_a_worker(
 
 # --------------------------------------------------------------------------- the wire, the producer
 def test_result_fields_of_an_embedding() -> None:
-    job = Job(entry_id="1-0", job_id="e1", reply_to="r", meta=None, image=b"x", path=None)
+    job = Job.new(entry_id="1-0", job_id="e1", reply_to="r", meta=None, image=b"x", path=None)
     vector = np.array([0.6, 0.8, 0.0], dtype="<f2").tobytes()
     outcome = Outcome(job=job, ok=True, answer=Embedding(vector, 3, "float16"))
     settings = WriterSettings("s", "g", "p:", 60, 100, "w", "my-embedder")

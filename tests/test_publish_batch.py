@@ -46,7 +46,7 @@ def read_jobs(client: redis.Redis, stream: str, jobs: list[dict[str, str]]) -> l
             own_id = fields.get(b"id")
             reply = fields.get(b"reply_to")
             out.append(
-                Job(
+                Job.new(
                     entry_id=raw_id.decode(),
                     job_id=own_id.decode() if own_id else raw_id.decode(),
                     reply_to=reply.decode() if reply else "gpufeed:results",
@@ -216,7 +216,7 @@ async def test_a_call_refused_under_maxmemory_wrote_nothing_for_any_of_its_jobs(
     client = aioredis.from_url(redis_url)
     writer = ResultWriter(client, settings(stream="gone:jobs"), max_queued=4)
     jobs = [
-        Job(entry_id=f"1-{i}", job_id=f"1-{i}", reply_to="gpufeed:results", meta=None,
+        Job.new(entry_id=f"1-{i}", job_id=f"1-{i}", reply_to="gpufeed:results", meta=None,
             image=None, path=None)
         for i in range(20)
     ]  # fmt: skip
@@ -289,7 +289,7 @@ async def test_a_reply_to_the_acl_forbids_refuses_only_its_own_job(
 def test_metrics_count_a_flush_once_per_label_set() -> None:
     observer = Observer(worker_name="w1", batch_size=8, stats_interval_s=60)
     jobs = [
-        Job(entry_id=f"{i + 1}-0", job_id=f"j{i}", reply_to="r", meta=None, image=None,
+        Job.new(entry_id=f"{i + 1}-0", job_id=f"j{i}", reply_to="r", meta=None, image=None,
             path=None, timings_ms={"decode": 2.0, "compute": 4.0})
         for i in range(6)
     ]  # fmt: skip

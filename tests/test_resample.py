@@ -209,8 +209,8 @@ async def test_pool_writes_rows_and_counts_reductions() -> None:
     pool = DecodePool(spec, 2, None, row_side=R)
     try:
         jobs = [
-            Job("1-0", "native", "r", None, oriented_jpeg(150, 112, 6, seed=3), None),
-            Job("2-0", "panorama", "r", None, oriented_jpeg(600, 90, 1, seed=3), None),
+            Job.new("1-0", "native", "r", image=oriented_jpeg(150, 112, 6, seed=3)),
+            Job.new("2-0", "panorama", "r", image=oriented_jpeg(600, 90, 1, seed=3)),
         ]
         rows = np.zeros((2, R, R, 3), dtype=np.uint8)
         results = await pool.settle([pool.submit_rows(jobs, rows)])
@@ -258,8 +258,8 @@ async def test_a_cached_row_is_the_decoded_row() -> None:
     rows = np.zeros((2, R, R, 3), dtype=np.uint8)
     rows[1] = 7  # stale pixels of an earlier batch
     try:
-        first = await pool.settle([pool.submit(Job("1-0", "a", "r", None, data, None), rows[0])])
-        again = await pool.settle([pool.submit(Job("2-0", "b", "r", None, data, None), rows[1])])
+        first = await pool.settle([pool.submit(Job.new("1-0", "a", "r", image=data), rows[0])])
+        again = await pool.settle([pool.submit(Job.new("2-0", "b", "r", image=data), rows[1])])
     finally:
         pool.shutdown()
     assert not first[0].cached and again[0].cached

@@ -45,7 +45,7 @@ def job(**fields: Any) -> Job:
         "path": None,
     }
     values.update(fields)
-    return Job(**values)
+    return Job.new(**values)
 
 
 # ---------------------------------------------------------------------- the list itself

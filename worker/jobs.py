@@ -23,24 +23,51 @@ from worker.model.answers import Answer
 
 log = structlog.get_logger("gpufeed.jobs")
 
-# A Unix time in milliseconds: ASCII digits only (str.isdigit() and int() also take
-# superscripts, other scripts' digits and underscores), at most 20 of them so that int()
-# never meets a number it refuses; ASCII white space around it.
 
+@dataclass(frozen=True, slots=True)
+class JobEntry:
+    """What a job's stream entry says, parsed by the rules both sides read
+    (producer/job_fields.py): the wire contract as the producer sent it. Frozen: no stage
+    changes what a job asked for; what the stages find and decide is the Job's."""
 
-@dataclass(eq=False)
-class Job:
     entry_id: str
-    job_id: str
-    reply_to: str
+    # Its own id and reply_to, where it gave valid ones; None: the defaults apply.
+    id: str | None
+    reply_to: str | None
     meta: bytes | None
     # bytes, or with the intake's process a read-only view of the shared payload memory.
     image: bytes | memoryview | None
     path: bytes | None
-    # A `url` job: where its bytes are (the fetch stage sets `image` once they arrived).
+    # A `url` job: where its bytes are.
     url: str | None = None
     # Unix milliseconds after which the job is answered `deadline_exceeded` instead of run.
     deadline_ms: int | None = None
+    # What breaks the contract, the first problem told; None: nothing.
+    problem: tuple[ErrorCode, str] | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    """A job on its way through the stages: its entry (frozen) and the stages' bookkeeping.
+    The entry's fields read through (`job.path`, `job.url`, ...); `job_id`, `reply_to`,
+    `meta`, `image` and `has_own_id` are the values the stages use, which start as the
+    entry's and which a stage may settle otherwise (the entry reference as id, a tenant's
+    results stream, the bytes a fetch brought, a result stored by its entry)."""
+
+    entry: JobEntry
+    # The id its result carries: its own, else the entry's reference.
+    job_id: str
+    # The stream its result goes to: its own reply_to, else the worker's (or tenant's).
+    reply_to: str
+    # What its result echoes (None: nothing, e.g. an answer that must stay small).
+    meta: bytes | None
+    # The bytes to decode: the entry's, or for a `url` job what the fetch stage brought.
+    image: bytes | memoryview | None
+    # Its result is stored under its own id (a second job with that id is answered by the
+    # first's result instead of running again); False: under its entry.
+    has_own_id: bool = False
+    # Why it is answered without running: the entry's problem, or a stage's verdict.
+    rejected: tuple[ErrorCode, str] | None = None
     received_s: float = field(default_factory=time.monotonic)
     # When the job became ready for a batch row: its arrival, or the end of its fetch.
     ready_s: float = field(default_factory=time.monotonic)
@@ -52,11 +79,6 @@ class Job:
     cached_row: tuple[Any, Any] | None = None
     # Per-stage durations in milliseconds, filled as the job moves along.
     timings_ms: dict[str, float] = field(default_factory=dict)
-    # Set when the job was read and rejected before decoding.
-    rejected: tuple[ErrorCode, str] | None = None
-    # The producer gave its own id: a second job with that id is answered by the first's
-    # result instead of running again.
-    has_own_id: bool = False
     # How many times Redis delivered this entry (1 on a first read).
     deliveries: int = 1
     # The job stream the entry was read from; empty: the worker's configured stream. A
@@ -70,6 +92,60 @@ class Job:
     # read whose payloads hold that memory until the job's result is published.
     payload_at: int = -1
     payload_span: int = -1
+
+    @classmethod
+    def new(
+        cls,
+        entry_id: str,
+        job_id: str,
+        reply_to: str,
+        *,
+        meta: bytes | None = None,
+        image: bytes | memoryview | None = None,
+        path: bytes | None = None,
+        url: str | None = None,
+        deadline_ms: int | None = None,
+        has_own_id: bool = False,
+        **work: Any,
+    ) -> Job:
+        """A job from its parts (the writer's process rebuilding one, warm start, tests):
+        the entry they make, and `work`, the stages' fields."""
+        entry = JobEntry(
+            entry_id=entry_id,
+            id=job_id if has_own_id else None,
+            reply_to=reply_to,
+            meta=meta,
+            image=image,
+            path=path,
+            url=url,
+            deadline_ms=deadline_ms,
+            problem=work.get("rejected"),
+        )
+        return cls(
+            entry=entry,
+            job_id=job_id,
+            reply_to=reply_to,
+            meta=meta,
+            image=image,
+            has_own_id=has_own_id,
+            **work,
+        )
+
+    @property
+    def entry_id(self) -> str:
+        return self.entry.entry_id
+
+    @property
+    def path(self) -> bytes | None:
+        return self.entry.path
+
+    @property
+    def url(self) -> str | None:
+        return self.entry.url
+
+    @property
+    def deadline_ms(self) -> int | None:
+        return self.entry.deadline_ms
 
     @property
     def entry_ref(self) -> str:
@@ -137,9 +213,8 @@ def parse_job(
     the answer then goes under the entry ID, so that it can be found.
     """
     raw_id = fields.get(wire.JOB_ID)
-    reply_to, reply_problem = _text_field(
-        "reply_to", fields.get(wire.JOB_REPLY_TO), default_reply_to
-    )
+    raw_reply = fields.get(wire.JOB_REPLY_TO)
+    reply_to, reply_problem = _text_field("reply_to", raw_reply, default_reply_to)
     job_id, id_problem = _text_field("id", raw_id, entry_id)
     rejected = id_problem or reply_problem
 
@@ -173,17 +248,25 @@ def parse_job(
             if rejected is None and raw_url is not None:
                 url = raw_url.decode("utf-8")
 
-    return Job(
+    entry = JobEntry(
         entry_id=entry_id,
-        job_id=job_id,
-        reply_to=reply_to,
+        id=job_id if raw_id is not None and id_problem is None else None,
+        reply_to=reply_to if raw_reply is not None and reply_problem is None else None,
         meta=meta,
         image=image,
         path=path,
         url=url,
         deadline_ms=deadline_ms,
+        problem=rejected,
+    )
+    return Job(
+        entry=entry,
+        job_id=job_id,
+        reply_to=reply_to,
+        meta=meta,
+        image=image,
+        has_own_id=entry.id is not None,
         rejected=rejected,
-        has_own_id=raw_id is not None and id_problem is None,
     )
 
 

@@ -5,7 +5,8 @@ Started by worker/delivery/intake_process.py as ``python -m worker.delivery.inta
 <socket fd> <payload memory fd>`` (worker/ipc/child.py). A payload read by redis-py on the
 worker's event loop costs that loop its socket's chunks, the parser's copies and a Python
 bytes object (docs/concepts.md, "The intake's process", has the figures); here it costs
-this process's, and the worker holds an offset and a length. The decode processes read the payload where this process wrote it.
+this process's, and the worker holds an offset and a length. The decode processes read the
+payload where this process wrote it.
 
 One request, one answer, over one socket, each a typed message in a frame (worker/ipc/;
 `INTAKE` lists them):

@@ -8,7 +8,7 @@ travels is what the result fields are made of, never the job's image bytes.
 
 Which fields cross, and in which order, is written once: `JOB_FIELDS` and `OUTCOME_FIELDS`,
 by the Job's and the Outcome's own names, read and rebuilt by name on both sides. Every other
-field of a Job or an Outcome is named in `JOB_LEFT` or `OUTCOME_LEFT`, with why it stays:
+field of a Job (its own or its entry's, which it reads through) or an Outcome is named in `JOB_LEFT` or `OUTCOME_LEFT`, with why it stays:
 tests/test_writer_process.py fails on a field named in neither, so a field added to Job
 is either carried or left on purpose, never dropped unseen.
 """
@@ -33,10 +33,14 @@ JOB_FIELDS = (
     "has_own_id",
     "timings_ms",
 )
-# The job's fields that stay in the worker: its bytes and where they came from (the result
-# never holds them), and the stages' bookkeeping, done with before the outcome is made.
+# The job's fields (its own and its entry's) that stay in the worker: its bytes and where
+# they came from (the result never holds them), the entry's own id and problem (the job's
+# id, has_own_id and rejected, settled from them, are what the result is made of), and the
+# stages' bookkeeping, done with before the outcome is made.
 JOB_LEFT = frozenset(
     {
+        "id",
+        "problem",
         "image",
         "path",
         "url",
@@ -88,7 +92,7 @@ def outcome_rows(outcomes):
 def outcomes_of(rows):
     out = []
     for {", ".join(_names)}, answer, code in rows:
-        job = Job(image=None, path=None, {", ".join(f"{n}=job_{n}" for n in JOB_FIELDS)})
+        job = Job.new(image=None, path=None, {", ".join(f"{n}=job_{n}" for n in JOB_FIELDS)})
         out.append(
             Outcome(
                 job=job,

@@ -147,7 +147,7 @@ async def _fetch(fetcher: FetchStage, jobs: list[Job], deadline: float) -> set[J
 
 def _job_of(index: int, entry: HotEntry) -> Job:
     job_id = f"warm-start-{index}"
-    return Job(
+    return Job.new(
         entry_id="0-0",
         job_id=job_id,
         reply_to=entry.reply_to,

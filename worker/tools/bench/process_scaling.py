@@ -51,7 +51,7 @@ async def _rate(
         row_side=side if device_rows else 0,
     )
     jobs = [
-        Job(entry_id=f"{i}-0", job_id=str(i), reply_to="", meta=None, image=data, path=None)
+        Job.new(entry_id=f"{i}-0", job_id=str(i), reply_to="", meta=None, image=data, path=None)
         for i, data in enumerate(images[:BATCH])
     ]
     try:
