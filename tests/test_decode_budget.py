@@ -29,7 +29,7 @@ SPEC = DecodeSpec(size=S)
 
 
 def make_job(job_id: str, data: bytes, entry: int = 0) -> Job:
-    return Job(
+    return Job.new(
         entry_id=f"{entry}-0",
         job_id=job_id,
         reply_to="gpufeed:results",

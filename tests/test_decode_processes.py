@@ -44,7 +44,7 @@ SIZE = 48
 
 
 def _job(i: int, data: bytes, reply_to: str = "r") -> Job:
-    return Job(
+    return Job.new(
         entry_id=f"{i}-0", job_id=f"j{i}", reply_to=reply_to, meta=None, image=data, path=None
     )
 
@@ -169,7 +169,7 @@ async def test_path_jobs_are_read_by_the_decode_process_as_threads_read_them(
     (tmp_path / "secret.jpg").write_bytes(jpeg_bytes(80, 60, seed=4))
     names = [b"ok.jpg", b"../secret.jpg", b"missing.jpg", b"", str(root / "ok.jpg").encode()]
     jobs = [
-        Job(entry_id=f"{i}-0", job_id=f"p{i}", reply_to="r", meta=None, image=None, path=name)
+        Job.new(entry_id=f"{i}-0", job_id=f"p{i}", reply_to="r", meta=None, image=None, path=name)
         for i, name in enumerate(names)
     ]
     base = root if with_root else None
@@ -432,7 +432,7 @@ async def test_a_row_left_for_the_gpu_with_nothing_to_decode_from_is_an_internal
     arena.table[3] = 0
     arena.table["state"][3] = DEFERRED
     arena.table["error"][3] = -1
-    job = Job("1-0", "j1", "r", None, None, b"a.jpg")
+    job = Job.new("1-0", "j1", "r", path=b"a.jpg")
     (result,) = pool._results([3], [job])
     assert result.gpu is None and result.error is not None
     assert result.error.code is ErrorCode.INTERNAL_ERROR

@@ -47,7 +47,7 @@ def slow_images(n: int) -> list[bytes]:
 
 
 def _job(i: int, data: bytes, reply_to: str) -> Job:
-    return Job(
+    return Job.new(
         entry_id=f"{i}-0", job_id=f"j{i}", reply_to=reply_to, meta=None, image=data, path=None
     )
 

@@ -20,12 +20,12 @@ from click.testing import CliRunner as ClickRunner
 from producer import wire, wire_help
 from producer.cli import app as producer_app
 from producer.wire import ErrorCode
+from worker import docs_gen
 from worker.cli import cli
 from worker.config import settings_help
 from worker.config.settings import TOOL_VARIABLES, WorkerConfig
-from worker.observe.metrics import STAGES, WorkerMetrics
-from worker import docs_gen
 from worker.docs_gen import cli_page, make_page, wire_pages
+from worker.observe.metrics import STAGES, WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

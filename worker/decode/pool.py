@@ -40,20 +40,13 @@ import numpy as np
 import numpy.typing as npt
 import structlog
 
-from producer.wire import ErrorCode
 from worker.decode import gil_account
-from worker.decode.cache import DecodeCache, cache_key
-from worker.decode.cpu import (
-    DecodeError,
-    DecodeSpec,
-    check_row,
-    decode_pixels,
-    write_row,
-)
+from worker.decode.cache import DecodeCache
+from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, check_row, write_row
 from worker.decode.executor import DecodeExecutor, DecodeGroup, DecodeResult, over_budget
 from worker.decode.gpu import GpuDecodeRouter
-from worker.decode.job_path import read_job_path
-from worker.decode.rows import decode_row, write_decoded_row
+from worker.decode.row_policy import RowPolicy
+from worker.decode.rows import DecodedRow, write_decoded_row
 
 if TYPE_CHECKING:
     # For annotations only: importing it at run time would tie this folder to a layer above it.
@@ -76,7 +69,11 @@ class RowTicket:
     group's), so either the copy happened before the batch went on, or it never happens.
     """
 
-    __slots__ = ("_lock", "replaced", "started_s", "state")
+    __slots__ = ("_lock", "out", "replaced", "started_s", "state")
+
+    # The staging row it guards: set by the thread that decodes it, before its decode
+    # starts (not here, on the event loop: a view of the row is an allocation per row).
+    out: npt.NDArray[np.uint8]
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
@@ -223,6 +220,75 @@ class RowGroup:
             self.future.set_result(None)
 
 
+class ThreadRows(RowPolicy[RowTicket, DecodeResult]):
+    """The row policy (worker/decode/row_policy.py) on decode threads: a row is a staging
+    row under its ticket, which the batch may give up, answered by a DecodeResult. The GPU
+    is offered a row, through the router, after the decode cache missed."""
+
+    def __init__(
+        self,
+        spec: DecodeSpec,
+        *,
+        row_side: int,
+        path_root: Path | None,
+        cache: DecodeCache | None,
+        delay: Callable[[Job], None] | None,
+        router: GpuDecodeRouter | None,
+    ) -> None:
+        super().__init__(spec, row_side=row_side, path_root=path_root, cache=cache, delay=delay)
+        self.router = router
+        self.writer = write_decoded_row if row_side else write_row
+        self._lock = threading.Lock()
+        self.reduced = 0
+        self.reduced_ms = 0.0
+
+    def offer(
+        self,
+        row: RowTicket,
+        data: bytes | memoryview,
+        namespace: str | None,
+        start: float,
+        *,
+        staged: bool,
+    ) -> DecodeResult | None:
+        router = self.router
+        if router is None:
+            return None
+        gpu = router.route(data if isinstance(data, bytes) else bytes(data), self.spec)
+        if gpu is None:
+            return None
+        return DecodeResult(gpu.info, None, (time.perf_counter() - start) * 1000, gpu=gpu)
+
+    def check(self, row: RowTicket) -> None:
+        out, side = row.out, self.row_side
+        if not side:
+            check_row(out, self.spec)
+        elif out.shape != (side, side, 3) or out.dtype != np.uint8:
+            raise ValueError(f"out must be uint8 of shape {(side, side, 3)}, got {out.shape}")
+
+    def copy_kept(self, row: RowTicket, kept: npt.NDArray[np.uint8]) -> None:
+        row.write(row.out, kept, self.writer)
+
+    def write(self, row: RowTicket, decoded: DecodedRow | npt.NDArray[np.uint8]) -> bool:
+        return row.write(row.out, decoded, self.writer)
+
+    def entry(self, row: RowTicket) -> npt.NDArray[np.uint8]:
+        return row.out
+
+    def answer(
+        self, row: RowTicket, info: DecodeInfo, start: float, *, cached: bool, reduced: bool
+    ) -> DecodeResult:
+        ms = (time.perf_counter() - start) * 1000
+        if reduced:
+            with self._lock:
+                self.reduced += 1
+                self.reduced_ms += ms
+        return DecodeResult(info, None, ms, cached=cached)
+
+    def fail(self, row: RowTicket, error: DecodeError, start: float) -> DecodeResult:
+        return DecodeResult(None, error, (time.perf_counter() - start) * 1000)
+
+
 class RowFuture(asyncio.Future[DecodeResult]):
     """One row submitted alone (`submit`), as the event loop sees it; `group` holds it."""
 
@@ -250,16 +316,19 @@ class DecodePool:
             raise ValueError(f"budget_s must be positive (got {budget_s})")
         self.spec = spec
         self.row_side = row_side
-        # Device placement: images too large for a row, fitted to S x S here instead.
-        self.reduced = 0
-        self.reduced_ms = 0.0
         self.threads = threads
         self.path_root = path_root
         self.budget_s = budget_s
-        # Lets the doctor and tests simulate a slow decoder without touching the real one.
-        self._delay_hook = delay_hook
         self.gpu_router = gpu_router
-        self.cache = cache if cache is not None and cache.enabled else None
+        self._rows = ThreadRows(
+            spec,
+            row_side=row_side,
+            path_root=path_root,
+            cache=cache if cache is not None and cache.enabled else None,
+            # Lets the doctor and tests simulate a slow decoder without touching the real one.
+            delay=delay_hook,
+            router=gpu_router,
+        )
         self._work: queue.SimpleQueue[RowGroup | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._spares = 0  # spare threads standing in for threads held by given-up decodes
@@ -271,8 +340,13 @@ class DecodePool:
             self._start_thread()
 
     @property
-    def _writer(self) -> Callable[[npt.NDArray[np.uint8], Any], None]:
-        return write_decoded_row if self.row_side else write_row
+    def reduced(self) -> int:
+        """Device placement: images too large for a row, fitted to S x S here instead."""
+        return self._rows.reduced
+
+    @property
+    def reduced_ms(self) -> float:
+        return self._rows.reduced_ms
 
     @property
     def spare_threads(self) -> int:
@@ -415,75 +489,18 @@ class DecodePool:
     def _decode(
         self, job: Job, out: npt.NDArray[np.uint8], may_defer: bool, ticket: RowTicket
     ) -> DecodeResult:
-        start = time.perf_counter()
-        try:
-            if self._delay_hook is not None:
-                self._delay_hook(job)
-            if job.cached_row is not None:
-                # A `url` job the server said had not changed: its row from the cache.
-                row, row_info = job.cached_row
-                ticket.write(out, row, self._writer)
-                return DecodeResult(
-                    row_info, None, (time.perf_counter() - start) * 1000, cached=True
-                )
-            if job.image is not None:
-                # Bytes of its own: a view of the payload memory only reaches decode processes.
-                data = job.image if isinstance(job.image, bytes) else bytes(job.image)
-            elif job.path is not None:
-                data = read_job_path(job.path, self.path_root, self.spec.max_bytes)
-            else:
-                raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
-            key = None
-            if self.cache is not None and data:
-                key = job.cache_key or cache_key(data, job.reply_to)
-            if key is not None and self.cache is not None:
-                entry = self.cache.get(key)
-                if entry is not None:
-                    row, info = entry
-                    ticket.write(out, row, self._writer)
-                    ms = (time.perf_counter() - start) * 1000
-                    return DecodeResult(info, None, ms, cached=True)
-            if may_defer and self.gpu_router is not None:
-                gpu = self.gpu_router.route(data, self.spec)
-                if gpu is not None:
-                    ms = (time.perf_counter() - start) * 1000
-                    return DecodeResult(gpu.info, None, ms, gpu=gpu)
-            if self.row_side:
-                return self._decode_row(data, out, ticket, key, start)
-            check_row(out, self.spec)
-            pixels, info = decode_pixels(data, self.spec)
-            if ticket.write(out, pixels) and key is not None and self.cache is not None:
-                # The row is ours until this result is delivered: the batch waits for it.
-                self.cache.put(key, out, info)
-            return DecodeResult(info, None, (time.perf_counter() - start) * 1000)
-        except DecodeError as exc:
-            return DecodeResult(None, exc, (time.perf_counter() - start) * 1000)
-        except Exception as exc:  # noqa: BLE001 - one bad job must never take down its batch
-            err = DecodeError(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
-            return DecodeResult(None, err, (time.perf_counter() - start) * 1000)
-
-    def _decode_row(
-        self,
-        data: bytes,
-        out: npt.NDArray[np.uint8],
-        ticket: RowTicket,
-        key: bytes | None,
-        start: float,
-    ) -> DecodeResult:
-        """Device placement: the pixels at their decoded size and their geometry."""
-        side = self.row_side
-        if out.shape != (side, side, 3) or out.dtype != np.uint8:
-            raise ValueError(f"out must be uint8 of shape {(side, side, 3)}, got {out.shape}")
-        row, info = decode_row(data, self.spec, side)
-        written = ticket.write(out, row, write_decoded_row)
-        ms = (time.perf_counter() - start) * 1000
-        if row.reduced:
-            with self._lock:
-                self.reduced += 1
-                self.reduced_ms += ms
-        if written and key is not None and self.cache is not None:
-            self.cache.put(key, out, info)
-        return DecodeResult(info, None, ms)
+        ticket.out = out
+        gpu = may_defer and self.gpu_router is not None
+        return self._rows.run(
+            ticket,
+            job.image,
+            job.path,
+            namespace=job.reply_to,
+            key=job.cache_key,
+            kept=job.cached_row,
+            gpu=gpu,
+            subject=job,
+        )
 
     def shutdown(self) -> None:
         """Drop queued rows, let running decodes end (up to a budget), stop the threads.

@@ -31,6 +31,7 @@ import struct
 import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,12 +51,18 @@ from worker.decode.arena import (
     SharedArena,
 )
 from worker.decode.cache import DecodeCache, cache_key
-from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, decode_pixels, write_row
-from worker.decode.job_path import read_job_path
+from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
 from worker.decode.jpeg_header import segments
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import open_payloads
-from worker.decode.rows import THUMBNAIL_PIXELS, decode_row, gpu_placement, write_decoded_row
+from worker.decode.row_policy import RowPolicy, described
+from worker.decode.rows import (
+    THUMBNAIL_PIXELS,
+    DecodedRow,
+    GpuPlacement,
+    gpu_placement,
+    write_decoded_row,
+)
 from worker.ipc.child import owned_by_the_worker
 from worker.ipc.frames import Receiver
 from worker.ipc.messages import Ready, Wire
@@ -105,9 +112,12 @@ class RunDone(NamedTuple):
 DECODE = Wire("decode", DecodeInit, Run, RunDone)
 
 
-class RowDecoder:
-    """Decodes one row at a time into the arena; everything a row may raise ends in its
-    record."""
+class RowDecoder(RowPolicy[int, int]):
+    """The row policy (worker/decode/row_policy.py) in a decode process: a row is a ring row
+    of the shared memory, answered by its record (the answer is the state it is left in).
+    The GPU is offered a row as soon as its bytes are here."""
+
+    offer_on_arrival = True
 
     def __init__(
         self,
@@ -119,12 +129,14 @@ class RowDecoder:
         cache_bytes: int,
         delay_s: float,
     ) -> None:
+        super().__init__(
+            spec,
+            row_side=row_side,
+            path_root=path_root,
+            cache=DecodeCache(cache_bytes) if cache_bytes > 0 else None,
+            delay=partial(_sleep, delay_s) if delay_s else None,
+        )
         self.arena = arena
-        self.spec = spec
-        self.row_side = row_side
-        self.path_root = path_root
-        self.cache = DecodeCache(cache_bytes) if cache_bytes > 0 else None
-        self.delay_s = delay_s
         # Of the thumbnails offered to the GPU, the fraction left for it (the worker's, per
         # message); the rest are decoded here, spread evenly by a running credit.
         self.thumbnail_accept = 1.0
@@ -138,31 +150,98 @@ class RowDecoder:
         ns: str | None,
         gpu: bool = False,
     ) -> None:
-        """`gpu`: the worker would have the GPU decode this row if it can."""
-        record = self.arena.table[row]
-        start = time.perf_counter()
-        if gpu and data is not None and self._route(row, data, ns, record, start):
-            return
+        """`ns`: the reply stream the cache key includes; None: not cached here (a `url`
+        job's row, which the worker caches under its URL's key). `gpu`: the worker would
+        have the GPU decode this row if it can."""
+        self.run(row, data, path, namespace=ns, gpu=gpu)
+
+    def offer(
+        self,
+        row: int,
+        data: bytes | memoryview,
+        namespace: str | None,
+        start: float,
+        *,
+        staged: bool,
+    ) -> int | None:
+        """`_placement`, whose failure is this row's alone. Reading the header is total
+        (worker/decode/jpeg_header.py), so a hostile one is decoded, or refused, here; an
+        exception is a defect of ours, and the row's job is answered with it while the
+        process goes on (the worker replies it under that job's id)."""
         try:
-            if self.delay_s:
-                time.sleep(self.delay_s)
-            if path is not None:
-                data = read_job_path(path, self.path_root, self.spec.max_bytes)
-                # The bytes are here, not in the worker: staged in the slot for the GPU.
-                if gpu and self._route(row, data, ns, record, start, stage=True):
-                    return
-            if data is None:
-                raise DecodeError(ErrorCode.INVALID_JOB, "nothing to decode")
-            info, cached, reduced = self._decode(row, data, ns)
-        except DecodeError as exc:
-            _failed(record, exc.code, exc.message, start)
-            return
-        except SlotFull as exc:
-            _failed(record, ErrorCode.INTERNAL_ERROR, str(exc), start)
-            return
-        except Exception as exc:  # noqa: BLE001 - one bad image must never end the process
-            _failed(record, ErrorCode.INTERNAL_ERROR, _described(exc), start)
-            return
+            placed = self._placement(row, data, namespace, staged=staged)
+            if placed is None:
+                return None
+            self.arena.table[row]["staged"] = len(data) if staged else 0
+            info = DecodeInfo("JPEG", placed.width, placed.height, 1)
+            return self._record(row, info, start, DEFERRED, cached=False, reduced=False)
+        except Exception as exc:  # noqa: BLE001 - one image's header must never end the process
+            why = f"choosing the GPU or the CPU to decode this image failed: {described(exc)}"
+            return self.fail(row, DecodeError(ErrorCode.INTERNAL_ERROR, why), start)
+
+    def _placement(
+        self, row: int, data: bytes | memoryview, ns: str | None, *, staged: bool
+    ) -> GpuPlacement | None:
+        """Where row `row` takes its place for the GPU when its JPEG allows; None: decode it
+        here. `staged`: the worker does not hold the bytes (a `path` job's): they are copied
+        into the slot's host memory at the place the decoded row takes on the device (bytes
+        the copy to the device never takes), which the GPU decoder reads them from."""
+        packed = self.arena.packed
+        if packed is None or not self.row_side:
+            return None
+        if self.cache is not None and ns is not None and cache_key(bytes(data), ns) in self.cache:
+            return None  # the cached row is a copy away
+        placed = gpu_placement(data, self.spec, self.row_side)
+        if placed is None:
+            return None
+        size = placed.height * placed.width * 3
+        if staged and len(data) > size:
+            return None  # more bytes than pixels (a large EXIF block): decoded here
+        if placed.height * placed.width <= THUMBNAIL_PIXELS and self.thumbnail_accept < 1.0:
+            self._thumbnail_credit += self.thumbnail_accept
+            if self._thumbnail_credit < 1.0:
+                return None
+            self._thumbnail_credit -= 1.0
+        if staged:
+            try:
+                offset = packed.place_on_device(row, size, placed.geometry)
+            except SlotFull:
+                return None
+            slot = row // packed.batch
+            packed.memory[slot, offset : offset + len(data)] = np.frombuffer(data, np.uint8)
+        else:
+            packed.write_geometry(row, placed.geometry)
+        return placed
+
+    def copy_kept(self, row: int, kept: npt.NDArray[np.uint8]) -> None:
+        copy_kept(self.arena, row, kept)
+
+    def write(self, row: int, decoded: DecodedRow | npt.NDArray[np.uint8]) -> bool:
+        packed = self.arena.packed
+        if isinstance(decoded, np.ndarray):
+            write_row(self.arena.rows[row], decoded)
+        elif packed is not None:
+            packed.write(row, decoded)
+        else:
+            write_decoded_row(self.arena.rows[row], decoded)
+        return True
+
+    def entry(self, row: int) -> npt.NDArray[np.uint8]:
+        # Packed: the cache keeps the image at its own size, not a whole row.
+        packed = self.arena.packed
+        return packed.entry(row) if packed is not None else self.arena.rows[row]
+
+    def answer(
+        self, row: int, info: DecodeInfo, start: float, *, cached: bool, reduced: bool
+    ) -> int:
+        return self._record(row, info, start, DONE, cached=cached, reduced=reduced)
+
+    def _record(
+        self, row: int, info: DecodeInfo, start: float, state: int, *, cached: bool, reduced: bool
+    ) -> int:
+        """Write row `row`'s record, its state last: the worker reads the rest only once
+        the state is no longer PENDING."""
+        record = self.arena.table[row]
         record["width"] = info.width
         record["height"] = info.height
         record["draft_scale"] = info.draft_scale
@@ -171,128 +250,32 @@ class RowDecoder:
         record["reduced"] = reduced
         record["error"] = -1
         record["decode_us"] = int((time.perf_counter() - start) * 1e6)
-        record["state"] = DONE
+        record["state"] = state
+        return state
 
-    def _route(
-        self,
-        row: int,
-        data: bytes | memoryview,
-        ns: str | None,
-        record: Any,
-        start: float,
-        *,
-        stage: bool = False,
-    ) -> bool:
-        """`_defer`, whose failure is this row's alone: True when the row is answered (left
-        for the GPU, or failed with why), False: decode it here. Reading the header is total
-        (worker/decode/jpeg_header.py), so a hostile one is decoded, or refused, here; an
-        exception is a defect of ours, and the row's job is answered with it while the
-        process goes on (the worker replies it under that job's id)."""
-        try:
-            return self._defer(row, data, ns, record, start, stage=stage)
-        except Exception as exc:  # noqa: BLE001 - one image's header must never end the process
-            why = f"choosing the GPU or the CPU to decode this image failed: {_described(exc)}"
-            _failed(record, ErrorCode.INTERNAL_ERROR, why, start)
-            return True
-
-    def _defer(
-        self,
-        row: int,
-        data: bytes | memoryview,
-        ns: str | None,
-        record: Any,
-        start: float,
-        *,
-        stage: bool = False,
-    ) -> bool:
-        """Leave row `row` for the GPU when its JPEG allows; False: decode it here. `stage`:
-        the worker does not hold the bytes (a `path` job's): they are copied into the slot's
-        host memory at the place the decoded row takes on the device (bytes the copy to the
-        device never takes), which the GPU decoder reads them from."""
-        packed = self.arena.packed
-        if packed is None or not self.row_side:
-            return False
-        if self.cache is not None and ns is not None and cache_key(bytes(data), ns) in self.cache:
-            return False  # the cached row is a copy away
-        placed = gpu_placement(data, self.spec, self.row_side)
-        if placed is None:
-            return False
-        size = placed.height * placed.width * 3
-        if stage and len(data) > size:
-            return False  # more bytes than pixels (a large EXIF block): decoded here
-        if placed.height * placed.width <= THUMBNAIL_PIXELS and self.thumbnail_accept < 1.0:
-            self._thumbnail_credit += self.thumbnail_accept
-            if self._thumbnail_credit < 1.0:
-                return False
-            self._thumbnail_credit -= 1.0
-        if stage:
-            try:
-                offset = packed.place_on_device(row, size, placed.geometry)
-            except SlotFull:
-                return False
-            slot = row // packed.batch
-            packed.memory[slot, offset : offset + len(data)] = np.frombuffer(data, np.uint8)
-            record["staged"] = len(data)
-        else:
-            packed.write_geometry(row, placed.geometry)
-            record["staged"] = 0
-        record["width"] = placed.width
-        record["height"] = placed.height
-        record["draft_scale"] = 1
-        record["format"] = b"JPEG"
+    def fail(self, row: int, error: DecodeError, start: float) -> int:
+        record = self.arena.table[row]
+        record["error"] = _ERROR_INDEX[error.code]
+        record["message"] = error.message.encode("utf-8", "replace")[:MESSAGE_BYTES]
+        record["decode_us"] = int((time.perf_counter() - start) * 1e6)
         record["cached"] = 0
         record["reduced"] = 0
-        record["error"] = -1
-        record["decode_us"] = int((time.perf_counter() - start) * 1e6)
-        record["state"] = DEFERRED
-        return True
-
-    def _decode(
-        self, row: int, data: bytes | memoryview, ns: str | None
-    ) -> tuple[DecodeInfo, bool, bool]:
-        """`ns`: the reply stream the cache key includes; None: not cached here (a `url`
-        job's row, which the worker caches under its URL's key)."""
-        packed = self.arena.packed
-        out: npt.NDArray[np.uint8] = self.arena.rows[row]
-        blob = bytes(data)
-        key = None
-        if self.cache is not None and ns is not None:
-            key = cache_key(blob, ns)
-            entry = self.cache.get(key)
-            if entry is not None:
-                if packed is not None:
-                    packed.write_entry(row, entry[0])
-                else:
-                    np.copyto(out, entry[0])
-                return entry[1], True, False
-        reduced = False
-        if self.row_side:
-            decoded, info = decode_row(blob, self.spec, self.row_side)
-            if packed is not None:
-                packed.write(row, decoded)
-            else:
-                write_decoded_row(out, decoded)
-            reduced = decoded.reduced
-        else:
-            pixels, info = decode_pixels(blob, self.spec)
-            write_row(out, pixels)
-        if self.cache is not None and key is not None:
-            # Packed: the cache keeps the image at its own size, not a whole row.
-            self.cache.put(key, packed.entry(row) if packed is not None else out, info)
-        return info, False, reduced
+        record["state"] = FAILED
+        return FAILED
 
 
-def _described(exc: Exception) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def copy_kept(arena: SharedArena, row: int, kept: npt.NDArray[np.uint8]) -> None:
+    """Copy a row a cache kept (the process's, or the worker's for a `url` job) into ring
+    row `row`: packed in its slot, or the whole row."""
+    packed = arena.packed
+    if packed is not None:
+        packed.write_entry(row, kept)
+    else:
+        np.copyto(arena.rows[row], kept)
 
 
-def _failed(record: Any, code: ErrorCode, message: str, start: float) -> None:
-    record["error"] = _ERROR_INDEX[code]
-    record["message"] = message.encode("utf-8", "replace")[:MESSAGE_BYTES]
-    record["decode_us"] = int((time.perf_counter() - start) * 1e6)
-    record["cached"] = 0
-    record["reduced"] = 0
-    record["state"] = FAILED
+def _sleep(seconds: float, subject: object) -> None:
+    time.sleep(seconds)
 
 
 def cheapest_first(datas: list[memoryview | None]) -> list[int]:

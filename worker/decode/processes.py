@@ -52,13 +52,12 @@ from worker.base.errors import GpufeedError
 from worker.decode import gil_account
 from worker.decode.arena import DEFERRED, DONE, ERROR_CODES, PENDING, SharedArena
 from worker.decode.cache import DecodeCache
-from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec, write_row
+from worker.decode.cpu import DecodeError, DecodeInfo, DecodeSpec
 from worker.decode.executor import DecodeExecutor, DecodeGroup, DecodeResult, over_budget
 from worker.decode.gpu_packed import DeferredRow
 from worker.decode.packed import SlotFull
 from worker.decode.payloads import PayloadMemory
-from worker.decode.process_main import DECODE, DecodeInit, Run, RunDone
-from worker.decode.rows import write_decoded_row
+from worker.decode.process_main import DECODE, DecodeInit, Run, RunDone, copy_kept
 from worker.ipc.child import READY_TIMEOUT_S, Child, ChildNotReady, Restarts
 from worker.ipc.messages import Ready
 
@@ -494,19 +493,15 @@ class ProcessDecodePool:
         todo: list[int] = []
         for position, job in enumerate(jobs):
             if job.cached_row is not None:
-                # A `url` job the server said had not changed: its row from the fetch cache.
+                # A `url` job the server said had not changed: its row from the fetch cache,
+                # copied here (the processes never see the worker's cache).
                 row, info = job.cached_row
-                packed = self.arena.packed
-                if packed is not None:
-                    try:
-                        packed.write_entry(ring_rows[position], row)
-                    except SlotFull as exc:
-                        error = DecodeError(ErrorCode.INTERNAL_ERROR, str(exc))
-                        group.set(position, DecodeResult(None, error, 0.0))
-                        continue
-                else:
-                    writer = write_decoded_row if self.row_side else write_row
-                    writer(self.arena.rows[ring_rows[position]], row)
+                try:
+                    copy_kept(self.arena, ring_rows[position], row)
+                except SlotFull as exc:
+                    error = DecodeError(ErrorCode.INTERNAL_ERROR, str(exc))
+                    group.set(position, DecodeResult(None, error, 0.0))
+                    continue
                 group.set(position, DecodeResult(info, None, 0.0, cached=True))
             else:
                 todo.append(position)
