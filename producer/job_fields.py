@@ -66,22 +66,36 @@ def field_problem(
     """Why field `name`'s value `raw` breaks its rule, or None. `limit`: the most bytes
     where the rule has no fixed limit (meta: the worker's setting); 0: none."""
     rule = RULES[name]
-    size = len(raw)
+    if rule.text:
+        return text_field(name, raw)[1]
+    return _size_problem(rule, len(raw), limit)
+
+
+def text_field(name: str, raw: bytes | bytearray | memoryview) -> tuple[str, Problem | None]:
+    """A text field's value, decoded once, and why it breaks its rule (then the value is
+    ""): what the worker reads every job's id and reply_to with."""
+    rule = RULES[name]
+    problem = _size_problem(rule, len(raw), 0)
+    if problem is not None:
+        return "", problem
+    try:
+        text = (raw if isinstance(raw, bytes) else bytes(raw)).decode("utf-8")
+    except UnicodeDecodeError:
+        return "", (rule.empty_code, _said(rule, f"{name} is not valid UTF-8"))
+    if not (text if rule.blank else text.strip()):
+        return "", (rule.empty_code, _said(rule, f"{name} is empty"))
+    return text, None
+
+
+def _size_problem(rule: FieldRule, size: int, limit: int) -> Problem | None:
     most = rule.limit if rule.limit is not None else (limit or None)
     if most is not None and size > most:
-        setting = " (GPUFEED_MAX_META_BYTES)" if name == "meta" else ""
+        setting = " (GPUFEED_MAX_META_BYTES)" if rule.name == "meta" else ""
         return rule.over_code, _said(
-            rule, f"{name} is {size:,} bytes; at most {most:,} are allowed{setting}"
+            rule, f"{rule.name} is {size:,} bytes; at most {most:,} are allowed{setting}"
         )
-    if rule.text:
-        try:
-            text = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError:
-            return rule.empty_code, _said(rule, f"{name} is not valid UTF-8")
-        if not (text if rule.blank else text.strip()):
-            return rule.empty_code, _said(rule, f"{name} is empty")
-    elif size == 0 and not rule.empty:
-        return rule.empty_code, _said(rule, f"{name} is empty")
+    if size == 0 and not rule.empty and not rule.text:
+        return rule.empty_code, _said(rule, f"{rule.name} is empty")
     return None
 
 

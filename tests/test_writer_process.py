@@ -124,7 +124,7 @@ def test_every_field_of_a_job_and_an_outcome_crosses_or_is_left_on_purpose() -> 
     """A field added to Job or Outcome is carried to the writer's process or named as left
     in the worker: never dropped unseen on its way."""
     job_fields = {f.name for f in dataclasses.fields(Job) if f.name != "entry"}
-    job_fields |= {f.name for f in dataclasses.fields(JobEntry)}
+    job_fields |= set(JobEntry._fields)
     carried, left = set(outcome_wire.JOB_FIELDS), outcome_wire.JOB_LEFT
     assert not carried & left
     assert job_fields == carried | left, (

@@ -5,17 +5,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
 from producer import wire
 from producer.job_fields import (
     DEADLINE_PROBLEM,
-    SOURCES,
     deadline_of,
     field_problem,
     sources_problem,
+    text_field,
 )
 from producer.priorities import entry_ref
 from producer.wire import ErrorCode
@@ -24,11 +24,11 @@ from worker.model.answers import Answer
 log = structlog.get_logger("gpufeed.jobs")
 
 
-@dataclass(frozen=True, slots=True)
-class JobEntry:
+class JobEntry(NamedTuple):
     """What a job's stream entry says, parsed by the rules both sides read
-    (producer/job_fields.py): the wire contract as the producer sent it. Frozen: no stage
-    changes what a job asked for; what the stages find and decide is the Job's."""
+    (producer/job_fields.py): the wire contract as the producer sent it. Frozen (a tuple:
+    one is made per job, on the event loop): no stage changes what a job asked for; what
+    the stages find and decide is the Job's."""
 
     entry_id: str
     # Its own id and reply_to, where it gave valid ones; None: the defaults apply.
@@ -111,15 +111,15 @@ class Job:
         """A job from its parts (the writer's process rebuilding one, warm start, tests):
         the entry they make, and `work`, the stages' fields."""
         entry = JobEntry(
-            entry_id=entry_id,
-            id=job_id if has_own_id else None,
-            reply_to=reply_to,
-            meta=meta,
-            image=image,
-            path=path,
-            url=url,
-            deadline_ms=deadline_ms,
-            problem=work.get("rejected"),
+            entry_id,
+            job_id if has_own_id else None,
+            reply_to,
+            meta,
+            image,
+            path,
+            url,
+            deadline_ms,
+            work.get("rejected"),
         )
         return cls(
             entry=entry,
@@ -238,26 +238,29 @@ def parse_job(
     raw_url = fields.get(wire.JOB_URL)
     url: str | None = None
     if rejected is None:
-        given = {
-            n: v for n, v in zip(SOURCES, (image, path, raw_url), strict=True) if v is not None
-        }
-        rejected = sources_problem(list(given))
-        if rejected is None:
-            [(name, value)] = given.items()
-            rejected = field_problem(name, value)
-            if rejected is None and raw_url is not None:
-                url = raw_url.decode("utf-8")
+        given = [
+            (n, v) for n, v in (("image", image), ("path", path), ("url", raw_url)) if v is not None
+        ]
+        if len(given) != 1:
+            rejected = sources_problem([n for n, _ in given])
+        else:
+            name, value = given[0]
+            if name == "url":
+                url, rejected = text_field("url", value)
+                url = url if rejected is None else None
+            else:
+                rejected = field_problem(name, value)
 
-    entry = JobEntry(
-        entry_id=entry_id,
-        id=job_id if raw_id is not None and id_problem is None else None,
-        reply_to=reply_to if raw_reply is not None and reply_problem is None else None,
-        meta=meta,
-        image=image,
-        path=path,
-        url=url,
-        deadline_ms=deadline_ms,
-        problem=rejected,
+    entry = JobEntry(  # positional: one per job, on the event loop
+        entry_id,
+        job_id if raw_id is not None and id_problem is None else None,
+        reply_to if raw_reply is not None and reply_problem is None else None,
+        meta,
+        image,
+        path,
+        url,
+        deadline_ms,
+        rejected,
     )
     return Job(
         entry=entry,
@@ -276,10 +279,8 @@ def _text_field(
     """A text field's value (`default` when absent or broken) and its problem, if any."""
     if raw is None:
         return default, None
-    problem = field_problem(name, raw)
-    if problem is not None:
-        return default, problem
-    return raw.decode("utf-8"), None
+    text, problem = text_field(name, raw)
+    return (default, problem) if problem is not None else (text, None)
 
 
 def job_of_entry(

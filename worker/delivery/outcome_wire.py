@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from producer.wire import ErrorCode
-from worker.jobs import Job, Outcome
+from worker.jobs import Job, JobEntry, Outcome
 from worker.model.answers import Answer, Classification, Embedding, RawOutput
 
 # The job's fields its result is made of, carried as they are.
@@ -93,7 +93,11 @@ def outcome_rows(outcomes):
 def outcomes_of(rows):
     out = []
     for {", ".join(_names)}, answer, code in rows:
-        job = Job.new(image=None, path=None, {", ".join(f"{n}=job_{n}" for n in JOB_FIELDS)})
+        job = Job(
+            JobEntry(job_entry_id, None, None, None, None, None),
+            image=None,
+            {", ".join(f"{n}=job_{n}" for n in JOB_FIELDS if n != "entry_id")},
+        )
         out.append(
             Outcome(
                 job=job,
@@ -114,6 +118,7 @@ def _answer(packed: list[Any]) -> Answer:
 
 _written: dict[str, Any] = {
     "Job": Job,
+    "JobEntry": JobEntry,
     "Outcome": Outcome,
     "_KIND_INDEX": _KIND_INDEX,
     "_CODES": _CODES,
