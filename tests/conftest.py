@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -11,6 +12,13 @@ import structlog
 from hypothesis import HealthCheck, settings
 
 from tests.redis_server import RedisServer
+
+# A suite started in the background by a shell without job control (`make test &`, a CI
+# runner's script) inherits ^C ignored, and so would every process it starts: the tests that
+# send a client ^C would wait on a process that cannot hear it. The suite takes ^C as a
+# terminal gives it; its children then start with the default, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if TYPE_CHECKING:
     from tests.worker_harness import HostShape
