@@ -2,9 +2,11 @@
 and warmed up on its batch shapes, the staging rings and the launch thread around it,
 and the decode threads that fill the rings.
 
-`warm_up` returns it as one object; each part that holds threads registers its teardown on
-the worker's exit stack as it is built, so a start-up that fails half-way releases what it
-had.
+`warm_up` reads as its steps (`_WarmUp`'s methods: load the model, shape the feed, build
+the feed memory, start the launch thread, build the degraded model, compile on the launch
+thread, build the decoders) and returns what they built as one object; each part that holds
+threads registers its teardown on the worker's exit stack as it is built, so a start-up that
+fails half-way releases what it had.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import structlog
@@ -59,7 +62,14 @@ from worker.model.sizes import (
     parse_batch_sizes,
     planned_sizes,
 )
-from worker.model.step import StepFn, build_step, check_step, pick_dtype, resolve_compile_mode
+from worker.model.step import (
+    InferenceStep,
+    StepFn,
+    build_step,
+    check_step,
+    pick_dtype,
+    resolve_compile_mode,
+)
 from worker.observe.health import Health
 from worker.pipeline.gpu_decode import GpuDecodeStage
 from worker.pipeline.launch import ModelRunner
@@ -157,12 +167,77 @@ def choose_sizes(
 
 
 @dataclass
+class _Model:
+    """The model loaded and its step in the serving dtype (eager until compiled)."""
+
+    loaded: LoadedModel
+    dtype: torch.dtype
+    step: InferenceStep
+
+
+@dataclass
+class _FeedShape:
+    """Where images are resized, and the rows the ring stages them in."""
+
+    plan: FeedPlan
+    placement: str
+    placement_why: str
+    # The staging size the decoders resize to (the model's).
+    size: int
+    # Device placement: rows of side `rows` hold the decoded pixels and their geometry (0 on
+    # the host); decode processes pack them (worker/decode/packed.py) in the memory of rows
+    # of side `side`, packed_side(rows).
+    rows: int
+    packed: bool
+    side: int
+
+    def read_rows(self, step: InferenceStep) -> None:
+        """Make `step` read the ring's rows (device placement; on the host it reads images
+        already at its staging size)."""
+        if self.rows:
+            (use_packed if self.packed else use_rows)(step, self.rows, self.size)
+
+
+@dataclass
+class _FeedMemory:
+    """The memory batches are staged in, copied through and read back from."""
+
+    # Shared with the decode processes (None with decode threads).
+    arena: SharedArena | None
+    ring: InputRing
+    out_ring: OutputRing
+    transfer: DeviceTransfer
+    budget: dict[str, Any]
+
+
+@dataclass
+class _Degraded:
+    """The cheaper model (GPUFEED_DEGRADE_AFTER_S) and its output slots."""
+
+    model: DegradedModel
+    out_ring: OutputRing
+
+
+@dataclass
 class _Compiled:
     """What the launch thread hands back from compiling and checking the steps."""
 
+    sizes_why: str
     report: CompileReport | None = None
     precision: PrecisionReport | AgreementReport | None = None
     degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+
+
+@dataclass
+class _Decoders:
+    """What fills the ring: the decode threads or processes, and their cache."""
+
+    decoder: DecodeExecutor
+    cache: DecodeCache
+    threads: int
+    payloads: PayloadMemory | None
+    # The plan with the GPU decode's share filled in where it was measured.
+    plan: FeedPlan
 
 
 async def warm_up(
@@ -178,193 +253,335 @@ async def warm_up(
     start the decode threads (GPU decode where GPUFEED_DECODE asks for it). `gpu_backend`:
     the JPEG decoder the GPU decode into packed rows builds (None: nvImageCodec on the
     device; the tests give its CPU-only backend, which also runs off CUDA)."""
-    ctx = make_context(device)
-    batch_size = cfg.batch_size or default_batch_size(device)
-    # Fixed shapes make cudnn's per-shape tuning useless; turning it off keeps the
-    # first batches from stalling on benchmark runs.
-    torch.backends.cudnn.benchmark = False
-    loaded = load_configured(
-        cfg.model, cfg.weights, input_size=cfg.input_size, batch_size=batch_size
-    )
-    dtype = pick_dtype(cfg.precision, device)
-    step = build_step(loaded, device=device, dtype=dtype, top_k=cfg.top_k)
-    size = loaded.resize_size
-    pin = ctx.is_cuda
-    thread_only_hook = decode_hook is not None and not isinstance(decode_hook, SleepHook)
-    processes, _ = decode_processes_for(cfg, usable_cores(), thread_only_hook=thread_only_hook)
-    placement, why = choose_placement(cfg.resize, device, cfg.decode, processes)
-    plan = plan_feed(
+    start = _WarmUp(
         cfg,
-        placement=placement,
-        placement_why=why,
-        thread_only_hook=thread_only_hook,
-        default_threads=default_decode_threads(),
+        device,
+        health=health,
+        exit_stack=exit_stack,
+        decode_hook=decode_hook,
+        gpu_backend=gpu_backend,
     )
-    # Device placement: rows of side R hold the decoded pixels and their geometry; decode
-    # processes pack them (worker/decode/packed.py) in the memory of rows of side R + 1.
-    rows = row_side(size) if placement == "device" else 0
-    packed = bool(rows) and plan.packed
-    side = packed_side(rows) if packed else rows or size
-    use_input = use_packed if packed else use_rows
-    if rows:
-        use_input(step, rows, size)
-    arena = _shared_arena(plan, batch_size, side, packed=packed, pin=pin, exit_stack=exit_stack)
-    ring = InputRing(cfg.ring_slots, batch_size, side, pin=pin, arena=arena)
-    out_ring = OutputRing(cfg.ring_slots, batch_size, step.layout, pin=pin)
-    transfer = DeviceTransfer(ctx, cfg.ring_slots, batch_size, side)
-    budget: dict[str, Any] = {
-        "resize_placement_why": why,
-        "ring_pinned": pin,
-        **ring_budget(batch_size, side, cfg.ring_slots),
-    }
-    log.info("resize_placement", placement=placement, **budget)
-    mode = resolve_compile_mode(cfg.compile, device)
-    runner = ModelRunner(ctx, step, transfer, cudagraphs=mode_uses_cudagraphs(mode) and ctx.is_cuda)
-    gpu_decode = GpuDecodeStage(transfer)
-    # Callbacks run last first: the launch thread ends before the GPU decoders it may wait on.
-    exit_stack.callback(gpu_decode.shutdown)
-    exit_stack.callback(runner.shutdown)
-    health.watch_launches(lambda: runner.launch_started_s, cfg.ring_slots, device=device)
-    example = torch.zeros((batch_size, side, side, 3), dtype=torch.uint8, device=device)
-    degraded: DegradedModel | None = None
-    degraded_out_ring: OutputRing | None = None
-    if cfg.degrade_after_s > 0:
-        degraded = build_degraded(
-            cfg, loaded, step, device=device, dtype=dtype, batch_size=batch_size
+    model = start.load_model()
+    shape = start.shape_the_feed(model)
+    memory = start.build_feed_memory(shape, model.step)
+    runner, gpu_decode = start.start_launch_thread(model.step, memory.transfer)
+    degraded = start.build_degraded_model(model, shape, memory.out_ring)
+    compiled = await start.compile_on_launch_thread(model, shape, runner, degraded)
+    report = start.log_model_ready(model, shape, runner, compiled)
+    decoders = start.build_decoders(model.loaded, shape, memory.arena, gpu_decode)
+    log.info("feed_plan", plan=decoders.plan.line(), **decoders.plan.as_dict())
+    return Engine(
+        ctx=start.ctx,
+        batch_size=start.batch_size,
+        loaded=model.loaded,
+        dtype=model.dtype,
+        placement=shape.placement,
+        row_side=shape.rows,
+        ring=memory.ring,
+        out_ring=memory.out_ring,
+        transfer=memory.transfer,
+        ring_budget=memory.budget,
+        runner=runner,
+        gpu_decode=gpu_decode,
+        compile_report=report,
+        precision=compiled.precision,
+        decoder=decoders.decoder,
+        decode_cache=decoders.cache,
+        decode_threads=decoders.threads,
+        plan=decoders.plan,
+        payloads=decoders.payloads,
+        degraded=degraded.model if degraded is not None else None,
+        degraded_step=compiled.degraded_step,
+        degraded_out_ring=degraded.out_ring if degraded is not None else None,
+    )
+
+
+class _WarmUp:
+    """The steps of a warm-up, in the order `warm_up` takes them, and what each reads: the
+    settings, the device, the batch size and the exit stack the parts that hold threads or
+    memory register their teardown on."""
+
+    def __init__(
+        self,
+        cfg: WorkerConfig,
+        device: torch.device,
+        *,
+        health: Health,
+        exit_stack: contextlib.AsyncExitStack,
+        decode_hook: DecodeHook | None,
+        gpu_backend: Callable[[], IntoCodec] | None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.health = health
+        self.exit_stack = exit_stack
+        self.decode_hook = decode_hook
+        self.gpu_backend = gpu_backend
+        # The device and the sizes: what every later step is shaped by.
+        self.ctx = make_context(device)
+        self.batch_size = cfg.batch_size or default_batch_size(device)
+        self.pin = self.ctx.is_cuda
+        self.mode = resolve_compile_mode(cfg.compile, device)
+
+    def load_model(self) -> _Model:
+        cfg, device = self.cfg, self.device
+        # Fixed shapes make cudnn's per-shape tuning useless; turning it off keeps the
+        # first batches from stalling on benchmark runs.
+        torch.backends.cudnn.benchmark = False
+        loaded = load_configured(
+            cfg.model, cfg.weights, input_size=cfg.input_size, batch_size=self.batch_size
         )
-        if rows:
-            use_input(degraded.step, rows, size)
+        dtype = pick_dtype(cfg.precision, device)
+        step = build_step(loaded, device=device, dtype=dtype, top_k=cfg.top_k)
+        return _Model(loaded, dtype, step)
+
+    def shape_the_feed(self, model: _Model) -> _FeedShape:
+        """Where images are resized and who decodes them (the feed plan), and the rows the
+        ring holds; the step reads those rows from here on."""
+        cfg, hook = self.cfg, self.decode_hook
+        thread_only_hook = hook is not None and not isinstance(hook, SleepHook)
+        processes, _ = decode_processes_for(cfg, usable_cores(), thread_only_hook=thread_only_hook)
+        placement, why = choose_placement(cfg.resize, self.device, cfg.decode, processes)
+        plan = plan_feed(
+            cfg,
+            placement=placement,
+            placement_why=why,
+            thread_only_hook=thread_only_hook,
+            default_threads=default_decode_threads(),
+        )
+        size = model.loaded.resize_size
+        rows = row_side(size) if placement == "device" else 0
+        packed = bool(rows) and plan.packed
+        side = packed_side(rows) if packed else rows or size
+        shape = _FeedShape(plan, placement, why, size, rows, packed, side)
+        shape.read_rows(model.step)
+        return shape
+
+    def build_feed_memory(self, shape: _FeedShape, step: InferenceStep) -> _FeedMemory:
+        """The input ring (in memory shared with the decode processes where they decode),
+        the output slots and the copies to the device."""
+        slots, batch, side, pin = self.cfg.ring_slots, self.batch_size, shape.side, self.pin
+        arena = _shared_arena(
+            shape.plan, batch, side, packed=shape.packed, pin=pin, exit_stack=self.exit_stack
+        )
+        budget: dict[str, Any] = {
+            "resize_placement_why": shape.placement_why,
+            "ring_pinned": pin,
+            **ring_budget(batch, side, slots),
+        }
+        log.info("resize_placement", placement=shape.placement, **budget)
+        return _FeedMemory(
+            arena=arena,
+            ring=InputRing(slots, batch, side, pin=pin, arena=arena),
+            out_ring=OutputRing(slots, batch, step.layout, pin=pin),
+            transfer=DeviceTransfer(self.ctx, slots, batch, side),
+            budget=budget,
+        )
+
+    def start_launch_thread(
+        self, step: InferenceStep, transfer: DeviceTransfer
+    ) -> tuple[ModelRunner, GpuDecodeStage]:
+        """The launch thread (copy in, step, copy out) and the GPU decode stage before it,
+        with /live watching the launches."""
+        ctx, exit_stack = self.ctx, self.exit_stack
+        graphs = mode_uses_cudagraphs(self.mode) and ctx.is_cuda
+        runner = ModelRunner(ctx, step, transfer, cudagraphs=graphs)
+        gpu_decode = GpuDecodeStage(transfer)
+        # Callbacks run last first: the launch thread ends before the GPU decoders it may wait on.
+        exit_stack.callback(gpu_decode.shutdown)
+        exit_stack.callback(runner.shutdown)
+        self.health.watch_launches(
+            lambda: runner.launch_started_s, self.cfg.ring_slots, device=self.device
+        )
+        return runner, gpu_decode
+
+    def build_degraded_model(
+        self, model: _Model, shape: _FeedShape, out_ring: OutputRing
+    ) -> _Degraded | None:
+        """The cheaper model GPUFEED_DEGRADE_AFTER_S serves under backlog (None: off),
+        reading the same rows as the main step."""
+        cfg = self.cfg
+        if cfg.degrade_after_s <= 0:
+            return None
+        degraded = build_degraded(
+            cfg,
+            model.loaded,
+            model.step,
+            device=self.device,
+            dtype=model.dtype,
+            batch_size=self.batch_size,
+        )
+        shape.read_rows(degraded.step)
         layout = degraded.step.layout
         # Outputs of another shape (another model's classes) need slots of their own.
-        degraded_out_ring = (
-            out_ring
-            if layout == step.layout
-            else OutputRing(cfg.ring_slots, batch_size, layout, pin=pin)
+        if layout != model.step.layout:
+            out_ring = OutputRing(cfg.ring_slots, self.batch_size, layout, pin=self.pin)
+        return _Degraded(degraded, out_ring)
+
+    async def compile_on_launch_thread(
+        self, model: _Model, shape: _FeedShape, runner: ModelRunner, degraded: _Degraded | None
+    ) -> _Compiled:
+        """Check, compile and time the step (and the degraded one) on the launch thread:
+        CUDA-graph trees are per thread, so they are recorded where launches happen."""
+        try:
+            sizes_setting = parse_batch_sizes(self.cfg.batch_sizes)
+            planned, sizes_why = planned_sizes(sizes_setting, self.batch_size)
+        except ValueError as exc:
+            raise ConfigError(f"GPUFEED_BATCH_SIZES: {exc}") from None
+        side = shape.side
+        example = torch.zeros(
+            (self.batch_size, side, side, 3), dtype=torch.uint8, device=self.device
         )
-    compiled = _Compiled()
+        compiled = _Compiled(sizes_why)
+        steps = partial(
+            self._compile_steps,
+            compiled,
+            model,
+            runner,
+            degraded=degraded.model if degraded is not None else None,
+            example=example,
+            planned=planned,
+            auto=sizes_setting is None,
+        )
+        await asyncio.get_running_loop().run_in_executor(None, runner.run_sync, steps)
+        return compiled
 
-    try:
-        sizes_setting = parse_batch_sizes(cfg.batch_sizes)
-        planned, sizes_why = planned_sizes(sizes_setting, batch_size)
-    except ValueError as exc:
-        raise ConfigError(f"GPUFEED_BATCH_SIZES: {exc}") from None
-
-    def compile_on_launch_thread() -> None:
+    def _compile_steps(
+        self,
+        out: _Compiled,
+        model: _Model,
+        runner: ModelRunner,
+        *,
+        degraded: DegradedModel | None,
+        example: torch.Tensor,
+        planned: tuple[int, ...],
+        auto: bool,
+    ) -> None:
+        """On the launch thread: the step checked, compiled and timed on each planned size,
+        its precision checked, then the degraded step's turn."""
+        step, ctx = model.step, self.ctx
         # One eager batch first: a model that fails in the serving dtype or gives
         # outputs of the wrong shape is a configuration error, not a compile failure.
-        check_step(step, example, what=f"GPUFEED_MODEL: {loaded.name}")
-        # CUDA-graph trees are per thread: compile and warm up where launches happen.
+        check_step(step, example, what=f"GPUFEED_MODEL: {model.loaded.name}")
         fn, report = compile_step(
             step,
             example,
-            mode=mode,
-            allow_eager_fallback=cfg.allow_eager_fallback,
+            mode=self.mode,
+            allow_eager_fallback=self.cfg.allow_eager_fallback,
             sizes=planned[:-1],
         )
         runner.step = fn
-        compiled.report = report
-        graphs = report.cudagraphs
-        runner.sizes = choose_sizes(fn, example, planned, report, auto=sizes_setting is None)
+        out.report = report
+        runner.sizes = choose_sizes(fn, example, planned, report, auto=auto)
         if ctx.is_cuda:
             # Start-up only (it waits for the GPU): the serving dtype against fp32 eager,
             # on each size that runs.
             check = precision_check if step.layout[0].name == "indices" else output_agreement
-            compiled.precision = merge_reports(
+            graphs = report.cudagraphs
+            out.precision = merge_reports(
                 [
                     check(step, fn, batch=size, batches=1, cudagraphs=graphs)
                     for size in runner.sizes.sizes
                 ]
             )
         if degraded is not None:
-            compiled.degraded_step = _compile_degraded(
-                degraded, example, mode, report, cfg=cfg, ctx=ctx, batch_size=batch_size
+            out.degraded_step = _compile_degraded(
+                degraded,
+                example,
+                self.mode,
+                report,
+                cfg=self.cfg,
+                ctx=ctx,
+                batch_size=self.batch_size,
             )
         # The fp32 copy served only as the check's reference: give its memory back.
         step.fp32_weights = ()
 
-    await asyncio.get_running_loop().run_in_executor(
-        None, runner.run_sync, compile_on_launch_thread
-    )
-    report, precision = compiled.report, compiled.precision
-    assert report is not None
-    log.info(
-        "batch_sizes",
-        sizes=list(runner.sizes.sizes),
-        why=sizes_why,
-        compiled=[r.as_dict() for r in report.batch_sizes],
-    )
-    log.info(
-        "model_ready",
-        model=cfg.model,
-        weights=loaded.weights_label,
-        kind=loaded.output.kind,
-        device=ctx.name,
-        dtype=str(dtype).removeprefix("torch."),
-        batch_size=batch_size,
-        staging_size=size,
-        input_size=loaded.crop_size,
-        outputs={f.name: [*f.shape] for f in step.layout},
-        **report.as_dict(),
-    )
-    if precision is not None:
-        log.info("precision_check", **precision.as_dict())
-    threads = plan.decode_processes or plan.decode_threads
-    cache_bytes = cfg.decode_cache_mb * 1024 * 1024
-    # With decode processes, half the cache is theirs (rows by their bytes), half the
-    # worker's (`url` jobs' rows by their URL), so the two stay within the setting.
-    cache = DecodeCache(cache_bytes // 2 if arena is not None else cache_bytes)
-    decoder: DecodeExecutor
-    payloads: PayloadMemory | None = None
-    if arena is not None:
-        if plan.intake == "process":
-            payloads = _payload_memory(cfg, batch_size, exit_stack)
-        decoder = _process_pool(
-            cfg, loaded, plan, arena, rows=rows, hook=decode_hook, cache=cache, payloads=payloads
+    def log_model_ready(
+        self, model: _Model, shape: _FeedShape, runner: ModelRunner, compiled: _Compiled
+    ) -> CompileReport:
+        """The batch sizes kept, the model ready and its precision check, in the log; the
+        compile report they came from."""
+        report, precision, loaded = compiled.report, compiled.precision, model.loaded
+        assert report is not None
+        log.info(
+            "batch_sizes",
+            sizes=list(runner.sizes.sizes),
+            why=compiled.sizes_why,
+            compiled=[r.as_dict() for r in report.batch_sizes],
         )
-        exit_stack.callback(decoder.shutdown)
+        log.info(
+            "model_ready",
+            model=self.cfg.model,
+            weights=loaded.weights_label,
+            kind=loaded.output.kind,
+            device=self.ctx.name,
+            dtype=str(model.dtype).removeprefix("torch."),
+            batch_size=self.batch_size,
+            staging_size=shape.size,
+            input_size=loaded.crop_size,
+            outputs={f.name: [*f.shape] for f in model.step.layout},
+            **report.as_dict(),
+        )
+        if precision is not None:
+            log.info("precision_check", **precision.as_dict())
+        return report
+
+    def build_decoders(
+        self,
+        loaded: LoadedModel,
+        shape: _FeedShape,
+        arena: SharedArena | None,
+        gpu_decode: GpuDecodeStage,
+    ) -> _Decoders:
+        """The decode threads, or the decode processes (with the intake's payload memory
+        and the GPU decode into packed rows where the plan asks for them)."""
+        cfg, plan, exit_stack = self.cfg, shape.plan, self.exit_stack
+        threads = plan.decode_processes or plan.decode_threads
+        cache_bytes = cfg.decode_cache_mb * 1024 * 1024
+        # With decode processes, half the cache is theirs (rows by their bytes), half the
+        # worker's (`url` jobs' rows by their URL), so the two stay within the setting.
+        cache = DecodeCache(cache_bytes // 2 if arena is not None else cache_bytes)
+        if arena is None:
+            pool_of_threads = _decode_pool(
+                cfg,
+                loaded,
+                device=self.device,
+                gpu_decode=gpu_decode,
+                threads=threads,
+                cache=cache,
+                rows=shape.rows,
+                hook=self.decode_hook,
+                exit_stack=exit_stack,
+            )
+            return _Decoders(pool_of_threads, cache, threads, None, plan)
+        payloads = None
+        if plan.intake == "process":
+            payloads = _payload_memory(cfg, self.batch_size, exit_stack)
+        pool = _process_pool(
+            cfg,
+            loaded,
+            plan,
+            arena,
+            rows=shape.rows,
+            hook=self.decode_hook,
+            cache=cache,
+            payloads=payloads,
+        )
+        exit_stack.callback(pool.shutdown)
         if plan.packed and cfg.decode != "cpu":
             split, share_why = _packed_gpu_decode(
-                cfg, loaded, device, decoder, gpu_decode, rows=rows, make_backend=gpu_backend
+                cfg,
+                loaded,
+                self.device,
+                pool,
+                gpu_decode,
+                rows=shape.rows,
+                make_backend=self.gpu_backend,
             )
             share = split.share if split is not None else 0.0
             plan = replace(plan, gpu_decode_share=share, gpu_decode_why=share_why)
-    else:
-        decoder = _decode_pool(
-            cfg,
-            loaded,
-            device=device,
-            gpu_decode=gpu_decode,
-            threads=threads,
-            cache=cache,
-            rows=rows,
-            hook=decode_hook,
-            exit_stack=exit_stack,
-        )
-    log.info("feed_plan", plan=plan.line(), **plan.as_dict())
-    return Engine(
-        ctx=ctx,
-        batch_size=batch_size,
-        loaded=loaded,
-        dtype=dtype,
-        placement=placement,
-        row_side=rows,
-        ring=ring,
-        out_ring=out_ring,
-        transfer=transfer,
-        ring_budget=budget,
-        runner=runner,
-        gpu_decode=gpu_decode,
-        compile_report=report,
-        precision=precision,
-        decoder=decoder,
-        decode_cache=cache,
-        decode_threads=threads,
-        plan=plan,
-        payloads=payloads,
-        degraded=degraded,
-        degraded_step=compiled.degraded_step,
-        degraded_out_ring=degraded_out_ring,
-    )
+        return _Decoders(pool, cache, threads, payloads, plan)
 
 
 def _compile_degraded(
