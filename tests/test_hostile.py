@@ -121,7 +121,9 @@ async def test_entries_deleted_while_a_live_worker_holds_them_are_answered(
         redis_url, tiny_weights, decode_delay_s=0.4, batch_size=4, **FAST
     ) as worker:
         deadline = time.monotonic() + 10
-        while len(worker._held) < 12:  # the worker holds all of them, decoding slowly
+        while (
+            len(worker.stages.settlement.held) < 12
+        ):  # the worker holds all of them, decoding slowly
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
         if how == "xdel":
@@ -272,7 +274,7 @@ async def test_results_held_through_a_redis_restart_that_lost_everything_are_wri
             server.url, tiny_weights, shape=host_shape, decode_delay_s=1.0, batch_size=4
         ) as worker:
             deadline = time.monotonic() + 10
-            while len(worker._held) < 4:
+            while len(worker.stages.settlement.held) < 4:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.02)
             server.restart()  # no persistence: the stream, the group and the PEL are gone

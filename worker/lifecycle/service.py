@@ -35,7 +35,6 @@ from worker.delivery.reclaimer import Reclaimer
 from worker.delivery.redis_check import RedisLink, RedisUnavailable
 from worker.delivery.redis_errors import UNREACHABLE
 from worker.delivery.writer_process import WriterProcess
-from worker.jobs import Job
 from worker.lifecycle.engine import (
     DecodeHook,
     Engine,
@@ -90,9 +89,6 @@ class Worker:
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         # What the warm start did (worker/lifecycle/warm_start.py); set by startup().
         self.warm: WarmReport | None = None
-        # Entries read and not yet answered, by (job stream, entry ID): the keep-alive
-        # refreshes them. Two streams (priority levels, shards) may hold the same entry ID.
-        self._held: dict[tuple[str, str], Job] = {}
         # The keys of each shard (GPUFEED_SHARDS; one: the names as set).
         self.shards = config.shard_layout()
         # The job streams each shard's reader reads: one per priority level, or the shard's
@@ -145,7 +141,6 @@ class Worker:
             link,
             observer=self.observer,
             health=self.health,
-            held=self._held,
             device=device,
             exit_stack=self._exit,
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine, MutableMapping
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, NamedTuple, cast
@@ -44,6 +44,7 @@ from worker.fetch.stage import FetchSettings, FetchStage
 from worker.jobs import Job, Outcome
 from worker.lifecycle.dispatch import Dispatcher, ReadRouter, Steps
 from worker.lifecycle.engine import Engine
+from worker.lifecycle.settlement import Settlement
 from worker.model.compiler import still_compiled
 from worker.model.readers import make_reader
 from worker.observe.health import Health
@@ -83,6 +84,8 @@ class Stages:
     # Lists of jobs (one per read), bounded by the jobs they hold.
     jobs_q: JobQueue
     sealed_q: asyncio.Queue[Batch | None]
+    # The held entries, and what the writer's published outcomes give back to the readers.
+    settlement: Settlement
     # One shard: its writer as it is; several: the router in front of theirs; or the
     # worker's side of the writers' process (GPUFEED_RESULT_WRITER).
     writer: Writer
@@ -105,6 +108,28 @@ def shard_task(name: str, shard: int) -> str:
     return name if shard == 0 else f"{name}-{shard}"
 
 
+@dataclass
+class _Queues:
+    """Where the stages meet: the in-flight places, the bounded queues between the stages
+    and the room on the device."""
+
+    in_flight: InFlight
+    # Lists of jobs (one per read), bounded by the jobs they hold.
+    jobs_q: JobQueue
+    sealed_q: asyncio.Queue[Batch | None]
+    room: DeviceRoom
+
+
+@dataclass
+class _Pipeline:
+    """The stages from a job's row to its outcome."""
+
+    batcher: Batcher
+    steps: Steps
+    watcher: CompletionWatcher
+    dispatcher: Dispatcher
+
+
 def wire(
     cfg: WorkerConfig,
     engine: Engine,
@@ -112,64 +137,127 @@ def wire(
     *,
     observer: Observer,
     health: Health,
-    held: MutableMapping[tuple[str, str], Job],
     device: torch.device,
     exit_stack: contextlib.AsyncExitStack,
 ) -> Stages:
     """The bounded queues and the stages between them, for every shard of GPUFEED_SHARDS."""
-    layout = cfg.shard_layout()
-    batch_size = engine.batch_size
-    in_flight = InFlight(in_flight_places(batch_size, cfg.ring_slots))
-    jobs_q = JobQueue(batch_size)
-    sealed_q: asyncio.Queue[Batch | None] = asyncio.Queue(cfg.ring_slots)
-
+    queues = _queues(cfg, engine)
     intakes = _intakes(cfg, engine, link, exit_stack)
-
-    def on_published(outcomes: list[Outcome], states: list[int]) -> None:
-        for outcome in outcomes:
-            job = outcome.job
-            held.pop((job.stream, job.entry_id), None)
-            if job.payload_span >= 0:
-                # Its payload is no longer read by anyone: its memory may come free.
-                intakes[job.stream].release(job.payload_span)
-                job.payload_span = -1
-        observer.published(outcomes, states)
-        in_flight.give_back(len(outcomes))
-
+    settlement = Settlement(queues.in_flight, intakes, observer)
     writer = _writer(
         cfg,
         engine,
         link,
         observer=observer,
-        on_published=on_published,
+        on_published=settlement.on_published,
         device=device,
         exit_stack=exit_stack,
     )
     health.watch_writer(writer.stalled)
-    # One batch running and one queued behind it on CUDA; on the CPU the step runs on the
-    # launch thread, and a second sealed batch would only wait behind it.
-    room = DeviceRoom(2 if engine.ctx.is_cuda else 1, on_room=jobs_q.wake)
+    hot = None if hot_list_off(cfg) else HotList(link.client, cfg.stream, cfg.hot_list)
+    pipeline = _pipeline(cfg, engine, queues, writer, observer=observer, health=health, hot=hot)
+    fetcher = _fetch_stage(cfg, engine, queues, writer, observer=observer, exit_stack=exit_stack)
+    readers, reclaimers = _shard_stages(
+        cfg,
+        link,
+        queues,
+        batch_size=engine.batch_size,
+        intakes=intakes,
+        held=settlement.held,
+        writer=writer,
+        fetcher=fetcher,
+        observer=observer,
+    )
+    stages = Stages(
+        engine=engine,
+        in_flight=queues.in_flight,
+        jobs_q=queues.jobs_q,
+        sealed_q=queues.sealed_q,
+        settlement=settlement,
+        writer=writer,
+        batcher=pipeline.batcher,
+        steps=pipeline.steps,
+        watcher=pipeline.watcher,
+        fetcher=fetcher,
+        dispatcher=pipeline.dispatcher,
+        readers=readers,
+        reclaimers=reclaimers,
+        hot=hot,
+    )
+    stages.duties = _duties(cfg, stages, link.client, observer, health)
+    return stages
+
+
+def _queues(cfg: WorkerConfig, engine: Engine) -> _Queues:
+    batch_size = engine.batch_size
+    jobs_q = JobQueue(batch_size)
+    return _Queues(
+        in_flight=InFlight(in_flight_places(batch_size, cfg.ring_slots)),
+        jobs_q=jobs_q,
+        sealed_q=asyncio.Queue(cfg.ring_slots),
+        # One batch running and one queued behind it on CUDA; on the CPU the step runs on
+        # the launch thread, and a second sealed batch would only wait behind it.
+        room=DeviceRoom(2 if engine.ctx.is_cuda else 1, on_room=jobs_q.wake),
+    )
+
+
+def _pipeline(
+    cfg: WorkerConfig,
+    engine: Engine,
+    queues: _Queues,
+    writer: Writer,
+    *,
+    observer: Observer,
+    health: Health,
+    hot: HotList | None,
+) -> _Pipeline:
+    """The batcher, the dispatcher and the completion watcher, with the step(s) they
+    serve."""
     batcher = Batcher(
         engine.ring,
         engine.decoder,
-        batch_size=batch_size,
+        batch_size=engine.batch_size,
         max_wait_s=cfg.max_wait_ms / 1000,
-        jobs=jobs_q,
-        sealed=sealed_q,
-        room=room,
+        jobs=queues.jobs_q,
+        sealed=queues.sealed_q,
+        room=queues.room,
     )
     steps = _steps(cfg, engine, observer)
-    hot = None if hot_list_off(cfg) else HotList(link.client, cfg.stream, cfg.hot_list)
     watcher = CompletionWatcher(
         engine.out_ring,
         writer.put,
         reader=steps.main.reader,
         on_batch_done=observer.batch_done if hot is None else _counting(observer, hot),
-        room=room,
+        room=queues.room,
     )
+    dispatcher = Dispatcher(
+        sealed=queues.sealed_q,
+        ring=engine.ring,
+        runner=engine.runner,
+        watcher=watcher,
+        steps=steps,
+        answer=writer.put,
+        on_launched=health.launched,
+        room=queues.room,
+        gpu_decode=engine.gpu_decode,
+    )
+    return _Pipeline(batcher, steps, watcher, dispatcher)
+
+
+def _fetch_stage(
+    cfg: WorkerConfig,
+    engine: Engine,
+    queues: _Queues,
+    writer: Writer,
+    *,
+    observer: Observer,
+    exit_stack: contextlib.AsyncExitStack,
+) -> FetchStage:
+    """Where `url` jobs wait for their bytes before they join the jobs queue."""
+    in_flight = queues.in_flight
     fetcher = FetchStage(
         FetchSettings.from_config(cfg),
-        ready=jobs_q.put,
+        ready=queues.jobs_q.put,
         fail=writer.put,
         cache=engine.decode_cache,
         metrics=observer.metrics,
@@ -178,10 +266,28 @@ def wire(
         take_place=in_flight.take,
     )
     exit_stack.push_async_callback(fetcher.close)
-    intake = ReadRouter(
+    return fetcher
+
+
+def _shard_stages(
+    cfg: WorkerConfig,
+    link: RedisLink,
+    queues: _Queues,
+    *,
+    batch_size: int,
+    intakes: dict[str, IntakeProcess],
+    held: dict[tuple[str, str], Job],
+    writer: Writer,
+    fetcher: FetchStage,
+    observer: Observer,
+) -> tuple[list[Reader], list[Reclaimer]]:
+    """Each shard's reader and reclaimer, handing what they read to one router in front of
+    the fetch stage and the jobs queue."""
+    layout, in_flight = cfg.shard_layout(), queues.in_flight
+    router = ReadRouter(
         held=held,
         fetcher=fetcher,
-        jobs=jobs_q,
+        jobs=queues.jobs_q,
         answer=writer.put,
         shards=layout,
         cluster=link.cluster,
@@ -190,7 +296,7 @@ def wire(
     reclaimers: list[Reclaimer] = []
     for shard in layout:
         lanes = cfg.lanes_of(shard.stream)
-        deliver = intake.of_shard(shard, lanes)
+        deliver = router.of_shard(shard, lanes)
         readers.append(
             Reader(
                 link.client,
@@ -223,34 +329,7 @@ def wire(
                 on_event=observer.delivery_event,
             )
         )
-    dispatcher = Dispatcher(
-        sealed=sealed_q,
-        ring=engine.ring,
-        runner=engine.runner,
-        watcher=watcher,
-        steps=steps,
-        answer=writer.put,
-        on_launched=health.launched,
-        room=room,
-        gpu_decode=engine.gpu_decode,
-    )
-    stages = Stages(
-        engine=engine,
-        in_flight=in_flight,
-        jobs_q=jobs_q,
-        sealed_q=sealed_q,
-        writer=writer,
-        batcher=batcher,
-        steps=steps,
-        watcher=watcher,
-        fetcher=fetcher,
-        dispatcher=dispatcher,
-        readers=readers,
-        reclaimers=reclaimers,
-        hot=hot,
-    )
-    stages.duties = _duties(cfg, stages, link.client, observer, health)
-    return stages
+    return readers, reclaimers
 
 
 def hot_list_off(cfg: WorkerConfig) -> str:
