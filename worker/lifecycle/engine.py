@@ -32,7 +32,7 @@ from worker.decode.codecs import GpuDecodeUnavailable, IntoCodec
 from worker.decode.cpu import DecodeSpec
 from worker.decode.executor import DecodeExecutor
 from worker.decode.gpu import setup_gpu_decode
-from worker.decode.gpu_packed import PackedGpuDecoder, measure_rates
+from worker.decode.gpu_packed import DecodeRates, PackedGpuDecoder, measure_rates
 from worker.decode.nvimgcodec import NvImgCodec, nvimgcodec_available
 from worker.decode.packed import packed_side
 from worker.decode.payloads import PayloadMemory, payload_bytes
@@ -757,16 +757,8 @@ def _packed_gpu_decode(
         except Exception as exc:  # noqa: BLE001 - a decoder that fails its own samples
             decoder.shutdown()
             return without(f"the GPU decoder failed its start-up measurement: {exc}")
-        share = rates.share
+        share, why = rates.share, _measured_why(rates)
         pool.gpu_thumbnail_accept = rates.thumbnail_accept
-        why = (
-            f"auto: measured on {rates.sample} JPEGs, the GPU {rates.gpu_images_per_s:,.0f} "
-            f"images/s against {rates.processes} decode processes' "
-            f"{rates.cpu_images_per_s:,.0f}; on 64x64 ones "
-            f"{rates.thumbnail_gpu_images_per_s:,.0f} against "
-            f"{rates.thumbnail_cpu_images_per_s:,.0f}, so {rates.thumbnail_share:.0%} of "
-            "thumbnails; tuned while running"
-        )
         log.info("gpu_decode_rates", **rates.as_dict())
     else:
         share, why = setting, f"GPUFEED_GPU_DECODE_SHARE={cfg.gpu_decode_share}"
@@ -778,6 +770,18 @@ def _packed_gpu_decode(
     gpu_decode.use_packed(decoder, pool.redecode, split)
     log.info("gpu_decode", decode=mode, gpu_decoder=decoder.backend_name, share=round(share, 3))
     return split, why
+
+
+def _measured_why(rates: DecodeRates) -> str:
+    """Why the GPU decodes the share it starts with, as the feed plan says it."""
+    return (
+        f"auto: measured on {rates.sample} JPEGs, the GPU {rates.gpu_images_per_s:,.0f} "
+        f"images/s against {rates.processes} decode processes' "
+        f"{rates.cpu_images_per_s:,.0f}; on 64x64 ones "
+        f"{rates.thumbnail_gpu_images_per_s:,.0f} against "
+        f"{rates.thumbnail_cpu_images_per_s:,.0f}, so {rates.thumbnail_share:.0%} of "
+        "thumbnails; tuned while running"
+    )
 
 
 def _decode_spec(cfg: WorkerConfig, loaded: LoadedModel) -> DecodeSpec:
