@@ -81,8 +81,8 @@ fuzz: setup ## the property tests with fresh random examples for FUZZ_MINUTES (d
 	echo "fuzz: $$round rounds in $(FUZZ_MINUTES) minutes found nothing"
 
 lint: setup ## ruff check, ruff format --check, mypy (strict)
-	$(VENV)/bin/ruff check worker producer tests scripts
-	$(VENV)/bin/ruff format --check worker producer tests scripts
+	$(VENV)/bin/ruff check worker producer measure tests scripts
+	$(VENV)/bin/ruff format --check worker producer measure tests scripts
 	$(VENV)/bin/mypy
 
 demo: setup ## a local Redis, a worker, sample jobs, each result and a throughput line
@@ -101,7 +101,7 @@ run-redis: redis-server ## a throwaway redis-server in the foreground on 127.0.0
 # (default: quick on CPU hosts, full on CUDA hosts); MODEL=./my-model (a model directory or
 # a torchvision name) instead of the profile's models.
 bench: setup ## the benchmark report (bench/out/); MODEL=DIR for a model directory
-	$(PY) -m worker bench $(if $(MODEL),--model $(MODEL))
+	$(PY) -m measure bench $(if $(MODEL),--model $(MODEL))
 
 # 20,000 mixed good and bad jobs through 2 worker processes, with a worker SIGKILLed and
 # restarted and Redis restarted; prints a report, writes .soak/report.json (scripts/soak.py
@@ -147,7 +147,7 @@ docs-gen: setup ## rewrite the generated reference pages under docs/reference/
 # its report as docs/figures/report.json, and writes docs/figures.md and every
 # <!-- figures:NAME --> block of README.md and docs/ from it.
 docs-figures: setup ## run the benchmark and write docs/figures.md (and the figures blocks) from it
-	$(PY) -m worker bench --profile $(or $(BENCH_PROFILE),quick) --figures-page docs/figures.md
+	$(PY) -m measure bench --profile $(or $(BENCH_PROFILE),quick) --figures-page docs/figures.md
 
 clean: ## remove .venv, caches and the demo's files
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .demo site *.egg-info

@@ -47,8 +47,7 @@ ERROR_CODES: dict[ErrorCode, str] = {
         "with grey"
     ),
     ErrorCode.DECODE_TIMEOUT: (
-        "decoding the image took longer than `GPUFEED_DECODE_BUDGET_MS`; the batch went on "
-        "without it"
+        "decoding the image took longer than the decode budget (10 s); the batch went on without it"
     ),
     ErrorCode.PATH_DISABLED: (
         "a `path` job, but the worker was started without `GPUFEED_PATH_ROOT`"
@@ -63,15 +62,15 @@ ERROR_CODES: dict[ErrorCode, str] = {
     ),
     ErrorCode.FETCH_FAILED: (
         "the `url` answered with an HTTP error (the message has the status; 4xx are not "
-        "retried, 5xx are, `GPUFEED_FETCH_RETRIES` times), its host does not resolve, the "
+        "retried, 5xx are, twice), its host does not resolve, the "
         "connection failed, too many redirects, an allowed store key that is not there or "
         "not readable with the worker's credentials (one message for both), or its host has "
-        "answered nothing for `GPUFEED_FETCH_READ_TIMEOUT_S` while "
-        "`GPUFEED_FETCH_HOST_QUEUE` of its jobs wait (`host busy`: send it again later)"
+        "answered nothing for the read timeout (15 s) while 64 of its jobs wait (`host "
+        "busy`: send it again later)"
     ),
     ErrorCode.FETCH_TIMEOUT: (
         "the `url` did not answer within the connect or read timeout, after the retries, or "
-        "its fetch took longer than `GPUFEED_FETCH_TIMEOUT_S` in all"
+        "its fetch took longer than 60 s in all"
     ),
     ErrorCode.OBJECT_NOT_ALLOWED: (
         "an `s3://`, `gs://` or `az://` key that `GPUFEED_OBJECT_ALLOW` does not name for "

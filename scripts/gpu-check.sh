@@ -9,7 +9,7 @@
 #   # carry .gpu-check/ with the checkout to the GPU host; there, in the checkout:
 #   GPU_CHECK_OUT="$OUT" make gpu-check PYTHON=python3; echo "exit $?"
 #   # (or, without make: GPU_CHECK_OUT="$OUT" PYTHON=python3 bash scripts/gpu-check.sh)
-#   # back here: python -m worker gpu-check --judge OUT/report.json
+#   # back here: python -m measure gpu-check --judge OUT/report.json
 #
 # `bash scripts/gpu-check.sh --rehearse` (make gpu-check-rehearse, run by `make test` in an
 # environment with only the GPU host's packages, scripts/gpu_host_rehearsal.py) runs the
@@ -24,8 +24,8 @@
 # benchmark measures alone on the GPU: ceiling, pipeline (throughput window, then the sync
 # window), GPU decode, then extras if time is left. The tests stop at their limit so that
 # the benchmark keeps GPU_CHECK_RESERVE_S; a phase that does not fit is "not measured" and
-# fails the check. Last, worker.tools.gpu_check.report adds the test results to report.json
-# and judges every rule (worker/tools/gpu_check/rules.py), printing each.
+# fails the check. Last, measure.gpu_check.report adds the test results to report.json
+# and judges every rule (measure/gpu_check/rules.py), printing each.
 #
 # Writes $GPU_CHECK_OUT/report.json (default .gpu-check/out), plus pytest.xml, pytest.log,
 # benchmark.log and redis.log there. Exit status: 0 when every rule passed; 1 otherwise;
@@ -63,10 +63,10 @@ export PYTHONUNBUFFERED=1
 #    Seconds, before anything is installed; exit 2 with the reason (and report.json).
 #    The rehearsal has no GPU: it only runs the preflight's --help.
 if [[ -n $REHEARSE ]]; then
-  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m worker.tools.gpu_check.preflight \
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m measure.gpu_check.preflight \
     --help >/dev/null || { echo "gpu-check: FAILED: the preflight does not start" >&2; exit 2; }
 else
-  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m worker.tools.gpu_check.preflight \
+  PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m measure.gpu_check.preflight \
     --device "$DEVICE" --out "$OUT" || exit 2
 fi
 
@@ -77,11 +77,11 @@ fi
 
 # 1. Carried wheels into a private site folder (no index, no deps, nothing downloaded),
 #    then proven: each wheel installed at its version and each of its modules importing
-#    from that folder (worker/tools/gpu_check/carry.py). A site that proves itself is kept;
+#    from that folder (measure/gpu_check/carry.py). A site that proves itself is kept;
 #    one that does not (an interrupted install, a carry that kept a stamp but not the
 #    files, a newer wheel) is installed again and must prove itself then.
 export PYTHONPATH="$GC/site:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-verify_carry() { "$PY" -m worker.tools.gpu_check.carry --site "$GC/site" --wheels "$GC/wheels" "$@"; }
+verify_carry() { "$PY" -m measure.gpu_check.carry --site "$GC/site" --wheels "$GC/wheels" "$@"; }
 if [[ ! -d $GC/site || -n $(find "$GC/wheels" -newer "$GC/site" -name '*.whl' 2>/dev/null) ]] \
   || ! verify_carry --quiet >/dev/null 2>&1; then
   rm -rf "$GC/site"
@@ -163,13 +163,13 @@ if [[ -n $REHEARSE ]]; then
   # Side by side: each start imports torch.
   declare -A HELP_PID
   for entry in check report; do
-    "$PY" -m worker.tools.gpu_check.$entry --help > "$OUT/$entry-help.log" 2>&1 &
+    "$PY" -m measure.gpu_check.$entry --help > "$OUT/$entry-help.log" 2>&1 &
     HELP_PID[$entry]=$!
   done
   for entry in check report; do
     wait "${HELP_PID[$entry]}" || {
       failed=1
-      echo "gpu-check: FAILED: python -m worker.tools.gpu_check.$entry does not start:" >&2
+      echo "gpu-check: FAILED: python -m measure.gpu_check.$entry does not start:" >&2
       tail -n 5 "$OUT/$entry-help.log" >&2
     }
   done
@@ -188,7 +188,7 @@ fi
 #    writes report.json as each phase ends and stops at its deadline, whatever is running.
 DEADLINE=$(( $(left) - 10 ))
 echo "gpu-check: benchmark started (deadline ${DEADLINE} s; log: $OUT/benchmark.log)"
-timeout -k 10 $(( DEADLINE + 15 )) "$PY" -m worker.tools.gpu_check.check --device "$DEVICE" \
+timeout -k 10 $(( DEADLINE + 15 )) "$PY" -m measure.gpu_check.check --device "$DEVICE" \
   --out "$OUT" --redis-url "$REDIS_URL" --deadline-s "$DEADLINE" \
   --seconds "${GPU_CHECK_SECONDS:-15}" --wait-for "$OUT/tests.done" \
   > "$OUT/benchmark.log" 2>&1 &
@@ -212,7 +212,7 @@ BENCH_PID=
 grep -h '^{"device"' "$OUT/benchmark.log" || tail -n 3 "$OUT/benchmark.log"
 
 # 5. The verdict: the test results added to the report, every rule judged and printed.
-"$PY" -m worker.tools.gpu_check.report --out "$OUT" --junit "$OUT/pytest.xml" \
+"$PY" -m measure.gpu_check.report --out "$OUT" --junit "$OUT/pytest.xml" \
   --tests-rc "$TESTS_RC" --bench-rc "$BENCH_RC"
 VERDICT_RC=$?
 

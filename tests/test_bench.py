@@ -17,20 +17,20 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from worker.cli import cli
+from measure.bench.ablations import CpuPreprocess
+from measure.bench.accuracy import SIZES, accuracy_section
+from measure.bench.naive import NaivePreprocess
+from measure.bench.profiles import make_profile
+from measure.bench.report import accuracy_lines, render_markdown, validate_report
+from measure.bench.stage_rates import ideal_pipeline, ideal_sequential
+from measure.bench.suite import run_bench
+from measure.cli import cli
 from worker.config.settings import WorkerConfig
 from worker.decode import gil_account
 from worker.decode.cache import cache_key
 from worker.decode.cpu import DecodeSpec, decode_into, decode_to_array
-from worker.tools.bench.ablations import CpuPreprocess
-from worker.tools.bench.accuracy import SIZES, accuracy_section
-from worker.tools.bench.images import ImageSetSpec, load_image_set
-from worker.tools.bench.naive import NaivePreprocess
-from worker.tools.bench.profiles import make_profile
-from worker.tools.bench.redis_env import job_image
-from worker.tools.bench.report import accuracy_lines, render_markdown, validate_report
-from worker.tools.bench.stage_rates import ideal_pipeline, ideal_sequential
-from worker.tools.bench.suite import run_bench
+from worker.tools.harness.images import ImageSetSpec, load_image_set
+from worker.tools.harness.redis_env import job_image
 
 
 @pytest.fixture(scope="module")
@@ -631,6 +631,26 @@ def test_the_cli_refuses_an_unknown_profile() -> None:
     assert "tiny" in result.output and "quick" in result.output
     help_text = CliRunner().invoke(cli, ["bench", "--help"]).output
     assert "BENCH_PROFILE" in help_text
+
+
+@pytest.mark.parametrize(
+    ("args", "now"),
+    [
+        (["bench", "--profile", "tiny"], "python -m measure bench"),
+        (["gpu-check", "--judge", "report.json"], "python -m measure gpu-check --judge"),
+    ],
+)
+def test_the_worker_s_old_commands_say_where_the_measurements_went(
+    args: list[str], now: str
+) -> None:
+    """`python -m worker bench` (and `gpu-check`) from before the measurements left the
+    worker's package: one line naming the command that replaced it, exit 2."""
+    from worker.cli import cli as worker_cli
+
+    result = CliRunner().invoke(worker_cli, args, prog_name="python -m worker")
+    assert result.exit_code == 2
+    assert now in result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.slow

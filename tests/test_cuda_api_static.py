@@ -45,10 +45,10 @@ CUDA_PATH = (
     "worker/decode/torchvision_jpeg.py",
     "worker/observe/gpu_sampler.py",
     "worker/observe/health.py",
-    "worker/tools/gpu_check/check.py",
-    "worker/tools/gpu_check/copy_rate.py",
-    "worker/tools/gpu_check/preflight.py",
-    "worker/tools/doctor/environment.py",  # the GPU check's environment section
+    "measure/gpu_check/check.py",
+    "measure/gpu_check/copy_rate.py",
+    "measure/gpu_check/preflight.py",
+    "worker/tools/harness/environment.py",  # the GPU check's environment section
 )
 
 # Reached through an instance, getattr or hasattr: invisible to the walk.

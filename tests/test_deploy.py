@@ -15,7 +15,6 @@ import re
 import shlex
 import threading
 from collections.abc import Iterator
-from dataclasses import fields
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import ModuleType
@@ -26,6 +25,7 @@ import pytest
 
 from tests.redis_server import free_port
 from worker.cli import run as run_command
+from worker.config import table
 from worker.config.settings import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ DOCKERIGNORE = DEPLOY / "container" / "Dockerfile.dockerignore"
 HEALTHCHECK = DEPLOY / "container" / "healthcheck.py"
 K8S = DEPLOY / "k8s"
 
-SETTINGS = {f.metadata["env"]: f for f in fields(WorkerConfig)}
+SETTINGS = {str(s.env): s for s in table.PUBLIC}
 # Variables the unit sets per GPU instance; a shared env file must not override them.
 PER_INSTANCE = {"CUDA_VISIBLE_DEVICES", "GPUFEED_WORKER_NAME", "GPUFEED_METRICS_PORT"}
 # Metadata fields of KEDA's redis-streams scaler; KEDA ignores any other name silently.
@@ -210,6 +210,7 @@ def load_all(path: Path) -> list[Any]:
 class EnvExample(NamedTuple):
     defaults: dict[str, str]  # "#VAR=value" lines: the documented default
     active: dict[str, str]  # "VAR=value" lines: what the example sets
+    sections: dict[str, str]  # each variable's "# --- <section> ---" heading
 
     def effective(self, var: str) -> str:
         return self.active.get(var, self.defaults.get(var, ""))
@@ -218,13 +219,18 @@ class EnvExample(NamedTuple):
 def read_env_example() -> EnvExample:
     defaults: dict[str, str] = {}
     active: dict[str, str] = {}
+    sections: dict[str, str] = {}
+    section = ""
     for number, line in enumerate(ENV_EXAMPLE.read_text().splitlines(), 1):
+        if heading := re.match(r"^# --- (.+?) -+$", line):
+            section = heading.group(1)
         m = re.match(r"^(#?)([A-Z][A-Z0-9_]*)=(.*)$", line)
         if m:
             target = defaults if m.group(1) else active
             assert m.group(2) not in target, f"line {number}: {m.group(2)} given twice"
             target[m.group(2)] = m.group(3)
-    return EnvExample(defaults, active)
+            sections[m.group(2)] = section
+    return EnvExample(defaults, active, sections)
 
 
 def read_unit() -> dict[str, dict[str, list[str]]]:
@@ -322,12 +328,14 @@ def test_every_setting_is_documented_in_the_env_example_with_its_real_default() 
     assert sorted(set(SETTINGS) - set(example.defaults)) == []
     for var, raw in example.defaults.items():
         assert var in SETTINGS, var
-        f = SETTINGS[var]
-        loaded = getattr(WorkerConfig.load(env={var: raw}), f.name)
+        entry = SETTINGS[var]
+        loaded = getattr(WorkerConfig.load(env={var: raw}), entry.name)
         if var == "GPUFEED_WORKER_NAME":
             assert raw == ""  # the default is computed (<host>-<pid>)
         else:
-            assert loaded == f.default, f"{var}: example says {raw!r}, default is {f.default!r}"
+            assert loaded == entry.default, f"{var}: example says {raw!r}, is {entry.default!r}"
+        # In the section the configuration page shows it in (worker/config/table.py).
+        assert example.sections[var] == entry.group, var
 
 
 def test_env_example_settings_are_valid_and_leave_per_instance_ones_to_the_unit() -> None:

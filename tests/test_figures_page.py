@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from worker.tools.bench import figures_page, provenance
-from worker.tools.bench.figures_page import FIX_COMMAND, PAGE
+from measure.bench import figures_page
+from measure.bench.figures_page import FIX_COMMAND, PAGE
+from worker.tools.harness import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED_REPORT = ROOT / "docs" / "figures" / "report.json"
@@ -132,7 +133,7 @@ def test_bench_figures_page_publishes_the_report_it_measured(
 ) -> None:
     # The benchmark itself is tests/test_bench.py's; here a finished run's files stand in
     # for it, so that only what --figures-page does with them is measured.
-    from worker.tools.bench import suite as runner
+    from measure.bench import suite as runner
 
     def finished_run(*_: Any, out_dir: Path, **__: Any) -> dict[str, Any]:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +146,7 @@ def test_bench_figures_page_publishes_the_report_it_measured(
     (root / "docs").mkdir(parents=True)
     (root / "README.md").write_text("# x\n\n<!-- figures:summary -->\n<!-- /figures:summary -->\n")
     page = root / "docs" / "figures.md"
-    from worker.cli import cli
+    from measure.cli import cli
 
     result = CliRunner().invoke(
         cli,

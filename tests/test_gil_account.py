@@ -130,7 +130,7 @@ def test_the_bench_reads_a_few_milliseconds_of_a_threads_cpu() -> None:
     import time
     from pathlib import Path
 
-    from worker.tools.bench.probe import thread_cpu_s
+    from worker.tools.harness.probe import thread_cpu_s
 
     tid = threading.get_native_id()
     if not Path(f"/proc/self/task/{tid}/schedstat").exists():

@@ -24,18 +24,18 @@ import redis
 import torch
 from click.testing import CliRunner
 
-from worker.cli import cli
-from worker.tools.gpu_check.check import main
-from worker.tools.gpu_check.decode_scaling import process_counts
-from worker.tools.gpu_check.preflight import check_cuda, check_toolchain
-from worker.tools.gpu_check.report import (
+from measure.cli import cli
+from measure.gpu_check.check import main
+from measure.gpu_check.decode_scaling import process_counts
+from measure.gpu_check.preflight import check_cuda, check_toolchain
+from measure.gpu_check.report import (
     EXPECTED_TESTS,
     cuda_tests_verdict,
     expected_cuda_tests,
     junit_key,
     junit_summary,
 )
-from worker.tools.gpu_check.rules import (
+from measure.gpu_check.rules import (
     EXTRA_PHASES,
     GPU_UTIL_TARGET,
     JUDGED_PHASES,
@@ -165,7 +165,7 @@ def phases_on_cpu(
     return [
         sys.executable,
         "-c",
-        "import sys; from worker.tools.gpu_check.check import main; "
+        "import sys; from measure.gpu_check.check import main; "
         f"sys.exit(main({argv!r}, require_cuda=False))",
     ]
 
@@ -429,8 +429,8 @@ def test_the_default_plan_covers_every_judged_phase_within_one_command() -> None
     """The check's defaults plan every phase the rules need within its default deadline;
     the script's defaults give the CUDA tests their time, the benchmark its judged phases
     after them, and all of it fits one 10-minute command."""
-    from worker.tools.gpu_check.check import budget_plan, parse_args
-    from worker.tools.gpu_check.rules import JUDGED_PHASES
+    from measure.gpu_check.check import budget_plan, parse_args
+    from measure.gpu_check.rules import JUDGED_PHASES
 
     plan = budget_plan(parse_args([])).as_dict()
     assert plan["fits"] is True and plan["past_deadline"] == {}
@@ -452,7 +452,7 @@ def test_the_default_plan_covers_every_judged_phase_within_one_command() -> None
 def test_a_deadline_too_short_says_what_the_plan_left_out() -> None:
     """The judged phases are planned first; what no rule reads is left out, with why, where
     it does not fit; judged phases that cannot fit are named up front."""
-    from worker.tools.gpu_check.check import budget_plan, parse_args
+    from measure.gpu_check.check import budget_plan, parse_args
 
     plan = budget_plan(parse_args(["--deadline-s", "360"])).as_dict()
     assert plan["fits"] is True and plan["total"] == 356  # the latency window, then judged
@@ -556,7 +556,7 @@ def good_report() -> dict[str, object]:
 
 
 def judged(report: dict[str, object], tmp_path: Path) -> tuple[int, dict[str, str]]:
-    """`python -m worker gpu-check --judge`: its exit status and each rule's line."""
+    """`python -m measure gpu-check --judge`: its exit status and each rule's line."""
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     done = CliRunner().invoke(cli, ["gpu-check", "--judge", str(path)])
@@ -642,7 +642,7 @@ def test_the_rows_of_either_gpu_decoder_are_counted() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from worker.tools.gpu_check.check import count_gpu_rows, gpu_decoder_of
+    from worker.tools.harness.instruments import count_gpu_rows, gpu_decoder_of
 
     packed = SimpleNamespace(decoded=10, failed=1, backend_name="nvimgcodec")
     runner = SimpleNamespace(packed_decoder=packed, gpu_decoder=None)
@@ -836,7 +836,7 @@ def test_blocking_calls_and_pageable_copies_are_counted_with_their_call_site() -
     or driver call (whoever made it) and every copy from pageable memory counts, named by
     the torch ops around it; asynchronous work does not count, nor the profiler's own
     synchronise after the window."""
-    from worker.tools.gpu_check.check import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
+    from worker.tools.harness.instruments import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
 
     def ev(name: str, start: int, end: int, thread: int = 1, on_cpu: bool = True) -> RawEvent:
         return RawEvent(name, start, end, thread, on_cpu)
@@ -883,7 +883,7 @@ def test_a_gpu_decode_lanes_wait_for_its_own_batch_is_reported_apart() -> None:
     for its previous batch: reported as the lane's, not the serving path's. The same call
     on another thread, or on the lane's thread outside its call, still counts."""
     from worker.decode.gpu_packed import LANE_SCOPE
-    from worker.tools.gpu_check.check import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
+    from worker.tools.harness.instruments import _WINDOW_END, _WINDOW_START, RawEvent, SyncCounter
 
     events = [
         RawEvent(_WINDOW_START, 10, 11, 1, True),
@@ -920,7 +920,7 @@ def test_the_sync_rule_names_the_lanes_waits_and_judges_the_rest(tmp_path: Path)
 def test_the_conclusion_adds_the_tests_and_names_a_crashed_benchmark(tmp_path: Path) -> None:
     """The script's last step: the test results join the benchmark's report, and a
     benchmark that died without writing its error (a segfault: exit 139) fails the run."""
-    from worker.tools.gpu_check.report import main as conclude_main
+    from measure.gpu_check.report import main as conclude_main
 
     report = good_report()
     del report["tests"]
@@ -947,7 +947,7 @@ def test_replays_are_counted_inside_each_launch_of_the_step(
     them, and a launch with no replay, or two, is named."""
     from types import SimpleNamespace
 
-    from worker.tools.gpu_check.check import count_step_replays
+    from worker.tools.harness.instruments import count_step_replays
 
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: None, raising=False)
     replays_per_call = iter([1, 1, 0, 2, 1])
@@ -968,7 +968,7 @@ def test_replays_are_counted_inside_each_launch_of_the_step(
 
 def test_decode_rates_put_both_decoders_side_by_side() -> None:
     """The extra phase's figures (on the CPU here, torchvision's decoder standing in)."""
-    from worker.tools.gpu_check.check import decode_rates
+    from measure.gpu_check.check import decode_rates
 
     rates = decode_rates(torch.device("cpu"), 32, 4, 2, width=160, height=120, seconds=0.2)
     assert rates["cpu_images_per_s"] > 0 and rates["gpu_images_per_s"] > 0
@@ -977,7 +977,7 @@ def test_decode_rates_put_both_decoders_side_by_side() -> None:
 
 
 def test_the_sync_debug_mode_notice_is_not_a_host_sync() -> None:
-    from worker.tools.gpu_check.check import is_sync_warning
+    from worker.tools.harness.instruments import is_sync_warning
 
     # The first GPU host counted torch's own notice as "1 host sync in 40 batches".
     notice = (
@@ -994,7 +994,7 @@ def test_a_feeder_whose_check_is_gone_pushes_nothing(redis_url: str, rate: float
     (its parent is another process by then), it ends at once, backlog or paced."""
     import multiprocessing
 
-    from worker.tools.gpu_check.feed import FeedOrder, feed
+    from worker.tools.harness.feed import FeedOrder, feed
 
     ctx = multiprocessing.get_context("spawn")
     pushed, done = ctx.Value("q", 0), ctx.Value("q", 0)
@@ -1010,7 +1010,7 @@ def test_a_feeder_whose_check_is_gone_pushes_nothing(redis_url: str, rate: float
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_link_s_rate_is_measured_for_a_batch_of_packed_rows() -> None:
-    from worker.tools.gpu_check.copy_rate import h2d_rate, packed_image_bytes
+    from measure.gpu_check.copy_rate import h2d_rate, packed_image_bytes
 
     each = packed_image_bytes(640, 480)
     assert each == 640 * 480 * 3 + 64
@@ -1044,8 +1044,8 @@ async def test_the_light_models_start_keeps_the_main_steps_graphs(
     figure does not count the light model's graph as a recompile."""
     from types import SimpleNamespace
 
+    from measure.gpu_check.check import Report, _start_light
     from worker.model.compiler import compile_step, still_compiled
-    from worker.tools.gpu_check.check import Report, _start_light
 
     x = torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8)
     main_fn, main = compile_step(_TinyStep(4).eval(), x, mode="default", allow_eager_fallback=False)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from measure.gpu_check.peer import dataloader_rate
 from worker.decode.samples import synthetic_jpeg
-from worker.tools.gpu_check.peer import dataloader_rate
 
 
 def tiny() -> nn.Module:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_host_rehearsal  # noqa: E402
 
-from worker.tools.gpu_check.carry import verify  # noqa: E402
+from measure.gpu_check.carry import verify  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +185,7 @@ def test_a_carried_wheel_lost_and_a_module_the_host_lacks_are_named(
     lacks = "which the GPU host lacks (carry it: scripts/gpu-host-carry.txt)"
     assert f"tests/test_needs_pyarrow.py imports 'pyarrow', {lacks}" in output
     assert f"tests/test_cuda.py imports 'simplejpeg', {lacks}" in output
-    assert "python -m worker.tools.gpu_check.check does not start" in output
+    assert "python -m measure.gpu_check.check does not start" in output
     assert "gpu-check rehearsal: FAILED" in output
 
 

@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 from structlog.testing import capture_logs
 
+from measure.bench.accuracy import CROP, SIDE, STAGING, oriented_jpeg
 from tests.images import jpeg_bytes
 from tests.test_gpu_decode import jpeg_turned_only_by_its_second_exif
 from worker.decode import nvimgcodec as nvimgcodec_module
@@ -28,7 +29,6 @@ from worker.decode.nvimgcodec import GPU_BACKENDS, NvImgCodec
 from worker.decode.packed import BYTES_WORD, HEADER_BYTES, OFFSET_WORD, PackedSlots, packed_side
 from worker.decode.rows import decode_row, gpu_placement
 from worker.model.resample import PackedResampler
-from worker.tools.bench.accuracy import CROP, SIDE, STAGING, oriented_jpeg
 
 S, C, R = STAGING, CROP, SIDE
 SPEC = DecodeSpec(size=S)
@@ -396,7 +396,7 @@ def test_the_decoders_call_runs_inside_the_lane_scope_the_sync_window_reads() ->
     profiler range the GPU check's sync window reads, on the lane's thread: a wait the
     decoder makes there is reported as the lane's own."""
     from worker.decode.gpu_packed import LANE_SCOPE
-    from worker.tools.gpu_check.check import _inside, _raw_events, sync_profiler
+    from worker.tools.harness.instruments import _inside, _raw_events, sync_profiler
 
     slots = new_slots(2)
     decoder, _ = fake_decoder(slots, [], [True, True])
@@ -668,8 +668,8 @@ def test_the_gpu_checks_engine_rates_time_each_size_and_count_a_batchs_syncs() -
     nvImageCodec's CPU-only backend: every image decoded, a rate per size, and the host
     syncs of one photo batch counted (none off CUDA)."""
     nvimgcodec_or_skip()
-    from worker.tools.gpu_check.check import count_host_syncs
-    from worker.tools.gpu_check.engine_rates import engine_rates
+    from measure.gpu_check.engine_rates import engine_rates
+    from worker.tools.harness.instruments import count_host_syncs
 
     found = engine_rates(
         CPU,

@@ -17,6 +17,7 @@ import redis
 import torch
 from PIL import Image
 
+from measure.bench.accuracy import oriented_jpeg
 from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
 from tests.worker_harness import serving, tiny_config, wait_results
@@ -26,7 +27,6 @@ from worker.decode.codecs import IntoCodec
 from worker.decode.gpu_packed import PackedGpuDecoder
 from worker.decode.nvimgcodec import NvImgCodec
 from worker.lifecycle.service import Worker
-from worker.tools.bench.accuracy import oriented_jpeg
 
 pytest.importorskip("nvidia.nvimgcodec", reason="nvImageCodec is not installed")
 

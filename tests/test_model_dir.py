@@ -537,9 +537,9 @@ async def test_doctor_takes_a_model_directory(tmp_path: Path, redis_url: str) ->
 
 @pytest.mark.slow
 def test_bench_takes_a_model_directory(tmp_path: Path) -> None:
-    from worker.tools.bench.profiles import ModelPlan, make_profile
-    from worker.tools.bench.report import validate_report
-    from worker.tools.bench.suite import run_bench
+    from measure.bench.profiles import ModelPlan, make_profile
+    from measure.bench.report import validate_report
+    from measure.bench.suite import run_bench
 
     root = make_model_dir(
         tmp_path / "letterboxed",

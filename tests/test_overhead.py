@@ -20,7 +20,7 @@ from worker.cli import cli
 from worker.config.settings import WorkerConfig
 from worker.model.loader import load_configured
 from worker.model.step import build_step
-from worker.tools.bench.queue_ceiling import queue_ceiling
+from worker.tools.harness.queue_ceiling import queue_ceiling
 
 
 def test_the_null_model_is_a_classifier_of_fixed_answers() -> None:

@@ -16,6 +16,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from measure.bench.accuracy import CROP, SIDE, STAGING, cases, decode_rows
 from tests.images import jpeg_bytes
 from worker.decode.cpu import DecodeSpec
 from worker.decode.packed import (
@@ -27,7 +28,6 @@ from worker.decode.packed import (
 )
 from worker.decode.rows import decode_row
 from worker.model.resample import PackedResampler, RowResampler
-from worker.tools.bench.accuracy import CROP, SIDE, STAGING, cases, decode_rows
 
 S, C, R = STAGING, CROP, SIDE
 

@@ -3,16 +3,16 @@ points at a file, a module or a document that moved or never was sends a newcome
 for nothing.
 
 The prose read: docs/*.md, docs/reference/*.md (written from the code: a name there is fixed
-where the code says it), README.md, and every comment and docstring of worker/ and
-producer/.
+where the code says it), README.md, and every comment and docstring of worker/,
+producer/ and measure/.
 In it:
 
 - a path under the repository's own folders (`worker/...`, `producer/...`, `scripts/...`,
   `tests/...`, `docs/...`) names a file or folder of this repository, and a page's
   `#anchor` one of its headings;
-- a `.py` path relative to a folder of the code (`pipeline/launch.py`, `gpu_check/peer.py`)
-  names a file under one of the folders above the text that names it, or under worker/ or
-  producer/;
+- a `.py` path relative to a folder of the code (`pipeline/launch.py`, measure/'s
+  `gpu_check/peer.py`) names a file under one of the folders above the text that names
+  it, or under worker/, producer/ or measure/;
 - a bare `name.py` in a comment or docstring names a module beside it (further away, the
   path says where); in a page, a module somewhere in the repository;
 - a bare `name.md` names a page of docs/ (or docs/reference/) or a file at the
@@ -43,7 +43,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
-TOP_FOLDERS = ("worker", "producer", "scripts", "tests", "docs")
+# The packages whose comments and docstrings are read, and the folders a path may start with.
+CODE = ("worker", "producer", "measure")
+TOP_FOLDERS = (*CODE, "scripts", "tests", "docs")
 
 # Files another change is rewriting right now: their comments and docstrings are checked
 # once it lands and takes them out of this set.
@@ -106,7 +108,7 @@ def all_prose() -> tuple[Prose, ...]:
     pages = [*sorted((ROOT / "docs").glob("*.md")), *sorted(REFERENCE.glob("*.md"))]
     found = [Prose(p, 1, p.read_text()) for p in pages]
     found.append(Prose(ROOT / "README.md", 1, (ROOT / "README.md").read_text()))
-    for top in ("worker", "producer"):
+    for top in CODE:
         for path in sorted((ROOT / top).rglob("*.py")):
             if not rewritten(path):
                 found.extend(code_prose(path))
@@ -122,7 +124,7 @@ RELATIVE_PY = re.compile(_NOT_AFTER + r"([a-z_][\w-]*(?:/[\w-]+)*/\w+\.py)\b")
 BARE_PY = re.compile(_NOT_AFTER + r"(\w+\.py)\b")
 BARE_MD = re.compile(_NOT_AFTER + r"([\w-]+\.md)\b")
 OUTSIDE = re.compile(r"(?<![\w.])(\.\./[\w./-]*)")
-DOTTED = re.compile(_NOT_AFTER + r"((?:worker|producer)(?:\.[A-Za-z_]\w*)+)")
+DOTTED = re.compile(_NOT_AFTER + r"((?:worker|producer|measure)(?:\.[A-Za-z_]\w*)+)")
 MODULE_ITEM = re.compile(r"^\s*- `(\w+)`:", re.M)
 
 
@@ -131,7 +133,7 @@ def code_folders() -> frozenset[str]:
     """The names of the folders of worker/ and producer/ (at any depth)."""
     return frozenset(
         p.name
-        for top in ("worker", "producer")
+        for top in CODE
         for p in (ROOT / top).rglob("*")
         if p.is_dir() and p.name != "__pycache__"
     )
@@ -214,7 +216,7 @@ def _found(prose: Prose) -> list[tuple[int, str]]:
         elif match.group(2) and match.group(2) not in anchors(ROOT / ref):
             out.append((match.start(), f"{ref}#{match.group(2)} (no such heading)"))
     ancestors = [prose.path.parent, *prose.path.parent.parents]
-    bases = [a for a in ancestors if ROOT in (a, *a.parents)] + [ROOT / "worker", ROOT / "producer"]
+    bases = [a for a in ancestors if ROOT in (a, *a.parents)] + [ROOT / top for top in CODE]
     for match in RELATIVE_PY.finditer(text):
         ref = match.group(1)
         first = ref.split("/")[0]
@@ -268,7 +270,7 @@ def test_every_file_module_and_page_named_exists(kind: str) -> None:
 
 def test_each_package_s_list_of_modules_names_its_modules() -> None:
     found = []
-    for top in ("worker", "producer"):
+    for top in CODE:
         for init in sorted((ROOT / top).rglob("__init__.py")):
             doc = ast.get_docstring(ast.parse(init.read_text())) or ""
             for name in MODULE_ITEM.findall(doc):
@@ -301,9 +303,9 @@ def test_the_check_sees_a_name_that_is_not_there(text: str, problem: str) -> Non
         "the reader (worker/delivery/reader.py) and `payload_ring.py`",
         "docs/figures.md, scripts/gpu-check.sh and tests/test_layout.py",
         "docs/concepts.md#the-intakes-process, docs/gpu-hosts.md#make-gpu-check",
-        "`python -m worker.tools.gpu_check.carry`, worker.delivery.reader.Reader",
+        "`python -m measure.gpu_check.carry`, worker.delivery.reader.Reader",
         "the runner's step (worker.runner.step): an attribute, not a module",
-        "an entry `.../get?id=1` and `tools/gpu_check/peer.py`",
+        "an entry `.../get?id=1` and `tools/doctor/verdict.py`",
     ],
 )
 def test_the_check_passes_names_that_are_there(text: str) -> None:
@@ -335,7 +337,8 @@ FIGURE = re.compile(
     r"(?:\s" + _UNIT + r"(?![\w/])|(?:µs|us|ms|ns)\b|\s(?:\w+\s)?a second\b)"
 )
 MEASURED = re.compile(
-    r"\b(?:measur\w*|took|takes|costs?|about|some|near(?:ly)?|roughly)\b|~\s?\d"
+    # (`measure/...` and `measure.x` are the measurements' package, no measuring word.)
+    r"\b(?:measur\w*(?![/.]\w)|took|takes|costs?|about|some|near(?:ly)?|roughly)\b|~\s?\d"
     r"|\bon (?:this|that|the|a|an|one)(?: \w+)?(?: \d+-core)? (?:host|machine|box)\b"
     r"|\b\d+(?:-core| (?:idle |busy )?cores)\b|\b[AH]\d00\b",
     re.I,
@@ -389,7 +392,7 @@ def measured_figures(prose: Prose) -> list[str]:
 
 def test_no_comment_or_docstring_carries_a_measured_figure() -> None:
     found = []
-    for top in ("worker", "producer"):
+    for top in CODE:
         for path in sorted((ROOT / top).rglob("*.py")):
             if rewritten(path):
                 continue

@@ -1,7 +1,7 @@
 """Both resize placements give the pixels of torchvision's eval transforms.
 
 The cases, the reference, both placements and the classifier are the bench's
-(worker/tools/bench/accuracy.py, whose section of the bench report shows the same figures);
+(measure/bench/accuracy.py, whose section of the bench report shows the same figures);
 the device placement runs here on the CPU.
 """
 
@@ -16,17 +16,7 @@ import redis
 import torch
 from torch import nn
 
-from producer.wire import JobResult
-from tests.worker_harness import running_worker, wait_results
-from worker.base.errors import ConfigError
-from worker.decode.cache import DecodeCache
-from worker.decode.cpu import DecodeSpec, decode_pixels
-from worker.decode.pool import DecodePool
-from worker.decode.rows import GEOMETRY_WORDS, decode_row, write_decoded_row
-from worker.jobs import Job
-from worker.model.resample import RowResampler, choose_placement, use_rows
-from worker.model.step import InferenceStep, check_step
-from worker.tools.bench.accuracy import (
+from measure.bench.accuracy import (
     CROP,
     MEAN,
     SIDE,
@@ -41,6 +31,16 @@ from worker.tools.bench.accuracy import (
     measure,
     oriented_jpeg,
 )
+from producer.wire import JobResult
+from tests.worker_harness import running_worker, wait_results
+from worker.base.errors import ConfigError
+from worker.decode.cache import DecodeCache
+from worker.decode.cpu import DecodeSpec, decode_pixels
+from worker.decode.pool import DecodePool
+from worker.decode.rows import GEOMETRY_WORDS, decode_row, write_decoded_row
+from worker.jobs import Job
+from worker.model.resample import RowResampler, choose_placement, use_rows
+from worker.model.step import InferenceStep, check_step
 
 S, C, R = STAGING, CROP, SIDE
 

@@ -307,96 +307,12 @@ def top(interval: float, once: bool, **options: Any) -> None:
     sys.exit(run_top(config, interval_s=max(0.2, interval), once=once))
 
 
-@cli.command()
-@config_options
-@click.option(
-    "--profile",
-    "profile_name",
-    type=click.Choice(["tiny", "quick", "full"]),
-    envvar="BENCH_PROFILE",
-    default=None,
-    help="[env BENCH_PROFILE] tiny (seconds), quick (minutes; default on CPU hosts) or full "
-    "(default on CUDA hosts).",
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True}, hidden=True
 )
-@click.option(
-    "--models",
-    default=None,
-    help="Comma-separated torchvision models or model directories to run instead of the "
-    "profile's (--model: one).",
-)
-@click.option(
-    "--out",
-    "out_dir",
-    default="bench/out",
-    show_default=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Where report.json, report.md, throughput.png and the image cache go.",
-)
-@click.option(
-    "--figures-page",
-    default=None,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="Also write this docs page (docs/figures.md) from the report, keep the report and "
-    "figure beside it (docs/figures/), and rewrite the figures blocks of README.md and docs/.",
-)
-def bench(
-    profile_name: str | None,
-    models: str | None,
-    out_dir: Path,
-    figures_page: Path | None,
-    **options: Any,
-) -> None:
-    """Benchmark: direct-feed ceiling, the naive worker, gpufeed and its ablations.
-
-    Runs on a private redis-server (or the one --redis-url names) with random weights unless
-    --weights is given; writes report.json, report.md and throughput.png, and prints the
-    markdown report. Exit 1 if a run did not answer every job.
-    """
-    from dataclasses import replace
-
-    from worker.base.device import resolve_device
-    from worker.base.logs import configure_logging
-    from worker.tools.bench.profiles import make_profile
-    from worker.tools.bench.report import NO_PLOT, PLOT_FIX, render_markdown, validate_report
-    from worker.tools.bench.suite import run_bench
-
-    with exits():
-        base = load_config(options)
-        explicit = {k: v for k, v in options.items() if v is not None}
-        device = resolve_device(str(explicit.get("device") or base.device))
-    configure_logging(base.log_format, str(explicit.get("log_level") or "warning"))
-    cuda = device.type == "cuda"
-    profile = make_profile(profile_name or ("full" if cuda else "quick"), cuda=cuda)
-    chosen = [m.strip() for m in models.split(",") if m.strip()] if models else []
-    if not chosen and explicit.get("model"):
-        chosen = [str(explicit["model"])]
-    if chosen:
-        profile = profile.with_models(tuple(replace(profile.models[0], model=m) for m in chosen))
-    explicit.pop("model", None)
-    report = run_bench(
-        profile,
-        out_dir=out_dir,
-        base=base,
-        explicit=explicit,
-        external_redis=explicit.get("redis_url"),
-    )
-    click.echo(render_markdown(report))
-    if report.get("figure"):
-        click.echo(f"wrote {out_dir}/report.json, report.md and throughput.png", err=True)
-    else:
-        click.echo(f"wrote {out_dir}/report.json and report.md; {NO_PLOT}: {PLOT_FIX}", err=True)
-    problems = validate_report(report)
-    if problems:
-        for problem in problems:
-            click.echo(f"gpufeed bench: {problem}", err=True)
-        if figures_page is not None:
-            click.echo(f"gpufeed bench: {figures_page} left as it was", err=True)
-        sys.exit(1)
-    if figures_page is not None:
-        from worker.tools.bench.figures_page import publish
-
-        for path in publish(out_dir, figures_page):
-            click.echo(f"wrote {path}", err=True)
+def bench() -> None:
+    """Moved: `python -m measure bench` (`make bench`)."""
+    fail("the benchmark is `python -m measure bench` (or `make bench`) now", 2)
 
 
 @cli.group()
@@ -448,21 +364,14 @@ def model_check(directory: Path, json_out: bool, seconds: float, **options: Any)
     click.echo(json.dumps(report) if json_out else render(report))
 
 
-@cli.command("gpu-check")
-@click.option(
-    "--judge",
-    "report_path",
-    required=True,
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="A report.json from `make gpu-check` (any host) to judge by the current rules.",
+@cli.command(
+    "gpu-check",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    hidden=True,
 )
-def gpu_check(report_path: Path) -> None:
-    """Judge a saved GPU-check report by the current rules: each rule, the measured value,
-    its target and pass/fail. Exit 0 only when every rule passes (1 otherwise, 2 for a file
-    that is not a report). The check itself runs on a GPU host: `make gpu-check`."""
-    from worker.tools.gpu_check.report import judge_file
-
-    sys.exit(judge_file(report_path))
+def gpu_check() -> None:
+    """Moved: `python -m measure gpu-check --judge REPORT`."""
+    fail("judging a GPU-check report is `python -m measure gpu-check --judge REPORT` now", 2)
 
 
 def _share_context_settings(group: click.Group) -> None:

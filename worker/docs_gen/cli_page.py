@@ -123,8 +123,8 @@ def render() -> str:
         notice("the commands' own --help (worker/cli.py, producer/cli.py)").rstrip() + "\n",
         "# Command line\n",
         "Each command's `--help`, as it prints it. The worker's settings (`--batch-size`, "
-        "...), which `run`, `demo`, `doctor`, `top`, `bench` and `model check` all take, are "
-        "on the [configuration page](configuration.md).\n",
+        "...), which `run`, `demo`, `doctor`, `top`, `model check` and `python -m measure bench` "
+        "all take, are on the [configuration page](configuration.md).\n",
     ]
     out += _section("The worker: `python -m worker`", worker_command(), "python -m worker")
     out += _section(

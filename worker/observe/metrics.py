@@ -43,7 +43,7 @@ STAGE_INFO = (
     Stage("fetch", "fetch", "downloading a url job",
           "GPUFEED_FETCH_CONCURRENCY, _PER_HOST"),
     Stage("queue", "queue", "read, waiting for a batch row",
-          "the model binds; GPUFEED_RING_SLOTS"),
+          "the model binds: a faster step"),
     Stage("decode", "decode", "decoding and resizing",
           "GPUFEED_DECODE_PROCESSES, GPUFEED_DECODE"),
     Stage("batch_wait", "model_wait", "sealed batch waiting to run",
@@ -215,7 +215,7 @@ class WorkerMetrics:
         )
         self.batches = Counter(
             "gpufeed_batches",
-            "Batches run on the model, by the batch shape they ran on (GPUFEED_BATCH_SIZES).",
+            "Batches run on the model, by the batch shape they ran on (measured at start-up).",
             ["size"],
             registry=r,
         )

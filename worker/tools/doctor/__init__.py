@@ -26,7 +26,6 @@ from __future__ import annotations
 from worker.model.step import StepFn
 from worker.tools.doctor.ceiling_section import timed_ceiling
 from worker.tools.doctor.checkup import run_doctor
-from worker.tools.doctor.environment import environment
 from worker.tools.doctor.evidence import evidence_from
 from worker.tools.doctor.options import DoctorOptions
 from worker.tools.doctor.output import print_json, report_console
@@ -35,6 +34,7 @@ from worker.tools.doctor.render import render
 from worker.tools.doctor.schema import SCHEMA, SCHEMA_VERSION
 from worker.tools.doctor.schema_table import schema_markdown
 from worker.tools.doctor.validate import validate
+from worker.tools.harness.environment import environment
 
 __all__ = [
     "SCHEMA",

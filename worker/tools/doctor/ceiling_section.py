@@ -10,7 +10,7 @@ import torch
 from worker.model.ceiling import direct_feed_ceiling
 from worker.model.step import StepFn
 from worker.tools.doctor.options import DoctorOptions
-from worker.tools.doctor.serving_step import eager_of, random_batch
+from worker.tools.harness.serving_step import eager_of, random_batch
 
 
 def timed_ceiling(

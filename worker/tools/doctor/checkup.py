@@ -19,7 +19,6 @@ from worker.config.settings import WorkerConfig
 from worker.model.step import StepFn
 from worker.tools.doctor.ceiling_section import ceiling_section
 from worker.tools.doctor.end_to_end import empty_end_to_end, end_to_end_section
-from worker.tools.doctor.environment import environment
 from worker.tools.doctor.evidence import evidence_from
 from worker.tools.doctor.hot_list_section import hot_list_section
 from worker.tools.doctor.options import DoctorOptions
@@ -33,9 +32,10 @@ from worker.tools.doctor.redis_access import (
 )
 from worker.tools.doctor.run_config import doctor_config, usable_weights
 from worker.tools.doctor.schema import SCHEMA_VERSION
-from worker.tools.doctor.serving_step import eager_of
 from worker.tools.doctor.sync_section import sync_section
 from worker.tools.doctor.verdict import verdict
+from worker.tools.harness.environment import environment
+from worker.tools.harness.serving_step import eager_of
 
 
 async def run_doctor(

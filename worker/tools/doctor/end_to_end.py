@@ -19,7 +19,7 @@ from worker.observe.metrics import STAGES
 from worker.observe.observer import Observer
 from worker.observe.redis_cpu import redis_cost, redis_cpu_s
 from worker.tools.doctor.options import DoctorOptions
-from worker.tools.gpu_check.feed import Feeder
+from worker.tools.harness.feed import Feeder
 
 # How long the feeder's process may take to push the backlog the run starts from.
 _BACKLOG_WAIT_S = 120.0
@@ -48,7 +48,7 @@ async def end_to_end_section(
     # What each job's field carries: the image, or where it is.
     payloads: list[bytes] = images
     if options.urls:
-        from worker.tools.bench.image_server import ImageServer
+        from worker.tools.harness.image_server import ImageServer
 
         server = ImageServer({f"/doctor/{i}.jpg": data for i, data in enumerate(images)})
         payloads = [server.url(f"/doctor/{i}.jpg").encode() for i in range(len(images))]
@@ -62,7 +62,7 @@ async def end_to_end_section(
     out["source"] = _source(options)
     ahead = held + max(128, 4 * worker.batch_size)
     # The third isolated stage: what Redis allows for the same jobs and batch, with
-    # gpufeed's own publish script (worker/tools/bench/queue_ceiling.py), before the run.
+    # gpufeed's own publish script (worker/tools/harness/queue_ceiling.py), before the run.
     queue = await _queue_ceiling(cfg, images[0], jobs, worker.batch_size, out)
     # The jobs come from a process of their own, as from an upstream service: the worker's
     # GIL and event loop are measured with nothing of the doctor's on them. At most `ahead`
@@ -95,7 +95,7 @@ async def end_to_end_section(
         sampler.reason = "CPU device: no GPU to sample"
     syncs_cm: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if cuda:
-        from worker.tools.gpu_check.check import count_host_syncs
+        from worker.tools.harness.instruments import count_host_syncs
 
         syncs_cm = count_host_syncs()
     if server is not None:
@@ -269,7 +269,7 @@ async def _queue_ceiling(
     import redis.asyncio as aioredis
 
     from producer.shards import connect_async
-    from worker.tools.bench.queue_ceiling import queue_ceiling
+    from worker.tools.harness.queue_ceiling import queue_ceiling
 
     base = cfg.stream.removesuffix(":jobs") + ":queue"
     # All its jobs are queued at once: at most about 16 MB of images in a production Redis.

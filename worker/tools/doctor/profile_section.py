@@ -12,7 +12,7 @@ import torch
 from worker.model.step import StepFn
 from worker.tools.doctor.profile_stats import Event, top_names, trace_stats
 from worker.tools.doctor.quiet_stderr import quiet_native_stderr
-from worker.tools.doctor.serving_step import random_batch
+from worker.tools.harness.serving_step import random_batch
 
 
 def _device(event: Any) -> str:

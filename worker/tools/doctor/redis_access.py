@@ -66,7 +66,7 @@ async def cleanup(url: str, base: str, worker_name: str) -> None:
 
     client = await connect_async(url, socket_connect_timeout=2)
     try:
-        queue = f"{base}:queue"  # the queue ceiling's (worker/tools/bench/queue_ceiling.py)
+        queue = f"{base}:queue"  # the queue ceiling's (worker/tools/harness/queue_ceiling.py)
         keys = [f"{base}:jobs", f"{base}:results", f"{base}:dead", heartbeat_key(worker_name)]
         keys += [f"{queue}:jobs", f"{queue}:results", f"{queue}:dead"]
         for prefix in (f"{base}:result:", f"{queue}:result:"):

@@ -31,7 +31,7 @@ async def sync_section(worker: Any, launches: int) -> dict[str, Any]:
         return out
     from worker.decode.executor import DecodeResult
     from worker.pipeline.batcher import Batch
-    from worker.tools.gpu_check.check import count_host_syncs
+    from worker.tools.harness.instruments import count_host_syncs
 
     rows = [DecodeResult(None, None, 0.0)] * worker.batch_size
     inputs, outputs = worker.ring.slots, worker.out_ring.slots

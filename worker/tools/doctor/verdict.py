@@ -135,7 +135,7 @@ class Evidence:
     # `url` jobs: the mean fetch stage time and GPUFEED_FETCH_CONCURRENCY
     fetch_ms_mean: float | None = None
     fetch_concurrency: int | None = None
-    # The queue ceiling (worker/tools/bench/queue_ceiling.py) and the event loop thread's CPU per
+    # The queue ceiling (worker/tools/harness/queue_ceiling.py) and the event loop thread's CPU per
     # job during the end-to-end run
     queue_ceiling_jobs_per_s: float | None = None
     loop_cpu_us_per_job: float | None = None

@@ -1,0 +1,3 @@
+from measure.cli import main
+
+main()
