@@ -915,7 +915,8 @@ _PATH = click.Path(path_type=Path)
 @click.option(
     "--result-writer",
     default="process",
-    help="GPUFEED_RESULT_WRITER (default process: its guarantees under kills and restarts)",
+    help="the result_writer tuning constant (default process: its guarantees under kills and "
+    "restarts)",
 )
 @click.option("--visibility-timeout", type=float, default=5.0)
 @click.option("--no-faults", is_flag=True, help="no kills, no Redis restarts")
@@ -990,12 +991,12 @@ def main(argv: list[str] | None = None) -> int:
         GPUFEED_BATCH_SIZE=str(args.batch_size),
         GPUFEED_DEVICE=args.device,
         GPUFEED_DECODE_PROCESSES=args.decode_processes,
-        GPUFEED_RESULT_WRITER=args.result_writer,
         GPUFEED_VISIBILITY_TIMEOUT_S=str(args.visibility_timeout),
-        GPUFEED_CLAIM_INTERVAL_S="1",
-        GPUFEED_CONSUMER_EXPIRY_S=str(max(30.0, args.visibility_timeout)),
-        GPUFEED_TRIM_INTERVAL_S="5",
-        GPUFEED_DECODE_BUDGET_MS="500",
+        GPUFEED_TUNING=(
+            f"result_writer={args.result_writer},claim_interval_s=1,"
+            f"consumer_expiry_s={max(30.0, args.visibility_timeout)},trim_interval_s=5,"
+            "decode_budget_ms=500"
+        ),
         **settings,
     )
     names = [f"soak-w{i}" for i in range(args.workers)]
@@ -1697,8 +1698,9 @@ def cluster_main(args: SoakArgs) -> int:
             GPUFEED_SHARDS=str(args.shards),
             GPUFEED_WAIT_REPLICAS=str(args.wait_replicas),
             GPUFEED_VISIBILITY_TIMEOUT_S=str(args.visibility_timeout),
-            GPUFEED_CLAIM_INTERVAL_S="1",
-            GPUFEED_CONSUMER_EXPIRY_S=str(max(30.0, args.visibility_timeout)),
+            GPUFEED_TUNING=(
+                f"claim_interval_s=1,consumer_expiry_s={max(30.0, args.visibility_timeout)}"
+            ),
         )
         if args.shards == 1:
             # One shard on a cluster: the four names in one slot.

@@ -38,7 +38,7 @@ TINY_ENV = {
     "GPUFEED_INPUT_SIZE": "64",
     "GPUFEED_BATCH_SIZE": "8",
     "GPUFEED_DEVICE": "cpu",
-    "GPUFEED_DECODE_THREADS": "2",
+    "GPUFEED_TUNING": "decode_threads=2",
     "GPUFEED_MAX_WAIT_MS": "10",
     "GPUFEED_LOG_FORMAT": "json",
     "GPUFEED_LOG_LEVEL": "info",
@@ -47,9 +47,20 @@ TINY_ENV = {
 # Fault-test delivery settings: a job held by a dead or frozen worker is reclaimed in ~3 s.
 FAST_RECLAIM_ENV = {
     "GPUFEED_VISIBILITY_TIMEOUT_S": "3",
-    "GPUFEED_CLAIM_INTERVAL_S": "0.5",
-    "GPUFEED_CONSUMER_EXPIRY_S": "3",
+    "GPUFEED_TUNING": "claim_interval_s=0.5,consumer_expiry_s=3",
 }
+
+
+def merged(*envs: Mapping[str, str]) -> dict[str, str]:
+    """`envs` one over the other, their GPUFEED_TUNING constants joined (a later one wins
+    a constant both name)."""
+    out: dict[str, str] = {}
+    for env in envs:
+        tuning = ",".join(filter(None, [out.get("GPUFEED_TUNING"), env.get("GPUFEED_TUNING")]))
+        out.update(env)
+        if tuning:
+            out["GPUFEED_TUNING"] = tuning
+    return out
 
 
 def worker_env(redis_url: str, weights: Path | str, **settings: str) -> dict[str, str]:
@@ -58,11 +69,9 @@ def worker_env(redis_url: str, weights: Path | str, **settings: str) -> dict[str
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFEED_")}
     # Several workers share two cores: one intra-op thread each keeps them from thrashing.
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(TINY_ENV)
     env["REDIS_URL"] = redis_url
     env["GPUFEED_WEIGHTS"] = str(weights)
-    env.update(settings)
-    return env
+    return merged(env, TINY_ENV, settings)
 
 
 class WorkerExited(RuntimeError):

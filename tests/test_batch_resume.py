@@ -23,7 +23,13 @@ from producer import Producer, collect_stats
 from producer.batch_runner import BatchOptions, Progress, default_in_flight, run_batch
 from tests.cli_runner import ROOT, clean_env
 from tests.images import jpeg_bytes
-from tests.process_harness import FAST_RECLAIM_ENV, pending_of, start_workers, stop_all
+from tests.process_harness import (
+    FAST_RECLAIM_ENV,
+    merged,
+    pending_of,
+    start_workers,
+    stop_all,
+)
 from tests.redis_server import RedisServer
 from tests.test_fetch import put_objects, s3_endpoint
 from tests.worker_harness import running_worker
@@ -153,8 +159,7 @@ def test_a_worker_killed_mid_run_costs_nothing_and_the_in_flight_default_follows
         tmp_path / "logs",
         GPUFEED_MODEL="null",
         GPUFEED_BATCH_SIZE="8",
-        GPUFEED_STATS_INTERVAL_S="0.5",
-        **FAST_RECLAIM_ENV,
+        **merged(FAST_RECLAIM_ENV, {"GPUFEED_TUNING": "stats_interval_s=0.5"}),
     )
     try:
         with Producer(redis_url) as producer:

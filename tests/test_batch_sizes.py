@@ -89,9 +89,9 @@ def test_a_listed_size_over_the_batch_size_is_refused_at_start_up(
     tmp_path: Path, tiny_weights: Path
 ) -> None:
     url = "redis://127.0.0.1:1/0"
-    with pytest.raises(ConfigError, match="GPUFEED_BATCH_SIZES: 16 over the batch size 8"):
+    with pytest.raises(ConfigError, match="GPUFEED_TUNING batch_sizes: 16 over the batch size 8"):
         tiny_config(url, tiny_weights, batch_size=8, batch_sizes="1,16")
-    with pytest.raises(ConfigError, match="GPUFEED_BATCH_SIZES"):
+    with pytest.raises(ConfigError, match="GPUFEED_TUNING batch_sizes"):
         tiny_config(url, tiny_weights, batch_sizes="0")
 
 

@@ -118,7 +118,7 @@ def test_the_producer_computes_the_shard_of_an_id_as_any_language_would() -> Non
         ({"GPUFEED_SHARDS": "0"}, "GPUFEED_SHARDS"),
         ({"GPUFEED_REDIS_CLUSTER": "maybe"}, "GPUFEED_REDIS_CLUSTER"),
         ({"GPUFEED_WAIT_REPLICAS": "-1"}, "GPUFEED_WAIT_REPLICAS"),
-        ({"GPUFEED_WAIT_REPLICAS_TIMEOUT_MS": "0"}, "GPUFEED_WAIT_REPLICAS_TIMEOUT_MS"),
+        ({"GPUFEED_TUNING": "wait_replicas_timeout_ms=0"}, "GPUFEED_TUNING wait_replicas_"),
     ],
 )
 def test_cluster_settings_are_checked(env: dict[str, str], message: str) -> None:

@@ -186,8 +186,8 @@ async def test_jobs_behind_hanging_images_are_answered_while_they_hang(
 @pytest.mark.parametrize(
     ("var", "value"),
     [
-        ("GPUFEED_DECODE_BUDGET_MS", "0"),
-        ("GPUFEED_DECODE_BUDGET_MS", "soon"),
+        ("GPUFEED_TUNING", "decode_budget_ms=0"),
+        ("GPUFEED_TUNING", "decode_budget_ms=soon"),
         ("GPUFEED_MAX_DECODE_MB", "0"),
     ],
 )
@@ -198,7 +198,7 @@ def test_settings_refuse_what_cannot_work(var: str, value: str) -> None:
 
 def test_settings_parse_with_their_defaults() -> None:
     config = WorkerConfig.load(
-        env={"GPUFEED_DECODE_BUDGET_MS": "250", "GPUFEED_MAX_DECODE_MB": "64"}
+        env={"GPUFEED_TUNING": "decode_budget_ms=250", "GPUFEED_MAX_DECODE_MB": "64"}
     )
     assert (config.decode_budget_ms, config.max_decode_mb) == (250.0, 64)
     assert WorkerConfig.load(env={}).decode_budget_ms == 10_000.0

@@ -331,7 +331,7 @@ def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
             plan = plan_feed(named, thread_only_hook=False, cores=cores, **kw)
             assert plan.result_writer == setting
             assert f"GPUFEED_RESULT_WRITER={setting}" in plan.line()
-    with pytest.raises(ConfigError, match="GPUFEED_RESULT_WRITER"):
+    with pytest.raises(ConfigError, match="GPUFEED_TUNING result_writer"):
         tiny_config(url, weights, result_writer="thread")
 
 

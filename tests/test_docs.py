@@ -10,7 +10,6 @@ import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 
 import click
@@ -22,8 +21,8 @@ from producer.cli import app as producer_app
 from producer.wire import ErrorCode
 from worker import docs_gen
 from worker.cli import cli
-from worker.config import settings_help
-from worker.config.settings import TOOL_VARIABLES, WorkerConfig
+from worker.config import table
+from worker.config.table import TOOL_VARIABLES
 from worker.docs_gen import cli_page, make_page, wire_pages
 from worker.observe.metrics import STAGES, WorkerMetrics
 
@@ -48,16 +47,26 @@ def test_each_reference_page_is_what_the_generator_writes(name: str) -> None:
 
 def test_every_setting_is_documented() -> None:
     text = page("configuration.md")
-    for f in fields(WorkerConfig):
-        env = f.metadata["env"]
-        flag = "--" + f.name.replace("_", "-")
-        assert re.search(rf"^\| `{env}` \| `{flag}`", text, re.M), env
+    for entry in table.PUBLIC:
+        flag = "--" + entry.name.replace("_", "-")
+        assert re.search(rf"^\| `{entry.env}` \| `{flag}`", text, re.M), entry.env
+    # Each section of the table is a section of the page.
+    for group in table.GROUPS:
+        assert f"\n## {group}\n" in text, group
 
 
-def test_every_tool_variable_is_documented() -> None:
-    assert set(settings_help.TOOL_VARIABLES) == set(TOOL_VARIABLES)
+def test_every_tuning_constant_is_documented_with_its_former_variable() -> None:
     text = page("configuration.md")
-    for name in TOOL_VARIABLES:
+    for entry in table.TUNED:
+        assert re.search(rf"^\| `{entry.name}` \| .* \| `GPUFEED_{entry.constant}` \|$", text, re.M)
+
+
+OTHER_VARIABLES = {**TOOL_VARIABLES, table.TUNING_VARIABLE: table.TUNING_HELP}
+
+
+def test_every_other_variable_is_documented() -> None:
+    text = page("configuration.md")
+    for name in OTHER_VARIABLES:
         assert f"| `{name}` |" in text
 
 
@@ -65,16 +74,13 @@ def test_worker_help_names_the_other_variables() -> None:
     result = ClickRunner().invoke(cli, ["--help"], prog_name="python -m worker")
     assert result.exit_code == 0, result.output
     shown = _squeeze(result.output)
-    for name in TOOL_VARIABLES:
-        assert (
-            _squeeze(f"{name} {settings_help.plain(settings_help.TOOL_VARIABLES[name])}") in shown
-        )
+    for name, meaning in OTHER_VARIABLES.items():
+        assert _squeeze(f"{name} {table.plain(meaning)}") in shown
 
 
 def test_every_setting_has_a_meaning() -> None:
-    assert settings_help.missing() == [], "add a row to worker/config/settings_help.py"
-    known = {f.metadata["env"] for f in fields(WorkerConfig)}
-    assert set(settings_help.SETTINGS) <= known, "a row for a setting that does not exist"
+    for entry in table.SETTINGS:
+        assert entry.help.strip() and entry.group in table.GROUPS, entry.name
 
 
 def test_every_error_code_is_documented() -> None:
@@ -160,11 +166,13 @@ def test_worker_help_shows_every_setting_with_its_meaning(args: list[str]) -> No
     result = ClickRunner().invoke(cli, args, prog_name="python -m worker")
     assert result.exit_code == 0, result.output
     shown = _squeeze(result.output)
-    for f in fields(WorkerConfig):
-        env = f.metadata["env"]
-        flag = "--" + f.name.replace("_", "-")
+    for entry in table.PUBLIC:
+        flag = "--" + entry.name.replace("_", "-")
         assert flag in result.output, flag
-        assert _squeeze(f"{settings_help.meaning(env)} [env {env};") in shown, env
+        assert _squeeze(f"{table.plain(entry.help)} [env {entry.env};") in shown, entry.env
+    # A tuning constant is no setting: no flag.
+    for entry in table.TUNED:
+        assert "--" + entry.name.replace("_", "-") not in result.output, entry.name
     assert result.output.count("--help") == 1
     if args == ["--help"]:
         for command in ("run", "demo", "doctor", "top"):
@@ -201,8 +209,8 @@ def test_producer_help_is_plain_text(path: list[str]) -> None:
 
 
 def test_a_link_in_a_meaning_is_plain_words_in_help() -> None:
-    assert "[Priorities](priorities.md)" in settings_help.SETTINGS["GPUFEED_PRIORITIES"][1]
-    assert settings_help.meaning("GPUFEED_PRIORITIES").endswith("See Priorities")
+    assert "[Priorities](priorities.md)" in table.BY_ENV["GPUFEED_PRIORITIES"].help
+    assert table.plain(table.BY_ENV["GPUFEED_PRIORITIES"].help).endswith("See Priorities")
     assert "[Priorities](../priorities.md)" in page("configuration.md")
 
 
@@ -305,7 +313,7 @@ def test_the_newcomer_pages_name_what_exists(name: str) -> None:
     text = (ROOT / "docs" / name).read_text()
     # In the site's navigation, so the strict build (tests/test_docs_site.py) checks its links.
     assert re.search(rf"^  - [^:\n]+: {re.escape(name)}$", (ROOT / "mkdocs.yml").read_text(), re.M)
-    settings = set(settings_help.SETTINGS) | set(TOOL_VARIABLES)
+    settings = set(table.BY_ENV) | set(OTHER_VARIABLES)
     for setting in set(re.findall(r"\bGPUFEED_[A-Z0-9_]+\b", text)):
         assert setting in settings, f"{name}: {setting} is no setting"
     metrics = page("metrics.md")
@@ -337,7 +345,8 @@ def test_the_mapping_page_maps_tritons_batching_to_gpufeeds_settings() -> None:
     rows = (ROOT / "docs" / "coming-from.md").read_text().splitlines()
     for triton, setting in (
         ("max_queue_delay_microseconds", "GPUFEED_MAX_WAIT_MS"),
-        ("preferred_batch_size", "GPUFEED_BATCH_SIZES"),
+        # No setting: the shapes are measured at start-up (a tuning constant).
+        ("preferred_batch_size", "`batch_sizes`"),
         ("instance_group", "GPUFEED_PROCESSES"),
         ("max_batch_size", "GPUFEED_BATCH_SIZE`"),
     ):

@@ -202,7 +202,7 @@ def test_doctor_json_matches_the_documented_schema(tiny_weights: Path) -> None:
         GPUFEED_WEIGHTS=str(tiny_weights),
         GPUFEED_INPUT_SIZE="64",
         GPUFEED_BATCH_SIZE="4",
-        GPUFEED_DECODE_THREADS="2",
+        GPUFEED_TUNING="decode_threads=2",
     )
     args = [
         "doctor",

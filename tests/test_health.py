@@ -152,12 +152,10 @@ def test_liveness_is_not_checked_before_the_main_loop_runs() -> None:
 
 
 def test_liveness_bounds_are_settings() -> None:
-    config = WorkerConfig.load(
-        env={"GPUFEED_LIVE_LOOP_STALL_S": "5", "GPUFEED_LIVE_LAUNCH_STALL_S": "0"}
-    )
+    config = WorkerConfig.load(env={"GPUFEED_TUNING": "live_loop_stall_s=5,live_launch_stall_s=0"})
     assert (config.live_loop_stall_s, config.live_launch_stall_s) == (5.0, 0.0)
-    with pytest.raises(ConfigError, match="GPUFEED_LIVE_LOOP_STALL_S: must be 0"):
-        WorkerConfig.load(env={"GPUFEED_LIVE_LOOP_STALL_S": "0.2"})
+    with pytest.raises(ConfigError, match="GPUFEED_TUNING live_loop_stall_s: must be 0"):
+        WorkerConfig.load(env={"GPUFEED_TUNING": "live_loop_stall_s=0.2"})
 
 
 async def test_ready_follows_a_redis_outage(tmp_path: Path, tiny_weights: Path) -> None:

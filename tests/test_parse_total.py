@@ -8,7 +8,6 @@ redis-server, straight and through a dead worker's pending list.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import tempfile
 import time
@@ -31,6 +30,7 @@ from tests.worker_harness import running_worker
 from worker import jobs
 from worker.base.errors import ConfigError
 from worker.cli import cli
+from worker.config import table
 from worker.config.settings import WorkerConfig
 from worker.delivery.redis_check import preflight
 from worker.jobs import Job, job_of_entry, parse_job
@@ -125,7 +125,7 @@ def test_a_dead_letter_with_any_fields_is_listed(fields: dict[bytes, bytes]) -> 
 
 
 # --------------------------------------------------------------------------- settings
-SETTING_NAMES = [str(f.metadata["env"]) for f in dataclasses.fields(WorkerConfig)]
+SETTING_NAMES = [str(s.env) for s in table.PUBLIC] + [table.TUNING_VARIABLE]
 setting_text = st.one_of(
     st.text(max_size=40),
     st.binary(max_size=24).map(os.fsdecode),  # a variable that is not UTF-8, as Python sees it
@@ -205,7 +205,8 @@ def test_a_worker_reaches_redis_over_a_unix_socket(tmp_path: Path) -> None:
 @given(st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789", min_size=1, max_size=24))
 def test_an_unknown_gpufeed_variable_is_refused(suffix: str) -> None:
     name = "GPUFEED_" + suffix
-    known = set(SETTING_NAMES) | {"GPUFEED_WORKER_NAME_PREFIX"}
+    # A former setting is refused too, naming what replaced it (tests/test_settings_table.py).
+    known = set(SETTING_NAMES) | set(table.REMOVED_SETTINGS) | {"GPUFEED_WORKER_NAME_PREFIX"}
     if name in known or "SERVICE_" in name or "_PORT" in name:
         return
     with pytest.raises(ConfigError, match=f"^{name}: no such setting"):
@@ -226,7 +227,7 @@ def test_an_unknown_gpufeed_variable_is_refused(suffix: str) -> None:
         # Numbers Redis would refuse at run time, on every publish or every reclaim.
         ({"GPUFEED_RESULT_TTL_S": "9" * 18}, "GPUFEED_RESULT_TTL_S: must be between"),
         ({"GPUFEED_VISIBILITY_TIMEOUT_S": "1e20"}, "GPUFEED_VISIBILITY_TIMEOUT_S: must be"),
-        ({"GPUFEED_STATS_INTERVAL_S": "0"}, "GPUFEED_STATS_INTERVAL_S: must be positive"),
+        ({"GPUFEED_TUNING": "stats_interval_s=0"}, "GPUFEED_TUNING stats_interval_s: must be"),
         ({"GPUFEED_BATCHSIZE": "2"}, "did you mean GPUFEED_BATCH_SIZE?"),
         ({"gpufeed_top_k": "3"}, "did you mean GPUFEED_TOP_K?"),
         ({"GPUFEED_METRIC_PORT": "9100"}, "did you mean GPUFEED_METRICS_PORT?"),
@@ -239,7 +240,7 @@ def test_each_kind_of_bad_setting_is_named(env: dict[str, str], words: str) -> N
 
 
 def test_flags_that_bypass_parsing_are_checked_too() -> None:
-    with pytest.raises(ConfigError, match="GPUFEED_CLAIM_INTERVAL_S: must be a finite number"):
+    with pytest.raises(ConfigError, match="GPUFEED_TUNING claim_interval_s: must be a finite"):
         WorkerConfig.load(env={}, overrides={"claim_interval_s": float("inf")})
 
 

@@ -34,6 +34,7 @@ from tests.process_harness import (
     ROOT,
     ResultTally,
     WorkerProcess,
+    merged,
     pending_ids,
     pending_of,
     submit,
@@ -51,7 +52,7 @@ IMAGES = [jpeg_bytes(64, 64, seed=i) for i in range(8)]
 NULL_ENV = {
     "GPUFEED_MODEL": "null",
     "GPUFEED_BATCH_SIZE": "16",
-    "GPUFEED_DECODE_THREADS": "1",
+    "GPUFEED_TUNING": "decode_threads=1",
     "GPUFEED_PROCESSES": "2",
 }
 
@@ -101,7 +102,7 @@ def start_supervised(
     started: list[SupervisedWorkers] = []
 
     def start(name: str, **settings: str) -> SupervisedWorkers:
-        env = worker_env(server.url, tiny_weights, **NULL_ENV, **settings)
+        env = worker_env(server.url, tiny_weights, **merged(NULL_ENV, settings))
         sup = SupervisedWorkers(name, env, tmp_path / f"{name}.log")
         sup.start()
         started.append(sup)

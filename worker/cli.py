@@ -1,8 +1,8 @@
 """`python -m worker`: run the worker (default), or one of its tools.
 
-Every WorkerConfig setting is a flag (`--batch-size` for GPUFEED_BATCH_SIZE, ...), built from
-the config's own fields so the two never drift, with its meaning from worker/config/settings_help.py
-(docs/reference/configuration.md shows the same); flags win over environment variables.
+Every setting is a flag (`--batch-size` for GPUFEED_BATCH_SIZE, ...), built from the one table
+of settings (worker/config/table.py) with its meaning, as docs/reference/configuration.md
+shows it; flags win over environment variables.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import contextlib
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import fields
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
@@ -19,7 +18,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from worker.base.errors import GpufeedError
-from worker.config import settings_help
+from worker.config import table
 from worker.config.settings import WorkerConfig
 from worker.lifecycle.event_loop import run_async
 from worker.quick_exit import exit_now
@@ -55,19 +54,16 @@ def exits(prefix: str = "") -> Iterator[None]:
 
 
 def config_options(func: F) -> F:
-    """Decorate a click command with one option per config field."""
-    for f in reversed(fields(WorkerConfig)):
-        flag = "--" + f.name.replace("_", "-")
-        env = f.metadata["env"]
-        type_name = str(f.type)
-        help_text = (
-            f"{settings_help.meaning(env)} [env {env}; default {settings_help.default(env)}]"
-        )
-        if type_name == "bool":
-            opt = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help_text)
+    """Decorate a click command with one option per setting (tuning constants have none)."""
+    for entry in reversed(table.PUBLIC):
+        flag = "--" + entry.name.replace("_", "-")
+        default = table.plain(entry.shown_default())
+        help_text = f"{table.plain(entry.help)} [env {entry.env}; default {default}]"
+        if entry.type_name == "bool":
+            opt = click.option(f"{flag}/--no-{flag[2:]}", entry.name, default=None, help=help_text)
         else:
-            click_type: Any = {"int": int, "float": float}.get(type_name, str)
-            opt = click.option(flag, f.name, type=click_type, default=None, help=help_text)
+            click_type: Any = {"int": int, "float": float}.get(entry.type_name, str)
+            opt = click.option(flag, entry.name, type=click_type, default=None, help=help_text)
         func = opt(func)
     return func
 
@@ -104,13 +100,9 @@ class DefaultGroup(click.Group):
             formatter.write_dl(records)
         # Accepted in the worker's environment though no setting of its own: listed so that
         # an example using one can be looked up here too.
+        others = {**table.TOOL_VARIABLES, table.TUNING_VARIABLE: table.TUNING_HELP}
         with formatter.section("Other variables"):
-            formatter.write_dl(
-                [
-                    (name, settings_help.plain(text))
-                    for name, text in settings_help.TOOL_VARIABLES.items()
-                ]
-            )
+            formatter.write_dl([(name, table.plain(text)) for name, text in others.items()])
         super().format_options(ctx, formatter)
 
 

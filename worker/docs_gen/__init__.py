@@ -1,6 +1,6 @@
 """The site's reference pages, written from the code they describe.
 
-Each page under docs/reference/ has one source in the code (worker/config/settings_help.py,
+Each page under docs/reference/ has one source in the code (worker/config/table.py,
 producer/wire_help.py, worker/observe/metrics.py, the Makefile, the CLIs' own help), and so
 has the map of worker/'s folders on docs/development.md (their own docstrings). `python -m
 worker.docs_gen` (`make docs-gen`) writes them; `--check` says which committed page

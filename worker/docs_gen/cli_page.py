@@ -10,18 +10,18 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterator
-from dataclasses import fields
 
 import click
 
 from producer.cli import app
 from worker.cli import DefaultGroup, cli
-from worker.config.settings import WorkerConfig
+from worker.config.table import PUBLIC
 from worker.docs_gen.markdown import notice
 
 # A fixed width: the page must not depend on the terminal that wrote it.
 WIDTH = 100
-_SETTINGS = {f.name for f in fields(WorkerConfig)}
+# The flags every command that takes settings has (tuning constants have none).
+_SETTINGS = {s.name for s in PUBLIC}
 
 
 def worker_command() -> click.Command:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from producer import wire, wire_help
 from producer.wire import ErrorCode
-from worker.config import settings_help
+from worker.config.table import relink
 from worker.docs_gen.markdown import notice
 from worker.tools.markdown import table
 
@@ -14,10 +14,7 @@ def render_error_codes() -> str:
     missing = [code.value for code in ErrorCode if code not in wire_help.ERROR_CODES]
     if missing:
         raise ValueError(f"producer/wire_help.py ERROR_CODES lacks {', '.join(missing)}")
-    rows = [
-        [f"`{code.value}`", settings_help.relink(wire_help.ERROR_CODES[code], "../")]
-        for code in ErrorCode
-    ]
+    rows = [[f"`{code.value}`", relink(wire_help.ERROR_CODES[code], "../")] for code in ErrorCode]
     return (
         notice("producer/wire.py and producer/wire_help.py")
         + "# Error codes\n\n"
@@ -42,7 +39,7 @@ def render_result_fields() -> str:
     rows = [
         [
             ", ".join(f"`{n.decode()}`" for n in names),
-            settings_help.relink(meaning, "../"),
+            relink(meaning, "../"),
         ]
         for names, meaning in wire_help.RESULT_FIELDS
     ]
