@@ -1,5 +1,5 @@
-"""Several batch shapes (GPUFEED_BATCH_SIZES): a batch runs on the smallest compiled shape
-that holds it, so a lone job is not computed as a padded full batch."""
+"""Several batch shapes (the tuning constant batch_sizes): a batch runs on the smallest
+compiled shape that holds it, so a lone job is not computed as a padded full batch."""
 
 from __future__ import annotations
 

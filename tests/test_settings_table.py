@@ -68,7 +68,7 @@ def test_gpufeed_tuning_sets_constants_and_is_checked_as_settings_are() -> None:
         env={"GPUFEED_TUNING": "claim_interval_s=0.2, batch_sizes=1,4 ,dct_scaling=false"}
     )
     assert (config.claim_interval_s, config.batch_sizes, config.dct_scaling) == (0.2, "1,4", False)
-    assert config.tuning == "claim_interval_s=0.2,dct_scaling=false,batch_sizes=1,4"
+    assert config.tuning == "batch_sizes=1,4,dct_scaling=false,claim_interval_s=0.2"
     for raw, words in [
         ("claim_interval_s=0", "GPUFEED_TUNING claim_interval_s: must be positive"),
         ("ring_slots=many", "GPUFEED_TUNING ring_slots: expected an integer"),
@@ -81,6 +81,15 @@ def test_gpufeed_tuning_sets_constants_and_is_checked_as_settings_are() -> None:
     ]:
         with pytest.raises(ConfigError, match=re.escape(words)):
             WorkerConfig.load(env={"GPUFEED_TUNING": raw})
+
+
+def test_a_constant_given_by_name_wins_over_a_whole_tuning_handed_on() -> None:
+    # As the bench hands a base config's fields on, its own GPUFEED_TUNING among them.
+    base = WorkerConfig.load(env={"GPUFEED_TUNING": "decode_threads=2"})
+    values = {f.name: getattr(base, f.name) for f in dataclasses.fields(WorkerConfig)}
+    values["decode_threads"] = 1
+    assert WorkerConfig.load(env={}, overrides=values).decode_threads == 1
+    assert WorkerConfig.load(env={}, overrides={"tuning": base.tuning}).decode_threads == 2
 
 
 def test_the_consumer_expiry_follows_a_longer_visibility_timeout() -> None:

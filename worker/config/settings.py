@@ -189,15 +189,18 @@ class WorkerConfig:
             if raw is not None and raw.strip() != "":
                 values[entry.name] = _parse(entry.label, raw.strip(), entry.type_name)
         values.update(parse_tuning(env.get(TUNING_VARIABLE, "")))
-        for name, value in (overrides or {}).items():
+        overrides = dict(overrides or {})
+        # A whole GPUFEED_TUNING among the overrides (a config's own, handed on) goes first:
+        # a constant overridden by name wins over it.
+        if (text := overrides.pop("tuning", None)) is not None:
+            values.update(parse_tuning(str(text)))
+        for name, value in overrides.items():
             given = table.BY_NAME.get(name)
-            if given is None and name != "tuning":
+            if given is None:
                 raise ConfigError(f"unknown setting {name!r}")
             if value is None:
                 continue
-            if given is None:
-                values.update(parse_tuning(str(value)))
-            elif isinstance(value, str):
+            if isinstance(value, str):
                 flag = f"--{name.replace('_', '-')}" if given.env else given.label
                 values[name] = _parse(flag, value, given.type_name)
             else:

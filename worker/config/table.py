@@ -16,6 +16,7 @@ Meanings are Markdown: backticks, and links to the site's pages written relative
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
 import os
@@ -92,12 +93,11 @@ class Setting:
     name: str  # the WorkerConfig field
     env: str | None  # None: a tuning constant (tuning.py), set only through GPUFEED_TUNING
     default: Any
-    group: str
     help: str  # Markdown
+    group: str = ""  # its section (`section`)
     shown: str = ""  # the default as people read it, where the value alone says too little
     kind: str = ""  # "path" where the default's type does not say
-    low: float | None = None
-    high: float | None = None
+    bounds: tuple[float | None, float | None] = (None, None)  # (lowest, highest), inclusive
     above: float | None = None  # exclusive: 0 reads "must be positive"
     zero: str = ""  # what 0 means, where 0 is accepted below `low`
     unit: str = ""
@@ -109,6 +109,14 @@ class Setting:
     # that line itself where the constant alone does not replace it.
     what: str = ""
     instead: str = ""
+
+    @property
+    def low(self) -> float | None:
+        return self.bounds[0]
+
+    @property
+    def high(self) -> float | None:
+        return self.bounds[1]
 
     @property
     def type_name(self) -> str:
@@ -144,7 +152,7 @@ class Setting:
         if self.choices and value not in self.choices:
             return f"must be one of {', '.join(self.choices)} (got {shown(str(value))})"
         if not self.within(value):
-            return self.bounds()
+            return self.bounds_rule()
         return self.check(value) if self.check is not None else None
 
     def within(self, value: Any) -> bool:
@@ -158,7 +166,7 @@ class Setting:
             or (self.above is not None and value <= self.above)
         )
 
-    def bounds(self) -> str:
+    def bounds_rule(self) -> str:
         low, high = self.low, self.high
         zero = f"0 ({self.zero})" if self.zero else "0"
         note = f" ({self.note})" if self.note else ""
@@ -366,748 +374,581 @@ OBSERVE = "Observability"
 _NOT_EMPTY = "must not be empty"
 
 
-def tuned(name: str, group: str, meaning: str, what: str, **rules: Any) -> Setting:
-    """A tuning constant's entry: its value is tuning.py's, its only variable GPUFEED_TUNING."""
-    return Setting(name, None, getattr(tuning, name.upper()), group, meaning, what=what, **rules)
+def public(name: str, default: Any, meaning: str, *, env: str = "", **rules: Any) -> Setting:
+    """A setting: its variable is its name in upper case after GPUFEED_, unless `env` says."""
+    return Setting(name, env or f"GPUFEED_{name.upper()}", default, meaning, **rules)
+
+
+def tuned(name: str, meaning: str, what: str, **rules: Any) -> Setting:
+    """A tuning constant: its value is tuning.py's, its only variable GPUFEED_TUNING."""
+    return Setting(name, None, getattr(tuning, name.upper()), meaning, what=what, **rules)
+
+
+def section(group: str, *entries: Setting) -> tuple[Setting, ...]:
+    return tuple(dataclasses.replace(entry, group=group) for entry in entries)
 
 
 SETTINGS: tuple[Setting, ...] = (
-    # --- Redis and the wire contract
-    Setting(
-        "redis_url",
-        "REDIS_URL",
-        DEFAULT_REDIS_URL,
+    *section(
         REDIS,
-        "`redis://`, `rediss://` (TLS) or `unix://`; `redis://user:password@host:port/db` for "
-        "ACL users. The password never appears in logs",
-        check=_redis_url,
-    ),
-    Setting(
-        "stream",
-        "GPUFEED_STREAM",
-        wire.DEFAULT_STREAM,
-        REDIS,
-        "the job stream",
-        required=_NOT_EMPTY,
-    ),
-    Setting(
-        "group",
-        "GPUFEED_GROUP",
-        wire.DEFAULT_GROUP,
-        REDIS,
-        "the consumer group",
-        required=_NOT_EMPTY,
-    ),
-    Setting(
-        "priorities",
-        "GPUFEED_PRIORITIES",
-        "",
-        REDIS,
-        "priority levels, highest first (e.g. `high,normal,low`): one job stream per level, "
-        "`<GPUFEED_STREAM>:<level>`; unset or one level: the one job stream. See "
-        "[Priorities](priorities.md)",
-        check=_reason(parse_levels, ValueError),
-    ),
-    Setting(
-        "priority_weights",
-        "GPUFEED_PRIORITY_WEIGHTS",
-        "",
-        REDIS,
-        "each level's share of the read budget, highest first, one per level (e.g. `8,3,1`); "
-        "unset: each level twice the next one's",
-        shown="unset (`4,2,1` for three levels)",
-    ),
-    Setting(
-        "tenants",
-        "GPUFEED_TENANTS",
-        "",
-        REDIS,
-        "tenants, each with a job stream, results stream and result hashes of its own "
-        "(`<GPUFEED_STREAM>:t:<name>`, ...), read in turn by weight: `name[=weight],...`, "
-        "e.g. `acme=3,globex`. The job stream itself is still read. See "
-        "[Security](security.md#tenants)",
-        check=_reason(tenants.parse, tenants.TenantError),
-    ),
-    Setting(
-        "results_stream",
-        "GPUFEED_RESULTS_STREAM",
-        wire.DEFAULT_RESULTS_STREAM,
-        REDIS,
-        "results of jobs without `reply_to`",
-        required=_NOT_EMPTY,
-    ),
-    Setting(
-        "result_prefix",
-        "GPUFEED_RESULT_PREFIX",
-        wire.DEFAULT_RESULT_PREFIX,
-        REDIS,
-        "prefix of the result hashes",
-        required=_NOT_EMPTY,
-    ),
-    Setting(
-        "dead_stream",
-        "GPUFEED_DEAD_STREAM",
-        wire.DEFAULT_DEAD_STREAM,
-        REDIS,
-        "the dead-letter stream",
-        required=_NOT_EMPTY,
-    ),
-    # Upper bounds where Redis takes the value (EXPIRE): past them every publish would
-    # fail at run time instead of here.
-    Setting(
-        "result_ttl_s",
-        "GPUFEED_RESULT_TTL_S",
-        86_400,
-        REDIS,
-        "lifetime of a result hash",
-        low=1,
-        high=315_360_000,
-        unit="seconds",
-        note="315360000: 10 years",
-    ),
-    Setting(
-        "results_maxlen",
-        "GPUFEED_RESULTS_MAXLEN",
-        1_000_000,
-        REDIS,
-        "approximate cap of each results stream (`XADD MAXLEN ~`)",
-        low=1,
-    ),
-    Setting(
-        "max_meta_bytes",
-        "GPUFEED_MAX_META_BYTES",
-        wire.DEFAULT_MAX_META_BYTES,
-        REDIS,
-        "largest `meta` a job may carry (it is echoed in the result); a job over it is "
-        "answered `invalid_job` naming this limit, before it is decoded. At most 67108864",
-        low=0,
-        high=MAX_META_BYTES,
-        zero="no meta",
-    ),
-    Setting(
-        "max_result_bytes",
-        "GPUFEED_MAX_RESULT_BYTES",
-        wire.DEFAULT_MAX_RESULT_BYTES,
-        REDIS,
-        "largest result (its fields, meta and answer together); a result over it is replaced "
-        "by an error naming this limit (`invalid_job` when the job carries a meta, else "
-        "`internal_error`), so one job can never hold up the answers of others. At least "
-        "GPUFEED_MAX_META_BYTES + 16384, at most 268435456",
-    ),
-    Setting(
-        "worker_name",
-        "GPUFEED_WORKER_NAME",
-        "",
-        REDIS,
-        "the consumer name in the group",
-        shown="`<host>-<pid>`",
-    ),
-    Setting(
-        "redis_cluster",
-        "GPUFEED_REDIS_CLUSTER",
-        "auto",
-        REDIS,
-        "`on`: `REDIS_URL` names a node of a Redis Cluster (any node); `off`: a single Redis; "
-        "`auto`: ask the node once at start-up (`INFO cluster`). See "
-        "[Redis Cluster](cluster.md)",
-        choices=shards.CLUSTER_MODES,
-    ),
-    Setting(
-        "shards",
-        "GPUFEED_SHARDS",
-        1,
-        REDIS,
-        "job streams, one per hash tag (set it to the number of cluster masters); 1 keeps the "
-        "names as set. The four key names must then have no `{`/`}`",
-    ),
-    Setting(
-        "wait_replicas",
-        "GPUFEED_WAIT_REPLICAS",
-        0,
-        REDIS,
-        "after each publish, `WAIT` for this many replicas to have the results (0: do not "
-        "wait); on a timeout the results stand, logged and counted",
-        low=0,
-        high=16,
-        zero="do not wait",
-    ),
-    # --- Model and device
-    Setting(
-        "model",
-        "GPUFEED_MODEL",
-        "resnet50",
-        MODEL,
-        "a torchvision classification model name, a model directory (a path: see "
-        "[Your own model](own-model.md)), or `null`: a step that does next to nothing, "
-        "for measuring gpufeed itself (8 classes `null_0`.., 64 px unless "
-        "`GPUFEED_INPUT_SIZE`)",
-        required="must name a torchvision model, a model directory (a path) or null",
-        check=_model,
-    ),
-    Setting(
-        "weights",
-        "GPUFEED_WEIGHTS",
-        "DEFAULT",
-        MODEL,
-        "torchvision models: a weights name (`DEFAULT`, `IMAGENET1K_V2`, ...), a local file "
-        '(a state dict, or `{"state_dict": ..., "categories": [...]}`, loaded with '
-        "`weights_only=True`), or `none` for random init",
-        required="must be a weights name, a file or 'none'",
-        check=_weights,
-    ),
-    Setting(
-        "device",
-        "GPUFEED_DEVICE",
-        "auto",
-        MODEL,
-        "`auto`, `cpu`, `cuda` or `cuda:N`",
-        check=_device,
-    ),
-    Setting(
-        "processes",
-        "GPUFEED_PROCESSES",
-        1,
-        MODEL,
-        "worker processes on the one device, each its own consumer "
-        "(`<GPUFEED_WORKER_NAME>-<i>`, metrics on `GPUFEED_METRICS_PORT` + i), under a "
-        "supervisor that forwards signals and restarts a process that dies; see "
-        "[GPU hosts](gpu-hosts.md)",
-        low=1,
-        high=MAX_PROCESSES,
-        note="worker processes on the one device",
-    ),
-    Setting(
-        "batch_size",
-        "GPUFEED_BATCH_SIZE",
-        0,
-        MODEL,
-        "the largest batch shape (how many images a batch holds); auto: 64 on CUDA, 8 on CPU",
-        shown="`0` (auto)",
-        low=1,
-        high=4096,
-        zero="picks 64 on CUDA, 8 on CPU",
-    ),
-    Setting(
-        "compile",
-        "GPUFEED_COMPILE",
-        "auto",
-        MODEL,
-        "`off` (eager: the rollback switch), `auto` (`reduce-overhead` on CUDA, `off` on "
-        "CPU), or a `torch.compile` mode",
-        choices=COMPILE_MODES,
-    ),
-    Setting(
-        "precision",
-        "GPUFEED_PRECISION",
-        "auto",
-        MODEL,
-        "`fp32`, `fp16`, `bf16`; auto: bf16 (or fp16) on CUDA, fp32 on CPU",
-        choices=("auto", "fp32", "fp16", "bf16"),
-    ),
-    Setting(
-        "input_size",
-        "GPUFEED_INPUT_SIZE",
-        0,
-        MODEL,
-        "torchvision models: the input side; 0: the weights' own (224 for most)",
-        low=16,
-        high=2048,
-        zero="the weights' own size",
-    ),
-    Setting(
-        "top_k",
-        "GPUFEED_TOP_K",
-        5,
-        MODEL,
-        "classes returned per image (a model directory's `top_k` wins)",
-        low=1,
-        high=100,
-    ),
-    Setting(
-        "allow_eager_fallback",
-        "GPUFEED_ALLOW_EAGER_FALLBACK",
-        False,
-        MODEL,
-        "start in eager mode, with an error in the log, instead of refusing when the compiled "
-        "step has graph breaks or recompiles",
-    ),
-    Setting(
-        "max_wait_ms",
-        "GPUFEED_MAX_WAIT_MS",
-        10.0,
-        MODEL,
-        "how long a batch waits to fill before it runs padded; past it, a batch the device "
-        "cannot take yet keeps filling until it can",
-        low=0,
-        high=60_000,
-    ),
-    # --- Degrade under backlog (worker/pipeline/degrade.py): off unless DEGRADE_AFTER_S
-    Setting(
-        "degrade_after_s",
-        "GPUFEED_DEGRADE_AFTER_S",
-        0.0,
-        DEGRADE,
-        "switch to the cheaper degraded step while the oldest job waiting in the stream is "
-        "older than this; back once it has been under half of it for as long (see "
-        "[Degrade under backlog](priorities.md))",
-        shown="`0` (off)",
-        low=0,
-        high=86_400,
-        zero="off",
-        unit="seconds",
-    ),
-    Setting(
-        "degrade_input_size",
-        "GPUFEED_DEGRADE_INPUT_SIZE",
-        0,
-        DEGRADE,
-        "the degraded step: the same model at this smaller input side",
-        low=16,
-        high=2048,
-        zero="the degraded model's own",
-    ),
-    Setting(
-        "degrade_model",
-        "GPUFEED_DEGRADE_MODEL",
-        "",
-        DEGRADE,
-        "the degraded step: a smaller model directory (same output kind and resize mode)",
-        check=_degrade_model,
-    ),
-    # --- Decode
-    Setting(
-        "decode_processes",
-        "GPUFEED_DECODE_PROCESSES",
-        "auto",
-        DECODE,
-        "decode processes writing into shared staging memory; `0`: decode threads in the "
-        "worker instead, one per CPU core (at most 16); `auto`: on 4 cores or more one per "
-        "core but the worker's, at most 32; threads below 4 cores, where the worker's own "
-        "CPU would compete with them, and where shared memory files are missing",
-        check=_decode_processes,
-    ),
-    Setting(
-        "decode",
-        "GPUFEED_DECODE",
-        "cpu",
-        DECODE,
-        "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up). With "
-        "decode processes the GPU's hardware engines (nvImageCodec, `pip install "
-        "gpufeed[gpu]`) decode a share of each batch's baseline JPEGs straight into its "
-        "packed rows (the GPU's share of both decoders' rates, measured at start-up and "
-        "moved while running), the processes the rest; with decode threads the GPU decodes "
-        "the size classes where it measured faster",
-        choices=("cpu", "gpu", "auto"),
-    ),
-    Setting(
-        "decode_cache_mb",
-        "GPUFEED_DECODE_CACHE_MB",
-        256,
-        DECODE,
-        "host memory for decoded rows of images seen before (keyed by a hash of their bytes "
-        "and the job's reply stream); a repeated image skips decoding; 0: off, and no hot "
-        "list or warm start either (see [Warm start](operations.md#warm-start))",
-        low=0,
-        high=1_048_576,
-        zero="off",
-    ),
-    Setting(
-        "max_image_bytes",
-        "GPUFEED_MAX_IMAGE_BYTES",
-        wire.DEFAULT_MAX_IMAGE_BYTES,
-        DECODE,
-        "largest encoded image accepted",
-        low=1024,
-    ),
-    Setting(
-        "max_image_pixels",
-        "GPUFEED_MAX_IMAGE_PIXELS",
-        100_000_000,
-        DECODE,
-        "largest width x height accepted",
-        low=1,
-    ),
-    Setting(
-        "max_decode_mb",
-        "GPUFEED_MAX_DECODE_MB",
-        512,
-        DECODE,
-        "most memory (MiB) one decode may take for its pixels, as Pillow holds them (4 bytes a "
-        "pixel for colour modes, 1 for grey and palette, 2 for 16-bit grey) at the JPEG DCT "
-        "scale that would be used, plus the copy converting them to RGB, plus, for a "
-        "progressive JPEG (or one of several scans), every DCT coefficient of the whole image "
-        "at full size (about 3 bytes a pixel at 4:2:0), which libjpeg-turbo holds whatever "
-        "the scale; estimated from the header, larger images get `image_too_large`. "
-        "10000x10000 RGBA (a 390 KB PNG) needs 763 MiB",
-        low=1,
-        high=1_048_576,
-    ),
-    Setting(
-        "path_root",
-        "GPUFEED_PATH_ROOT",
-        None,
-        DECODE,
-        "the only folder `path` jobs may read from; unset: `path` jobs are refused",
-        kind="path",
-        check=_path_root,
-    ),
-    # --- Images by URL (worker/fetch/)
-    Setting(
-        "fetch_concurrency",
-        "GPUFEED_FETCH_CONCURRENCY",
-        64,
-        FETCH,
-        "`url` fetches running at once",
-        low=1,
-        high=4096,
-    ),
-    Setting(
-        "fetch_per_host",
-        "GPUFEED_FETCH_PER_HOST",
-        16,
-        FETCH,
-        "`url` fetches running at once against one host (or one bucket)",
-        low=1,
-        high=4096,
-        note="above GPUFEED_FETCH_CONCURRENCY it changes nothing",
-    ),
-    Setting(
-        "url_allow",
-        "GPUFEED_URL_ALLOW",
-        "",
-        FETCH,
-        "host names (`images.internal`, `*.corp.example`) and CIDRs (`10.20.0.0/16`, "
-        "`127.0.0.1`) that `url` jobs may reach although their addresses are loopback, "
-        "private, link-local, reserved or multicast",
-        check=_host_list,
-    ),
-    Setting(
-        "url_deny",
-        "GPUFEED_URL_DENY",
-        "",
-        FETCH,
-        "host names and CIDRs that `url` jobs may never reach (wins over `GPUFEED_URL_ALLOW`)",
-        check=_host_list,
-    ),
-    Setting(
-        "object_allow",
-        "GPUFEED_OBJECT_ALLOW",
-        "",
-        FETCH,
-        "the `s3://`, `gs://`, `az://` buckets and key prefixes jobs may read: "
-        "`images-*,catalog/public/`, per reply stream (and the streams under it) "
-        "`tenant-a:results=s3://tenant-a`, groups separated by `;`. Unset: every key is "
-        "`object_not_allowed`. See [Security](security.md)",
-        shown="unset (no keys)",
-        check=_object_allow,
-    ),
-    # --- Delivery. Upper bounds where Redis takes the value (XPENDING IDLE): past them
-    # every reclaim would fail at run time instead of here.
-    Setting(
-        "visibility_timeout_s",
-        "GPUFEED_VISIBILITY_TIMEOUT_S",
-        300.0,
-        DELIVERY,
-        "idle time after which another worker may reclaim a pending job; must exceed the "
-        "slowest batch",
-        low=1,
-        high=604_800,
-        unit="seconds",
-        note="and longer than the slowest batch; 604800: 7 days",
-    ),
-    Setting(
-        "max_deliveries",
-        "GPUFEED_MAX_DELIVERIES",
-        5,
-        DELIVERY,
-        "deliveries before a job is dead-lettered",
-        low=1,
-    ),
-    Setting(
-        "shutdown_grace_s",
-        "GPUFEED_SHUTDOWN_GRACE_S",
-        30.0,
-        DELIVERY,
-        "time given to in-flight jobs after SIGTERM",
-        low=0,
-    ),
-    # --- Observability
-    Setting(
-        "metrics_port",
-        "GPUFEED_METRICS_PORT",
-        0,
-        OBSERVE,
-        "Prometheus metrics and `/ready`, `/live` on this port; 0: off",
-        low=0,
-        high=65535,
-        zero="metrics off",
-        note="a TCP port",
-    ),
-    Setting(
-        "metrics_host",
-        "GPUFEED_METRICS_HOST",
-        "127.0.0.1",
-        OBSERVE,
-        "the address the metrics port listens on: loopback, so only this host can read it; "
-        "`0.0.0.0` (or `::`) where Prometheus or the kubelet's probes come from elsewhere, "
-        "as in the container image. Unauthenticated: see [Security](security.md)",
-        check=_metrics_host,
-    ),
-    Setting(
-        "log_format",
-        "GPUFEED_LOG_FORMAT",
-        "auto",
-        OBSERVE,
-        "`console` (on a terminal), `json` (otherwise), or forced",
-        choices=("auto", "console", "json"),
-    ),
-    Setting(
-        "log_level",
-        "GPUFEED_LOG_LEVEL",
-        "info",
-        OBSERVE,
-        "`debug`, `info`, `warning`, `error`",
-        choices=("debug", "info", "warning", "error"),
-    ),
-    # --- Tuning constants (tuning.py), in its order
-    tuned(
-        "claim_interval_s",
-        DELIVERY,
-        "how often a worker looks for stale pending jobs to reclaim",
-        "the reclaim interval",
-        above=0,
-        note="seconds",
-    ),
-    tuned(
-        "consumer_expiry_s",
-        DELIVERY,
-        "a consumer idle this long and holding no pending job (a worker that died) is removed "
-        "from the group; never under `GPUFEED_VISIBILITY_TIMEOUT_S`",
-        "a dead consumer's expiry (never under GPUFEED_VISIBILITY_TIMEOUT_S)",
-        above=0,
-        note="seconds",
-    ),
-    tuned(
-        "trim_interval_s",
-        DELIVERY,
-        "how often the job stream is trimmed of entries every group has processed; 0: never",
-        "the job stream's trim interval",
-        low=0,
-        zero="trimming off",
-    ),
-    tuned(
-        "wait_replicas_timeout_ms",
-        REDIS,
-        "how long one `WAIT` for `GPUFEED_WAIT_REPLICAS` may take",
-        "a replica WAIT's timeout",
-        low=1,
-        high=60_000,
-    ),
-    tuned(
-        "stats_interval_s",
-        OBSERVE,
-        "interval of the worker's summary log line",
-        "the summary log line's interval",
-        above=0,
-        note="seconds",
-    ),
-    tuned(
-        "live_loop_stall_s",
-        OBSERVE,
-        "`/live` fails when the event loop has not run for this long (a blocking call, a "
-        "wedged task); 0: not checked",
-        "/live's event loop stall limit",
-        low=1,
-        zero="not checked",
-        unit="seconds",
-    ),
-    tuned(
-        "live_launch_stall_s",
-        OBSERVE,
-        "`/live` fails when one batch has been in the launch thread, or unfinished on the "
-        "device, for this long; 0: not checked",
-        "/live's launch stall limit",
-        low=1,
-        zero="not checked",
-        unit="seconds",
-    ),
-    tuned(
-        "live_writer_stall_s",
-        OBSERVE,
-        "`/live` fails when the result writer has held answers it could not publish (Redis "
-        "unreachable or refusing them) for this long; the reason is logged. 0: not checked",
-        "/live's result writer stall limit",
-        low=1,
-        zero="not checked",
-        unit="seconds",
-    ),
-    tuned(
-        "fetch_connect_timeout_s",
-        FETCH,
-        "time to open a connection for a `url`",
-        "a fetch's connect timeout",
-        above=0,
-        note="seconds",
-    ),
-    tuned(
-        "fetch_read_timeout_s",
-        FETCH,
-        "longest wait for the next bytes of an answer",
-        "a fetch's read timeout",
-        above=0,
-        note="seconds",
-    ),
-    tuned(
-        "fetch_timeout_s",
-        FETCH,
-        "a `url` fetch in all, retries and redirects included (`fetch_timeout` after it)",
-        "a whole fetch's timeout",
-        above=0,
-        note="seconds",
-    ),
-    tuned(
-        "fetch_retries",
-        FETCH,
-        "retries after a timeout, a dropped connection or a 5xx answer (not after a 4xx), "
-        "with exponential backoff and jitter",
-        "a fetch's retry count",
-        low=0,
-        high=10,
-    ),
-    tuned(
-        "fetch_max_redirects",
-        FETCH,
-        "redirects followed per `url` (each hop checked like the first)",
-        "a fetch's redirect limit",
-        low=0,
-        high=20,
-    ),
-    tuned(
-        "fetch_host_queue",
-        FETCH,
-        "`url` jobs of one host that may wait for a fetch slot without holding an in-flight "
-        "place (all hosts together: 16 times this); past it they wait holding one, or, when "
-        "the host has answered nothing for `fetch_read_timeout_s`, are answered "
-        "`fetch_failed` (host busy)",
-        "a host's fetch queue",
-        low=1,
-        high=65_536,
-    ),
-    tuned(
-        "decode_threads",
-        DECODE,
-        "decode threads when the worker decodes on threads (`GPUFEED_DECODE_PROCESSES=0`, or "
-        "`auto` below 4 cores); 0: one per CPU core, at most 16. Set, it keeps `auto` on "
-        "threads",
-        "",
-        low=1,
-        high=256,
-        zero="picks one per CPU core, at most 16",
-        instead=(
-            "GPUFEED_DECODE_PROCESSES=0 decodes on threads in the worker, one per CPU core "
-            "(at most 16); GPUFEED_TUNING=decode_threads=N sizes them for a test"
+        public(
+            "redis_url",
+            DEFAULT_REDIS_URL,
+            "`redis://`, `rediss://` (TLS) or `unix://`; `redis://user:password@host:port/db` for "
+            "ACL users. The password never appears in logs",
+            env="REDIS_URL",
+            check=_redis_url,
+        ),
+        public("stream", wire.DEFAULT_STREAM, "the job stream", required=_NOT_EMPTY),
+        public("group", wire.DEFAULT_GROUP, "the consumer group", required=_NOT_EMPTY),
+        public(
+            "priorities",
+            "",
+            "priority levels, highest first (e.g. `high,normal,low`): one job stream per level, "
+            "`<GPUFEED_STREAM>:<level>`; unset or one level: the one job stream. See "
+            "[Priorities](priorities.md)",
+            check=_reason(parse_levels, ValueError),
+        ),
+        public(
+            "priority_weights",
+            "",
+            "each level's share of the read budget, highest first, one per level (e.g. `8,3,1`); "
+            "unset: each level twice the next one's",
+            shown="unset (`4,2,1` for three levels)",
+        ),
+        public(
+            "tenants",
+            "",
+            "tenants, each with a job stream, results stream and result hashes of its own "
+            "(`<GPUFEED_STREAM>:t:<name>`, ...), read in turn by weight: `name[=weight],...`, "
+            "e.g. `acme=3,globex`. The job stream itself is still read. See "
+            "[Security](security.md#tenants)",
+            check=_reason(tenants.parse, tenants.TenantError),
+        ),
+        public(
+            "results_stream",
+            wire.DEFAULT_RESULTS_STREAM,
+            "results of jobs without `reply_to`",
+            required=_NOT_EMPTY,
+        ),
+        public(
+            "result_prefix",
+            wire.DEFAULT_RESULT_PREFIX,
+            "prefix of the result hashes",
+            required=_NOT_EMPTY,
+        ),
+        public(
+            "dead_stream", wire.DEFAULT_DEAD_STREAM, "the dead-letter stream", required=_NOT_EMPTY
+        ),
+        # Upper bounds where Redis takes the value (EXPIRE, XPENDING IDLE): past them every
+        # publish, or every reclaim, would fail at run time instead of here.
+        public(
+            "result_ttl_s",
+            86_400,
+            "lifetime of a result hash",
+            bounds=(1, 315_360_000),
+            unit="seconds",
+            note="315360000: 10 years",
+        ),
+        public(
+            "results_maxlen",
+            1_000_000,
+            "approximate cap of each results stream (`XADD MAXLEN ~`)",
+            bounds=(1, None),
+        ),
+        public(
+            "max_meta_bytes",
+            wire.DEFAULT_MAX_META_BYTES,
+            "largest `meta` a job may carry (it is echoed in the result); a job over it is "
+            "answered `invalid_job` naming this limit, before it is decoded. At most 67108864",
+            bounds=(0, MAX_META_BYTES),
+            zero="no meta",
+        ),
+        public(
+            "max_result_bytes",
+            wire.DEFAULT_MAX_RESULT_BYTES,
+            "largest result (its fields, meta and answer together); a result over it is replaced "
+            "by an error naming this limit (`invalid_job` when the job carries a meta, else "
+            "`internal_error`), so one job can never hold up the answers of others. At least "
+            "GPUFEED_MAX_META_BYTES + 16384, at most 268435456",
+        ),
+        public("worker_name", "", "the consumer name in the group", shown="`<host>-<pid>`"),
+        public(
+            "redis_cluster",
+            "auto",
+            "`on`: `REDIS_URL` names a node of a Redis Cluster (any node); `off`: a single Redis; "
+            "`auto`: ask the node once at start-up (`INFO cluster`). See "
+            "[Redis Cluster](cluster.md)",
+            choices=shards.CLUSTER_MODES,
+        ),
+        public(
+            "shards",
+            1,
+            "job streams, one per hash tag (set it to the number of cluster masters); 1 keeps the "
+            "names as set. The four key names must then have no `{`/`}`",
+        ),
+        public(
+            "wait_replicas",
+            0,
+            "after each publish, `WAIT` for this many replicas to have the results (0: do not "
+            "wait); on a timeout the results stand, logged and counted",
+            bounds=(0, 16),
+            zero="do not wait",
+        ),
+        tuned(
+            "wait_replicas_timeout_ms",
+            "how long one `WAIT` for `GPUFEED_WAIT_REPLICAS` may take",
+            "a replica WAIT's timeout",
+            bounds=(1, 60_000),
         ),
     ),
-    tuned(
-        "ring_slots",
-        DECODE,
-        "staging slots (batches in flight between decode and results)",
-        "the staging ring's depth",
-        low=2,
-        high=64,
-    ),
-    tuned(
-        "dct_scaling",
-        DECODE,
-        "let libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale when that still covers the "
-        "model input",
-        "DCT-scaled JPEG decode (always on)",
-    ),
-    tuned(
-        "resize",
-        DECODE,
-        "where images are resized: `device` (rows at their decoded size, resized in the "
-        "compiled step), `host` (on the decode threads) or `auto` (device on CUDA, host on "
-        "the CPU)",
-        "where images are resized (auto: by the device)",
-        choices=("device", "host", "auto"),
-    ),
-    tuned(
-        "gpu_decode_share",
-        DECODE,
-        "with `GPUFEED_DECODE=gpu|auto` and decode processes: the fraction (0 to 1) of each "
-        "batch's rows offered to the GPU's JPEG decoder; `auto`: the GPU's share of the two "
-        "decoders' rates, both measured at start-up on photo-sized JPEGs, then moved while "
-        "running toward the decoder that keeps batches waiting less",
-        "the GPU's share of decode (auto: measured)",
-        check=_gpu_decode_share,
-    ),
-    tuned(
-        "intake",
-        DECODE,
-        "where jobs are read from Redis: `process` (a process of the worker's own puts image "
-        "bytes into memory shared with the decode processes, never into the worker's), "
-        "`loop` (on the worker's event loop) or `auto` (a process where there are decode "
-        "processes; on a Redis Cluster, one per shard, reading its master)",
-        "where jobs are read (auto: by the host)",
-        choices=("auto", "process", "loop"),
-    ),
-    tuned(
-        "result_writer",
-        DECODE,
-        "where results are built and published: `process` (a process of the worker's own, "
-        "off the worker's GIL), `loop` (on the worker's event loop) or `auto` (a process on "
-        "4 cores or more, as decode processes)",
-        "where results are published (auto: by the host)",
-        choices=("auto", "process", "loop"),
-    ),
-    tuned(
-        "decode_budget_ms",
-        DECODE,
-        "longest time one image may take to decode, counted from when a thread starts on it "
-        "(with decode processes: from when a process starts on its share of a batch, the "
-        "smallest images first); past it the image is answered `decode_timeout` (with "
-        "processes, the rows of that share not yet decoded too) and its batch goes on (see "
-        "[Guarantees](guarantees.md))",
-        "one image's decode budget",
-        low=1,
-        high=3_600_000,
-    ),
-    tuned(
-        "batch_sizes",
+    *section(
         MODEL,
-        "the smaller batch shapes the step is also compiled for; a batch runs on the "
-        "smallest that holds it (see [Concepts](concepts.md#which-batch-size-runs)). `auto`: "
-        "1, B/8, B/2 and B, less any measured at start-up to be no faster than the next "
-        "larger; a list such as `1,16` (the batch size is always added, at most 6 sizes); "
-        "`off`: the batch size alone",
-        "the batch shapes compiled (auto: measured)",
-        check=_reason(parse_batch_sizes, ValueError),
+        public(
+            "model",
+            "resnet50",
+            "a torchvision classification model name, a model directory (a path: see "
+            "[Your own model](own-model.md)), or `null`: a step that does next to nothing, "
+            "for measuring gpufeed itself (8 classes `null_0`.., 64 px unless "
+            "`GPUFEED_INPUT_SIZE`)",
+            required="must name a torchvision model, a model directory (a path) or null",
+            check=_model,
+        ),
+        public(
+            "weights",
+            "DEFAULT",
+            "torchvision models: a weights name (`DEFAULT`, `IMAGENET1K_V2`, ...), a local file "
+            '(a state dict, or `{"state_dict": ..., "categories": [...]}`, loaded with '
+            "`weights_only=True`), or `none` for random init",
+            required="must be a weights name, a file or 'none'",
+            check=_weights,
+        ),
+        public("device", "auto", "`auto`, `cpu`, `cuda` or `cuda:N`", check=_device),
+        public(
+            "processes",
+            1,
+            "worker processes on the one device, each its own consumer "
+            "(`<GPUFEED_WORKER_NAME>-<i>`, metrics on `GPUFEED_METRICS_PORT` + i), under a "
+            "supervisor that forwards signals and restarts a process that dies; see "
+            "[GPU hosts](gpu-hosts.md)",
+            bounds=(1, MAX_PROCESSES),
+            note="worker processes on the one device",
+        ),
+        public(
+            "batch_size",
+            0,
+            "the largest batch shape (how many images a batch holds); auto: 64 on CUDA, 8 on CPU",
+            bounds=(1, 4096),
+            shown="`0` (auto)",
+            zero="picks 64 on CUDA, 8 on CPU",
+        ),
+        public(
+            "compile",
+            "auto",
+            "`off` (eager: the rollback switch), `auto` (`reduce-overhead` on CUDA, `off` on "
+            "CPU), or a `torch.compile` mode",
+            choices=COMPILE_MODES,
+        ),
+        public(
+            "precision",
+            "auto",
+            "`fp32`, `fp16`, `bf16`; auto: bf16 (or fp16) on CUDA, fp32 on CPU",
+            choices=("auto", "fp32", "fp16", "bf16"),
+        ),
+        public(
+            "input_size",
+            0,
+            "torchvision models: the input side; 0: the weights' own (224 for most)",
+            bounds=(16, 2048),
+            zero="the weights' own size",
+        ),
+        public(
+            "top_k",
+            5,
+            "classes returned per image (a model directory's `top_k` wins)",
+            bounds=(1, 100),
+        ),
+        public(
+            "allow_eager_fallback",
+            False,
+            "start in eager mode, with an error in the log, instead of refusing when the compiled "
+            "step has graph breaks or recompiles",
+        ),
+        public(
+            "max_wait_ms",
+            10.0,
+            "how long a batch waits to fill before it runs padded; past it, a batch the device "
+            "cannot take yet keeps filling until it can",
+            bounds=(0, 60_000),
+        ),
+        tuned(
+            "batch_sizes",
+            "the smaller batch shapes the step is also compiled for; a batch runs on the "
+            "smallest that holds it (see [Concepts](concepts.md#which-batch-size-runs)). `auto`: "
+            "1, B/8, B/2 and B, less any measured at start-up to be no faster than the next "
+            "larger; a list such as `1,16` (the batch size is always added, at most 6 sizes); "
+            "`off`: the batch size alone",
+            "the batch shapes compiled (auto: measured)",
+            check=_reason(parse_batch_sizes, ValueError),
+        ),
     ),
-    tuned(
-        "hot_list",
-        DECODE,
-        "how many images the fleet's hot list keeps (`<GPUFEED_STREAM>:hot` in Redis): the "
-        "`url` and `path` images answered most often from the decode cache, each hit worth "
-        "half as much every 10 minutes. A starting worker decodes them into its cache before "
-        "it takes a job. 0: no hot list (nothing counted, nothing warmed); off too while "
-        "`GPUFEED_DECODE_CACHE_MB` is 0. See [Warm start](operations.md#warm-start)",
-        "the hot list's size",
-        low=0,
-        high=MAX_HOT_LIST,
-        zero="no hot list",
+    *section(
+        DEGRADE,
+        public(
+            "degrade_after_s",
+            0.0,
+            "switch to the cheaper degraded step while the oldest job waiting in the stream is "
+            "older than this; back once it has been under half of it for as long (see "
+            "[Degrade under backlog](priorities.md))",
+            bounds=(0, 86_400),
+            shown="`0` (off)",
+            zero="off",
+            unit="seconds",
+        ),
+        public(
+            "degrade_input_size",
+            0,
+            "the degraded step: the same model at this smaller input side",
+            bounds=(16, 2048),
+            zero="the degraded model's own",
+        ),
+        public(
+            "degrade_model",
+            "",
+            "the degraded step: a smaller model directory (same output kind and resize mode)",
+            check=_degrade_model,
+        ),
     ),
-    tuned(
-        "warm_start_s",
+    *section(
         DECODE,
-        "the most time a starting worker spends decoding the hot list into its cache before "
-        "it joins the group (each fetch and decode bounded by what is left of it: done within "
-        "a second of it); 0: start cold",
-        "the warm start's budget",
-        low=0,
-        high=3600,
-        zero="start cold",
-        unit="seconds",
+        public(
+            "decode_processes",
+            "auto",
+            "decode processes writing into shared staging memory; `0`: decode threads in the "
+            "worker instead, one per CPU core (at most 16); `auto`: on 4 cores or more one per "
+            "core but the worker's, at most 32; threads below 4 cores, where the worker's own "
+            "CPU would compete with them, and where shared memory files are missing",
+            check=_decode_processes,
+        ),
+        public(
+            "decode",
+            "cpu",
+            "`cpu`, `gpu` (JPEGs decoded on the GPU) or `auto` (measured at start-up). With "
+            "decode processes the GPU's hardware engines (nvImageCodec, `pip install "
+            "gpufeed[gpu]`) decode a share of each batch's baseline JPEGs straight into its "
+            "packed rows (the GPU's share of both decoders' rates, measured at start-up and "
+            "moved while running), the processes the rest; with decode threads the GPU decodes "
+            "the size classes where it measured faster",
+            choices=("cpu", "gpu", "auto"),
+        ),
+        public(
+            "decode_cache_mb",
+            256,
+            "host memory for decoded rows of images seen before (keyed by a hash of their bytes "
+            "and the job's reply stream); a repeated image skips decoding; 0: off, and no hot "
+            "list or warm start either (see [Warm start](operations.md#warm-start))",
+            bounds=(0, 1_048_576),
+            zero="off",
+        ),
+        public(
+            "max_image_bytes",
+            wire.DEFAULT_MAX_IMAGE_BYTES,
+            "largest encoded image accepted",
+            bounds=(1024, None),
+        ),
+        public(
+            "max_image_pixels", 100_000_000, "largest width x height accepted", bounds=(1, None)
+        ),
+        public(
+            "max_decode_mb",
+            512,
+            "most memory (MiB) one decode may take for its pixels, as Pillow holds them (4 bytes a "
+            "pixel for colour modes, 1 for grey and palette, 2 for 16-bit grey) at the JPEG DCT "
+            "scale that would be used, plus the copy converting them to RGB, plus, for a "
+            "progressive JPEG (or one of several scans), every DCT coefficient of the whole image "
+            "at full size (about 3 bytes a pixel at 4:2:0), which libjpeg-turbo holds whatever "
+            "the scale; estimated from the header, larger images get `image_too_large`. "
+            "10000x10000 RGBA (a 390 KB PNG) needs 763 MiB",
+            bounds=(1, 1_048_576),
+        ),
+        public(
+            "path_root",
+            None,
+            "the only folder `path` jobs may read from; unset: `path` jobs are refused",
+            kind="path",
+            check=_path_root,
+        ),
+        tuned(
+            "decode_threads",
+            "decode threads when the worker decodes on threads (`GPUFEED_DECODE_PROCESSES=0`, or "
+            "`auto` below 4 cores); 0: one per CPU core, at most 16. Set, it keeps `auto` on "
+            "threads",
+            "",
+            bounds=(1, 256),
+            zero="picks one per CPU core, at most 16",
+            instead=(
+                "GPUFEED_DECODE_PROCESSES=0 decodes on threads in the worker, one per CPU core "
+                "(at most 16); GPUFEED_TUNING=decode_threads=N sizes them for a test"
+            ),
+        ),
+        tuned(
+            "ring_slots",
+            "staging slots (batches in flight between decode and results)",
+            "the staging ring's depth",
+            bounds=(2, 64),
+        ),
+        tuned(
+            "dct_scaling",
+            "let libjpeg decode large JPEGs at 1/2, 1/4 or 1/8 scale when that still covers the "
+            "model input",
+            "DCT-scaled JPEG decode (always on)",
+        ),
+        tuned(
+            "resize",
+            "where images are resized: `device` (rows at their decoded size, resized in the "
+            "compiled step), `host` (on the decode threads) or `auto` (device on CUDA, host on "
+            "the CPU)",
+            "where images are resized (auto: by the device)",
+            choices=("device", "host", "auto"),
+        ),
+        tuned(
+            "gpu_decode_share",
+            "with `GPUFEED_DECODE=gpu|auto` and decode processes: the fraction (0 to 1) of each "
+            "batch's rows offered to the GPU's JPEG decoder; `auto`: the GPU's share of the two "
+            "decoders' rates, both measured at start-up on photo-sized JPEGs, then moved while "
+            "running toward the decoder that keeps batches waiting less",
+            "the GPU's share of decode (auto: measured)",
+            check=_gpu_decode_share,
+        ),
+        tuned(
+            "intake",
+            "where jobs are read from Redis: `process` (a process of the worker's own puts image "
+            "bytes into memory shared with the decode processes, never into the worker's), "
+            "`loop` (on the worker's event loop) or `auto` (a process where there are decode "
+            "processes; on a Redis Cluster, one per shard, reading its master)",
+            "where jobs are read (auto: by the host)",
+            choices=("auto", "process", "loop"),
+        ),
+        tuned(
+            "result_writer",
+            "where results are built and published: `process` (a process of the worker's own, "
+            "off the worker's GIL), `loop` (on the worker's event loop) or `auto` (a process on "
+            "4 cores or more, as decode processes)",
+            "where results are published (auto: by the host)",
+            choices=("auto", "process", "loop"),
+        ),
+        tuned(
+            "decode_budget_ms",
+            "longest time one image may take to decode, counted from when a thread starts on it "
+            "(with decode processes: from when a process starts on its share of a batch, the "
+            "smallest images first); past it the image is answered `decode_timeout` (with "
+            "processes, the rows of that share not yet decoded too) and its batch goes on (see "
+            "[Guarantees](guarantees.md))",
+            "one image's decode budget",
+            bounds=(1, 3_600_000),
+        ),
+        tuned(
+            "hot_list",
+            "how many images the fleet's hot list keeps (`<GPUFEED_STREAM>:hot` in Redis): the "
+            "`url` and `path` images answered most often from the decode cache, each hit worth "
+            "half as much every 10 minutes. A starting worker decodes them into its cache before "
+            "it takes a job. 0: no hot list (nothing counted, nothing warmed); off too while "
+            "`GPUFEED_DECODE_CACHE_MB` is 0. See [Warm start](operations.md#warm-start)",
+            "the hot list's size",
+            bounds=(0, MAX_HOT_LIST),
+            zero="no hot list",
+        ),
+        tuned(
+            "warm_start_s",
+            "the most time a starting worker spends decoding the hot list into its cache before "
+            "it joins the group (each fetch and decode bounded by what is left of it: done within "
+            "a second of it); 0: start cold",
+            "the warm start's budget",
+            bounds=(0, 3600),
+            zero="start cold",
+            unit="seconds",
+        ),
+    ),
+    *section(
+        FETCH,
+        public("fetch_concurrency", 64, "`url` fetches running at once", bounds=(1, 4096)),
+        public(
+            "fetch_per_host",
+            16,
+            "`url` fetches running at once against one host (or one bucket)",
+            bounds=(1, 4096),
+            note="above GPUFEED_FETCH_CONCURRENCY it changes nothing",
+        ),
+        public(
+            "url_allow",
+            "",
+            "host names (`images.internal`, `*.corp.example`) and CIDRs (`10.20.0.0/16`, "
+            "`127.0.0.1`) that `url` jobs may reach although their addresses are loopback, "
+            "private, link-local, reserved or multicast",
+            check=_host_list,
+        ),
+        public(
+            "url_deny",
+            "",
+            "host names and CIDRs that `url` jobs may never reach (wins over `GPUFEED_URL_ALLOW`)",
+            check=_host_list,
+        ),
+        public(
+            "object_allow",
+            "",
+            "the `s3://`, `gs://`, `az://` buckets and key prefixes jobs may read: "
+            "`images-*,catalog/public/`, per reply stream (and the streams under it) "
+            "`tenant-a:results=s3://tenant-a`, groups separated by `;`. Unset: every key is "
+            "`object_not_allowed`. See [Security](security.md)",
+            shown="unset (no keys)",
+            check=_object_allow,
+        ),
+        tuned(
+            "fetch_connect_timeout_s",
+            "time to open a connection for a `url`",
+            "a fetch's connect timeout",
+            above=0,
+            note="seconds",
+        ),
+        tuned(
+            "fetch_read_timeout_s",
+            "longest wait for the next bytes of an answer",
+            "a fetch's read timeout",
+            above=0,
+            note="seconds",
+        ),
+        tuned(
+            "fetch_timeout_s",
+            "a `url` fetch in all, retries and redirects included (`fetch_timeout` after it)",
+            "a whole fetch's timeout",
+            above=0,
+            note="seconds",
+        ),
+        tuned(
+            "fetch_retries",
+            "retries after a timeout, a dropped connection or a 5xx answer (not after a 4xx), "
+            "with exponential backoff and jitter",
+            "a fetch's retry count",
+            bounds=(0, 10),
+        ),
+        tuned(
+            "fetch_max_redirects",
+            "redirects followed per `url` (each hop checked like the first)",
+            "a fetch's redirect limit",
+            bounds=(0, 20),
+        ),
+        tuned(
+            "fetch_host_queue",
+            "`url` jobs of one host that may wait for a fetch slot without holding an in-flight "
+            "place (all hosts together: 16 times this); past it they wait holding one, or, when "
+            "the host has answered nothing for `fetch_read_timeout_s`, are answered "
+            "`fetch_failed` (host busy)",
+            "a host's fetch queue",
+            bounds=(1, 65_536),
+        ),
+    ),
+    *section(
+        DELIVERY,
+        public(
+            "visibility_timeout_s",
+            300.0,
+            "idle time after which another worker may reclaim a pending job; must exceed the "
+            "slowest batch",
+            bounds=(1, 604_800),
+            unit="seconds",
+            note="and longer than the slowest batch; 604800: 7 days",
+        ),
+        public("max_deliveries", 5, "deliveries before a job is dead-lettered", bounds=(1, None)),
+        public(
+            "shutdown_grace_s", 30.0, "time given to in-flight jobs after SIGTERM", bounds=(0, None)
+        ),
+        tuned(
+            "claim_interval_s",
+            "how often a worker looks for stale pending jobs to reclaim",
+            "the reclaim interval",
+            above=0,
+            note="seconds",
+        ),
+        tuned(
+            "consumer_expiry_s",
+            "a consumer idle this long and holding no pending job (a worker that died) is removed "
+            "from the group; never under `GPUFEED_VISIBILITY_TIMEOUT_S`",
+            "a dead consumer's expiry (never under GPUFEED_VISIBILITY_TIMEOUT_S)",
+            above=0,
+            note="seconds",
+        ),
+        tuned(
+            "trim_interval_s",
+            "how often the job stream is trimmed of entries every group has processed; 0: never",
+            "the job stream's trim interval",
+            bounds=(0, None),
+            zero="trimming off",
+        ),
+    ),
+    *section(
+        OBSERVE,
+        public(
+            "metrics_port",
+            0,
+            "Prometheus metrics and `/ready`, `/live` on this port; 0: off",
+            bounds=(0, 65535),
+            zero="metrics off",
+            note="a TCP port",
+        ),
+        public(
+            "metrics_host",
+            "127.0.0.1",
+            "the address the metrics port listens on: loopback, so only this host can read it; "
+            "`0.0.0.0` (or `::`) where Prometheus or the kubelet's probes come from elsewhere, "
+            "as in the container image. Unauthenticated: see [Security](security.md)",
+            check=_metrics_host,
+        ),
+        public(
+            "log_format",
+            "auto",
+            "`console` (on a terminal), `json` (otherwise), or forced",
+            choices=("auto", "console", "json"),
+        ),
+        public(
+            "log_level",
+            "info",
+            "`debug`, `info`, `warning`, `error`",
+            choices=("debug", "info", "warning", "error"),
+        ),
+        tuned(
+            "stats_interval_s",
+            "interval of the worker's summary log line",
+            "the summary log line's interval",
+            above=0,
+            note="seconds",
+        ),
+        tuned(
+            "live_loop_stall_s",
+            "`/live` fails when the event loop has not run for this long (a blocking call, a "
+            "wedged task); 0: not checked",
+            "/live's event loop stall limit",
+            bounds=(1, None),
+            zero="not checked",
+            unit="seconds",
+        ),
+        tuned(
+            "live_launch_stall_s",
+            "`/live` fails when one batch has been in the launch thread, or unfinished on the "
+            "device, for this long; 0: not checked",
+            "/live's launch stall limit",
+            bounds=(1, None),
+            zero="not checked",
+            unit="seconds",
+        ),
+        tuned(
+            "live_writer_stall_s",
+            "`/live` fails when the result writer has held answers it could not publish (Redis "
+            "unreachable or refusing them) for this long; the reason is logged. 0: not checked",
+            "/live's result writer stall limit",
+            bounds=(1, None),
+            zero="not checked",
+            unit="seconds",
+        ),
     ),
 )
 
