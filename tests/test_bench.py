@@ -8,6 +8,7 @@ import io
 import json
 import math
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,13 @@ from measure.bench.ablations import CpuPreprocess
 from measure.bench.accuracy import SIZES, accuracy_section
 from measure.bench.naive import NaivePreprocess
 from measure.bench.profiles import make_profile
-from measure.bench.report import accuracy_lines, render_markdown, validate_report
+from measure.bench.report import (
+    REPORT_CHECKS,
+    RUN_CHECKS,
+    accuracy_lines,
+    render_markdown,
+    validate_report,
+)
 from measure.bench.stage_rates import ideal_pipeline, ideal_sequential
 from measure.bench.suite import run_bench
 from measure.cli import cli
@@ -31,6 +38,8 @@ from worker.decode.cache import cache_key
 from worker.decode.cpu import DecodeSpec, decode_into, decode_to_array
 from worker.tools.harness.images import ImageSetSpec, load_image_set
 from worker.tools.harness.redis_env import job_image
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -490,7 +499,17 @@ def minimal_report() -> dict[str, Any]:
     return {
         "schema_version": 1,
         "profile": "tiny",
-        "host": {},
+        "host": {
+            "host": "h",
+            "platform": "Linux",
+            "python": "3.12.3",
+            "torch": "2.11.0",
+            "cpu_count": 2,
+            "torch_threads": 2,
+            "device": "cpu",
+            "load_avg_1m_at_start": 0.2,
+            "load_avg_1m_at_end": 1.9,
+        },
         "image_sets": [{"name": "s"}],
         "runs": [
             {
@@ -568,6 +587,105 @@ def test_validation_catches_missing_results_and_unreal_figures(
     ]
     on["runs"][0].update(cache_hit_ratio=0.75, cache_worth=3.2)
     assert validate_report(on) == []
+
+
+# Each named check of validate_report, a report broken where it looks, and what it says.
+BROKEN_REPORTS: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
+    "schema_version": (lambda r: r.update(schema_version=2), "schema_version 2 != 1"),
+    "numbers": (
+        lambda r: r["runs"][0].update(duration_s=math.inf),
+        ".runs[0].duration_s is not finite (inf)",
+    ),
+    "host": (lambda r: r["host"].pop("device"), "host: missing key 'device'"),
+    "runs": (lambda r: r.update(runs=[]), "runs must be a non-empty list"),
+    "summary": (lambda r: r.update(summary={}), "summary must have one entry per image set"),
+    "stage_rates": (
+        lambda r: r["stage_rates"].update(model=[]),
+        "stage_rates needs decode and model entries",
+    ),
+    "overhead": (lambda r: r.update(overhead=[]), "overhead must be an object or null"),
+    "batch": (lambda r: r.update(batch=[]), "batch must be an object or null"),
+    "priority": (
+        lambda r: r.update(priority={"runs": {}}),
+        "priority.runs must be fifo and priorities",
+    ),
+    "tenants": (lambda r: r.update(tenants={"runs": {}}), "tenants.runs must be fifo and tenants"),
+    "warm_start": (
+        lambda r: r.update(warm_start={"runs": {}}),
+        "warm_start.runs must be learn, cold and warm",
+    ),
+    "accuracy": (lambda r: r.update(accuracy=None), "accuracy must be an object"),
+    "latency_under_load": (
+        lambda r: r.update(latency_under_load={"points": []}),
+        "latency_under_load has 0 points, want 3",
+    ),
+    "curves": (
+        lambda r: r.update(curves=[{"offered_per_s": 1.0}]),
+        "has no positive achieved_per_s",
+    ),
+}
+# Each named check of a run, a run broken where it looks, and what it says.
+BROKEN_RUNS: dict[str, tuple[Callable[[dict[str, Any]], object], str]] = {
+    "identity": (lambda run: run.update(image_set="t"), "unknown image set 't'"),
+    "numbers": (lambda run: run.update(duration_s=0), "duration_s must be a positive number"),
+    "cache": (
+        lambda run: run.update(cache_hit_ratio=1.5),
+        "cache_hit_ratio must be between 0 and 1",
+    ),
+    "counts": (lambda run: run.update(results_error=1), "results_ok + results_error != results"),
+    "percentiles": (lambda run: run.update(p95_ms=500.0), "percentiles out of order"),
+    "timeline": (
+        lambda run: run["timeline"].update(images_per_s=[-1.0]),
+        "timeline has negative values",
+    ),
+    "vs_naive": (lambda run: run.pop("vs_naive"), "vs_naive must be a positive number"),
+    "cpu": (
+        lambda run: run.update(cpu_core_ms_per_image={"total": 0}),
+        "cpu_core_ms_per_image.total must be positive",
+    ),
+    "gil": (lambda run: run.update(gil=None), "gil must be an object"),
+}
+
+
+def test_every_named_check_has_a_broken_report_below() -> None:
+    assert set(BROKEN_REPORTS) == set(REPORT_CHECKS)
+    assert set(BROKEN_RUNS) == {"identity", *RUN_CHECKS}
+
+
+@pytest.mark.parametrize("name", list(BROKEN_REPORTS))
+def test_each_check_of_the_report_finds_what_it_looks_for(
+    name: str, accuracy: dict[str, Any]
+) -> None:
+    report = {**minimal_report(), "accuracy": accuracy}
+    assert validate_report(report) == []
+    breaks, says = BROKEN_REPORTS[name]
+    breaks(report)
+    problems = validate_report(report)
+    assert any(says in p for p in problems), problems
+    assert any(says in p for p in REPORT_CHECKS[name](report)), "found by another check"
+
+
+@pytest.mark.parametrize("name", list(BROKEN_RUNS))
+def test_each_check_of_a_run_finds_what_it_looks_for(name: str, accuracy: dict[str, Any]) -> None:
+    report = {**minimal_report(), "accuracy": accuracy}
+    breaks, says = BROKEN_RUNS[name]
+    breaks(report["runs"][0])
+    found = [p for p in validate_report(report) if says in p]
+    assert len(found) == 1 and found[0].startswith("runs[0] (gpufeed, m, "), found
+    if name != "identity":
+        assert any(says in p for p in RUN_CHECKS[name]("runs[0]", report["runs"][0]))
+
+
+def test_a_report_s_host_block_is_checked_by_the_shared_definition() -> None:
+    report = json.loads((ROOT / "docs" / "figures" / "report.json").read_text())
+    assert validate_report(report) == []
+    report["host"]["device_name"] = "NVIDIA H200"  # the doctor's name for the bench's `gpu`
+    report["host"]["cpu_count"] = "2"
+    del report["host"]["commit"]  # reports from before it was recorded lack it
+    assert validate_report(report) == [
+        "host.cpu_count: expected integer, got str",
+        "host: undocumented key 'device_name'",
+    ]
 
 
 def test_the_ideal_reproduces_the_orientation_figures_of_the_issue() -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from measure.bench.batch import batch_problems
 from worker.model.sizes import batch_shapes_line
+from worker.tools.harness import report_head
 from worker.tools.markdown import table
 
 SCHEMA_VERSION = 1
@@ -1275,91 +1276,193 @@ def _load_point_problems(what: str, point: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def validate_report(report: Mapping[str, Any]) -> list[str]:
-    """Everything wrong with `report` against docs/bench-schema.md (empty: nothing)."""
-    problems: list[str] = []
-    for key in ("schema_version", "profile", "host", "image_sets", "runs", "summary",
-                "stage_rates", "targets"):  # fmt: skip
-        if key not in report:
-            problems.append(f"missing top-level field {key!r}")
-    if problems:
-        return problems
+def _curves_problems(curves: Any) -> list[str]:
+    return [p for c in curves or [] for p in _load_point_problems("curve point", c)]
+
+
+# --------------------------------------------------------------------------- a run's checks
+def _run_identity_problems(where: str, run: Mapping[str, Any], sets: set[str]) -> list[str]:
+    problems = [
+        f"{where}: {key} must be a non-empty string"
+        for key in ("name", "image_set", "model", "kind")
+        if not isinstance(run.get(key), str) or not run.get(key)
+    ]
+    if run.get("image_set") not in sets:
+        problems.append(f"{where}: unknown image set {run.get('image_set')!r}")
+    return problems
+
+
+def _run_number_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    # The cache pair is outside the ideal: it has no ideal, efficiency or ratios.
+    compared = () if is_cache_run(run) else ("ideal_images_per_s", "efficiency", "vs_ceiling")
+    return [
+        f"{where}: {key} must be a positive number, got {run.get(key)!r}"
+        for key in (*RUN_NUMBERS, *compared)
+        if not _positive(run.get(key))
+    ]
+
+
+def _run_count_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    """Every job answered, each result ok or an error."""
+    problems = []
+    jobs, results = run.get("jobs"), run.get("results")
+    if not isinstance(jobs, int) or jobs < 1:
+        problems.append(f"{where}: jobs must be a positive integer")
+    elif results != jobs:
+        problems.append(f"{where}: {results} results for {jobs} jobs")
+    if run.get("results_ok", 0) + run.get("results_error", 0) != results:
+        problems.append(f"{where}: results_ok + results_error != results")
+    return problems
+
+
+def _run_percentile_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    keys = ("p50_ms", "p95_ms", "p99_ms")
+    if all(_positive(run.get(k)) for k in keys) and not (
+        run["p50_ms"] <= run["p95_ms"] <= run["p99_ms"]
+    ):
+        return [f"{where}: percentiles out of order"]
+    return []
+
+
+def _run_timeline_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    timeline = run.get("timeline") or {}
+    series, counts = timeline.get("images_per_s"), timeline.get("results")
+    if not isinstance(series, list) or not series or not _positive(timeline.get("bin_s")):
+        return [f"{where}: timeline missing"]
+    if any(not isinstance(v, int | float) or v < 0 for v in series):
+        return [f"{where}: timeline has negative values"]
+    if not isinstance(counts, list) or sum(counts) != run.get("results"):
+        return [f"{where}: the timeline's results do not add up to {run.get('results')}"]
+    return []
+
+
+def _run_vs_naive_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    if (
+        run.get("kind") == "gpufeed"
+        and not is_cache_run(run)
+        and not _positive(run.get("vs_naive"))
+    ):
+        return [f"{where}: vs_naive must be a positive number"]
+    return []
+
+
+def _run_cpu_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    cpu = run.get("cpu_core_ms_per_image")
+    if not isinstance(cpu, Mapping) or not _positive(cpu.get("total")):
+        return [f"{where}: cpu_core_ms_per_image.total must be positive"]
+    return []
+
+
+def _run_gil_problems(where: str, run: Mapping[str, Any]) -> list[str]:
+    return _gil_problems(where, run.get("gil")) if run.get("kind") == "gpufeed" else []
+
+
+# Each run's checks after its identity, in the order their problems are listed.
+RUN_CHECKS: dict[str, Callable[[str, Mapping[str, Any]], list[str]]] = {
+    "numbers": _run_number_problems,
+    "cache": _cache_problems,
+    "counts": _run_count_problems,
+    "percentiles": _run_percentile_problems,
+    "timeline": _run_timeline_problems,
+    "vs_naive": _run_vs_naive_problems,
+    "cpu": _run_cpu_problems,
+    "gil": _run_gil_problems,
+}
+
+
+# --------------------------------------------------------------------------- the report's checks
+TOP_LEVEL = ("schema_version", "profile", "host", "image_sets", "runs", "summary", "stage_rates",
+             "targets")  # fmt: skip
+
+
+def _version_problems(report: Mapping[str, Any]) -> list[str]:
     if report["schema_version"] != SCHEMA_VERSION:
-        problems.append(f"schema_version {report['schema_version']} != {SCHEMA_VERSION}")
-    for path, value in _all_numbers(report):
-        if not math.isfinite(value):
-            problems.append(f"{path} is not finite ({value})")
-    set_names = {s["name"] for s in report["image_sets"]}
+        return [f"schema_version {report['schema_version']} != {SCHEMA_VERSION}"]
+    return []
+
+
+def _finite_problems(report: Mapping[str, Any]) -> list[str]:
+    return [
+        f"{path} is not finite ({v})" for path, v in _all_numbers(report) if not math.isfinite(v)
+    ]
+
+
+def _host_problems(report: Mapping[str, Any]) -> list[str]:
+    """The head block, by the definition the doctor and the GPU check share."""
+    return report_head.problems(report["host"], report_head.BENCH)
+
+
+def _runs_problems(report: Mapping[str, Any]) -> list[str]:
     runs = report["runs"]
     if not isinstance(runs, list) or not runs:
-        problems.append("runs must be a non-empty list")
-        runs = []
+        return ["runs must be a non-empty list"]
+    sets = {s["name"] for s in report["image_sets"]}
+    problems = []
     for i, run in enumerate(runs):
         where = f"runs[{i}] ({run.get('name')}, {run.get('model')}, {run.get('image_set')})"
-        for key in ("name", "image_set", "model", "kind"):
-            if not isinstance(run.get(key), str) or not run.get(key):
-                problems.append(f"{where}: {key} must be a non-empty string")
-        if run.get("image_set") not in set_names:
-            problems.append(f"{where}: unknown image set {run.get('image_set')!r}")
-        cache_run = is_cache_run(run)
-        # The cache pair is outside the ideal: it has no ideal, efficiency or ratios.
-        compared = () if cache_run else ("ideal_images_per_s", "efficiency", "vs_ceiling")
-        for key in (*RUN_NUMBERS, *compared):
-            if not _positive(run.get(key)):
-                problems.append(f"{where}: {key} must be a positive number, got {run.get(key)!r}")
-        problems += _cache_problems(where, run)
-        jobs, results = run.get("jobs"), run.get("results")
-        if not isinstance(jobs, int) or jobs < 1:
-            problems.append(f"{where}: jobs must be a positive integer")
-        elif results != jobs:
-            problems.append(f"{where}: {results} results for {jobs} jobs")
-        if run.get("results_ok", 0) + run.get("results_error", 0) != results:
-            problems.append(f"{where}: results_ok + results_error != results")
-        if all(_positive(run.get(k)) for k in ("p50_ms", "p95_ms", "p99_ms")) and not (
-            run["p50_ms"] <= run["p95_ms"] <= run["p99_ms"]
-        ):
-            problems.append(f"{where}: percentiles out of order")
-        timeline = run.get("timeline") or {}
-        series = timeline.get("images_per_s")
-        counts = timeline.get("results")
-        if not isinstance(series, list) or not series or not _positive(timeline.get("bin_s")):
-            problems.append(f"{where}: timeline missing")
-        elif any(not isinstance(v, int | float) or v < 0 for v in series):
-            problems.append(f"{where}: timeline has negative values")
-        elif not isinstance(counts, list) or sum(counts) != results:
-            problems.append(f"{where}: the timeline's results do not add up to {results}")
-        if run.get("kind") == "gpufeed" and not cache_run and not _positive(run.get("vs_naive")):
-            problems.append(f"{where}: vs_naive must be a positive number")
-        cpu = run.get("cpu_core_ms_per_image")
-        if not isinstance(cpu, Mapping) or not _positive(cpu.get("total")):
-            problems.append(f"{where}: cpu_core_ms_per_image.total must be positive")
-        if run.get("kind") == "gpufeed":
-            problems += _gil_problems(where, run.get("gil"))
-    summary = report["summary"]
-    if not isinstance(summary, Mapping) or set(summary) != set_names:
-        problems.append(f"summary must have one entry per image set {sorted(set_names)}")
-    else:
-        for name, entry in summary.items():
-            for key in SUMMARY_NUMBERS:
-                if not _positive(entry.get(key)):
-                    problems.append(f"summary[{name}].{key} must be a positive number")
-            for model, m in (entry.get("by_model") or {}).items():
-                if "cache_worth" in m and not _positive(m["cache_worth"]):
-                    problems.append(f"summary[{name}].by_model[{model}].cache_worth not positive")
+        problems += _run_identity_problems(where, run, sets)
+        for check in RUN_CHECKS.values():
+            problems += check(where, run)
+    return problems
+
+
+def _summary_problems(report: Mapping[str, Any]) -> list[str]:
+    summary, sets = report["summary"], {s["name"] for s in report["image_sets"]}
+    if not isinstance(summary, Mapping) or set(summary) != sets:
+        return [f"summary must have one entry per image set {sorted(sets)}"]
+    problems = []
+    for name, entry in summary.items():
+        for key in SUMMARY_NUMBERS:
+            if not _positive(entry.get(key)):
+                problems.append(f"summary[{name}].{key} must be a positive number")
+        for model, m in (entry.get("by_model") or {}).items():
+            if "cache_worth" in m and not _positive(m["cache_worth"]):
+                problems.append(f"summary[{name}].by_model[{model}].cache_worth not positive")
+    return problems
+
+
+def _stage_rate_problems(report: Mapping[str, Any]) -> list[str]:
     decode = report["stage_rates"].get("decode") or []
     model = report["stage_rates"].get("model") or []
-    if not decode or not model:
-        problems.append("stage_rates needs decode and model entries")
-    for d in [*decode, *model]:
-        if not _positive(d.get("images_per_s")):
-            problems.append(f"stage rate {d} is not a positive number")
-    problems += _overhead_problems(report.get("overhead"))
-    problems += batch_problems(report.get("batch"))
-    problems += _priority_problems(report.get("priority"))
-    problems += _tenants_problems(report.get("tenants"))
-    problems += _warm_start_problems(report.get("warm_start"))
-    problems += _accuracy_problems(report.get("accuracy"))
-    problems += _load_latency_problems(report.get("latency_under_load"))
-    for c in report.get("curves") or []:
-        problems += _load_point_problems("curve point", c)
+    problems = [] if decode and model else ["stage_rates needs decode and model entries"]
+    problems += [
+        f"stage rate {d} is not a positive number"
+        for d in [*decode, *model]
+        if not _positive(d.get("images_per_s"))
+    ]
     return problems
+
+
+def _section(
+    key: str, check: Callable[[Any], list[str]]
+) -> Callable[[Mapping[str, Any]], list[str]]:
+    """A section's check, given the section (None where the report has none)."""
+    return lambda report: check(report.get(key))
+
+
+# The report's checks once every top-level field is there, in the order their problems are
+# listed: each a name (a field or section of docs/bench-schema.md) and what checks it.
+REPORT_CHECKS: dict[str, Callable[[Mapping[str, Any]], list[str]]] = {
+    "schema_version": _version_problems,
+    "numbers": _finite_problems,
+    "host": _host_problems,
+    "runs": _runs_problems,
+    "summary": _summary_problems,
+    "stage_rates": _stage_rate_problems,
+    "overhead": _section("overhead", _overhead_problems),
+    "batch": _section("batch", batch_problems),
+    "priority": _section("priority", _priority_problems),
+    "tenants": _section("tenants", _tenants_problems),
+    "warm_start": _section("warm_start", _warm_start_problems),
+    "accuracy": _section("accuracy", _accuracy_problems),
+    "latency_under_load": _section("latency_under_load", _load_latency_problems),
+    "curves": _section("curves", _curves_problems),
+}
+
+
+def validate_report(report: Mapping[str, Any]) -> list[str]:
+    """Everything wrong with `report` against docs/bench-schema.md (empty: nothing)."""
+    missing = [f"missing top-level field {key!r}" for key in TOP_LEVEL if key not in report]
+    if missing:
+        return missing
+    return [problem for check in REPORT_CHECKS.values() for problem in check(report)]

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -86,9 +85,9 @@ from worker.config.settings import WorkerConfig
 from worker.lifecycle.feed_plan import decode_processes_for
 from worker.lifecycle.service import default_decode_threads
 from worker.model.step import resolve_compile_mode
+from worker.tools.harness.environment import bench_host
 from worker.tools.harness.images import ImageSet, load_image_set
 from worker.tools.harness.process_scaling import process_scaling
-from worker.tools.harness.provenance import host_extras
 from worker.tools.harness.queue_ceiling import queue_ceiling
 from worker.tools.harness.redis_env import bench_redis
 
@@ -284,23 +283,6 @@ async def measure_queue_ceiling(b: Bench, plan: ModelPlan, sp: SetPlan) -> None:
 
 
 # --------------------------------------------------------------------------- entry point
-def host_info(device: torch.device, cores: int) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": cores,
-        "torch_threads": torch.get_num_threads(),
-        "device": str(device),
-        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
-        **host_extras(),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
 def run_bench(
     profile: Profile,
     *,
@@ -323,7 +305,7 @@ def run_bench(
     explicit = {k: v for k, v in (explicit or {}).items() if v is not None}
     device = resolve_device(str(explicit.get("device") or base.device))
     cores = os.cpu_count() or 1
-    host = host_info(device, cores)
+    host = bench_host(device, cores)
     out_dir.mkdir(parents=True, exist_ok=True)
     cache = image_cache or out_dir / "images"
     sets: dict[str, ImageSet] = {}

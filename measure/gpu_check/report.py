@@ -6,7 +6,9 @@ against the list of every cuda-marked test, and the verdict by the rules
 step of scripts/gpu-check.sh: it adds the test results to the benchmark's report (in
 whatever state the benchmark left it), judges it and prints each rule; exit 0 only when
 every rule passes. `python -m measure gpu-check --judge REPORT.json` re-judges a saved
-report without changing it.
+report without changing it. Both first say where the report was measured, from its
+`environment` block, and what is wrong with that block by the definition the doctor and the
+bench share (worker/tools/harness/report_head.py); that changes no verdict.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ import click
 
 from measure.gpu_check.rules import judge, passed, render
 from worker.tools.command_line import CONTEXT_SETTINGS, parse
+from worker.tools.harness import report_head
 
 EXPECTED_TESTS = Path(__file__).resolve().parents[2] / "tests" / "cuda_tests.txt"
 
@@ -118,6 +122,33 @@ def tests_summary(junit: Path, rc: int | None, expected: Path = EXPECTED_TESTS) 
     return summary
 
 
+def _measured_on(env: Mapping[str, Any]) -> str:
+    # str(): a broken block is still said as it is, beside its problems.
+    device = str(env.get("device_name") or "no CUDA device")
+    if env.get("capability"):
+        device += f" (compute capability {env['capability']})"
+    cuda = f" built for CUDA {env['torch_cuda']}" if env.get("torch_cuda") else ""
+    vision = f", torchvision {env['torchvision']}" if env.get("torchvision") else ""
+    cores = f"{env['cpu_count']} CPU cores" if "cpu_count" in env else "CPU cores not recorded"
+    cpu = env.get("cpu_model") or "CPU model not recorded"
+    commit = f"commit {str(env['commit'])[:10]}" if env.get("commit") else "commit not recorded"
+    if env.get("commit_dirty"):
+        commit += " + uncommitted changes"
+    return (
+        f"{env.get('host')}: {device}; {cores} ({cpu}); Python {env.get('python')}, "
+        f"torch {env.get('torch')}{cuda}{vision}; {commit}"
+    )
+
+
+def environment_lines(report: Mapping[str, Any]) -> list[str]:
+    """Where `report` was measured, and what is wrong with its `environment` block."""
+    env = report.get("environment")
+    if env is None:
+        return ["gpu-check: no environment recorded (the check stopped before it started)"]
+    lines = [f"gpu-check: measured on {_measured_on(env)}"] if isinstance(env, Mapping) else []
+    return lines + [f"gpu-check: {p}" for p in report_head.problems(env, report_head.GPU_CHECK)]
+
+
 def add_verdict(report: dict[str, Any]) -> bool:
     """Judges `report` by the rules, stores the verdict in it and prints each rule."""
     rules = judge(report)
@@ -141,6 +172,7 @@ def judge_file(path: Path) -> int:
     if not isinstance(report, dict):
         print(f"gpu-check: {path} is not a gpu-check report", file=sys.stderr)
         return 2
+    print("\n".join(environment_lines(report)), file=sys.stderr)
     rules = judge(report)
     print(render(rules))
     return 0 if passed(rules) else 1
@@ -165,6 +197,7 @@ def conclude(
     report["tests"] = (
         tests_summary(junit, rc, expected) if junit is not None else {"available": False}
     )
+    print("\n".join(environment_lines(report)), file=sys.stderr)
     ok = add_verdict(report)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")

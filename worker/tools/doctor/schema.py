@@ -1,8 +1,9 @@
 """The report's JSON Schema (SCHEMA), documented in docs/doctor-schema.md.
 
-A JSON Schema (the subset the validator in validate.py understands: type, properties,
-required, additionalProperties, items, enum), with a `unit` next to `description` where one
-applies.
+A JSON Schema in the subset worker/tools/harness/report_head.py writes and checks (type,
+properties, required, additionalProperties, items, enum), with a `unit` next to
+`description` where one applies. Its `environment` is the block the bench and the GPU check
+share (report_head.json_schema), defined there once.
 """
 
 from __future__ import annotations
@@ -10,26 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from worker.tools.doctor.verdict import VERDICTS
+from worker.tools.harness import report_head
+from worker.tools.harness.report_head import node as _t
+from worker.tools.harness.report_head import object_node as _obj
 
 SCHEMA_VERSION = 1
-
-
-def _t(types: str | list[str], description: str, unit: str = "", **extra: Any) -> dict[str, Any]:
-    node: dict[str, Any] = {"type": types, "description": description}
-    if unit:
-        node["unit"] = unit
-    node.update(extra)
-    return node
-
-
-def _obj(description: str, properties: dict[str, Any], *, nullable: bool = False) -> dict[str, Any]:
-    return {
-        "type": ["object", "null"] if nullable else "object",
-        "description": description,
-        "properties": properties,
-        "required": list(properties),
-        "additionalProperties": False,
-    }
 
 
 def _map(description: str, values: dict[str, Any], key: str, *, nullable: bool = False) -> Any:
@@ -177,17 +163,7 @@ SCHEMA: dict[str, Any] = _obj(
         "schema_version": _t("integer", f"the schema's version ({SCHEMA_VERSION})"),
         "started_at": _t("string", "when the doctor started, ISO 8601 UTC"),
         "elapsed_s": _t("number", "how long the doctor ran", "s"),
-        "environment": _obj(
-            "the host",
-            {
-                "host": _t("string", "host name"),
-                "python": _t("string", "Python version"),
-                "torch": _t("string", "PyTorch version"),
-                "cuda_available": _t("boolean", "whether PyTorch sees a CUDA device"),
-                "device_name": _t(["string", "null"], "the CUDA device's name; null on CPU"),
-                "cpu_count": _t("integer", "CPU cores this process may use", "cores"),
-            },
-        ),
+        "environment": report_head.json_schema(report_head.DOCTOR),
         "config": _obj(
             "the settings measured (environment and flags, as the worker resolved them)",
             {

@@ -1,8 +1,8 @@
-"""Where a benchmark's figures come from: the CPU model and the source tree measured.
+"""Where a measurement's figures come from: the CPU model and the source tree measured.
 
-The report's host block carries these so that a figure quoted in the docs can say which
-machine and which code it measured (measure/bench/figures_page.py heads every figure
-section with them).
+The bench's `host` block and the GPU check's `environment` block carry these
+(report_head.FIELDS), so that a figure quoted in the docs can say which machine and which
+code it measured (measure/bench/figures_page.py heads every figure section with them).
 """
 
 from __future__ import annotations
@@ -54,5 +54,5 @@ def source_commit() -> dict[str, Any]:
 
 
 def host_extras() -> dict[str, Any]:
-    """The report's host-block fields this module adds."""
+    """The head block's fields this module measures, keyed as report_head.FIELDS."""
     return {"cpu_model": cpu_model(), **source_commit()}
