@@ -105,8 +105,8 @@ async def test_a_lone_job_runs_small_and_answers_as_in_a_full_batch(
     async with running_worker(
         redis_url, tiny_weights, batch_size=8, batch_sizes="1,4", decode_cache_mb=0
     ) as worker:
-        assert worker.engine.runner.sizes.sizes == (1, 4, 8)
-        assert [r.size for r in worker.engine.compile_report.batch_sizes] == [1, 4, 8]
+        assert worker.engine.model.runner.sizes.sizes == (1, 4, 8)
+        assert [r.size for r in worker.engine.model.compile_report.batch_sizes] == [1, 4, 8]
         redis_client.xadd("gpufeed:jobs", {"id": "alone", "image": images[0]})
         await wait_results(redis_client, "gpufeed:results", 1)
         for i, data in enumerate(images):

@@ -135,14 +135,14 @@ async def test_the_gpu_decodes_its_share_and_every_job_is_answered_as_on_the_cpu
             assert ganswer[2] == pytest.approx(canswer[2], abs=1e-3)
         else:
             assert ganswer == canswer
-    decoder = worker.engine.gpu_decode.packed_decoder
+    decoder = worker.engine.feed.gpu_decode.packed_decoder
     assert isinstance(decoder, PackedGpuDecoder)
     # Every JPEG the hardware takes went to the GPU; the truncated one came back to the CPU.
     assert worker.decoder.deferred == taken  # type: ignore[union-attr]
     assert (decoder.decoded, decoder.failed) == (taken - 1, 1)
-    plan = worker.engine.plan
+    plan = worker.engine.feed.plan
     assert plan.gpu_decode_share == 1.0
-    split = worker.engine.gpu_decode.split
+    split = worker.engine.feed.gpu_decode.split
     assert split is not None and not split.tune and split.share == 1.0
     assert "the GPU decodes 100% of each batch's rows (GPUFEED_GPU_DECODE_SHARE=1)" in plan.line()
 
@@ -169,7 +169,7 @@ async def test_on_cuda_the_jpeg_engines_decode_their_share_and_answer_as_the_cpu
         redis_url, redis_client, tiny_weights, images, worker_class=Worker, decode="gpu",
         gpu_decode_share="1", **on_cuda,
     )  # fmt: skip
-    decoder = worker.engine.gpu_decode.packed_decoder
+    decoder = worker.engine.feed.gpu_decode.packed_decoder
     assert isinstance(decoder, PackedGpuDecoder)
     assert decoder.hardware_engines_answered, decoder.engines
     assert worker.decoder.deferred == taken  # type: ignore[union-attr]
@@ -197,9 +197,12 @@ async def test_gpu_decode_with_processes_says_what_it_cannot_do(
             pass
     auto = Worker(config("auto"))
     async with serving(auto):
-        assert auto.engine.plan.gpu_decode_share == 0.0
-        assert "GPUFEED_DECODE=auto: the GPU decoder needs a CUDA device" in auto.engine.plan.line()
-        assert auto.engine.gpu_decode.packed_decoder is None
+        assert auto.engine.feed.plan.gpu_decode_share == 0.0
+        assert (
+            "GPUFEED_DECODE=auto: the GPU decoder needs a CUDA device"
+            in auto.engine.feed.plan.line()
+        )
+        assert auto.engine.feed.gpu_decode.packed_decoder is None
 
 
 class SlowBackend(NvImgCodec):
@@ -255,10 +258,10 @@ async def test_a_measured_share_moves_toward_the_cpu_when_the_cpu_is_slow(
     worker = CpuOnlyGpuDecode(_config(redis_url, tiny_weights, decode="gpu"), decode_delay_s=0.04)
     images = [jpeg_bytes(96, 72, seed=i) for i in range(96)]
     async with serving(worker):
-        split = worker.engine.gpu_decode.split
+        split = worker.engine.feed.gpu_decode.split
         assert split is not None and split.tune
         start = split.share
-        plan = worker.engine.plan
+        plan = worker.engine.feed.plan
         assert plan.gpu_decode_share == start and 0.0 < start < 1.0
         assert plan.gpu_decode_why.startswith("auto: measured on")
         assert "decode processes'" in plan.gpu_decode_why and "of thumbnails" in plan.gpu_decode_why

@@ -208,7 +208,7 @@ async def test_a_small_payload_memory_wraps_and_overflows_and_every_job_is_answe
         redis_url, tiny_weights, decode_processes="1", decode_cache_mb=0
     ) as worker:
         intake = worker.stages.readers[0].intake
-        assert intake is not None and worker.engine.plan.intake == "process"
+        assert intake is not None and worker.engine.feed.plan.intake == "process"
         taken = intake.ring.taken
 
         def counting(start: int, end: int, jobs: int) -> int:

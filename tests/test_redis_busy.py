@@ -160,8 +160,8 @@ async def test_a_long_script_is_an_outage_the_worker_waits_out(
         with capture_logs() as logs:
             async with worker_task(worker) as task:
                 await until_ready(worker, task)
-                assert worker.engine.plan.intake == SHAPES[shape]["intake"]
-                assert worker.engine.plan.result_writer == SHAPES[shape]["result_writer"]
+                assert worker.engine.feed.plan.intake == SHAPES[shape]["intake"]
+                assert worker.engine.feed.plan.result_writer == SHAPES[shape]["result_writer"]
                 assert await wait_status(f"{base}/ready", 200) == "ready\n"
 
                 script = LongScript(server.url, images("a", 24))

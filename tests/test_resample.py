@@ -322,7 +322,7 @@ async def test_on_cuda_the_device_placement_replays_one_graph(
         decode_processes=decode_processes,
     ) as worker:
         assert worker.placement == "device"
-        assert worker.engine.plan.packed == (decode_processes == "2")
+        assert worker.engine.feed.plan.packed == (decode_processes == "2")
         report = worker.compile_report
         assert report is not None and report.compiled and report.cudagraph_replays > 0
         for i, data in enumerate(images):

@@ -230,7 +230,7 @@ def shape_counts(worker: Worker) -> ShapeCounts:
         return ShapeCounts()
     pool = worker.decoder
     writer = worker.writer
-    gpu = worker.engine.gpu_decode.packed_decoder
+    gpu = worker.engine.feed.gpu_decode.packed_decoder
     return ShapeCounts(
         decode_ns={pid: run_time_ns(pid) for pid in decode_pids(worker)},
         intake=replace(worker.intake_seen),
@@ -292,7 +292,7 @@ class HostShape:
     def problems(self, worker: Worker, since: ShapeCounts, *, gpu_rows: bool = True) -> list[str]:
         """What of this shape the worker does not run, or did not use since `since` (empty:
         it ran as this shape)."""
-        plan = worker.engine.plan
+        plan = worker.engine.feed.plan
         if not self.gpu_host:
             found = {
                 "decoders": worker.decoder.kind,
@@ -300,7 +300,7 @@ class HostShape:
                 "intake": (plan.intake, worker.intake_pids),
                 "writer": (plan.result_writer, worker.writer_pids),
                 "packed rows": plan.packed,
-                "GPU decoder": worker.engine.gpu_decode.packed_decoder,
+                "GPU decoder": worker.engine.feed.gpu_decode.packed_decoder,
             }
             want = {
                 "decoders": "threads",
@@ -344,7 +344,7 @@ class HostShape:
         # every row the processes left it.
         if not plan.packed:
             problems.append(f"rows not packed (resize on the {plan.placement})")
-        gpu = worker.engine.gpu_decode.packed_decoder
+        gpu = worker.engine.feed.gpu_decode.packed_decoder
         name = gpu.backend_name if gpu is not None else ""
         cpu_only = not on_cuda(worker.config)
         if not name.startswith("nvimgcodec") or cpu_only != name.endswith("(cpu only)"):
@@ -369,7 +369,7 @@ class HostShape:
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
-        assert not problems, f"{self.name}: {problems}; plan: {worker.engine.plan.line()}"
+        assert not problems, f"{self.name}: {problems}; plan: {worker.engine.feed.plan.line()}"
 
 
 HOST_SHAPES = {

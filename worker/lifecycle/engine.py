@@ -1,12 +1,13 @@
-"""The model side of a worker, built before it joins the group: the model loaded, compiled
-and warmed up on its batch shapes, the staging rings and the launch thread around it,
-and the decode threads that fill the rings.
+"""What a worker serves with, built before it joins the group: the model side (the model
+compiled and warmed up on its batch shapes, the launch thread around it and its output
+slots) and the feed side (the staging ring, the copies to the device and the decoders that
+fill the ring).
 
 `warm_up` reads as its steps (`_WarmUp`'s methods: load the model, shape the feed, build
 the feed memory, start the launch thread, build the degraded model, compile on the launch
-thread, build the decoders) and returns what they built as one object; each part that holds
-threads registers its teardown on the worker's exit stack as it is built, so a start-up that
-fails half-way releases what it had.
+thread, build the decoders) and returns what they built as one `Engine` of the two sides;
+each part that holds threads registers its teardown on the worker's exit stack as it is
+built, so a start-up that fails half-way releases what it had.
 """
 
 from __future__ import annotations
@@ -96,27 +97,40 @@ def default_decode_threads() -> int:
 
 
 @dataclass
-class Engine:
-    """The compiled step and what feeds it, ready to serve."""
+class ModelSide:
+    """The model compiled for its batch shapes, the launch thread that runs it and the
+    output slots it writes; with GPUFEED_DEGRADE_AFTER_S, the cheaper model beside it."""
 
     ctx: DeviceContext
     batch_size: int
     loaded: LoadedModel
     dtype: torch.dtype
+    runner: ModelRunner
+    compile_report: CompileReport
+    precision: PrecisionReport | AgreementReport | None
+    out_ring: OutputRing
+    # Degrade under backlog (GPUFEED_DEGRADE_AFTER_S): the cheaper model, its compiled step
+    # and its output slots (the main ones where its outputs have the same shape).
+    degraded: DegradedModel | None = None
+    degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+    degraded_out_ring: OutputRing | None = None
+
+
+@dataclass
+class FeedSide:
+    """What brings images to the model: the decoders, the staging ring they fill and the
+    copies to the device, as the feed plan chose them."""
+
     # Where images are resized (`device` or `host`) and, on the device, the side of the rows
     # that hold the decoded pixels and their geometry (0 on the host).
     placement: str
     row_side: int
     ring: InputRing
-    out_ring: OutputRing
     transfer: DeviceTransfer
     ring_budget: dict[str, Any]
-    runner: ModelRunner
     # The stage between the batcher and the launch: the rows left for the GPU decoded, and
     # (GPU decode into packed rows) the split of each batch with the decode processes.
     gpu_decode: GpuDecodeStage
-    compile_report: CompileReport
-    precision: PrecisionReport | AgreementReport | None
     decoder: DecodeExecutor
     decode_cache: DecodeCache
     decode_threads: int
@@ -124,20 +138,24 @@ class Engine:
     # With the intake's process: the memory it reads image bytes into, which the decode
     # processes read them from (worker/decode/payloads.py).
     payloads: PayloadMemory | None = None
-    # Degrade under backlog (GPUFEED_DEGRADE_AFTER_S): the cheaper model, its compiled step
-    # and its output slots (the main ones where its outputs have the same shape).
-    degraded: DegradedModel | None = None
-    degraded_step: Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
-    degraded_out_ring: OutputRing | None = None
+
+
+@dataclass
+class Engine:
+    """The compiled step (`model`) and what feeds it (`feed`), ready to serve."""
+
+    model: ModelSide
+    feed: FeedSide
 
     def staged_bytes_per_image(self) -> int:
         """Bytes staged (and copied to the device) per image: with packed rows, what the
         batches so far took (their pixels and a record each); else a whole row or image."""
-        packed = self.ring.arena.packed if self.ring.arena is not None else None
+        ring = self.feed.ring
+        packed = ring.arena.packed if ring.arena is not None else None
         measured = packed.staged_bytes_per_image() if packed is not None else None
         if measured is not None:
             return round(measured)
-        return int(self.ring_budget["h2d_bytes_per_batch"]) // self.batch_size
+        return int(self.feed.ring_budget["h2d_bytes_per_batch"]) // self.model.batch_size
 
 
 def choose_sizes(
@@ -271,28 +289,32 @@ async def warm_up(
     decoders = start.build_decoders(model.loaded, shape, memory.arena, gpu_decode)
     log.info("feed_plan", plan=decoders.plan.line(), **decoders.plan.as_dict())
     return Engine(
-        ctx=start.ctx,
-        batch_size=start.batch_size,
-        loaded=model.loaded,
-        dtype=model.dtype,
-        placement=shape.placement,
-        row_side=shape.rows,
-        ring=memory.ring,
-        out_ring=memory.out_ring,
-        transfer=memory.transfer,
-        ring_budget=memory.budget,
-        runner=runner,
-        gpu_decode=gpu_decode,
-        compile_report=report,
-        precision=compiled.precision,
-        decoder=decoders.decoder,
-        decode_cache=decoders.cache,
-        decode_threads=decoders.threads,
-        plan=decoders.plan,
-        payloads=decoders.payloads,
-        degraded=degraded.model if degraded is not None else None,
-        degraded_step=compiled.degraded_step,
-        degraded_out_ring=degraded.out_ring if degraded is not None else None,
+        model=ModelSide(
+            ctx=start.ctx,
+            batch_size=start.batch_size,
+            loaded=model.loaded,
+            dtype=model.dtype,
+            runner=runner,
+            compile_report=report,
+            precision=compiled.precision,
+            out_ring=memory.out_ring,
+            degraded=degraded.model if degraded is not None else None,
+            degraded_step=compiled.degraded_step,
+            degraded_out_ring=degraded.out_ring if degraded is not None else None,
+        ),
+        feed=FeedSide(
+            placement=shape.placement,
+            row_side=shape.rows,
+            ring=memory.ring,
+            transfer=memory.transfer,
+            ring_budget=memory.budget,
+            gpu_decode=gpu_decode,
+            decoder=decoders.decoder,
+            decode_cache=decoders.cache,
+            decode_threads=decoders.threads,
+            plan=decoders.plan,
+            payloads=decoders.payloads,
+        ),
     )
 
 

@@ -131,7 +131,7 @@ class Worker:
             decode_hook=self.decode_hook(),
             gpu_backend=self.gpu_backend(),
         )
-        self.observer.batch_size = self._engine.batch_size
+        self.observer.batch_size = self._engine.model.batch_size
         await link.ready(wait=wait_for_redis, stop=self.should_exit)
         for stream in self.streams:
             await ensure_group(link.client, stream, cfg.group)
@@ -231,9 +231,9 @@ class Worker:
                 hot,
                 budget_s=cfg.warm_start_s,
                 fetcher=stages.fetcher,
-                decoder=engine.decoder,
-                ring=engine.ring,
-                cache=engine.decode_cache,
+                decoder=engine.feed.decoder,
+                ring=engine.feed.ring,
+                cache=engine.feed.decode_cache,
             )
         warm = self.warm
         log.info("warm_start", hot_list=hot.key if hot else None, **warm.as_dict())
@@ -256,7 +256,7 @@ class Worker:
             worker=cfg.worker_name,
             streams=self.streams,
             group=cfg.group,
-            decode_threads=self.engine.decode_threads,
+            decode_threads=self.engine.feed.decode_threads,
             in_flight_limit=self.stages.in_flight.limit,
         )
 
@@ -361,77 +361,77 @@ class Worker:
 
     @property
     def compile_report(self) -> CompileReport | None:
-        return None if self._engine is None else self._engine.compile_report
+        return None if self._engine is None else self._engine.model.compile_report
 
     @property
     def precision(self) -> PrecisionReport | AgreementReport | None:
-        return None if self._engine is None else self._engine.precision
+        return None if self._engine is None else self._engine.model.precision
 
     @property
     def ctx(self) -> DeviceContext:
-        return self.engine.ctx
+        return self.engine.model.ctx
 
     @property
     def batch_size(self) -> int:
-        return self.engine.batch_size
+        return self.engine.model.batch_size
 
     @property
     def loaded(self) -> LoadedModel:
-        return self.engine.loaded
+        return self.engine.model.loaded
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.engine.dtype
+        return self.engine.model.dtype
 
     @property
     def placement(self) -> str:
-        return self.engine.placement
+        return self.engine.feed.placement
 
     @property
     def row_side(self) -> int:
-        return self.engine.row_side
+        return self.engine.feed.row_side
 
     @property
     def ring(self) -> InputRing:
-        return self.engine.ring
+        return self.engine.feed.ring
 
     @property
     def out_ring(self) -> OutputRing:
-        return self.engine.out_ring
+        return self.engine.model.out_ring
 
     @property
     def degraded_out_ring(self) -> OutputRing | None:
-        return self.engine.degraded_out_ring
+        return self.engine.model.degraded_out_ring
 
     @property
     def ring_budget(self) -> dict[str, Any]:
-        return self.engine.ring_budget
+        return self.engine.feed.ring_budget
 
     @property
     def runner(self) -> ModelRunner:
-        return self.engine.runner
+        return self.engine.model.runner
 
     @property
     def degraded(self) -> DegradedModel | None:
-        return self.engine.degraded
+        return self.engine.model.degraded
 
     @property
     def decode_cache(self) -> DecodeCache:
-        return self.engine.decode_cache
+        return self.engine.feed.decode_cache
 
     @property
     def decode_threads(self) -> int:
-        return self.engine.decode_threads
+        return self.engine.feed.decode_threads
 
     @property
     def decoder(self) -> DecodeExecutor:
-        return self.engine.decoder
+        return self.engine.feed.decoder
 
     @decoder.setter
     def decoder(self, pool: DecodeExecutor) -> None:
         """Another decode pool in its place (the bench's ablations); shut down on exit like
         the one it replaces."""
-        self.engine.decoder = pool
+        self.engine.feed.decoder = pool
         self._exit.callback(pool.shutdown)
 
     @property

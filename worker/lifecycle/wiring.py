@@ -43,7 +43,7 @@ from worker.delivery.writer_process import WriterProcess
 from worker.fetch.stage import FetchSettings, FetchStage
 from worker.jobs import Job, Outcome
 from worker.lifecycle.dispatch import Dispatcher, ReadRouter, Steps
-from worker.lifecycle.engine import Engine
+from worker.lifecycle.engine import Engine, FeedSide, ModelSide
 from worker.lifecycle.settlement import Settlement
 from worker.model.compiler import still_compiled
 from worker.model.readers import make_reader
@@ -141,8 +141,8 @@ def wire(
     exit_stack: contextlib.AsyncExitStack,
 ) -> Stages:
     """The bounded queues and the stages between them, for every shard of GPUFEED_SHARDS."""
-    queues = _queues(cfg, engine)
-    intakes = _intakes(cfg, engine, link, exit_stack)
+    queues = _queues(cfg, engine.model)
+    intakes = _intakes(cfg, engine.feed, link, exit_stack)
     settlement = Settlement(queues.in_flight, intakes, observer)
     writer = _writer(
         cfg,
@@ -156,12 +156,14 @@ def wire(
     health.watch_writer(writer.stalled)
     hot = None if hot_list_off(cfg) else HotList(link.client, cfg.stream, cfg.hot_list)
     pipeline = _pipeline(cfg, engine, queues, writer, observer=observer, health=health, hot=hot)
-    fetcher = _fetch_stage(cfg, engine, queues, writer, observer=observer, exit_stack=exit_stack)
+    fetcher = _fetch_stage(
+        cfg, engine.feed, queues, writer, observer=observer, exit_stack=exit_stack
+    )
     readers, reclaimers = _shard_stages(
         cfg,
         link,
         queues,
-        batch_size=engine.batch_size,
+        batch_size=engine.model.batch_size,
         intakes=intakes,
         held=settlement.held,
         writer=writer,
@@ -188,8 +190,8 @@ def wire(
     return stages
 
 
-def _queues(cfg: WorkerConfig, engine: Engine) -> _Queues:
-    batch_size = engine.batch_size
+def _queues(cfg: WorkerConfig, model: ModelSide) -> _Queues:
+    batch_size = model.batch_size
     jobs_q = JobQueue(batch_size)
     return _Queues(
         in_flight=InFlight(in_flight_places(batch_size, cfg.ring_slots)),
@@ -197,7 +199,7 @@ def _queues(cfg: WorkerConfig, engine: Engine) -> _Queues:
         sealed_q=asyncio.Queue(cfg.ring_slots),
         # One batch running and one queued behind it on CUDA; on the CPU the step runs on
         # the launch thread, and a second sealed batch would only wait behind it.
-        room=DeviceRoom(2 if engine.ctx.is_cuda else 1, on_room=jobs_q.wake),
+        room=DeviceRoom(2 if model.ctx.is_cuda else 1, on_room=jobs_q.wake),
     )
 
 
@@ -213,18 +215,19 @@ def _pipeline(
 ) -> _Pipeline:
     """The batcher, the dispatcher and the completion watcher, with the step(s) they
     serve."""
+    model, feed = engine.model, engine.feed
     batcher = Batcher(
-        engine.ring,
-        engine.decoder,
-        batch_size=engine.batch_size,
+        feed.ring,
+        feed.decoder,
+        batch_size=model.batch_size,
         max_wait_s=cfg.max_wait_ms / 1000,
         jobs=queues.jobs_q,
         sealed=queues.sealed_q,
         room=queues.room,
     )
-    steps = _steps(cfg, engine, observer)
+    steps = _steps(cfg, model, observer)
     watcher = CompletionWatcher(
-        engine.out_ring,
+        model.out_ring,
         writer.put,
         reader=steps.main.reader,
         on_batch_done=observer.batch_done if hot is None else _counting(observer, hot),
@@ -232,21 +235,21 @@ def _pipeline(
     )
     dispatcher = Dispatcher(
         sealed=queues.sealed_q,
-        ring=engine.ring,
-        runner=engine.runner,
+        ring=feed.ring,
+        runner=model.runner,
         watcher=watcher,
         steps=steps,
         answer=writer.put,
         on_launched=health.launched,
         room=queues.room,
-        gpu_decode=engine.gpu_decode,
+        gpu_decode=feed.gpu_decode,
     )
     return _Pipeline(batcher, steps, watcher, dispatcher)
 
 
 def _fetch_stage(
     cfg: WorkerConfig,
-    engine: Engine,
+    feed: FeedSide,
     queues: _Queues,
     writer: Writer,
     *,
@@ -259,7 +262,7 @@ def _fetch_stage(
         FetchSettings.from_config(cfg),
         ready=queues.jobs_q.put,
         fail=writer.put,
-        cache=engine.decode_cache,
+        cache=feed.decode_cache,
         metrics=observer.metrics,
         # A job waiting for a fetch slot lends its in-flight place back meanwhile.
         give_back_place=in_flight.give_back,
@@ -373,8 +376,8 @@ def _writer(
     """What the pipeline hands its outcomes to: each shard's result writer, on the event
     loop or in the writers' process, as the feed plan says."""
     layout = cfg.shard_layout()
-    settings = _writer_settings(cfg, engine, device)
-    if engine.plan.result_writer == "process":
+    settings = _writer_settings(cfg, engine.model, device)
+    if engine.feed.plan.result_writer == "process":
         init = WriterInit.of(
             cfg,
             cluster=link.cluster,
@@ -422,11 +425,11 @@ def _writer(
 
 
 def _writer_settings(
-    cfg: WorkerConfig, engine: Engine, device: torch.device
+    cfg: WorkerConfig, model: ModelSide, device: torch.device
 ) -> dict[str, WriterSettings]:
     """The writer settings of each shard's key sets (the operator's, each tenant's), by
     the key set's job stream."""
-    loaded, degraded = engine.loaded, engine.degraded
+    loaded, degraded = model.loaded, model.degraded
     # The rule the settings check applies too: a reply_to among these is refused.
     levels = parse_levels(cfg.priorities)
     owned = tuple(shards.own_keys(cfg.stream, cfg.shard_layout(), levels).rows())
@@ -469,12 +472,12 @@ def _writer_client(
 
 
 def _intakes(
-    cfg: WorkerConfig, engine: Engine, link: RedisLink, exit_stack: contextlib.AsyncExitStack
+    cfg: WorkerConfig, feed: FeedSide, link: RedisLink, exit_stack: contextlib.AsyncExitStack
 ) -> dict[str, IntakeProcess]:
     """Each shard's intake process, by the job streams its reader reads (none: the reads
     run on the event loop). Each shard's ring has its own part of the payload memory; on a
     Redis Cluster each process reads its shard's master."""
-    memory = engine.payloads
+    memory = feed.payloads
     if memory is None:
         return {}
     # On a Redis Cluster the URL is one node's: each read names its shard's master.
@@ -497,28 +500,28 @@ def _intakes(
     return intakes
 
 
-def _steps(cfg: WorkerConfig, engine: Engine, observer: Observer) -> Steps:
+def _steps(cfg: WorkerConfig, model: ModelSide, observer: Observer) -> Steps:
     """The main step, and the degraded one with its switch where GPUFEED_DEGRADE_AFTER_S
     asks for it."""
-    loaded = engine.loaded
+    loaded = model.loaded
     main = Serving(
         model=loaded.name,
         weights=loaded.weights_label,
         degraded=False,
-        out_ring=engine.out_ring,
+        out_ring=model.out_ring,
         reader=make_reader(loaded.output, loaded.categories),
     )
-    if engine.degraded is None:
+    if model.degraded is None:
         return Steps(main)
-    assert engine.degraded_out_ring is not None
-    d = engine.degraded.loaded
+    assert model.degraded_out_ring is not None
+    d = model.degraded.loaded
     degraded = Serving(
         model=d.name,
         weights=d.weights_label,
         degraded=True,
-        out_ring=engine.degraded_out_ring,
+        out_ring=model.degraded_out_ring,
         reader=make_reader(d.output, d.categories),
-        step=engine.degraded_step,
+        step=model.degraded_step,
     )
     metrics = observer.metrics
 
@@ -587,9 +590,9 @@ def observe(
     observer: Observer, stages: Stages, cfg: WorkerConfig, lanes: Lanes, device: torch.device
 ) -> None:
     """The observer's gauges and info, read from the stages."""
-    engine = stages.engine
-    report = engine.compile_report
-    observer.start_sampler(device.index if engine.ctx.is_cuda else None)
+    model = stages.engine.model
+    report = model.compile_report
+    observer.start_sampler(device.index if model.ctx.is_cuda else None)
     observer.watch(
         jobs=stages.jobs_q.qsize,
         fetching=lambda: stages.fetcher.in_progress,
@@ -600,11 +603,11 @@ def observe(
     observer.info = {
         # The model's name as results give it (a directory's name, not the path as typed):
         # one label for the same model in metrics, heartbeats and results.
-        "model": engine.loaded.name,
-        "weights": engine.loaded.weights_label,
-        "device": engine.ctx.name,
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "batch_size": engine.batch_size,
+        "model": model.loaded.name,
+        "weights": model.loaded.weights_label,
+        "device": model.ctx.name,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "batch_size": model.batch_size,
         "compile": report.mode,
         "compiled": report.compiled,
         "stream": cfg.stream,
