@@ -15,7 +15,8 @@ the GPU check (measure/) share when they start a worker and measure it.
 - `process_scaling`: decode rates by number of decode processes;
 - `environment`: the host, its packages and device, as every report heads them;
   `serving_step`: the model's step alone, on a random batch; `provenance`: the CPU and the
-  source tree a figure comes from.
+  source tree a figure comes from; `report_head`: those fields defined once for the three
+  reports (which carries which, under what name), and the reports' schema validator.
 
 May import: base, config, decode, delivery, jobs, lifecycle, model, observe, pipeline,
 producer, and the tools' `demo`.

@@ -129,7 +129,8 @@ def _field(key: str, types: str, meaning: str, unit: str = "", **carried: str | 
     )
 
 
-# Reports saved before a key was added lack it; each stays valid (its `when` says since).
+# Reports saved before a report carried a key lack it and stay valid: its `when` is the date
+# that report started writing it.
 _SINCE_SHARED = "since 2026-12-05"
 _SINCE_HEAD = "since 2026-12-07"
 _SINCE_PROVENANCE = "since 2026-12-04"
@@ -141,7 +142,8 @@ FIELDS: tuple[Field, ...] = (
     _field(
         "cpu_count",
         "integer",
-        "CPU cores: those this process may use (its affinity); the bench's, the host's",
+        "CPU cores: the doctor and the GPU check count those this process may use, the bench "
+        "the host's",
         "cores",
         doctor=ALWAYS,
         gpu_check=_SINCE_SHARED,
