@@ -46,6 +46,8 @@ CUDA_PATH = (
     "worker/observe/gpu_sampler.py",
     "worker/observe/health.py",
     "measure/gpu_check/check.py",
+    "measure/gpu_check/phases/decode.py",
+    "measure/gpu_check/phases/extras.py",
     "measure/gpu_check/copy_rate.py",
     "measure/gpu_check/preflight.py",
     "worker/tools/harness/environment.py",  # the GPU check's environment section

@@ -968,7 +968,7 @@ def test_replays_are_counted_inside_each_launch_of_the_step(
 
 def test_decode_rates_put_both_decoders_side_by_side() -> None:
     """The extra phase's figures (on the CPU here, torchvision's decoder standing in)."""
-    from measure.gpu_check.check import decode_rates
+    from measure.gpu_check.phases.decode import decode_rates
 
     rates = decode_rates(torch.device("cpu"), 32, 4, 2, width=160, height=120, seconds=0.2)
     assert rates["cpu_images_per_s"] > 0 and rates["gpu_images_per_s"] > 0
@@ -1044,7 +1044,8 @@ async def test_the_light_models_start_keeps_the_main_steps_graphs(
     figure does not count the light model's graph as a recompile."""
     from types import SimpleNamespace
 
-    from measure.gpu_check.check import Report, _start_light
+    from measure.gpu_check.phases.light import start_light
+    from measure.gpu_check.phases.state import Report
     from worker.model.compiler import compile_step, still_compiled
 
     x = torch.randint(0, 256, (2, 4, 4, 3), dtype=torch.uint8)
@@ -1065,7 +1066,8 @@ async def test_the_light_models_start_keeps_the_main_steps_graphs(
 
     light = SimpleNamespace(config=SimpleNamespace(model="tiny"), startup=startup)
     report = Report(tmp_path / "report.json")
-    await _start_light(light, report, main)  # type: ignore[arg-type]
+    with report.phase("light_startup"):
+        await start_light(light, report, main)  # type: ignore[arg-type]
     assert report["phases"]["light_startup"]["status"] == "done"
     assert resets == []
     with torch.inference_mode():
