@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -469,6 +470,86 @@ def test_a_deadline_too_short_says_what_the_plan_left_out() -> None:
     assert plan["skipped"]["latency"] == (
         "about 9 s needed, the judged phases alone need 347 s of 300"
     )
+
+
+# ------------------------------------------------------------------ the table of phases
+
+
+def test_the_table_holds_every_phase_the_rules_name_and_every_budget() -> None:
+    """Each phase the rules judge, each one between them and each extra is a row of the
+    table, in the rules' order; every budget the plan gives comes from a row, and every
+    budget constant is one a row reads."""
+    from measure.gpu_check.check import budget_plan, parse_args
+    from measure.gpu_check.phases import budgets, table
+
+    run = [phase.name for phase in table.PHASES if phase.runs is not None]
+    assert len(run) == len(set(run))
+    assert set(run) == {*JUDGED_PHASES, *UNJUDGED_PHASES, *EXTRA_PHASES}
+    for named in (JUDGED_PHASES, UNJUDGED_PHASES, EXTRA_PHASES):
+        assert [name for name in run if name in named] == list(named)
+    budgeted = [phase.name for phase in table.PHASES if phase.budget is not None]
+    assert set(run) - set(budgeted) == {"wait_for_tests"}  # a wait, no work to plan
+    everything_off = [
+        "--device", "cpu", "--latency-seconds", "0", "--thumbnail-seconds", "0",
+        "--before-seconds", "0", "--peer-seconds", "0", "--light-seconds", "0",
+        "--decode-rate-seconds", "0", "--before-processes", "",
+    ]  # fmt: skip
+    for argv in ([], ["--deadline-s", "300"], everything_off):
+        plan = budget_plan(parse_args(argv))
+        planned = [name for name, _, _ in plan.order]
+        assert planned == [name for name in budgeted if name in planned]
+        assert sorted([*planned, *plan.skipped]) == sorted(budgeted), argv
+    source = Path(table.__file__).read_text()
+    constants = [name for name in vars(budgets) if name.endswith("_S") and name.isupper()]
+    assert "STARTUP_S" in constants and "WINDOW_S" in constants
+    assert [name for name in constants if not re.search(rf"\b{name}\b", source)] == []
+
+
+async def test_a_phase_whose_need_is_missing_is_reported_skipped_with_why(tmp_path: Path) -> None:
+    """The loop checks a phase's needs before anything of it runs: the first one missing is
+    the report's reason. A phase the run never reached (no --wait-for, no pipeline
+    window) is left out; a light model whose start failed takes its phases with it."""
+    from types import SimpleNamespace
+
+    from measure.gpu_check.check import _run_phases, budget_plan, parse_args
+    from measure.gpu_check.phases.state import Deadline, Report, Run
+    from measure.gpu_check.phases.table import PHASES
+
+    bodies: list[str] = []
+
+    async def body(run: Run, entry: dict[str, object]) -> None:
+        bodies.append(run.report.phase_now)
+
+    async def no_model(run: Run, entry: dict[str, object]) -> None:
+        raise RuntimeError("no such model")
+
+    names = ("light_startup", "wait_for_tests", "thumbnails", "before", "peer", "light_ceiling")
+    names += ("light", "gpu_decode_rate", "h2d", "before_processes", "cudnn")
+    rows = [
+        replace(phase, runs=no_model if phase.name == "light_startup" else body)
+        for phase in PHASES
+        if phase.name in names
+    ]
+    args = parse_args(["--device", "cpu", "--peer-seconds", "0", "--before-processes", ""])
+    report = Report(tmp_path / "report.json")
+    worker = SimpleNamespace()
+    run = Run(args, report, Deadline(600), budget_plan(args), worker, worker)  # type: ignore[arg-type]
+    await _run_phases(run, rows)
+    written = json.loads(report.path.read_text())["phases"]
+    assert bodies == [] and written == report["phases"]
+    started = "its start-up failed: RuntimeError: no such model"
+    assert {name: entry.get("why") for name, entry in written.items()} == {
+        "light_startup": None,
+        "peer": "--peer-seconds 0",
+        "light_ceiling": started,
+        "light": started,
+        "gpu_decode_rate": "not a CUDA device",
+        "h2d": "not a CUDA device",
+        "before_processes": "--before-processes empty",
+        "cudnn": "not a CUDA device",
+    }
+    assert written["light_startup"]["status"] == "failed"
+    assert all(e["status"] == "skipped" for n, e in written.items() if n != "light_startup")
 
 
 # ------------------------------------------------------------------ the rules and the judge
