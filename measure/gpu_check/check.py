@@ -25,6 +25,10 @@ ends, so a run cut short still reports what it measured:
    (gpu_check/processes_run.py), and cudnn, the ceiling again with cudnn.benchmark on
    (eager, and compiled and captured afresh).
 
+The phases are the rows of one table (phases/table.py: each one's name, budget, needs and
+the function that runs it; the bodies are the other modules of phases/), which the loop
+here runs in turn and `budget_plan` reads the budgets from.
+
 The run has a deadline (--deadline-s). Before anything runs, a budget plan (`budget_plan` in
 the report) gives each phase its seconds, every phase a rule needs first, the others while
 they fit, and says what it left out and why, and which judged phase cannot fit. Phases that

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from worker.decode.cpu import DecodeInfo, DecodeSpec, decode_to_array
 from worker.decode.gpu import GpuDecodeFailed, GpuDecoder, GpuRow, make_backend
 from worker.decode.samples import synthetic_jpeg
 from worker.tools.harness.instruments import count_host_syncs
+
+if TYPE_CHECKING:
+    from measure.gpu_check.check import CheckArgs
 
 
 def _recorded_event(device: torch.device) -> Any:
@@ -166,9 +169,9 @@ async def gpu_decode_rate(run: Run, entry: dict[str, Any]) -> None:
     )
 
 
-def decode_processes_s(run: Run) -> float:
+def decode_processes_s(args: CheckArgs) -> float:
     """The decode processes' phase: each image size and number of processes timed."""
-    return 12 * run.args.decode_rate_seconds + 15
+    return 12 * args.decode_rate_seconds + 15
 
 
 async def decode_processes(run: Run, entry: dict[str, Any]) -> None:

@@ -256,6 +256,7 @@ PHASES: tuple[Phase, ...] = (
         room=_between_judged,
         session=PHOTOS,
     ),
+    # The pipeline's worker answering its backlog and stopping: its session closes here.
     Phase("drain", lambda args, est: DRAIN_S),
     Phase(
         "decode",
@@ -294,10 +295,12 @@ PHASES: tuple[Phase, ...] = (
     ),
     Phase(
         "decode_processes",
-        lambda args, est: 12 * args.decode_rate_seconds + 15,
+        lambda args, est: decode.decode_processes_s(args),
         (_option("decode_rate_seconds", "--decode-rate-seconds 0"),),
         decode.decode_processes,
-        room=_planned(_left_below(decode.decode_processes_s, margin=10, say=True)),
+        room=_planned(
+            _left_below(lambda run: decode.decode_processes_s(run.args), margin=10, say=True)
+        ),
     ),
     Phase(
         "h2d",
@@ -323,5 +326,6 @@ PHASES: tuple[Phase, ...] = (
         extras.cudnn,
         room=_planned(_left_below(_seconds(10.0))),
     ),
+    # The workers shut down and the report written, after the loop (check.py's `run`).
     Phase("shutdown", lambda args, est: SHUTDOWN_S),
 )
