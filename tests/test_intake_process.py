@@ -183,7 +183,7 @@ def test_the_plan_reads_through_a_process_only_where_decode_processes_read_the_b
     off = tiny_config(url, weights, decode_processes="2", intake="loop")
     assert plan_feed(off, thread_only_hook=False, **kw).intake == "loop"
     wrong = tiny_config(url, weights, decode_processes="0", intake="process")
-    with pytest.raises(ConfigError, match="GPUFEED_INTAKE=process"):
+    with pytest.raises(ConfigError, match=r"^GPUFEED_TUNING intake=process: image bytes go"):
         plan_feed(wrong, thread_only_hook=False, **kw)
     with pytest.raises(ConfigError, match="GPUFEED_TUNING intake"):
         tiny_config(url, weights, intake="thread")

@@ -134,6 +134,17 @@ class Setting:
     def constant(self) -> str:
         return self.name.upper()
 
+    def given(self, value: Any) -> str:
+        """How a message says where `value` came from: `GPUFEED_X=value`; for a tuning
+        constant `tuning constant X` at tuning.py's value, else `GPUFEED_TUNING x=value`,
+        so that no message names a variable the worker refuses."""
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        if self.env:
+            return f"{self.env}={text}"
+        if value == self.default:
+            return f"tuning constant {self.constant}"
+        return f"{TUNING_VARIABLE} {self.name}={text}"
+
     def shown_default(self) -> str:
         if self.shown:
             return self.shown
@@ -957,6 +968,12 @@ PUBLIC: tuple[Setting, ...] = tuple(s for s in SETTINGS if s.env)
 TUNED: tuple[Setting, ...] = tuple(s for s in SETTINGS if not s.env)
 BY_ENV: Mapping[str, Setting] = MappingProxyType({str(s.env): s for s in PUBLIC})
 GROUPS: tuple[str, ...] = tuple(dict.fromkeys(s.group for s in PUBLIC))
+
+
+def given(name: str, value: Any) -> str:
+    """Where setting or tuning constant `name`'s `value` came from (`Setting.given`)."""
+    return BY_NAME[name].given(value)
+
 
 # Each former variable of a tuning constant, and the line the worker refuses it with.
 REMOVED_SETTINGS: Mapping[str, str] = MappingProxyType(

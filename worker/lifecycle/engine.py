@@ -26,6 +26,7 @@ import torch
 
 from worker.base.device import DeviceContext, make_context
 from worker.base.errors import ConfigError
+from worker.config import table
 from worker.config.settings import WorkerConfig, gpu_decode_share
 from worker.decode.arena import ArenaLayout, SharedArena
 from worker.decode.cache import DecodeCache
@@ -449,7 +450,7 @@ class _WarmUp:
             sizes_setting = parse_batch_sizes(self.cfg.batch_sizes)
             planned, sizes_why = planned_sizes(sizes_setting, self.batch_size)
         except ValueError as exc:
-            raise ConfigError(f"GPUFEED_BATCH_SIZES: {exc}") from None
+            raise ConfigError(f"{table.BY_NAME['batch_sizes'].label}: {exc}") from None
         side = shape.side
         example = torch.zeros(
             (self.batch_size, side, side, 3), dtype=torch.uint8, device=self.device
@@ -671,8 +672,8 @@ def _shared_arena(
     except OSError as exc:
         raise ConfigError(
             f"GPUFEED_DECODE_PROCESSES: cannot allocate {layout.size:,} bytes of shared "
-            f"staging memory ({exc}); lower GPUFEED_RING_SLOTS or GPUFEED_BATCH_SIZE, or set "
-            "GPUFEED_DECODE_PROCESSES=0"
+            f"staging memory ({exc}) for {plan.ring_slots} batches in flight ({plan.ring_why}); "
+            "lower GPUFEED_BATCH_SIZE, or set GPUFEED_DECODE_PROCESSES=0"
         ) from None
     exit_stack.callback(arena.close)
     if pin:
@@ -692,8 +693,9 @@ def _payload_memory(
         memory = PayloadMemory(size)
     except OSError as exc:
         raise ConfigError(
-            f"GPUFEED_INTAKE: cannot allocate {size:,} bytes of shared payload memory ({exc}); "
-            "set GPUFEED_INTAKE=loop"
+            f"the intake's process ({table.given('intake', cfg.intake)}): cannot allocate "
+            f"{size:,} bytes of shared payload memory ({exc}); lower GPUFEED_BATCH_SIZE, or set "
+            "GPUFEED_DECODE_PROCESSES=0 (decode threads, which read jobs on the event loop)"
         ) from None
     exit_stack.callback(memory.close)
     return memory
@@ -783,7 +785,7 @@ def _packed_gpu_decode(
         pool.gpu_thumbnail_accept = rates.thumbnail_accept
         log.info("gpu_decode_rates", **rates.as_dict())
     else:
-        share, why = setting, f"GPUFEED_GPU_DECODE_SHARE={cfg.gpu_decode_share}"
+        share, why = setting, table.given("gpu_decode_share", cfg.gpu_decode_share)
 
     def set_share(value: float) -> None:
         pool.gpu_share = value

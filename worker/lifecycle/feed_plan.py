@@ -4,8 +4,8 @@ are resized; chosen at start-up from the host and the settings, each choice with
 The worker logs it as one line (`feed_plan`); `doctor` and the bench print it. Every
 choice follows a setting when one is given; `auto` picks from the host:
 
-- decode processes: unless GPUFEED_DECODE_THREADS is set (an operator who sized the
-  threads keeps them), on 4 cores or more, one per core but one, left to the worker's own
+- decode processes: unless the tuning constant DECODE_THREADS is set (a run that sized
+  the threads keeps them), on 4 cores or more, one per core but one, left to the worker's own
   process (the event loop, Redis, the launches), at most 32. Where one process's GIL binds
   (many cores), processes take decode out of it: decode threads beside a busy Python
   thread wait out the GIL for every image, processes do not. Where the cores bind (few),
@@ -16,9 +16,9 @@ choice follows a setting when one is given; `auto` picks from the host:
   files (memfd, Linux only). GPU decode (GPUFEED_DECODE) works with either: with processes
   the GPU's engines decode their share of each batch into its packed rows
   (worker/decode/gpu_packed.py), with threads the worker routes images to it;
-- ring slots: GPUFEED_RING_SLOTS;
+- ring slots: the tuning constant RING_SLOTS;
 - resize placement: worker/model/resample.py (`choose_placement`);
-- the result writer: unless GPUFEED_RESULT_WRITER names it, in a process of its own on 4
+- the result writer: unless the tuning constant RESULT_WRITER names it, in a process of its own on 4
   cores or more (worker/delivery/writer_process.py), for the reason decode goes to
   processes there: building and publishing results is per-job Python, and on a GPU host
   the worker's GIL binds. On fewer cores the writer's process would compete for the same
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.base.errors import ConfigError
+from worker.config import table
 from worker.config.settings import WorkerConfig
 
 # Below this many cores `auto` decodes on threads (see the module's docstring).
@@ -139,13 +140,11 @@ def plan_feed(
     cores = cores or usable_cores()
     threads = cfg.decode_threads or default_threads
     k, why = decode_processes_for(cfg, cores, thread_only_hook=thread_only_hook)
+    sized = table.given("decode_threads", cfg.decode_threads)
     if k and cfg.decode_threads:
-        why += f"; GPUFEED_DECODE_THREADS={cfg.decode_threads} unused (it sizes decode threads)"
+        why += f"; {sized} unused (it sizes decode threads)"
     if k == 0:
-        source = (
-            f"GPUFEED_DECODE_THREADS={cfg.decode_threads}" if cfg.decode_threads else "per core"
-        )
-        why += f"; {threads} threads ({source})"
+        why += f"; {threads} threads ({sized if cfg.decode_threads else 'per core'})"
     writer, writer_why = result_writer_for(cfg, cores)
     intake, intake_why = intake_for(cfg, k)
     return FeedPlan(
@@ -153,7 +152,7 @@ def plan_feed(
         decode_threads=threads,
         decoders_why=why,
         ring_slots=cfg.ring_slots,
-        ring_why=f"GPUFEED_RING_SLOTS={cfg.ring_slots}",
+        ring_why=table.given("ring_slots", cfg.ring_slots),
         placement=placement,
         placement_why=placement_why,
         cores=cores,
@@ -168,16 +167,17 @@ def intake_for(cfg: WorkerConfig, decode_processes: int) -> tuple[str, str]:
     """(`process` or `loop`, why): where the reads run, given the decode processes chosen.
     Only decode processes can read a payload from the intake's shared memory (on a Redis
     Cluster, one intake's process per shard reads its master)."""
+    given = table.given("intake", cfg.intake)
     if cfg.intake == "loop":
-        return "loop", "GPUFEED_INTAKE=loop"
+        return "loop", given
     if cfg.intake == "process":
         if not decode_processes:
             raise ConfigError(
-                "GPUFEED_INTAKE=process: image bytes go from the intake's process to decode "
-                "processes only; set GPUFEED_DECODE_PROCESSES to 1 or more, or GPUFEED_INTAKE "
-                "to auto or loop"
+                f"{given}: image bytes go from the intake's process to decode processes only; "
+                "set GPUFEED_DECODE_PROCESSES to 1 or more, or take intake out of "
+                f"{table.TUNING_VARIABLE}"
             )
-        return "process", "GPUFEED_INTAKE=process"
+        return "process", given
     if not decode_processes:
         return "loop", "auto: decode threads read image bytes from the worker's memory"
     return "process", "auto: image bytes straight from Redis to the decode processes"
@@ -186,7 +186,7 @@ def intake_for(cfg: WorkerConfig, decode_processes: int) -> tuple[str, str]:
 def result_writer_for(cfg: WorkerConfig, cores: int) -> tuple[str, str]:
     """(`process` or `loop`, why) for `cfg` on a host of `cores`."""
     if cfg.result_writer != "auto":
-        return cfg.result_writer, f"GPUFEED_RESULT_WRITER={cfg.result_writer}"
+        return cfg.result_writer, table.given("result_writer", cfg.result_writer)
     if cores < MIN_CORES_FOR_PROCESSES:
         return "loop", (
             f"auto: {cores} cores, under {MIN_CORES_FOR_PROCESSES}: a writer process would "
@@ -207,7 +207,7 @@ def decode_processes_for(
             k, why = 0, "auto: a decode hook is set that runs in threads only"
         elif cfg.decode_threads:
             # An operator who sized the decode threads keeps them.
-            k, why = 0, "auto: GPUFEED_DECODE_THREADS is set"
+            k, why = 0, f"auto: {table.given('decode_threads', cfg.decode_threads)} is set"
         elif cores < MIN_CORES_FOR_PROCESSES:
             k = 0
             why = (
