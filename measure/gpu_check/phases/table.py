@@ -102,7 +102,9 @@ def ran(name: str, *, failed: str = "it failed", reported: bool = True) -> Need:
     """Phase `name` done: where it is not, its reason is this phase's."""
 
     def why(run: Run) -> str | None:
-        entry = run.report["phases"].get(name) or {}
+        entry = run.report["phases"].get(name)
+        if entry is None:
+            return f"phase {name} did not run"
         if entry.get("status") == "done":
             return None
         return str(entry.get("why") or f"{failed}: {entry.get('error')}")
