@@ -4,8 +4,8 @@
 result over GPUFEED_MAX_RESULT_BYTES is answered with an error naming it; a flush Redis
 refuses while it answers otherwise (it drops the connection of a request larger than its
 proto-max-bulk-len) is published job by job, so only a job Redis refuses on its own gets a
-small error answer instead; and a writer that cannot publish for GPUFEED_LIVE_WRITER_STALL_S
-makes /live fail with the reason.
+small error answer instead; and a writer that cannot publish for the tuning constant
+LIVE_WRITER_STALL_S makes /live fail with the reason.
 
 The worker tests run a real worker process against a redis-server whose bulk strings are
 capped at 1 MB (Redis's smallest setting), so that sizes near Redis's own limit are cheap.
@@ -312,7 +312,8 @@ async def test_a_writer_that_cannot_publish_fails_live_with_the_reason(
         await asyncio.sleep(1.6)
         live, reason = health.live()
         assert not live
-        assert "result writer stalled" in reason and "GPUFEED_LIVE_WRITER_STALL_S=1" in reason
+        assert "result writer stalled" in reason
+        assert "(limit 1 s: GPUFEED_TUNING live_writer_stall_s=1)" in reason
         assert "Redis unreachable" in reason
         server.start()
         await asyncio.wait_for(publishing, 30)

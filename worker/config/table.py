@@ -138,7 +138,10 @@ class Setting:
         """How a message says where `value` came from: `GPUFEED_X=value`; for a tuning
         constant `tuning constant X` at tuning.py's value, else `GPUFEED_TUNING x=value`,
         so that no message names a variable the worker refuses."""
-        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = number(value) if isinstance(value, int | float) else str(value)
         if self.env:
             return f"{self.env}={text}"
         if value == self.default:

@@ -5,10 +5,11 @@ does; that is why they must not simply say 200. They read state that the worker 
 to date:
 
 - **/live** fails when the worker stopped making progress and only a restart helps: the
-  event loop has not run its beat task for GPUFEED_LIVE_LOOP_STALL_S, or the launch thread
-  has held one batch, or a launched batch has not finished on the device, for
-  GPUFEED_LIVE_LAUNCH_STALL_S, or the result writer has held answers it could not publish
-  for GPUFEED_LIVE_WRITER_STALL_S (logged once with the reason when it passes). During
+  event loop has not run its beat task for LIVE_LOOP_STALL_S, or the launch thread has held
+  one batch, or a launched batch has not finished on the device, for LIVE_LAUNCH_STALL_S,
+  or the result writer has held answers it could not publish for LIVE_WRITER_STALL_S
+  (logged once with the reason when it passes); the three are tuning constants
+  (worker/config/tuning.py). During
   start-up (model download, compilation) nothing is checked yet: the start-up probe on
   /ready bounds that.
 - **/ready** fails while the model is warming up, while Redis does not answer a PING (away,
@@ -33,6 +34,7 @@ import redis.asyncio as aioredis
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from worker.config import table
 from worker.delivery import redis_errors
 from worker.observe.metrics import WorkerMetrics
 
@@ -40,6 +42,11 @@ log = structlog.get_logger("gpufeed.health")
 
 REDIS_PROBE_INTERVAL_S = 1.0
 REDIS_PROBE_TIMEOUT_S = 2.0
+
+
+def _limit(name: str, seconds: float) -> str:
+    # A reason names the constant, not a variable: the worker refuses the old ones.
+    return f"limit {seconds:g} s: {table.given(name, seconds)}"
 
 
 class _Done(Protocol):
@@ -130,7 +137,7 @@ class Health:
         if held_s > self.writer_stall_s:
             return False, (
                 f"result writer stalled: answers unpublished for {held_s:.1f} s ({why}) "
-                f"(GPUFEED_LIVE_WRITER_STALL_S={self.writer_stall_s:g})"
+                f"({_limit('live_writer_stall_s', self.writer_stall_s)})"
             )
         return True, "live"
 
@@ -173,7 +180,7 @@ class Health:
         if self.loop_stall_s and beat is not None and now - beat > self.loop_stall_s:
             return False, (
                 f"event loop stalled: no beat for {now - beat:.1f} s "
-                f"(GPUFEED_LIVE_LOOP_STALL_S={self.loop_stall_s:g})"
+                f"({_limit('live_loop_stall_s', self.loop_stall_s)})"
             )
         writer = self._writer_live()
         if not writer[0]:
@@ -184,7 +191,7 @@ class Health:
         if started is not None and now - started > self.launch_stall_s:
             return False, (
                 f"launch thread stuck: one batch for {now - started:.1f} s "
-                f"(GPUFEED_LIVE_LAUNCH_STALL_S={self.launch_stall_s:g})"
+                f"({_limit('live_launch_stall_s', self.launch_stall_s)})"
             )
         with self._lock:
             launched = list(self._launched)
@@ -199,7 +206,7 @@ class Health:
                     return False, (
                         f"batch {item.batch.seq} unfinished on the device after "
                         f"{now - item.launched_s:.1f} s "
-                        f"(GPUFEED_LIVE_LAUNCH_STALL_S={self.launch_stall_s:g})"
+                        f"({_limit('live_launch_stall_s', self.launch_stall_s)})"
                     )
         return True, "live"
 
