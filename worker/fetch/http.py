@@ -230,9 +230,8 @@ class HttpFetcher:
             except TimeoutError:
                 raise FetchError(
                     ErrorCode.FETCH_TIMEOUT,
-                    f"{where} did not answer within GPUFEED_FETCH_CONNECT_TIMEOUT_S "
-                    f"({self.connect_timeout_s:g} s) / GPUFEED_FETCH_READ_TIMEOUT_S "
-                    f"({self.read_timeout_s:g} s)",
+                    f"{where} did not answer within the connect timeout "
+                    f"({self.connect_timeout_s:g} s) / read timeout ({self.read_timeout_s:g} s)",
                     status="timeout",
                     retryable=True,
                 ) from None
@@ -259,8 +258,8 @@ class HttpFetcher:
                 ) from None
         raise FetchError(
             ErrorCode.FETCH_FAILED,
-            f"{loggable_url(url)} redirected more than GPUFEED_FETCH_MAX_REDIRECTS "
-            f"({self.max_redirects}) times",
+            f"{loggable_url(url)} redirected more than {self.max_redirects} times (the "
+            "redirect limit)",
             status="4xx",
         )
 

@@ -6,16 +6,17 @@
 A `url` job takes a row of a staging slot only once its bytes have arrived, so one slow
 URL never holds a batch back: it is simply not in one yet. Each job's fetch is a task owned
 here; at most GPUFEED_FETCH_CONCURRENCY run at once, at most GPUFEED_FETCH_PER_HOST on one
-host, and each has GPUFEED_FETCH_TIMEOUT_S in all, retries included.
+host, and each has FETCH_TIMEOUT_S (a tuning constant, worker/config/tuning.py) in all,
+retries included.
 
 A host that stalls fills its own allowance, not everyone's: a job being fetched holds its
 in-flight place (its bytes are in memory), but a job waiting for a fetch slot gives its
-place back until it has one, for up to GPUFEED_FETCH_HOST_QUEUE jobs per host (and
+place back until it has one, for up to FETCH_HOST_QUEUE jobs per host (and
 WAITING_HOSTS times that in all; a job's URL is at most wire.MAX_URL_BYTES long), so a
 queue behind a slow host never keeps the reader from other jobs. Past that queue a job
 waits holding its place, which slows the reader to the host's pace (a large batch of one
 host's URLs is served, not refused), unless the host has answered nothing for
-GPUFEED_FETCH_READ_TIMEOUT_S: then it is answered `fetch_failed` (host busy) at once, and
+FETCH_READ_TIMEOUT_S: then it is answered `fetch_failed` (host busy) at once, and
 so are the jobs of that host that were holding places.
 
 Object-store keys are checked against GPUFEED_OBJECT_ALLOW (worker/fetch/objects.py) for
@@ -61,7 +62,7 @@ STORE_SOURCES = ("s3", "gs", "az")
 # How many URLs' validators are remembered (about 100 bytes each).
 VALIDATORS_KEPT = 65_536
 # Jobs waiting for a fetch slot without an in-flight place, all hosts together, in
-# GPUFEED_FETCH_HOST_QUEUE units: with the default, 16 x 64 jobs of at most 8 KiB of URL.
+# FETCH_HOST_QUEUE units: with the default, 16 x 64 jobs of at most 8 KiB of URL.
 WAITING_HOSTS = 16
 
 
@@ -374,7 +375,7 @@ class FetchStage:
             outcome = Outcome.failure(
                 job,
                 ErrorCode.FETCH_TIMEOUT,
-                f"{loggable_url(url)} was not fetched within GPUFEED_FETCH_TIMEOUT_S "
+                f"{loggable_url(url)} was not fetched within the fetch timeout "
                 f"({self.settings.timeout_s:g} s, retries included)",
             )
         except Exception as exc:  # noqa: BLE001 - one job's fetch must never stop the stage
@@ -424,10 +425,10 @@ class FetchStage:
         except HostBusy:
             raise FetchError(
                 ErrorCode.FETCH_FAILED,
-                f"host busy: the host of {loggable_url(url)} has answered nothing for "
-                f"GPUFEED_FETCH_READ_TIMEOUT_S ({self.settings.read_timeout_s:g} s) and "
-                f"{self._hosts.users(host)} of its jobs are being fetched or wait "
-                "(GPUFEED_FETCH_PER_HOST, GPUFEED_FETCH_HOST_QUEUE); send it again later",
+                f"host busy: the host of {loggable_url(url)} has answered nothing for the read "
+                f"timeout ({self.settings.read_timeout_s:g} s) and {self._hosts.users(host)} "
+                "of its jobs are being fetched (GPUFEED_FETCH_PER_HOST at once) or wait; send "
+                "it again later",
                 status="busy",
             ) from None
         if self.cache is not None:
