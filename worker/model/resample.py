@@ -194,20 +194,20 @@ def use_rows(step: InferenceStep, side: int, geometry_size: int) -> None:
 def choose_placement(
     setting: str, device: torch.device, decode: str, processes: int = 0
 ) -> tuple[str, str]:
-    """(`device` or `host`, why) for GPUFEED_RESIZE on `device` with GPUFEED_DECODE=`decode`
-    and `processes` decode processes (0: threads). Raises ConfigError for a combination that
-    cannot be honoured."""
+    """(`device` or `host`, why) for the tuning constant RESIZE (`setting`) on `device` with
+    GPUFEED_DECODE=`decode` and `processes` decode processes (0: threads). Raises
+    ConfigError for a combination that cannot be honoured."""
 
     if decode != "cpu" and not processes:
         # GPU decode from the worker's threads: its decoder writes resized rows.
         if setting == "device" and decode == "auto":
             return "device", (
-                "GPUFEED_RESIZE=device; GPUFEED_DECODE=auto decodes on the CPU here: the "
-                "decode threads' GPU decoder writes resized rows"
+                "GPUFEED_TUNING resize=device; GPUFEED_DECODE=auto decodes on the CPU here: "
+                "the decode threads' GPU decoder writes resized rows"
             )
         if setting == "device":
             raise ConfigError(
-                f"GPUFEED_RESIZE=device: with decode threads, rows at their own size need "
+                f"GPUFEED_TUNING resize=device: with decode threads, rows at their own size need "
                 f"GPUFEED_DECODE=cpu (got {decode}): the threads' GPU decoder writes resized "
                 "rows; decode processes take both"
             )
@@ -218,12 +218,12 @@ def choose_placement(
             )
     if decode == "gpu" and processes and setting == "host":
         raise ConfigError(
-            "GPUFEED_RESIZE=host: with decode processes the GPU decoder writes each image at "
-            "its own size into packed rows, resized in the step; set GPUFEED_RESIZE to auto or "
-            "device, or GPUFEED_DECODE_PROCESSES=0"
+            "GPUFEED_TUNING resize=host: with decode processes the GPU decoder writes each "
+            "image at its own size into packed rows, resized in the step; take resize out of "
+            "GPUFEED_TUNING, or set GPUFEED_DECODE_PROCESSES=0"
         )
     if setting != "auto":
-        return setting, f"GPUFEED_RESIZE={setting}"
+        return setting, f"GPUFEED_TUNING resize={setting}"
     if device.type == "cuda":
         return "device", (
             "auto on CUDA: the decode threads only decode, the resize is a few gathers in "

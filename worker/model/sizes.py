@@ -27,8 +27,8 @@ KEEP_BELOW = 0.85
 
 
 def parse_batch_sizes(raw: str) -> tuple[int, ...] | None:
-    """GPUFEED_BATCH_SIZES: `auto` (None: chosen at start-up), `off` (() : the batch size
-    alone), or whole numbers separated by commas. ValueError says what is wrong."""
+    """The tuning constant BATCH_SIZES: `auto` (None: chosen at start-up), `off` (() : the
+    batch size alone), or whole numbers separated by commas. ValueError says what is wrong."""
     text = raw.strip().lower()
     if text in ("", "auto"):
         return None
@@ -56,7 +56,7 @@ def planned_sizes(setting: tuple[int, ...] | None, batch: int) -> tuple[tuple[in
     if setting is None:
         return candidate_sizes(batch), f"auto: 1, B/8, B/2 and B for B = {batch}"
     if not setting:
-        return (batch,), "GPUFEED_BATCH_SIZES=off: the batch size alone"
+        return (batch,), "GPUFEED_TUNING batch_sizes=off: the batch size alone"
     over = [s for s in setting if s > batch]
     if over:
         raise ValueError(
@@ -65,7 +65,7 @@ def planned_sizes(setting: tuple[int, ...] | None, batch: int) -> tuple[tuple[in
     sizes = tuple(sorted({*setting, batch}))
     if len(sizes) > MAX_SIZES:
         raise ValueError(f"{len(sizes)} sizes with the batch size {batch}: at most {MAX_SIZES}")
-    return sizes, "GPUFEED_BATCH_SIZES, with the batch size"
+    return sizes, "GPUFEED_TUNING batch_sizes, with the batch size"
 
 
 def keep_faster(step_ms: dict[int, float]) -> tuple[int, ...]:
