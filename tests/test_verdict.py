@@ -3,11 +3,13 @@ order of the rules, and both sides of every threshold."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from worker.config import table
 from worker.tools.doctor import verdict as V
 from worker.tools.doctor.verdict import Evidence, verdict
 
@@ -93,15 +95,20 @@ def test_feed_starved_when_decode_binds() -> None:
     text = "\n".join(v.evidence)
     assert "30% of the model's direct-feed ceiling (1,000.0 images/s)" in text
     assert "decode capacity 307.7 images/s = 4 threads / 13.0 ms" in text
-    assert "GPUFEED_DECODE_THREADS (now 4" in v.knob
+    # Threads are sized by a tuning constant: the knob is decode processes.
+    assert "set GPUFEED_DECODE_PROCESSES=15 (now 4 decode threads; this host has 16" in v.knob
+    assert "tuning constant DECODE_THREADS" in v.knob
     assert "GPUFEED_DECODE=gpu" in v.knob
-    assert "keep GPUFEED_DCT_SCALING=true" in v.knob
+    assert "dct_scaling" not in v.knob
+    processes = gpu(e2e_images_per_s=300.0, decode_processes=4, decode_threads=4)
+    knob = verdict(replace(processes, decode_ms_mean=13.0)).knob
+    assert "raise GPUFEED_DECODE_PROCESSES (now 4; this host has 16 cores)" in knob
 
 
 def test_feed_starved_knob_turns_dct_scaling_on() -> None:
     v = verdict(gpu(e2e_images_per_s=300.0, decode_ms_mean=26.0, dct_scaling=False))
     assert v.name == "feed-starved"
-    assert "set GPUFEED_DCT_SCALING=true (now false)" in v.knob
+    assert "take dct_scaling=false out of GPUFEED_TUNING to decode them at 1/2-1/8" in v.knob
 
 
 def test_feed_starved_on_low_fill_with_a_backlog() -> None:
@@ -355,19 +362,35 @@ def test_edge_cpu_model_binding(in_pipe: float, name: str) -> None:
     assert verdict(cpu(e2e_images_per_s=20.0, model_in_pipeline_images_per_s=in_pipe)).name == name
 
 
+# One evidence per verdict.
+EACH_VERDICT = [
+    gpu(host_syncs=1),
+    gpu(e2e_images_per_s=300.0, fetch_ms_mean=300.0, fetch_concurrency=64),
+    gpu(e2e_images_per_s=300.0, decode_ms_mean=26.0),
+    gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=600.0),
+    gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=5e3, loop_cpu_us_per_job=1800.0),
+    gpu(cudagraphs=False, kernel_count=300, tiny_share=0.8, busy_ratio=0.3),
+    gpu(mem_bw_util_pct=80.0),
+    gpu(gpu_util_pct=99.0),
+    gpu(),
+    Evidence(),
+]
+
+
 def test_every_verdict_name_is_reachable() -> None:
-    reached = {
-        verdict(gpu(host_syncs=1)).name,
-        verdict(gpu(e2e_images_per_s=300.0, fetch_ms_mean=300.0, fetch_concurrency=64)).name,
-        verdict(gpu(e2e_images_per_s=300.0, decode_ms_mean=26.0)).name,
-        verdict(gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=600.0)).name,
-        verdict(
-            gpu(e2e_images_per_s=500.0, queue_ceiling_jobs_per_s=5e3, loop_cpu_us_per_job=1800.0)
-        ).name,
-        verdict(gpu(cudagraphs=False, kernel_count=300, tiny_share=0.8, busy_ratio=0.3)).name,
-        verdict(gpu(mem_bw_util_pct=80.0)).name,
-        verdict(gpu(gpu_util_pct=99.0)).name,
-        verdict(gpu()).name,
-        verdict(Evidence()).name,
-    }
-    assert reached == set(V.VERDICTS)
+    assert {verdict(ev).name for ev in EACH_VERDICT} == set(V.VERDICTS)
+
+
+def test_every_knob_names_only_variables_the_worker_takes() -> None:
+    """A knob naming a variable the worker refuses (a former setting) sends the operator
+    to a refusal: each verdict's knob, and its hints', under each way of decoding."""
+    takes = set(table.BY_ENV) | set(table.TOOL_VARIABLES) | {table.TUNING_VARIABLE}
+    knobs: list[str] = []
+    for ev in [*EACH_VERDICT, cpu(), cpu(e2e_images_per_s=10.0, decode_ms_mean=200.0)]:
+        for changes in [{}, {"decode_processes": 4}, {"dct_scaling": False}, {"backlog": True}]:
+            v = verdict(replace(ev, **changes))
+            knobs += [v.knob, *(f.knob for f in v.also)]
+    named = {name for knob in knobs for name in re.findall(r"GPUFEED_[A-Z0-9_]+", knob)}
+    assert named and named <= takes, sorted(named - takes)
+    starved = verdict(gpu(e2e_images_per_s=500.0, process_cpu_pct=99.0))
+    assert "the tuning constant RING_SLOTS, which GPUFEED_TUNING=ring_slots=N" in starved.knob

@@ -163,7 +163,8 @@ class IntakeProcess:
         if self._starts.given_up:
             raise IntakeProcessFailed(
                 f"the intake's process ended {self._starts.in_a_row} times in a row before it "
-                "answered a read (its errors are above); set GPUFEED_INTAKE=loop"
+                "answered a read (its errors are above); GPUFEED_DECODE_PROCESSES=0 reads jobs "
+                "on the event loop instead (decode threads)"
             )
         if self._popen is not None:
             self.restarts += 1

@@ -231,7 +231,8 @@ def render(report: Mapping[str, Any], console: Console) -> None:
             + (
                 f"into its cache for up to {hot['warm_start_s']:g} s before it joins the group"
                 if hot["warm_start_s"] > 0
-                else "into its cache only with GPUFEED_WARM_START_S above 0"
+                else "into its cache only with a warm start: take warm_start_s=0 out of "
+                "GPUFEED_TUNING"
             ),
         )
         for entry in hot["top"]:

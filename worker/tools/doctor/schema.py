@@ -84,12 +84,12 @@ _GIL = _obj(
         ),
         "writer_process_cpu_us_per_job": _t(
             "number",
-            "the result writer's process's CPU per job (0 with GPUFEED_RESULT_WRITER=loop)",
+            "the result writer's process's CPU per job (0 with the writer on the event loop)",
             "µs",
         ),
         "intake_process_cpu_us_per_job": _t(
             "number",
-            "the intake's processes' CPU per job (0 with GPUFEED_INTAKE=loop)",
+            "the intake's processes' CPU per job (0 with jobs read on the event loop)",
             "µs",
         ),
         "decode_released_us_per_job": _t(
@@ -172,8 +172,8 @@ SCHEMA: dict[str, Any] = _obj(
                 "device": _t("string", "the device used, e.g. `cpu`, `cuda:0 (NVIDIA H200)`"),
                 "batch_size": _t("integer", "the largest batch shape", "images"),
                 "batch_sizes": _list(
-                    "each batch shape compiled at start-up (GPUFEED_BATCH_SIZES); a batch runs "
-                    "on the smallest kept one that holds it",
+                    "each batch shape compiled at start-up (tuning constant BATCH_SIZES); a batch "
+                    "runs on the smallest kept one that holds it",
                     _obj(
                         "one batch shape",
                         {
@@ -214,12 +214,13 @@ SCHEMA: dict[str, Any] = _obj(
                 "result_writer": _t(
                     "string",
                     "where results are built and published: `process` or `loop` "
-                    "(GPUFEED_RESULT_WRITER as resolved)",
+                    "(the tuning constant RESULT_WRITER as resolved)",
                 ),
                 "intake": _t(
                     "string",
                     "where jobs are read from Redis: `process` (image bytes straight into "
-                    "memory the decode processes read) or `loop` (GPUFEED_INTAKE as resolved)",
+                    "memory the decode processes read) or `loop` (the tuning constant INTAKE as "
+                    "resolved)",
                 ),
                 "staged_bytes_per_image": _t(
                     "integer",
@@ -227,9 +228,13 @@ SCHEMA: dict[str, Any] = _obj(
                     "measured over the run, the decoded pixels and a 64-byte record)",
                     "bytes",
                 ),
-                "dct_scaling": _t("boolean", "GPUFEED_DCT_SCALING"),
+                "dct_scaling": _t(
+                    "boolean", "large JPEGs decoded at 1/2-1/8 scale (tuning constant DCT_SCALING)"
+                ),
                 "resize": _t("string", "where images are resized (`host` or `device`)"),
-                "resize_why": _t("string", "why that placement (GPUFEED_RESIZE and the device)"),
+                "resize_why": _t(
+                    "string", "why that placement (the tuning constant RESIZE and the device)"
+                ),
                 "row_side": _t("integer", "side of the input ring's rows (S; R for device)", "px"),
                 "ring_pinned_bytes": _t(
                     "integer", "the input ring's host memory, all slots (pinned on CUDA)", "bytes"
@@ -450,9 +455,13 @@ SCHEMA: dict[str, Any] = _obj(
             "decodes into its cache before it joins the group (docs/operations.md, Warm start)",
             {
                 "key": _t("string", "its key, `<GPUFEED_STREAM>:hot`"),
-                "size": _t("integer", "GPUFEED_HOT_LIST: the most images it keeps", "images"),
+                "size": _t(
+                    "integer", "the most images it keeps (tuning constant HOT_LIST)", "images"
+                ),
                 "warm_start_s": _t(
-                    "number", "GPUFEED_WARM_START_S: a starting worker's warming budget", "s"
+                    "number",
+                    "a starting worker's warming budget (tuning constant WARM_START_S)",
+                    "s",
                 ),
                 "off": _t("string", "why a worker with these settings keeps none, or empty"),
                 "images": _t(["integer", "null"], "images on it now", "images"),

@@ -48,6 +48,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.config.table import TUNING_VARIABLE as TUNING
+
 VERDICTS = (
     "sync-bound",
     "fetch-bound",
@@ -104,7 +106,7 @@ class Evidence:
     cudagraphs: bool = False  # the serving step replays CUDA graphs
     precision: str | None = None  # the serving dtype, e.g. "bfloat16"
     decode: str = "cpu"  # GPUFEED_DECODE
-    dct_scaling: bool = True  # GPUFEED_DCT_SCALING
+    dct_scaling: bool = True  # the tuning constant DCT_SCALING
     decode_threads: int | None = None  # decoders: processes, or threads without them
     decode_processes: int = 0  # GPUFEED_DECODE_PROCESSES as resolved (0: threads)
     cpu_count: int | None = None
@@ -288,17 +290,26 @@ def _decode_knob(ev: Evidence) -> str:
     cores = f"; this host has {ev.cpu_count} cores" if ev.cpu_count else ""
     if ev.cpu_count and ev.decode_threads and ev.decode_threads >= ev.cpu_count:
         cores += f", so more {_decoders(ev)} help only while decode waits on I/O"
-    setting = "GPUFEED_DECODE_PROCESSES" if ev.decode_processes else "GPUFEED_DECODE_THREADS"
-    parts = [f"raise {setting} (now {threads}{cores})"]
+    if ev.decode_processes:
+        parts = [f"raise GPUFEED_DECODE_PROCESSES (now {threads}{cores})"]
+    else:
+        # The threads' count is a tuning constant: the operator's knob is processes.
+        processes = max(1, ev.cpu_count - 1) if ev.cpu_count else "N"
+        parts = [
+            f"decode in processes: set GPUFEED_DECODE_PROCESSES={processes} (now {threads} "
+            f"decode threads{cores}; the tuning constant DECODE_THREADS sizes them, and "
+            f"{TUNING}=decode_threads=N overrides it for an experiment)"
+        ]
     if ev.device_type == "cuda" and ev.decode != "gpu":
         parts.append(f"or set GPUFEED_DECODE=gpu (now {ev.decode}) to decode JPEGs on the GPU")
     elif ev.device_type != "cuda":
         parts.append("or run more worker processes / a CUDA host with GPUFEED_DECODE=gpu")
     knob = " ".join(parts)
-    if ev.dct_scaling:
-        knob += "; large JPEGs: keep GPUFEED_DCT_SCALING=true"
-    else:
-        knob += "; large JPEGs: set GPUFEED_DCT_SCALING=true (now false) to decode at 1/2-1/8"
+    if not ev.dct_scaling:
+        knob += (
+            f"; large JPEGs: take dct_scaling=false out of {TUNING} to decode them at 1/2-1/8 "
+            "scale (the tuning constant DCT_SCALING, on by default)"
+        )
     return knob + "; or cache decoded, resized images upstream"
 
 
@@ -502,7 +513,8 @@ def _feed_fallback(ev: Evidence) -> Finding | None:
         _lines(*evidence),
         "if the worker process's CPU is near 100% (its event loop), run a second worker "
         "process on the device (each its own GPUFEED_WORKER_NAME); if Redis is remote, check "
-        "its latency; raise GPUFEED_RING_SLOTS to ride out short stalls",
+        "its latency; a deeper ring rides out short stalls: its depth is the tuning constant "
+        f"RING_SLOTS, which {TUNING}=ring_slots=N overrides for an experiment",
     )
 
 
