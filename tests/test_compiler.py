@@ -107,7 +107,7 @@ def test_the_step_is_compiled_without_graph_partitions() -> None:
 
 @pytest.mark.slow
 def test_each_batch_size_compiles_to_one_graph_and_another_shape_is_a_recompile() -> None:
-    """Batch 4 and the smaller size 1 (GPUFEED_BATCH_SIZES) are compiled at start-up; a
+    """Batch 4 and the smaller size 1 (the tuning constant batch_sizes) are compiled at start-up; a
     later call on either is no recompile, a batch of 3 is."""
     step = Fixed().eval()
     fn, report = compile_step(

@@ -482,7 +482,7 @@ def test_two_lanes_decode_side_by_side_each_on_its_own_stream() -> None:
 
 
 async def test_the_processes_leave_the_share_spread_over_batches_and_only_what_fits() -> None:
-    """GPUFEED_GPU_DECODE_SHARE=0.5 over two groups of image, path and url jobs: every
+    """A GPU decode share of 0.5 over two groups of image, path and url jobs: every
     second image job offered (the fraction left over carries to the next group), offered
     baseline JPEGs left DEFERRED with their upright size, offered others decoded; path and
     url jobs never offered; `gpu=False` offers none."""

@@ -222,7 +222,7 @@ async def test_a_restarted_worker_answers_its_first_hot_list_jobs_from_its_cache
         assert server.hits["/img/logo"] == fetched_before + 2  # the warm fetch, then a 304
         assert server.conditional >= 1
 
-        # 3. Started cold (GPUFEED_WARM_START_S=0), the same first jobs are decoded again.
+        # 3. Started cold (warm_start_s=0), the same first jobs are decoded again.
         async with running_worker(
             redis_url, tiny_weights, decode_processes="0", warm_start_s=0, **common
         ) as worker:
@@ -262,7 +262,7 @@ async def test_warm_start_keeps_its_budget_whatever_the_list_holds(
 ) -> None:
     """A hot list of images that each take seconds to decode (a tenant's own hot images,
     large PNGs say) holds a restarting worker out of the group no longer than
-    GPUFEED_WARM_START_S and a second, and leaves its decoders free for its first jobs."""
+    the warm start's budget and a second, and leaves its decoders free for its first jobs."""
     root = tmp_path / "slow"
     root.mkdir()
     for i in range(8):

@@ -1,4 +1,4 @@
-"""The result writer in a process of its own (GPUFEED_RESULT_WRITER=process): what it
+"""The result writer in a process of its own (the tuning constant result_writer=process): what it
 publishes is what the event loop's writer publishes, and no job is lost or answered twice
 when its process dies or Redis refuses it."""
 

@@ -10,7 +10,7 @@ at its end; tests/test_decode_contract.py runs the same tests on both.
 The life of a batch's rows: `submit_rows` hands a group of rows over as they are taken
 (what one read gave the batch) and returns its `DecodeGroup`; `settle` waits for the groups
 of a batch and gives their results in row order, answering `decode_timeout` for a row past
-the decode budget (GPUFEED_DECODE_BUDGET_MS); `redecode` decodes on the CPU the rows the GPU
+the decode budget (DECODE_BUDGET_MS); `redecode` decodes on the CPU the rows the GPU
 decoder failed; `shutdown` ends it, cancelling the rows not answered.
 """
 

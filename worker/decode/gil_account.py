@@ -299,8 +299,8 @@ def gil_figures(
     (the flag travels with the figures). `decoders_cpu_s`: the CPU of the worker's decode
     processes, which hold no GIL of this process but share its cores (the core-bound
     projection counts it); `writer_cpu_s`: the CPU of its result writer's process
-    (GPUFEED_RESULT_WRITER=process), and `intake_cpu_s` its intake's processes'
-    (GPUFEED_INTAKE=process), counted alike. None without jobs or without
+    (where the result writer runs in one), and `intake_cpu_s` its intake's processes'
+    (where jobs are read in them), counted alike. None without jobs or without
     per-thread clocks."""
     if jobs <= 0 or not after.cpu_s:
         return None

@@ -2,10 +2,10 @@
 
 libjpeg-turbo and PIL release the GIL while they decode and resize, so threads give real
 parallelism here without the cost of shipping pixels between processes. With `row_side`
-set (GPUFEED_RESIZE=device) a row receives the decoded pixels and their geometry
+set (the device placement) a row receives the decoded pixels and their geometry
 (worker/decode/rows.py) instead of a resized square.
 
-Every image has a decode budget (GPUFEED_DECODE_BUDGET_MS), counted from the moment a thread
+Every image has a decode budget (the tuning constant DECODE_BUDGET_MS), counted from when a thread
 starts on it. A batch waits for a row at most that long; a row still decoding then is given
 up, answered `decode_timeout`, and the batch goes on without it, so one slow image never
 holds the jobs behind it. A thread cannot be stopped inside a Pillow call, hence:

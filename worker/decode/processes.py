@@ -20,7 +20,7 @@ fingerprint (a length and a tail, which a sender controls) spread like any other
 process decodes its run cheapest first (worker/decode/process_main.py), so a small image
 never waits behind a large one sent with it.
 
-The decode budget (GPUFEED_DECODE_BUDGET_MS) bounds each run, counted from the start of its
+The decode budget (the constant DECODE_BUDGET_MS) bounds each run, counted from the start of its
 first row, not each image alone: images that each decode within the budget cannot together
 hold a batch for many budgets. Each process notes in shared memory which run and row it
 works on and since when the run started; a run past the budget has its process killed and

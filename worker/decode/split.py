@@ -3,13 +3,13 @@ right while the worker runs.
 
 The start-up measurement (worker/decode/gpu_packed.py, `measure_rates`) gives the GPU the
 share of the two decoders' summed rate on sample JPEGs. Real traffic differs (other sizes,
-other encoders, a model that competes with the decode for the GPU), so with
-GPUFEED_GPU_DECODE_SHARE=auto the dispatcher reports, for each batch, how long it waited
-for the batch's CPU rows (decoded after the batch was taken) and how long for its GPU rows
-(decoded when the launch needed them). Over a window of batches, the decoder it waited for
-more gets less: the share moves by a step toward the side that kept the dispatcher
-waiting less. While neither keeps it waiting (the model binds, or jobs are few) the share
-stays where it is. A share the operator set is never moved.
+other encoders, a model that competes with the decode for the GPU), so with the share on
+`auto` (the tuning constant GPU_DECODE_SHARE) the dispatcher reports, for each batch, how
+long it waited for the batch's CPU rows (decoded after the batch was taken) and how long
+for its GPU rows (decoded when the launch needed them). Over a window of batches, the
+decoder it waited for more gets less: the share moves by a step toward the side that kept
+the dispatcher waiting less. While neither keeps it waiting (the model binds, or jobs are
+few) the share stays where it is. A share set through GPUFEED_TUNING is never moved.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ control character (doctor shows the list on a terminal).
 
 A worker counts the hits of each batch in memory (`HotList.counts`, bounded) and adds
 them every FLUSH_INTERVAL_S and when it stops, in one script that also ages the scores,
-drops those worth less than MIN_SCORE and keeps the `GPUFEED_HOT_LIST` best. The script
+drops those worth less than MIN_SCORE and keeps the HOT_LIST best (a tuning constant). The script
 keeps the time it last aged the list in the set itself, as the (negative) score of the
 member `*aging*`, which no image member can equal and which ranks below every image.
 """
@@ -232,7 +232,7 @@ class HotList:
                     "hot_list_refused",
                     key=self.key,
                     error=str(exc),
-                    note="the worker goes on without the hot list; see GPUFEED_HOT_LIST",
+                    note="the worker goes on without the hot list",
                 )
             else:
                 # Redis away, or refusing everyone for a moment (BUSY: a script holds it):

@@ -311,7 +311,7 @@ class Reclaimer:
                     # is nothing of this consumer's to leave; the next reader recreates it.
                     continue
                 # Refused for now (a script holds Redis: BUSY): the consumer stays, and the
-                # other workers remove it once it is idle past GPUFEED_CONSUMER_EXPIRY_S.
+                # other workers remove it once it is idle past CONSUMER_EXPIRY_S.
                 if not temporary(exc):
                     raise
             held += 1

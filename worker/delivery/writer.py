@@ -214,7 +214,7 @@ class ResultWriter:
         # Empty items put on the queue to wake `run` (see publish_now): not outcomes.
         self._wakes = 0
         # Since when answers wait that cannot be published (monotonic; None: none wait),
-        # and why: /live fails past GPUFEED_LIVE_WRITER_STALL_S (worker/observe/health.py).
+        # and why: /live fails past LIVE_WRITER_STALL_S (worker/observe/health.py).
         self._stalled_since: float | None = None
         self._stall_reason = ""
         # What Redis answered while it refused everyone for now (BUSY: a script past

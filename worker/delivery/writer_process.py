@@ -1,4 +1,4 @@
-"""The result writer in a process of its own (GPUFEED_RESULT_WRITER=process).
+"""The result writer in a process of its own (the tuning constant RESULT_WRITER: process).
 
 Building a job's result (its fields, their msgpack map, the publish call's arguments) and
 parsing the script's answers is per-job Python: on the event loop it is the largest share

@@ -9,7 +9,7 @@ GPUFEED_PATH_ROOT, both decoded by the worker's own decoders into a staging slot
 puts each row in the cache under the key a job for that reply stream will look for (with
 decode processes, in the process the image's bytes are routed to).
 
-Bounded three ways: GPUFEED_WARM_START_S, half the cache that holds the rows (so warming
+Bounded three ways: the tuning constant WARM_START_S, half the cache that holds the rows (so warming
 never evicts what it warmed), and the list's own size. The time bound holds whatever the
 list names: a fetch still running when it passes is cancelled, and so is a decode (its rows
 are given up as over budget, a decode process holding them replaced), since warming is only

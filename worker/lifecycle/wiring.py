@@ -26,6 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from producer import shards
 from producer.priorities import parse_levels
+from worker.config import table
 from worker.config.lanes import Lanes
 from worker.config.settings import WorkerConfig
 from worker.delivery.cluster_node import ShardNodeClient
@@ -87,7 +88,7 @@ class Stages:
     # The held entries, and what the writer's published outcomes give back to the readers.
     settlement: Settlement
     # One shard: its writer as it is; several: the router in front of theirs; or the
-    # worker's side of the writers' process (GPUFEED_RESULT_WRITER).
+    # worker's side of the writers' process (the tuning constant RESULT_WRITER).
     writer: Writer
     batcher: Batcher
     steps: Steps
@@ -97,8 +98,8 @@ class Stages:
     dispatcher: Dispatcher
     readers: list[Reader]
     reclaimers: list[Reclaimer]
-    # The fleet's hot list, with the hits counted for it (None: GPUFEED_HOT_LIST is 0 or
-    # the decode cache is off).
+    # The fleet's hot list, with the hits counted for it (None: the tuning constant HOT_LIST
+    # is 0 or the decode cache is off).
     hot: HotList | None = None
     duties: list[Duty] = field(default_factory=list)
 
@@ -338,7 +339,7 @@ def _shard_stages(
 def hot_list_off(cfg: WorkerConfig) -> str:
     """Why this worker keeps no hot list, or ""."""
     if cfg.hot_list == 0:
-        return "GPUFEED_HOT_LIST is 0"
+        return f"the hot list is off ({table.given('hot_list', cfg.hot_list)})"
     if cfg.decode_cache_mb == 0:
         return "the decode cache is off (GPUFEED_DECODE_CACHE_MB is 0)"
     return ""

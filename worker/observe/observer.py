@@ -3,7 +3,7 @@
 - Prometheus metrics and /live, /ready on GPUFEED_METRICS_PORT;
 - a heartbeat hash `gpufeed:worker:<name>` (with a TTL), so `redis-cli`, `producer stats`
   and `worker top` see every live worker;
-- one structured summary log line per GPUFEED_STATS_INTERVAL_S.
+- one structured summary log line every STATS_INTERVAL_S (a tuning constant).
 
 It is fed by the completion watcher and the result writer (both on the event loop, after
 the GPU work is done) and by a sampler thread that reads NVML and psutil.
