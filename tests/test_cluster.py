@@ -154,7 +154,8 @@ async def test_jobs_over_three_shards_are_answered_exactly_once_by_two_workers(
             await stack.enter_async_context(running(null_config(cluster.url, prefix, name, **kw)))
             for name, kw in (("w1", {"result_writer": "loop", "intake": "loop"}), ("w2", apart))
         ]
-        assert len(workers[1].writer_pids) == 1 and len(workers[1].intake_pids) == 3
+        apart_report = workers[1].report()
+        assert len(apart_report.writer_pids) == 1 and len(apart_report.intake_pids) == 3
         # The fleet's hot list is one key: its script runs on that key's node.
         hot = workers[0].stages.hot
         assert hot is not None and await hot.add({'["path","x","a.jpg"]': 1}) == 1

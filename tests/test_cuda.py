@@ -435,8 +435,9 @@ async def test_worker_on_cuda_matches_the_cpu_reference(
         compile="auto",
         decode_processes=decode_processes,
     ) as worker:
-        assert worker.compile_report is not None and worker.compile_report.compiled
-        assert worker.decoder.kind == ("processes" if decode_processes != "0" else "threads")
+        report = worker.report()
+        assert report.compile_report.compiled
+        assert report.decoders == ("processes" if decode_processes != "0" else "threads")
         for i, data in enumerate(images):
             redis_client.xadd("gpufeed:jobs", {"id": f"j{i}", "image": data})
         entries = await wait_results(redis_client, "gpufeed:results", len(images))

@@ -99,7 +99,7 @@ async def test_a_repeated_image_comes_from_the_cache_with_the_same_answer(
         redis_client.xadd("gpufeed:jobs", {"id": "other", "image": jpeg_bytes(seed=4)})
         await wait_results(redis_client, "gpufeed:results", 3)
         await asyncio.sleep(0)
-        assert worker.decode_cache.hits == 1
+        assert worker.engine.feed.decode_cache.hits == 1
     results = {
         r.id: r
         for r in (JobResult.from_fields(f) for _, f in redis_client.xrange("gpufeed:results"))
@@ -124,7 +124,7 @@ async def test_a_hit_never_crosses_reply_streams(
         await wait_results(redis_client, "tenant-b:out", 1)
         redis_client.xadd("gpufeed:jobs", {"id": "a2", "image": data, "reply_to": "tenant-a:out"})
         await wait_results(redis_client, "tenant-a:out", 2)
-        assert worker.decode_cache.hits == 1
+        assert worker.engine.feed.decode_cache.hits == 1
     results = {
         r.id: r
         for stream in ("tenant-a:out", "tenant-b:out")

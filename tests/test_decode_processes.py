@@ -356,15 +356,16 @@ async def test_the_worker_answers_the_same_with_processes_and_with_threads(
             resize=resize,
             result_writer=writer,
         ) as worker:
-            assert worker.decoder.kind == ("processes" if setting == "2" else "threads")
-            assert worker.engine.feed.plan.result_writer == writer
-            assert len(worker.writer_pids) == (1 if writer == "process" else 0)
-            assert worker.engine.feed.plan.packed == (setting == "2" and resize == "device")
+            report = worker.report()
+            assert report.decoders == ("processes" if setting == "2" else "threads")
+            assert report.plan.result_writer == writer
+            assert len(report.writer_pids) == (1 if writer == "process" else 0)
+            assert report.plan.packed == (setting == "2" and resize == "device")
             for i, data in enumerate(images):
                 redis_client.xadd("gpufeed:jobs", {"id": f"img{i}", "image": data})
             results = await wait_results(redis_client, "gpufeed:results", len(images))
             staged = worker.engine.staged_bytes_per_image()
-        row_bytes = worker.ring_budget["h2d_bytes_per_batch"] // worker.batch_size
+        row_bytes = report.ring_budget["h2d_bytes_per_batch"] // report.batch_size
         if worker.engine.feed.plan.packed:
             # Measured: what the images took, against the fixed rows' bytes (one 640x480
             # photo among thumbnails: a quarter of them on average).

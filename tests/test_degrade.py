@@ -305,7 +305,7 @@ async def test_off_by_default_results_carry_no_degraded_field(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
     async with running_worker(redis_url, tiny_weights, **NULL) as worker:
-        assert worker.degrade_switch is None and "degrade" not in worker._tasks
+        assert worker.report().degraded_model is None and "degrade" not in worker._tasks
         async with AsyncProducer(redis_url) as p:
             for i in range(3):
                 await p.submit(jpeg_bytes(seed=i), id=f"j{i}")
@@ -329,9 +329,9 @@ async def test_a_backlog_turns_the_degraded_step_on_and_its_end_turns_it_off(
             degrade_input_size=32,
             **NULL,
         ) as worker:
-            switch = worker.degrade_switch
+            switch, watcher = worker.stages.steps.switch, worker.stages.watcher
             assert switch is not None and not switch.on
-            done = worker.watcher._on_batch_done
+            done = watcher._on_batch_done
 
             def record(launched: Launched, gpu_ms: float) -> None:
                 degraded = launched.serving is not None and launched.serving.degraded
@@ -340,7 +340,7 @@ async def test_a_backlog_turns_the_degraded_step_on_and_its_end_turns_it_off(
                 if done is not None:
                     done(launched, gpu_ms)
 
-            worker.watcher._on_batch_done = record
+            watcher._on_batch_done = record
             burst = [Job(image=jpeg_bytes(seed=i), id=f"b{i}") for i in range(48)]
             async with AsyncProducer(redis_url) as p:
                 await p.submit_many(burst)  # one round trip: a backlog at once
@@ -385,7 +385,7 @@ async def test_a_future_entry_id_before_a_backlog_still_turns_the_degraded_step_
         degrade_input_size=32,
         **NULL,
     ) as worker:
-        switch = worker.degrade_switch
+        switch = worker.stages.steps.switch
         assert switch is not None
         redis_client.xadd(
             "gpufeed:jobs", {"id": "forged", "image": jpeg_bytes()}, id="9999999999999-0"
@@ -425,9 +425,9 @@ async def test_a_degraded_model_directory_with_other_classes_answers_in_its_own_
         degrade_after_s=3600.0,  # never on by itself here: the test turns it on
         degrade_model=str(small),
     ) as worker:
-        switch = worker.degrade_switch
-        assert switch is not None
-        assert worker.degraded_out_ring is not worker.out_ring  # 3 classes, not 5
+        switch, model = worker.stages.steps.switch, worker.engine.model
+        assert switch is not None and worker.report().degraded_model == "small"
+        assert model.degraded_out_ring is not model.out_ring  # 3 classes, not 5
         async with AsyncProducer(redis_url) as p:
             await p.submit(jpeg_bytes(seed=1), id="main")
             await wait_results(redis_client, "gpufeed:results", 1)
@@ -457,9 +457,9 @@ async def test_on_cuda_both_steps_replay_graphs_and_alternate_without_recompilin
         degrade_after_s=3600.0,  # the test turns the switch
         degrade_input_size=48,
     ) as worker:
-        report = worker.compile_report
-        assert report is not None and report.compiled and report.cudagraph_replays > 0
-        switch = worker.degrade_switch
+        report = worker.report().compile_report
+        assert report.compiled and report.cudagraph_replays > 0
+        switch = worker.stages.steps.switch
         assert switch is not None
         async with AsyncProducer(redis_url) as p:
             for round_ in range(4):
@@ -486,13 +486,15 @@ async def test_a_failure_of_the_degraded_step_fails_its_batch_alone_and_names_it
     async with running_worker(
         redis_url, tiny_weights, degrade_after_s=3600.0, degrade_input_size=32, **NULL
     ) as worker:
-        assert worker.degrade_switch is not None and worker.degraded_serving is not None
-        worker.degraded_serving = replace(worker.degraded_serving, step=broken)
+        steps = worker.stages.steps
+        switch = steps.switch
+        assert switch is not None and steps.degraded is not None
+        steps.degraded = replace(steps.degraded, step=broken)
         async with AsyncProducer(redis_url) as p:
-            worker.degrade_switch.observe(7200.0)
+            switch.observe(7200.0)
             await p.submit(jpeg_bytes(seed=1), id="degraded")
             await wait_results(redis_client, "gpufeed:results", 1)
-            worker.degrade_switch.on = False
+            switch.on = False
             await p.submit(jpeg_bytes(seed=2), id="main")
             entries = await wait_results(redis_client, "gpufeed:results", 2)
     results = results_by_id(entries)

@@ -54,13 +54,13 @@ async def test_a_host_that_trickles_does_not_keep_other_jobs_waiting(
     }
     slow = [f"slow-{i}" for i in range(16)]
     async with running_worker(redis_url, tiny_weights, **settings) as worker:
-        assert worker.in_flight.limit == len(slow)
+        assert worker.stages.in_flight.limit == len(slow)
         for job_id in slow:
             redis_client.xadd("gpufeed:jobs", {"id": job_id, "url": server.url("/trickle")})
         redis_client.xadd("gpufeed:jobs", {"id": "inline", "image": server.images["a"]})
         redis_client.xadd("gpufeed:jobs", {"id": "long-url", "url": "http://x.example/" * 70_000})
         entries = await wait_results(redis_client, "gpufeed:results", len(slow) + 2)
-        left = worker.in_flight.count
+        left = worker.stages.in_flight.count
 
     order = [JobResult.from_fields(f).id for _, f in entries]
     results = {r.id: r for r in (JobResult.from_fields(f) for _, f in entries)}

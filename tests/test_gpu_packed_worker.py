@@ -20,7 +20,7 @@ from PIL import Image
 from measure.bench.accuracy import oriented_jpeg
 from producer.wire import JobResult
 from tests.images import jpeg_bytes, png_bytes
-from tests.worker_harness import serving, tiny_config, wait_results
+from tests.worker_harness import process_pool, serving, tiny_config, wait_results
 from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
 from worker.decode.codecs import IntoCodec
@@ -138,7 +138,7 @@ async def test_the_gpu_decodes_its_share_and_every_job_is_answered_as_on_the_cpu
     decoder = worker.engine.feed.gpu_decode.packed_decoder
     assert isinstance(decoder, PackedGpuDecoder)
     # Every JPEG the hardware takes went to the GPU; the truncated one came back to the CPU.
-    assert worker.decoder.deferred == taken  # type: ignore[union-attr]
+    assert process_pool(worker).deferred == taken
     assert (decoder.decoded, decoder.failed) == (taken - 1, 1)
     plan = worker.engine.feed.plan
     assert plan.gpu_decode_share == 1.0
@@ -172,7 +172,7 @@ async def test_on_cuda_the_jpeg_engines_decode_their_share_and_answer_as_the_cpu
     decoder = worker.engine.feed.gpu_decode.packed_decoder
     assert isinstance(decoder, PackedGpuDecoder)
     assert decoder.hardware_engines_answered, decoder.engines
-    assert worker.decoder.deferred == taken  # type: ignore[union-attr]
+    assert process_pool(worker).deferred == taken
     assert (decoder.decoded, decoder.failed, decoder.wrong_shape) == (taken, 0, 0)
     assert [(i, status) for i, status, _ in gpu] == [(i, status) for i, status, _ in cpu]
     for (_, _, ganswer), (_, _, canswer) in zip(gpu, cpu, strict=True):
@@ -270,4 +270,4 @@ async def test_a_measured_share_moves_toward_the_cpu_when_the_cpu_is_slow(
         results = await wait_results(redis_client, "gpufeed:results", len(images))
     assert len(results) == len(images)
     assert split.adjustments > 0 and split.share > start
-    assert worker.decoder.gpu_share == split.share  # type: ignore[union-attr]
+    assert process_pool(worker).gpu_share == split.share

@@ -285,18 +285,18 @@ async def test_worker_answers_a_failed_batch_and_keeps_serving(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
     async with running_worker(redis_url, tiny_weights, ring_slots=2, max_wait_ms=5.0) as worker:
-        serving = worker.runner.step
+        serving = worker.engine.model.runner.step
 
         def out_of_memory(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-        worker.runner.step = out_of_memory
+        worker.engine.model.runner.step = out_of_memory
         for i in range(6):
             redis_client.xadd(
                 "gpufeed:jobs", {"id": f"bad{i}", "image": jpeg_bytes(80, 60, seed=i)}
             )
         failed = await wait_results(redis_client, "gpufeed:results", 6)
-        worker.runner.step = serving
+        worker.engine.model.runner.step = serving
         for i in range(6):
             redis_client.xadd("gpufeed:jobs", {"id": f"ok{i}", "image": jpeg_bytes(80, 60, seed=i)})
         entries = await wait_results(redis_client, "gpufeed:results", 12)

@@ -48,13 +48,13 @@ async def wait_status(url: str, code: int, timeout_s: float = 20) -> str:
 def block_step(worker: Worker) -> threading.Event:
     """Make the worker's step wait on the returned event: a launch stuck in the model."""
     gate = threading.Event()
-    step = worker.runner.step
+    step = worker.engine.model.runner.step
 
     def stuck(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate.wait(60)
         return step(x)
 
-    worker.runner.step = stuck
+    worker.engine.model.runner.step = stuck
     return gate
 
 
@@ -203,7 +203,7 @@ async def test_ready_is_503_while_draining_after_sigterm(
         try:
             redis_client.xadd("gpufeed:jobs", {"id": "in-flight", "image": jpeg_bytes()})
             deadline = time.monotonic() + 20
-            while worker.runner.launch_started_s is None:
+            while worker.engine.model.runner.launch_started_s is None:
                 assert time.monotonic() < deadline, "the job never reached the model"
                 await asyncio.sleep(0.02)
             os.kill(os.getpid(), signal.SIGTERM)

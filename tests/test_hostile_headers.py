@@ -15,7 +15,7 @@ import redis
 from producer.wire import ErrorCode, JobResult
 from tests.images import jpeg_bytes
 from tests.test_jpeg_header import sof0_width_zero, truncated_adobe, with_adobe
-from tests.worker_harness import serving, tiny_config, wait_results
+from tests.worker_harness import process_pool, serving, tiny_config, wait_results
 from worker.decode import process_main
 from worker.decode.arena import DONE, ERROR_CODES, FAILED, ArenaLayout, SharedArena
 from worker.decode.cpu import DecodeSpec
@@ -136,13 +136,12 @@ async def test_a_worker_decoding_on_the_gpu_answers_hostile_headers_as_decode_er
     redis_client.delete("gpufeed:jobs", "gpufeed:results")
     worker = CpuOnlyGpuDecode(config)
     async with serving(worker):
-        pids = worker.decoder.pids  # type: ignore[union-attr]
+        pool = process_pool(worker)
+        pids = pool.pids
         for name, data in {**good, **_HOSTILE}.items():
             redis_client.xadd("gpufeed:jobs", {"id": name, "image": data})
         entries = await wait_results(redis_client, "gpufeed:results", len(good) + len(_HOSTILE))
-        after = worker.decoder.pids  # type: ignore[union-attr]
-        replaced = worker.decoder.replaced  # type: ignore[union-attr]
-        deferred = worker.decoder.deferred  # type: ignore[union-attr]
+        after, replaced, deferred = pool.pids, pool.replaced, pool.deferred
     results = {r.id: r for r in (JobResult.from_fields(fields) for _, fields in entries)}
     assert sorted(results) == sorted([*good, *_HOSTILE])
     for name in _HOSTILE:

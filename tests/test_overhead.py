@@ -62,7 +62,7 @@ async def test_null_model_through_a_worker_on_cuda(
     images = [jpeg_bytes(64, 64, seed=i) for i in range(3)]
     overrides = {"model": "null", "batch_size": 64, "device": "cuda", "compile": "auto"}
     async with running_worker(redis_url, tmp_path / "unused", **overrides) as worker:
-        assert worker.compile_report is not None and worker.compile_report.compiled
+        assert worker.report().compile_report.compiled
         pipe = redis_client.pipeline(transaction=False)
         for i in range(n):
             pipe.xadd("gpufeed:jobs", {"id": f"c{i}", "image": images[i % 3]})

@@ -180,7 +180,7 @@ async def test_high_jobs_pass_a_low_backlog_and_the_low_ones_still_progress(
             high_ids = [await p.submit(IMAGE, priority="high") for _ in range(12)]
             got = await p.wait(high_ids + low_ids, timeout_s=60)
             await asyncio.sleep(0.3)  # room for a wrong second answer to show up
-            assert await worker.reclaimer.trim() > 0
+            assert await worker.stages.reclaimers[0].trim() > 0
     assert set(got) == set(high_ids + low_ids) and all(r.ok for r in got.values())
     order = [r.id for r in results(redis_client)]
     assert Counter(order) == Counter(high_ids + low_ids)  # every job answered exactly once

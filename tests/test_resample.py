@@ -278,8 +278,8 @@ async def test_the_degraded_step_reads_the_same_rows(
         degrade_after_s=3600.0,  # the test turns the switch
         degrade_input_size=32,
     ) as worker:
-        switch = worker.degrade_switch
-        assert switch is not None and worker.ring.size == worker.row_side
+        switch, report = worker.stages.steps.switch, worker.report()
+        assert switch is not None and report.ring_side == report.row_side
         switch.on = True
         for i in range(3):
             data = oriented_jpeg(120 + 20 * i, 90, 6, seed=i)
@@ -321,10 +321,11 @@ async def test_on_cuda_the_device_placement_replays_one_graph(
         batch_size=4,
         decode_processes=decode_processes,
     ) as worker:
-        assert worker.placement == "device"
-        assert worker.engine.feed.plan.packed == (decode_processes == "2")
-        report = worker.compile_report
-        assert report is not None and report.compiled and report.cudagraph_replays > 0
+        report = worker.report()
+        assert report.placement == "device"
+        assert report.plan.packed == (decode_processes == "2")
+        compiled = report.compile_report
+        assert compiled.compiled and compiled.cudagraph_replays > 0
         for i, data in enumerate(images):
             redis_client.xadd("gpufeed:jobs", {"id": f"g{i}", "image": data})
         entries = await wait_results(redis_client, "gpufeed:results", len(images))

@@ -23,14 +23,14 @@ def gate_step(worker: Worker) -> tuple[threading.Event, threading.Event]:
     """Make each step wait for `gate` (the device busy as long as the test wants); `entered`
     is set when a step starts."""
     gate, entered = threading.Event(), threading.Event()
-    step = worker.runner.step
+    step = worker.engine.model.runner.step
 
     def busy(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         entered.set()
         gate.wait(30)
         return step(x)
 
-    worker.runner.step = busy
+    worker.engine.model.runner.step = busy
     return gate, entered
 
 

@@ -93,9 +93,10 @@ async def test_a_worker_runs_with_an_acl_user_limited_to_its_keys_and_commands(
             await asyncio.sleep(0.1)
         # Every housekeeping duty runs under the same user without a permission error.
         admin.xgroup_createconsumer("gpufeed:jobs", "gpufeed", "gone")
-        await worker.reclaimer.keepalive()
-        await worker.reclaimer.reclaim_and_tidy()
-        assert await worker.reclaimer.trim() >= 0
+        reclaimer = worker.stages.reclaimers[0]
+        await reclaimer.keepalive()
+        await reclaimer.reclaim_and_tidy()
+        assert await reclaimer.trim() >= 0
         # So does the fleet's hot list: its script, and the read a starting worker makes.
         hot = worker.stages.hot
         assert hot is not None

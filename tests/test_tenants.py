@@ -261,7 +261,7 @@ async def test_a_tenants_backlog_does_not_hold_back_another_tenants_jobs(
         before = sum(1 for entry, _ in bulk_results if _entry_key(entry) < _entry_key(last_live))
         # Answered ahead of the live tenant's last job: what was read before it came (the
         # in-flight places) and a few reads' worth, far from the 300 of the backlog.
-        assert before < 20 + 3 * worker.in_flight.limit < 300, before
+        assert before < 20 + 3 * worker.stages.in_flight.limit < 300, before
     admin.close()
 
 

@@ -228,8 +228,8 @@ def shape_counts(worker: Worker) -> ShapeCounts:
     """The GPU host's counts of `worker` now (none for another worker)."""
     if not isinstance(worker, GpuHostWorker):
         return ShapeCounts()
-    pool = worker.decoder
-    writer = worker.writer
+    pool = worker.engine.feed.decoder
+    writer = worker.stages.writer
     gpu = worker.engine.feed.gpu_decode.packed_decoder
     return ShapeCounts(
         decode_ns={pid: run_time_ns(pid) for pid in decode_pids(worker)},
@@ -242,8 +242,14 @@ def shape_counts(worker: Worker) -> ShapeCounts:
 
 
 def decode_pids(worker: Worker) -> list[int]:
-    pool = worker.decoder
-    return pool.pids if isinstance(pool, ProcessDecodePool) else []
+    return list(worker.report().decoder_pids)
+
+
+def process_pool(worker: Worker) -> ProcessDecodePool:
+    """The worker's decode processes (a test that set GPUFEED_DECODE_PROCESSES)."""
+    pool = worker.engine.feed.decoder
+    assert isinstance(pool, ProcessDecodePool), f"{pool.kind}, not decode processes"
+    return pool
 
 
 def run_time_ns(pid: int) -> int:
@@ -292,21 +298,22 @@ class HostShape:
     def problems(self, worker: Worker, since: ShapeCounts, *, gpu_rows: bool = True) -> list[str]:
         """What of this shape the worker does not run, or did not use since `since` (empty:
         it ran as this shape)."""
-        plan = worker.engine.feed.plan
+        report = worker.report()
+        plan = report.plan
         if not self.gpu_host:
             found = {
-                "decoders": worker.decoder.kind,
-                "decode threads": worker.decode_threads,
-                "intake": (plan.intake, worker.intake_pids),
-                "writer": (plan.result_writer, worker.writer_pids),
+                "decoders": report.decoders,
+                "decode threads": report.decode_threads,
+                "intake": (plan.intake, report.intake_pids),
+                "writer": (plan.result_writer, report.writer_pids),
                 "packed rows": plan.packed,
                 "GPU decoder": worker.engine.feed.gpu_decode.packed_decoder,
             }
             want = {
                 "decoders": "threads",
                 "decode threads": self.settings["decode_threads"],
-                "intake": ("loop", []),
-                "writer": ("loop", []),
+                "intake": ("loop", ()),
+                "writer": ("loop", ()),
                 "packed rows": False,
                 "GPU decoder": None,
             }
@@ -316,7 +323,7 @@ class HostShape:
         # Decode processes: as many as asked, alive, and they worked during the test.
         processes = int(self.settings["decode_processes"])
         pids = decode_pids(worker)
-        if worker.decoder.kind != "processes" or plan.decode_processes != processes:
+        if report.decoders != "processes" or plan.decode_processes != processes:
             problems.append(f"decoders: {plan.decoders}, not {processes} decode processes")
         if len(pids) != processes or not all(map(alive, pids)):
             problems.append(f"decode processes {pids} are not {processes} live processes")
@@ -324,7 +331,7 @@ class HostShape:
         if worked <= 0:
             problems.append("no decode process ran while the test's jobs were served")
         # The intake: in its process, which read the test's jobs, images into shared memory.
-        intake = worker.intake_pids
+        intake = report.intake_pids
         if plan.intake != "process" or not intake or not all(map(alive, intake)):
             problems.append(f"intake: {plan.intake} (processes {intake})")
         read = now.intake.entries - since.intake.entries
@@ -335,7 +342,7 @@ class HostShape:
         if images > 0 and placed <= 0:
             problems.append(f"none of {images} images read came through the payload memory")
         # The result writer: its process published the test's results.
-        writer = worker.writer_pids
+        writer = report.writer_pids
         if plan.result_writer != "process" or len(writer) != 1 or not alive(writer[0]):
             problems.append(f"result writer: {plan.result_writer} (processes {writer})")
         if now.published <= since.published:

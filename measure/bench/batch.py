@@ -82,7 +82,7 @@ async def batch_section(b: Bench, plan: BatchPlan) -> dict[str, Any]:
             await worker.startup(wait_for_redis=False)
             main = asyncio.create_task(worker.main_loop(), name="bench-batch-main-loop")
             alive = watch(main, keys)
-            in_flight = 2 * worker.batch_size
+            in_flight = 2 * worker.report().batch_size
             summary, wall_s = await _run_client(
                 b, keys, folder, out, in_flight=in_flight, alive=alive
             )
@@ -103,7 +103,7 @@ async def batch_section(b: Bench, plan: BatchPlan) -> dict[str, Any]:
     ratio = capacity / worker_rate if worker_rate > 0 else 0.0
     section: dict[str, Any] = {
         "model": "null",
-        "batch_size": worker.batch_size,
+        "batch_size": worker.report().batch_size,
         "image_set": {**b.sets[spec.name].describe(), "jobs": plan.jobs},
         "source": "folder",
         "output": "parquet",

@@ -35,50 +35,49 @@ def watch(main: asyncio.Task[None], keys: RunKeys) -> Callable[[], None]:
 
 def _install_cpu_preprocess(worker: Worker) -> None:
     """Swap the worker's decode pool for the CPU-preprocessing emulation (ablations.py)."""
-    old = worker.decoder
+    old, report = worker.engine.feed.decoder, worker.report()
     pool = CpuPreprocessPool(
         old.spec,
         old.threads,
         old.path_root,
-        crop=worker.loaded.crop_size,
-        mean=worker.loaded.mean,
-        std=worker.loaded.std,
+        crop=report.input_size,
+        mean=report.mean,
+        std=report.std,
     )
     old.shutdown()
-    worker.decoder = pool
-    worker.batcher.decoder = pool
+    worker.use_decoder(pool)
 
 
 def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
-    cfg = worker.config
-    report = worker.compile_report
+    cfg, report = worker.config, worker.report()
+    compiled = report.compile_report
     return {
-        "batch_size": worker.batch_size,
+        "batch_size": report.batch_size,
         # The batch shapes compiled at start-up (GPUFEED_BATCH_SIZES), as doctor gives them.
-        "batch_sizes": [r.as_dict() for r in report.batch_sizes] if report is not None else [],
-        "dtype": str(getattr(worker.runner.step, "dtype", "")).removeprefix("torch.")
-        or cfg.precision,
-        "compile": report.mode if report is not None else cfg.compile,
-        "compiled": bool(report and report.compiled),
-        "decode_threads": worker.decoder.threads,
-        "decode_processes": worker.engine.feed.plan.decode_processes,
-        "feed_plan": worker.engine.feed.plan.line(),
-        "result_writer": worker.engine.feed.plan.result_writer,
+        "batch_sizes": [r.as_dict() for r in compiled.batch_sizes],
+        "dtype": str(report.dtype).removeprefix("torch."),
+        "compile": compiled.mode,
+        "compiled": compiled.compiled,
+        "decode_threads": report.decode_threads,
+        "decode_processes": report.plan.decode_processes,
+        "feed_plan": report.plan.line(),
+        "result_writer": report.plan.result_writer,
+        # Measured from the batches so far with packed rows: read now, not at start-up.
         "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
         "dct_scaling": cfg.dct_scaling,
         "decode_cache_mb": cfg.decode_cache_mb,
         "cpu_preprocess": variant.cpu_preprocess,
         "max_wait_ms": cfg.max_wait_ms,
         "ring_slots": cfg.ring_slots,
-        "resize": worker.loaded.resize_mode,
+        "resize": report.resize_mode,
         # Where images are resized (GPUFEED_RESIZE), why, and what the input ring costs.
-        "resize_placement": worker.placement,
-        **worker.ring_budget,
-        "staging_size": worker.loaded.resize_size,
-        "input_size": worker.loaded.crop_size,
-        "mean": list(worker.loaded.mean),
-        "std": list(worker.loaded.std),
-        "weights": worker.loaded.weights_label,
+        "resize_placement": report.placement,
+        **report.ring_budget,
+        "staging_size": report.staging_size,
+        "input_size": report.input_size,
+        "mean": list(report.mean),
+        "std": list(report.std),
+        "weights": report.weights,
     }
 
 
@@ -93,6 +92,7 @@ async def gpufeed_run(
         await worker.startup(wait_for_redis=False)
         if variant.cpu_preprocess:
             _install_cpu_preprocess(worker)
+        report = worker.report()
         ceiling = await measure_ceiling(worker, b.profile.ceiling_s) if with_ceiling else None
         images = b.sets[sp.spec.name].images
         unique = not variant.repeats
@@ -115,9 +115,9 @@ async def gpufeed_run(
         probe = RunProbe(
             b.device,
             redis_pid=b.redis_pid,
-            decoder_pids=getattr(worker.decoder, "pids", ()),
-            writer_pids=worker.writer_pids,
-            intake_pids=worker.intake_pids,
+            decoder_pids=report.decoder_pids,
+            writer_pids=report.writer_pids,
+            intake_pids=report.intake_pids,
         ).start()
         with count_host_syncs() as syncs, gil_account.timing_releases():
             t0_ms = time.time() * 1000
@@ -131,7 +131,7 @@ async def gpufeed_run(
             # worker's (its event loop thread is this one).
             probe.stop()
         answers = await read_answers(b.aclient, keys.results)
-        c = worker.counters
+        c, decoder = worker.counters, worker.engine.feed.decoder
         gpu_ms = worker.observer.gpu_ms.mean()
         compute_per_image = (
             gpu_ms * c.batches / c.real_rows if gpu_ms is not None and c.real_rows else None
@@ -163,10 +163,10 @@ async def gpufeed_run(
                 "compute": round(compute_per_image, 3) if compute_per_image else None,
             },
             # Device placement: images too large for a row, fitted on the host instead.
-            "rows_reduced_on_host": worker.decoder.reduced,
-            "rows_reduced_ms": round(worker.decoder.reduced_ms, 3),
+            "rows_reduced_on_host": decoder.reduced,
+            "rows_reduced_ms": round(decoder.reduced_ms, 3),
             "batches": c.batches,
-            "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
+            "batch_fill": round(c.real_rows / (c.batches * report.batch_size), 3)
             if c.batches
             else None,
             **probe.result(len(answers)),

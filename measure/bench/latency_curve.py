@@ -30,7 +30,7 @@ async def curve_runs(b: Bench, plan: ModelPlan, sp: SetPlan, capacity: float) ->
             main = asyncio.create_task(worker.main_loop(), name="bench-curve-loop")
             alive = watch(main, keys)
 
-            warm = worker.batch_size * 2
+            warm = worker.report().batch_size * 2
             await asyncio.to_thread(push_jobs, b.client, keys.jobs, images, warm, "warm")
             await collect(b.aclient, keys.results, warm, alive=alive, timeout_s=b.timeout_s(warm))
             answered = warm

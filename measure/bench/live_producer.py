@@ -68,7 +68,7 @@ async def live_producer_run(
     count = max(1, round(rate * seconds))
     try:
         await worker.startup(wait_for_redis=False)
-        batch = worker.batch_size
+        batch = worker.report().batch_size
         main = asyncio.create_task(worker.main_loop(), name="bench-live-loop")
         alive = watch(main, keys)
         push = functools.partial(
@@ -81,7 +81,7 @@ async def live_producer_run(
             id_prefix="live",
         )
         sealed: list[tuple[float, int]] = []
-        worker.batcher.on_sealed = lambda b_: sealed.append((b_.sealed_s, len(b_.jobs)))
+        worker.stages.batcher.on_sealed = lambda b_: sealed.append((b_.sealed_s, len(b_.jobs)))
         t0 = time.perf_counter()
         producer = asyncio.create_task(asyncio.to_thread(push), name="bench-live-producer")
         # The stream's backlog (entries not yet read by the group), looked at until every

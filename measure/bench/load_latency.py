@@ -93,7 +93,7 @@ async def _gpufeed_at(
         main = asyncio.create_task(worker.main_loop(), name="bench-load-latency-loop")
         alive = watch(main, keys)
         images = b.sets[sp.spec.name].images
-        warm = worker.batch_size * 2
+        warm = worker.report().batch_size * 2
         await asyncio.to_thread(push_jobs, b.client, keys.jobs, images, warm, "warm")
         await collect(b.aclient, keys.results, warm, alive=alive, timeout_s=b.timeout_s(warm))
         answered = warm
@@ -108,7 +108,7 @@ async def _gpufeed_at(
             )
             out.append(answers[answered:])
             answered += count
-        return out, worker.batch_size, config.max_wait_ms
+        return out, worker.report().batch_size, config.max_wait_ms
     finally:
         await stop_worker(worker, main)
         await b.cleanup(keys)

@@ -104,8 +104,8 @@ async def _run(
         main = asyncio.create_task(worker.main_loop(), name=f"bench-priority-{mode}")
         alive = watch(main, keys)
 
-        holds = worker.in_flight.limit
-        warm, probe = worker.batch_size * 2, holds * 2
+        holds, batch = worker.stages.in_flight.limit, worker.report().batch_size
+        warm, probe = batch * 2, holds * 2
         await asyncio.to_thread(push_jobs, b.client, low, images, warm, "warm")
         await wait_for_results(
             b.aclient, keys.results, warm, alive=alive, timeout_s=b.timeout_s(warm)
@@ -156,7 +156,7 @@ async def _run(
             "low": latency_summary(low_ms),
             "low_answered_during_trickle": during,
             "settings": {
-                "batch_size": worker.batch_size,
+                "batch_size": batch,
                 "ring_slots": cfg.ring_slots,
                 "in_flight_limit": holds,
                 "priorities": cfg.priorities,

@@ -131,7 +131,7 @@ async def _run(
                 b.aclient, stream, count, alive=alive, timeout_s=b.timeout_s(count)
             )
 
-        holds, batch = worker.in_flight.limit, worker.batch_size
+        holds, batch = worker.stages.in_flight.limit, worker.report().batch_size
         bulk_done = 2 * batch
         await asyncio.to_thread(push_jobs, b.client, bulk_jobs, images, bulk_done, "warm")
         await answered(bulk_results, bulk_done)

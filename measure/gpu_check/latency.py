@@ -95,14 +95,14 @@ async def measure_latency(
     """Drain the `pushed` jobs of the backlog, then offer jobs at SHARE x `capacity_per_s`
     for `seconds` (numbered from `first`) and measure their latency. `field`: what
     `images` are (`image`: bytes, made unique per job; `path`: file names)."""
-    cfg = worker.config
+    cfg, batch = worker.config, worker.report().batch_size
     if not await _until(lambda: answered() >= pushed, alive, 30 + seconds):
         return {"not_measured": f"the backlog did not drain: {answered()} of {pushed} answered"}
     client = redis.Redis.from_url(cfg.redis_url)
     try:
         since = await asyncio.to_thread(_last_result_id, client, cfg.results_stream)
         rate = SHARE * capacity_per_s
-        count = max(worker.batch_size * 4, round(rate * seconds))
+        count = max(batch * 4, round(rate * seconds))
         target = answered() + count
         feeder = Feeder(
             cfg.redis_url,
@@ -127,6 +127,6 @@ async def measure_latency(
         latencies = await asyncio.to_thread(_latencies_after, client, cfg.results_stream, since)
     finally:
         client.close()
-    bound = latency_bound_ms(worker.batch_size, capacity_per_s, cfg.max_wait_ms)
+    bound = latency_bound_ms(batch, capacity_per_s, cfg.max_wait_ms)
     summary = latency_summary(latencies, offered_per_s=rate, span_s=span_s, bound_ms=bound)
-    return {**summary, "batch_size": worker.batch_size, "max_wait_ms": cfg.max_wait_ms}
+    return {**summary, "batch_size": batch, "max_wait_ms": cfg.max_wait_ms}

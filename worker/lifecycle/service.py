@@ -43,6 +43,7 @@ from worker.lifecycle.engine import (
     sleep_hook,
     warm_up,
 )
+from worker.lifecycle.report import WorkerReport, report_of
 from worker.lifecycle.warm_start import WarmReport, warm_start
 from worker.lifecycle.wiring import Role, Stages, Writer, hot_list_off, observe, wire
 from worker.model.compiler import CompileReport
@@ -336,7 +337,8 @@ class Worker:
             log.warning("could_not_leave_group", error=str(exc))
 
     # ----------------------------------------------------------------------- built parts
-    # What start-up built, read by tools and tests; an AttributeError before it is built.
+    # What start-up built, the owners of what tools and tests read, instrument or swap; an
+    # AttributeError before it is built.
     @property
     def engine(self) -> Engine:
         if self._engine is None:
@@ -348,6 +350,25 @@ class Worker:
         if self._stages is None:
             raise AttributeError("the stages are built by startup() once Redis answers")
         return self._stages
+
+    @property
+    def link(self) -> RedisLink:
+        if self._link is None:
+            raise AttributeError("the Redis link is made by startup()")
+        return self._link
+
+    def use_decoder(self, pool: DecodeExecutor) -> None:
+        """Decode through `pool` in place of the feed's decoders (the bench's ablations): the
+        batcher hands it every batch from here on, and the exit shuts it down as it would
+        have the feed's own (the caller shuts down the pool it replaces)."""
+        self.engine.feed.decoder = pool
+        self.stages.batcher.decoder = pool
+        self._exit.callback(pool.shutdown)
+
+    def report(self) -> WorkerReport:
+        """What the worker runs as, for the tools: its model side's figures once it warmed
+        up, its stages' once Redis answered (worker/lifecycle/report.py)."""
+        return report_of(self.engine, self._stages)
 
     @property
     def redis(self) -> aioredis.Redis:

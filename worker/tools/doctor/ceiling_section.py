@@ -3,7 +3,7 @@ and compiled."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -11,6 +11,9 @@ from worker.model.ceiling import direct_feed_ceiling
 from worker.model.step import StepFn
 from worker.tools.doctor.options import DoctorOptions
 from worker.tools.harness.serving_step import eager_of, random_batch
+
+if TYPE_CHECKING:
+    from worker.lifecycle.service import Worker
 
 
 def timed_ceiling(
@@ -24,13 +27,13 @@ def timed_ceiling(
     return direct_feed_ceiling(step_fn, example, iters=iters, warmup=1, cudagraphs=cudagraphs)
 
 
-def ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
+def ceiling_section(worker: Worker, options: DoctorOptions) -> dict[str, Any]:
     from worker.model.compiler import compile_step
 
-    report = worker.compile_report
-    device: torch.device = worker.ctx.device
-    cuda = device.type == "cuda"
-    serving = worker.runner.step
+    facts, runner = worker.report(), worker.engine.model.runner
+    report, device = facts.compile_report, facts.device
+    cuda = facts.cuda
+    serving = runner.step
     eager = eager_of(serving)
     serving_cudagraphs = bool(report.cudagraphs and cuda)
     out: dict[str, Any] = {
@@ -42,7 +45,7 @@ def ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
     }
 
     def on_launch_thread() -> None:
-        x = random_batch(worker.batch_size, worker.ring.size, device)
+        x = random_batch(facts.batch_size, facts.ring_side, device)
         run = timed_ceiling(eager, x, seconds=options.ceiling_seconds)
         out["eager"] = {**run, "mode": "off", "compile_s": None}
         if report.compiled:
@@ -70,6 +73,6 @@ def ceiling_section(worker: Any, options: DoctorOptions) -> dict[str, Any]:
         )
         out["compiled"] = {**run, "mode": mode, "compile_s": round(compiled.compile_s, 1)}
 
-    worker.runner.run_sync(on_launch_thread)
+    runner.run_sync(on_launch_thread)
     out["measured"] = out["eager"] is not None or out["compiled"] is not None
     return out

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
-import torch
 
 from worker.config.settings import WorkerConfig
 from worker.model.step import StepFn
@@ -35,7 +34,6 @@ from worker.tools.doctor.schema import SCHEMA_VERSION
 from worker.tools.doctor.sync_section import sync_section
 from worker.tools.doctor.verdict import verdict
 from worker.tools.harness.environment import environment
-from worker.tools.harness.serving_step import eager_of
 
 
 async def run_doctor(
@@ -84,42 +82,39 @@ async def run_doctor(
             try:
                 await worker.startup(wait_for_redis=False)
             except (RedisUnavailable, aioredis.RedisError) as exc:  # e.g. an ACL refusal
-                if getattr(worker, "compile_report", None) is None:
+                if getattr(worker, "engine", None) is None:
                     raise
                 if redis_url is not None:
                     e2e["not_measured"].append(f"Redis: {exc}")
                 redis_url = None
-            compile_report = worker.compile_report
-            assert compile_report is not None
-            device: torch.device = worker.ctx.device
-            eager = eager_of(worker.runner.step)
-            dtype = str(getattr(eager, "dtype", "")).removeprefix("torch.")
+            facts = worker.report()
+            compile_report, device = facts.compile_report, facts.device
             cfg = {
                 "model": config.model,
-                "weights": worker.loaded.weights_label,
-                "device": worker.ctx.name,
-                "batch_size": worker.batch_size,
+                "weights": facts.weights,
+                "device": facts.device_name,
+                "batch_size": facts.batch_size,
                 "batch_sizes": [r.as_dict() for r in compile_report.batch_sizes],
                 "compile": config.compile,
                 "compile_mode": compile_report.mode,
                 "compiled": compile_report.compiled,
                 "cudagraphs": bool(compile_report.cudagraphs and device.type == "cuda"),
-                "dtype": dtype,
-                "input_size": worker.loaded.crop_size,
-                "staging_size": worker.loaded.resize_size,
+                "dtype": str(facts.dtype).removeprefix("torch."),
+                "input_size": facts.input_size,
+                "staging_size": facts.staging_size,
                 "decode": config.decode,
-                "decode_threads": worker.decoder.threads,
-                "decode_processes": worker.engine.feed.plan.decode_processes,
-                "feed_plan": worker.engine.feed.plan.line(),
-                "result_writer": worker.engine.feed.plan.result_writer,
-                "intake": worker.engine.feed.plan.intake,
+                "decode_threads": facts.decode_threads,
+                "decode_processes": facts.plan.decode_processes,
+                "feed_plan": facts.plan.line(),
+                "result_writer": facts.plan.result_writer,
+                "intake": facts.plan.intake,
                 "staged_bytes_per_image": worker.engine.staged_bytes_per_image(),
                 "dct_scaling": config.dct_scaling,
-                "resize": worker.placement,
-                "resize_why": worker.ring_budget["resize_placement_why"],
-                "row_side": worker.ring_budget["row_side"],
-                "ring_pinned_bytes": worker.ring_budget["ring_pinned_bytes"],
-                "h2d_bytes_per_batch": worker.ring_budget["h2d_bytes_per_batch"],
+                "resize": facts.placement,
+                "resize_why": facts.ring_budget["resize_placement_why"],
+                "row_side": facts.ring_budget["row_side"],
+                "ring_pinned_bytes": facts.ring_budget["ring_pinned_bytes"],
+                "h2d_bytes_per_batch": facts.ring_budget["h2d_bytes_per_batch"],
                 "max_wait_ms": config.max_wait_ms,
                 "fetch_concurrency": config.fetch_concurrency,
                 "notes": notes,

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from worker.config.settings import WorkerConfig
 from worker.decode import gil_account
@@ -21,6 +21,9 @@ from worker.observe.redis_cpu import redis_cost, redis_cpu_s
 from worker.tools.doctor.options import DoctorOptions
 from worker.tools.harness.feed import Feeder
 
+if TYPE_CHECKING:
+    from worker.lifecycle.service import Worker
+
 # How long the feeder's process may take to push the backlog the run starts from.
 _BACKLOG_WAIT_S = 120.0
 
@@ -31,19 +34,21 @@ def _mean(summary: Mapping[str, Any], metric: str) -> float | None:
 
 
 async def end_to_end_section(
-    worker: Any, options: DoctorOptions, out: dict[str, Any], ceiling: float | None
+    worker: Worker, options: DoctorOptions, out: dict[str, Any], ceiling: float | None
 ) -> int | None:
     """Run the worker's main loop on synthetic jobs; fills `out`, returns the host syncs
     counted meanwhile (CUDA; None on the CPU)."""
     from worker.decode.samples import synthetic_jpeg
 
     cfg: WorkerConfig = worker.config
+    report, link = worker.report(), worker.link
+    in_flight = worker.stages.in_flight
     jobs = int(out["jobs"])
     w, h = options.image_size
     images = [synthetic_jpeg(w, h, seed=i, quality=85) for i in range(min(16, jobs))]
     out["mean_jpeg_bytes"] = int(sum(map(len, images)) / len(images))
     counters = worker.counters
-    held = worker.in_flight.limit
+    held = in_flight.limit
     server = None
     # What each job's field carries: the image, or where it is.
     payloads: list[bytes] = images
@@ -60,10 +65,10 @@ async def end_to_end_section(
             (cfg.path_root / "doctor" / f"{i}.jpg").write_bytes(data)
         payloads = [f"doctor/{i}.jpg".encode() for i in range(len(images))]
     out["source"] = _source(options)
-    ahead = held + max(128, 4 * worker.batch_size)
+    ahead = held + max(128, 4 * report.batch_size)
     # The third isolated stage: what Redis allows for the same jobs and batch, with
     # gpufeed's own publish script (worker/tools/harness/queue_ceiling.py), before the run.
-    queue = await _queue_ceiling(cfg, images[0], jobs, worker.batch_size, out)
+    queue = await _queue_ceiling(cfg, images[0], jobs, report.batch_size, out)
     # The jobs come from a process of their own, as from an upstream service: the worker's
     # GIL and event loop are measured with nothing of the doctor's on them. At most `ahead`
     # jobs beyond those answered, so a production Redis never holds more than that many
@@ -80,7 +85,7 @@ async def end_to_end_section(
     )
     # redis-server's own CPU from here on: every job's XADD and everything the worker asks
     # of Redis for it (reads, results, acks, trimming).
-    redis_cpu0 = await redis_cpu_s(worker.redis) if not worker.cluster else None
+    redis_cpu0 = await redis_cpu_s(link.client) if not link.cluster else None
     feeder.start()
     try:
         await _full_backlog(feeder, min(jobs, ahead))
@@ -88,8 +93,8 @@ async def end_to_end_section(
         feeder.stop()
         raise
 
-    cuda = worker.ctx.is_cuda
-    sampler = GpuSampler((worker.ctx.device.index or 0) if cuda else 0, interval_s=0.2)
+    cuda = report.cuda
+    sampler = GpuSampler((report.device.index or 0) if cuda else 0, interval_s=0.2)
     if not cuda:
         sampler.available = False
         sampler.reason = "CPU device: no GPU to sample"
@@ -105,9 +110,9 @@ async def end_to_end_section(
     # This coroutine runs on the event loop's thread: its CPU time there over the run is the
     # loop's (the worker's reader, batcher, writer and Redis client, and this poll).
     loop_cpu0 = time.thread_time()
-    decoders0 = gil_account.processes_cpu_by_pid(getattr(worker.decoder, "pids", ()))
-    writer0 = gil_account.processes_cpu_by_pid(worker.writer_pids)
-    intake0 = gil_account.processes_cpu_by_pid(worker.intake_pids)
+    decoders0 = gil_account.processes_cpu_by_pid(report.decoder_pids)
+    writer0 = gil_account.processes_cpu_by_pid(report.writer_pids)
+    intake0 = gil_account.processes_cpu_by_pid(report.intake_pids)
     decoders_s = writer_s = intake_s = 0.0
     gil0 = gil_account.snapshot()
     gil1 = gil0
@@ -129,7 +134,7 @@ async def end_to_end_section(
                     first_t, first_n = now, n
                 if first_t is not None and pushed < jobs:
                     fed_polls += 1
-                    if pushed - n > worker.in_flight.count:
+                    if pushed - n > in_flight.count:
                         backlog_polls += 1
                 if n >= jobs:
                     break
@@ -146,9 +151,10 @@ async def end_to_end_section(
         loop_cpu_s = time.thread_time() - loop_cpu0
         gil1 = gil_account.snapshot()  # while the worker's threads are alive
         # The processes of now: one replaced mid-run counts from its start.
-        decoders_s = gil_account.processes_cpu_since(decoders0, getattr(worker.decoder, "pids", ()))
-        writer_s = gil_account.processes_cpu_since(writer0, worker.writer_pids)
-        intake_s = gil_account.processes_cpu_since(intake0, worker.intake_pids)
+        after = worker.report()
+        decoders_s = gil_account.processes_cpu_since(decoders0, after.decoder_pids)
+        writer_s = gil_account.processes_cpu_since(writer0, after.writer_pids)
+        intake_s = gil_account.processes_cpu_since(intake0, after.intake_pids)
     finally:
         feeder.stop()
         sampler.close()
@@ -159,12 +165,12 @@ async def end_to_end_section(
             await asyncio.wait_for(main, 60)
 
     n_end = counters.results
-    redis_cpu1 = await redis_cpu_s(worker.redis) if redis_cpu0 is not None else None
+    redis_cpu1 = await redis_cpu_s(link.client) if redis_cpu0 is not None else None
     redis = redis_cost(redis_cpu0, redis_cpu1, n_end)
     if redis["redis_cpu_us_per_job"] is None:
         out["not_measured"].append(
             "Redis CPU per job: a cluster's nodes are not summed"
-            if worker.cluster
+            if link.cluster
             else "Redis CPU per job: INFO cpu did not answer"
         )
     gil = gil_account.gil_figures(
@@ -185,14 +191,14 @@ async def end_to_end_section(
     obs = worker.observer
     stage_ms = {s: obs.stage_ms[s].mean() for s in STAGES}
     after_first = n_end - first_n
-    if first_t is not None and after_first >= worker.batch_size and t_end > first_t:
+    if first_t is not None and after_first >= report.batch_size and t_end > first_t:
         # From the first result on: the pipeline's fill-up is not throughput.
         rate: float | None = after_first / (t_end - first_t)
     else:
         rate = n_end / (t_end - t_start) if n_end else None
     decode_ms = stage_ms.get("decode")
     fetch_ms = stage_ms.get("fetch")
-    threads = worker.decoder.threads
+    threads = report.decode_threads
     gpu_ms = obs.gpu_ms.mean()
     summary = sampler.summary()
     out.update(
@@ -220,7 +226,7 @@ async def end_to_end_section(
         # Redis runs commands on one thread: the most jobs/s one Redis serves at this cost.
         **redis,
         gil=gil,
-        model_in_pipeline_images_per_s=round(worker.batch_size * 1000 / gpu_ms, 1)
+        model_in_pipeline_images_per_s=round(report.batch_size * 1000 / gpu_ms, 1)
         if gpu_ms
         else None,
         gpu_util_pct=_mean(summary, "gpu_util_pct"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from worker.model.step import StepFn
 from worker.tools.doctor.profile_stats import Event, top_names, trace_stats
 from worker.tools.doctor.quiet_stderr import quiet_native_stderr
 from worker.tools.harness.serving_step import random_batch
+
+if TYPE_CHECKING:
+    from worker.lifecycle.service import Worker
 
 
 def _device(event: Any) -> str:
@@ -112,21 +115,19 @@ def profile_forward(
     return out
 
 
-def profile_section(worker: Any, profile_step: StepFn | None) -> dict[str, Any]:
-    report = worker.compile_report
-    device: torch.device = worker.ctx.device
-    cudagraphs = bool(report.cudagraphs and device.type == "cuda")
+def profile_section(worker: Worker, profile_step: StepFn | None) -> dict[str, Any]:
+    facts, runner = worker.report(), worker.engine.model.runner
+    report, device = facts.compile_report, facts.device
+    cudagraphs = bool(report.cudagraphs and facts.cuda)
     result: dict[str, Any] = {}
 
     def on_launch_thread() -> None:
-        x = random_batch(worker.batch_size, worker.ring.size, device)
+        x = random_batch(facts.batch_size, facts.ring_side, device)
         if profile_step is not None:
             result.update(profile_forward(profile_step, x, step_label="injected"))
         else:
             label = "compiled" if report.compiled else "eager"
-            result.update(
-                profile_forward(worker.runner.step, x, cudagraphs=cudagraphs, step_label=label)
-            )
+            result.update(profile_forward(runner.step, x, cudagraphs=cudagraphs, step_label=label))
 
-    worker.runner.run_sync(on_launch_thread)
+    runner.run_sync(on_launch_thread)
     return result

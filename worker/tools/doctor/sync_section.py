@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.lifecycle.service import Worker
 
 
 async def _wait_done(event: Any, timeout_s: float = 60.0) -> None:
@@ -16,25 +19,27 @@ async def _wait_done(event: Any, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.001)
 
 
-async def sync_section(worker: Any, launches: int) -> dict[str, Any]:
+async def sync_section(worker: Worker, launches: int) -> dict[str, Any]:
+    report = worker.report()
     out: dict[str, Any] = {
         "measured": False,
-        "applicable": worker.ctx.is_cuda,
+        "applicable": report.cuda,
         "launches": 0,
         "count": None,
         "where": [],
         "pipeline_count": None,
         "not_measured": [],
     }
-    if not worker.ctx.is_cuda:
+    if not report.cuda:
         out["not_measured"].append("not applicable (no device syncs on CPU)")
         return out
     from worker.decode.executor import DecodeResult
     from worker.pipeline.batcher import Batch
     from worker.tools.harness.instruments import count_host_syncs
 
-    rows = [DecodeResult(None, None, 0.0)] * worker.batch_size
-    inputs, outputs = worker.ring.slots, worker.out_ring.slots
+    model = worker.engine.model
+    rows = [DecodeResult(None, None, 0.0)] * report.batch_size
+    inputs, outputs = worker.engine.feed.ring.slots, model.out_ring.slots
     last = None
     # The real launch path (copy in on the side stream, step, copy out, events), on the
     # launch thread, fed from the staging slots as the dispatcher would feed it.
@@ -44,7 +49,7 @@ async def sync_section(worker: Any, launches: int) -> dict[str, Any]:
                 seq=i, slot=inputs[i % len(inputs)], jobs=[], futures=[], opened_s=time.monotonic()
             )
             batch.results = list(rows)
-            last = await worker.runner.launch(batch, outputs[i % len(outputs)])
+            last = await model.runner.launch(batch, outputs[i % len(outputs)])
     if last is not None:
         await _wait_done(last.done)  # outside the counted window
     detail = syncs.as_dict()

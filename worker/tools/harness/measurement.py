@@ -83,12 +83,13 @@ def timed_ceiling(
 
 async def measure_ceiling(worker: Worker, target_s: float) -> dict[str, Any]:
     """The direct-feed ceiling of the step this worker serves, on its launch thread."""
-    report = worker.compile_report
-    cudagraphs = bool(report is not None and report.cudagraphs and worker.ctx.is_cuda)
-    step = worker.runner.step
-    device = worker.ctx.device
+    report, runner = worker.report(), worker.engine.model.runner
+    compiled = report.compile_report
+    cudagraphs = bool(compiled.cudagraphs and report.cuda)
+    step = runner.step
+    device = report.device
     # The ring's side: S x S rows, or R x R rows for GPUFEED_RESIZE=device.
-    shape = (worker.batch_size, worker.ring.size, worker.ring.size, 3)
+    shape = (report.batch_size, report.ring_side, report.ring_side, 3)
     out: dict[str, Any] = {}
 
     def on_launch_thread() -> None:
@@ -101,6 +102,6 @@ async def measure_ceiling(worker: Worker, target_s: float) -> dict[str, Any]:
 
         out.update(timed_ceiling(run, target_s))
 
-    await asyncio.get_running_loop().run_in_executor(None, worker.runner.run_sync, on_launch_thread)
-    out["compile"] = report.mode if report is not None else "off"
+    await asyncio.get_running_loop().run_in_executor(None, runner.run_sync, on_launch_thread)
+    out["compile"] = compiled.mode
     return out
