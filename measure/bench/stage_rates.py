@@ -46,10 +46,10 @@ DECODE_METHODS: dict[str, str] = {
     "cpu_preprocess": "gpufeed decode + torchvision transforms on the CPU (ablation)",
     "decoder_alone": "the decoder alone at the DCT scale, no checks, no resize: libjpeg-turbo "
     "(simplejpeg) for JPEGs, Pillow for the rest",
-    "decode_rows": "gpufeed decode for GPUFEED_RESIZE=device: checks + DCT-scaled decode into "
-    "a row at its own size (the resize runs in the step)",
+    "decode_rows": "gpufeed decode for the device placement (resize in the step): checks + "
+    "DCT-scaled decode into a row at its own size",
     "rows_resized_on_cpu": "decode_rows + the step's resampling run on the CPU, batches of 8 "
-    "(what GPUFEED_RESIZE=device costs a CPU host; auto picks host there)",
+    "(what the device placement costs a CPU host; auto picks host there)",
 }
 
 

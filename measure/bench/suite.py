@@ -114,7 +114,8 @@ def variants_for(b: Bench) -> list[Variant]:
         b.skipped.append(
             {
                 "what": DEVICE_RESIZE_OFF.name,
-                "reason": "GPUFEED_RESIZE=auto already resizes on the host on the CPU",
+                "reason": "the tuning constant RESIZE (auto) already resizes on the host on "
+                "the CPU",
             }
         )
     default_compile = resolve_compile_mode(

@@ -7,7 +7,7 @@ restarts:
 
 - `learn`: a worker serves `jobs` jobs and leaves its cache hits on the fleet's hot list
   when it stops (worker/delivery/hot_list.py);
-- `cold`: a new worker with GPUFEED_WARM_START_S=0 serves the next `jobs` jobs (another
+- `cold`: a new worker with warm_start_s=0 (GPUFEED_TUNING) serves the next `jobs` jobs (another
   draw of the same popularity);
 - `warm`: a new worker that decoded the hot list before it joined the group serves the same
   `jobs` jobs as `cold`.
