@@ -15,7 +15,7 @@ from worker.config import table, tuning
 from worker.config.settings import WorkerConfig, tuning_text
 from worker.lifecycle.supervisor import child_env
 
-FIELDS = [f for f in dataclasses.fields(WorkerConfig) if f.name != "tuning"]
+FIELDS = dataclasses.fields(WorkerConfig)
 
 
 def test_each_field_is_one_entry_of_the_table_and_each_entry_a_field() -> None:
@@ -26,7 +26,6 @@ def test_each_field_is_one_entry_of_the_table_and_each_entry_a_field() -> None:
         f = fields[entry.name]
         assert str(f.type) == entry.type_name, entry.name
         assert f.default == entry.default, entry.name
-        assert f.metadata["env"] == (entry.env or table.TUNING_VARIABLE), entry.name
 
 
 def test_the_defaults_are_valid_and_load_as_written() -> None:
@@ -34,7 +33,7 @@ def test_the_defaults_are_valid_and_load_as_written() -> None:
     for entry in table.SETTINGS:
         if entry.name not in ("worker_name", "consumer_expiry_s"):
             assert getattr(config, entry.name) == entry.default, entry.name
-    assert config.tuning == ""
+    assert tuning_text(config) == ""
 
 
 def test_an_operator_has_at_most_fifty_settings() -> None:
@@ -68,7 +67,7 @@ def test_gpufeed_tuning_sets_constants_and_is_checked_as_settings_are() -> None:
         env={"GPUFEED_TUNING": "claim_interval_s=0.2, batch_sizes=1,4 ,dct_scaling=false"}
     )
     assert (config.claim_interval_s, config.batch_sizes, config.dct_scaling) == (0.2, "1,4", False)
-    assert config.tuning == "batch_sizes=1,4,dct_scaling=false,claim_interval_s=0.2"
+    assert tuning_text(config) == "batch_sizes=1,4,dct_scaling=false,claim_interval_s=0.2"
     for raw, words in [
         ("claim_interval_s=0", "GPUFEED_TUNING claim_interval_s: must be positive"),
         ("ring_slots=many", "GPUFEED_TUNING ring_slots: expected an integer"),
@@ -83,13 +82,13 @@ def test_gpufeed_tuning_sets_constants_and_is_checked_as_settings_are() -> None:
             WorkerConfig.load(env={"GPUFEED_TUNING": raw})
 
 
-def test_a_constant_given_by_name_wins_over_a_whole_tuning_handed_on() -> None:
-    # As the bench hands a base config's fields on, its own GPUFEED_TUNING among them.
+def test_a_configs_fields_handed_on_keep_its_tuning_constants() -> None:
+    # As the bench hands a base config's fields on, each constant among them by name.
     base = WorkerConfig.load(env={"GPUFEED_TUNING": "decode_threads=2"})
     values = {f.name: getattr(base, f.name) for f in dataclasses.fields(WorkerConfig)}
+    assert WorkerConfig.load(env={}, overrides=values).decode_threads == 2
     values["decode_threads"] = 1
     assert WorkerConfig.load(env={}, overrides=values).decode_threads == 1
-    assert WorkerConfig.load(env={}, overrides={"tuning": base.tuning}).decode_threads == 2
 
 
 def test_the_consumer_expiry_follows_a_longer_visibility_timeout() -> None:
@@ -107,8 +106,22 @@ def test_a_supervisors_children_get_its_tuning_constants() -> None:
     )
     env = child_env(config, 1, {})
     assert env["GPUFEED_TUNING"] == tuning_text(config) == "ring_slots=3,intake=loop"
+    # Each setting under its own variable, the constants only in GPUFEED_TUNING.
+    assert set(env) == {*table.BY_ENV, "GPUFEED_TUNING"}
     child = WorkerConfig.load(env=env)
     assert (child.ring_slots, child.intake, child.processes) == (3, "loop", 1)
     # All but what the supervisor sets per child: its name, its port, its decode processes.
     own = {"worker_name": "w", "processes": 2, "metrics_port": 0, "decode_processes": "auto"}
     assert dataclasses.replace(child, **own) == config
+
+
+def test_a_child_gets_the_supervisors_tuning_not_its_environments() -> None:
+    # The supervisor read GPUFEED_TUNING, then a flag set the constant back: the child must
+    # not read the environment's value again.
+    base = {"GPUFEED_TUNING": "ring_slots=9"}
+    config = WorkerConfig.load(
+        env=base, overrides={"processes": 2, "worker_name": "w", "ring_slots": 4}
+    )
+    env = child_env(config, 0, base)
+    assert env["GPUFEED_TUNING"] == ""
+    assert WorkerConfig.load(env=env).ring_slots == 4

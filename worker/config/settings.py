@@ -74,10 +74,8 @@ def _default_worker_name() -> str:
 
 
 def setting(name: str) -> Any:
-    """The field of table entry `name`: its default, and the variable that gives it. A
-    tuning constant's is GPUFEED_TUNING, the one variable that carries it."""
-    entry = table.BY_NAME[name]
-    return field(default=entry.default, metadata={"env": entry.env or TUNING_VARIABLE})
+    """The field of table entry `name`, with the entry's default."""
+    return field(default=table.BY_NAME[name].default)
 
 
 @dataclass(frozen=True)
@@ -165,13 +163,6 @@ class WorkerConfig:
     batch_sizes: str = setting("batch_sizes")
     hot_list: int = setting("hot_list")
     warm_start_s: float = setting("warm_start_s")
-    # The constants above that differ from tuning.py's, as GPUFEED_TUNING gives them; always
-    # derived. Last: whoever writes each field under its variable, in order (the supervisor,
-    # for its children), writes this one over the constants' own.
-    tuning: str = field(default="", init=False, metadata={"env": TUNING_VARIABLE})
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "tuning", tuning_text(self))
 
     @classmethod
     def load(
@@ -189,12 +180,7 @@ class WorkerConfig:
             if raw is not None and raw.strip() != "":
                 values[entry.name] = _parse(entry.label, raw.strip(), entry.type_name)
         values.update(parse_tuning(env.get(TUNING_VARIABLE, "")))
-        overrides = dict(overrides or {})
-        # A whole GPUFEED_TUNING among the overrides (a config's own, handed on) goes first:
-        # a constant overridden by name wins over it.
-        if (text := overrides.pop("tuning", None)) is not None:
-            values.update(parse_tuning(str(text)))
-        for name, value in overrides.items():
+        for name, value in (overrides or {}).items():
             given = table.BY_NAME.get(name)
             if given is None:
                 raise ConfigError(f"unknown setting {name!r}")

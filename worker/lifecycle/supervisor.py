@@ -34,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -42,7 +42,8 @@ from typing import Any
 import structlog
 
 from producer.backoff import Backoff
-from worker.config.settings import WorkerConfig
+from worker.config import table
+from worker.config.settings import WorkerConfig, tuning_text
 from worker.lifecycle.feed_plan import decode_processes_for, usable_cores
 
 log = structlog.get_logger("gpufeed.supervisor")
@@ -76,8 +77,13 @@ def _env_value(value: Any) -> str:
 
 
 def config_env(config: WorkerConfig) -> dict[str, str]:
-    """Every setting of `config` as the environment variable that gives it."""
-    return {str(f.metadata["env"]): _env_value(getattr(config, f.name)) for f in fields(config)}
+    """`config` as the environment that gives it: each setting under its variable, and the
+    tuning constants that differ from tuning.py's once, as GPUFEED_TUNING: written even
+    when empty, so that a GPUFEED_TUNING of the environment it is laid over never reaches a
+    child in place of `config`'s."""
+    env = {str(entry.env): _env_value(getattr(config, entry.name)) for entry in table.PUBLIC}
+    env[table.TUNING_VARIABLE] = tuning_text(config)
+    return env
 
 
 def child_env(config: WorkerConfig, index: int, base: Mapping[str, str]) -> dict[str, str]:
