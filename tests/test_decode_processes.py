@@ -306,13 +306,14 @@ def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
     assert plan_feed(cfg, thread_only_hook=False, cores=4, **kw).decode_processes == 3
     hooked = plan_feed(cfg, thread_only_hook=True, cores=16, **kw)
     assert hooked.decode_processes == 0 and "decode hook" in hooked.line()
-    # Decode threads sized by the operator are kept under auto, and named where unused.
+    # Decode threads sized by GPUFEED_TUNING are kept under auto, and named where unused.
     sized = tiny_config(url, weights, decode_threads=2)
     kept = plan_feed(sized, thread_only_hook=False, cores=16, **kw)
     assert kept.decode_processes == 0 and "2 decode threads" in kept.line()
     both = tiny_config(url, weights, decode_threads=2, decode_processes="4")
     line = plan_feed(both, thread_only_hook=False, cores=16, **kw).line()
-    assert line.startswith("4 decode processes") and "GPUFEED_DECODE_THREADS=2 unused" in line
+    assert line.startswith("4 decode processes")
+    assert "; GPUFEED_TUNING decode_threads=2 unused (it sizes decode threads)" in line
     off = tiny_config(url, weights, decode_processes="0")
     assert plan_feed(off, thread_only_hook=False, cores=16, **kw).decode_processes == 0
     # GPU decode takes decode processes as it takes threads (packed rows, gpu_packed.py).
@@ -330,7 +331,7 @@ def test_the_plan_follows_the_settings_and_the_host(tmp_path: Path) -> None:
         for cores in (2, 16):
             plan = plan_feed(named, thread_only_hook=False, cores=cores, **kw)
             assert plan.result_writer == setting
-            assert f"GPUFEED_RESULT_WRITER={setting}" in plan.line()
+            assert f"(GPUFEED_TUNING result_writer={setting})" in plan.line()
     with pytest.raises(ConfigError, match="GPUFEED_TUNING result_writer"):
         tiny_config(url, weights, result_writer="thread")
 

@@ -191,7 +191,7 @@ def test_placement_choice() -> None:
     assert choose_placement("device", cpu, "cpu")[0] == "device"
     # GPU decode from threads writes resized rows: resized on the host.
     assert choose_placement("auto", cuda, "gpu")[0] == "host"
-    with pytest.raises(ConfigError, match="GPUFEED_RESIZE=device"):
+    with pytest.raises(ConfigError, match=r"^GPUFEED_TUNING resize=device: with decode threads"):
         choose_placement("device", cuda, "gpu")
     placement, why = choose_placement("device", cuda, "auto")
     assert placement == "device" and "GPUFEED_DECODE=auto decodes on the CPU here" in why
@@ -199,7 +199,7 @@ def test_placement_choice() -> None:
     for decode in ("gpu", "auto"):
         assert choose_placement("auto", cuda, decode, 4)[0] == "device"
         assert choose_placement("device", cpu, decode, 4)[0] == "device"
-    with pytest.raises(ConfigError, match=r"GPUFEED_RESIZE=host.*packed rows"):
+    with pytest.raises(ConfigError, match=r"^GPUFEED_TUNING resize=host: .*packed rows"):
         choose_placement("host", cuda, "gpu", 4)
     assert choose_placement("host", cuda, "auto", 4)[0] == "host"
 
@@ -232,7 +232,8 @@ async def test_pool_writes_rows_and_counts_reductions() -> None:
 async def test_worker_serves_with_the_device_placement_on_the_cpu(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
-    """GPUFEED_RESIZE=device is honoured on the CPU too, and answers as the host does."""
+    """The device placement (the tuning constant resize) is honoured on the CPU too, and
+    answers as the host does."""
     images = [oriented_jpeg(200 + 10 * i, 150, 1 + i % 8, seed=i) for i in range(5)]
     scores = {}
     for placement in ("device", "host"):
