@@ -227,7 +227,7 @@ async def test_wrapper_catches_a_pageable_copy() -> None:
 
 
 async def test_each_batch_size_replays_one_graph_with_no_host_sync() -> None:
-    """Batches of 1 to B jobs run on shapes 1, 4 and B (GPUFEED_BATCH_SIZES=1,4), each one
+    """Batches of 1 to B jobs run on shapes 1, 4 and B (batch_sizes=1,4), each one
     graph replay, with no host sync and no recompile, and give the synchronised run's
     answers for their rows."""
     step = cuda_step()

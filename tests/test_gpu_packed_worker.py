@@ -144,7 +144,8 @@ async def test_the_gpu_decodes_its_share_and_every_job_is_answered_as_on_the_cpu
     assert plan.gpu_decode_share == 1.0
     split = worker.engine.feed.gpu_decode.split
     assert split is not None and not split.tune and split.share == 1.0
-    assert "the GPU decodes 100% of each batch's rows (GPUFEED_GPU_DECODE_SHARE=1)" in plan.line()
+    line = plan.line()
+    assert "the GPU decodes 100% of each batch's rows (GPUFEED_TUNING gpu_decode_share=1)" in line
 
 
 @pytest.mark.cuda
@@ -251,7 +252,7 @@ async def test_the_next_batch_decodes_on_the_other_lane_while_one_launches(
 async def test_a_measured_share_moves_toward_the_cpu_when_the_cpu_is_slow(
     redis_url: str, redis_client: redis.Redis, tiny_weights: Path
 ) -> None:
-    """GPUFEED_GPU_DECODE_SHARE=auto: both decoders' rates measured at start-up, the share
+    """A GPU decode share of auto: both decoders' rates measured at start-up, the share
     between 0 and 1 and in the plan line with the rates; then decode processes held 40 ms
     an image keep the dispatcher waiting for their rows, so the share grows while the
     worker runs."""

@@ -53,7 +53,7 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
     compiled = report.compile_report
     return {
         "batch_size": report.batch_size,
-        # The batch shapes compiled at start-up (GPUFEED_BATCH_SIZES), as doctor gives them.
+        # The batch shapes compiled at start-up (BATCH_SIZES), as doctor gives them.
         "batch_sizes": [r.as_dict() for r in compiled.batch_sizes],
         "dtype": str(report.dtype).removeprefix("torch."),
         "compile": compiled.mode,
@@ -70,7 +70,7 @@ def _worker_settings(worker: Worker, variant: Variant) -> dict[str, Any]:
         "max_wait_ms": cfg.max_wait_ms,
         "ring_slots": cfg.ring_slots,
         "resize": report.resize_mode,
-        # Where images are resized (GPUFEED_RESIZE), why, and what the input ring costs.
+        # Where images are resized (RESIZE), why, and what the input ring costs.
         "resize_placement": report.placement,
         **report.ring_budget,
         "staging_size": report.staging_size,

@@ -61,8 +61,8 @@ class WorkerReport:
     decode_threads: int  # decode processes count as threads
     decoder_pids: tuple[int, ...]  # the decode processes (none with decode threads)
     # The stages' processes.
-    writer_pids: tuple[int, ...]  # GPUFEED_RESULT_WRITER=process: its one process
-    intake_pids: tuple[int, ...]  # GPUFEED_INTAKE=process: one per shard
+    writer_pids: tuple[int, ...]  # the result writer's one process, where it has one
+    intake_pids: tuple[int, ...]  # the intake's processes, where it has them: one per shard
     # GPUFEED_DEGRADE_AFTER_S: the cheaper model the switch serves under backlog.
     degraded_model: str | None
 

@@ -339,7 +339,7 @@ def _shard_stages(
 def hot_list_off(cfg: WorkerConfig) -> str:
     """Why this worker keeps no hot list, or ""."""
     if cfg.hot_list == 0:
-        return f"the hot list is off ({table.given('hot_list', cfg.hot_list)})"
+        return table.given("hot_list", cfg.hot_list)
     if cfg.decode_cache_mb == 0:
         return "the decode cache is off (GPUFEED_DECODE_CACHE_MB is 0)"
     return ""

@@ -88,7 +88,7 @@ async def measure_ceiling(worker: Worker, target_s: float) -> dict[str, Any]:
     cudagraphs = bool(compiled.cudagraphs and report.cuda)
     step = runner.step
     device = report.device
-    # The ring's side: S x S rows, or R x R rows for GPUFEED_RESIZE=device.
+    # The ring's side: S x S rows, or R x R rows for the device placement.
     shape = (report.batch_size, report.ring_side, report.ring_side, 3)
     out: dict[str, Any] = {}
 
