@@ -1,8 +1,10 @@
 """What the tools (doctor, bench, GPU check, harness) see of a running worker: its report
-(worker/lifecycle/report.py)."""
+(worker/lifecycle/report.py), and no property of Worker that merely forwards to a part."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 import os
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import torch
 
 from tests.worker_harness import running_worker, tiny_config
 from worker.delivery.redis_check import RedisUnavailable
+from worker.lifecycle import service
 from worker.lifecycle.service import Worker
 
 
@@ -93,3 +96,46 @@ async def test_before_redis_answers_the_report_has_the_model_side_alone(
         "threads",
     )
     assert (report.writer_pids, report.intake_pids) == ((), ())
+
+
+def _only_return(fn: ast.FunctionDef) -> ast.expr | None:
+    """What `fn` returns where that is all it does (its docstring aside)."""
+    body = fn.body[1:] if ast.get_docstring(fn) is not None else fn.body
+    match body:
+        case [ast.Return(value=ast.expr() as value)]:
+            return value
+    return None
+
+
+def _forwards(node: ast.expr | None) -> bool:
+    """`self.a.b...` (two attributes or more), an item of one, or a choice between them and
+    None: what reads another object's attribute and adds nothing."""
+    if isinstance(node, ast.IfExp):
+        return all(
+            _forwards(branch) or (isinstance(branch, ast.Constant) and branch.value is None)
+            for branch in (node.body, node.orelse)
+        )
+    if isinstance(node, ast.Subscript):
+        return _forwards(node.value)
+    depth = 0
+    while isinstance(node, ast.Attribute):
+        node, depth = node.value, depth + 1
+    return isinstance(node, ast.Name) and node.id == "self" and depth >= 2
+
+
+def test_worker_has_no_property_that_merely_forwards_to_a_part() -> None:
+    """The tools read the worker's figures from its report and its parts from their owners
+    (engine.model, engine.feed, stages): a property of Worker does more than return
+    `self._engine.x`."""
+    tree = ast.parse(inspect.getsource(service))
+    (worker,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Worker"]
+    properties = [
+        f
+        for f in worker.body
+        if isinstance(f, ast.FunctionDef)
+        and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
+    ]
+    forwarding = [p.name for p in properties if _forwards(_only_return(p))]
+    assert forwarding == []
+    # What remains: the parts start-up built, each an AttributeError until it is built.
+    assert sorted(p.name for p in properties) == ["engine", "link", "stages"]

@@ -18,23 +18,18 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
 import structlog
 import torch
 from PIL import Image
 
-from worker.base.device import DeviceContext, resolve_device
+from worker.base.device import resolve_device
 from worker.base.errors import ConfigError
 from worker.config.settings import WorkerConfig
-from worker.decode.cache import DecodeCache
 from worker.decode.codecs import IntoCodec
 from worker.decode.executor import DecodeExecutor
-from worker.delivery.in_flight import InFlight
-from worker.delivery.reader import Reader, ensure_group
-from worker.delivery.reclaimer import Reclaimer
+from worker.delivery.reader import ensure_group
 from worker.delivery.redis_check import RedisLink, RedisUnavailable
 from worker.delivery.redis_errors import UNREACHABLE
-from worker.delivery.writer_process import WriterProcess
 from worker.lifecycle.engine import (
     DecodeHook,
     Engine,
@@ -45,18 +40,9 @@ from worker.lifecycle.engine import (
 )
 from worker.lifecycle.report import WorkerReport, report_of
 from worker.lifecycle.warm_start import WarmReport, warm_start
-from worker.lifecycle.wiring import Role, Stages, Writer, hot_list_off, observe, wire
-from worker.model.compiler import CompileReport
-from worker.model.degraded import DegradedModel
-from worker.model.loaded import LoadedModel
-from worker.model.precision import AgreementReport, PrecisionReport
+from worker.lifecycle.wiring import Role, Stages, hot_list_off, observe, wire
 from worker.observe.health import Health
 from worker.observe.observer import Observer
-from worker.pipeline.batcher import Batcher
-from worker.pipeline.completion import CompletionWatcher
-from worker.pipeline.degrade import DegradeSwitch, Serving
-from worker.pipeline.launch import ModelRunner
-from worker.pipeline.staging import InputRing, OutputRing
 
 log = structlog.get_logger("gpufeed.worker")
 
@@ -369,151 +355,6 @@ class Worker:
         """What the worker runs as, for the tools: its model side's figures once it warmed
         up, its stages' once Redis answered (worker/lifecycle/report.py)."""
         return report_of(self.engine, self._stages)
-
-    @property
-    def redis(self) -> aioredis.Redis:
-        if self._link is None:
-            raise AttributeError("the Redis client is made by startup()")
-        return self._link.client
-
-    @property
-    def cluster(self) -> bool:
-        return self._link is not None and self._link.cluster
-
-    @property
-    def compile_report(self) -> CompileReport | None:
-        return None if self._engine is None else self._engine.model.compile_report
-
-    @property
-    def precision(self) -> PrecisionReport | AgreementReport | None:
-        return None if self._engine is None else self._engine.model.precision
-
-    @property
-    def ctx(self) -> DeviceContext:
-        return self.engine.model.ctx
-
-    @property
-    def batch_size(self) -> int:
-        return self.engine.model.batch_size
-
-    @property
-    def loaded(self) -> LoadedModel:
-        return self.engine.model.loaded
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.engine.model.dtype
-
-    @property
-    def placement(self) -> str:
-        return self.engine.feed.placement
-
-    @property
-    def row_side(self) -> int:
-        return self.engine.feed.row_side
-
-    @property
-    def ring(self) -> InputRing:
-        return self.engine.feed.ring
-
-    @property
-    def out_ring(self) -> OutputRing:
-        return self.engine.model.out_ring
-
-    @property
-    def degraded_out_ring(self) -> OutputRing | None:
-        return self.engine.model.degraded_out_ring
-
-    @property
-    def ring_budget(self) -> dict[str, Any]:
-        return self.engine.feed.ring_budget
-
-    @property
-    def runner(self) -> ModelRunner:
-        return self.engine.model.runner
-
-    @property
-    def degraded(self) -> DegradedModel | None:
-        return self.engine.model.degraded
-
-    @property
-    def decode_cache(self) -> DecodeCache:
-        return self.engine.feed.decode_cache
-
-    @property
-    def decode_threads(self) -> int:
-        return self.engine.feed.decode_threads
-
-    @property
-    def decoder(self) -> DecodeExecutor:
-        return self.engine.feed.decoder
-
-    @decoder.setter
-    def decoder(self, pool: DecodeExecutor) -> None:
-        """Another decode pool in its place (the bench's ablations); shut down on exit like
-        the one it replaces."""
-        self.engine.feed.decoder = pool
-        self._exit.callback(pool.shutdown)
-
-    @property
-    def in_flight(self) -> InFlight:
-        return self.stages.in_flight
-
-    @property
-    def writer(self) -> Writer:
-        return self.stages.writer
-
-    @property
-    def writer_pids(self) -> list[int]:
-        """The result writer's process (GPUFEED_RESULT_WRITER=process), or none."""
-        writer = self._stages.writer if self._stages is not None else None
-        return [writer.pid] if isinstance(writer, WriterProcess) else []
-
-    @property
-    def intake_pids(self) -> list[int]:
-        """The intake's processes (GPUFEED_INTAKE=process), one per shard, or none."""
-        readers = self._stages.readers if self._stages is not None else []
-        return [r.intake.pid for r in readers if r.intake is not None and r.intake.pid]
-
-    @property
-    def batcher(self) -> Batcher:
-        return self.stages.batcher
-
-    @property
-    def watcher(self) -> CompletionWatcher:
-        return self.stages.watcher
-
-    @property
-    def readers(self) -> list[Reader]:
-        return self.stages.readers
-
-    @property
-    def reclaimers(self) -> list[Reclaimer]:
-        return self.stages.reclaimers
-
-    @property
-    def reader(self) -> Reader:
-        return self.stages.readers[0]
-
-    @property
-    def reclaimer(self) -> Reclaimer:
-        return self.stages.reclaimers[0]
-
-    @property
-    def serving(self) -> Serving:
-        return self.stages.steps.main
-
-    @property
-    def degraded_serving(self) -> Serving | None:
-        return self.stages.steps.degraded
-
-    @degraded_serving.setter
-    def degraded_serving(self, serving: Serving | None) -> None:
-        self.stages.steps.degraded = serving
-
-    @property
-    def degrade_switch(self) -> DegradeSwitch | None:
-        return self.stages.steps.switch
 
 
 def allow_large_images(max_pixels: int) -> None:

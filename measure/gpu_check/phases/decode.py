@@ -149,18 +149,18 @@ def decode_rates(
 
 async def decode(run: Run, entry: dict[str, Any]) -> None:
     run.report["gpu_decode_vs_cpu"] = await run.in_thread(
-        decode_differences, run.device, run.worker.loaded.resize_size
+        decode_differences, run.device, run.worker.report().staging_size
     )
 
 
 async def gpu_decode_rate(run: Run, entry: dict[str, Any]) -> None:
-    worker = run.worker
+    facts = run.worker.report()
     run.report["gpu_decode_rate"] = rates = await run.in_thread(
         decode_rates,
-        run.device,
-        worker.loaded.resize_size,
-        worker.batch_size,
-        worker.decode_threads,
+        facts.device,
+        facts.staging_size,
+        facts.batch_size,
+        facts.decode_threads,
     )
     rates["model_images_per_s"] = run.best
     # The JPEG engines as the worker's packed rows use them, per image size.
@@ -180,7 +180,7 @@ async def decode_processes(run: Run, entry: dict[str, Any]) -> None:
     it)."""
     run.report["decode_process_rates"] = await run.in_thread(
         decode_process_rates,
-        run.worker.loaded.resize_size,
+        run.worker.report().staging_size,
         os.cpu_count() or 1,
         seconds=run.args.decode_rate_seconds,
     )

@@ -28,7 +28,7 @@ async def h2d(run: Run, entry: dict[str, Any]) -> None:
         h2d_rate,
         run.device,
         image_bytes=packed_image_bytes(args.width, args.height),
-        batch=run.worker.batch_size,
+        batch=run.worker.report().batch_size,
         seconds=2.0,
     )
 
@@ -121,7 +121,8 @@ def _cudnn_on(run: Run, entry: dict[str, Any]) -> None:
     torch.backends.cudnn.benchmark = True
     try:
         with torch.cuda.stream(stream):
-            x = random_batch(run.worker.batch_size, run.worker.ring.size, device)
+            facts = run.worker.report()
+            x = random_batch(facts.batch_size, facts.ring_side, device)
             ceilings["eager_cudnn_benchmark"] = direct_feed_ceiling(
                 eager, x, iters=args.ceiling_iters, warmup=5
             )

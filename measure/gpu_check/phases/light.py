@@ -70,14 +70,12 @@ async def light_worker(run: Run) -> AsyncIterator[None]:
 async def light_ceiling(run: Run, entry: dict[str, Any]) -> None:
     worker = run.light
     assert worker is not None
-    runner, device = worker.runner, worker.ctx.device
-    compile_report = worker.compile_report
-    assert compile_report is not None
-    cudagraphs = compile_report.cudagraphs and device.type == "cuda"
+    facts, runner = worker.report(), worker.engine.model.runner
+    cudagraphs = facts.compile_report.cudagraphs and facts.cuda
     ceiling: dict[str, Any] = {}
 
     def on_launch_thread() -> None:
-        x = random_batch(worker.batch_size, worker.ring.size, device)
+        x = random_batch(facts.batch_size, facts.ring_side, facts.device)
         ceiling.update(
             direct_feed_ceiling(
                 runner.step, x, iters=run.args.ceiling_iters, warmup=5, cudagraphs=cudagraphs

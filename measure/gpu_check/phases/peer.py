@@ -26,8 +26,7 @@ def seconds_needed(run: Run) -> float:
 
 def _peer(run: Run, eager: Any, compile_mode: str) -> dict[str, Any]:
     """The DataLoader peer on the pipeline's images, written as files."""
-    worker, args = run.worker, run.args
-    loaded = worker.loaded
+    facts, args = run.worker.report(), run.args
     with tempfile.TemporaryDirectory(prefix="gpu-check-peer-") as folder:
         files = []
         for i in range(32):
@@ -38,13 +37,13 @@ def _peer(run: Run, eager: Any, compile_mode: str) -> dict[str, Any]:
         found = dataloader_rate(
             model,
             files,
-            batch=worker.batch_size,
-            resize=loaded.resize_size,
-            crop=loaded.crop_size,
-            mean=loaded.mean,
-            std=loaded.std,
+            batch=facts.batch_size,
+            resize=facts.staging_size,
+            crop=facts.input_size,
+            mean=facts.mean,
+            std=facts.std,
             dtype=next(model.parameters()).dtype,
-            device=worker.ctx.device,
+            device=facts.device,
             seconds=args.peer_seconds,
             workers=args.peer_workers or None,
             compile_mode=compile_mode,

@@ -65,7 +65,7 @@ async def serving_photos(run: Run) -> AsyncIterator[None]:
         "mean_bytes": int(sum(map(len, images)) / len(images)),
         "decode_cache_mb": cfg.decode_cache_mb,
     }
-    backlog = max(args.backlog, worker.batch_size * 32)
+    backlog = max(args.backlog, worker.report().batch_size * 32)
     feeder = Feeder(
         cfg.redis_url, cfg.stream, jobs.payloads, backlog, unique=field == "image", field=field
     )
@@ -94,7 +94,8 @@ async def _ramp(run: Run, serving: Serving) -> None:
     """Until four batches are answered (a minute at most), then the warm-up."""
     assert serving.feeder is not None
     ramp_until = time.monotonic() + run.args.warmup_seconds + 60
-    while serving.answered() < run.worker.batch_size * 4 and time.monotonic() < ramp_until:
+    four_batches = run.worker.report().batch_size * 4
+    while serving.answered() < four_batches and time.monotonic() < ramp_until:
         serving.raise_if_ended()
         if not serving.feeder.alive:
             raise RuntimeError("the job feeder process ended before the window")
@@ -109,16 +110,16 @@ async def pipeline(run: Run, entry: dict[str, Any]) -> None:
     window_s = window_seconds(run)
     entry["window_s"] = round(window_s, 1)
     # The CUDA index the worker computes on; the sampler finds it in NVML by UUID.
-    sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
-    c = worker.counters
+    sampler = GpuSampler(worker.report().device.index or 0, interval_s=0.1)
+    c, client = worker.counters, worker.link.client
     try:
         await _ramp(run, serving)
         sampler.start()
         # What Redis's command thread spends per job in the window (the feeder's XADDs
         # and the worker's reads, results and acks): does one Redis carry this rate?
-        redis0 = await redis_cpu_s(worker.redis)
+        redis0 = await redis_cpu_s(client)
         with (
-            count_step_replays(worker.runner) as replays,
+            count_step_replays(worker.engine.model.runner) as replays,
             count_gpu_rows(worker.engine.feed.gpu_decode) as gpu_rows,
         ):
             n0, t0, b0 = serving.answered(), time.monotonic(), c.batches
@@ -126,7 +127,7 @@ async def pipeline(run: Run, entry: dict[str, Any]) -> None:
             await asyncio.sleep(window_s)
             n1, t1, b1 = serving.answered(), time.monotonic(), c.batches
             hits1, errors1 = c.cache_hits, c.results_error
-        redis_cpu = redis_cost(redis0, await redis_cpu_s(worker.redis), n1 - n0)
+        redis_cpu = redis_cost(redis0, await redis_cpu_s(client), n1 - n0)
         sampler.stop()
         serving.raise_if_ended()
         summary = sampler.summary()
@@ -162,25 +163,23 @@ def _feed_figures(run: Run, serving: Serving, gpu_rows: Any) -> dict[str, Any]:
     """The pipeline's totals and how its worker fed the step: decode processes or threads,
     GPU decode into packed rows and the rows its decoder wrote in the window."""
     worker, c = run.worker, run.worker.counters
-    engine = worker.engine
+    engine, facts = worker.engine, worker.report()
     assert serving.feeder is not None
     return {
         "results_ok": c.results_ok,
         "results_error": c.results_error,
         "errors_by_code": dict(c.errors_by_code),
-        "batch_fill": round(c.real_rows / (c.batches * worker.batch_size), 3)
-        if c.batches
-        else None,
+        "batch_fill": round(c.real_rows / (c.batches * facts.batch_size), 3) if c.batches else None,
         "jobs_pushed": serving.feeder.pushed,
-        "decode_threads": worker.decoder.threads,
+        "decode_threads": facts.decode_threads,
         # Decode processes or threads, and why (the feed plan's line).
-        "decode_processes": engine.feed.plan.decode_processes,
-        "feed_plan": engine.feed.plan.line(),
+        "decode_processes": facts.plan.decode_processes,
+        "feed_plan": facts.plan.line(),
         "staged_bytes_per_image": engine.staged_bytes_per_image(),
         # GPU decode into packed rows: the share asked, and the rows its decoder wrote and
         # handed back to the CPU in the window.
-        "gpu_decode_share": engine.feed.plan.gpu_decode_share,
-        "gpu_decode_why": engine.feed.plan.gpu_decode_why,
+        "gpu_decode_share": facts.plan.gpu_decode_share,
+        "gpu_decode_why": facts.plan.gpu_decode_why,
         "decode_setting": run.args.decode,
         "gpu_decoder": gpu_decoder_of(engine.feed.gpu_decode),
         "gpu_decoded_in_window": gpu_rows.decoded,
@@ -201,7 +200,7 @@ async def syncs(run: Run, entry: dict[str, Any]) -> None:
     entry["window_s"] = seconds
     # Launches counted outside the profiler: its read-out after the window is not part of it.
     with (
-        count_step_replays(run.worker.runner) as launches,
+        count_step_replays(run.worker.engine.model.runner) as launches,
         count_host_syncs(profile=True) as counted,
     ):
         await asyncio.sleep(seconds)

@@ -21,7 +21,8 @@ async def startup(run: Run, entry: dict[str, Any]) -> None:
     await worker.startup(wait_for_redis=False)
     report["startup_s"] = round(time.perf_counter() - t0, 2)
     report["compile"] = run.compile_report.as_dict()
-    report["precision"] = worker.precision.as_dict() if worker.precision else None
+    precision = worker.report().precision
+    report["precision"] = precision.as_dict() if precision else None
 
 
 async def _wait_for_file(path: Path, deadline: Deadline) -> bool:
@@ -45,17 +46,18 @@ async def wait_for_tests(run: Run, entry: dict[str, Any]) -> None:
 def _describe_worker(run: Run) -> None:
     """What the ceiling and the windows after it measure: the worker's model and rows."""
     worker = run.worker
+    facts = worker.report()
     run.report.update(
         model=worker.config.model,
-        batch=worker.batch_size,
+        batch=facts.batch_size,
         dtype=str(getattr(run.eager, "dtype", "")).removeprefix("torch."),
-        device=worker.ctx.name,
-        staging_size=worker.loaded.resize_size,
-        input_size=worker.loaded.crop_size,
+        device=facts.device_name,
+        staging_size=facts.staging_size,
+        input_size=facts.input_size,
     )
     # The ring's rows: S x S with the resize on the host, R x R (decoded size and geometry)
     # with the device placement, whose resampling is part of the step the ceiling times.
-    run.report["resize"] = {"placement": worker.placement, **worker.ring_budget}
+    run.report["resize"] = {"placement": facts.placement, **facts.ring_budget}
     run.report["ceiling"] = run.ceilings
 
 
@@ -63,17 +65,18 @@ async def ceiling(run: Run, entry: dict[str, Any]) -> None:
     """A random uint8 batch already on the device through the compiled step and the eager
     one, on the launch thread, with cudnn.benchmark off as the worker runs."""
     _describe_worker(run)
-    worker, args, ceilings = run.worker, run.args, run.ceilings
-    step_fn, eager, cudagraphs = worker.runner.step, run.eager, run.cudagraphs
+    args, ceilings = run.args, run.ceilings
+    facts, runner = run.worker.report(), run.worker.engine.model.runner
+    step_fn, eager, cudagraphs = runner.step, run.eager, run.cudagraphs
 
     def on_launch_thread() -> None:
-        x = random_batch(worker.batch_size, worker.ring.size, run.device)
+        x = random_batch(facts.batch_size, facts.ring_side, facts.device)
         ceilings["compiled"] = direct_feed_ceiling(
             step_fn, x, iters=args.ceiling_iters, warmup=5, cudagraphs=cudagraphs
         )
         ceilings["eager"] = direct_feed_ceiling(eager, x, iters=args.ceiling_iters, warmup=3)
 
-    worker.runner.run_sync(on_launch_thread)
+    runner.run_sync(on_launch_thread)
     run.report["ceiling_images_per_s"] = {
         "compiled": ceilings["compiled"]["images_per_s"],
         "eager": ceilings["eager"]["images_per_s"],

@@ -179,18 +179,16 @@ class Run:
 
     @property
     def device(self) -> torch.device:
-        return self.worker.ctx.device
+        return self.worker.report().device
 
     @property
     def compile_report(self) -> CompileReport:
-        found = self.worker.compile_report
-        assert found is not None, "the worker has not started"
-        return found
+        return self.worker.report().compile_report
 
     @property
     def eager(self) -> Any:
         """The worker's model as the step it compiled, uncompiled."""
-        return eager_of(self.worker.runner.step)
+        return eager_of(self.worker.engine.model.runner.step)
 
     @property
     def cudagraphs(self) -> bool:
@@ -201,7 +199,7 @@ class Run:
         """What the worker's compile took at the batch's shape: what a peer's or the cudnn
         extra's compile of the same model at one shape costs."""
         report = self.compile_report
-        return report.size_costs.get(self.worker.batch_size, (report.compile_s, 0))[0]
+        return report.size_costs.get(self.worker.report().batch_size, (report.compile_s, 0))[0]
 
     def serving_photos(self) -> Serving:
         assert self.photos is not None, "the pipeline's worker is not serving"

@@ -35,8 +35,8 @@ async def measure_window(
     against the ceiling `best`."""
     worker, args = serving.worker, run.args
     cfg = worker.config
-    base = serving.answered()
-    backlog = max(args.backlog, worker.batch_size * 32)
+    base, facts = serving.answered(), worker.report()
+    backlog = max(args.backlog, facts.batch_size * 32)
     feeder = Feeder(
         cfg.redis_url,
         cfg.stream,
@@ -46,7 +46,7 @@ async def measure_window(
         unique=field == "image",
         field=field,
     )
-    sampler = GpuSampler(worker.ctx.device.index or 0, interval_s=0.1)
+    sampler = GpuSampler(facts.device.index or 0, interval_s=0.1)
 
     async def tell() -> None:
         while True:
@@ -57,7 +57,7 @@ async def measure_window(
     telling = asyncio.create_task(tell(), name=f"tell_{name}_feeder")
     try:
         ramp_until = time.monotonic() + 60
-        while serving.answered() - base < worker.batch_size * 4 and time.monotonic() < ramp_until:
+        while serving.answered() - base < facts.batch_size * 4 and time.monotonic() < ramp_until:
             serving.raise_if_ended()
             await asyncio.sleep(0.05)
         await asyncio.sleep(min(args.warmup_seconds, 2.0))
@@ -80,7 +80,7 @@ async def _timed(
     """A window's timed part: results, NVML utilisation, launches and their replays."""
     c = serving.worker.counters
     sampler.start()
-    with count_step_replays(serving.worker.runner) as replays:
+    with count_step_replays(serving.worker.engine.model.runner) as replays:
         n0, t0, hits0, errors0 = serving.answered(), time.monotonic(), c.cache_hits, c.results_error
         await asyncio.sleep(seconds)
         n1, t1, hits1, errors1 = serving.answered(), time.monotonic(), c.cache_hits, c.results_error
@@ -161,8 +161,8 @@ async def thumbnails(run: Run, entry: dict[str, Any]) -> None:
 
 def gpu_decode_running(run: Run) -> str | None:
     """Why the worker has no GPU decode to leave out (None: it decodes on the GPU)."""
-    split = run.worker.engine.feed.gpu_decode.split
-    if split is None or not isinstance(run.worker.decoder, ProcessDecodePool):
+    feed = run.worker.engine.feed
+    if feed.gpu_decode.split is None or not isinstance(feed.decoder, ProcessDecodePool):
         return "no GPU decode in this run"
     return None
 
@@ -171,7 +171,8 @@ async def before(run: Run, entry: dict[str, Any]) -> None:
     """The photo window's jobs with the GPU's JPEG decoder left out (every row decoded by
     the decode processes, as before GPU decode), for --before-seconds on the same worker."""
     serving = _backlog_stopped(run.serving_photos())
-    pool, split = run.worker.decoder, run.worker.engine.feed.gpu_decode.split
+    feed = run.worker.engine.feed
+    pool, split = feed.decoder, feed.gpu_decode.split
     assert split is not None and isinstance(pool, ProcessDecodePool)
     share, tune = pool.gpu_share, split.tune
     split.tune = False
