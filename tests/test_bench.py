@@ -781,7 +781,7 @@ def test_the_warm_start_section_measures_a_restarted_worker_cold_and_warm(
     for r in w["runs"].values():
         assert r["results_ok"] == r["jobs"] == w["jobs"] and 0 <= r["hits"] <= r["jobs"]
     cold, warm = w["runs"]["cold"]["warm_start"], w["runs"]["warm"]["warm_start"]
-    assert cold["why_not"] == "GPUFEED_WARM_START_S is 0" and cold["warmed"] == 0
+    assert cold["why_not"] == "GPUFEED_TUNING warm_start_s=0" and cold["warmed"] == 0
     assert warm["why_not"] == "" and 0 < warm["warmed"] == warm["listed"] <= w["images"]
     # The same window of jobs: warmed, the images the last worker hit are hits from the start.
     assert w["hit_rate_warm"] > w["hit_rate_cold"]

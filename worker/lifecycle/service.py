@@ -211,7 +211,7 @@ class Worker:
         if hot is None:
             self.warm = WarmReport(why_not=f"no hot list: {hot_list_off(cfg)}")
         elif cfg.warm_start_s <= 0:
-            self.warm = WarmReport(why_not="GPUFEED_WARM_START_S is 0")
+            self.warm = WarmReport(why_not=f"GPUFEED_TUNING warm_start_s={cfg.warm_start_s:g}")
         else:
             engine = self.engine
             self.warm = await warm_start(
