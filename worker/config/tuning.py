@@ -93,9 +93,9 @@ GPU_DECODE_SHARE = "auto"
 # bench.
 INTAKE = "auto"
 RESULT_WRITER = "auto"
-# The longest a decode may take: the largest images the default limits admit (a 100 M
-# pixel PNG) decode in 1 to 2 s on one core of a 2-core host, 3 to 4 s while it is busy;
-# 10 s is a runaway decode, and the batch goes on without it (docs/guarantees.md).
+# The longest a decode may take: well above what the largest images the default limits
+# admit need (docs/guarantees.md gives their decode times), so only a runaway decode
+# reaches it, and the batch goes on without it.
 DECODE_BUDGET_MS = 10000.0
 # `auto`: 1, B/8, B/2 and B compiled, less any measured no faster than the next larger:
 # measured beats any list written ahead of the device it runs on.
@@ -107,6 +107,5 @@ BATCH_SIZES = "auto"
 # minutes: 1000 photos decoded at 224 px fit in the cache's 256 MiB with room to spare.
 HOT_LIST = 1000
 # A starting worker decodes the hot list for at most 30 s before it joins the group: a
-# restart costs the fleet half a minute of one worker, and saves its first jobs a cold
-# cache.
+# restart delays one worker by no more than that, and its first jobs find a warm cache.
 WARM_START_S = 30.0

@@ -78,9 +78,9 @@ def _env_value(value: Any) -> str:
 
 def config_env(config: WorkerConfig) -> dict[str, str]:
     """`config` as the environment that gives it: each setting under its variable, and the
-    tuning constants that differ from tuning.py's once, as GPUFEED_TUNING: written even
-    when empty, so that a GPUFEED_TUNING of the environment it is laid over never reaches a
-    child in place of `config`'s."""
+    tuning constants that differ from worker/config/tuning.py's once, as GPUFEED_TUNING:
+    written even when empty, so that a GPUFEED_TUNING of the environment it is laid over
+    never reaches a child in place of `config`'s."""
     env = {str(entry.env): _env_value(getattr(config, entry.name)) for entry in table.PUBLIC}
     env[table.TUNING_VARIABLE] = tuning_text(config)
     return env

@@ -3,8 +3,8 @@ budget (the seconds the plan gives it, from the options alone), its needs (what 
 run or be there before it; the first one missing is the reason it is skipped), the time it
 checks is left when its turn comes, and the function that runs it.
 
-The check (check.py) runs the table in a loop that does each phase's shape once, and plans
-the run's budget from it. The rows without a function are the plan's alone: parts of the
+The check (measure/gpu_check/check.py) runs the table in a loop that does each phase's
+shape once, and plans the run's budget from it. The rows without a function are the plan's alone: parts of the
 phases around them (the pipeline's drain, the run's end)."""
 
 from __future__ import annotations
@@ -328,6 +328,7 @@ PHASES: tuple[Phase, ...] = (
         extras.cudnn,
         room=_planned(_left_below(_seconds(10.0))),
     ),
-    # The workers shut down and the report written, after the loop (check.py's `run`).
+    # The workers shut down and the report written, after the loop
+    # (measure/gpu_check/check.py's `run`).
     Phase("shutdown", lambda args, est: SHUTDOWN_S),
 )
