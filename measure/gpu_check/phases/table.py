@@ -4,8 +4,8 @@ run or be there before it; the first one missing is the reason it is skipped), t
 checks is left when its turn comes, and the function that runs it.
 
 The check (measure/gpu_check/check.py) runs the table in a loop that does each phase's
-shape once, and plans the run's budget from it. The rows without a function are the plan's alone: parts of the
-phases around them (the pipeline's drain, the run's end)."""
+shape once, and plans the run's budget from it. The rows without a function are the plan's
+alone: parts of the phases around them (the pipeline's drain, the run's end)."""
 
 from __future__ import annotations
 
