@@ -8,7 +8,7 @@ STAMP := $(VENV)/.setup-stamp
 REDIS_PORT ?= 6379
 FUZZ_MINUTES ?= 10
 
-.PHONY: help setup redis-server promtool tmux chromium test fuzz lint demo run-worker run-redis bench soak \
+.PHONY: help setup redis-server promtool tmux chromium test test-fast fuzz lint demo run-worker run-redis bench soak \
 	soak-cluster gpu-check gpu-check-prepare gpu-check-rehearse docs docs-serve docs-gen docs-figures clean
 
 help: ## this list
@@ -66,13 +66,21 @@ promtool: $(STAMP) ## put promtool (from Debian's prometheus package) into .venv
 test: setup lint ## ruff, mypy, then the test suite (starts its own redis-server)
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q --durations=30
 
+# The core's tests (tests/<folder>/ mirrors worker/'s folders), less those marked slow (real
+# worker processes, a Redis Cluster, a compiled model): the lane to run while changing the
+# core. `make test` stays the gate CI runs.
+FAST_TESTS := tests/base tests/ipc tests/jobs tests/config tests/decode tests/model tests/fetch \
+	tests/pipeline tests/observe tests/delivery tests/lifecycle
+test-fast: setup ## the core's tests without the slow ones, in minutes (make test is the gate)
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q -m "not slow" $(FAST_TESTS)
+
 # Every test that uses hypothesis, under the `fuzz` profile of tests/conftest.py (`make test`
 # keeps their examples fixed), round after round until FUZZ_MINUTES (whole minutes) have
 # passed; the first failure stops it and prints the falsifying example. Run it before each
 # submission: what it finds becomes an @example on its test, and a fix.
 fuzz: setup ## the property tests with fresh random examples for FUZZ_MINUTES (default 10)
 	@end=$$(( $$(date +%s) + 60 * $(FUZZ_MINUTES) )); round=0; \
-	files=$$(grep -l '^from hypothesis' tests/test_*.py); \
+	files=$$(grep -rl --include="test_*.py" "^from hypothesis" tests); \
 	while [ $$(date +%s) -lt $$end ]; do \
 	  round=$$((round + 1)); echo "fuzz: round $$round"; \
 	  HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -x -m hypothesis -p no:cacheprovider \
@@ -126,7 +134,7 @@ gpu-check-prepare: ## where there is network: wheels and redis-server for gpu-ch
 	bash scripts/prepare-gpu-host.sh
 
 # What a GPU host runs before it needs the GPU, here, with only the host's packages and the
-# carry importable (tests/test_gpu_host_rehearsal.py runs it in `make test`).
+# carry importable (tests/measure/test_gpu_host_rehearsal.py runs it in `make test`).
 gpu-check-rehearse: setup ## the GPU check's set-up and test collection, in a GPU host's environment
 	$(PY) scripts/gpu_host_rehearsal.py
 
@@ -139,7 +147,7 @@ docs-serve: setup ## serve the site on http://127.0.0.1:8000, rebuilt on each ed
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve --no-strict --dev-addr 127.0.0.1:8000
 
 # The reference pages written from the code (docs/reference/: settings, error codes, result
-# fields, metrics, make targets, command line); tests/test_docs.py fails when one is stale.
+# fields, metrics, make targets, command line); tests/project/test_docs.py fails when one is stale.
 docs-gen: setup ## rewrite the generated reference pages under docs/reference/
 	$(PY) -m worker.docs_gen
 

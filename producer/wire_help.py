@@ -1,7 +1,7 @@
 """What each error code and each result field means: the one source of the site's reference
 pages (docs/reference/error-codes.md and result-fields.md, written by
 `python -m worker.docs_gen`). A new code in `wire.ErrorCode` or a new `wire.RES_*` field
-gets its entry here; tests/test_docs.py checks that none is missing.
+gets its entry here; tests/project/test_docs.py checks that none is missing.
 
 Meanings are Markdown; links name the site's pages relative to docs/ (`priorities.md`).
 """

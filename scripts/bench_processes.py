@@ -29,9 +29,9 @@ import click  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
 
-from tests.images import jpeg_bytes  # noqa: E402
-from tests.process_harness import RESULTS, WorkerProcess, submit, worker_env  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.support.images import jpeg_bytes  # noqa: E402
+from tests.support.process_harness import RESULTS, WorkerProcess, submit, worker_env  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 from worker.tools.command_line import CONTEXT_SETTINGS, parse  # noqa: E402
 
 

@@ -88,7 +88,7 @@ import redis  # noqa: E402
 
 from producer import tenants  # noqa: E402
 from producer.wire import DEFAULT_MAX_META_BYTES, JobResult  # noqa: E402
-from tests.images import (  # noqa: E402
+from tests.support.images import (  # noqa: E402
     blank_png_bytes,
     jpeg_bytes,
     png_bytes,
@@ -97,7 +97,7 @@ from tests.images import (  # noqa: E402
     rle_bmp_bytes,
     truncated_jpeg_bytes,
 )
-from tests.process_harness import (  # noqa: E402
+from tests.support.process_harness import (  # noqa: E402
     DEAD,
     GROUP,
     JOBS,
@@ -109,7 +109,7 @@ from tests.process_harness import (  # noqa: E402
     wait_ready,
     worker_env,
 )
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 from worker.tools.command_line import CONTEXT_SETTINGS, parse  # noqa: E402
 
 MIB = 1024 * 1024
@@ -1677,7 +1677,7 @@ def cluster_main(args: SoakArgs) -> int:
     from redis.cluster import RedisCluster as ClusterClient
 
     from producer.client import Job, Producer
-    from tests.redis_cluster import RedisCluster, ResultWatcher
+    from tests.support.redis_cluster import RedisCluster, ResultWatcher
 
     work = args.workdir.resolve() / "cluster"
     if work.exists():

@@ -11,7 +11,7 @@ import redis
 import structlog
 from hypothesis import HealthCheck, settings
 
-from tests.redis_server import RedisServer
+from tests.support.redis_server import RedisServer
 
 # A suite started in the background by a shell without job control (`make test &`, a CI
 # runner's script) inherits ^C ignored, and so would every process it starts: the tests that
@@ -21,7 +21,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if TYPE_CHECKING:
-    from tests.worker_harness import HostShape
+    from tests.support.worker_harness import HostShape
 
 # Property tests: `make test` and CI draw the same examples on every run (derandomized, no
 # local example database), so a submission fails only for what the code does; a property
@@ -98,10 +98,10 @@ def host_shape(request: pytest.FixtureRequest) -> HostShape:
     """The end-to-end tests run in both shapes, whatever this host's cores: a small host's
     (decode threads, the intake and the result writer on the event loop) and a GPU host's
     (decode processes, the intake and the writer in processes of their own, packed rows,
-    GPU decode through nvImageCodec). tests/worker_harness.py says how each is pinned and
+    GPU decode through nvImageCodec). tests/support/worker_harness.py says how each is pinned and
     checked. Module-scoped, so that a module may share one worker per shape."""
     # Imported here: the harness imports the worker, which tests of other parts never need.
-    from tests.worker_harness import HOST_SHAPES
+    from tests.support.worker_harness import HOST_SHAPES
 
     return HOST_SHAPES[request.param]
 

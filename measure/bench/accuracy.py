@@ -1,5 +1,5 @@
 """Both resize placements against torchvision's eval transforms: the bench's `accuracy`
-section, and what tests/test_resample.py asserts.
+section, and what tests/decode/test_resample.py asserts.
 
 The reference: each image decoded in full by Pillow, turned upright from its EXIF tag, then
 torchvision's Resize(S, antialias=True) + CenterCrop(C). The host placement resizes on the
@@ -9,7 +9,7 @@ the given device. Both decode large JPEGs at libjpeg's DCT scale, which is where
 the difference to the full-decode reference comes from.
 
 The images: generated photos (smooth colour gradients under Gaussian noise, as
-tests/images.py makes them) of every size class the rows distinguish (an upscaled
+tests/support/images.py makes them) of every size class the rows distinguish (an upscaled
 thumbnail; native rows, landscape, portrait and square; DCT-scaled photos; a panorama too
 long for a row, reduced on the host), each in all eight EXIF orientations. The model: a
 small random convnet with a fixed seed, in fp32 on the CPU; its pooled features are the
@@ -49,7 +49,7 @@ SIZES: tuple[tuple[int, int, str], ...] = (
     (600, 90, "panorama, reduced on the host"),
 )
 
-# What the placements must reach (tests/test_resample.py asserts the same numbers). Pixel
+# What the placements must reach (tests/decode/test_resample.py asserts the same numbers). Pixel
 # differences in levels of 255, per image: decoded at full size, rounding only; decoded at
 # a DCT scale, libjpeg's reduced IDCT drops detail finer than the scaled grid.
 THRESHOLDS = {

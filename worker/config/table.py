@@ -4,7 +4,7 @@ and section, in one table that the rest is built from.
 `WorkerConfig` (settings.py) takes each field's default from here and validates by looping
 over this table; `python -m worker --help`, docs/reference/configuration.md and the checks
 of deploy/systemd/worker.env.example read it too. A new setting is one entry here and one
-field of `WorkerConfig` (tests/test_settings_table.py fails on either alone).
+field of `WorkerConfig` (tests/config/test_settings_table.py fails on either alone).
 
 An entry without a variable is a tuning constant (tuning.py): a field the code reads like
 any other, set only through GPUFEED_TUNING (tests and experiments; not a contract). Its

@@ -5,7 +5,7 @@ Two executors keep it, side by side: decode threads in the worker's process
 (worker/decode/pool.py, `DecodePool`) and decode processes writing into memory shared with
 it (worker/decode/processes.py, `ProcessDecodePool`). Both run each row through the same
 steps (worker/decode/row_policy.py). Each checks itself against `DecodeExecutor` for mypy
-at its end; tests/test_decode_contract.py runs the same tests on both.
+at its end; tests/decode/test_decode_contract.py runs the same tests on both.
 
 The life of a batch's rows: `submit_rows` hands a group of rows over as they are taken
 (what one read gave the batch) and returns its `DecodeGroup`; `settle` waits for the groups

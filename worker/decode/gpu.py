@@ -421,7 +421,7 @@ def calibrate(
 
 
 def _wait(event: Event | None) -> None:
-    # Start-up calibration only (allow-listed in tests/test_hot_path_static.py).
+    # Start-up calibration only (allow-listed in tests/pipeline/test_hot_path_static.py).
     if isinstance(event, torch.cuda.Event):
         event.synchronize()
 

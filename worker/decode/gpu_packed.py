@@ -379,7 +379,7 @@ def measure_rates(
 
 
 def _wait(event: Event) -> None:
-    # Start-up measurement only (allow-listed in tests/test_hot_path_static.py).
+    # Start-up measurement only (allow-listed in tests/pipeline/test_hot_path_static.py).
     if isinstance(event, torch.cuda.Event):
         event.synchronize()
 

@@ -9,7 +9,7 @@ travels is what the result fields are made of, never the job's image bytes.
 Which fields cross, and in which order, is written once: `JOB_FIELDS` and `OUTCOME_FIELDS`,
 by the Job's and the Outcome's own names, read and rebuilt by name on both sides. Every other
 field of a Job (its own or its entry's, which it reads through) or an Outcome is named in
-`JOB_LEFT` or `OUTCOME_LEFT`, with why it stays: tests/test_writer_process.py fails on a
+`JOB_LEFT` or `OUTCOME_LEFT`, with why it stays: tests/delivery/test_writer_process.py fails on a
 field named in neither, so a field added to Job is either carried or left on purpose,
 never dropped unseen.
 """

@@ -31,7 +31,7 @@ from worker.base.errors import EXIT_CONFIG, GpufeedError
 # redis-py's own mapping of an error answer to the exception it raises has no public name:
 # this is the one place it is imported, checked at import (`redis_parse_error`). The range
 # pyproject.toml pins redis-py to is the one where it is what the check expects
-# (tests/test_redis_py_range.py).
+# (tests/delivery/test_redis_py_range.py).
 try:
     from redis._parsers import base as _redis_parsers
 except ImportError:  # the check below says so, naming the version

@@ -4,7 +4,7 @@ Each page under docs/reference/ has one source in the code (worker/config/table.
 producer/wire_help.py, worker/observe/metrics.py, the Makefile, the CLIs' own help), and so
 has the map of worker/'s folders on docs/development.md (their own docstrings). `python -m
 worker.docs_gen` (`make docs-gen`) writes them; `--check` says which committed page
-differs from what would be written, as tests/test_docs.py does. It reads every other part,
+differs from what would be written, as tests/project/test_docs.py does. It reads every other part,
 the command line included, so it is the top layer.
 
 May import: cli, config, observe, producer, tools.

@@ -2,7 +2,7 @@
 
 Each folder's `__init__` docstring says what it holds (its first paragraph) and what it may
 import (its `May import:` line); worker/__init__.py's `Layers:` line puts every folder and
-flat module in a layer. The map is those, and tests/test_layout.py checks that every part
+flat module in a layer. The map is those, and tests/project/test_layout.py checks that every part
 imports no more than it says and only from layers below its own, counting imports made
 inside functions (not those under `if TYPE_CHECKING:`, which are for annotations only).
 """

@@ -47,11 +47,11 @@ ADDING = """\
 A setting is one entry of `SETTINGS` in `worker/config/table.py` (its variable, default,
 type, bounds or choices, meaning in Markdown, and section) and the field of the same name in
 `WorkerConfig` (`worker/config/settings.py`), which takes its default from the entry:
-`tests/test_settings_table.py` fails on either alone. Its flag, its line in `--help`, its
+`tests/config/test_settings_table.py` fails on either alone. Its flag, its line in `--help`, its
 row on this page (`make docs-gen`) and its validation come from the entry; a check that
 bounds or choices cannot say is the entry's `check`, and one that relates settings to each
 other a named rule of `RULES` (settings.py). `deploy/systemd/worker.env.example` shows
-every setting with its default (`tests/test_deploy.py` holds the two together). Unless an
+every setting with its default (`tests/project/test_deploy.py` holds the two together). Unless an
 operator can choose the value better than the code, make it a tuning constant instead: a
 constant in `worker/config/tuning.py` and an entry without a variable.
 """

@@ -81,7 +81,7 @@ class BoundedPoolConnector(aiohttp.TCPConnector):
     gives unlimited names) would pile up one open socket per name until file descriptors ran
     out. Here, a connection handed back beyond `max_idle` idle ones closes the oldest idle
     connection instead. aiohttp has no public hook for this; `_release` and `_conns` are
-    its pool (tests/test_fetch_limits.py checks the bound against a real server)."""
+    its pool (tests/fetch/test_fetch_limits.py checks the bound against a real server)."""
 
     def __init__(self, *, max_idle: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)

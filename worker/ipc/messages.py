@@ -4,7 +4,7 @@ What crosses is `(tag, fields)`: the tag is the message's place in its protocol'
 (`Wire`), the fields go in the class's own order, as msgpack packs a tuple, and come back
 as the class again, refused whole when their count is not the class's. So a field added to
 a message is sent and read by both sides, and a side that would be a field short fails at
-its first message, never quietly; tests/test_ipc.py round-trips every message of every
+its first message, never quietly; tests/ipc/test_ipc.py round-trips every message of every
 table from the fields its class declares.
 
 A message whose fields are not plain values (the result writer's settings, a list of

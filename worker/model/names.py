@@ -7,7 +7,7 @@ torchvision/models/*.py, the files `torchvision.models.list_models(module=torchv
 reads), found by reading the installed package's source: a few milliseconds, always the
 installed version. Should a future torchvision register them otherwise, the scan finds none
 and the name is checked after torch is imported instead (`check_name` with the imported
-list), with the same hints. tests/test_model_names.py holds the scan to torchvision's list.
+list), with the same hints. tests/model/test_model_names.py holds the scan to torchvision's list.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Tests of errors and log lines (worker/base/)."""

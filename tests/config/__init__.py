@@ -1,0 +1,1 @@
+"""Tests of settings and the command line (worker/config/, worker/cli.py)."""

@@ -1,0 +1,1 @@
+"""Tests of decoding (worker/decode/)."""

@@ -1,0 +1,1 @@
+"""Tests of Redis in and out (worker/delivery/)."""

@@ -1,0 +1,1 @@
+"""Tests of url jobs (worker/fetch/)."""

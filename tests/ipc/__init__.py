@@ -1,0 +1,1 @@
+"""Tests of the child-process toolkit (worker/ipc/)."""

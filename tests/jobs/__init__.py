@@ -1,0 +1,1 @@
+"""Tests of job parsing (worker/jobs.py, producer/job_fields.py)."""

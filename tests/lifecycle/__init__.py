@@ -1,0 +1,1 @@
+"""Tests of a worker's life (worker/lifecycle/)."""

@@ -1,0 +1,1 @@
+"""Tests of the model and its step (worker/model/)."""

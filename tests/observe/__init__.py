@@ -1,0 +1,1 @@
+"""Tests of metrics and health (worker/observe/)."""

@@ -1,0 +1,1 @@
+"""Tests of the stages between reader and writer (worker/pipeline/)."""

@@ -1,0 +1,1 @@
+"""Tests of the client library, CLI and batch jobs (producer/)."""

@@ -1,0 +1,1 @@
+"""Tests of the whole system: contract, bad and hostile input, faults, security."""

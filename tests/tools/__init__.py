@@ -1,0 +1,1 @@
+"""Tests of the operator tools (worker/tools/, worker/notebook.py)."""
