@@ -16,6 +16,9 @@ retry) the newer one is kept.
 An output path that is a symbolic link is written through: the link's target (where the
 link leads, followed to the end) is the output, its segments folder beside it, and the
 link stays a link.
+
+A part of a dataset (see batch_dataset) is such an output with its segments folder and its
+`.tmp` elsewhere (under the dataset's `_gpufeed/`), assembled always, in bounded row groups.
 """
 
 from __future__ import annotations
@@ -126,7 +129,10 @@ class JsonLines:
         with path.open("rb") as f:
             return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
-    def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
+    def assemble(
+        self, files: list[Path], keep: _Keep, out: Path, row_group: int | None = None
+    ) -> int:
+        del row_group  # lines have no groups
         rows = 0
         with out.open("w", encoding="utf-8") as dst:
             for index, file in enumerate(files):
@@ -222,7 +228,12 @@ class Parquet:
             counts[_outcome(status, code)] += n
         return counts
 
-    def assemble(self, files: list[Path], keep: _Keep, out: Path) -> int:
+    def assemble(
+        self, files: list[Path], keep: _Keep, out: Path, row_group: int | None = None
+    ) -> int:
+        """Copy the kept rows of `files` into `out`. With `row_group`, rows are gathered
+        into row groups of that many rows (the last one fewer, and fewer where they reach
+        ROW_GROUP_BYTES first); without, each read batch is a row group as it comes."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -233,6 +244,7 @@ class Parquet:
             raise OutputError(f"the segments' columns do not agree ({exc})") from None
         rows = 0
         with pq.ParquetWriter(out, schema, **PARQUET_OPTIONS) as writer:
+            groups = _Groups(writer, row_group)
             for index, file in enumerate(files):
                 start = 0
                 for read in pq.ParquetFile(file).iter_batches(batch_size=READ_ROWS):
@@ -244,7 +256,7 @@ class Parquet:
                     start += read.num_rows
                     batch = read if mask is None else read.filter(pa.array(mask))
                     if batch.num_rows and batch.schema == schema:
-                        writer.write_batch(batch)
+                        groups.add(pa.Table.from_batches([batch]))
                         rows += batch.num_rows
                     elif batch.num_rows:
                         table = pa.Table.from_batches([batch])
@@ -254,9 +266,54 @@ class Parquet:
                                     schema.field(name),
                                     pa.nulls(table.num_rows, schema.field(name).type),
                                 )
-                        writer.write_table(table.select(schema.names).cast(schema))
+                        groups.add(table.select(schema.names).cast(schema))
                         rows += batch.num_rows
+            groups.close()
         return rows
+
+
+# A bound on a gathered row group's bytes in memory, whatever its rows: 128 MiB, the row
+# group size of Parquet's reference writer (and Spark's), so wide rows (embeddings, raw
+# outputs) cost a bounded buffer while narrow rows still fill their row count.
+ROW_GROUP_BYTES = 128 << 20
+
+
+class _Groups:
+    """Tables written as row groups of `size` rows (None: each table as it comes)."""
+
+    def __init__(self, writer: Any, size: int | None) -> None:
+        self._writer = writer
+        self._size = size
+        self._held: list[Any] = []
+        self._rows = 0
+        self._bytes = 0
+
+    def add(self, table: Any) -> None:
+        if self._size is None:
+            self._writer.write_table(table)
+            return
+        self._held.append(table)
+        self._rows += table.num_rows
+        self._bytes += table.nbytes
+        if self._rows >= self._size or self._bytes >= ROW_GROUP_BYTES:
+            self._write(everything=self._bytes >= ROW_GROUP_BYTES)
+
+    def _write(self, *, everything: bool) -> None:
+        import pyarrow as pa
+
+        if not self._rows or self._size is None:
+            return
+        table = pa.concat_tables(self._held)
+        whole = table.num_rows if everything else table.num_rows - table.num_rows % self._size
+        # The writer cuts a table into groups of row_group_size rows, whatever its chunks.
+        self._writer.write_table(table.slice(0, whole), row_group_size=self._size)
+        rest = table.slice(whole)
+        self._held = [rest] if rest.num_rows else []
+        self._rows = rest.num_rows
+        self._bytes = rest.nbytes if rest.num_rows else 0
+
+    def close(self) -> None:
+        self._write(everything=True)
 
 
 def _outcome(status: str, code: str | None) -> str:
@@ -292,10 +349,22 @@ class Existing:
 class Output:
     """The output file, its segments folder, and the open segment of this run."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        parts: Path | None = None,
+        tmp: Path | None = None,
+        row_group: int | None = None,
+    ) -> None:
+        """`parts`: the segments folder (default `PATH.parts`); `tmp`: the final merge's
+        file before its rename (default `PATH.tmp`, on PATH's filesystem); `row_group`:
+        the final file is always assembled, in row groups of at most that many rows."""
         self.path = _written_through(Path(path))
         self.format = output_format(self.path)
-        self.parts = self.path.with_name(self.path.name + ".parts")
+        self.parts = parts if parts is not None else self.path.with_name(self.path.name + ".parts")
+        self.tmp = tmp if tmp is not None else self.path.with_name(self.path.name + ".tmp")
+        self.row_group = row_group
         self.run = 0
         self._seq = 0
         self._open: _Segment | None = None
@@ -339,9 +408,19 @@ class Output:
         for p in self.parts.iterdir():
             if p.name.endswith(".tmp"):
                 p.unlink()
+        self._locked()
         runs = [int(m.group(1)) for p in self.segments() if (m := _SEGMENT_RE.match(p.name))]
         self.run = max(runs, default=0) + 1
         return self._existing(retry_failed)
+
+    def _locked(self) -> None:
+        """Called by `start` once this run holds the output, before it reads the segments:
+        where a subclass brings the segments up to date."""
+
+    @property
+    def display(self) -> str:
+        """The output as a summary names it."""
+        return str(self.path)
 
     def _existing(self, retry_failed: bool) -> Existing:
         every: list[Hashes] = []
@@ -434,7 +513,12 @@ class Output:
             # Nothing new: the output stands as it is.
             shutil.rmtree(self.parts, ignore_errors=True)
             return self.rows_before
-        if len(files) == 1 and files[0] != self.path and not len(contested):
+        if (
+            len(files) == 1
+            and files[0] != self.path
+            and not len(contested)
+            and self.row_group is None
+        ):
             # One segment and nothing before it (a run within one checkpoint): it is the
             # output as it stands, moved into place rather than copied.
             rows = self.format.rows(files[0])
@@ -443,13 +527,13 @@ class Output:
             shutil.rmtree(self.parts, ignore_errors=True)
             return rows
         keep = _KeepNewest(files, self.format, contested)
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = self.tmp
         if not files:
             # Nothing to run and nothing before: an empty output all the same.
             self.format.open(tmp).close()
             rows = 0
         else:
-            rows = self.format.assemble(files, keep, tmp)
+            rows = self.format.assemble(files, keep, tmp, self.row_group)
         _fsync(tmp)
         os.replace(tmp, self.path)
         _fsync_dir(self.path.parent)
