@@ -1,22 +1,23 @@
 """The output of a batch run as a Parquet dataset: one file per part, in a folder or under an
 object-store prefix, so N clients on N machines can each write their part of one source.
 
-`--out` ending in `/` names the dataset; part I of N (counted from 0) writes:
+`--out` ending in `/` names the dataset. Part I of N (I from 0; below, PART stands for
+`part-IIIII-of-NNNNN`, both numbers in five digits, e.g. `part-00001-of-00003`) writes:
 
-    OUT/part-0000I-of-0000N.parquet     the part's rows, once the part has finished
-    OUT/_SUCCESS                        once every part has finished (JSON, see below)
-    OUT/_gpufeed/dataset.json           {"parts": N, "source": SOURCE}, from the first start
-    OUT/_gpufeed/part-0000I-of-0000N.json           the finished part's counts
-    OUT/_gpufeed/part-0000I-of-0000N/   the part's working state while it runs: committed
-                                        segments, the lock, the reply streams, the merge's
-                                        temporary file
+    OUT/PART.parquet            the part's rows, once the part has finished
+    OUT/_SUCCESS                once every part has finished (JSON, see below)
+    OUT/_gpufeed/dataset.json   {"parts": N, "source": SOURCE}, from the first part's start
+    OUT/_gpufeed/PART.json      the finished part's marker and counts
+    OUT/_gpufeed/PART/          the part's working state while it runs: committed segments,
+                                the lock, its reply streams, the final merge's .tmp
 
 Readers skip names that start with `_` or `.` (`pyarrow.dataset.dataset("OUT/")`, Spark)
-or take `OUT/*.parquet` (DuckDB's `read_parquet`), so while parts run and after they see
+or take `OUT/*.parquet` (DuckDB's `read_parquet`), so while parts run and after, they see
 finished part files only: a part file appears whole, by an atomic rename (a folder) or an
-object put (a store), and nothing temporary ever lies directly in OUT. A part file's rows
-are in row groups of at most DATASET_ROW_GROUP rows (fewer where they reach
-batch_output.ROW_GROUP_BYTES first), whatever the checkpoints were.
+object put (a store), and nothing temporary ever lies directly in OUT. A part file is
+always assembled from its segments, in row groups of at most DATASET_ROW_GROUP rows (fewer
+where they reach batch_output.ROW_GROUP_BYTES first), however small the checkpoints were.
+A dataset is Parquet only; JSON lines go to one file.
 
 The first part to start records the dataset's shape in `dataset.json` (created
 exclusively; a part that loses the race reads it and compares), and a part started with
@@ -24,25 +25,29 @@ another N or another source is refused, naming both. Each part's run is an `Outp
 one file (see batch_output): it resumes from its committed segments, and `--retry-failed`
 runs its error rows again. A part that starts removes its own marker, then `_SUCCESS`:
 its counts are about to change. A part that finishes writes its part file, then its marker
-(rows, ok, errors, error_codes, file, finished_at), then looks at the markers: where all N
-are present it writes `_SUCCESS` with their counts summed (parts, rows, ok, errors,
-error_codes, files, finished_at). Each part writes its own marker before it looks, so the
-last part to finish always sees all N; a look that raced a part starting again takes its
-`_SUCCESS` back.
+(part, parts, file, rows, ok, errors, error_codes, finished_at in UTC), then looks at the
+markers: where all N are present it writes `_SUCCESS` with their counts summed (parts,
+rows, ok, errors, error_codes, files, finished_at). Each part writes its own marker before
+it looks, so the last part to finish always sees all N; a look that raced a part starting
+again takes its `_SUCCESS` back. Every one of these files is written whole (a rename, or
+a put).
 
-An object-store prefix (`s3://`, `gs://`, `az://BUCKET/PREFIX/`) holds the same keys. The
-run writes into a local staging folder (by default
-`$XDG_CACHE_HOME/gpufeed/batch/<16 hex of the prefix URL's sha1>/part-0000I-of-0000N/`,
-`~/.cache` without XDG_CACHE_HOME) and mirrors it under the prefix:
-- each checkpoint's committed segment is put under `_gpufeed/part-0000I-of-0000N/` (a put
-  is whole or absent); one that fails is put again at the next checkpoint;
+An object-store prefix (`s3://`, `gs://`, `az://BUCKET/PREFIX/`) holds the same names as
+keys under it. The run writes into a local staging folder (by default
+`$XDG_CACHE_HOME/gpufeed/batch/<16 hex of the sha1 of the prefix URL>/PART/`, with
+`~/.cache` where XDG_CACHE_HOME is not set) and mirrors it under the prefix:
+- at each checkpoint, the newly committed segment is put under `_gpufeed/PART/` (a put is
+  whole or absent); one that fails is put again at the next checkpoint;
 - at start, committed segments and a finished part file under the prefix that the staging
   folder lacks are fetched first, so a part resumed on another machine skips what the
-  first one committed; local state the prefix no longer has (merged by a finish elsewhere,
-  or the prefix emptied) is dropped: the prefix is the dataset, the staging folder a copy;
+  first one committed; what the staging folder holds and the prefix no longer has (merged
+  by a finish elsewhere, or the prefix emptied) is dropped: the prefix is the dataset, the
+  staging folder a copy;
 - at finish, the part file is put, then its marker, then the segment objects are deleted,
-  then `_SUCCESS` as above.
-One client at a time runs a part: the lock holds on one machine only.
+  then `_SUCCESS` as above. The staging folder keeps the part file (a later run of the
+  part starts from it), and its record of what it put (`mirror.json`).
+`dataset.json` is put only where absent (a conditional put; a store without them: read
+and compare). One client at a time runs a part: its lock holds on one machine only.
 """
 
 from __future__ import annotations
