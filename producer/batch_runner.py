@@ -40,12 +40,22 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 
+import redis
+from redis.cluster import RedisCluster
+from redis.exceptions import NoPermissionError
 from redis.typing import EncodableT, FieldT
 
 from producer import wire
 from producer.admission import ADMIT, AdmissionRefused, BacklogFull, admit_args, admitted
-from producer.backoff import Backoff
 from producer.batch_ids import IdStore, id_hashes
+from producer.batch_lanes import (
+    FAILOVER_ERRORS,
+    FAILOVER_LIMIT_S,
+    InFlight,
+    Lane,
+    Part,
+    lane_limits,
+)
 from producer.batch_output import Existing, Output
 from producer.batch_redis import Fields, RawLink, field_map
 from producer.batch_rows import Rows, error_fields
@@ -54,11 +64,10 @@ from producer.client import Producer
 from producer.jobs import _fit_id
 from producer.priorities import level_stream, pick_level
 from producer.replies import last_id, xread_entries
+from producer.shards import shard_of_id
 from producer.stats import collect_stats
 
 JobFields = dict[FieldT, EncodableT]
-# What the run keeps of a job it submitted: its id, its source and its kept columns.
-InFlight = tuple[bytes, str, tuple[str | None, ...]]
 
 log = logging.getLogger("producer.batch")
 
@@ -71,13 +80,17 @@ DEFAULT_BATCH = 32
 DEFAULT_IN_FLIGHT = 256
 SUBMIT_CHUNK = 256
 READ_BLOCK_MS = 200
+# With several shards: the wait on one shard's reply stream when none has an answer (the
+# others are looked at again after it).
+SHARD_BLOCK_MS = 20
 READ_COUNT = 4096
 HASH_CHUNK = 2048
 READ_BUFFER = 1 << 20
 ROW_GROUP = 4096
 # Look up result hashes of outstanding jobs after this long without a result.
 RECHECK_S = 5.0
-REFUSED_BACKOFF_S = (0.1, 2.0)
+# After a shard's failover, its lane looks for lost jobs this soon.
+LOST_CHECK_AFTER_FAILOVER_S = 1.0
 PROGRESS_EVERY_S = 0.25
 # Ignored answers logged one by one, per run; the rest are counted.
 LOGGED_IGNORED = 10
@@ -125,6 +138,14 @@ class Progress:
     # This run's rows the workers marked `duplicate_of`: the id had a result already (ids
     # default to file names; a result is kept per id for GPUFEED_RESULT_TTL_S).
     duplicates: int = 0
+    # `I/N` when this client runs part I of N of the source (--part), else None.
+    part: str | None = None
+    # The source's items of the other parts (not this client's to run).
+    other_parts: int = 0
+    # Shards that could not be reached for a while (a failover ridden out), and the jobs
+    # found lost there (gone from their stream without a result) and submitted again.
+    failovers: int = 0
+    resubmitted: int = 0
     # The whole output once finished: its rows by status and error code.
     output_ok: int = 0
     output_error_codes: Counter[str] = field(default_factory=Counter)
@@ -198,6 +219,10 @@ class Progress:
             "not_images_by_extension": self.not_images.by_extension,
             "not_image_files": self.not_images.examples,
             "duplicates": self.duplicates,
+            "part": self.part,
+            "other_parts": self.other_parts,
+            "failovers": self.failovers,
+            "resubmitted": self.resubmitted,
             "finished": self.finished,
             "rows": self.rows,
             "in_output": {
@@ -268,6 +293,8 @@ class BatchOptions:
     # Prepended to every item's id: the same files as new jobs, not `duplicate_of` the
     # results their ids got before (a result is kept per id for GPUFEED_RESULT_TTL_S).
     id_prefix: str = ""
+    # This client's part of the source (--part I/N): the ids whose hash is I modulo N.
+    part: Part = field(default_factory=Part)
 
 
 def default_in_flight(producer: Producer, stream: str) -> int:
@@ -294,14 +321,12 @@ def default_in_flight(producer: Producer, stream: str) -> int:
 
 
 def reply_stream_for(producer: Producer, out: Path) -> str:
-    """A new reply stream for a run over `out`: named after the output (which run it is,
-    for whoever lists keys) and 128 random bits (so no one else can find it)."""
+    """A new reply stream's name for a run over `out`: named after the output (which run it
+    is, for whoever lists keys) and 128 random bits (so no one else can find it). On a
+    cluster each lane places it in its shard's slot (`Shard.reply_stream`)."""
     # The path's own bytes: a name that is not UTF-8 has no other encoding.
     digest = hashlib.sha1(os.fsencode(out.absolute())).hexdigest()[:16]
-    name = f"{producer.results_stream}:batch:{digest}:{secrets.token_hex(16)}"
-    if producer.cluster:
-        return producer.shards[0].reply_stream(name)
-    return name
+    return f"{producer.results_stream}:batch:{digest}:{secrets.token_hex(16)}"
 
 
 def _prefixed(pages: Iterator[list[Item]], prefix: str) -> Iterator[list[Item]]:
@@ -310,12 +335,15 @@ def _prefixed(pages: Iterator[list[Item]], prefix: str) -> Iterator[list[Item]]:
 
 
 class _Items:
-    """The source's items not already done, in order, read a page at a time."""
+    """The source's items of this part not already done, in order, a page at a time."""
 
-    def __init__(self, pages: Iterator[list[Item]], store: IdStore, progress: Progress) -> None:
+    def __init__(
+        self, pages: Iterator[list[Item]], store: IdStore, progress: Progress, part: Part
+    ) -> None:
         self._pages = pages
         self._store = store
         self._progress = progress
+        self._part = part
         self._ready: list[Item] = []
         self._at = 0
         self.exhausted = False
@@ -327,8 +355,14 @@ class _Items:
                 self.exhausted = True
                 self._progress.total = self._progress.listed  # known now, exactly
                 break
+            hashes = id_hashes([i[0] for i in page])  # Item.id
+            if not self._part.whole:
+                mine = self._part.mine(hashes)
+                kept = [item for item, m in zip(page, mine.tolist(), strict=True) if m]
+                self._progress.other_parts += len(page) - len(kept)
+                page, hashes = kept, hashes[mine]
             self._progress.listed += len(page)
-            new = self._store.add_new(id_hashes([i[0] for i in page]))  # Item.id
+            new = self._store.add_new(hashes)
             fresh = [item for item, keep in zip(page, new.tolist(), strict=True) if keep]
             self._progress.skipped += len(page) - len(fresh)
             self._ready = self._ready[self._at :] + fresh
@@ -343,7 +377,7 @@ class _Items:
 
 
 class BatchRun:
-    """One run of `run_batch`, as state: what is outstanding, what is written."""
+    """One run of `run_batch`, as state: its lanes (one a shard), what is written."""
 
     def __init__(
         self,
@@ -358,12 +392,6 @@ class BatchRun:
         self.producer = producer
         self.options = options
         self.on_progress = on_progress
-        if producer.sharded:
-            # Each shard answers on its own reply stream, in its own slot.
-            raise ValueError(
-                "batch reads one shard's reply stream: run one batch per shard "
-                "(GPUFEED_SHARDS=1 and that shard's GPUFEED_STREAM)"
-            )
         self.level = pick_level(producer.levels, options.priority)
         existing = output.start(retry_failed=options.retry_failed)
         try:
@@ -375,56 +403,60 @@ class BatchRun:
     def _prepare(self, existing: Existing) -> None:
         source, output, producer, options = self.source, self.output, self.producer, self.options
         self.contested = existing.contested
+        part = options.part
         self.progress = Progress(
             source=printable(source.spec),
             output=printable(str(output.path)),
-            total=source.total,
+            # A part's share of the source is known once its listing ends.
+            total=source.total if part.whole else None,
             done_before=existing.rows,
             retried=existing.retried,
             done_ids=len(existing.done),
+            part=None if part.whole else str(part),
         )
         progress = self.progress
         pages = source.pages(on_skip=progress.skip_entry, on_other=progress.not_images.add)
         if options.id_prefix:
             pages = _prefixed(pages, options.id_prefix)
-        self.items = _Items(pages, IdStore(existing.done), self.progress)
-        self.reply_to = reply_stream_for(producer, output.path)
+        self.items = _Items(pages, IdStore(existing.done), self.progress, part)
         # Earlier runs' reply streams (a killed run's gets its late answers still): gone
         # now, and again once the output is finished.
         self._old_replies = output.reply_streams()
-        output.note_reply_stream(self.reply_to)
-        self.stream = level_stream(producer.shards[0].stream, self.level)
-        # How results name this run's entries: `<level>:<entry ID>` on a level's stream.
-        self._entry_prefix = f"{self.level}:".encode() if self.level else b""
-        # entry reference -> (id, source, kept manifest columns): an answer counts only where
-        # it names an entry this run added, for the id that entry holds.
-        self.in_flight: dict[bytes, InFlight] = {}
-        self.rows = Rows(source.keep)
-        limit = options.in_flight
-        if limit is None:
-            limit = default_in_flight(producer, self.stream)
-        self.limit = max(1, limit)
-        self.progress.in_flight_limit = self.limit
-        # Fields every job carries, after its own.
-        self._tail = [wire.JOB_REPLY_TO, self.reply_to.encode()]
-        if options.meta is not None:
-            self._tail += [wire.JOB_META, options.meta]
-        self._ready: list[tuple[Item, list[bytes]]] = []
-        self._buffer = bytearray(READ_BUFFER)  # local files are read into this
+        reply_to = reply_stream_for(producer, output.path)
+        on_cluster = producer.sharded or producer.cluster
         # Jobs per submission: a chunk over the backlog limit would never be admitted.
         self._chunk = min(SUBMIT_CHUNK, producer.max_backlog or SUBMIT_CHUNK)
-        self._fit = self._chunk
-        self._refused_until = 0.0
-        self._refused_backoff = Backoff(*REFUSED_BACKOFF_S)
-        self._last_result = time.monotonic()
+        limit = options.in_flight
+        if limit is None:
+            limit = default_in_flight(producer, level_stream(producer.shards[0].stream, self.level))
+        each = lane_limits(limit, len(producer.shards))
+        self.lanes = [
+            Lane(
+                shard,
+                level_stream(shard.stream, self.level),
+                shard.reply_stream(reply_to) if on_cluster else reply_to,
+                each,
+                self._chunk,
+            )
+            for shard in producer.shards
+        ]
+        for lane in self.lanes:
+            output.note_reply_stream(lane.reply_to)
+        self.progress.in_flight_limit = sum(lane.limit for lane in self.lanes)
+        # How results name this run's entries: `<level>:<entry ID>` on a level's stream.
+        self._entry_prefix = f"{self.level}:".encode() if self.level else b""
+        self.rows = Rows(source.keep)
+        # Fields every job carries after its own, but its reply stream (its lane's).
+        self._tail: list[bytes] = []
+        if options.meta is not None:
+            self._tail += [wire.JOB_META, options.meta]
+        self._buffer = bytearray(READ_BUFFER)  # local files are read into this
         self._last_report = 0.0
         self._checkpoint_at = time.monotonic() + options.checkpoint_s
-        # XADDs go straight out on one connection, unless admission control (a script) or
-        # a cluster (a client per node) has a say in them.
-        admission = producer.max_backlog or producer.max_memory_share
-        self._link: RawLink | None = None
-        if not producer.cluster and not admission:
-            self._link = RawLink(producer.client, scripts=not producer.tenant)
+        self._next_block = 0
+        # XADDs go straight out on one connection a lane, unless admission control (a
+        # script of its own) has a say in them.
+        self._raw = not (producer.max_backlog or producer.max_memory_share)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> Progress:
@@ -439,13 +471,15 @@ class BatchRun:
         gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
         try:
             self._drop_old_replies()
-            self._cursor = self._last_id()  # before the first job goes out
+            for lane in self.lanes:  # before the first job goes out
+                lane.cursor = self._last_id(lane)
             self._loop()
         finally:
             gc.set_threshold(*thresholds)
             gc.unfreeze()
-            if self._link is not None:
-                self._link.close()
+            for lane in self.lanes:
+                if lane.link is not None:
+                    lane.link.close()
             self.output.release()
         self.progress.finished = True
         self._report(force=True)
@@ -453,7 +487,7 @@ class BatchRun:
 
     def _loop(self) -> None:
         try:
-            while not (self.items.empty and not self.in_flight and not self._ready):
+            while not (self.items.empty and not any(lane.busy() for lane in self.lanes)):
                 self._fill()
                 self._read()
                 self._recheck()
@@ -470,7 +504,7 @@ class BatchRun:
             self.output.commit()
         self.progress.rows = self.output.finish(self.contested)
         self._drop_old_replies()
-        self.producer.client.delete(self.reply_to)
+        self.producer.client.delete(*(lane.reply_to for lane in self.lanes))
         tally = self.output.tally()
         self.progress.output_ok = tally.pop(wire.STATUS_OK, 0)
         self.progress.output_error_codes = tally
@@ -479,23 +513,98 @@ class BatchRun:
         if self._old_replies:
             self.producer.client.delete(*self._old_replies)
 
+    # ------------------------------------------------------------------ a shard's failover
+    def _client(self, lane: Lane) -> redis.Redis:
+        """The client for `lane`'s keys: on a cluster, the master of its shard's slot."""
+        client = self.producer.client
+        if not self.producer.cluster:
+            return client
+        cluster = cast(RedisCluster, client)
+        node = cluster.get_node_from_key(lane.stream)  # type: ignore[no-untyped-call]
+        return cluster.get_redis_connection(node)
+
+    def _link(self, lane: Lane) -> RawLink | None:
+        if self._raw and lane.link is None:
+            lane.link = RawLink(self._client(lane), scripts=not self.producer.tenant)
+        return lane.link
+
+    def _ride_out(self, lane: Lane, exc: BaseException) -> bool:
+        """`lane`'s call failed with `exc`: whether to wait for a failover (on a cluster,
+        for up to FAILOVER_LIMIT_S) rather than end the run."""
+        if not self.producer.cluster:
+            return False
+        now = time.monotonic()
+        if lane.down_since is None:
+            lane.down_since = now
+            self.progress.failovers += 1
+            log.warning(
+                "shard %d (%s) cannot be reached (%s): waiting for its failover, "
+                "the other shards go on", lane.index, lane.stream, exc,
+            )  # fmt: skip
+        elif now - lane.down_since > FAILOVER_LIMIT_S:
+            return False
+        lane.down_until = now + lane.down_backoff.next()
+        if lane.link is not None:
+            lane.link.close()
+            lane.link = None
+        with contextlib.suppress(*FAILOVER_ERRORS):
+            # The new master's address: the layout as the cluster now tells it.
+            cast(RedisCluster, self.producer.client).nodes_manager.initialize()
+        return True
+
+    def _reached(self, lane: Lane) -> None:
+        """A call of `lane` went through: a failover it waited on is over."""
+        if lane.down_since is None:
+            return
+        log.warning(
+            "shard %d (%s) reached again after %.1f s", lane.index, lane.stream,
+            time.monotonic() - lane.down_since,
+        )  # fmt: skip
+        lane.down_since = None
+        lane.down_backoff.reset()
+        # Writes the old master had not passed on are gone: look for lost jobs soon.
+        lane.last_result = time.monotonic() - RECHECK_S + LOST_CHECK_AFTER_FAILOVER_S
+
+    # ------------------------------------------------------------------ submitting
     def _fill(self) -> None:
-        while len(self.in_flight) < self.limit and time.monotonic() >= self._refused_until:
-            if not self._ready:
-                room = min(self._chunk, self.limit - len(self.in_flight))
-                items = self.items.take(room)
-                if not items:
-                    return
-                self._ready = self._jobs(items)
-                if not self._ready:
-                    continue
-            if not self._submit():
+        lanes = self.lanes
+        while True:
+            now = time.monotonic()
+            for lane in lanes:
+                while lane.ready and lane.room() > 0 and lane.open(now):
+                    if not self._submit(lane):
+                        break
+            hungry = [lane for lane in lanes if not lane.ready and lane.room() > 0]
+            held = sum(len(lane.ready) for lane in lanes)
+            if not hungry or self.items.empty or held >= self._hold_limit():
                 return
+            items = self.items.take(min(self._chunk, sum(lane.room() for lane in hungry)))
+            if not items:
+                continue  # the listing ended: the loop sees it
+            self._distribute(self._jobs(items))
+
+    def _hold_limit(self) -> int:
+        # Jobs made but not submitted (a lane refused, or failing over) stay within the
+        # in-flight limit, so a shard that is down stops the listing rather than fill memory.
+        return max(self._chunk, self.progress.in_flight_limit)
+
+    def _distribute(self, jobs: list[tuple[Item, list[bytes]]]) -> None:
+        lanes = self.lanes
+        if len(lanes) == 1:
+            lane = lanes[0]
+            reply = [wire.JOB_REPLY_TO, lane.reply_b]
+            lane.ready += [(item, fields + reply) for item, fields in jobs]
+            return
+        count = len(lanes)
+        replies = [[wire.JOB_REPLY_TO, lane.reply_b] for lane in lanes]
+        for item, fields in jobs:
+            index = shard_of_id(item.id, count)
+            lanes[index].ready.append((item, fields + replies[index]))
 
     def _jobs(self, items: list[Item]) -> list[tuple[Item, list[bytes]]]:
-        """The jobs of `items`, as their stream fields; an item whose job cannot be made
-        (its file is gone or empty) gets its error row here, as a worker would have
-        answered it."""
+        """The jobs of `items`, as their stream fields but their reply stream; an item
+        whose job cannot be made (its file is gone or empty) gets its error row here, as a
+        worker would have answered it."""
         jobs: list[tuple[Item, list[bytes]]] = []
         tail, buffer, limit = self._tail, self._buffer, self.options.max_image_bytes
         for item in items:
@@ -512,88 +621,123 @@ class BatchRun:
             jobs.append((item, fields))
         return jobs
 
-    def _submit(self) -> bool:
-        """Submit ready jobs; False when admission control refused them (they stay ready,
-        first in line, and the next try waits a little longer)."""
-        chunk = self._ready[: self._fit]
+    def _submit(self, lane: Lane) -> bool:
+        """Submit `lane`'s ready jobs; False when admission control refused them or the
+        shard is failing over (they stay ready, first in line, and the next try waits)."""
+        chunk = lane.ready[: min(lane.fit, lane.room())]
         fields = [f for _, f in chunk]
         if self.options.deadline_s is not None:
             # From the submission: a wait for admission does not eat into it.
             due = str(int((time.time() + self.options.deadline_s) * 1000)).encode()
             fields = [[*f, wire.JOB_DEADLINE_MS, due] for f in fields]
         try:
-            entries = self._add(fields)
+            entries = self._add(lane, fields)
         except AdmissionRefused as exc:
             self.progress.refused += 1
             room = exc.max_backlog - exc.backlog if isinstance(exc, BacklogFull) else 0
             if 0 < room < len(chunk):
-                self._fit = room  # a smaller chunk fits now: try it at once
+                lane.fit = room  # a smaller chunk fits now: try it at once
                 return True
-            self._fit = max(1, room)
-            self._refused_until = time.monotonic() + self._refused_backoff.next()
+            lane.fit = max(1, room)
+            lane.refused_until = time.monotonic() + lane.refused_backoff.next()
             return False
-        self._refused_backoff.reset()
-        self._fit = self._chunk
-        in_flight, prefix = self.in_flight, self._entry_prefix
+        except FAILOVER_ERRORS as exc:
+            # Whether the jobs were added is not known: they go again once the shard is
+            # back, and an answer to a first copy names no entry the lane waits on.
+            if not self._ride_out(lane, exc):
+                raise
+            return False
+        self._reached(lane)
+        lane.refused_backoff.reset()
+        lane.fit = lane.chunk
+        in_flight, prefix = lane.in_flight, self._entry_prefix
         for (item, _), entry in zip(chunk, entries, strict=True):
-            in_flight[prefix + entry] = (item.id.encode(), item.source, item.extra)
+            in_flight[prefix + entry] = InFlight(item.id.encode(), item)
         self.progress.submitted += len(chunk)
-        self.progress.in_flight = len(in_flight)
-        del self._ready[: len(chunk)]
+        self.progress.in_flight += len(chunk)
+        del lane.ready[: len(chunk)]
         return True
 
-    def _add(self, jobs: list[list[bytes]]) -> list[bytes]:
-        """XADD `jobs` to the run's level stream; their entry ids. AdmissionRefused (none
-        added) when admission control says no."""
-        if self._link is not None:
-            return self._link.xadds(self.stream.encode(), jobs)
+    def _add(self, lane: Lane, jobs: list[list[bytes]]) -> list[bytes]:
+        """XADD `jobs` to `lane`'s stream; their entry ids. AdmissionRefused (none added)
+        when admission control says no."""
+        link = self._link(lane)
+        if link is not None:
+            return link.xadds(lane.stream_b, jobs)
         producer = self.producer
-        if producer.tenant and (producer.max_backlog or producer.max_memory_share):
+        if producer.tenant:
             maps = [cast(JobFields, dict(zip(f[::2], f[1::2], strict=True))) for f in jobs]
-            found = producer._run(producer._admit_by_reads(self.stream, list(maps)))
-        elif producer.max_backlog or producer.max_memory_share:
+            found = producer._run(producer._admit_by_reads(lane.stream, list(maps)))
+        else:
             maps = [cast(JobFields, dict(zip(f[::2], f[1::2], strict=True))) for f in jobs]
             args = admit_args(producer.group, producer.max_backlog, producer.max_memory_share, maps)
-            reply = producer.client.eval(ADMIT, 1, self.stream, *args)
+            reply = producer.client.eval(ADMIT, 1, lane.stream, *args)
             found = admitted(
                 reply,
                 max_backlog=producer.max_backlog,
                 max_memory_share=producer.max_memory_share,
                 jobs=len(jobs),
             )
-        else:
-            with producer.client.pipeline(transaction=False) as pipe:
-                for f in jobs:
-                    pipe.xadd(self.stream, dict(zip(f[::2], f[1::2], strict=True)))
-                found = pipe.execute()
         return [e.encode() if isinstance(e, str) else bytes(e) for e in found]
 
-    def _last_id(self) -> bytes:
+    def _last_id(self, lane: Lane) -> bytes:
         # Once a run: the producer's own client, whichever link carries the jobs.
-        reply = self.producer.client.xrevrange(self.reply_to, count=1)
+        reply = self.producer.client.xrevrange(lane.reply_to, count=1)
         return last_id(reply).encode()
 
+    # ------------------------------------------------------------------ answers
     def _read(self) -> None:
+        now = time.monotonic()
         # Block only when there is nothing to submit meanwhile.
-        can_submit = (
-            len(self.in_flight) < self.limit
-            and (bool(self._ready) or not self.items.empty)
-            and time.monotonic() >= self._refused_until
+        can_submit = any(
+            lane.room() > 0 and lane.open(now) and (bool(lane.ready) or not self.items.empty)
+            for lane in self.lanes
         )
-        block = None if can_submit else READ_BLOCK_MS
-        stream = self.reply_to.encode()
-        entries: list[tuple[bytes | str, Any]]
-        if self._link is not None:
-            entries = list(self._link.xread(stream, self._cursor, READ_COUNT, block))
-        else:
-            reply = self.producer.client.xread({stream: self._cursor}, READ_COUNT, block)
-            entries = [(e, f) for _, e, f in xread_entries(reply)]
-        if not entries:
+        if len(self.lanes) == 1:
+            lane = self.lanes[0]
+            if now >= lane.down_until:
+                self._read_lane(lane, None if can_submit else READ_BLOCK_MS)
+            else:
+                time.sleep(min(lane.down_until - now, READ_BLOCK_MS / 1000))
             return
+        # Several shards: a look at each without waiting, then, with nothing anywhere and
+        # nothing to submit, a short wait on one of them (in turn) for its next answer.
+        got = False
+        for lane in self.lanes:
+            if now >= lane.down_until and lane.in_flight:
+                got |= self._read_lane(lane, None)
+        if got or can_submit:
+            return
+        waiting = [lane for lane in self.lanes if lane.in_flight and now >= lane.down_until]
+        if not waiting:
+            later = [lane.down_until for lane in self.lanes if lane.busy()]
+            if later:
+                time.sleep(max(0.0, min(min(later) - now, READ_BLOCK_MS / 1000)))
+            return
+        self._next_block = (self._next_block + 1) % len(waiting)
+        self._read_lane(waiting[self._next_block], SHARD_BLOCK_MS)
+
+    def _read_lane(self, lane: Lane, block: int | None) -> bool:
+        """Read `lane`'s reply stream; whether any answer came."""
+        entries: list[tuple[bytes | str, Any]]
+        try:
+            link = self._link(lane)
+            if link is not None:
+                entries = list(link.xread(lane.reply_b, lane.cursor, READ_COUNT, block))
+            else:
+                reply = self.producer.client.xread({lane.reply_b: lane.cursor}, READ_COUNT, block)
+                entries = [(e, f) for _, e, f in xread_entries(reply)]
+        except FAILOVER_ERRORS as exc:
+            if not self._ride_out(lane, exc):
+                raise
+            return False
+        self._reached(lane)
+        if not entries:
+            return False
         last = entries[-1][0]
-        self._cursor = last.encode() if isinstance(last, str) else bytes(last)
+        lane.cursor = last.encode() if isinstance(last, str) else bytes(last)
         before = len(self.rows)
-        pop = self.in_flight.pop
+        pop = lane.in_flight.pop
         taken = self.rows.fields
         sources = self.rows.sources
         extras = self.rows.extras if self.rows.keep else None
@@ -602,18 +746,21 @@ class BatchRun:
             job = pop(fields.get(wire.RES_ENTRY, b""), None)
             if job is not None and job[0] == fields.get(wire.RES_ID):
                 taken.append(fields)
-                sources.append(job[1])
+                item = job[1]
+                sources.append(item[1])  # Item.source
                 if extras is not None:
-                    extras.append(job[2])
+                    extras.append(item[5])  # Item.extra
             else:
-                self._ignore(fields, job)
+                self._ignore(lane, fields, job)
         if len(self.rows) > before:
+            lane.last_result = time.monotonic()
             self.rows.changed()
             self._answered(before)
+            return True
+        return False
 
     def _answered(self, since: int) -> None:
         """Count the rows added since row `since`."""
-        self._last_result = time.monotonic()
         progress = self.progress
         ok = wire.STATUS_OK.encode()
         for fields in self.rows.fields[since:]:
@@ -626,13 +773,13 @@ class BatchRun:
                 error = fields.get(wire.RES_ERROR)
                 code = error.split(b":", 1)[0].decode("utf-8", "replace") if error else "unknown"
                 progress.error_codes[code] += 1
-        progress.in_flight = len(self.in_flight)
+        progress.in_flight = sum(len(lane.in_flight) for lane in self.lanes)
 
-    def _ignore(self, fields: Fields, job: InFlight | None) -> None:
+    def _ignore(self, lane: Lane, fields: Fields, job: InFlight | None) -> None:
         """An answer to no job this run waits on: counted and logged, never written."""
         entry = fields.get(wire.RES_ENTRY, b"")
         if job is not None:  # the entry is ours, the id is not its id: it still waits
-            self.in_flight[entry] = job
+            lane.in_flight[entry] = job
         self.progress.ignored += 1
         if self.progress.ignored <= LOGGED_IGNORED:
             job_id = fields.get(wire.RES_ID, b"").decode("utf-8", "backslashreplace")
@@ -641,7 +788,7 @@ class BatchRun:
             log.warning(
                 "ignored an answer on %s for id %r, entry %r: it %s (an earlier run's, "
                 "a repeat, or written by someone else)",
-                self.reply_to, job_id, ref, why,
+                lane.reply_to, job_id, ref, why,
             )  # fmt: skip
 
     def _error(self, item: Item, code: wire.ErrorCode, message: str) -> None:
@@ -650,37 +797,82 @@ class BatchRun:
         self._answered(before)
 
     def _recheck(self) -> None:
-        """After a quiet spell, look for the outstanding jobs' results in their hashes: an
-        answer can miss the reply stream (a worker that answered on the default results
-        stream, a trimmed stream). A duplicate id's answer is stored under its entry id."""
-        if not self.in_flight or time.monotonic() - self._last_result < RECHECK_S:
-            return
-        self._last_result = time.monotonic()
-        prefix = self.producer.shards[0].result_prefix.encode()  # the shard of the run's stream
-        outstanding = list(self.in_flight.items())
+        """After a quiet spell on a lane, look for its outstanding jobs' results in their
+        hashes: an answer can miss the reply stream (a worker that answered on the default
+        results stream, a trimmed stream, a failover). A duplicate id's answer is stored
+        under its entry id. A job whose entry is gone from the stream without a result was
+        lost (a write the old master of a failed-over shard had not passed on, a Redis
+        restarted without its data): it is submitted again."""
+        now = time.monotonic()
+        for lane in self.lanes:
+            if not lane.in_flight or now - lane.last_result < RECHECK_S or not lane.open(now):
+                continue
+            lane.last_result = now
+            try:
+                self._recheck_lane(lane)
+            except FAILOVER_ERRORS as exc:
+                if not self._ride_out(lane, exc):
+                    raise
+
+    def _recheck_lane(self, lane: Lane) -> None:
+        prefix = lane.shard.result_prefix.encode()
+        client = self._client(lane)
+        outstanding = list(lane.in_flight.items())
         before = len(self.rows)
+        cut = len(self._entry_prefix)
+        lost: list[Item] = []
         for start in range(0, len(outstanding), HASH_CHUNK):
             chunk = outstanding[start : start + HASH_CHUNK]
-            with self.producer.client.pipeline(transaction=False) as pipe:
-                for ref, (job_id, _, _) in chunk:
-                    pipe.hgetall(prefix + job_id)
+            with client.pipeline(transaction=False) as pipe:
+                for ref, job in chunk:
+                    # The entry first: gone from the stream means answered (the worker
+                    # writes the result hash in the step that ends the entry) or lost.
+                    if lane.lost_check:
+                        pipe.xrange(lane.stream, ref[cut:], ref[cut:])
+                    pipe.hgetall(prefix + job.id)
                     pipe.hgetall(prefix + ref)
-                replies = pipe.execute()
-            for n, (ref, (job_id, source, extra)) in enumerate(chunk):
+                replies = pipe.execute(raise_on_error=False)
+            width = 3 if lane.lost_check else 2
+            for n, (ref, job) in enumerate(chunk):
+                found_replies = replies[width * n + width - 2 : width * n + width]
+                for found in found_replies:
+                    if isinstance(found, Exception):
+                        raise found
                 # Either hash counts only where it holds this entry's answer for this id:
                 # an id's hash may hold an earlier job's answer, and a hash named like an
                 # entry reference may be another job's (whose id was chosen so).
-                for found in replies[2 * n : 2 * n + 2]:
-                    if (
-                        found
-                        and found.get(wire.RES_ENTRY) == ref
-                        and found.get(wire.RES_ID) == job_id
-                        and self.in_flight.pop(ref, None) is not None
-                    ):
-                        self.rows.add(found, source, extra)
-                        break
+                answer = next(
+                    (
+                        f
+                        for f in found_replies
+                        if f and f.get(wire.RES_ENTRY) == ref and f.get(wire.RES_ID) == job.id
+                    ),
+                    None,
+                )
+                if answer is not None:
+                    if lane.in_flight.pop(ref, None) is not None:
+                        self.rows.add(answer, job.item.source, job.item.extra)
+                    continue
+                if not lane.lost_check:
+                    continue
+                entry = replies[width * n]
+                if isinstance(entry, NoPermissionError):
+                    lane.lost_check = False  # a tenant's user without XRANGE on the stream
+                elif isinstance(entry, Exception):
+                    raise entry
+                elif not entry and lane.in_flight.pop(ref, None) is not None:
+                    lost.append(job.item)
         if len(self.rows) > before:
             self._answered(before)
+        if lost:
+            self.progress.resubmitted += len(lost)
+            self.progress.in_flight = sum(len(lane.in_flight) for lane in self.lanes)
+            log.warning(
+                "shard %d: %d jobs were lost from %s (gone without a result): submitted again",
+                lane.index, len(lost), lane.stream,
+            )  # fmt: skip
+            reply = [wire.JOB_REPLY_TO, lane.reply_b]
+            lane.ready[:0] = [(item, fields + reply) for item, fields in self._jobs(lost)]
 
     def _flush(self) -> None:
         if len(self.rows):
@@ -703,9 +895,19 @@ def run_batch(
     on_progress: Callable[[Progress], None] | None = None,
 ) -> Progress:
     """Run every item of `source` (a folder, a manifest or an s3://, gs://, az:// prefix)
-    and write one row per id into `out` (.parquet or .jsonl). Resumes where an earlier run
-    over the same output stopped; returns the final counts."""
+    and write one row per id into `out`: a .parquet or .jsonl file, or a Parquet dataset
+    where `out` ends in `/` (a folder or an object-store prefix; with `options.part`, this
+    client's part of it). Resumes where an earlier run over the same output stopped;
+    returns the final counts."""
     options = options or BatchOptions()
     src = source if isinstance(source, Source) else open_source(source, path_root=options.path_root)
-    output = Output(out)
+    spec = os.fspath(out)
+    if options.part.whole and not spec.endswith("/"):
+        output = Output(spec)
+    else:
+        from producer.batch_dataset import open_output
+
+        output = open_output(
+            spec, part=options.part.index, parts=options.part.count, source=src.spec
+        )
     return BatchRun(src, output, producer, options, on_progress).run()

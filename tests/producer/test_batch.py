@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import redis
 from producer import Producer
 from producer.batch_runner import BatchOptions, Progress, run_batch
 from producer.batch_sources import Source, SourceError, open_source
+from producer.priorities import level_stream, pick_level
 from tests.support.cli_runner import run_module
 from tests.support.images import jpeg_bytes
 from tests.support.worker_harness import running_worker
@@ -369,14 +371,32 @@ async def test_embeddings_are_fixed_size_lists_of_their_dtype(
     assert as_json["dogs/sub0/0000.jpg"]["dtype"] == dtype
 
 
-def test_a_sharded_deployment_is_refused_with_the_reason(redis_url: str, tmp_path: Path) -> None:
+async def test_a_sharded_deployment_runs_each_id_on_its_shard_and_once_in_the_output(
+    redis_url: str, redis_client: redis.Redis, tiny_weights: Path, tmp_path: Path
+) -> None:
     folder = tmp_path / "images"
-    make_folder(folder, good=1)
-    with (
-        Producer(redis_url, shard_count=2) as producer,
-        pytest.raises(ValueError, match="one shard"),
-    ):
-        run_batch(str(folder), tmp_path / "o.jsonl", producer)
+    ids = make_folder(folder, good=40, broken=3)
+    out = tmp_path / "o.parquet"
+    async with running_worker(redis_url, tiny_weights, shards=3, **NULL):
+
+        def sharded() -> tuple[Progress, list[int]]:
+            with Producer(redis_url, shard_count=3) as producer:
+                progress = run_batch(str(folder), out, producer, BatchOptions(in_flight=9))
+                level = pick_level(producer.levels, None)
+                added = [
+                    int(redis_client.xinfo_stream(level_stream(s.stream, level))["entries-added"])
+                    for s in producer.shards
+                ]
+            return progress, added
+
+        progress, added = await asyncio.to_thread(sharded)
+    rows = read_rows(out)
+    assert sorted(r["id"] for r in rows) == sorted(ids)
+    assert (progress.ok, progress.errors) == (40, 3)
+    # Each id went to its shard by the documented rule, crc32(id) % 3.
+    expected = [sum(1 for i in ids if zlib.crc32(i.encode()) % 3 == n) for n in range(3)]
+    assert added == expected
+    assert progress.in_flight_limit == 9  # three shards, three each
 
 
 async def test_with_a_path_root_the_workers_read_the_files_and_an_empty_source_gives_an_empty_file(

@@ -1,0 +1,159 @@
+"""A batch run's lanes: one per shard of the deployment, each with its own streams, its own
+outstanding jobs and its own flow control; and the rule that splits one source into parts.
+
+On a sharded deployment (GPUFEED_SHARDS=N, producer/shards.py) a job goes to the shard of
+its id, `crc32(id) % N`, and is answered on a reply stream in that shard's hash slot: Redis
+Cluster runs the worker's publish script on one slot only. So a run keeps one lane a
+shard: the shard's level stream its jobs go to, its own reply stream, the jobs outstanding
+there (entry IDs are a master's own clock and counter: two shards can hand out the same
+one), and its share of `--in-flight`. One slow or failing shard fills only its own lane.
+
+A master failing over is ridden out, lane by lane, on a cluster: the lane's calls fail
+(connection refused, CLUSTERDOWN, MOVED, READONLY), the lane waits (0.2 s, doubling to 2 s)
+while the others go on, the cluster's layout is read again and the lane reconnects to the
+new master; after FAILOVER_LIMIT_S the run ends with the error, and the same command
+resumes it. A write the old master acknowledged but had not passed to its replica is gone
+after the failover: a job whose stream entry is gone without a result is found by the
+lane's quiet-spell check (producer/batch_runner.py) and submitted again.
+
+Parts: `--part I/N` keeps the items whose id hashes (the run's own 64-bit BLAKE2b hash of
+the id, producer/batch_ids.py) to I modulo N. A fixed rule, chosen over leases in Redis:
+every client computes its share alone from the id, no client's death strands a lease, a
+part can be rerun on any machine at any time, and the split does not depend on the order
+in which a source is listed. The hash is not the shard rule's CRC-32, so each part feeds
+every shard evenly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+import redis
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    ReadOnlyError,
+    RedisClusterException,
+    TryAgainError,
+)
+
+from producer.backoff import Backoff
+from producer.batch_ids import Hashes
+from producer.batch_redis import RawLink
+from producer.batch_sources import Item
+from producer.shards import Shard
+
+# The errors of a shard whose master is failing over, or of a call that reached a node the
+# slot moved away from: waited out on a cluster, never on a single Redis (whose loss ends
+# the run with its message).
+FAILOVER_ERRORS: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ClusterError,  # CLUSTERDOWN, MASTERDOWN
+    AskError,  # MOVED and ASK
+    TryAgainError,
+    ReadOnlyError,  # a master that came back as a replica
+    RedisClusterException,  # a slot not covered while the layout settles
+)
+FAILOVER_BACKOFF_S = (0.2, 2.0)
+# A shard unreachable this long ends the run: a failover takes the cluster's node timeout
+# (15 s by default) and an election; longer than this is an outage, not a failover.
+FAILOVER_LIMIT_S = 120.0
+REFUSED_BACKOFF_S = (0.1, 2.0)
+
+
+class InFlight(NamedTuple):
+    """What a lane keeps of a job it submitted: the id its entry holds, and its item (to
+    write its row, or to submit it again if the job is lost)."""
+
+    id: bytes
+    item: Item
+
+
+class Lane:
+    """One shard's share of a run."""
+
+    def __init__(self, shard: Shard, stream: str, reply_to: str, limit: int, chunk: int) -> None:
+        self.shard = shard
+        self.stream = stream  # the shard's stream of the run's priority level
+        self.stream_b = stream.encode()
+        self.reply_to = reply_to
+        self.reply_b = reply_to.encode()
+        self.limit = max(1, limit)
+        # entry reference -> the job: an answer counts only where it names an entry this
+        # lane added, for the id that entry holds.
+        self.in_flight: dict[bytes, InFlight] = {}
+        self.ready: list[tuple[Item, list[bytes]]] = []
+        self.cursor = b"0-0"
+        self.link: RawLink | None = None
+        self.chunk = chunk
+        self.fit = chunk
+        self.refused_until = 0.0
+        self.refused_backoff = Backoff(*REFUSED_BACKOFF_S)
+        self.down_since: float | None = None
+        self.down_until = 0.0
+        self.down_backoff = Backoff(*FAILOVER_BACKOFF_S)
+        self.last_result = time.monotonic()
+        # Whether the lane may look for lost jobs in its stream (a tenant's user may lack
+        # XRANGE on it: then a lost job waits for the run to be resumed).
+        self.lost_check = True
+
+    @property
+    def index(self) -> int:
+        return self.shard.index
+
+    def room(self) -> int:
+        return self.limit - len(self.in_flight)
+
+    def open(self, now: float) -> bool:
+        """Whether the lane may submit now (not refused by admission, not failing over)."""
+        return now >= self.refused_until and now >= self.down_until
+
+    def busy(self) -> bool:
+        return bool(self.in_flight or self.ready)
+
+
+def lane_limits(total: int, lanes: int) -> int:
+    """Each lane's share of `total` jobs outstanding (ids spread evenly over shards)."""
+    return max(1, math.ceil(total / lanes))
+
+
+@dataclass(frozen=True)
+class Part:
+    """`--part I/N`: this client runs the items whose id hash is I modulo N."""
+
+    index: int = 0
+    count: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> Part:
+        """`I/N` with 0 <= I < N; ValueError with one line otherwise."""
+        left, sep, right = text.partition("/")
+        try:
+            index, count = int(left), int(right)
+        except ValueError:
+            index = count = -1
+        if not sep or count < 1 or not 0 <= index < count:
+            raise ValueError(
+                f"--part {text!r}: give I/N, this client's part I of N (0 <= I < N), "
+                "e.g. 0/3, 1/3 and 2/3 on three machines"
+            )
+        return cls(index, count)
+
+    @property
+    def whole(self) -> bool:
+        return self.count == 1
+
+    def mine(self, hashes: Hashes) -> npt.NDArray[np.bool_]:
+        """Which of the ids (as their hashes) are this part's."""
+        if self.count == 1:
+            return np.ones(len(hashes), dtype=bool)
+        return np.asarray(hashes % np.uint64(self.count) == np.uint64(self.index))
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
