@@ -62,7 +62,7 @@ FAILOVER_ERRORS: tuple[type[BaseException], ...] = (
 )
 FAILOVER_BACKOFF_S = (0.2, 2.0)
 # A shard unreachable this long ends the run: a failover takes the cluster's node timeout
-# (15 s by default) and an election; longer than this is an outage, not a failover.
+# (cluster-node-timeout) and an election; much longer is an outage, not a failover.
 FAILOVER_LIMIT_S = 120.0
 REFUSED_BACKOFF_S = (0.1, 2.0)
 

@@ -406,7 +406,7 @@ class BatchRun:
         part = options.part
         self.progress = Progress(
             source=printable(source.spec),
-            output=printable(str(output.path)),
+            output=printable(output.display),
             # A part's share of the source is known once its listing ends.
             total=source.total if part.whole else None,
             done_before=existing.rows,
@@ -901,13 +901,9 @@ def run_batch(
     returns the final counts."""
     options = options or BatchOptions()
     src = source if isinstance(source, Source) else open_source(source, path_root=options.path_root)
-    spec = os.fspath(out)
-    if options.part.whole and not spec.endswith("/"):
-        output = Output(spec)
-    else:
-        from producer.batch_dataset import open_output
+    from producer.batch_dataset import open_output
 
-        output = open_output(
-            spec, part=options.part.index, parts=options.part.count, source=src.spec
-        )
+    output = open_output(
+        os.fspath(out), part=options.part.index, parts=options.part.count, source=src.spec
+    )
     return BatchRun(src, output, producer, options, on_progress).run()

@@ -110,6 +110,8 @@ def summary(p: RunProgress, out: Console) -> None:
     """This run's counts, what it passed over and ignored, then the whole output's rows by
     status and error code, the rate and the wall time."""
     table = Table("", "jobs", title=f"batch {p.source} -> {p.output}", title_justify="left")
+    if p.part is not None:
+        table.add_row(f"part {p.part}: the other parts' items", str(p.other_parts))
     table.add_row("rows in the output before", str(p.done_before))
     if p.retried:
         table.add_row("  error rows run again", str(p.retried))
@@ -131,6 +133,10 @@ def summary(p: RunProgress, out: Console) -> None:
         table.add_row("  duplicate_of (id answered before)", str(p.duplicates), style="yellow")
     if p.ignored:
         table.add_row("answers ignored (to no job of this run)", str(p.ignored), style="red")
+    if p.failovers:
+        table.add_row("shard failovers waited out", str(p.failovers), style="yellow")
+    if p.resubmitted:
+        table.add_row("  jobs lost there, submitted again", str(p.resubmitted), style="yellow")
     table.add_row("rows in the output", str(p.rows))
     table.add_row("  ok", str(p.output_ok))
     table.add_row("  error", str(p.output_errors), style="red" if p.output_errors else "")

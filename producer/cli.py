@@ -641,9 +641,17 @@ def _ends_on_signals(command: Callable[..., None]) -> Callable[..., None]:
 @click.option(
     "--out",
     "out_path",
-    type=click.Path(path_type=Path),
     required=True,
-    help="output file: .parquet or .jsonl",
+    help="output file (.parquet or .jsonl), or a Parquet dataset: a folder or an s3:// gs:// "
+    "az:// prefix, ending in /",
+)
+@click.option(
+    "--part",
+    "part_text",
+    default="0/1",
+    show_default=False,
+    help="I/N: run part I of N of the source (0 <= I < N), one client each, into one "
+    "dataset --out DIR/; each id is in exactly one part",
 )
 @click.option(
     "--in-flight",
@@ -716,7 +724,8 @@ def batch(
     settings: Settings,
     *,
     source: str,
-    out_path: Path,
+    out_path: str,
+    part_text: str,
     in_flight: int | None,
     priority: str | None,
     retry_failed: bool,
@@ -735,6 +744,7 @@ def batch(
     """Run every image of SOURCE and write one row per job to --out, resumably: run the
     same command again after a crash and only the ids not in the output are submitted.
     With --local, on this machine alone: nothing needs to run before, nothing runs after."""
+    from producer.batch_lanes import Part
     from producer.batch_output import OutputError, output_format
     from producer.batch_runner import BatchOptions
     from producer.batch_sources import SourceError, open_source, read_extensions
@@ -747,7 +757,19 @@ def batch(
         summary,
     )
 
+    try:
+        part = Part.parse(part_text)
+    except ValueError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+    dataset = out_path.endswith("/")
+    if not part.whole and not dataset:
+        raise _fail(
+            f"--part {part}: each part writes its own file into one dataset: give --out a "
+            f"folder or prefix ending in / (e.g. {Path(out_path).stem or 'out'}/)",
+            EXIT_USAGE,
+        )
     options = BatchOptions(
+        part=part,
         in_flight=in_flight,
         priority=priority,
         retry_failed=retry_failed,
@@ -759,7 +781,8 @@ def batch(
         id_prefix=id_prefix,
     )
     try:
-        output_format(out_path)
+        if not dataset:
+            output_format(Path(out_path))
         src = open_source(source, path_root=path_root, keep_columns=keep_columns.split(","))
         # Before any output or service: a source with nothing to run is a mistake to say,
         # not an empty file and exit 0.
@@ -778,7 +801,7 @@ def batch(
         )
     if local:
         with contextlib.ExitStack() as stack:
-            idle = _nothing_left(src, out_path, options)
+            idle = not dataset and _nothing_left(src, Path(out_path), options)
             service = _local_service(stack, json_out=json_out, workers=not idle)
             local_settings = settings.merged(redis_url=service.redis_url)
             progress = _run_batch(
@@ -812,7 +835,7 @@ def batch(
 def _run_batch(
     settings: Settings,
     src: Source,
-    out_path: Path,
+    out_path: str,
     options: BatchOptions,
     *,
     json_out: bool,

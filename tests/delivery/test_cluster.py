@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -373,3 +374,61 @@ async def test_a_wait_for_replicas_that_times_out_leaves_the_results_and_counts_
         producer.close()
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+async def test_a_batch_over_three_shards_rides_out_a_master_failover(
+    cluster: RedisCluster, tmp_path: Path
+) -> None:
+    from producer.batch_runner import BatchOptions, Progress, run_batch
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    prefix = "batchfailover"
+    folder = tmp_path / "images"
+    folder.mkdir()
+    ids = {f"{i:05d}.jpg" for i in range(1500)}
+    for n, name in enumerate(sorted(ids)):
+        (folder / name).write_bytes(jpeg_bytes(32, 24, seed=n % 7))
+    out = tmp_path / "out.parquet"
+    client = SyncCluster.from_url(node_url(cluster))
+    producer = Producer(client, shard_count=3, **names(prefix))
+    victim = producer.shards[1].stream
+    killed = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    answered_at_kill: list[int] = []
+
+    def kill() -> None:
+        cluster.kill_master_of(victim)
+        loop.call_soon_threadsafe(killed.set)
+
+    def on_progress(p: Progress) -> None:
+        # Mid-run: a third answered, most still to submit. The kill and the wait for the
+        # replica to take over go on beside the run, which meets the outage as it is.
+        if not answered_at_kill and p.answered >= 500:
+            answered_at_kill.append(p.answered)
+            threading.Thread(target=kill, daemon=True).start()
+
+    async with AsyncExitStack() as stack:
+        for name in ("b1", "b2"):
+            config = null_config(node_url(cluster), prefix, name)
+            await stack.enter_async_context(running(config))
+        progress = await asyncio.to_thread(
+            run_batch,
+            str(folder),
+            out,
+            producer,
+            BatchOptions(in_flight=48),
+            on_progress=on_progress,
+        )
+    assert killed.is_set() and answered_at_kill[0] < len(ids)
+    table = pq.read_table(out)
+    assert sorted(table.column("id").to_pylist()) == sorted(ids), "every id once"
+    assert set(table.column("status").to_pylist()) == {"ok"}
+    assert progress.failovers >= 1
+    # The dead master comes back as a replica for the next test.
+    for node in cluster.nodes:
+        if not node.running:
+            node.start()
+    cluster.wait_ok()
+    cluster.wait_replicas_online()
+    client.close()

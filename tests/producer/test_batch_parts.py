@@ -1,0 +1,114 @@
+"""`producer batch --part I/N --out DIR/`: clients that split one source, on a sharded
+deployment, into one Parquet dataset read back whole; the rule that splits it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from producer.batch_ids import id_hashes
+from producer.batch_lanes import Part
+from tests.support.cli_runner import ROOT, clean_env, run_module
+from tests.support.images import jpeg_bytes
+from tests.support.worker_harness import running_worker
+
+pa = pytest.importorskip("pyarrow")
+ds = pytest.importorskip("pyarrow.dataset")
+
+NULL: dict[str, Any] = {"model": "null", "input_size": 64, "batch_size": 8, "max_wait_ms": 5.0}
+
+
+@given(st.lists(st.text(min_size=1, max_size=40), max_size=200), st.integers(1, 9))
+def test_every_id_falls_in_exactly_one_part(ids: list[str], count: int) -> None:
+    hashes = id_hashes(ids)
+    owners = np.zeros(len(ids), dtype=int)
+    for index in range(count):
+        owners += Part(index, count).mine(hashes)
+    assert (owners == 1).all()
+
+
+@pytest.mark.parametrize("text", ["", "3", "1/0", "2/2", "-1/3", "a/b", "1/3/4"])
+def test_a_part_that_is_not_i_of_n_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="give I/N"):
+        Part.parse(text)
+
+
+def test_the_command_refuses_a_part_without_a_dataset_and_a_bad_part(tmp_path: Path) -> None:
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "a.jpg").write_bytes(jpeg_bytes(8, 8))
+    env = {"REDIS_URL": "redis://127.0.0.1:1/0"}
+    one_file = run_module(
+        "producer", "batch", str(folder), "--out", str(tmp_path / "o.parquet"), "--part", "1/2",
+        env=env,
+    )  # fmt: skip
+    assert one_file.returncode == 2
+    assert "ending in /" in one_file.stderr
+    bad = run_module(
+        "producer", "batch", str(folder), "--out", f"{tmp_path}/ds/", "--part", "2/2", env=env
+    )
+    assert bad.returncode == 2
+    assert "give I/N" in bad.stderr
+
+
+def finished(out: Path) -> tuple[list[str], dict[str, int]]:
+    """The dataset's Parquet files, and its completion marker."""
+    files = sorted(p.name for p in out.glob("*.parquet"))
+    return files, json.loads((out / "_SUCCESS").read_text())
+
+
+async def test_two_parts_on_three_shards_write_one_dataset_with_each_id_once(
+    redis_url: str, tiny_weights: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "images"
+    ids = set()
+    for n in range(60):
+        name = f"d{n % 3}/{n:03d}.jpg"
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(jpeg_bytes(16, 12, seed=n))
+        ids.add(name)
+    out = f"{tmp_path}/dataset/"
+    env = clean_env(REDIS_URL=redis_url, GPUFEED_SHARDS="3")
+
+    def client(part: str) -> subprocess.Popen[str]:
+        args = ["batch", str(folder), "--out", out, "--part", part, "--json", "--in-flight", "6"]
+        return subprocess.Popen(
+            [sys.executable, "-m", "producer", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def both() -> list[tuple[int, str, str]]:
+        procs = [client("0/2"), client("1/2")]
+        return [(p.wait(120), *p.communicate()) for p in procs]
+
+    async with running_worker(redis_url, tiny_weights, shards=3, **NULL):
+        ended = await asyncio.to_thread(both)
+        # A part run again: its ids are in its file, nothing is submitted.
+        again = await asyncio.to_thread(both)
+    summaries = []
+    for code, stdout, stderr in ended + again:
+        assert code == 0, stderr
+        summaries.append(json.loads(stdout.splitlines()[-1])["summary"])
+    first = summaries[:2]
+    assert sorted(s["part"] for s in first) == ["0/2", "1/2"]
+    assert sum(s["ok"] for s in first) == len(ids)
+    assert all(s["ok"] + s["other_parts"] == len(ids) for s in first)
+    assert [s["submitted"] for s in summaries[2:]] == [0, 0]
+    table = ds.dataset(out, format="parquet").to_table()
+    assert sorted(table.column("id").to_pylist()) == sorted(ids)
+    files, marker = finished(Path(out))
+    assert files == ["part-00000-of-00002.parquet", "part-00001-of-00002.parquet"]
+    assert (marker["parts"], marker["rows"], marker["ok"]) == (2, len(ids), len(ids))
