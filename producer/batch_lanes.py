@@ -1,5 +1,5 @@
 """A batch run's lanes: one per shard of the deployment, each with its own streams, its own
-outstanding jobs and its own flow control; and the rule that splits one source into parts.
+outstanding jobs and its own flow control.
 
 On a sharded deployment (GPUFEED_SHARDS=N, producer/shards.py) a job goes to the shard of
 its id, `crc32(id) % N`, and is answered on a reply stream in that shard's hash slot: Redis
@@ -15,24 +15,14 @@ new master; after FAILOVER_LIMIT_S the run ends with the error, and the same com
 resumes it. A write the old master acknowledged but had not passed to its replica is gone
 after the failover: a job whose stream entry is gone without a result is found by the
 lane's quiet-spell check (producer/batch_runner.py) and submitted again.
-
-Parts: `--part I/N` keeps the items whose id hashes (the run's own 64-bit BLAKE2b hash of
-the id, producer/batch_ids.py) to I modulo N. A fixed rule, chosen over leases in Redis:
-every client computes its share alone from the id, no client's death strands a lease, a
-part can be rerun on any machine at any time, and the split does not depend on the order
-in which a source is listed. The hash is not the shard rule's CRC-32, so each part feeds
-every shard evenly.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
-import numpy.typing as npt
 import redis
 from redis.exceptions import (
     AskError,
@@ -43,7 +33,6 @@ from redis.exceptions import (
 )
 
 from producer.backoff import Backoff
-from producer.batch_ids import Hashes
 from producer.batch_redis import RawLink
 from producer.batch_sources import Item
 from producer.shards import Shard
@@ -90,8 +79,10 @@ class Lane:
         self.in_flight: dict[bytes, InFlight] = {}
         self.ready: list[tuple[Item, list[bytes]]] = []
         self.cursor = b"0-0"
+        self.read_at = 0.0  # when its reply stream was last looked at
         self.link: RawLink | None = None
         self.chunk = chunk
+        self.least = max(1, min(chunk, self.limit // 4))
         self.fit = chunk
         self.refused_until = 0.0
         self.refused_backoff = Backoff(*REFUSED_BACKOFF_S)
@@ -110,6 +101,14 @@ class Lane:
     def room(self) -> int:
         return self.limit - len(self.in_flight)
 
+    def due(self) -> bool:
+        """Whether the lane's ready jobs go out now: once its room is a quarter of its
+        limit (or all of them fit). Each submission is a round trip, and answers come back
+        a few at a time on each of several shards: one submission per answer read would
+        cost the client more than the jobs."""
+        room = self.room()
+        return room > 0 and room >= min(self.least, len(self.ready))
+
     def open(self, now: float) -> bool:
         """Whether the lane may submit now (not refused by admission, not failing over)."""
         return now >= self.refused_until and now >= self.down_until
@@ -121,39 +120,3 @@ class Lane:
 def lane_limits(total: int, lanes: int) -> int:
     """Each lane's share of `total` jobs outstanding (ids spread evenly over shards)."""
     return max(1, math.ceil(total / lanes))
-
-
-@dataclass(frozen=True)
-class Part:
-    """`--part I/N`: this client runs the items whose id hash is I modulo N."""
-
-    index: int = 0
-    count: int = 1
-
-    @classmethod
-    def parse(cls, text: str) -> Part:
-        """`I/N` with 0 <= I < N; ValueError with one line otherwise."""
-        left, sep, right = text.partition("/")
-        try:
-            index, count = int(left), int(right)
-        except ValueError:
-            index = count = -1
-        if not sep or count < 1 or not 0 <= index < count:
-            raise ValueError(
-                f"--part {text!r}: give I/N, this client's part I of N (0 <= I < N), "
-                "e.g. 0/3, 1/3 and 2/3 on three machines"
-            )
-        return cls(index, count)
-
-    @property
-    def whole(self) -> bool:
-        return self.count == 1
-
-    def mine(self, hashes: Hashes) -> npt.NDArray[np.bool_]:
-        """Which of the ids (as their hashes) are this part's."""
-        if self.count == 1:
-            return np.ones(len(hashes), dtype=bool)
-        return np.asarray(hashes % np.uint64(self.count) == np.uint64(self.index))
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"

@@ -53,10 +53,10 @@ from producer.batch_lanes import (
     FAILOVER_LIMIT_S,
     InFlight,
     Lane,
-    Part,
     lane_limits,
 )
 from producer.batch_output import Existing, Output
+from producer.batch_parts import Part
 from producer.batch_redis import Fields, RawLink, field_map
 from producer.batch_rows import Rows, error_fields
 from producer.batch_sources import Item, ItemError, NotImages, Source, open_source, printable
@@ -80,9 +80,10 @@ DEFAULT_BATCH = 32
 DEFAULT_IN_FLIGHT = 256
 SUBMIT_CHUNK = 256
 READ_BLOCK_MS = 200
-# With several shards: the wait on one shard's reply stream when none has an answer (the
-# others are looked at again after it).
-SHARD_BLOCK_MS = 20
+# With several shards: each reply stream is looked at without waiting at most this often,
+# and the wait on one of them when none has an answer is as long.
+SWEEP_S = 0.01
+SHARD_BLOCK_MS = 10
 READ_COUNT = 4096
 HASH_CHUNK = 2048
 READ_BUFFER = 1 << 20
@@ -186,6 +187,9 @@ class Progress:
     @property
     def output_errors(self) -> int:
         return sum(self.output_error_codes.values())
+
+    def count_other_part(self, n: int) -> None:
+        self.other_parts += n
 
     def skip_entry(self, path: str, reason: str) -> None:
         self.not_regular += 1
@@ -335,15 +339,12 @@ def _prefixed(pages: Iterator[list[Item]], prefix: str) -> Iterator[list[Item]]:
 
 
 class _Items:
-    """The source's items of this part not already done, in order, a page at a time."""
+    """The source's items not already done, in order, read a page at a time."""
 
-    def __init__(
-        self, pages: Iterator[list[Item]], store: IdStore, progress: Progress, part: Part
-    ) -> None:
+    def __init__(self, pages: Iterator[list[Item]], store: IdStore, progress: Progress) -> None:
         self._pages = pages
         self._store = store
         self._progress = progress
-        self._part = part
         self._ready: list[Item] = []
         self._at = 0
         self.exhausted = False
@@ -355,14 +356,8 @@ class _Items:
                 self.exhausted = True
                 self._progress.total = self._progress.listed  # known now, exactly
                 break
-            hashes = id_hashes([i[0] for i in page])  # Item.id
-            if not self._part.whole:
-                mine = self._part.mine(hashes)
-                kept = [item for item, m in zip(page, mine.tolist(), strict=True) if m]
-                self._progress.other_parts += len(page) - len(kept)
-                page, hashes = kept, hashes[mine]
             self._progress.listed += len(page)
-            new = self._store.add_new(hashes)
+            new = self._store.add_new(id_hashes([i[0] for i in page]))  # Item.id
             fresh = [item for item, keep in zip(page, new.tolist(), strict=True) if keep]
             self._progress.skipped += len(page) - len(fresh)
             self._ready = self._ready[self._at :] + fresh
@@ -415,10 +410,15 @@ class BatchRun:
             part=None if part.whole else str(part),
         )
         progress = self.progress
-        pages = source.pages(on_skip=progress.skip_entry, on_other=progress.not_images.add)
+        pages = source.pages(
+            on_skip=progress.skip_entry,
+            on_other=progress.not_images.add,
+            part=part,
+            on_other_part=progress.count_other_part,
+        )
         if options.id_prefix:
             pages = _prefixed(pages, options.id_prefix)
-        self.items = _Items(pages, IdStore(existing.done), self.progress, part)
+        self.items = _Items(pages, IdStore(existing.done), self.progress)
         # Earlier runs' reply streams (a killed run's gets its late answers still): gone
         # now, and again once the output is finished.
         self._old_replies = output.reply_streams()
@@ -426,10 +426,13 @@ class BatchRun:
         on_cluster = producer.sharded or producer.cluster
         # Jobs per submission: a chunk over the backlog limit would never be admitted.
         self._chunk = min(SUBMIT_CHUNK, producer.max_backlog or SUBMIT_CHUNK)
-        limit = options.in_flight
-        if limit is None:
-            limit = default_in_flight(producer, level_stream(producer.shards[0].stream, self.level))
-        each = lane_limits(limit, len(producer.shards))
+        if options.in_flight is not None:
+            each = lane_limits(options.in_flight, len(producer.shards))
+        else:
+            # Each shard its own: answers come back a few at a time on each, and a lane
+            # whose limit were a share of the workers' batches would go out in small
+            # submissions, a round trip each.
+            each = default_in_flight(producer, level_stream(producer.shards[0].stream, self.level))
         self.lanes = [
             Lane(
                 shard,
@@ -453,7 +456,6 @@ class BatchRun:
         self._buffer = bytearray(READ_BUFFER)  # local files are read into this
         self._last_report = 0.0
         self._checkpoint_at = time.monotonic() + options.checkpoint_s
-        self._next_block = 0
         # XADDs go straight out on one connection a lane, unless admission control (a
         # script of its own) has a say in them.
         self._raw = not (producer.max_backlog or producer.max_memory_share)
@@ -571,22 +573,28 @@ class BatchRun:
         while True:
             now = time.monotonic()
             for lane in lanes:
-                while lane.ready and lane.room() > 0 and lane.open(now):
+                while lane.ready and lane.due() and lane.open(now):
                     if not self._submit(lane):
                         break
             hungry = [lane for lane in lanes if not lane.ready and lane.room() > 0]
             held = sum(len(lane.ready) for lane in lanes)
             if not hungry or self.items.empty or held >= self._hold_limit():
                 return
-            items = self.items.take(min(self._chunk, sum(lane.room() for lane in hungry)))
+            if len(lanes) == 1:
+                want = min(self._chunk, hungry[0].room())
+            else:
+                # Enough for the emptiest lane's room: each lane's share goes out whole.
+                want = min(self._hold_limit() - held, len(lanes) * max(w.room() for w in hungry))
+            items = self.items.take(max(1, want))
             if not items:
                 continue  # the listing ended: the loop sees it
             self._distribute(self._jobs(items))
 
     def _hold_limit(self) -> int:
-        # Jobs made but not submitted (a lane refused, or failing over) stay within the
-        # in-flight limit, so a shard that is down stops the listing rather than fill memory.
-        return max(self._chunk, self.progress.in_flight_limit)
+        # Jobs made but not submitted (a lane's share waiting for its room, a lane refused
+        # or failing over) stay within a chunk a lane (a local file's bytes are in them),
+        # so a shard that is down stops the listing rather than fill memory.
+        return min(self._chunk * len(self.lanes), max(self._chunk, self.progress.in_flight_limit))
 
     def _distribute(self, jobs: list[tuple[Item, list[bytes]]]) -> None:
         lanes = self.lanes
@@ -689,10 +697,7 @@ class BatchRun:
     def _read(self) -> None:
         now = time.monotonic()
         # Block only when there is nothing to submit meanwhile.
-        can_submit = any(
-            lane.room() > 0 and lane.open(now) and (bool(lane.ready) or not self.items.empty)
-            for lane in self.lanes
-        )
+        can_submit = self._can_submit(now)
         if len(self.lanes) == 1:
             lane = self.lanes[0]
             if now >= lane.down_until:
@@ -700,11 +705,14 @@ class BatchRun:
             else:
                 time.sleep(min(lane.down_until - now, READ_BLOCK_MS / 1000))
             return
-        # Several shards: a look at each without waiting, then, with nothing anywhere and
-        # nothing to submit, a short wait on one of them (in turn) for its next answer.
+        # Several shards: each lane's reply stream is looked at without waiting, at most
+        # every SWEEP_S (a look that finds nothing costs a round trip, and answers come a
+        # worker's batch at a time); with nothing found and nothing to submit, a short wait
+        # on the lane with the most jobs outstanding for its next answer.
         got = False
         for lane in self.lanes:
-            if now >= lane.down_until and lane.in_flight:
+            if lane.in_flight and now >= lane.down_until and now - lane.read_at >= SWEEP_S:
+                lane.read_at = now
                 got |= self._read_lane(lane, None)
         if got or can_submit:
             return
@@ -714,8 +722,20 @@ class BatchRun:
             if later:
                 time.sleep(max(0.0, min(min(later) - now, READ_BLOCK_MS / 1000)))
             return
-        self._next_block = (self._next_block + 1) % len(waiting)
-        self._read_lane(waiting[self._next_block], SHARD_BLOCK_MS)
+        lane = max(waiting, key=lambda w: len(w.in_flight))
+        self._read_lane(lane, SHARD_BLOCK_MS)
+        lane.read_at = time.monotonic()
+
+    def _can_submit(self, now: float) -> bool:
+        """Whether `_fill` has work now: ready jobs for a lane with room, or a lane with
+        room and nothing ready while the source has more and the jobs held are below the
+        limit. (A lane failing over holds its jobs: the others are not to spin meanwhile.)"""
+        held = sum(len(lane.ready) for lane in self.lanes)
+        more = not self.items.empty and held < self._hold_limit()
+        return any(
+            lane.open(now) and (lane.due() if lane.ready else more and lane.room() > 0)
+            for lane in self.lanes
+        )
 
     def _read_lane(self, lane: Lane, block: int | None) -> bool:
         """Read `lane`'s reply stream; whether any answer came."""

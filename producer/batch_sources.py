@@ -35,6 +35,7 @@ from typing import IO, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from producer import wire
+from producer.batch_parts import Part
 from producer.jobs import IMAGE_EXTENSIONS, _fit_id, url_id
 from producer.object_stores import open_store
 
@@ -244,16 +245,28 @@ class Source:
     not_images: NotImages | None = field(default=None, compare=False)
 
     def pages(
-        self, on_skip: OnSkip | None = None, on_other: OnOther | None = None
+        self,
+        on_skip: OnSkip | None = None,
+        on_other: OnOther | None = None,
+        *,
+        part: Part | None = None,
+        on_other_part: Callable[[int], None] | None = None,
     ) -> Iterator[list[Item]]:
         """The items, a page at a time; a folder's entries that are not regular image
         files are passed to `on_skip` with the reason, and a folder's files or a prefix's
-        keys whose names are not images to `on_other`."""
+        keys whose names are not images to `on_other`. With `part`, that part's items
+        only (producer/batch_parts.py), the others counted to `on_other_part`."""
+        if self.kind == "manifest":
+            return _manifest_pages(
+                Path(self.spec), self.path_root, self.keep, part=part, on_other_part=on_other_part
+            )
         if self.kind == "folder":
-            return _folder_pages(Path(self.spec), self.path_root, on_skip, on_other)
-        if self.kind == "prefix":
-            return _prefix_pages(self.spec, on_other=on_other)
-        return _manifest_pages(Path(self.spec), self.path_root, self.keep)
+            pages = _folder_pages(Path(self.spec), self.path_root, on_skip, on_other)
+        else:
+            pages = _prefix_pages(self.spec, on_other=on_other)
+        if part is None or part.whole:
+            return pages
+        return part.keep(pages, operator.itemgetter(0), on_other_part)  # Item.id
 
     def nothing_to_run(self) -> NotImages | None:
         """None when the source names at least one item; otherwise what it passed over for
@@ -536,7 +549,12 @@ def _count_entries(manifest: Path) -> int | None:
 
 
 def _manifest_pages(
-    manifest: Path, root: Path | None, keep: tuple[str, ...] = ()
+    manifest: Path,
+    root: Path | None,
+    keep: tuple[str, ...] = (),
+    *,
+    part: Part | None = None,
+    on_other_part: Callable[[int], None] | None = None,
 ) -> Iterator[list[Item]]:
     # A relative path is one under the workers' root with --path-root, else a file next
     # to the manifest.
@@ -545,7 +563,11 @@ def _manifest_pages(
     # is not.
     plain = is_text(base)
     label = f"{manifest} {'row' if _format(manifest) == 'parquet' else 'line'}"
-    rows = _manifest_rows(manifest, keep)
+    rows: Iterator[tuple[int, dict[str, Any]]] = _manifest_rows(manifest, keep)
+    if part is not None and not part.whole:
+        # The other parts' rows cost their id only: no item is made of them.
+        chunks = _batched(rows, READ_PAGE)
+        rows = itertools.chain.from_iterable(part.keep(chunks, _quick_id, on_other_part))
     page: list[Item] = []
     for line, row in rows:
         item = _row_item(label, line, row, base, root)
@@ -560,6 +582,35 @@ def _manifest_pages(
                 page = []
     if page:
         yield page
+
+
+def _batched(rows: Iterator[tuple[int, dict[str, Any]]], n: int) -> Iterator[list[Any]]:
+    while chunk := list(itertools.islice(rows, n)):
+        yield chunk
+
+
+def _entry_id(given_id: str | None, url: str | None, path: str) -> str:
+    """A manifest row's job id: its own, else its URL's (url_id), else its path."""
+    if given_id:
+        return given_id
+    if url is not None or "://" in path:
+        return url_id(url if url is not None else path)
+    return _fit_id(path)
+
+
+def _quick_id(entry: tuple[int, dict[str, Any]]) -> str | None:
+    """The id `_row_item` gives a row, or None where it would refuse or skip the row (so
+    that every part meets it)."""
+    line, row = entry
+    try:
+        url = _cell(row.get("url"), "", line, "url")
+        path = _cell(row.get("path"), "", line, "path")
+        given_id = _cell(row.get("id"), "", line, "id")
+    except SourceError:
+        return None
+    if url is None and path is None:
+        return None
+    return _entry_id(given_id, url, path or "")
 
 
 def _row_item(
@@ -578,12 +629,12 @@ def _row_item(
     if url is not None:
         if "://" not in url:
             raise SourceError(f"{where}: url needs a scheme (http://, s3://...): {url!r}")
-        return Item(id=given_id or url_id(url), source=url, url=url)
+        return Item(id=_entry_id(given_id, url, ""), source=url, url=url)
     assert path is not None
     if "://" in path:
-        return Item(id=given_id or url_id(path), source=path, url=path)
+        return Item(id=_entry_id(given_id, None, path), source=path, url=path)
     file = path if os.path.isabs(path) else os.path.join(base, path)
-    return _local_item(file, given_id or _fit_id(path), root)
+    return _local_item(file, _entry_id(given_id, None, path), root)
 
 
 def _cell(value: Any, label: str, line: int, column: str) -> str | None:

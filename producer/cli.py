@@ -744,8 +744,8 @@ def batch(
     """Run every image of SOURCE and write one row per job to --out, resumably: run the
     same command again after a crash and only the ids not in the output are submitted.
     With --local, on this machine alone: nothing needs to run before, nothing runs after."""
-    from producer.batch_lanes import Part
     from producer.batch_output import OutputError, output_format
+    from producer.batch_parts import Part
     from producer.batch_runner import BatchOptions
     from producer.batch_sources import SourceError, open_source, read_extensions
     from producer.batch_view import (
@@ -845,6 +845,7 @@ def _run_batch(
 ) -> BatchProgress:
     """The run, its errors as one line and an exit code; `service`: the --local one, whose
     ended worker is what a run interrupted from inside means."""
+    from producer.batch_lanes import FAILOVER_ERRORS
     from producer.batch_runner import interruption, run_batch
     from producer.batch_view import BatchView
 
@@ -857,8 +858,9 @@ def _run_batch(
                 return run_batch(src, out_path, producer, options, on_progress=on_progress)
         except (ValueError, UnknownPriority) as exc:  # SourceError, OutputError among them
             raise _fail(str(exc), EXIT_USAGE) from None
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            # Lost mid-run: the output holds what was committed, and resumes from there.
+        except FAILOVER_ERRORS as exc:
+            # Lost mid-run (on a cluster: a shard unreachable past FAILOVER_LIMIT_S): the
+            # output holds what was committed, and resumes from there.
             reason = unreachable(redact(settings.redis_url), exc)
             password = urlsplit(settings.redis_url).password
             for secret in {password, unquote(password or "")} - {None, ""}:

@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from producer.batch_ids import id_hashes
-from producer.batch_lanes import Part
+from producer.batch_parts import Part
+from producer.batch_sources import open_source
 from tests.support.cli_runner import ROOT, clean_env, run_module
 from tests.support.images import jpeg_bytes
 from tests.support.worker_harness import running_worker
@@ -34,6 +35,41 @@ def test_every_id_falls_in_exactly_one_part(ids: list[str], count: int) -> None:
     for index in range(count):
         owners += Part(index, count).mine(hashes)
     assert (owners == 1).all()
+
+
+@pytest.mark.parametrize("kind", ["txt", "csv", "folder"])
+def test_the_parts_of_a_source_hold_each_of_its_items_once(kind: str, tmp_path: Path) -> None:
+    folder = tmp_path / "images"
+    folder.mkdir()
+    names = [f"{n:03d}.jpg" for n in range(50)]
+    for name in names:
+        (folder / name).write_bytes(b"x")
+    if kind == "txt":
+        # Paths, URLs, and one URL signed twice (one id): its two lines in the same part.
+        lines = [*names, "https://e.test/a.jpg?X-Amz-Signature=1", "s3://b/c.jpg",
+                 "https://e.test/a.jpg?X-Amz-Signature=2"]  # fmt: skip
+        (tmp_path / "m.txt").write_text("\n".join(lines) + "\n")
+        src = open_source(str(tmp_path / "m.txt"))
+    elif kind == "csv":
+        rows = [f"{i},images/{name}" for i, name in enumerate(names)]
+        (tmp_path / "m.csv").write_text("id,path\n" + "\n".join(rows) + "\n")
+        src = open_source(str(tmp_path / "m.csv"))
+    else:
+        src = open_source(str(folder))
+    whole = [item for page in src.pages() for item in page]
+    others = [0]
+
+    def count(n: int) -> None:
+        others[0] += n
+
+    parts = [
+        [item for page in src.pages(part=Part(i, 3), on_other_part=count) for item in page]
+        for i in range(3)
+    ]
+    assert sorted(item for part in parts for item in part) == sorted(whole)
+    assert others[0] == 2 * len(whole)
+    for i, part in enumerate(parts):
+        assert Part(i, 3).mine(id_hashes([item.id for item in part])).all()
 
 
 @pytest.mark.parametrize("text", ["", "3", "1/0", "2/2", "-1/3", "a/b", "1/3/4"])
