@@ -33,6 +33,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from measure.bench.batch_fleet import FleetPlan, fleet_problems, run_fleet
+
 if TYPE_CHECKING:
     from measure.bench.context import Bench
     from measure.bench.profiles import BatchPlan
@@ -142,6 +144,13 @@ async def batch_section(b: Bench, plan: BatchPlan) -> dict[str, Any]:
         "target_ratio": RATIO_TARGET,
         "met": ratio >= RATIO_TARGET,
     }
+    if plan.fleet_jobs:
+        b.echo(f"batch: the sharded run, {plan.fleet_jobs} path jobs on a 3-master cluster")
+        section["sharded"] = await asyncio.to_thread(
+            run_fleet, FleetPlan(jobs=plan.fleet_jobs), b.echo
+        )
+    else:
+        section["sharded"] = None
     b.echo(
         f"batch: producer batch {section['batch']['images_per_s']} images/s beside "
         f"{inline['images_per_s']} inline; client {section['client_cpu_us_per_job']} µs "
@@ -231,7 +240,7 @@ def batch_problems(s: Any) -> list[str]:
             problems.append(f"batch.{key} must be a positive number")
     if not isinstance(s.get("images_repeat"), bool) or not isinstance(s.get("met"), bool):
         problems.append("batch.images_repeat and batch.met must be booleans")
-    return problems
+    return problems + fleet_problems(s.get("sharded"))
 
 
 def _positive(value: Any) -> bool:

@@ -119,6 +119,8 @@ class BatchPlan:
     batch_size: int = 256
     distinct: int = 64
     side: int = 64
+    # The sharded run (measure/bench/batch_fleet.py): jobs of its manifest; 0: none.
+    fleet_jobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,7 +219,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
             tenants=TenantsPlan(seconds=2.0, min_burst=2000),
             # Enough images that the run's start and end (listing the first page, opening
             # the output, the final rename) weigh little in the client's CPU per job.
-            batch=BatchPlan(jobs=30_000),
+            batch=BatchPlan(jobs=30_000, fleet_jobs=30_000),
             load_latency=LoadLatencyPlan(seconds=5.0),
             warm_start=WarmStartPlan(jobs=6000 if cuda else 1200, images=300),
         )
@@ -239,7 +241,7 @@ def make_profile(name: str, *, cuda: bool) -> Profile:
         overhead=OverheadPlan(jobs=20_000, live_s=8.0),
         priority=PriorityPlan(seconds=5.0),
         tenants=TenantsPlan(seconds=5.0, min_burst=2000),
-        batch=BatchPlan(jobs=40_000),
+        batch=BatchPlan(jobs=40_000, fleet_jobs=30_000),
         load_latency=LoadLatencyPlan(seconds=10.0),
         warm_start=WarmStartPlan(jobs=20_000 if cuda else 6000, images=1000),
     )

@@ -378,7 +378,52 @@ def batch_lines(report: Mapping[str, Any]) -> list[str]:
         f"the higher; {_fmt(s['ratio_to_inline'], 2)}x the inline run's) "
         f"(>= {_fmt(s['target_ratio'], 0)}): " + ("met" if s["met"] else "missed"),
     ]
-    return out
+    return out + sharded_lines(s.get("sharded"))
+
+
+def sharded_lines(f: Mapping[str, Any] | None) -> list[str]:
+    """The batch section's sharded run (measure/bench/batch_fleet.py)."""
+    if not f:
+        return []
+    plan = f["plan"]
+    rows = [
+        [
+            "one client, the whole manifest",
+            _fmt(f["one_client"]["answered"]),
+            _fmt(f["one_client"]["cpu_us_per_job"]),
+            _fmt(f["one_client"]["capacity_per_s"]),
+        ]
+    ]
+    for name, c in f["clients"].items():
+        rows.append([f"fleet, {name}", _fmt(c["answered"]), _fmt(c["cpu_us_per_job"]),
+                     _fmt(c["capacity_per_s"])])  # fmt: skip
+    killed, failover = f["killed_client"], f["failover"]
+    return [
+        "",
+        f"### Sharded: {plan['clients']} clients, {plan['shards']}-master Redis Cluster with "
+        f"replicas, {plan['workers']} null-model workers, {plan['jobs']} path jobs",
+        "",
+        "Each file's bytes unique (the decode cache serves none). One client over the whole "
+        "manifest, then the clients with `--part I/N` into one dataset; mid-run "
+        f"{killed.get('client', 'no client')} killed (SIGKILL at "
+        f"{_fmt(killed.get('at_answered'))} answered) and started again, and the master of "
+        f"shard 1 killed at {_fmt(failover.get('at_answered'))} answered (its replica took "
+        f"over in {_fmt(failover.get('took_over_s'), 1)} s; failovers waited out by the "
+        f"clients: {failover['waited_out']}, jobs found lost and submitted again: "
+        f"{failover['jobs_submitted_again']}).",
+        "",
+        table(["client", "answered", "CPU µs/job", "capacity jobs/s"], rows, align="lrrr"),
+        "",
+        f"- the dataset: {_fmt(f['rows'])} rows, {_fmt(f['distinct_ids'])} ids, every id of "
+        f"the manifest once: {'yes' if f['every_id_once'] else 'NO'}; `_SUCCESS`: "
+        f"{'present' if f.get('success_marker') else 'missing'}",
+        f"- the clients' capacity together: {_fmt(f['aggregate_capacity_per_s'])} jobs/s, "
+        f"{_fmt(f['capacity_ratio'], 2)}x one client's (>= {_fmt(f['target_ratio'], 1)}): "
+        + ("met" if f["met"] else "missed"),
+        f"- on this host's wall clock (every process sharing its cores): one client "
+        f"{_fmt(f['one_client']['jobs_per_s'])} jobs/s, the fleet "
+        f"{_fmt(f['fleet_jobs_per_s'])} jobs/s",
+    ]
 
 
 def gil_lines(report: Mapping[str, Any]) -> list[str]:
