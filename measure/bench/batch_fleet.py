@@ -3,8 +3,8 @@
 A private Redis Cluster of 3 masters with a replica each (the harness in
 `worker/tools/harness/redis_cluster.py`), `workers` null-model worker processes on
 GPUFEED_SHARDS=3, and a manifest of `jobs` path jobs (64x64 JPEG files, each file's bytes
-unique: a trailer after the end-of-image marker, so the decode cache serves none of them). Two runs, one after the
-other, on the same cluster and workers:
+unique: a trailer after the end-of-image marker, so the decode cache serves none of them).
+Two runs, one after the other, on the same cluster and workers:
 
 - `one client`: `python -m producer batch MANIFEST --path-root ROOT --out ONE.parquet`
   over the whole manifest (ids under `solo/`, so the fleet's ids are new to the workers);
