@@ -35,6 +35,7 @@ from typing import IO, Any, NamedTuple
 from urllib.parse import urlsplit
 
 from producer import wire
+from producer.batch_ids import id_hashes
 from producer.batch_parts import Part
 from producer.jobs import IMAGE_EXTENSIONS, _fit_id, url_id
 from producer.object_stores import open_store
@@ -47,6 +48,8 @@ READ_PAGE = 4096
 # The longest manifest line read (its url, path and id fit in far less): a file without
 # line breaks is refused at this point, not read whole.
 MAX_LINE_BYTES = 1 << 20
+# Bytes of a text manifest read at once (its lines split and checked together).
+TEXT_BLOCK = 1 << 20
 # The manifests whose rows have named columns, that --keep-columns can copy.
 KEEP_FORMATS = ("csv", "jsonl", "parquet")
 
@@ -564,7 +567,9 @@ def _manifest_pages(
     plain = is_text(base)
     label = f"{manifest} {'row' if _format(manifest) == 'parquet' else 'line'}"
     rows: Iterator[tuple[int, dict[str, Any]]] = _manifest_rows(manifest, keep)
-    if part is not None and not part.whole:
+    if part is not None and not part.whole and _format(manifest) == "text":
+        rows = _text_part_rows(manifest, part, on_other_part)
+    elif part is not None and not part.whole:
         # The other parts' rows cost their id only: no item is made of them.
         chunks = _batched(rows, READ_PAGE)
         rows = itertools.chain.from_iterable(part.keep(chunks, _quick_id, on_other_part))
@@ -666,12 +671,85 @@ def _manifest_rows(
             elif fmt == "jsonl":
                 yield from _json_rows(manifest, lines)
             else:
-                for n, text in lines:
-                    entry = text.strip()
-                    if entry and not entry.startswith("#"):
+                for entries in _text_entries(f, manifest):
+                    for n, entry in entries:
                         yield n, {"url": entry} if "://" in entry else {"path": entry}
     except OSError as exc:
         raise SourceError(f"cannot read {manifest}: {exc.strerror or exc}") from None
+
+
+def _text_part_rows(
+    manifest: Path, part: Part, on_other_part: Callable[[int], None] | None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """A text manifest's rows of `part`: a block of lines at a time, each line's id and its
+    hash made in one pass, so that another part's line costs little more than its reading."""
+    try:
+        with manifest.open("rb") as f:
+            for entries in _text_entries(f, manifest):
+                ids = [url_id(e) if "://" in e else _fit_id(e) for _, e in entries]
+                mine = part.mine(id_hashes(ids)).tolist()
+                kept = [entry for entry, m in zip(entries, mine, strict=True) if m]
+                if on_other_part is not None and len(kept) < len(entries):
+                    on_other_part(len(entries) - len(kept))
+                for n, entry in kept:
+                    yield n, {"url": entry} if "://" in entry else {"path": entry}
+    except OSError as exc:
+        raise SourceError(f"cannot read {manifest}: {exc.strerror or exc}") from None
+
+
+def _text_entries(f: IO[bytes], manifest: Path) -> Iterator[list[tuple[int, str]]]:
+    """A text manifest's entries (its lines stripped, blank ones and `#` comments left out)
+    with their line numbers, a block of TEXT_BLOCK bytes at a time: as `_lines` reads them,
+    each line at most MAX_LINE_BYTES and UTF-8 text, the entries before a line refused
+    given first."""
+    done = 0  # lines before the block
+    carry = b""
+    while True:
+        data = f.read(TEXT_BLOCK)
+        buf = carry + data
+        if not buf:
+            return
+        cut = len(buf) if not data else buf.rfind(b"\n") + 1
+        if cut == 0:  # no line break yet
+            if len(buf) > MAX_LINE_BYTES:
+                raise SourceError(f"{manifest} line {done + 1}: longer than {MAX_LINE_BYTES} bytes")
+            carry = buf
+            continue
+        raw = buf[:cut].split(b"\n")
+        if raw[-1] == b"":
+            raw.pop()  # what followed the block's last line break
+        carry = buf[cut:]
+        bad = _first_refused(raw, ends=bool(data))
+        texts = [r.decode() for r in raw[:bad]]
+        yield [(done + i, e) for i, t in enumerate(texts, 1) if (e := t.strip()) and e[0] != "#"]
+        if bad < len(raw):
+            n = done + bad + 1
+            if len(raw[bad]) + 1 > MAX_LINE_BYTES:
+                raise SourceError(f"{manifest} line {n}: longer than {MAX_LINE_BYTES} bytes")
+            raise SourceError(f"{manifest} line {n}: not UTF-8 text")
+        done += len(raw)
+        if not data:
+            return
+
+
+def _first_refused(raw: list[bytes], *, ends: bool) -> int:
+    """The index of the first of `raw` lines that is too long or not UTF-8; len(raw) if
+    none. `ends`: each line had its line break (which counts toward MAX_LINE_BYTES)."""
+    longest = MAX_LINE_BYTES - 1 if ends else MAX_LINE_BYTES
+    try:
+        if max(map(len, raw), default=0) <= longest:
+            b"\n".join(raw).decode()
+            return len(raw)
+    except UnicodeDecodeError:
+        pass
+    for i, r in enumerate(raw):
+        if len(r) > longest:
+            return i
+        try:
+            r.decode()
+        except UnicodeDecodeError:
+            return i
+    return len(raw)  # pragma: no cover - the block's check found one
 
 
 def _lines(f: IO[bytes], manifest: Path) -> Iterator[tuple[int, str]]:

@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from producer import batch_sources
 from producer.batch_ids import id_hashes
 from producer.batch_parts import Part
-from producer.batch_sources import open_source
+from producer.batch_sources import SourceError, open_source
 from tests.support.cli_runner import ROOT, clean_env, run_module
 from tests.support.images import jpeg_bytes
 from tests.support.worker_harness import running_worker
@@ -70,6 +72,55 @@ def test_the_parts_of_a_source_hold_each_of_its_items_once(kind: str, tmp_path: 
     assert others[0] == 2 * len(whole)
     for i, part in enumerate(parts):
         assert Part(i, 3).mine(id_hashes([item.id for item in part])).all()
+
+
+def _line_by_line(manifest: Path) -> tuple[list[tuple[int, str]], str | None]:
+    """A text manifest's entries as one line read at a time gives them, and the error that
+    ends them (None when none)."""
+    entries: list[tuple[int, str]] = []
+    try:
+        with manifest.open("rb") as f:
+            for n, text in batch_sources._lines(f, manifest):
+                entry = text.strip()
+                if entry and not entry.startswith("#"):
+                    entries.append((n, entry))
+    except SourceError as exc:
+        return entries, str(exc)
+    return entries, None
+
+
+# Lines of a text manifest with what trips a reader of blocks: blank ones, comments, CRLF,
+# spaces, text that is not ASCII, bytes that are not UTF-8, and lines near the limit.
+_LINE = st.one_of(
+    st.sampled_from([b"", b"# note", b"  a.jpg  ", b"b.jpg\r", b"https://e.test/x.jpg?a=1"]),
+    st.text(alphabet="ab/\u00e9\u4e2d ", min_size=1, max_size=12).map(str.encode),
+    st.binary(min_size=1, max_size=12).filter(lambda b: b"\n" not in b),
+    st.integers(10, 14).map(lambda n: b"c" * n),
+)
+
+
+@given(st.lists(_LINE, max_size=40), st.booleans(), st.integers(1, 24), st.integers(1, 4))
+def test_a_text_manifest_read_in_blocks_is_what_reading_it_line_by_line_gives(
+    lines: list[bytes], last_break: bool, block: int, count: int
+) -> None:
+    """Each part's entries, and the error where one line is refused, are the line-by-line
+    reading's whatever the block size (1 byte up) and wherever the lines fall."""
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batch_sources, "TEXT_BLOCK", block)
+        mp.setattr(batch_sources, "MAX_LINE_BYTES", 12)
+        manifest = Path(tmp) / "m.txt"
+        manifest.write_bytes(b"\n".join(lines) + (b"\n" if last_break and lines else b""))
+        expected, error = _line_by_line(manifest)
+        got: list[tuple[int, str]] = []
+        errors: list[str] = []
+        for index in range(count):
+            try:
+                rows = batch_sources._text_part_rows(manifest, Part(index, count), None)
+                got.extend((n, row.get("url") or row["path"]) for n, row in rows)
+            except SourceError as exc:
+                errors.append(str(exc))
+        assert sorted(got) == expected
+        assert errors == ([error] * count if error else [])
 
 
 @pytest.mark.parametrize("text", ["", "3", "1/0", "2/2", "-1/3", "a/b", "1/3/4"])
