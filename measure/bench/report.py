@@ -395,7 +395,11 @@ def sharded_lines(f: Mapping[str, Any] | None) -> list[str]:
         ]
     ]
     for name, c in f["clients"].items():
-        rows.append([f"fleet, {name}", _fmt(c["answered"]), _fmt(c["cpu_us_per_job"]),
+        rows.append([f"{name}, alone", _fmt(c["answered"]), _fmt(c["cpu_us_per_job"]),
+                     _fmt(c["capacity_per_s"])])  # fmt: skip
+    side = f["side_by_side"]
+    for name, c in side["clients"].items():
+        rows.append([f"{name}, side by side", _fmt(c["answered"]), _fmt(c["cpu_us_per_job"]),
                      _fmt(c["capacity_per_s"])])  # fmt: skip
     killed, failover = f["killed_client"], f["failover"]
     return [
@@ -404,7 +408,8 @@ def sharded_lines(f: Mapping[str, Any] | None) -> list[str]:
         f"replicas, {plan['workers']} null-model workers, {plan['jobs']} path jobs",
         "",
         "Each file's bytes unique (the decode cache serves none). One client over the whole "
-        "manifest, then the clients with `--part I/N` into one dataset; mid-run "
+        "manifest; each part's client alone (`--part I/N`, one after another); then the "
+        "parts side by side into one dataset; mid-run "
         f"{killed.get('client', 'no client')} killed (SIGKILL at "
         f"{_fmt(killed.get('at_answered'))} answered) and started again, and the master of "
         f"shard 1 killed at {_fmt(failover.get('at_answered'))} answered (its replica took "
@@ -417,9 +422,11 @@ def sharded_lines(f: Mapping[str, Any] | None) -> list[str]:
         f"- the dataset: {_fmt(f['rows'])} rows, {_fmt(f['distinct_ids'])} ids, every id of "
         f"the manifest once: {'yes' if f['every_id_once'] else 'NO'}; `_SUCCESS`: "
         f"{'present' if f.get('success_marker') else 'missing'}",
-        f"- the clients' capacity together: {_fmt(f['aggregate_capacity_per_s'])} jobs/s, "
-        f"{_fmt(f['capacity_ratio'], 2)}x one client's (>= {_fmt(f['target_ratio'], 1)}): "
-        + ("met" if f["met"] else "missed"),
+        f"- the parts' capacity together (each alone, as on a machine of its own): "
+        f"{_fmt(f['aggregate_capacity_per_s'])} jobs/s, {_fmt(f['capacity_ratio'], 2)}x one "
+        f"client's (>= {_fmt(f['target_ratio'], 1)}): " + ("met" if f["met"] else "missed"),
+        f"- side by side on this host, through the kill and the failover: "
+        f"{_fmt(side['aggregate_capacity_per_s'])} jobs/s, {_fmt(side['capacity_ratio'], 2)}x",
         f"- on this host's wall clock (every process sharing its cores): one client "
         f"{_fmt(f['one_client']['jobs_per_s'])} jobs/s, the fleet "
         f"{_fmt(f['fleet_jobs_per_s'])} jobs/s",
