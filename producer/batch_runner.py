@@ -25,6 +25,7 @@ results stay the raw fields Redis sent until a row group is made of them column-
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import logging
@@ -38,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import redis
 from redis.cluster import RedisCluster
@@ -47,8 +48,10 @@ from redis.typing import EncodableT, FieldT
 
 from producer import wire
 from producer.admission import ADMIT, AdmissionRefused, BacklogFull, admit_args, admitted
+from producer.backoff import Backoff
 from producer.batch_ids import IdStore, id_hashes
 from producer.batch_lanes import (
+    FAILOVER_BACKOFF_S,
     FAILOVER_ERRORS,
     FAILOVER_LIMIT_S,
     InFlight,
@@ -301,6 +304,32 @@ class BatchOptions:
     part: Part = field(default_factory=Part)
 
 
+T = TypeVar("T")
+
+
+def through_failover(producer: Producer, call: Callable[[], T]) -> T:
+    """`call`, made again through a master's failover on a cluster (for up to
+    FAILOVER_LIMIT_S, the layout reread between tries): the calls a run makes once, outside
+    any lane (its start and its end), as a lane's calls are. On a single Redis, `call`."""
+    if not producer.cluster:
+        return call()
+    backoff = Backoff(*FAILOVER_BACKOFF_S)
+    since: float | None = None
+    while True:
+        try:
+            return call()
+        except FAILOVER_ERRORS as exc:
+            now = time.monotonic()
+            if since is None:
+                since = now
+                log.warning("the cluster cannot be reached (%s): waiting for its failover", exc)
+            elif now - since > FAILOVER_LIMIT_S:
+                raise
+        time.sleep(backoff.next())
+        with contextlib.suppress(*FAILOVER_ERRORS):
+            cast(RedisCluster, producer.client).nodes_manager.initialize()
+
+
 def default_in_flight(producer: Producer, stream: str) -> int:
     """Enough to keep every worker's batches full while results come back: twice the sum
     of the live workers' batch sizes, else twice the group's consumers times
@@ -432,7 +461,8 @@ class BatchRun:
             # Each shard its own: answers come back a few at a time on each, and a lane
             # whose limit were a share of the workers' batches would go out in small
             # submissions, a round trip each.
-            each = default_in_flight(producer, level_stream(producer.shards[0].stream, self.level))
+            stream = level_stream(producer.shards[0].stream, self.level)
+            each = through_failover(producer, lambda: default_in_flight(producer, stream))
         self.lanes = [
             Lane(
                 shard,
@@ -472,9 +502,10 @@ class BatchRun:
         gc.freeze()
         gc.set_threshold(max(thresholds[0], GC_YOUNG_THRESHOLD), *thresholds[1:])
         try:
-            self._drop_old_replies()
+            producer = self.producer
+            through_failover(producer, self._drop_old_replies)
             for lane in self.lanes:  # before the first job goes out
-                lane.cursor = self._last_id(lane)
+                lane.cursor = through_failover(producer, functools.partial(self._last_id, lane))
             self._loop()
         finally:
             gc.set_threshold(*thresholds)
@@ -505,11 +536,14 @@ class BatchRun:
             self._flush()
             self.output.commit()
         self.progress.rows = self.output.finish(self.contested)
-        self._drop_old_replies()
-        self.producer.client.delete(*(lane.reply_to for lane in self.lanes))
+        through_failover(self.producer, self._drop_old_replies)
+        through_failover(self.producer, self._drop_replies)
         tally = self.output.tally()
         self.progress.output_ok = tally.pop(wire.STATUS_OK, 0)
         self.progress.output_error_codes = tally
+
+    def _drop_replies(self) -> None:
+        self.producer.client.delete(*(lane.reply_to for lane in self.lanes))
 
     def _drop_old_replies(self) -> None:
         if self._old_replies:
