@@ -4,10 +4,12 @@ A private Redis Cluster of 3 masters with a replica each (the harness in
 `worker/tools/harness/redis_cluster.py`), `workers` null-model worker processes on
 GPUFEED_SHARDS=3, and a manifest of `jobs` path jobs (64x64 JPEG files, each file's bytes
 unique: a trailer after the end-of-image marker, so the decode cache serves none of them).
-Three runs, one after the other, on the same cluster and workers:
+Runs one after the other, on the same cluster and workers:
 
 - `one client`: `python -m producer batch MANIFEST --path-root ROOT --out ONE.parquet`
-  over the whole manifest (ids under `solo/`, so the fleet's ids are new to the workers);
+  over the whole manifest (ids under `solo/`, so the fleet's ids are new to the workers),
+  before the parts alone and again after them (`solo2/`): what a run leaves in Redis makes
+  the next a little dearer, and the two runs bracket the parts';
 - `parts alone`: `clients` processes, `--part I/N` each, one after another with no
   fault (ids under `alone/`): each part's cost as on a machine of its own, as the one
   client ran;
@@ -272,35 +274,46 @@ def _runs(
         "--json", "--checkpoint", str(plan.checkpoint_s),
     ]  # fmt: skip
     env = _client_env(cluster.url, plan)
-    # One client over the whole manifest.
-    solo = _Client("solo", [*base, "--out", str(work / "one.parquet"), "--id-prefix", "solo/"],
-                   env, work / "solo.log")  # fmt: skip
-    t0 = time.perf_counter()
-    solo.start()
-    if solo.wait(time.monotonic() + CLIENT_TIMEOUT_S) != 0:
-        raise FleetError(f"one client exited {solo.proc and solo.proc.returncode}: "
-                         f"{solo.log.read_text(errors='replace')[-600:]}")  # fmt: skip
-    solo_wall = time.perf_counter() - t0
-    one = solo.capacity()
-    echo(f"fleet: one client {one['capacity_per_s']} jobs/s of capacity "
-         f"({one['cpu_us_per_job']} µs of CPU a job), {solo_wall:.1f} s")  # fmt: skip
 
+    def alone(name: str, args: list[str], log: str) -> dict[str, float]:
+        client = _Client(name, [*base, *args], env, work / log)
+        client.start()
+        if client.wait(time.monotonic() + CLIENT_TIMEOUT_S) != 0:
+            raise FleetError(f"{name} exited {client.proc and client.proc.returncode}: "
+                             f"{client.log.read_text(errors='replace')[-600:]}")  # fmt: skip
+        return client.capacity()
+
+    # One client over the whole manifest, before the parts and again after them: the state
+    # a run leaves (result hashes, streams) makes the next a little dearer, and the two
+    # bracket the parts'.
+    t0 = time.perf_counter()
+    solo = [alone("one client", ["--out", str(work / "one.parquet"), "--id-prefix", "solo/"],
+                  "solo.log")]  # fmt: skip
+    solo_wall = time.perf_counter() - t0
     # Each part alone, one after another and with no fault: the cost of a client of a
     # fleet, each on a machine of its own, as the one client ran alone.
-    alone: dict[str, dict[str, float]] = {}
+    parts: dict[str, dict[str, float]] = {}
     for i in range(plan.clients):
-        part = _Client(f"part {i}/{plan.clients}",
-                       [*base, "--out", f"{work / 'alone'}/", "--part", f"{i}/{plan.clients}",
-                        "--id-prefix", "alone/"], env, work / f"alone-{i}.log")  # fmt: skip
-        part.start()
-        if part.wait(time.monotonic() + CLIENT_TIMEOUT_S) != 0:
-            raise FleetError(f"{part.name} alone exited {part.proc and part.proc.returncode}: "
-                             f"{part.log.read_text(errors='replace')[-600:]}")  # fmt: skip
-        alone[part.name] = part.capacity()
-    aggregate = sum(c["capacity_per_s"] for c in alone.values())
+        name = f"part {i}/{plan.clients}"
+        out = ["--out", f"{work / 'alone'}/", "--part", f"{i}/{plan.clients}"]
+        parts[name] = alone(name, [*out, "--id-prefix", "alone/"], f"alone-{i}.log")
+    solo.append(alone("one client again", ["--out", str(work / "two.parquet"), "--id-prefix",
+                                            "solo2/"], "solo2.log"))  # fmt: skip
+    answered = sum(int(r["answered"]) for r in solo)
+    cpu_s = sum(float(r["cpu_s"]) for r in solo)
+    one: dict[str, Any] = {
+        "answered": answered,
+        "cpu_s": round(cpu_s, 3),
+        "cpu_us_per_job": round(1e6 * cpu_s / max(answered, 1), 1),
+        "capacity_per_s": round(answered / cpu_s, 1) if cpu_s > 0 else 0.0,
+        "runs": solo,
+    }
+    aggregate = sum(c["capacity_per_s"] for c in parts.values())
     ratio = aggregate / one["capacity_per_s"] if one["capacity_per_s"] else 0.0
-    echo(f"fleet: {plan.clients} parts alone, {aggregate:.0f} jobs/s of capacity together, "
-         f"{ratio:.2f}x one client's")  # fmt: skip
+    echo(f"fleet: one client {one['capacity_per_s']} jobs/s of capacity "
+         f"({one['cpu_us_per_job']} µs of CPU a job; runs before and after the parts: "
+         f"{solo[0]['cpu_us_per_job']}, {solo[1]['cpu_us_per_job']} µs); {plan.clients} parts "
+         f"alone {aggregate:.0f} jobs/s together, {ratio:.2f}x")  # fmt: skip
 
     dataset = work / "dataset"
     clients = [
@@ -371,7 +384,7 @@ def _runs(
             "wall_s": round(solo_wall, 2),
             "jobs_per_s": round(plan.jobs / solo_wall, 1),
         },
-        "clients": alone,
+        "clients": parts,
         "aggregate_capacity_per_s": round(aggregate, 1),
         "capacity_ratio": round(ratio, 2),
         "target_ratio": CAPACITY_TARGET,

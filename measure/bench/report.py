@@ -388,7 +388,7 @@ def sharded_lines(f: Mapping[str, Any] | None) -> list[str]:
     plan = f["plan"]
     rows = [
         [
-            "one client, the whole manifest",
+            "one client, the whole manifest (twice)",
             _fmt(f["one_client"]["answered"]),
             _fmt(f["one_client"]["cpu_us_per_job"]),
             _fmt(f["one_client"]["capacity_per_s"]),
