@@ -555,6 +555,14 @@ def test_bench_takes_a_model_directory(tmp_path: Path) -> None:
         sets=tiny.sets[:1],
         curve=None,
         cache_roles=(),
+        # The sections that run the null model or a model of their own say nothing of a
+        # model directory.
+        overhead=None,
+        priority=None,
+        tenants=None,
+        batch=None,
+        load_latency=None,
+        warm_start=None,
     )
     base = WorkerConfig.load(env={}, overrides={"device": "cpu", "log_level": "warning"})
     report = run_bench(profile, out_dir=tmp_path / "out", base=base, echo=lambda _line: None)
