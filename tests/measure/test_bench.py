@@ -434,6 +434,26 @@ def test_the_batch_section_runs_producer_batch_beside_the_same_images_inline(
     assert any("batch.client_cpu_us_per_job" in p for p in problems)
 
 
+def test_a_sharded_run_that_lost_an_id_or_a_field_makes_the_report_invalid(
+    tiny: tuple[dict[str, Any], Path],
+) -> None:
+    report, _ = tiny
+    # The tiny profile runs no sharded batch (a cluster and three workers are the quick
+    # profile's); its report says so and is valid.
+    assert report["batch"]["sharded"] is None
+    bad = copy.deepcopy(report)
+    bad["batch"]["sharded"] = {
+        "one_client": {}, "clients": {}, "aggregate_capacity_per_s": 1.0,
+        "capacity_ratio": 1.0, "side_by_side": {}, "rows": 2, "failover": {},
+        "killed_client": {}, "met": False, "every_id_once": False,
+    }  # fmt: skip
+    assert validate_report(bad) == [
+        "batch.sharded: the dataset does not hold every id exactly once"
+    ]
+    del bad["batch"]["sharded"]["side_by_side"]
+    assert "batch.sharded.side_by_side is missing" in validate_report(bad)
+
+
 def test_the_accuracy_section_compares_both_placements_with_torchvision(
     accuracy: dict[str, Any],
 ) -> None:
