@@ -566,13 +566,15 @@ def _manifest_pages(
     # is not.
     plain = is_text(base)
     label = f"{manifest} {'row' if _format(manifest) == 'parquet' else 'line'}"
-    rows: Iterator[tuple[int, dict[str, Any]]] = _manifest_rows(manifest, keep)
+    rows: Iterator[tuple[int, dict[str, Any]]]
     if part is not None and not part.whole and _format(manifest) == "text":
         rows = _text_part_rows(manifest, part, on_other_part)
     elif part is not None and not part.whole:
         # The other parts' rows cost their id only: no item is made of them.
-        chunks = _batched(rows, READ_PAGE)
+        chunks = _batched(_manifest_rows(manifest, keep), READ_PAGE)
         rows = itertools.chain.from_iterable(part.keep(chunks, _quick_id, on_other_part))
+    else:
+        rows = _manifest_rows(manifest, keep)
     page: list[Item] = []
     for line, row in rows:
         item = _row_item(label, line, row, base, root)
@@ -673,7 +675,7 @@ def _manifest_rows(
             else:
                 for entries in _text_entries(f, manifest):
                     for n, entry in entries:
-                        yield n, {"url": entry} if "://" in entry else {"path": entry}
+                        yield n, _text_row(entry)
     except OSError as exc:
         raise SourceError(f"cannot read {manifest}: {exc.strerror or exc}") from None
 
@@ -686,15 +688,19 @@ def _text_part_rows(
     try:
         with manifest.open("rb") as f:
             for entries in _text_entries(f, manifest):
-                ids = [url_id(e) if "://" in e else _fit_id(e) for _, e in entries]
+                ids = [_entry_id(None, None, e) for _, e in entries]  # a url's or a path's
                 mine = part.mine(id_hashes(ids)).tolist()
                 kept = [entry for entry, m in zip(entries, mine, strict=True) if m]
                 if on_other_part is not None and len(kept) < len(entries):
                     on_other_part(len(entries) - len(kept))
                 for n, entry in kept:
-                    yield n, {"url": entry} if "://" in entry else {"path": entry}
+                    yield n, _text_row(entry)
     except OSError as exc:
         raise SourceError(f"cannot read {manifest}: {exc.strerror or exc}") from None
+
+
+def _text_row(entry: str) -> dict[str, Any]:
+    return {"url": entry} if "://" in entry else {"path": entry}
 
 
 def _text_entries(f: IO[bytes], manifest: Path) -> Iterator[list[tuple[int, str]]]:
@@ -719,8 +725,8 @@ def _text_entries(f: IO[bytes], manifest: Path) -> Iterator[list[tuple[int, str]
         if raw[-1] == b"":
             raw.pop()  # what followed the block's last line break
         carry = buf[cut:]
-        bad = _first_refused(raw, ends=bool(data))
-        texts = [r.decode() for r in raw[:bad]]
+        texts = _decoded(raw, ends=bool(data))
+        bad = len(texts)
         yield [(done + i, e) for i, t in enumerate(texts, 1) if (e := t.strip()) and e[0] != "#"]
         if bad < len(raw):
             n = done + bad + 1
@@ -732,24 +738,24 @@ def _text_entries(f: IO[bytes], manifest: Path) -> Iterator[list[tuple[int, str]
             return
 
 
-def _first_refused(raw: list[bytes], *, ends: bool) -> int:
-    """The index of the first of `raw` lines that is too long or not UTF-8; len(raw) if
-    none. `ends`: each line had its line break (which counts toward MAX_LINE_BYTES)."""
+def _decoded(raw: list[bytes], *, ends: bool) -> list[str]:
+    """`raw` lines as text, up to the first that is too long or not UTF-8 (all of them when
+    none is). `ends`: each line had its line break (which counts toward MAX_LINE_BYTES)."""
     longest = MAX_LINE_BYTES - 1 if ends else MAX_LINE_BYTES
-    try:
-        if max(map(len, raw), default=0) <= longest:
-            b"\n".join(raw).decode()
-            return len(raw)
-    except UnicodeDecodeError:
-        pass
-    for i, r in enumerate(raw):
-        if len(r) > longest:
-            return i
+    if max(map(len, raw), default=0) <= longest:
         try:
-            r.decode()
+            return b"\n".join(raw).decode().split("\n") if raw else []
         except UnicodeDecodeError:
-            return i
-    return len(raw)  # pragma: no cover - the block's check found one
+            pass
+    texts = []
+    for r in raw:
+        if len(r) > longest:
+            break
+        try:
+            texts.append(r.decode())
+        except UnicodeDecodeError:
+            break
+    return texts
 
 
 def _lines(f: IO[bytes], manifest: Path) -> Iterator[tuple[int, str]]:
