@@ -33,6 +33,7 @@ from tests.support.images import jpeg_bytes  # noqa: E402
 from tests.support.process_harness import RESULTS, WorkerProcess, submit, worker_env  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 from worker.tools.command_line import CONTEXT_SETTINGS, parse  # noqa: E402
+from worker.tools.harness.probe import process_tree_cpu_s  # noqa: E402
 
 
 def backlog(n: int, *, unique: bool) -> list[dict[str, bytes | str]]:
@@ -44,20 +45,6 @@ def backlog(n: int, *, unique: bool) -> list[dict[str, bytes | str]]:
         # the picture.
         jobs.append({"id": f"j{i}", "image": image + i.to_bytes(4, "big") if unique else image})
     return jobs
-
-
-def worker_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of the worker processes: the process `pid` and its
-    children (the supervisor's worker processes)."""
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def one_run(
@@ -87,7 +74,7 @@ def one_run(
             time.sleep(0.2)
         ready_s = time.monotonic() - started
         time.sleep(2)  # every process blocked in its XREADGROUP
-        cpu0 = worker_cpu_s(worker.pid)
+        cpu0 = process_tree_cpu_s(worker.pid)
         host0 = psutil.cpu_times()
         t0 = time.monotonic()
         submit(client, jobs)
@@ -95,7 +82,7 @@ def one_run(
             worker.check_alive()
             time.sleep(0.02)
         elapsed = time.monotonic() - t0
-        cpu_s = worker_cpu_s(worker.pid) - cpu0
+        cpu_s = process_tree_cpu_s(worker.pid) - cpu0
         host1 = psutil.cpu_times()
         host_busy = (sum(host1) - host1.idle - host1.iowait) - (
             sum(host0) - host0.idle - host0.iowait

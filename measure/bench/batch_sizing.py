@@ -46,24 +46,13 @@ WORKER_READY_S = 120.0
 CLIENT_TIMEOUT_S = 900.0
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds of a process and its live children, every thread."""
-    import psutil
-
-    proc = psutil.Process(pid)
-    total = 0.0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
-
-
 def _redis_cpu_s(client: Any) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+    from worker.observe.redis_cpu import cpu_of_info
+
+    cpu = cpu_of_info(client.info("cpu"))
+    if cpu is None or not cpu[1]:
+        raise RuntimeError("redis-server does not report its main thread's CPU (Redis 6+)")
+    return cpu[0]
 
 
 @contextmanager
@@ -109,6 +98,7 @@ def _wait_ready(client: Any, proc: subprocess.Popen[bytes], log: Path) -> None:
 def _one_run(kind: str, jobs: int, work: Path, folder: Path, urls: Path) -> dict[str, Any]:
     import redis
 
+    from worker.tools.harness.probe import process_tree_cpu_s
     from worker.tools.harness.redis_env import bench_redis
 
     name = f"{kind}-{folder.name}"
@@ -125,14 +115,14 @@ def _one_run(kind: str, jobs: int, work: Path, folder: Path, urls: Path) -> dict
                 source += ["--path-root", str(folder)]
             command = [sys.executable, "-m", "producer", "batch", *source,
                        "--out", str(work / f"{name}.parquet"), "--json"]  # fmt: skip
-            redis_before, worker_before = _redis_cpu_s(client), _cpu_s(proc.pid)
+            redis_before, worker_before = _redis_cpu_s(client), process_tree_cpu_s(proc.pid)
             t0 = time.perf_counter()
             done = subprocess.run(command, env={**os.environ, "REDIS_URL": url},
                                   capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S,
                                   check=False)  # fmt: skip
             wall = time.perf_counter() - t0
             redis_s = _redis_cpu_s(client) - redis_before
-            worker_s = _cpu_s(proc.pid) - worker_before
+            worker_s = process_tree_cpu_s(proc.pid) - worker_before
         client.close()
     if done.returncode != 0:
         raise RuntimeError(f"{kind}: producer batch exited {done.returncode}: {done.stderr[-600:]}")

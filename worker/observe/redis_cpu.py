@@ -15,6 +15,12 @@ async def redis_cpu_s(client: Any) -> tuple[float, bool] | None:
         info = await client.info("cpu")
     except Exception:  # noqa: BLE001 - a figure not measured, never a failed tool
         return None
+    return cpu_of_info(info)
+
+
+def cpu_of_info(info: Any) -> tuple[float, bool] | None:
+    """redis-server's CPU seconds in an `INFO cpu` reply, and whether they are its main
+    thread's (see `redis_cpu_s`); None when the reply lacks them."""
     try:
         if "used_cpu_user_main_thread" in info:
             return info["used_cpu_user_main_thread"] + info["used_cpu_sys_main_thread"], True

@@ -60,6 +60,20 @@ def thread_cpu_s() -> dict[int, float]:
     }
 
 
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of the process `pid` and its live children:
+    a worker and the processes it started (decode, intake, writer)."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def host_busy_s() -> float:
     """CPU seconds all cores of the host spent busy (not idle, not waiting for I/O)."""
     t = psutil.cpu_times()
